@@ -1,0 +1,115 @@
+"""ParallelPlan: the single source of truth shared by the passes, the checkpoint writer and
+the emitted program.
+
+A plan is data: JSON-serialisable, built by planners from graph facts and the spec, read
+by passes and by ``run.py``. It never holds graphs or tensors.
+
+Mesh dims are ordered ``(pp, dp, tp)`` with tp innermost, as in Megatron-LM and torchtitan,
+so tensor-parallel peers are neighbouring ranks (on one node under NCCL).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+PLAN_VERSION = 1
+MESH_DIMS = ("pp", "dp", "tp")
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """Placement of one logical tensor (parameter or buffer) under the plan.
+
+    Attributes:
+        fqn: canonical fully qualified name in the original model (``model.layers.0.mlp.up_proj.weight``).
+        shape: full (unsharded) shape.
+        dtype: torch dtype name without prefix (``float32``).
+        tp_dim: dim sharded over the tp mesh dim (``Shard(tp_dim)``), or None for ``Replicate``.
+        stages: pipeline stage indices holding this tensor (two for tied weights across stages).
+        is_buffer: a buffer (not trained) rather than a parameter.
+        role: ``column_parallel`` | ``row_parallel`` | ``replicate`` (informational, for the report).
+    """
+
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: str
+    tp_dim: Optional[int]
+    stages: tuple[int, ...]
+    is_buffer: bool = False
+    role: str = "replicate"
+
+    def local_shape(self, tp: int) -> tuple[int, ...]:
+        """Shape of one tp shard: the sharded dim divided by the tp degree."""
+        if self.tp_dim is None:
+            return self.shape
+        s = list(self.shape)
+        s[self.tp_dim] //= tp
+        return tuple(s)
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage: the emitted module and what crosses its boundaries.
+
+    Attributes:
+        index: stage_index in ``[0, pp)``.
+        module: emitted Python module name in ``OUT/program`` (``stage0``).
+        fqns: canonical FQNs of the tensors this stage holds.
+        inputs: names of the stage's forward inputs (model inputs for stage 0, activations after).
+        outputs: names of its outputs (activations sent on; the model's flat outputs for the last).
+        blocks: FQNs of the blocks (FSDP units) inside the stage, in execution order.
+    """
+
+    index: int
+    module: str
+    fqns: tuple[str, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    blocks: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """The whole plan. ``mesh`` maps each of ``MESH_DIMS`` to its degree."""
+
+    mesh: dict
+    zero_stage: int
+    schedule: str
+    microbatches: int
+    seed: int
+    tensors: dict  # fqn -> TensorPlan
+    aliases: dict  # alias fqn -> canonical fqn (tied weights)
+    stages: tuple  # StagePlan, one per pp rank
+    input_names: tuple[str, ...] = ()
+    inputs_are_kwargs: bool = False
+    out_spec: str = ""  # torch.utils._pytree.treespec_dumps of the model's output
+    model_file: str = "model.py"
+    tp_report: tuple = ()  # human-readable lines: what was sharded, what was gathered and why
+    version: int = PLAN_VERSION
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh["pp"] * self.mesh["dp"] * self.mesh["tp"]
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        return json.dumps(d, indent=1, sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str) -> "ParallelPlan":
+        d = json.loads(text)
+        tensors = {k: TensorPlan(**{**v, "shape": tuple(v["shape"]), "stages": tuple(v["stages"])})
+                   for k, v in d.pop("tensors").items()}
+        stages = tuple(StagePlan(**{k: tuple(v) if isinstance(v, list) else v for k, v in s.items()})
+                       for s in d.pop("stages"))
+        d["input_names"] = tuple(d.get("input_names", ()))
+        d["tp_report"] = tuple(d.get("tp_report", ()))
+        return ParallelPlan(tensors=tensors, stages=stages, **d)
+
+    def hash(self) -> str:
+        """sha256 of the layout-defining part of the plan (mesh and tensor placements);
+        a checkpoint's manifest records it so a shard set is never read under another plan."""
+        layout = {"mesh": self.mesh, "tensors": {k: asdict(v) for k, v in sorted(self.tensors.items())}}
+        return hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).hexdigest()
