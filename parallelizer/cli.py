@@ -1,0 +1,78 @@
+"""``parallelize`` command line.
+
+    parallelize MODEL SPEC -o OUT [--no-weights] [--dump-passes DIR] [KEY=VALUE ...]
+    parallelize SUBCOMMAND ...        (a name registered in SUBCOMMANDS, e.g. reshard)
+
+A user error (:class:`parallelizer.errors.UserError`) prints ``error: <message>`` to stderr
+and exits with 2; anything else is a bug in parallelizer and keeps its traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from parallelizer.errors import ModelFileError, UserError
+
+# Subcommand name -> handler(argv after the name) -> exit code. Handlers import their
+# modules lazily so that `parallelize --help` stays fast. Planned: reshard, inspect, estimate.
+SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the CLI on ``argv`` (default ``sys.argv[1:]``); return the process exit code.
+
+    Returns:
+        0 on success, 2 on a user error (bad arguments, spec, model file, plan, checkpoint).
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    handler = _compile
+    if args and args[0] in SUBCOMMANDS:
+        handler, args = SUBCOMMANDS[args[0]], args[1:]
+    try:
+        return handler(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except SystemExit as e:  # argparse: --help (0) or a usage error (2, already printed)
+        return e.code if isinstance(e.code, int) else 2
+
+
+def _compile_parser() -> argparse.ArgumentParser:
+    sub = f" | {{{','.join(SUBCOMMANDS)}}} ..." if SUBCOMMANDS else ""
+    p = argparse.ArgumentParser(
+        prog="parallelize",
+        usage=f"%(prog)s MODEL SPEC -o OUT [options] [KEY=VALUE ...]{sub}",
+        description="Compile a PyTorch model (model.py) and a YAML spec into a "
+                    "tensor/pipeline/data-parallel torchrun program.")
+    p.add_argument("model", metavar="MODEL", type=Path, help="model.py defining build_model() and example_inputs()")
+    p.add_argument("spec", metavar="SPEC", type=Path, help="parallelization spec (YAML)")
+    p.add_argument("overrides", metavar="KEY=VALUE", nargs="*", help="spec overrides, e.g. mesh.tp=2")
+    p.add_argument("-o", "--out", metavar="OUT", type=Path, required=True, help="output directory")
+    p.add_argument("--no-weights", action="store_true",
+                   help="do not materialize weights: build on the meta device, write no checkpoint")
+    p.add_argument("--dump-passes", metavar="DIR", type=Path, default=None,
+                   help="write the graph code after each pass that changed it into DIR")
+    return p
+
+
+def _compile(argv: list[str]) -> int:
+    """``parallelize MODEL SPEC -o OUT ...``: load the spec, then compile into OUT.
+
+    Raises:
+        ModelFileError: MODEL is not a file.
+        SpecError: from :func:`parallelizer.spec.load_spec`.
+        UserError: any other user error raised by the compiler.
+    """
+    ns = _compile_parser().parse_intermixed_args(argv)
+    from parallelizer.spec import load_spec
+
+    if not ns.model.is_file():
+        raise ModelFileError(f"model file {ns.model} does not exist (or is not a file); "
+                             f"pass the path to a model.py defining build_model() and example_inputs()")
+    spec = load_spec(ns.spec, ns.overrides)
+    from parallelizer.compiler import compile_to_dir
+
+    compile_to_dir(ns.model, spec, ns.out, weights=not ns.no_weights, dump_passes=ns.dump_passes)
+    return 0

@@ -1,0 +1,263 @@
+"""The parallelization spec: YAML (OmegaConf) -> validated, frozen pydantic ``Spec``.
+
+Loading is two steps, as in Hydra-style configs: OmegaConf reads the file, merges
+``key=value`` overrides and resolves ``${...}`` interpolations (plus our ``${package:NAME}``
+resolver); pydantic then validates the plain dict against a schema that forbids unknown
+keys at every level. Every failure is a :class:`SpecError` with one short paragraph naming
+the dotted key, the value seen and what is allowed.
+
+Defaults::
+
+    mesh: {dp: 1, tp: 1, pp: 1}
+    pipeline: {microbatches: 1, schedule: 1f1b}
+    zero_stage: 3
+    checkpoint: {path: null}
+    seed: 0
+    optimizer: {name: adamw, lr: 1.0e-3, weight_decay: 0.0}
+    verify: {atol: 1.0e-5, rtol: 1.0e-5}
+"""
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal, Optional, Sequence
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from parallelizer.errors import SpecError
+
+_STRICT = ConfigDict(extra="forbid", frozen=True, strict=True)
+_OVERRIDE_KEY = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+
+
+def _package_dir(name: str) -> str:
+    """OmegaConf resolver ``${package:NAME}``: directory of the installed package NAME.
+
+    Raises:
+        ValueError: NAME is not installed or is a single-file module (OmegaConf wraps it;
+            :func:`load_spec` reports it as a SpecError naming the key).
+    """
+    try:
+        found = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        found = None
+    if found is None:
+        raise ValueError(f"Python package '{name}' is not installed; pip install it or fix the name")
+    if not found.submodule_search_locations:
+        raise ValueError(f"'{name}' is a single-file module, not a package directory")
+    return str(Path(list(found.submodule_search_locations)[0]).resolve())
+
+
+# OmegaConf 2.4 renamed register_new_resolver (now deprecated) to register_resolver.
+_register = getattr(OmegaConf, "register_resolver", None) or OmegaConf.register_new_resolver
+_register("package", _package_dir, replace=True)
+
+
+class Mesh(BaseModel):
+    model_config = _STRICT
+    dp: int = Field(1, ge=1, description="an integer >= 1 (data-parallel degree)")
+    tp: int = Field(1, ge=1, description="an integer >= 1 (tensor-parallel degree)")
+    pp: int = Field(1, ge=1, description="an integer >= 1 (pipeline-parallel degree)")
+
+
+class Pipeline(BaseModel):
+    model_config = _STRICT
+    microbatches: int = Field(1, ge=1, description="an integer >= 1 (microbatches per step)")
+    schedule: Literal["gpipe", "1f1b"] = Field("1f1b", description="one of 'gpipe', '1f1b'")
+
+
+class Checkpoint(BaseModel):
+    model_config = _STRICT
+    path: Optional[str] = Field(
+        None, description="null or a path to a Hugging Face safetensors file or folder")
+
+
+class Optimizer(BaseModel):
+    model_config = _STRICT
+    name: Literal["adamw", "sgd"] = Field("adamw", description="one of 'adamw', 'sgd'")
+    lr: float = Field(1.0e-3, gt=0, description="a number > 0")
+    weight_decay: float = Field(0.0, ge=0, description="a number >= 0")
+
+
+class Verify(BaseModel):
+    model_config = _STRICT
+    atol: float = Field(1.0e-5, ge=0, description="a number >= 0 (absolute tolerance)")
+    rtol: float = Field(1.0e-5, ge=0, description="a number >= 0 (relative tolerance)")
+
+
+class Spec(BaseModel):
+    """A validated, immutable spec. Build it with :func:`load_spec`."""
+
+    model_config = _STRICT
+    mesh: Mesh = Mesh()
+    pipeline: Pipeline = Pipeline()
+    zero_stage: Literal[3] = Field(
+        3, description="3 (ZeRO stages 0-2 are not implemented yet)")
+    checkpoint: Checkpoint = Checkpoint()
+    seed: int = Field(0, ge=0, description="an integer >= 0")
+    optimizer: Optimizer = Optimizer()
+    verify: Verify = Verify()
+
+    @model_validator(mode="after")
+    def _check_schedule(self) -> "Spec":
+        # torch.distributed.pipelining.Schedule1F1B rejects n_microbatches < num_stages.
+        mb, pp = self.pipeline.microbatches, self.mesh.pp
+        if self.pipeline.schedule == "1f1b" and mb < pp:
+            raise ValueError(
+                f"pipeline.microbatches ({mb}) must be >= mesh.pp ({pp}) for schedule '1f1b'; "
+                f"set pipeline.microbatches={pp} or more, or pipeline.schedule=gpipe.")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-serialisable dict of every key, defaults included."""
+        return self.model_dump(mode="json")
+
+
+def load_spec(path: str | Path, overrides: Sequence[str] = ()) -> Spec:
+    """Load a spec YAML, apply ``key=value`` overrides, resolve and validate it.
+
+    Overrides are merged after the file (``mesh.tp=2``; values parse as YAML). A relative
+    ``checkpoint.path`` is resolved against the spec file's directory, or against the
+    current directory when the path itself came from an override.
+
+    Raises:
+        SpecError: missing/unreadable file, YAML syntax error, malformed override,
+            interpolation failure, unknown key, wrong type or out-of-range value.
+    """
+    path = Path(path)
+    cfg = _load_yaml(path)
+    for item in overrides:
+        try:
+            cfg = OmegaConf.merge(cfg, _parse_override(item))
+        except OmegaConfBaseException as e:
+            raise SpecError(f"cannot apply override '{item}': {_omegaconf_msg(e)}") from None
+    try:
+        data = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "?"
+        raise SpecError(f"{key}: cannot resolve the value in {path}: {_omegaconf_msg(e)}") from None
+    from_override = any(o.split("=", 1)[0].strip() == "checkpoint.path" for o in overrides)
+    _resolve_checkpoint_path(data, Path.cwd() if from_override else path.resolve().parent)
+    try:
+        return Spec.model_validate(data)
+    except ValidationError as e:
+        sources = {o.split("=", 1)[0].strip(): o for o in overrides}
+        raise SpecError(f"invalid spec {path}: " + _format_errors(e, sources)) from None
+
+
+def _load_yaml(path: Path) -> DictConfig:
+    """Read ``path`` with OmegaConf. Raises SpecError: missing file, bad YAML, not a mapping."""
+    if not path.is_file():
+        raise SpecError(f"spec file {path} does not exist (or is not a file); pass the path to a YAML spec")
+    try:
+        cfg = OmegaConf.load(path)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise SpecError(f"spec file {path} is not valid YAML{where}: {problem}") from None
+    except (OSError, OmegaConfBaseException, UnicodeDecodeError) as e:
+        raise SpecError(f"cannot read spec file {path}: {_omegaconf_msg(e)}") from None
+    if not isinstance(cfg, DictConfig):
+        raise SpecError(f"spec file {path} must be a YAML mapping (key: value), got a list")
+    return cfg
+
+
+def _parse_override(item: str) -> DictConfig:
+    """Parse one ``dotted.key=value`` override. Raises SpecError naming the override."""
+    key, eq, _ = item.partition("=")
+    if not eq or not _OVERRIDE_KEY.match(key.strip()):
+        raise SpecError(f"malformed override '{item}': expected KEY=VALUE with a dotted key, "
+                        f"e.g. mesh.tp=2")
+    try:
+        return OmegaConf.from_dotlist([item])
+    except (OmegaConfBaseException, yaml.YAMLError, ValueError) as e:
+        raise SpecError(f"malformed override '{item}': {_omegaconf_msg(e)}") from None
+
+
+def _resolve_checkpoint_path(data: Any, base: Path) -> None:
+    """Make a relative string ``checkpoint.path`` absolute against ``base`` (in place)."""
+    ckpt = data.get("checkpoint") if isinstance(data, dict) else None
+    if isinstance(ckpt, dict) and isinstance(ckpt.get("path"), str) and ckpt["path"]:
+        p = Path(ckpt["path"]).expanduser()
+        ckpt["path"] = os.path.normpath(p if p.is_absolute() else base / p)
+
+
+def _omegaconf_msg(e: BaseException) -> str:
+    """First line of an OmegaConf/YAML error (drops its full_key/object_type dump)."""
+    msg = str(getattr(e, "msg", None) or str(e) or type(e).__name__).strip().splitlines()[0]
+    return re.sub(r"^\w+ raised while resolving interpolation: ", "", msg)
+
+
+def _format_errors(err: ValidationError, sources: dict[str, str]) -> str:
+    """One paragraph, one sentence per pydantic error, naming key, value and what is allowed;
+    ``sources`` maps an override's dotted key to the override, cited when it set the value."""
+    out = []
+    for d in err.errors(include_url=False):
+        key = ".".join(str(p) for p in d["loc"])
+        origin = [o for k, o in sources.items() if key == k or key.startswith(k + ".")]
+        text = _format_one(d)
+        out.append(text[:-1] + f" (set by override '{origin[-1]}')." if origin else text)
+    return " ".join(out)
+
+
+def _format_one(d: dict) -> str:
+    loc = tuple(str(p) for p in d["loc"])
+    key = ".".join(loc)
+    if d["type"] == "extra_forbidden":
+        return _unknown_key(loc, d["input"])
+    if not loc:  # model-level validator (cross-field check) or top level not a mapping
+        if d["type"] == "value_error":
+            return str(d["ctx"]["error"])
+        return f"the spec must be a mapping of {_keys_of(Spec)}, got {_show(d['input'])}."
+    return f"{key} must be {_describe(loc)}, got {_show(d['input'])}."
+
+
+def _unknown_key(loc: tuple[str, ...], value: Any) -> str:
+    parent = _model_at(loc[:-1])
+    level = f"under {'.'.join(loc[:-1])}" if loc[:-1] else "at the top level"
+    allowed = list(parent.model_fields) if parent else []
+    close = difflib.get_close_matches(loc[-1], allowed, n=1, cutoff=0.5)
+    hint = f" Did you mean '{'.'.join(loc[:-1] + (close[0],))}'?" if close else ""
+    return (f"unknown key '{'.'.join(loc)}' (value {_show(value)}).{hint} "
+            f"Allowed keys {level}: {', '.join(allowed)}.")
+
+
+def _model_at(loc: tuple[str, ...]) -> Optional[type[BaseModel]]:
+    """The schema model class at a dotted location, or None when it is not a section."""
+    cls: Any = Spec
+    for part in loc:
+        if not (isinstance(cls, type) and issubclass(cls, BaseModel)) or part not in cls.model_fields:
+            return None
+        cls = cls.model_fields[part].annotation
+    return cls if isinstance(cls, type) and issubclass(cls, BaseModel) else None
+
+
+def _describe(loc: tuple[str, ...]) -> str:
+    """What is allowed at ``loc``: a section's keys or the field's description."""
+    section = _model_at(loc)
+    if section is not None:
+        return f"a mapping with keys {_keys_of(section)}"
+    parent = _model_at(loc[:-1])
+    info = parent.model_fields.get(loc[-1]) if parent else None
+    return (info.description if info and info.description else "a valid value")
+
+
+def _keys_of(model: type[BaseModel]) -> str:
+    return ", ".join(model.model_fields)
+
+
+def _show(value: Any) -> str:
+    """A value as the user wrote it in YAML (null, true, 'text', 3), cut to 60 characters."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
