@@ -1,0 +1,108 @@
+"""The compiler: model.py + spec -> Program (emitted source, plan, resharded weights).
+
+``compile_model`` reads as the list of steps; each step is a planner (reads facts, returns
+data) or a pass (reads a plan, rewrites the graph).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from . import emit
+from .checkpoint.hf import load_hf_state_dict, match_to_model
+from .errors import CheckpointError
+from .frontend import build_model, capture, example_batch, load_model_file
+from .passes.aliases import apply_untie
+from .passes.cleanup import apply_cleanup
+from .passes.manager import PassManager
+from .passes.split_blocks import split_blocks
+from .passes.split_stages import split_stages
+from .passes.tensor_parallel import apply_tensor_parallel
+from .planning.pipeline import find_blocks, plan_pipeline
+from .planning.tensors import build_plan, pipeline_costs, tied_groups
+from .planning.tp import plan_tp
+from .program import Program
+from .reference import compute_reference
+from .report import render_report
+from .runtime.loss import default_loss
+from .spec import Spec
+
+
+def compile_to_dir(model_path: Path, spec: Spec, out_dir: Path, weights: bool = True,
+                   dump_passes: Optional[Path] = None) -> None:
+    """CLI entry: compile and write OUT/ atomically (nothing is written on error)."""
+    compile_model(Path(model_path), spec, weights, dump_passes).save(Path(out_dir))
+
+
+def compile_model(model_path: Path, spec: Spec, weights: bool = True,
+                  dump_passes: Optional[Path] = None) -> Program:
+    """Trace, plan, rewrite and emit. ``weights=False`` builds on the meta device and emits
+    program and plan only (no checkpoint, no reference).
+
+    Raises:
+        ModelFileError, CaptureError, PlanError, CheckpointError: bad input, with the fix.
+    """
+    torch.manual_seed(spec.seed)
+    module = load_model_file(model_path)
+    model = build_model(module, on_meta=not weights)
+    if weights and spec.checkpoint.path:
+        _load_checkpoint(model, spec.checkpoint.path)
+    model.train()
+    batch = example_batch(module)
+    if not weights:
+        batch = _to_meta(batch)
+    captured = capture(model, batch, model_path)
+    gm, mesh = captured.gm, spec.mesh
+    groups = tied_groups(model)
+
+    tp_decision = plan_tp(gm.graph, mesh.tp)  # raises before anything is rewritten
+    passes = PassManager(dump_passes)
+    passes.run("cleanup", apply_cleanup, gm)
+    passes.run("tensor_parallel", apply_tensor_parallel, gm, tp_decision)
+    passes.run("untie", apply_untie, gm, groups)
+
+    blocks = find_blocks(model)
+    block_params, pre, post = pipeline_costs(gm, model, blocks)
+    pp_decision = plan_pipeline(block_params, pre, post, mesh.pp, blocks)
+    stages = passes.run_split("split_stages", split_stages, gm, pp_decision, mesh.pp)
+    block_graphs, block_notes = [], []
+    for st in stages:
+        found, notes = split_blocks(st.graph, blocks)
+        block_graphs.append(found)
+        block_notes += notes
+
+    plan = build_plan(spec, captured, gm, model, groups, tp_decision, stages, block_graphs)
+    sources = emit.stage_sources(plan, stages, block_graphs, model, model_path)
+    reference = state = None
+    if weights:
+        state = {fqn: _attr(gm, fqn).detach().clone() for fqn in plan.tensors}
+        loss_fn = getattr(module, "loss_fn", None) or default_loss
+        reference = compute_reference(model, batch, loss_fn, captured.input_names, spec.optimizer)
+    report = render_report(plan, captured.route, tp_decision.report, pp_decision, block_notes)
+    return Program(plan, sources, report, model_path, spec.to_dict(), state, reference)
+
+
+def _attr(gm: torch.nn.Module, dotted: str) -> torch.Tensor:
+    obj = gm
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _to_meta(batch):
+    if isinstance(batch, dict):
+        return {k: v.to("meta") for k, v in batch.items()}
+    return tuple(v.to("meta") for v in batch)
+
+
+def _load_checkpoint(model: torch.nn.Module, path: str) -> None:
+    ckpt = load_hf_state_dict(path)
+    sd = model.state_dict()
+    aliases = {a: g[0] for g in tied_groups(model) for a in g[1:]}
+    matched = match_to_model(ckpt, list(sd), aliases, shapes={k: v.shape for k, v in sd.items()})
+    try:
+        model.load_state_dict({k: v.to(sd[k].dtype) for k, v in matched.items()}, strict=True)
+    except RuntimeError as e:
+        raise CheckpointError(f"checkpoint {path} does not fit the model from build_model(): {e}") from e

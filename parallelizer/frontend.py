@@ -1,0 +1,194 @@
+"""Front end: load the user's model.py, build the model, capture it as a torch.fx GraphModule.
+
+Capture uses ``torch.export.export(strict=False)`` (ATen training IR with ``nn_module_stack``
+metadata and FakeTensor values on every node) with dim 0 (batch) and dim 1 (sequence) of
+every input dynamic, so the emitted program runs any batch size and sequence length.
+``torch.fx.symbolic_trace`` followed by export of the traced module is the fallback route;
+both routes end in the same IR.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch.export import Dim
+from torch.utils._pytree import TreeSpec, tree_flatten
+
+from .errors import CaptureError, ModelFileError
+
+REQUIRED = ("build_model", "example_inputs")
+
+
+def load_model_file(path: Path) -> ModuleType:
+    """Import ``path`` as a module and check the model.py contract.
+
+    Raises:
+        ModelFileError: the file is missing, fails to import, or lacks ``build_model`` /
+            ``example_inputs``.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ModelFileError(f"model file {path} does not exist; pass the path to a model.py "
+                             f"that defines {' and '.join(REQUIRED)}()")
+    name = f"parallelizer_user_model_{abs(hash(str(path.resolve())))}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        raise ModelFileError(f"importing {path} failed: {type(e).__name__}: {e}"
+                             f"{_user_frame(e, path)}") from e
+    missing = [f for f in REQUIRED if not callable(getattr(module, f, None))]
+    if missing:
+        raise ModelFileError(f"{path} must define {', '.join(f + '()' for f in missing)}; "
+                             f"the contract is build_model() -> nn.Module, example_inputs() -> "
+                             f"tuple or dict of tensors, optional loss_fn(outputs, batch) and batches()")
+    return module
+
+
+def build_model(module: ModuleType, on_meta: bool) -> torch.nn.Module:
+    """Call ``build_model()``; on the meta device when no weights are needed (no memory used).
+
+    Raises:
+        ModelFileError: build_model raised or did not return an nn.Module.
+    """
+    try:
+        if on_meta:
+            with torch.device("meta"):
+                model = module.build_model()
+        else:
+            model = module.build_model()
+    except Exception as e:
+        raise ModelFileError(f"build_model() in {module.__file__} raised {type(e).__name__}: {e}"
+                             f"{_user_frame(e, Path(module.__file__))}") from e
+    if not isinstance(model, torch.nn.Module):
+        raise ModelFileError(f"build_model() in {module.__file__} returned {type(model).__name__}, "
+                             f"expected a torch.nn.Module")
+    return model
+
+
+def example_batch(module: ModuleType) -> tuple | dict:
+    """``example_inputs()``, checked to be a tuple or dict of tensors with a batch dim.
+
+    Raises:
+        ModelFileError: anything else.
+    """
+    batch = module.example_inputs()
+    if isinstance(batch, torch.Tensor):
+        batch = (batch,)
+    if isinstance(batch, list):
+        batch = tuple(batch)
+    if not isinstance(batch, (tuple, dict)):
+        raise ModelFileError(f"example_inputs() in {module.__file__} returned {type(batch).__name__}; "
+                             f"return a tuple or a dict of tensors")
+    values = batch.values() if isinstance(batch, dict) else batch
+    for v in values:
+        if not isinstance(v, torch.Tensor) or v.dim() == 0:
+            raise ModelFileError(f"example_inputs() in {module.__file__} must hold tensors with a "
+                                 f"batch dim (dim 0); got {type(v).__name__} "
+                                 f"{tuple(v.shape) if isinstance(v, torch.Tensor) else ''}")
+    return batch
+
+
+def split_args(batch: tuple | dict) -> tuple[tuple, dict]:
+    """A batch as the (args, kwargs) it is called with."""
+    return ((), dict(batch)) if isinstance(batch, dict) else (tuple(batch), {})
+
+
+@dataclass
+class Captured:
+    """A captured model. ``gm`` takes the flat inputs positionally (``input_names`` order)
+    and returns the flat outputs as a tuple; ``out_spec`` rebuilds the model's own output
+    structure (e.g. a Hugging Face ModelOutput) from them."""
+
+    gm: torch.fx.GraphModule
+    input_names: tuple[str, ...]
+    inputs_are_kwargs: bool
+    out_spec: TreeSpec
+    route: str
+
+
+def _dynamic_shapes(args: tuple, kwargs: dict) -> Any:
+    def dims(t: torch.Tensor) -> dict:
+        return {i: Dim.AUTO for i in range(min(t.dim(), 2))}
+    if kwargs:
+        return {k: dims(v) for k, v in kwargs.items()}
+    return tuple(dims(a) for a in args)
+
+
+def capture(model: torch.nn.Module, batch: tuple | dict, model_file: Path) -> Captured:
+    """Capture ``model`` on ``batch`` as a flat-calling GraphModule.
+
+    Raises:
+        CaptureError: both torch.export and the symbolic_trace route failed; the message
+            gives export's reason and the model source line it failed at, when known.
+    """
+    args, kwargs = split_args(batch)
+    dyn = _dynamic_shapes(args, kwargs)
+    try:
+        ep = torch.export.export(model, args, kwargs, dynamic_shapes=dyn, strict=False)
+        route = "torch.export"
+    except Exception as export_error:
+        try:
+            traced = torch.fx.symbolic_trace(model)
+            ep = torch.export.export(traced, args, kwargs, dynamic_shapes=dyn, strict=False)
+            route = "symbolic_trace+torch.export"
+        except Exception:
+            raise CaptureError(_capture_message(export_error, model_file)) from export_error
+    gm = ep.module()
+    out_spec = gm._out_spec
+    names = tuple(kwargs) if kwargs else tuple(
+        n.name for n in gm.graph.nodes if n.op == "placeholder")
+    _to_flat_calling(gm)
+    return Captured(gm, names, bool(kwargs), out_spec, route)
+
+
+def _to_flat_calling(gm: torch.fx.GraphModule) -> None:
+    """Drop export's pytree in/out conversion and runtime guard call so the graph takes flat
+    tensors and returns a flat tuple, which is what pipeline stages send and receive."""
+    graph = gm.graph
+    graph._codegen = torch.fx.graph.CodeGen()
+    for node in list(graph.nodes):
+        if node.op == "call_module" and node.target == "_guards_fn":
+            graph.erase_node(node)
+    if hasattr(gm, "_guards_fn"):
+        delattr(gm, "_guards_fn")
+    output = graph.output_node()
+    flat, _ = tree_flatten(output.args[0])
+    output.args = (tuple(flat),)
+    graph.lint()
+    gm.recompile()
+
+
+def _capture_message(e: Exception, model_file: Path) -> str:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return (f"torch.export could not capture the model from {model_file} "
+            f"(the symbolic_trace route failed too): {type(e).__name__}: {first}"
+            f"{_user_frame(e, model_file)}\nFix: make the failing line traceable (no data-dependent "
+            f"Python control flow on tensor values, no .item()/.tolist() in forward), or return "
+            f"only tensors / ModelOutputs from forward.")
+
+
+def _user_frame(e: BaseException, model_file: Path) -> str:
+    """' at FILE:LINE: source' for the deepest frame in the user's code (model.py first, else
+    the deepest frame outside torch and parallelizer), or '' when none is found."""
+    frames = traceback.extract_tb(e.__traceback__)
+    torch_dir = os.path.dirname(torch.__file__)
+    own_dir = os.path.dirname(__file__)
+    model_file = str(Path(model_file).resolve())
+    chosen = [f for f in frames if os.path.abspath(f.filename) == model_file]
+    if not chosen:
+        chosen = [f for f in frames if not f.filename.startswith((torch_dir, own_dir))
+                  and "<" not in f.filename]
+    if not chosen:
+        return ""
+    f = chosen[-1]
+    return f"\n  at {f.filename}:{f.lineno}: {(f.line or '').strip()}"

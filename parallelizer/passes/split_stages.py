@@ -1,0 +1,120 @@
+"""split_stages pass: one graph per pipeline stage.
+
+Every node goes to the stage of the block it belongs to (by ``nn_module_stack``); nodes
+outside blocks go with the most recent block before them (stage 0 before the first block,
+the last stage after the last). Stage ``s`` takes as inputs every tensor defined before it
+and used at or after it, in graph order, and returns what stage ``s+1`` takes, so values
+needed further down (attention masks, rotary tables) pass through the stages in between;
+that is what ``torch.distributed.pipelining.PipelineStage`` needs (stage s's outputs are
+stage s+1's inputs). Parameters are read with get_attr in every stage that uses them
+(tied weights appear in two stages), and non-tensor values (SymInt sizes) are recomputed
+from a local tensor carrying the same symbol, since only tensors cross stages.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from ..planning.pipeline import PipelineDecision
+from .graph_facts import aten, expr, is_tensor, module_path
+
+
+@dataclass
+class StageGraph:
+    index: int
+    graph: fx.Graph
+    inputs: list = field(default_factory=list)    # names of boundary inputs
+    outputs: list = field(default_factory=list)   # names of boundary outputs
+    targets: list = field(default_factory=list)   # get_attr targets read here
+
+
+def assign_stages(graph: fx.Graph, decision: PipelineDecision) -> dict:
+    """node -> stage index for every placeholder and call_function node."""
+    prefix_stage = {b: s for b, s in zip(decision.blocks, decision.stage_of_block)}
+    stage_of, current = {}, 0
+    for node in graph.nodes:
+        if node.op in ("get_attr", "output"):
+            continue
+        path = module_path(node)
+        block = next((b for b in prefix_stage if path == b or path.startswith(b + ".")), None)
+        if block is not None:
+            current = max(current, prefix_stage[block])
+        stage_of[node] = current if node.op != "placeholder" else 0
+    return stage_of
+
+
+def split_stages(gm: fx.GraphModule, decision: PipelineDecision, pp: int) -> list[StageGraph]:
+    graph = gm.graph
+    stage_of = assign_stages(graph, decision)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    boundary = [_boundary(graph, stage_of, s) for s in range(pp)]
+    out = []
+    for s in range(pp):
+        outputs = boundary[s + 1] if s + 1 < pp else None
+        out.append(_extract(graph, stage_of, s, boundary[s], outputs, order))
+    return out
+
+
+def _boundary(graph, stage_of, s):
+    """Tensors defined before stage s and used at or after it (stage 0: model inputs)."""
+    if s == 0:
+        return [n for n in graph.nodes if n.op == "placeholder"]
+    out = []
+    for n in graph.nodes:
+        if n in stage_of and stage_of[n] < s and is_tensor(n):
+            if any(u.op == "output" or stage_of.get(u, -1) >= s for u in n.users):
+                out.append(n)
+    return out
+
+
+def _extract(graph, stage_of, s, inputs, outputs, order) -> StageGraph:
+    new = fx.Graph()
+    env = {}
+    for n in inputs:
+        env[n] = new.placeholder(n.name)
+        env[n].meta = dict(n.meta)
+    targets = []
+
+    def get(a):
+        if a in env:
+            return env[a]
+        if a.op == "get_attr":
+            env[a] = new.get_attr(a.target)
+            env[a].meta = dict(a.meta)
+            targets.append(a.target)
+            return env[a]
+        if not is_tensor(a):
+            env[a] = _rematerialize(new, a, env, get)
+            return env[a]
+        raise AssertionError(f"stage {s} needs {a.name} (stage {stage_of.get(a)}) but it is not a boundary input")
+
+    for n in graph.nodes:
+        if stage_of.get(n) != s or n.op == "placeholder":
+            continue
+        env[n] = new.node_copy(n, lambda a: get(a))
+    if outputs is None:
+        result = graph.output_node().args[0]
+        new.output(tuple(get(a) if isinstance(a, fx.Node) else a for a in result))
+    else:
+        new.output(tuple(get(a) for a in outputs))
+    new.lint()
+    return StageGraph(s, new, [n.name for n in inputs],
+                      [n.name for n in outputs] if outputs else [], targets)
+
+
+def _rematerialize(new: fx.Graph, node: fx.Node, env: dict, get) -> fx.Node:
+    """Recompute a non-tensor value (a SymInt size) from what this stage has."""
+    if node.target is aten.sym_size.int:
+        want = expr(node.meta["val"])
+        for orig, local in env.items():
+            if is_tensor(orig) and local.op != "get_attr":
+                for i, size in enumerate(orig.meta["val"].shape):
+                    if expr(size) == want:
+                        n = new.call_function(aten.sym_size.int, (local, i))
+                        n.meta = dict(node.meta)
+                        return n
+        raise AssertionError(f"no tensor in this stage carries size {want} for {node.name}")
+    n = new.node_copy(node, lambda a: get(a))
+    return n

@@ -1,0 +1,72 @@
+"""tensor_parallel pass: apply a TPDecision to the graph (Megatron-LM §3).
+
+- ``f`` (copy_to_tp_region) before column_parallel linears, one per distinct input, so
+  q/k/v (or gate/up) share one all-reduce of their input gradient in backward.
+- row_parallel ``linear(x, W, b)`` becomes ``reduce_from_tp_region(linear(x, W)) + b``: the
+  bias is added once, after the all-reduce, not once per rank.
+- int shape constants on sharded dims (heads, hidden) are divided by the tp degree.
+Parameter shapes themselves are the checkpoint's business (plan ``tp_dim``); the graph only
+reads them with get_attr.
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from ..planning.tp import TPDecision
+from ..runtime.tp import copy_to_tp_region, reduce_from_tp_region
+from .graph_facts import aten, linear_nodes
+
+
+def apply_tensor_parallel(gm: fx.GraphModule, decision: TPDecision) -> bool:
+    """Rewrite ``gm`` in place; returns whether anything changed."""
+    if not decision.column and not decision.row:
+        return False
+    graph = gm.graph
+    _rewrite_constants(graph, decision.rewrites)
+    copies: dict = {}
+    for lin in linear_nodes(graph):
+        w = lin.args[1].target
+        if w in decision.column:
+            _insert_f(graph, lin, copies)
+        elif w in decision.row:
+            _insert_g(graph, lin)
+    graph.lint()
+    gm.recompile()
+    return True
+
+
+def _rewrite_constants(graph: fx.Graph, rewrites: dict) -> None:
+    by_name = {n.name: n for n in graph.nodes}
+    for name, edits in rewrites.items():
+        node = by_name[name]
+        args = list(node.args)
+        for arg_index, list_index, new in edits:
+            sizes = list(args[arg_index])
+            sizes[list_index] = new
+            args[arg_index] = sizes
+        node.args = tuple(args)
+
+
+def _insert_f(graph: fx.Graph, lin: fx.Node, copies: dict) -> None:
+    x = lin.args[0]
+    if x not in copies:
+        with graph.inserting_before(lin):
+            copies[x] = graph.call_function(copy_to_tp_region, (x,))
+            copies[x].meta = dict(x.meta)
+    lin.replace_input_with(x, copies[x])
+
+
+def _insert_g(graph: fx.Graph, lin: fx.Node) -> None:
+    bias = lin.args[2] if len(lin.args) > 2 else None
+    lin.args = lin.args[:2]
+    with graph.inserting_after(lin):
+        reduced = graph.call_function(reduce_from_tp_region, (lin,))
+        reduced.meta = dict(lin.meta)
+    last = reduced
+    if bias is not None:
+        with graph.inserting_after(reduced):
+            last = graph.call_function(aten.add.Tensor, (reduced, bias))
+            last.meta = dict(lin.meta)
+    for user in list(lin.users):
+        if user is not reduced:
+            user.replace_input_with(lin, last)

@@ -1,0 +1,104 @@
+"""Build the ParallelPlan from the decisions and the split graphs (data only)."""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ..passes.cleanup import RUNTIME_DEVICE
+from ..plan import ParallelPlan, StagePlan, TensorPlan
+from .tp import TPDecision
+
+
+def tied_groups(model: torch.nn.Module) -> list[list[str]]:
+    """Names sharing one tensor, first name canonical (``[[embed.weight, lm_head.weight]]``)."""
+    by_id: dict = {}
+    for name, t in list(model.named_parameters(remove_duplicate=False)) + \
+            list(model.named_buffers(remove_duplicate=False)):
+        by_id.setdefault(id(t), []).append(name)
+    return [g for g in by_id.values()]
+
+
+def _attr(root, dotted):
+    for part in dotted.split("."):
+        root = getattr(root, part)
+    return root
+
+
+def pipeline_costs(gm: fx.GraphModule, model, blocks) -> tuple[list[int], int, int]:
+    """Parameter count per block, before the first block and after the last."""
+    prefixes = [b + "." for b in blocks]
+    block_params = [sum(p.numel() for p in model.get_submodule(b).parameters()) for b in blocks]
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    from ..passes.graph_facts import module_path
+    first_block = min((order[n] for n in gm.graph.nodes
+                       if any((module_path(n) + ".").startswith(p) for p in prefixes)),
+                      default=len(order))
+    pre = post = 0
+    for n in gm.graph.nodes:
+        if n.op != "get_attr" or n.target == RUNTIME_DEVICE or not n.users:
+            continue
+        if any(n.target.startswith(p) for p in prefixes):
+            continue
+        t = _attr(gm, n.target)
+        if not isinstance(t, torch.nn.Parameter):
+            continue
+        if min(order[u] for u in n.users) < first_block:
+            pre += t.numel()
+        else:
+            post += t.numel()
+    return block_params, pre, post
+
+
+def _placement(name: str, tp: TPDecision) -> tuple:
+    if name in tp.column:
+        return 0, "column_parallel"
+    if name in tp.row:
+        return 1, "row_parallel"
+    for w, b in tp.biases.items():
+        if b == name and w in tp.column:
+            return 0, "column_parallel"
+        if b == name and w in tp.row:
+            return None, "row_parallel bias (added after the all-reduce)"
+    return None, "replicate"
+
+
+def build_plan(spec, captured, gm, model, groups, tp: TPDecision, stages, block_graphs) -> ParallelPlan:
+    canonical = {n: g[0] for g in groups for n in g}
+    aliases = {n: g[0] for g in groups for n in g[1:]}
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    seen: dict = {}
+    stage_plans = []
+    for st, blocks in zip(stages, block_graphs):
+        names = [n.target for n in st.graph.nodes if n.op == "get_attr"]
+        names += [f"{b.fqn}.{t}" for b in blocks for t in b.targets]
+        fqns = []
+        for name in names:
+            if name == RUNTIME_DEVICE:
+                continue
+            fqn = canonical.get(name, name)
+            seen.setdefault(fqn, set()).add(st.index)
+            if fqn not in fqns:
+                fqns.append(fqn)
+        stage_plans.append(StagePlan(st.index, f"stage{st.index}", tuple(fqns), tuple(st.inputs),
+                                     tuple(st.outputs), tuple(b.fqn for b in blocks)))
+    tensors = {}
+    for fqn, stage_set in seen.items():
+        t = _attr(gm, fqn)
+        # the TP planner saw the graph before untie, which may read a tied weight by an alias
+        names = [fqn] + [n for n, c in canonical.items() if c == fqn and n != fqn]
+        tp_dim, role = next((_placement(n, tp) for n in names if _placement(n, tp)[0] is not None),
+                            _placement(fqn, tp))
+        tensors[fqn] = TensorPlan(fqn, tuple(t.shape), str(t.dtype).removeprefix("torch."), tp_dim,
+                                  tuple(sorted(stage_set)), fqn not in params, role)
+    return ParallelPlan(
+        mesh={"pp": spec.mesh.pp, "dp": spec.mesh.dp, "tp": spec.mesh.tp},
+        zero_stage=spec.zero_stage, schedule=spec.pipeline.schedule,
+        microbatches=spec.pipeline.microbatches, seed=spec.seed, tensors=tensors,
+        aliases={a: c for a, c in aliases.items()}, stages=tuple(stage_plans),
+        input_names=captured.input_names, inputs_are_kwargs=captured.inputs_are_kwargs,
+        out_spec=_dump_spec(captured.out_spec), tp_report=tuple(tp.report))
+
+
+def _dump_spec(spec) -> str:
+    from torch.utils._pytree import treespec_dumps
+    return treespec_dumps(spec)

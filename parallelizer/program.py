@@ -1,0 +1,76 @@
+"""Program: everything a compile produces, in memory, and its atomic save to OUT/."""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+from omegaconf import OmegaConf
+from safetensors.torch import save_file
+
+from .checkpoint.writer import write_checkpoint
+from .errors import UserError
+from .plan import ParallelPlan
+
+
+@dataclass
+class Program:
+    plan: ParallelPlan
+    sources: dict            # relative path -> Python source (program/stage0.py, run.py)
+    report: str
+    model_file: Path
+    spec: dict
+    state: Optional[dict] = None      # canonical fqn -> full tensor (None under --no-weights)
+    reference: Optional[dict] = None  # see parallelizer.reference
+
+    def save(self, out_dir: Path) -> Path:
+        """Write OUT/ atomically: into a temporary sibling folder, then rename.
+
+        An existing OUT/ is replaced only when it holds a previous parallelizer output
+        (a plan.json); anything else is refused, so no user folder is ever overwritten.
+
+        Raises:
+            UserError: OUT exists and is not a parallelizer output folder.
+        """
+        out_dir = Path(out_dir)
+        if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / "plan.json").exists():
+            raise UserError(f"output folder {out_dir} exists and is not a parallelizer output "
+                            f"(no plan.json); choose another -o or remove it")
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+        try:
+            self._write(tmp)
+            _replace(tmp, out_dir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return out_dir
+
+    def _write(self, tmp: Path) -> None:
+        for rel, text in self.sources.items():
+            path = tmp / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        (tmp / "plan.json").write_text(self.plan.to_json())
+        (tmp / "report.md").write_text(self.report)
+        (tmp / "spec.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(self.spec)))
+        shutil.copyfile(self.model_file, tmp / "model.py")
+        if self.state is not None:
+            write_checkpoint(self.state, self.plan, tmp / "checkpoint")
+        if self.reference is not None:
+            save_file({k: v.contiguous() for k, v in self.reference.items()},
+                      str(tmp / "reference.safetensors"))
+
+
+def _replace(tmp: Path, out_dir: Path) -> None:
+    old = None
+    if out_dir.exists():
+        old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+        os.rename(out_dir, old)
+    os.rename(tmp, out_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,20 @@
+"""Gather a local (FSDP- and tp-sharded) tensor back to its full shape."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..plan import TensorPlan
+from .setup import RankContext
+
+
+def full_tensor(t: torch.Tensor, tplan: TensorPlan, ctx: RankContext, tp: int) -> torch.Tensor:
+    """All-gather over dp (FSDP2's DTensor ``full_tensor``) then over tp (concatenated along
+    ``tplan.tp_dim``). Collective: every rank of the stage calls it in the same order."""
+    t = t.full_tensor() if hasattr(t, "full_tensor") else t
+    t = t.detach()
+    if tplan.tp_dim is None or tp == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(tp)]
+    dist.all_gather(parts, t.contiguous(), group=ctx.group("tp"))
+    return torch.cat(parts, dim=tplan.tp_dim)

@@ -1,0 +1,67 @@
+"""The emitted program's entry point (``OUT/run.py`` calls ``main``)."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from ..errors import UserError
+from ..plan import ParallelPlan
+from .loss import default_loss
+from .setup import init, world_size_error
+from .stage_builder import build_stage
+from .train import run_train, save_checkpoint
+from .verify import run_verify
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="run.py", description="Run the program parallelizer emitted.")
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--verify", action="store_true",
+                      help="one step on the reference inputs; compare with the unmodified model")
+    mode.add_argument("--train", action="store_true", help="train for --steps steps")
+    p.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
+    p.add_argument("--save", type=Path, help="write the trained weights here, same sharded layout")
+    p.add_argument("--load", type=Path, help="start from this checkpoint instead of OUT/checkpoint")
+    p.add_argument("--device", choices=("cpu", "cuda"),
+                   help="default: cuda (NCCL) when available, else cpu (gloo)")
+    return p
+
+
+def _load_model_module(out_dir: Path):
+    spec = importlib.util.spec_from_file_location("parallelizer_program_model", out_dir / "model.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def main(out_dir: Path, argv=None) -> int:
+    args = _parser().parse_args(argv)
+    out_dir = Path(out_dir)
+    plan = ParallelPlan.from_json((out_dir / "plan.json").read_text())
+    error = world_size_error(plan, str(out_dir / "run.py"))
+    if error:
+        print(error, file=sys.stderr)
+        return 2
+    spec = OmegaConf.to_container(OmegaConf.load(out_dir / "spec.yaml"))
+    model_module = _load_model_module(out_dir)  # registers the output types (e.g. ModelOutput)
+    loss_fn = getattr(model_module, "loss_fn", None) or default_loss
+    ctx = init(plan, args.device)
+    try:
+        stage = build_stage(out_dir, plan, ctx, args.load)
+        if args.verify:
+            return run_verify(out_dir, plan, spec, stage, ctx, loss_fn)
+        run_train(plan, spec, stage, ctx, loss_fn, model_module, model_module.example_inputs(), args.steps)
+        if args.save:
+            save_checkpoint(stage, plan, ctx, args.save)
+        return 0
+    except (UserError, ValueError) as e:
+        print(f"run.py: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,53 @@
+"""Base class of the emitted stage and block modules.
+
+An emitted module declares its tensors as data (name, local shape, dtype) and creates them
+empty on its device; the checkpoint fills them. Names are dotted paths under the module, so
+a stage holding ``model.layers.3`` registers ``model.layers.3.self_attn.q_proj.weight``:
+the original FQN, which FSDP2, DCP and users' optimizer param groups rely on.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def _parent(root: nn.Module, dotted: str) -> tuple[nn.Module, str]:
+    *path, leaf = dotted.split(".")
+    mod = root
+    for part in path:
+        child = mod._modules.get(part)
+        if child is None:
+            child = nn.Module()
+            mod.add_module(part, child)
+        mod = child
+    return mod, leaf
+
+
+class EmittedModule(nn.Module):
+    """Attributes set by the generated subclass:
+
+    PARAMETERS / BUFFERS: ``(name, local shape, dtype name)`` per tensor.
+    SUBMODULES: ``(name, class)`` per outlined block (an FSDP / activation checkpointing unit).
+    """
+
+    PARAMETERS: tuple = ()
+    BUFFERS: tuple = ()
+    SUBMODULES: tuple = ()
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        super().__init__()
+        self.runtime_device = torch.device(device)
+        for name, cls in self.SUBMODULES:
+            parent, leaf = _parent(self, name)
+            parent.add_module(leaf, cls(device))
+        for name, shape, dtype in self.PARAMETERS:
+            parent, leaf = _parent(self, name)
+            t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+            parent.register_parameter(leaf, nn.Parameter(t))
+        for name, shape, dtype in self.BUFFERS:
+            parent, leaf = _parent(self, name)
+            parent.register_buffer(leaf, torch.empty(shape, dtype=getattr(torch, dtype), device=device))
+
+    def blocks(self) -> list[tuple[str, nn.Module]]:
+        """The outlined blocks, in execution order, with their FQNs."""
+        return [(name, self.get_submodule(name)) for name, _ in self.SUBMODULES]

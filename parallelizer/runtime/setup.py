@@ -1,0 +1,72 @@
+"""Process group, device mesh and this rank's coordinates for the emitted program."""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from ..plan import MESH_DIMS, ParallelPlan
+from .tp import set_tp_group
+
+
+@dataclass
+class RankContext:
+    mesh: DeviceMesh
+    device: torch.device
+    pp_rank: int
+    dp_rank: int
+    tp_rank: int
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    def group(self, dim: str):
+        return self.mesh[dim].get_group()
+
+
+def world_size_error(plan: ParallelPlan, run_py: str) -> str | None:
+    """One line when WORLD_SIZE differs from the plan's mesh (checked before any collective,
+    so a wrong launch fails at once instead of hanging)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == plan.world_size:
+        return None
+    m = plan.mesh
+    return (f"run.py: this program was compiled for mesh pp={m['pp']} x dp={m['dp']} x "
+            f"tp={m['tp']} = {plan.world_size} ranks but WORLD_SIZE is {world}; launch it with "
+            f"torchrun --nproc-per-node {plan.world_size} {run_py}")
+
+
+def init(plan: ParallelPlan, device_type: str | None) -> RankContext:
+    """Init the process group (NCCL + one GPU per rank on CUDA, else gloo) and the mesh
+    ``(pp, dp, tp)``; set the tp group used by the Megatron f/g operators."""
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if "RANK" not in os.environ:  # plain `python run.py` on a one-rank mesh
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    if device_type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, device_id=device if device_type == "cuda" else None)
+    mesh = init_device_mesh(device_type, tuple(plan.mesh[d] for d in MESH_DIMS),
+                            mesh_dim_names=MESH_DIMS)
+    if plan.mesh["tp"] > 1:
+        set_tp_group(mesh["tp"].get_group())
+    return RankContext(mesh, device, mesh.get_local_rank("pp"), mesh.get_local_rank("dp"),
+                       mesh.get_local_rank("tp"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,66 @@
+"""Megatron-LM tensor-parallel operators (Shoeybi et al. 2019, §3, Fig. 3).
+
+``f`` = copy_to_tp_region: identity in forward, all-reduce of the gradient in backward;
+placed before column_parallel linears, whose replicated input feeds every rank.
+``g`` = reduce_from_tp_region: all-reduce in forward, identity in backward; placed after
+row_parallel linears, whose outputs are Partial sums.
+
+The tp process group is set once per process by the emitted program (``set_tp_group``), so
+the generated stage source reads like the paper: ``reduce_from_tp_region(linear(x, w))``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+_TP_GROUP = None
+
+
+def set_tp_group(group) -> None:
+    """Use ``group`` (a ProcessGroup over the tp mesh dim) for f and g in this process."""
+    global _TP_GROUP
+    _TP_GROUP = group
+
+
+def tp_group():
+    return _TP_GROUP
+
+
+def _tp_size() -> int:
+    return 1 if _TP_GROUP is None else dist.get_world_size(_TP_GROUP)
+
+
+def _all_reduce(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous().clone()
+    dist.all_reduce(t, group=_TP_GROUP)
+    return t
+
+
+class _CopyToTPRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad)
+
+
+class _ReduceFromTPRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return _all_reduce(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def copy_to_tp_region(x: torch.Tensor) -> torch.Tensor:
+    """Megatron ``f``: shape unchanged (any shape); all-reduces the gradient over tp."""
+    return x if _tp_size() == 1 else _CopyToTPRegion.apply(x)
+
+
+def reduce_from_tp_region(x: torch.Tensor) -> torch.Tensor:
+    """Megatron ``g``: sums the Partial outputs of a row_parallel linear over tp."""
+    return x if _tp_size() == 1 else _ReduceFromTPRegion.apply(x)
