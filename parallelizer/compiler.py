@@ -79,7 +79,7 @@ def compile_model(model_path: Path, spec: Spec, weights: bool = True,
     if weights:
         state = {fqn: _attr(gm, fqn).detach().clone() for fqn in plan.tensors}
         loss_fn = getattr(module, "loss_fn", None) or default_loss
-        reference = compute_reference(model, batch, loss_fn, captured.input_names, spec.optimizer)
+        reference = compute_reference(model, batch, loss_fn, captured.input_names, spec)
     report = render_report(plan, captured.route, tp_decision.report, pp_decision, block_notes)
     return Program(plan, sources, report, model_path, spec.to_dict(), state, reference)
 

@@ -46,13 +46,16 @@ def forward_source(graph: fx.Graph) -> tuple[str, list[str]]:
     return src.strip("\n"), imports
 
 
-def class_source(name: str, graph: fx.Graph, params: list, buffers: list,
-                 submodules: list, doc: str) -> tuple[str, list[str]]:
+def class_source(name: str, graph: fx.Graph, tensors: tuple, submodules: list,
+                 doc: str) -> tuple[str, list[str]]:
     """A subclass of EmittedModule with the given tensors and the graph as forward."""
     fwd, imports = forward_source(graph)
     lines = [f"class {name}(EmittedModule):", f'    """{doc}"""', ""]
+    params, buffers, tied = tensors
     lines.append(_tuple_attr("PARAMETERS", params))
     lines.append(_tuple_attr("BUFFERS", buffers))
+    if tied:
+        lines.append("    TIED = (\n" + "".join(f"        ({a!r}, {n!r}),\n" for a, n in tied) + "    )")
     if submodules:
         lines.append("    SUBMODULES = (\n" + "".join(
             f"        ({n!r}, {c}),\n" for n, c in submodules) + "    )")
@@ -94,14 +97,21 @@ if __name__ == "__main__":
 '''
 
 
-def _tensor_entries(names, prefix, plan, canonical) -> tuple[list, list]:
-    params, buffers = [], []
+def _tensor_entries(names, prefix, plan, canonical) -> tuple[list, list, list]:
+    """(parameters, buffers, tied aliases) of one emitted module; a second name of the same
+    canonical tensor in the module becomes a TIED alias, never a second parameter."""
+    params, buffers, tied, first = [], [], [], {}
     tp = plan.mesh["tp"]
     for name in names:
-        tplan = plan.tensors[canonical.get(prefix + name, prefix + name)]
+        fqn = canonical.get(prefix + name, prefix + name)
+        if fqn in first:
+            tied.append((name, first[fqn]))
+            continue
+        first[fqn] = name
+        tplan = plan.tensors[fqn]
         entry = (name, tplan.local_shape(tp), tplan.dtype)
         (buffers if tplan.is_buffer else params).append(entry)
-    return params, buffers
+    return params, buffers, tied
 
 
 def _targets(graph: fx.Graph) -> list[str]:
@@ -121,9 +131,9 @@ def stage_sources(plan, stages, block_graphs, model, model_path) -> dict:
     for st, blocks in zip(stages, block_graphs):
         classes, imports, by_text, submodules = [], [], {}, []
         for b in blocks:
-            params, buffers = _tensor_entries(_targets(b.graph), b.fqn + ".", plan, canonical)
+            tensors = _tensor_entries(_targets(b.graph), b.fqn + ".", plan, canonical)
             base = type(model.get_submodule(b.fqn)).__name__
-            text, imps = class_source("CLASS", b.graph, params, buffers, [],
+            text, imps = class_source("CLASS", b.graph, tensors, [],
                                       f"One {base} block (an FSDP unit); see SUBMODULES of the stage for where it is used.")
             if text not in by_text:
                 name = base if base not in by_text.values() else f"{base}{len(by_text)}"
@@ -131,8 +141,8 @@ def stage_sources(plan, stages, block_graphs, model, model_path) -> dict:
                 classes.append(text.replace("class CLASS(", f"class {name}(", 1))
                 imports += imps
             submodules.append((b.fqn, by_text[text]))
-        params, buffers = _tensor_entries(_targets(st.graph), "", plan, canonical)
-        text, imps = class_source(f"Stage{st.index}", st.graph, params, buffers, submodules,
+        tensors = _tensor_entries(_targets(st.graph), "", plan, canonical)
+        text, imps = class_source(f"Stage{st.index}", st.graph, tensors, submodules,
                                   f"Pipeline stage {st.index} of {mesh['pp']} (local shapes for tp={mesh['tp']}).")
         classes.append(text)
         imports += imps

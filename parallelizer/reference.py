@@ -10,12 +10,9 @@ from .frontend import split_args
 from .runtime.optim import make_optimizer
 
 
-def compute_reference(model: torch.nn.Module, batch, loss_fn, input_names, optimizer) -> dict:
-    """Run one training step of ``model`` (mutates it: call after snapshotting weights).
-
-    Args:
-        optimizer: the spec's ``optimizer`` section (name, lr, weight_decay).
-    """
+def compute_reference(model: torch.nn.Module, batch, loss_fn, input_names, spec) -> dict:
+    """Run one training step of ``model`` (mutates it: call after snapshotting weights)
+    with ``spec.verify.optimizer`` at ``spec.optimizer.lr``."""
     args, kwargs = split_args(batch)
     flat_in, _ = tree_flatten((args, kwargs))
     ref = {f"input.{n}": t.detach().clone().contiguous() for n, t in zip(input_names, flat_in)}
@@ -31,7 +28,8 @@ def compute_reference(model: torch.nn.Module, batch, loss_fn, input_names, optim
     for name, p in named.items():
         if p.grad is not None:
             ref[f"grad.{name}"] = p.grad.detach().clone()
-    opt = make_optimizer(named.values(), optimizer.name, optimizer.lr, optimizer.weight_decay)
+    opt = make_optimizer(named.values(), spec.verify.optimizer, spec.optimizer.lr,
+                         spec.optimizer.weight_decay)
     opt.step()
     for name, p in named.items():
         ref[f"param.{name}"] = p.detach().clone()

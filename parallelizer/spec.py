@@ -14,7 +14,7 @@ Defaults::
     checkpoint: {path: null}
     seed: 0
     optimizer: {name: adamw, lr: 1.0e-3, weight_decay: 0.0}
-    verify: {atol: 1.0e-5, rtol: 1.0e-5}
+    verify: {atol: 1.0e-5, rtol: 1.0e-5, optimizer: sgd}
 """
 from __future__ import annotations
 
@@ -89,6 +89,10 @@ class Verify(BaseModel):
     model_config = _STRICT
     atol: float = Field(1.0e-5, ge=0, description="a number >= 0 (absolute tolerance)")
     rtol: float = Field(1.0e-5, ge=0, description="a number >= 0 (relative tolerance)")
+    # SGD by default: Adam's first step is about lr * sign(g), so fp32 rounding in a
+    # near-zero gradient flips whole updates; gradients are compared directly anyway.
+    optimizer: Literal["sgd", "adamw"] = Field(
+        "sgd", description="one of 'sgd', 'adamw' (optimizer of the --verify step; lr from optimizer.lr)")
 
 
 class Spec(BaseModel):

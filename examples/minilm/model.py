@@ -57,11 +57,10 @@ def make_config() -> BertConfig:
 
 def build_model() -> nn.Module:
     torch.manual_seed(0)
-    # No pooler: sentence-transformers does not use it (mean pooling instead), and
-    # leaving it out avoids parameters that never receive a gradient. The checkpoint's
-    # `pooler.*` keys (and the `embeddings.position_ids` buffer) are extra keys that a
-    # loader must ignore; every model parameter is present in the checkpoint.
-    return BertModel(make_config(), add_pooling_layer=False)
+    # With the pooler, so the model is exactly the checkpoint's (every key used, none left
+    # over); the loss does not use it (sentence-transformers mean-pools), so it gets no
+    # gradient, in the reference and in the parallel program alike.
+    return BertModel(make_config(), add_pooling_layer=True)
 
 
 _tokenizer = None

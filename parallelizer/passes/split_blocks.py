@@ -43,7 +43,8 @@ def _runs(graph: fx.Graph, blocks) -> dict:
     for i, node in enumerate(graph.nodes):
         if node.op in ("placeholder", "output"):
             continue
-        path = module_path(node)
+        # a parameter read (get_attr) carries no module stack; its FQN names its block
+        path = node.target if node.op == "get_attr" else module_path(node)
         for b in blocks:
             if path == b or path.startswith(b + "."):
                 lo, _ = runs.get(b, (i, i))

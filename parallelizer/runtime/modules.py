@@ -28,11 +28,14 @@ class EmittedModule(nn.Module):
 
     PARAMETERS / BUFFERS: ``(name, local shape, dtype name)`` per tensor.
     SUBMODULES: ``(name, class)`` per outlined block (an FSDP / activation checkpointing unit).
+    TIED: ``(alias, name)``: the alias is the very Parameter registered under ``name``, so a
+        tied embedding and LM head in one stage stay one tensor with one gradient.
     """
 
     PARAMETERS: tuple = ()
     BUFFERS: tuple = ()
     SUBMODULES: tuple = ()
+    TIED: tuple = ()
 
     def __init__(self, device: torch.device | str = "cpu"):
         super().__init__()
@@ -47,7 +50,10 @@ class EmittedModule(nn.Module):
         for name, shape, dtype in self.BUFFERS:
             parent, leaf = _parent(self, name)
             parent.register_buffer(leaf, torch.empty(shape, dtype=getattr(torch, dtype), device=device))
+        for alias, name in self.TIED:
+            parent, leaf = _parent(self, alias)
+            parent.register_parameter(leaf, self.get_parameter(name))
 
-    def blocks(self) -> list[tuple[str, nn.Module]]:
+    def emitted_blocks(self) -> list[tuple[str, nn.Module]]:
         """The outlined blocks, in execution order, with their FQNs."""
         return [(name, self.get_submodule(name)) for name, _ in self.SUBMODULES]

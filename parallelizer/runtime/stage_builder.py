@@ -55,7 +55,7 @@ def apply_fsdp(stage: EmittedModule, ctx: RankContext) -> None:
     """FSDP2 per block (the units that all-gather just before use and free after), then the
     stage root for what lies outside blocks (embeddings, final norm, head)."""
     dp_mesh = ctx.mesh["dp"]
-    for _name, block in stage.blocks():
+    for _name, block in stage.emitted_blocks():
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=True)
     fully_shard(stage, mesh=dp_mesh, reshard_after_forward=True)
 

@@ -54,7 +54,7 @@ def run_verify(out_dir: Path, plan: ParallelPlan, spec: dict, stage, ctx: RankCo
     vcfg, ocfg = spec["verify"], spec["optimizer"]
     tally = _Tally(vcfg["atol"], vcfg["rtol"])
     runner = StepRunner(stage, plan, ctx, loss_fn)
-    opt = make_optimizer(stage.parameters(), ocfg["name"], ocfg["lr"], ocfg["weight_decay"])
+    opt = make_optimizer(stage.parameters(), vcfg["optimizer"], ocfg["lr"], ocfg["weight_decay"])
     opt.zero_grad(set_to_none=True)
     loss, outputs = runner.step(local)
     tally.add("loss", "loss", loss, ref["loss"])
@@ -66,19 +66,20 @@ def run_verify(out_dir: Path, plan: ParallelPlan, spec: dict, stage, ctx: RankCo
     _compare_tensors(tally, "gradients", "grad", stage, plan, ctx, ref, lambda p: p.grad)
     opt.step()
     _compare_tensors(tally, "parameters", "param", stage, plan, ctx, ref, lambda p: p)
-    return _report(tally, plan, ocfg["name"], loss, ref["loss"], ctx)
+    return _report(tally, plan, vcfg["optimizer"], loss, ref["loss"], ctx)
 
 
 def _compare_tensors(tally, cat, key, stage, plan, ctx, ref, pick):
     tp = plan.mesh["tp"]
     for name, param in stage.named_parameters():
         fqn = plan.aliases.get(name, name)
-        t = pick(param)
-        if t is None:
-            tally.add(cat, name, torch.full((1,), float("nan")), torch.zeros(1))
+        t, want = pick(param), ref.get(f"{key}.{fqn}")
+        if t is None or want is None:  # no gradient (a weight the loss does not use)
+            if (t is None) != (want is None):
+                tally.add(cat, name, torch.full((1,), float("nan")), torch.zeros(1))
             continue
         full = full_tensor(t, plan.tensors[fqn], ctx, tp)
-        tally.add(cat, name, full, ref[f"{key}.{fqn}"])
+        tally.add(cat, name, full, want)
 
 
 def _report(tally: _Tally, plan, opt_name, loss, ref_loss, ctx) -> int:
