@@ -194,7 +194,8 @@ def _view(node, prop, tp):
         return INVALID
     what = "heads" if not same(ins[d], outs[e]) else "features"
     _constraint(prop, int(expr(outs[e])), what, module_path(node),
-                f"dim {e} of {node.target.__name__} to {list(map(str, outs))}")
+                f"dim {e} of the {node.target.__name__.split('.')[0]} to "
+                f"[{', '.join(str(o) if isinstance(o, int) else '*' for o in outs)}]")
     sizes = _sizes_arg(node)
     if e < len(sizes) and isinstance(sizes[e], int) and sizes[e] != -1:
         _rewrite(prop, node, 1, e, sizes[e] // tp)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -46,7 +47,8 @@ def main(out_dir: Path, argv=None) -> int:
     plan = ParallelPlan.from_json((out_dir / "plan.json").read_text())
     error = world_size_error(plan, str(out_dir / "run.py"))
     if error:
-        print(error, file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":
+            print(error, file=sys.stderr)
         return 2
     spec = OmegaConf.to_container(OmegaConf.load(out_dir / "spec.yaml"))
     model_module = _load_model_module(out_dir)  # registers the output types (e.g. ModelOutput)
