@@ -5,6 +5,7 @@ data) or a pass (reads a plan, rewrites the graph).
 """
 from __future__ import annotations
 
+from operator import attrgetter
 from pathlib import Path
 from typing import Optional
 
@@ -77,18 +78,11 @@ def compile_model(model_path: Path, spec: Spec, weights: bool = True,
     sources = emit.stage_sources(plan, stages, block_graphs, model, model_path)
     reference = state = None
     if weights:
-        state = {fqn: _attr(gm, fqn).detach().clone() for fqn in plan.tensors}
+        state = {fqn: attrgetter(fqn)(gm).detach().clone() for fqn in plan.tensors}
         loss_fn = getattr(module, "loss_fn", None) or default_loss
         reference = compute_reference(model, batch, loss_fn, captured.input_names, spec)
     report = render_report(plan, captured.route, tp_decision.report, pp_decision, block_notes)
     return Program(plan, sources, report, model_path, spec.to_dict(), state, reference)
-
-
-def _attr(gm: torch.nn.Module, dotted: str) -> torch.Tensor:
-    obj = gm
-    for part in dotted.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _to_meta(batch):

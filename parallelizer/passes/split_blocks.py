@@ -9,6 +9,7 @@ stage then is one FSDP unit, and the report says so.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 import torch.fx as fx
@@ -94,7 +95,7 @@ def _outline(graph: fx.Graph, run: list, fqn: str) -> BlockGraph:
     else:
         with graph.inserting_after(call):
             for i, o in enumerate(outputs):
-                item = graph.call_function(__import__("operator").getitem, (call, i))
+                item = graph.call_function(operator.getitem, (call, i))
                 o.replace_all_uses_with(item, delete_user_cb=lambda u, m=members: u not in m)
     for n in reversed(inside):
         graph.erase_node(n)

@@ -1,10 +1,15 @@
 """Build the ParallelPlan from the decisions and the split graphs (data only)."""
 from __future__ import annotations
 
+from operator import attrgetter
+
 import torch
 import torch.fx as fx
 
+from torch.utils._pytree import treespec_dumps
+
 from ..passes.cleanup import RUNTIME_DEVICE
+from ..passes.graph_facts import module_path
 from ..plan import ParallelPlan, StagePlan, TensorPlan
 from .tp import TPDecision
 
@@ -18,18 +23,11 @@ def tied_groups(model: torch.nn.Module) -> list[list[str]]:
     return [g for g in by_id.values()]
 
 
-def _attr(root, dotted):
-    for part in dotted.split("."):
-        root = getattr(root, part)
-    return root
-
-
 def pipeline_costs(gm: fx.GraphModule, model, blocks) -> tuple[list[int], int, int]:
     """Parameter count per block, before the first block and after the last."""
     prefixes = [b + "." for b in blocks]
     block_params = [sum(p.numel() for p in model.get_submodule(b).parameters()) for b in blocks]
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    from ..passes.graph_facts import module_path
     first_block = min((order[n] for n in gm.graph.nodes
                        if any((module_path(n) + ".").startswith(p) for p in prefixes)),
                       default=len(order))
@@ -39,7 +37,7 @@ def pipeline_costs(gm: fx.GraphModule, model, blocks) -> tuple[list[int], int, i
             continue
         if any(n.target.startswith(p) for p in prefixes):
             continue
-        t = _attr(gm, n.target)
+        t = attrgetter(n.target)(gm)
         if not isinstance(t, torch.nn.Parameter):
             continue
         if min(order[u] for u in n.users) < first_block:
@@ -83,7 +81,7 @@ def build_plan(spec, captured, gm, model, groups, tp: TPDecision, stages, block_
                                      tuple(st.outputs), tuple(b.fqn for b in blocks)))
     tensors = {}
     for fqn, stage_set in seen.items():
-        t = _attr(gm, fqn)
+        t = attrgetter(fqn)(gm)
         # the TP planner saw the graph before untie, which may read a tied weight by an alias
         names = [fqn] + [n for n, c in canonical.items() if c == fqn and n != fqn]
         tp_dim, role = next((_placement(n, tp) for n in names if _placement(n, tp)[0] is not None),
@@ -96,9 +94,4 @@ def build_plan(spec, captured, gm, model, groups, tp: TPDecision, stages, block_
         microbatches=spec.pipeline.microbatches, seed=spec.seed, tensors=tensors,
         aliases={a: c for a, c in aliases.items()}, stages=tuple(stage_plans),
         input_names=captured.input_names, inputs_are_kwargs=captured.inputs_are_kwargs,
-        out_spec=_dump_spec(captured.out_spec), tp_report=tuple(tp.report))
-
-
-def _dump_spec(spec) -> str:
-    from torch.utils._pytree import treespec_dumps
-    return treespec_dumps(spec)
+        out_spec=treespec_dumps(captured.out_spec), tp_report=tuple(tp.report))
