@@ -30,7 +30,7 @@ def test_defaults_for_empty_file(tmp_path):
         "checkpoint": {"path": None},
         "seed": 0,
         "optimizer": {"name": "adamw", "lr": 1.0e-3, "weight_decay": 0.0},
-        "verify": {"atol": 1.0e-5, "rtol": 1.0e-5},
+        "verify": {"atol": 1.0e-5, "rtol": 1.0e-5, "optimizer": "sgd"},
     }
     assert spec == Spec()
 
@@ -179,3 +179,10 @@ def test_relative_checkpoint_path_from_override_is_relative_to_cwd(tmp_path, mon
 def test_absolute_checkpoint_path_unchanged(tmp_path):
     spec = load_spec(write(tmp_path, "checkpoint: {path: /data/llama}\n"))
     assert spec.checkpoint.path == "/data/llama"
+
+
+def test_verify_optimizer_must_be_known(tmp_path):
+    with pytest.raises(SpecError) as e:
+        load_spec(write(tmp_path, "verify: {optimizer: lamb}"))
+    msg = str(e.value)
+    assert "verify.optimizer" in msg and "lamb" in msg and "sgd" in msg
