@@ -1,0 +1,234 @@
+"""split_stages and split_blocks on a captured tiny Llama (transformers' LlamaForCausalLM,
+4 layers, hidden 32, GQA, tied embeddings), after the passes the compiler runs before them
+(cleanup, tensor_parallel at tp=1, untie; see parallelizer/compiler.py).
+
+Structure: every parameter is read in exactly one stage except the tied embedding (first
+and last stage, under the name its own module knows it by), stage s's outputs are stage
+s+1's inputs, only tensors cross stages, each block becomes one call_module with identical
+source for identical layers. Numerics: the stages (and the outlined blocks) run in sequence
+reproduce the captured graph exactly, at another batch size and sequence length.
+"""
+from pathlib import Path
+
+import pytest
+import torch
+import torch.fx as fx
+
+from parallelizer import emit
+from parallelizer.frontend import capture
+from parallelizer.passes.aliases import apply_untie
+from parallelizer.passes.cleanup import RUNTIME_DEVICE, apply_cleanup
+from parallelizer.passes.graph_facts import is_tensor, module_path
+from parallelizer.passes.split_blocks import split_blocks
+from parallelizer.passes.split_stages import split_stages
+from parallelizer.passes.tensor_parallel import apply_tensor_parallel
+from parallelizer.planning.pipeline import find_blocks, plan_pipeline
+from parallelizer.planning.tensors import pipeline_costs, tied_groups
+from parallelizer.planning.tp import plan_tp
+
+VOCAB = 64
+
+
+def tiny_llama():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=True, use_cache=False, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def ids(b, t, seed):
+    return torch.randint(0, VOCAB, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+class Compiled:
+    """The captured, cleaned, untied graph and what the pipeline planner needs."""
+
+    def __init__(self):
+        self.model = tiny_llama()
+        cap = capture(self.model, {"input_ids": ids(2, 8, 0)}, Path(__file__))
+        self.gm = gm = cap.gm
+        self.groups = tied_groups(self.model)
+        apply_cleanup(gm)
+        apply_tensor_parallel(gm, plan_tp(gm.graph, 1))
+        apply_untie(gm, self.groups)
+        gm.runtime_device = torch.device("cpu")
+        self.blocks = find_blocks(self.model)
+        self.costs = pipeline_costs(gm, self.model, self.blocks)
+        self.canonical = {n: g[0] for g in self.groups for n in g}
+
+    def decision(self, pp):
+        block_params, pre, post = self.costs
+        return plan_pipeline(block_params, pre, post, pp, self.blocks)
+
+    def stages(self, pp):
+        return split_stages(self.gm, self.decision(pp), pp)
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    return Compiled()
+
+
+def attr(root, dotted):
+    for part in dotted.split("."):
+        root = getattr(root, part)
+    return root
+
+
+def run_stages(modules, input_ids):
+    vals = (input_ids,)
+    with torch.no_grad():
+        for m in modules:
+            vals = m(*vals)
+    return vals
+
+
+def test_compiler_order_leaves_a_clean_graph(compiled):
+    gm = compiled.gm
+    assert compiled.blocks == tuple(f"model.layers.{i}" for i in range(4))
+    assert not any(n.target is torch.ops.aten._assert_tensor_metadata.default for n in gm.graph.nodes)
+    targets = [n.target for n in gm.graph.nodes if n.op == "get_attr" and n.users]
+    # untie: the embedding reads model.embed_tokens.weight, the head lm_head.weight
+    assert "model.embed_tokens.weight" in targets and "lm_head.weight" in targets
+    block_params, pre, post = compiled.costs
+    assert block_params == [sum(p.numel() for p in compiled.model.model.layers[i].parameters())
+                            for i in range(4)]
+    assert pre == VOCAB * 32 and post == VOCAB * 32 + 32       # embedding; tied head + norm
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_each_parameter_in_exactly_one_stage_but_the_tied_embedding(compiled, pp):
+    stages = compiled.stages(pp)
+    held: dict = {}
+    for st in stages:
+        reads = [n.target for n in st.graph.nodes if n.op == "get_attr"]
+        assert reads == st.targets and len(reads) == len(set(reads))
+        for t in reads:
+            if t != RUNTIME_DEVICE:
+                held.setdefault(compiled.canonical.get(t, t), set()).add(st.index)
+    params = dict(compiled.model.named_parameters())          # canonical names
+    assert set(params) <= set(held)
+    tied = "model.embed_tokens.weight"
+    assert held.pop(tied) == {0, pp - 1}
+    assert "model.embed_tokens.weight" in stages[0].targets and "lm_head.weight" in stages[-1].targets
+    assert all(len(s) == 1 for s in held.values()), {k: s for k, s in held.items() if len(s) > 1}
+    # a block's parameters live in the stage the planner gave the block
+    decision = compiled.decision(pp)
+    for block, stage in zip(decision.blocks, decision.stage_of_block):
+        mine = [k for k in held if k.startswith(block + ".")]
+        assert mine and all(held[k] == {stage} for k in mine)
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_stage_boundaries_chain(compiled, pp):
+    stages = compiled.stages(pp)
+    assert [st.index for st in stages] == list(range(pp))
+    assert stages[0].inputs == ["input_ids"]
+    for a, b in zip(stages, stages[1:]):
+        assert a.outputs == b.inputs and a.outputs
+        out = a.graph.output_node().args[0]
+        assert [n.name for n in out] == a.outputs
+        placeholders = [n for n in b.graph.nodes if n.op == "placeholder"]
+        assert [n.name for n in placeholders] == b.inputs
+        assert all(is_tensor(n) for n in placeholders)          # only tensors cross stages
+    assert stages[-1].outputs == []
+    assert len(stages[-1].graph.output_node().args[0]) == 1     # the logits
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_stages_in_sequence_reproduce_the_captured_graph(compiled, pp):
+    gm = compiled.gm
+    modules = [fx.GraphModule(gm, st.graph) for st in compiled.stages(pp)]
+    for b, t in [(3, 5), (1, 12)]:
+        x = ids(b, t, seed=b)
+        with torch.no_grad():
+            ref = gm(input_ids=x)
+            eager = compiled.model(input_ids=x).logits
+        got = run_stages(modules, x)
+        assert len(got) == len(ref) == 1
+        assert torch.equal(got[0], ref[0])
+        torch.testing.assert_close(got[0], eager, rtol=0, atol=1e-6)
+
+
+def test_stage_nodes_belong_to_the_stage_blocks(compiled):
+    decision = compiled.decision(2)
+    stages = compiled.stages(2)
+    for st in stages:
+        mine = [b for b, s in zip(decision.blocks, decision.stage_of_block) if s == st.index]
+        for n in st.graph.nodes:
+            path = module_path(n) if n.op == "call_function" else ""
+            if path.startswith("model.layers."):
+                assert any(path == b or path.startswith(b + ".") for b in mine), (st.index, n.name, path)
+
+
+# --- split_blocks ----------------------------------------------------------------------------
+
+def _block_module(gm, block):
+    root = {t: attr(gm, f"{block.fqn}.{t}") for t in block.targets}
+    if any(n.op == "get_attr" and n.target == RUNTIME_DEVICE for n in block.graph.nodes):
+        root[RUNTIME_DEVICE] = torch.device("cpu")
+    return fx.GraphModule(root, block.graph)
+
+
+def _stage_module(gm, st, blocks):
+    by_fqn = {b.fqn: _block_module(gm, b) for b in blocks}
+    root = {}
+    for n in st.graph.nodes:
+        if n.op == "get_attr":
+            root[n.target] = attr(gm, n.target)
+        elif n.op == "call_module":
+            root[n.target] = by_fqn[n.target]
+    return fx.GraphModule(root, st.graph)
+
+
+@pytest.fixture(scope="module")
+def outlined(compiled):
+    stages = compiled.stages(2)
+    found = [split_blocks(st.graph, compiled.blocks) for st in stages]
+    return stages, found
+
+
+def test_each_block_outlined_into_one_call_module(compiled, outlined):
+    stages, found = outlined
+    decision = compiled.decision(2)
+    for st, (blocks, notes) in zip(stages, found):
+        expected = [b for b, s in zip(decision.blocks, decision.stage_of_block) if s == st.index]
+        assert notes == []
+        assert [b.fqn for b in blocks] == expected
+        calls = [n.target for n in st.graph.nodes if n.op == "call_module"]
+        assert calls == expected
+        # no block parameter or block computation is left in the stage graph itself
+        for n in st.graph.nodes:
+            if n.op == "get_attr":
+                assert not n.target.startswith("model.layers.")
+            if n.op == "call_function":
+                assert not module_path(n).startswith("model.layers.")
+        for b in blocks:
+            assert b.targets and all(not t.startswith("model.") for t in b.targets)
+            assert len(b.targets) == len(set(b.targets))
+            assert {f"{b.fqn}.{t}" for t in b.targets} == {
+                k for k in dict(compiled.model.named_parameters()) if k.startswith(b.fqn + ".")}
+
+
+def test_identical_layers_have_identical_source(outlined):
+    _, found = outlined
+    blocks = [b for bs, _ in found for b in bs]
+    assert len(blocks) == 4
+    sources = {emit.forward_source(b.graph)[0] for b in blocks}
+    assert len(sources) == 1
+    src = sources.pop()
+    assert "model.layers" not in src and "self.self_attn.q_proj.weight" in src
+
+
+def test_outlined_stages_reproduce_the_captured_graph(compiled, outlined):
+    stages, found = outlined
+    gm = compiled.gm
+    modules = [_stage_module(gm, st, blocks) for st, (blocks, _) in zip(stages, found)]
+    x = ids(3, 7, seed=5)
+    with torch.no_grad():
+        ref = gm(input_ids=x)
+    got = run_stages(modules, x)
+    assert torch.equal(got[0], ref[0])

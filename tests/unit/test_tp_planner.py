@@ -1,0 +1,387 @@
+"""Tensor-parallel planner (plan_tp) and the tensor_parallel pass that applies its decision.
+
+Planner tests: which linears become column_parallel / row_parallel, the shape-constant
+rewrites, PlanErrors naming ``mesh.tp``, the module and the valid tp degrees, and conflicts
+kept replicated *with a reason in the report*. Pass tests: the Megatron f/g structure
+(Before / Expected), and numerical equivalence at tp=2 by running the rewritten graph as two
+ranks in lockstep in one process (each rank holds its weight shards; ``g`` sums the ranks'
+partial results), against the unmodified model.
+"""
+from pathlib import Path
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from parallelizer.errors import PlanError
+from parallelizer.frontend import capture
+from parallelizer.passes.cleanup import apply_cleanup
+from parallelizer.passes.tensor_parallel import apply_tensor_parallel
+from parallelizer.planning.tp import plan_tp
+from parallelizer.runtime.tp import copy_to_tp_region, reduce_from_tp_region
+
+aten = torch.ops.aten
+H = 32
+
+
+def captured(model: nn.Module, batch):
+    return capture(model, batch, Path(__file__))
+
+
+def x_batch(b=2, t=5, seed=0):
+    return (torch.randn(b, t, H, generator=torch.Generator().manual_seed(seed)),)
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(H, 4 * H)
+        self.fc2 = nn.Linear(4 * H, H)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(H, 64, bias=False)
+        self.up = nn.Linear(H, 64, bias=False)
+        self.down = nn.Linear(64, H, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Attention(nn.Module):
+    def __init__(self, n_head=4):
+        super().__init__()
+        self.n_head = n_head
+        self.q, self.k, self.v, self.o = (nn.Linear(H, H) for _ in range(4))
+
+    def forward(self, x):
+        B, T, C = x.shape
+        hd = C // self.n_head
+        q = self.q(x).view(B, T, self.n_head, hd).transpose(1, 2)
+        k = self.k(x).view(B, T, self.n_head, hd).transpose(1, 2)
+        v = self.v(x).view(B, T, self.n_head, hd).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(B, T, C))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: the attention and MLP live under named submodules."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(H), nn.LayerNorm(H)
+        self.attn = Attention()
+        self.mlp = SwiGLU()
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+def tiny_llama():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=H, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=True, use_cache=False, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def ids_batch(b=2, t=8, seed=0):
+    return {"input_ids": torch.randint(0, 64, (b, t), generator=torch.Generator().manual_seed(seed))}
+
+
+# --- lockstep tp simulation -----------------------------------------------------------------
+
+class _Rank(fx.Interpreter):
+    """One tp rank: reads its shard of every column/row weight (and column bias)."""
+
+    def __init__(self, gm, rank, tp, shard_dims):
+        super().__init__(gm)
+        self.rank, self.tp, self.shard_dims = rank, tp, shard_dims
+
+    def get_attr(self, target, args, kwargs):
+        t = super().get_attr(target, args, kwargs)
+        d = self.shard_dims.get(target)
+        return t if d is None else t.chunk(self.tp, d)[self.rank].contiguous()
+
+
+def run_tp_lockstep(gm, decision, tp, args, kwargs=None):
+    """Outputs of every rank of the tp-rewritten ``gm``; ``g`` sums the ranks' inputs."""
+    dims = {w: 0 for w in decision.column} | {w: 1 for w in decision.row}
+    dims |= {b: 0 for w, b in decision.biases.items() if w in decision.column}
+    ranks = [_Rank(gm, r, tp, dims) for r in range(tp)]
+    flat = list(args) + [kwargs[n.target] for n in gm.graph.nodes
+                         if kwargs and n.op == "placeholder"]
+    for r in ranks:
+        r.args_iter, r.env = iter(flat), {}
+    outputs = []
+    with torch.no_grad():
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and node.target is reduce_from_tp_region:
+                total = sum(r.env[node.args[0]] for r in ranks)
+                for r in ranks:
+                    r.env[node] = total
+            elif node.op == "output":
+                outputs = [r.run_node(node) for r in ranks]
+            else:
+                for r in ranks:
+                    r.env[node] = r.run_node(node)
+    return outputs
+
+
+# --- planner: which linears ------------------------------------------------------------------
+
+def test_mlp_first_column_second_row():
+    cap = captured(MLP(), x_batch())
+    d = plan_tp(cap.gm.graph, 2)
+    assert d.column == {"fc1.weight"} and d.row == {"fc2.weight"}
+    assert d.biases == {"fc1.weight": "fc1.bias", "fc2.weight": "fc2.bias"}
+    assert d.rewrites == {}
+    assert d.report == ["column_parallel: 1 linears; row_parallel: 1 linears; replicated: 0 linears"]
+
+
+def test_swiglu_gate_and_up_column_down_row():
+    cap = captured(SwiGLU(), x_batch())
+    d = plan_tp(cap.gm.graph, 2)
+    assert d.column == {"gate.weight", "up.weight"} and d.row == {"down.weight"}
+    assert d.biases == {}
+
+
+def test_attention_qkv_column_o_row_heads_constant_rewritten():
+    cap = captured(Attention(), x_batch())
+    d = plan_tp(cap.gm.graph, 2)
+    assert d.column == {"q.weight", "k.weight", "v.weight"} and d.row == {"o.weight"}
+    views = [n for n in cap.gm.graph.nodes if n.target is aten.view.default]
+    assert [list(v.args[1])[2] for v in views] == [4, 4, 4]
+    assert {v.name: d.rewrites[v.name] for v in views} == {v.name: [(1, 2, 2)] for v in views}
+    merge = next(n for n in cap.gm.graph.nodes if n.target is aten.reshape.default)
+    assert d.rewrites[merge.name] == [(1, 2, H // 2)]                 # hidden 32 -> 16
+    assert set(d.rewrites) == {v.name for v in views} | {merge.name}
+
+
+@pytest.mark.parametrize("model_cls", [MLP, SwiGLU, Attention, Block])
+def test_tp1_shards_nothing(model_cls):
+    cap = captured(model_cls(), x_batch())
+    d = plan_tp(cap.gm.graph, 1)
+    assert d.column == set() and d.row == set() and d.rewrites == {} and d.report == []
+    assert apply_tensor_parallel(cap.gm, d) is False
+
+
+def test_block_pairs_attention_and_mlp_separately():
+    cap = captured(Block(), x_batch())
+    d = plan_tp(cap.gm.graph, 2)
+    assert d.column == {"attn.q.weight", "attn.k.weight", "attn.v.weight",
+                        "mlp.gate.weight", "mlp.up.weight"}
+    assert d.row == {"attn.o.weight", "mlp.down.weight"}
+
+
+def test_tp_not_dividing_heads_is_a_plan_error():
+    cap = captured(Block(), x_batch())
+    with pytest.raises(PlanError) as e:
+        plan_tp(cap.gm.graph, 3)
+    msg = str(e.value)
+    assert msg.startswith("mesh.tp (3) must divide the number of heads (4) of attn ")
+    assert msg.endswith("valid choices: tp in {1, 2, 4}")
+
+
+# --- planner: GQA (transformers' LlamaForCausalLM, 4 heads, 2 kv heads) ----------------------
+
+@pytest.fixture(scope="module")
+def llama():
+    model = tiny_llama()
+    return model, captured(model, ids_batch())
+
+
+def test_gqa_tp2_rewrites_repeat_kv_constants(llama):
+    model, cap = llama
+    d = plan_tp(cap.gm.graph, 2)
+    for i in range(2):
+        p = f"model.layers.{i}."
+        assert {p + f"self_attn.{x}_proj.weight" for x in "qkv"} | \
+               {p + f"mlp.{x}_proj.weight" for x in ("gate", "up")} <= d.column
+        assert {p + "self_attn.o_proj.weight", p + "mlp.down_proj.weight"} <= d.row
+    assert "lm_head.weight" not in d.column | d.row
+    assert "replicated linear: lm_head.weight (no column/row pair found)" in d.report
+    by_name = {n.name: n for n in cap.gm.graph.nodes}
+    expands = [n for n in cap.gm.graph.nodes if n.target is aten.expand.default and n.name in d.rewrites]
+    reshapes = [n for n in cap.gm.graph.nodes if n.target is aten.reshape.default and n.name in d.rewrites]
+    # repeat_kv: expand (B, kv=2, n_rep=2, T, hd) -> kv 1; reshape (B, heads=4, T, hd) -> 2
+    assert len(expands) == 4 and len(reshapes) == 4       # k and v, two layers
+    for n in expands:
+        assert list(n.args[1])[1] == 2 and d.rewrites[n.name] == [(1, 1, 1)]
+    for n in reshapes:
+        assert list(n.args[1])[1] == 4 and d.rewrites[n.name] == [(1, 1, 2)]
+    assert all(name in by_name for name in d.rewrites)
+
+
+def test_gqa_tp4_exceeds_kv_heads_plan_error(llama):
+    _, cap = llama
+    with pytest.raises(PlanError) as e:
+        plan_tp(cap.gm.graph, 4)
+    msg = str(e.value)
+    assert msg.startswith("mesh.tp (4) must divide the number of heads (2) of "
+                          "model.layers.0.self_attn")
+    assert msg.endswith("valid choices: tp in {1, 2}")
+
+
+def test_gqa_tp3_plan_error(llama):
+    _, cap = llama
+    with pytest.raises(PlanError, match=r"mesh.tp \(3\) must divide .*valid choices: tp in \{1, 2\}"):
+        plan_tp(cap.gm.graph, 3)
+
+
+# --- planner: ops without a sharding rule ----------------------------------------------------
+
+class TwoMLPs(nn.Module):
+    """First MLP has ``op`` between its column and row linear; the second is clean."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.op = op
+        self.first, self.second = MLP(), MLP()
+
+    def forward(self, x):
+        h = self.first.fc2(self.op(self.first.fc1(x)))
+        return self.second(h)
+
+
+def _conflict_plan(op):
+    cap = captured(TwoMLPs(op), x_batch())
+    return plan_tp(cap.gm.graph, 2)
+
+
+def test_cumsum_between_pair_keeps_it_replicated_and_reports_why():
+    d = _conflict_plan(lambda h: torch.cumsum(h, dim=-1))
+    assert d.column == {"second.fc1.weight"} and d.row == {"second.fc2.weight"}
+    kept = [line for line in d.report if line.startswith("kept replicated:")]
+    assert kept == ["kept replicated: first.fc1.weight, first.fc2.weight (at cumsum in the root "
+                    "module: no sharding rule for aten.cumsum.default)"]
+
+
+def test_sort_between_pair_keeps_it_replicated():
+    d = _conflict_plan(lambda h: torch.sort(h, dim=-1).values)
+    assert d.column == {"second.fc1.weight"} and d.row == {"second.fc2.weight"}
+    assert any(line.startswith("kept replicated: first.fc1.weight, first.fc2.weight")
+               for line in d.report)
+
+
+@pytest.mark.xfail(strict=True, reason="the sort over the sharded hidden dim is not the reported "
+                   "cause: sort's output (a tuple) is taken as Replicate, so the report blames the "
+                   "row linear ('row_parallel linear needs Shard(-1) input') instead of saying there "
+                   "is no sharding rule for aten.sort")
+def test_sort_between_pair_report_names_sort():
+    d = _conflict_plan(lambda h: torch.sort(h, dim=-1).values)
+    kept = next(line for line in d.report if line.startswith("kept replicated:"))
+    assert "sort" in kept
+
+
+@pytest.mark.xfail(strict=True, reason="silent mis-sharding: h.max(-1) over the sharded hidden dim "
+                   "(aten.max.dim, a tuple-valued node) is taken as Replicate, so fc1/fc2 are sharded "
+                   "and each rank adds the max of its own half of h; no conflict, nothing reported")
+def test_max_over_sharded_hidden_is_not_silently_sharded():
+    class MaxSideBranch(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(H, 4 * H), nn.Linear(4 * H, H)
+
+        def forward(self, x):
+            h = self.fc1(x)
+            return self.fc2(F.gelu(h)) + h.max(dim=-1, keepdim=True).values
+
+    torch.manual_seed(0)
+    model = MaxSideBranch().eval()
+    cap = captured(model, x_batch())
+    d = plan_tp(cap.gm.graph, 2)
+    apply_tensor_parallel(cap.gm, d)
+    x = x_batch(3, 7, seed=1)
+    with torch.no_grad():
+        ref = model(*x)
+    # today: each rank is off by up to ~0.9, and the two ranks disagree
+    for out in run_tp_lockstep(cap.gm, d, 2, x):
+        torch.testing.assert_close(out[0], ref, rtol=1e-5, atol=1e-5)
+    assert any("max" in line for line in d.report if line.startswith("kept replicated:"))
+
+
+# --- tensor_parallel pass: structure (Before / Expected) -------------------------------------
+
+def _calls(gm):
+    return [n for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def test_pass_inserts_f_before_column_and_g_after_row_bias_added_once():
+    cap = captured(MLP(), x_batch())
+    gm = cap.gm
+    assert apply_tensor_parallel(gm, plan_tp(gm.graph, 2)) is True
+    x = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    f, fc1, gelu, fc2, g, add = _calls(gm)
+    # Expected:
+    #   f = copy_to_tp_region(x); fc1 = linear(f, fc1.weight, fc1.bias); gelu
+    #   fc2 = linear(gelu, fc2.weight); g = reduce_from_tp_region(fc2); add(g, fc2.bias)
+    assert f.target is copy_to_tp_region and f.args == (x,)
+    assert fc1.target is aten.linear.default and fc1.args[0] is f
+    assert [a.target for a in fc1.args[1:]] == ["fc1.weight", "fc1.bias"]
+    assert gelu.target is aten.gelu.default
+    assert fc2.target is aten.linear.default and [a.target for a in fc2.args[1:]] == ["fc2.weight"]
+    assert g.target is reduce_from_tp_region and g.args == (fc2,)
+    assert add.target is aten.add.Tensor and add.args[0] is g and add.args[1].target == "fc2.bias"
+    assert gm.graph.output_node().args[0] == (add,)
+    assert "copy_to_tp_region" in gm.code and "reduce_from_tp_region" in gm.code
+
+
+@pytest.mark.parametrize("model_cls, n_column", [(SwiGLU, 2), (Attention, 3)])
+def test_pass_shares_one_f_between_columns_reading_one_input(model_cls, n_column):
+    cap = captured(model_cls(), x_batch())
+    gm = cap.gm
+    d = plan_tp(gm.graph, 2)
+    apply_tensor_parallel(gm, d)
+    fs = [n for n in _calls(gm) if n.target is copy_to_tp_region]
+    gs = [n for n in _calls(gm) if n.target is reduce_from_tp_region]
+    assert len(fs) == 1 and len(gs) == 1
+    users = [u for u in fs[0].users]
+    assert len(users) == n_column and all(u.args[1].target in d.column for u in users)
+    # constants rewritten in the graph itself
+    for name, edits in d.rewrites.items():
+        node = next(n for n in gm.graph.nodes if n.name == name)
+        for arg, i, new in edits:
+            assert node.args[arg][i] == new
+
+
+# --- tensor_parallel pass: numerics at tp=2 (lockstep ranks) ---------------------------------
+
+@pytest.mark.parametrize("model_cls", [MLP, SwiGLU, Attention, Block])
+def test_tp2_rewrite_matches_unmodified_model(model_cls):
+    torch.manual_seed(0)
+    model = model_cls().eval()
+    cap = captured(model, x_batch())
+    d = plan_tp(cap.gm.graph, 2)
+    apply_cleanup(cap.gm)
+    apply_tensor_parallel(cap.gm, d)
+    x = x_batch(3, 7, seed=1)
+    with torch.no_grad():
+        ref = model(*x)
+    outs = run_tp_lockstep(cap.gm, d, 2, x)
+    for out in outs:
+        torch.testing.assert_close(out[0], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_tp2_gqa_llama_matches_unmodified_model(llama):
+    model, _ = llama
+    cap = captured(model, ids_batch())       # fresh capture: the pass rewrites in place
+    d = plan_tp(cap.gm.graph, 2)
+    apply_cleanup(cap.gm)
+    apply_tensor_parallel(cap.gm, d)
+    batch = ids_batch(3, 11, seed=1)
+    with torch.no_grad():
+        ref = model(**batch).logits
+    outs = run_tp_lockstep(cap.gm, d, 2, (), batch)
+    for out in outs:
+        torch.testing.assert_close(out[0], ref, rtol=1e-5, atol=1e-5)
