@@ -81,7 +81,11 @@ def example_batch(module: ModuleType) -> tuple | dict:
     Raises:
         ModelFileError: anything else.
     """
-    batch = module.example_inputs()
+    try:
+        batch = module.example_inputs()
+    except Exception as e:
+        raise ModelFileError(f"example_inputs() in {module.__file__} raised {type(e).__name__}: {e}"
+                             f"{_user_frame(e, Path(module.__file__))}") from e
     if isinstance(batch, torch.Tensor):
         batch = (batch,)
     if isinstance(batch, list):
@@ -155,6 +159,7 @@ def _to_flat_calling(gm: torch.fx.GraphModule) -> None:
     """Drop export's pytree in/out conversion and runtime guard call so the graph takes flat
     tensors and returns a flat tuple, which is what pipeline stages send and receive."""
     graph = gm.graph
+    gm._forward_pre_hooks.clear()  # export's input-structure check expects the pytree call
     graph._codegen = torch.fx.graph.CodeGen()
     for node in list(graph.nodes):
         if node.op == "call_module" and node.target == "_guards_fn":

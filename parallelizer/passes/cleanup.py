@@ -26,7 +26,8 @@ def apply_cleanup(gm: fx.GraphModule) -> bool:
             changed = True
     device_node = None
     for node in list(graph.nodes):
-        if node.op != "call_function" or not isinstance(node.kwargs.get("device"), torch.device):
+        is_dev = [isinstance(a, torch.device) for a in node.args]
+        if node.op != "call_function" or not (any(is_dev) or isinstance(node.kwargs.get("device"), torch.device)):
             continue
         if device_node is None:
             if not hasattr(gm, RUNTIME_DEVICE):
@@ -34,7 +35,9 @@ def apply_cleanup(gm: fx.GraphModule) -> bool:
             with graph.inserting_before(_first_non_input(graph)), warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # a plain attribute, set on every emitted module
                 device_node = graph.get_attr(RUNTIME_DEVICE)
-        node.kwargs = {**node.kwargs, "device": device_node}
+        node.args = tuple(device_node if d else a for a, d in zip(node.args, is_dev))
+        if isinstance(node.kwargs.get("device"), torch.device):
+            node.kwargs = {**node.kwargs, "device": device_node}
         changed = True
     if changed:
         graph.lint()

@@ -101,7 +101,7 @@ def _rule(node: fx.Node, prop: Propagation, column, row, tp):
         return _linear(node, prop, column, row, groups)
     if not ins:
         return None, groups
-    if not is_tensor(node) and target is not operator.getitem and target not in _SPLITS:
+    if not _holds_tensors(node):  # sizes (SymInt) and other non-tensor values
         return None, groups
     fn = _RULES.get(target)
     if fn is None:
@@ -113,6 +113,13 @@ def _rule(node: fx.Node, prop: Propagation, column, row, tp):
     if out == INVALID:
         return _conflict(prop, node, groups, f"{target} cannot take a sharded input here")
     return out, groups
+
+
+def _holds_tensors(node) -> bool:
+    v = node.meta.get("val")
+    if isinstance(v, (tuple, list)):
+        return any(isinstance(x, torch.Tensor) for x in v)
+    return isinstance(v, torch.Tensor)
 
 
 def _conflict(prop, node, groups, reason):

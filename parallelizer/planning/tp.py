@@ -66,9 +66,10 @@ def plan_tp(graph: fx.Graph, tp: int) -> TPDecision:
     decision.report.insert(0, f"column_parallel: {len(column)} linears; row_parallel: "
                               f"{len(row)} linears; replicated: "
                               f"{len(linears) - len(column) - len(row)} linears")
+    paired = {w for c, rows in pairs.items() if rows for w in {c} | rows}
     for n in linears:
         w = n.args[1].target
-        if w not in column and w not in row:
+        if w not in paired:
             decision.report.append(f"replicated linear: {w} (no column/row pair found)")
     return decision
 

@@ -175,17 +175,11 @@ def test_llama_tp2_plan_placements(llama_tp2):
     assert llama_tp2.plan.aliases == {"lm_head.weight": "model.embed_tokens.weight"}
 
 
-@pytest.mark.xfail(strict=True, reason="cleanup pass rewrites device constants only in kwargs: the "
-                   "rotary table's aten.to.device(inv_freq, device(type='meta'), float32) keeps its "
-                   "positional capture device, so a --no-weights program is hard-wired to 'meta' "
-                   "(and a weights compile to 'cpu', which breaks on cuda ranks)")
 def test_llama_emitted_source_has_no_hardcoded_device(llama_tp2):
     src = llama_tp2.sources["program/stage0.py"]
     assert "device(type=" not in src
 
 
-@pytest.mark.xfail(strict=True, reason="same cleanup bug: the meta-compiled program fails at run "
-                   "time with 'Tensor on device meta is not on the expected device cpu!'")
 def test_llama_no_weights_program_runs_on_cpu(llama_tp2, tmp_path):
     path = tmp_path / "stage0.py"
     path.write_text(llama_tp2.sources["program/stage0.py"])

@@ -173,9 +173,6 @@ def test_example_batch_accepts_tensor_list_tuple_dict(tmp_path, batch, expected_
     assert isinstance(out, expected_type)
 
 
-@pytest.mark.xfail(strict=True, reason="example_batch calls example_inputs() unguarded: an exception "
-                   "in it escapes raw (ZeroDivisionError), unlike build_model() which is wrapped in "
-                   "ModelFileError naming model.py and the line")
 def test_example_inputs_raising_is_a_model_file_error(tmp_path):
     path = write(tmp_path, """
         def build_model():
@@ -297,10 +294,6 @@ def test_capture_dict_inputs_runs_other_batch_and_seq(two_inputs_model):
     assert tuple(placeholders) == cap.input_names
 
 
-@pytest.mark.xfail(strict=True, reason="Captured docstring: gm 'takes the flat inputs positionally "
-                   "(input_names order)', but for dict inputs the export pre-hook "
-                   "(_check_input_constraints_pre_hook) is left on gm and rejects positional "
-                   "arguments: ValueError: Ran into a kwarg keyword mismatch")
 def test_capture_dict_inputs_callable_positionally(two_inputs_model):
     ids, mask = _two_inputs(2, 8, seed=0)
     cap = capture(two_inputs_model, {"ids": ids, "mask": mask}, Path(__file__))

@@ -269,10 +269,6 @@ class MaxOverHidden(nn.Module):
         return self.fc2(F.gelu(h)) + h.max(dim=-1, keepdim=True).values
 
 
-@pytest.mark.xfail(strict=True, reason="multi-output ops (aten.max.dim, aten.sort, aten.topk ...) "
-                   "on a sharded input are given Replicate: _rule returns None for any node whose "
-                   "meta val is not a tensor unless it is getitem/split, so the local max over half "
-                   "the hidden dim is treated as the global one (silent mis-sharding)")
 def test_multi_output_op_on_sharded_input_is_a_conflict():
     graph = graph_of(MaxOverHidden(), (2, 5, H))
     prop = propagate(graph, {"fc1.weight"}, {"fc2.weight"}, tp=2)

@@ -274,19 +274,12 @@ def test_sort_between_pair_keeps_it_replicated():
                for line in d.report)
 
 
-@pytest.mark.xfail(strict=True, reason="the sort over the sharded hidden dim is not the reported "
-                   "cause: sort's output (a tuple) is taken as Replicate, so the report blames the "
-                   "row linear ('row_parallel linear needs Shard(-1) input') instead of saying there "
-                   "is no sharding rule for aten.sort")
 def test_sort_between_pair_report_names_sort():
     d = _conflict_plan(lambda h: torch.sort(h, dim=-1).values)
     kept = next(line for line in d.report if line.startswith("kept replicated:"))
     assert "sort" in kept
 
 
-@pytest.mark.xfail(strict=True, reason="silent mis-sharding: h.max(-1) over the sharded hidden dim "
-                   "(aten.max.dim, a tuple-valued node) is taken as Replicate, so fc1/fc2 are sharded "
-                   "and each rank adds the max of its own half of h; no conflict, nothing reported")
 def test_max_over_sharded_hidden_is_not_silently_sharded():
     class MaxSideBranch(nn.Module):
         def __init__(self):
