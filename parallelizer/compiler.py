@@ -5,6 +5,7 @@ data) or a pass (reads a plan, rewrites the graph).
 """
 from __future__ import annotations
 
+import copy
 from operator import attrgetter
 from pathlib import Path
 from typing import Optional
@@ -39,8 +40,8 @@ def compile_to_dir(model_path: Path, spec: Spec, out_dir: Path, weights: bool = 
 
 def compile_model(model_path: Path, spec: Spec, weights: bool = True,
                   dump_passes: Optional[Path] = None) -> Program:
-    """Trace, plan, rewrite and emit. ``weights=False`` builds on the meta device and emits
-    program and plan only (no checkpoint, no reference).
+    """Compile the model of a model.py file. ``weights=False`` builds it on the meta device
+    and emits program and plan only (no checkpoint, no reference).
 
     Raises:
         ModelFileError, CaptureError, PlanError, CheckpointError: bad input, with the fix.
@@ -50,11 +51,34 @@ def compile_model(model_path: Path, spec: Spec, weights: bool = True,
     model = build_model(module, on_meta=not weights)
     if weights and spec.checkpoint.path:
         _load_checkpoint(model, spec.checkpoint.path)
-    model.train()
     batch = example_batch(module)
+    loss_fn = getattr(module, "loss_fn", None) or default_loss
+    return compile_module(model, batch, spec, loss_fn, model_file=Path(model_path),
+                          dump_passes=dump_passes, owns_model=True)
+
+
+def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
+                   model_file: Optional[Path] = None, reference: bool = True,
+                   dump_passes: Optional[Path] = None, owns_model: bool = False) -> Program:
+    """Trace, plan, rewrite and emit ``model`` (the same path for the CLI and the API).
+
+    Args:
+        model: on cpu (its weights are resharded into the program) or on the meta device
+            (program and plan only).
+        batch: example inputs, a tuple or dict of tensors (dim 0 batch, dim 1 sequence).
+        loss_fn: ``loss_fn(outputs, batch)``, for the reference step; default_loss if None.
+        reference: also compute ``reference.safetensors`` (one training step of the model).
+        owns_model: the caller's model may be stepped for the reference; otherwise a copy is.
+
+    Raises:
+        CaptureError, PlanError: the model cannot be captured or the spec cannot apply.
+    """
+    weights = not any(t.is_meta for t in model.parameters())
+    model.train()
     if not weights:
         batch = _to_meta(batch)
-    captured = capture(model, batch, model_path)
+    name = model_file or Path("<in-memory model>")
+    captured = capture(model, batch, name)
     gm, mesh = captured.gm, spec.mesh
     groups = tied_groups(model)
 
@@ -75,14 +99,16 @@ def compile_model(model_path: Path, spec: Spec, weights: bool = True,
         block_notes += notes
 
     plan = build_plan(spec, captured, gm, model, groups, tp_decision, stages, block_graphs)
-    sources = emit.stage_sources(plan, stages, block_graphs, model, model_path)
-    reference = state = None
+    sources = emit.stage_sources(plan, stages, block_graphs, model, name)
+    ref = state = None
     if weights:
         state = {fqn: attrgetter(fqn)(gm).detach().clone() for fqn in plan.tensors}
-        loss_fn = getattr(module, "loss_fn", None) or default_loss
-        reference = compute_reference(model, batch, loss_fn, captured.input_names, spec)
+        if reference:
+            stepped = model if owns_model else copy.deepcopy(model)
+            ref = compute_reference(stepped, batch, loss_fn or default_loss,
+                                    captured.input_names, spec)
     report = render_report(plan, captured.route, tp_decision.report, pp_decision, block_notes)
-    return Program(plan, sources, report, model_path, spec.to_dict(), state, reference)
+    return Program(plan, sources, report, model_file, spec.to_dict(), state, ref)
 
 
 def _to_meta(batch):

@@ -22,7 +22,7 @@ class Program:
     plan: ParallelPlan
     sources: dict            # relative path -> Python source (program/stage0.py, run.py)
     report: str
-    model_file: Path
+    model_file: Optional[Path]  # copied to OUT/model.py for loss_fn and batches()
     spec: dict
     state: Optional[dict] = None      # canonical fqn -> full tensor (None under --no-weights)
     reference: Optional[dict] = None  # see parallelizer.reference
@@ -58,7 +58,8 @@ class Program:
         (tmp / "plan.json").write_text(self.plan.to_json())
         (tmp / "report.md").write_text(self.report)
         (tmp / "spec.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(self.spec)))
-        shutil.copyfile(self.model_file, tmp / "model.py")
+        if self.model_file is not None:
+            shutil.copyfile(self.model_file, tmp / "model.py")
         if self.state is not None:
             write_checkpoint(self.state, self.plan, tmp / "checkpoint")
         if self.reference is not None:

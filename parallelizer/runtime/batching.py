@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 
 import torch
+from torch.utils._pytree import tree_map
 
 from ..plan import ParallelPlan
 
@@ -23,9 +24,9 @@ def flatten(plan: ParallelPlan, batch) -> list:
     return list(batch)
 
 
-def index_rows(plan: ParallelPlan, batch, rows: torch.Tensor):
-    """The samples ``rows`` (dim 0) of every tensor in ``batch``."""
-    return to_batch(plan, [t[rows.to(t.device)] for t in flatten(plan, batch)])
+def index_rows(tree, rows: torch.Tensor):
+    """The samples ``rows`` (dim 0) of every tensor in ``tree`` (a batch or a target)."""
+    return tree_map(lambda t: t[rows.to(t.device)] if isinstance(t, torch.Tensor) else t, tree)
 
 
 def dp_slice(plan: ParallelPlan, batch, dp_rank: int, device) -> tuple | dict:

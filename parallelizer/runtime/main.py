@@ -34,6 +34,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _load_model_module(out_dir: Path):
+    """OUT/model.py (absent for programs compiled from an in-memory model by the API)."""
+    if not (out_dir / "model.py").exists():
+        return None
     spec = importlib.util.spec_from_file_location("parallelizer_program_model", out_dir / "model.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
@@ -58,7 +61,7 @@ def main(out_dir: Path, argv=None) -> int:
         stage = build_stage(out_dir, plan, ctx, args.load)
         if args.verify:
             return run_verify(out_dir, plan, spec, stage, ctx, loss_fn)
-        run_train(plan, spec, stage, ctx, loss_fn, model_module, model_module.example_inputs(), args.steps)
+        run_train(plan, spec, stage, ctx, loss_fn, model_module, args.steps)
         if args.save:
             save_checkpoint(stage, plan, ctx, args.save)
         return 0

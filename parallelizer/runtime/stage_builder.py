@@ -2,12 +2,13 @@
 shard it with FSDP2 over the dp mesh dim (ZeRO-3: ``fully_shard`` per block, then the stage)."""
 from __future__ import annotations
 
-import importlib.util
 import sys
+import types
 from pathlib import Path
 
 import torch
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import distribute_tensor
 
 from ..checkpoint.reader import load_shard
 from ..errors import CheckpointError
@@ -18,11 +19,16 @@ from .setup import RankContext
 
 def import_stage_class(out_dir: Path, index: int) -> type:
     path = Path(out_dir) / "program" / f"stage{index}.py"
+    return stage_class_from_source(path.read_text(), index, str(path))
+
+
+def stage_class_from_source(source: str, index: int, filename: str | None = None) -> type:
+    """The ``Stage{index}`` class defined by emitted ``source`` (a file or in memory)."""
     name = f"parallelizer_program_stage{index}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
+    module = types.ModuleType(name)
+    module.__file__ = filename or f"<parallelizer stage {index}>"
     sys.modules[name] = module
-    spec.loader.exec_module(module)
+    exec(compile(source, module.__file__, "exec"), module.__dict__)
     return getattr(module, f"Stage{index}")
 
 
@@ -34,21 +40,44 @@ def build_stage(out_dir: Path, plan: ParallelPlan, ctx: RankContext,
     Raises:
         CheckpointError: the shard is missing, corrupt, for another plan, or lacks a tensor.
     """
-    stage = import_stage_class(out_dir, ctx.pp_rank)(ctx.device)
     ckpt = Path(checkpoint) if checkpoint else Path(out_dir) / "checkpoint"
     if not ckpt.exists():
         raise CheckpointError(f"no checkpoint at {ckpt}; compile without --no-weights or pass --load DIR")
     shard = load_shard(ckpt, ctx.pp_rank, ctx.tp_rank, plan)
-    state = {}
-    for name in stage.state_dict():
-        fqn = plan.aliases.get(name, name)
-        if fqn not in shard:
-            raise CheckpointError(f"{ckpt} (pp {ctx.pp_rank}, tp {ctx.tp_rank}) lacks {fqn}")
-        state[name] = shard[fqn]
-    stage.load_state_dict(state, strict=True)
+    return instantiate(import_stage_class(out_dir, ctx.pp_rank), plan, ctx, shard, str(ckpt))
+
+
+def instantiate(cls: type, plan: ParallelPlan, ctx: RankContext, shard: dict,
+                source: str = "the checkpoint") -> EmittedModule:
+    """Create the stage on this rank's device, fill it from ``shard`` (canonical fqn ->
+    local piece), then shard it with FSDP2 when dp > 1."""
+    stage = cls(ctx.device)
+    load_into(stage, plan, shard, ctx, source)
     if plan.mesh["dp"] > 1:
         apply_fsdp(stage, ctx)
     return stage
+
+
+@torch.no_grad()
+def load_into(stage: torch.nn.Module, plan: ParallelPlan, shard: dict, ctx: RankContext,
+              source: str = "the checkpoint") -> None:
+    """Copy ``shard`` into the stage's tensors, FSDP2-sharded (DTensor) ones included.
+
+    Raises:
+        CheckpointError: a tensor is missing or has another shape.
+    """
+    for name, t in list(stage.named_parameters()) + list(stage.named_buffers()):
+        fqn = plan.aliases.get(name, name)
+        if fqn not in shard:
+            raise CheckpointError(f"{source} (pp {ctx.pp_rank}, tp {ctx.tp_rank}) lacks {fqn}")
+        src = shard[fqn].to(ctx.device)
+        if hasattr(t, "device_mesh"):  # an FSDP2 shard: take this rank's chunk of src
+            src = distribute_tensor(src, t.device_mesh, t.placements, src_data_rank=None).to_local()
+            t = t.to_local()
+        if tuple(src.shape) != tuple(t.shape):
+            raise CheckpointError(f"{source}: {fqn} has shape {tuple(src.shape)}, the program "
+                                  f"expects {tuple(t.shape)} on (pp {ctx.pp_rank}, tp {ctx.tp_rank})")
+        t.copy_(src)
 
 
 def apply_fsdp(stage: EmittedModule, ctx: RankContext) -> None:

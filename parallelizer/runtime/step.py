@@ -29,23 +29,26 @@ class StepRunner:
         self.pp = plan.mesh["pp"]
         self.is_last = ctx.pp_rank == self.pp - 1
         self._schedules: dict = {}
-        self._batch = None
+        self._target = None
         self.tied = _tied_params(stage, plan, ctx)
 
-    def step(self, batch) -> tuple[torch.Tensor, list | None]:
-        """Forward and backward of this rank's share ``batch`` (already on device).
+    def step(self, batch, target=None) -> tuple[torch.Tensor, list | None]:
+        """Forward and backward of this rank's share ``batch`` (already on device); the
+        loss is ``loss_fn(outputs, target)``, with ``target`` = ``batch`` when None (any
+        pytree of tensors whose dim 0 is the batch).
 
         Returns:
             (loss, outputs): the mean loss over the whole global batch (a 0-dim tensor on
             every rank) and, on the last stage, the flat outputs for ``batch`` (else None).
         """
+        target = batch if target is None else target
         if self.pp == 1:
             flat_out = _as_tuple(self.stage(*flatten(self.plan, batch)))
-            loss = self.loss_fn(self._unflatten(flat_out), batch)
+            loss = self.loss_fn(self._unflatten(flat_out), target)
             loss.backward()
             loss, outputs = loss.detach(), list(flat_out)
         else:
-            loss, outputs = self._pipeline_step(batch)
+            loss, outputs = self._pipeline_step(batch, target)
         self._sync_tied_grads()
         return self._global_loss(loss), outputs
 
@@ -53,7 +56,7 @@ class StepRunner:
         return tree_unflatten(list(flat), self.out_spec)
 
     def _pipeline_loss(self, output, rows):
-        return self.loss_fn(self._unflatten(_as_tuple(output)), index_rows(self.plan, self._batch, rows))
+        return self.loss_fn(self._unflatten(_as_tuple(output)), index_rows(self._target, rows))
 
     def _schedule(self, flat):
         key = tuple(tuple(t.shape) for t in flat)  # stages infer activation shapes once
@@ -65,9 +68,9 @@ class StepRunner:
                 scale_grads=True)
         return self._schedules[key]
 
-    def _pipeline_step(self, batch):
+    def _pipeline_step(self, batch, target):
         flat = flatten(self.plan, batch)
-        self._batch = batch
+        self._target = target
         schedule = self._schedule(flat)
         rows = torch.arange(flat[0].shape[0], device=self.ctx.device)
         losses: list = []

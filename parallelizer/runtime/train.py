@@ -17,12 +17,12 @@ from .step import StepRunner
 
 
 def run_train(plan: ParallelPlan, spec: dict, stage, ctx: RankContext, loss_fn, model_module,
-              example, steps: int) -> list[float]:
+              steps: int) -> list[float]:
+    """Train ``steps`` steps; returns the losses (global means, on every rank)."""
     ocfg = spec["optimizer"]
     runner = StepRunner(stage, plan, ctx, loss_fn)
     opt = make_optimizer(stage.parameters(), ocfg["name"], ocfg["lr"], ocfg["weight_decay"])
-    source = model_module.batches() if hasattr(model_module, "batches") else \
-        synthetic_batches(plan, example, plan.seed)
+    source = _batches(plan, model_module, spec)
     losses = []
     for step, batch in zip(range(steps), source):
         opt.zero_grad(set_to_none=True)
@@ -34,10 +34,19 @@ def run_train(plan: ParallelPlan, spec: dict, stage, ctx: RankContext, loss_fn, 
     return losses
 
 
-def save_checkpoint(stage, plan: ParallelPlan, ctx: RankContext, out: Path) -> None:
-    """Gather every tensor to full shape and write ``out`` atomically from global rank 0
-    (via ``write_checkpoint``: temporary folder, then rename). Memory on rank 0 is the whole
-    model; the streaming per-rank writer comes with the checkpoint issue."""
+def _batches(plan: ParallelPlan, model_module, spec: dict):
+    if model_module is not None and hasattr(model_module, "batches"):
+        return model_module.batches()
+    if model_module is not None:
+        return synthetic_batches(plan, model_module.example_inputs(), plan.seed)
+    raise ValueError("--train needs batches: this program has no model.py (compiled from an "
+                     "in-memory model); train it through the Python API instead")
+
+
+def gather_full_state(stage, plan: ParallelPlan, ctx: RankContext) -> dict | None:
+    """Every tensor of the model at full shape under its canonical FQN, on global rank 0
+    (None elsewhere). Collective over all ranks. Memory on rank 0 is the whole model; the
+    streaming per-rank writer comes with the checkpoint issue."""
     tp = plan.mesh["tp"]
     mine = {}
     for name, t in list(stage.named_parameters()) + list(stage.named_buffers()):
@@ -47,10 +56,19 @@ def save_checkpoint(stage, plan: ParallelPlan, ctx: RankContext, out: Path) -> N
             mine[fqn] = full
     gathered = [None] * dist.get_world_size() if ctx.rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)
-    if ctx.rank == 0:
-        state = {}
-        for part in gathered:
-            state.update(part)
+    if ctx.rank != 0:
+        return None
+    state = {}
+    for part in gathered:
+        state.update(part)
+    return state
+
+
+def save_checkpoint(stage, plan: ParallelPlan, ctx: RankContext, out: Path) -> None:
+    """Write the model to ``out`` in the plan's sharded layout, atomically (temporary
+    folder, then rename) from global rank 0. Collective."""
+    state = gather_full_state(stage, plan, ctx)
+    if state is not None:
         write_checkpoint(state, plan, Path(out), overwrite=True)
         print(f"saved {len(state)} tensors to {out}", flush=True)
     dist.barrier()

@@ -1,0 +1,180 @@
+"""The Python API: the compiler as a library call inside your own training loop.
+
+The API and the CLI are two faces of one compiler: both go through
+``compiler.compile_module`` and run on the same runtime (``parallelizer.runtime``).
+
+Example (launched with ``torchrun --nproc-per-node 4 train.py``)::
+
+    import parallelizer as pz
+    spec = pz.load_spec("spec.yaml", overrides=["mesh.tp=2", "mesh.pp=2"])
+    pm = pz.parallelize(model, spec, example_inputs=(input_ids,), loss_fn=loss_fn)
+    opt = torch.optim.AdamW(pm.parameters(), lr=3e-4)
+    for batch in loader:
+        loss = pm.step(pm.shard_batch(batch))   # all microbatches, forward and backward
+        opt.step(); opt.zero_grad()
+    pm.save_checkpoint("ckpt/")
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from .checkpoint.layout import local_piece
+from .checkpoint.reader import load_shard
+from .compiler import compile_module
+from .errors import UserError
+from .program import Program
+from .runtime.batching import dp_slice
+from .runtime.loss import default_loss
+from .runtime.setup import RankContext, init
+from .runtime.stage_builder import instantiate, load_into, stage_class_from_source
+from .runtime.step import StepRunner
+from .runtime.train import gather_full_state, save_checkpoint
+from .spec import Spec, load_spec
+
+__all__ = ["load_spec", "compile", "parallelize", "ParallelModule", "Program"]
+
+
+def compile(model: torch.nn.Module, spec: Spec, example_inputs, loss_fn: Optional[Callable] = None,
+            reference: bool = True) -> Program:
+    """Trace, plan and rewrite ``model``; ``program.save(dir)`` writes what the CLI emits.
+
+    Args:
+        model: on cpu (weights resharded into the program) or on the meta device.
+        example_inputs: a tuple or dict of tensors; dim 0 batch, dim 1 sequence (dynamic).
+        loss_fn: ``loss_fn(outputs, batch) -> scalar`` for the reference step.
+        reference: compute ``reference.safetensors`` on a copy of ``model`` (it is never modified).
+
+    Raises:
+        CaptureError, PlanError: as the CLI (the message names the module and the fix).
+    """
+    batch = example_inputs if isinstance(example_inputs, dict) else tuple(example_inputs)
+    return compile_module(model, batch, spec, loss_fn, reference=reference)
+
+
+def parallelize(model: torch.nn.Module, spec: Spec, example_inputs, loss_fn: Optional[Callable] = None,
+                weights: Optional[str | Path] = None, device: Optional[str] = None) -> "ParallelModule":
+    """This rank's part of ``model`` parallelized by ``spec``; call on every rank.
+
+    Args:
+        model: on cpu (this rank's slices are taken from it) or on the meta device with
+            ``weights`` = a checkpoint folder in parallelizer's layout (each rank reads its
+            own (pp, tp) file only).
+        example_inputs: as for :func:`compile`.
+        loss_fn: ``loss_fn(outputs, target) -> scalar``, a mean over samples; default: mean
+            of squares of the first floating-point output.
+        device: "cuda" (NCCL, GPU ``LOCAL_RANK``) or "cpu" (gloo); default cuda when available.
+
+    Raises:
+        UserError: not launched by torchrun (no process group and no RANK), or a world size
+            other than ``mesh.dp * mesh.tp * mesh.pp``; the message says what to launch.
+        CaptureError, PlanError, CheckpointError: as the CLI.
+    """
+    _check_launch(spec)
+    program = compile(model, spec, example_inputs, loss_fn, reference=False)
+    plan = program.plan
+    ctx = init(plan, device)
+    p, t = ctx.pp_rank, ctx.tp_rank
+    cls = stage_class_from_source(program.sources[f"program/stage{p}.py"], p)
+    if program.state is not None:
+        shard = {fqn: local_piece(program.state[fqn], tp_plan, plan.mesh["tp"], t)
+                 for fqn, tp_plan in plan.tensors.items() if p in tp_plan.stages}
+        source = "the model"
+    elif weights is not None:
+        shard, source = load_shard(weights, p, t, plan), str(weights)
+    else:
+        raise UserError("the model is on the meta device and no weights= checkpoint was given; "
+                        "build it on cpu or pass weights=<checkpoint folder>")
+    stage = instantiate(cls, plan, ctx, shard, source)
+    return ParallelModule(stage, plan, ctx, loss_fn or default_loss)
+
+
+def _check_launch(spec: Spec) -> None:
+    need = spec.mesh.dp * spec.mesh.tp * spec.mesh.pp
+    launch = (f"launch your script with `torchrun --nproc-per-node {need} your_script.py` "
+              f"(mesh dp={spec.mesh.dp} x tp={spec.mesh.tp} x pp={spec.mesh.pp} = {need} ranks)")
+    if dist.is_initialized():
+        world = dist.get_world_size()
+    elif "RANK" in os.environ:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+    else:
+        raise UserError(f"pz.parallelize runs on every rank of a distributed job, but no process "
+                        f"group is initialised and this process was not started by torchrun; {launch}")
+    if world != need:
+        raise UserError(f"the spec's mesh needs {need} ranks but the world size is {world}; {launch}")
+
+
+class ParallelModule:
+    """This rank's stage of a parallelized model, with the step that drives all ranks.
+
+    Attributes:
+        module: the local stage module (an ``nn.Module`` whose parameters keep the original
+            FQNs, tp-sharded and, when dp > 1, FSDP2-sharded); call it yourself when pp = 1.
+        plan: the ParallelPlan. ``pp_rank``, ``dp_rank``, ``tp_rank``: this rank's coordinates.
+    """
+
+    def __init__(self, stage, plan, ctx: RankContext, loss_fn):
+        self.module, self.plan, self.ctx = stage, plan, ctx
+        self._runner = StepRunner(stage, plan, ctx, loss_fn)
+        self.pp_rank, self.dp_rank, self.tp_rank = ctx.pp_rank, ctx.dp_rank, ctx.tp_rank
+
+    def parameters(self):
+        return self.module.parameters()
+
+    def named_parameters(self):
+        return self.module.named_parameters()
+
+    def shard_batch(self, batch):
+        """This data-parallel rank's contiguous share of a global ``batch``, on its device.
+
+        Raises:
+            ValueError: the batch size is not divisible by dp x microbatches.
+        """
+        return dp_slice(self.plan, batch, self.dp_rank, self.ctx.device)
+
+    def step(self, inputs, target=None) -> torch.Tensor:
+        """Forward and backward of every microbatch of ``inputs`` (this rank's data-parallel
+        share: a tuple or dict like the example inputs); gradients accumulate in
+        ``parameters()`` for your optimizer.
+
+        Args:
+            target: what ``loss_fn`` gets beside the outputs (default: ``inputs``), any
+                pytree of tensors with the batch in dim 0.
+
+        Returns:
+            The loss (0-dim fp32 tensor), the mean over the whole global batch, on every rank.
+        """
+        return self._runner.step(inputs, target)[0]
+
+    def save_checkpoint(self, path: str | Path) -> None:
+        """Write the weights in the plan's sharded layout (``pp{p}-tp{t}.safetensors`` and
+        ``manifest.json``), atomically. Collective: call on every rank."""
+        save_checkpoint(self.module, self.plan, self.ctx, Path(path))
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        """Load weights saved by :meth:`save_checkpoint` (or an OUT/checkpoint) for this plan.
+
+        Raises:
+            CheckpointError: corrupt file, another plan, or a missing tensor.
+        """
+        load_into(self.module, self.plan, load_shard(path, self.pp_rank, self.tp_rank, self.plan),
+                  self.ctx, str(path))
+
+    def full_state_dict(self) -> Optional[dict]:
+        """Full tensors under the original (canonical) FQNs on global rank 0; None on the
+        other ranks. Collective: call on every rank."""
+        return gather_full_state(self.module, self.plan, self.ctx)
+
+    def __repr__(self) -> str:
+        m = self.plan.mesh
+        n = sum(p.numel() for p in self.module.parameters())
+        blocks = [b for b, _ in self.module.emitted_blocks()]
+        held = f"{blocks[0]}..{blocks[-1]}" if blocks else "no blocks"
+        return (f"ParallelModule(mesh pp={m['pp']} x dp={m['dp']} x tp={m['tp']}, rank "
+                f"{self.ctx.rank} at (pp={self.pp_rank}, dp={self.dp_rank}, tp={self.tp_rank}), "
+                f"stage {self.pp_rank} of {m['pp']} holding {held}, {n:,} local parameter "
+                f"elements, schedule {self.plan.schedule if m['pp'] > 1 else 'none'})")
