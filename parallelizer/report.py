@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 from .plan import ParallelPlan
+
+_DP = {0: "DDP", 1: "DDP + ZeroRedundancyOptimizer", 2: "FSDP2 per block, kept after forward",
+       3: "FSDP2 per block, resharded after forward"}
 from .planning.pipeline import PipelineDecision
 
 
@@ -12,7 +15,7 @@ def render_report(plan: ParallelPlan, route: str, tp_lines, pp: PipelineDecision
              f"(order pp, dp, tp; tp innermost)",
              f"- capture: {route}",
              f"- schedule: {plan.schedule}, microbatches: {plan.microbatches}; "
-             f"data parallel: FSDP2 (zero_stage {plan.zero_stage}) per block over dp",
+             f"data parallel: {_DP[plan.zero_stage]} over dp (zero_stage {plan.zero_stage})",
              "", "## Tensor parallel", ""]
     lines += [f"- {line}" for line in tp_lines] or ["- tp=1: nothing sharded"]
     sharded = [t for t in plan.tensors.values() if t.tp_dim is not None]

@@ -101,8 +101,9 @@ class Spec(BaseModel):
     model_config = _STRICT
     mesh: Mesh = Mesh()
     pipeline: Pipeline = Pipeline()
-    zero_stage: Literal[3] = Field(
-        3, description="3 (ZeRO stages 0-2 are not implemented yet)")
+    zero_stage: Literal[0, 1, 2, 3] = Field(
+        3, description="one of 0 (DDP), 1 (DDP + ZeroRedundancyOptimizer), 2 (FSDP2, "
+                       "parameters kept after forward), 3 (FSDP2, resharded after forward)")
     checkpoint: Checkpoint = Checkpoint()
     seed: int = Field(0, ge=0, description="an integer >= 0")
     optimizer: Optimizer = Optimizer()

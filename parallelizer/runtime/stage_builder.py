@@ -1,5 +1,5 @@
 """Build this rank's stage module: import the emitted source, load its checkpoint shard,
-shard it with FSDP2 over the dp mesh dim (ZeRO-3: ``fully_shard`` per block, then the stage)."""
+wrap it for data parallelism by ZeRO stage (runtime/data_parallel.py)."""
 from __future__ import annotations
 
 import sys
@@ -7,12 +7,12 @@ import types
 from pathlib import Path
 
 import torch
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import distribute_tensor
 
 from ..checkpoint.reader import load_shard
 from ..errors import CheckpointError
 from ..plan import ParallelPlan
+from .data_parallel import apply_data_parallel
 from .modules import EmittedModule
 from .setup import RankContext
 
@@ -35,7 +35,7 @@ def stage_class_from_source(source: str, index: int, filename: str | None = None
 def build_stage(out_dir: Path, plan: ParallelPlan, ctx: RankContext,
                 checkpoint: Path | None = None) -> EmittedModule:
     """The stage module of ``ctx.pp_rank`` with the (pp, tp) shard of ``checkpoint``
-    (default ``OUT/checkpoint``) loaded, FSDP2-sharded when dp > 1.
+    (default ``OUT/checkpoint``) loaded, wrapped for data parallelism when dp > 1.
 
     Raises:
         CheckpointError: the shard is missing, corrupt, for another plan, or lacks a tensor.
@@ -50,11 +50,10 @@ def build_stage(out_dir: Path, plan: ParallelPlan, ctx: RankContext,
 def instantiate(cls: type, plan: ParallelPlan, ctx: RankContext, shard: dict,
                 source: str = "the checkpoint") -> EmittedModule:
     """Create the stage on this rank's device, fill it from ``shard`` (canonical fqn ->
-    local piece), then shard it with FSDP2 when dp > 1."""
+    local piece), then wrap it for data parallelism (DDP or FSDP2 by ZeRO stage)."""
     stage = cls(ctx.device)
     load_into(stage, plan, shard, ctx, source)
-    if plan.mesh["dp"] > 1:
-        apply_fsdp(stage, ctx)
+    apply_data_parallel(stage, ctx, plan.zero_stage)
     return stage
 
 
@@ -78,15 +77,6 @@ def load_into(stage: torch.nn.Module, plan: ParallelPlan, shard: dict, ctx: Rank
             raise CheckpointError(f"{source}: {fqn} has shape {tuple(src.shape)}, the program "
                                   f"expects {tuple(t.shape)} on (pp {ctx.pp_rank}, tp {ctx.tp_rank})")
         t.copy_(src)
-
-
-def apply_fsdp(stage: EmittedModule, ctx: RankContext) -> None:
-    """FSDP2 per block (the units that all-gather just before use and free after), then the
-    stage root for what lies outside blocks (embeddings, final norm, head)."""
-    dp_mesh = ctx.mesh["dp"]
-    for _name, block in stage.emitted_blocks():
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=True)
-    fully_shard(stage, mesh=dp_mesh, reshard_after_forward=True)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

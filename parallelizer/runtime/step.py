@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_unflatten, treespec_loads
 
 from ..plan import ParallelPlan
 from .batching import flatten, index_rows
+from .data_parallel import all_reduce_grads
 from .setup import RankContext
 from .stage_builder import local_tensor
 
@@ -31,6 +32,8 @@ class StepRunner:
         self._schedules: dict = {}
         self._target = None
         self.tied = _tied_params(stage, plan, ctx)
+        # DDP cannot follow a pipeline schedule's interleaved forwards (data_parallel.py)
+        self.manual_dp = plan.zero_stage in (0, 1) and plan.mesh["dp"] > 1 and self.pp > 1
 
     def step(self, batch, target=None) -> tuple[torch.Tensor, list | None]:
         """Forward and backward of this rank's share ``batch`` (already on device); the
@@ -49,6 +52,8 @@ class StepRunner:
             loss, outputs = loss.detach(), list(flat_out)
         else:
             loss, outputs = self._pipeline_step(batch, target)
+        if self.manual_dp:
+            all_reduce_grads(self.stage.parameters(), self.ctx)
         self._sync_tied_grads()
         return self._global_loss(loss), outputs
 

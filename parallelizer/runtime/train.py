@@ -11,7 +11,7 @@ from ..checkpoint.writer import write_checkpoint
 from ..plan import ParallelPlan
 from .batching import dp_slice, synthetic_batches
 from .gather import full_tensor
-from .optim import make_optimizer
+from .data_parallel import make_stage_optimizer
 from .setup import RankContext
 from .step import StepRunner
 
@@ -21,7 +21,8 @@ def run_train(plan: ParallelPlan, spec: dict, stage, ctx: RankContext, loss_fn, 
     """Train ``steps`` steps; returns the losses (global means, on every rank)."""
     ocfg = spec["optimizer"]
     runner = StepRunner(stage, plan, ctx, loss_fn)
-    opt = make_optimizer(stage.parameters(), ocfg["name"], ocfg["lr"], ocfg["weight_decay"])
+    opt = make_stage_optimizer(stage.parameters(), ocfg["name"], ocfg["lr"], ocfg["weight_decay"],
+                               plan.zero_stage, ctx)
     source = _batches(plan, model_module, spec)
     losses = []
     for step, batch in zip(range(steps), source):

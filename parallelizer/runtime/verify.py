@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from ..plan import ParallelPlan
 from .batching import dp_slice, to_batch
 from .gather import full_tensor
-from .optim import make_optimizer
+from .data_parallel import make_stage_optimizer
 from .setup import RankContext
 from .step import StepRunner
 
@@ -54,7 +54,8 @@ def run_verify(out_dir: Path, plan: ParallelPlan, spec: dict, stage, ctx: RankCo
     vcfg, ocfg = spec["verify"], spec["optimizer"]
     tally = _Tally(vcfg["atol"], vcfg["rtol"])
     runner = StepRunner(stage, plan, ctx, loss_fn)
-    opt = make_optimizer(stage.parameters(), vcfg["optimizer"], ocfg["lr"], ocfg["weight_decay"])
+    opt = make_stage_optimizer(stage.parameters(), vcfg["optimizer"], ocfg["lr"], ocfg["weight_decay"],
+                               plan.zero_stage, ctx)
     opt.zero_grad(set_to_none=True)
     loss, outputs = runner.step(local)
     tally.add("loss", "loss", loss, ref["loss"])

@@ -103,10 +103,9 @@ def test_tp_zero(tmp_path):
     assert "mesh.tp" in msg and "got 0" in msg and ">= 1" in msg and "mesh.tp=0" in msg
 
 
-def test_zero_stage_2_not_implemented(tmp_path):
-    msg = spec_error(tmp_path, "zero_stage: 2\n")
-    assert "zero_stage" in msg and "got 2" in msg and "must be 3" in msg
-    assert "0-2 are not implemented yet" in msg
+def test_zero_stage_out_of_range(tmp_path):
+    msg = spec_error(tmp_path, "zero_stage: 4\n")
+    assert "zero_stage" in msg and "got 4" in msg and "0 (DDP)" in msg and "3 (FSDP2" in msg
 
 
 def test_bad_optimizer_name_and_lr(tmp_path):
