@@ -12,9 +12,7 @@
 from __future__ import annotations
 
 import torch
-from torch.distributed._composable.replicate import replicate
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from .optim import make_optimizer
 from .setup import RankContext
@@ -27,6 +25,7 @@ def apply_data_parallel(stage: torch.nn.Module, ctx: RankContext, zero_stage: in
     if zero_stage in (0, 1):
         if ctx.mesh["pp"].size() > 1:
             return  # StepRunner averages gradients after the schedule (all_reduce_grads)
+        from torch.distributed._composable.replicate import replicate  # imports torch.jit: lazily
         # find_unused_parameters: a weight the loss does not use (BERT's pooler) must not
         # leave DDP's reducer waiting for its gradient
         replicate(stage, process_group=ctx.group("dp"), find_unused_parameters=True)
@@ -42,6 +41,7 @@ def make_stage_optimizer(params, name: str, lr: float, weight_decay: float, zero
                          ctx: RankContext) -> torch.optim.Optimizer:
     """The spec's optimizer; under ZeRO-1 with dp > 1, partitioned over the dp group."""
     if zero_stage == 1 and ctx.mesh["dp"].size() > 1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer  # imports torch.jit: lazily
         cls = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[name]
         return ZeroRedundancyOptimizer(list(params), optimizer_class=cls, process_group=ctx.group("dp"),
                                        lr=lr, weight_decay=weight_decay)
