@@ -87,6 +87,8 @@ class ParallelPlan:
     out_spec: str = ""  # torch.utils._pytree.treespec_dumps of the model's output
     model_file: str = "model.py"
     tp_report: tuple = ()  # human-readable lines: what was sharded, what was gathered and why
+    activation_checkpointing: str = "none"  # none | full | selective
+    checkpoint_every: int = 1  # under selective: every k-th block, counted over the model
     version: int = PLAN_VERSION
 
     @property

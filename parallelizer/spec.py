@@ -15,6 +15,7 @@ Defaults::
     seed: 0
     optimizer: {name: adamw, lr: 1.0e-3, weight_decay: 0.0}
     verify: {atol: 1.0e-5, rtol: 1.0e-5, optimizer: sgd}
+    activation_checkpointing: {mode: none, every: 2}
 """
 from __future__ import annotations
 
@@ -95,6 +96,13 @@ class Verify(BaseModel):
         "sgd", description="one of 'sgd', 'adamw' (optimizer of the --verify step; lr from optimizer.lr)")
 
 
+class ActivationCheckpointing(BaseModel):
+    model_config = _STRICT
+    mode: Literal["none", "full", "selective"] = Field(
+        "none", description="one of 'none', 'full' (every block), 'selective' (every k-th block)")
+    every: int = Field(2, ge=1, description="an integer >= 1 (k of 'selective')")
+
+
 class Spec(BaseModel):
     """A validated, immutable spec. Build it with :func:`load_spec`."""
 
@@ -108,6 +116,7 @@ class Spec(BaseModel):
     seed: int = Field(0, ge=0, description="an integer >= 0")
     optimizer: Optimizer = Optimizer()
     verify: Verify = Verify()
+    activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing()
 
     @model_validator(mode="after")
     def _check_schedule(self) -> "Spec":

@@ -94,4 +94,6 @@ def build_plan(spec, captured, gm, model, groups, tp: TPDecision, stages, block_
         microbatches=spec.pipeline.microbatches, seed=spec.seed, tensors=tensors,
         aliases={a: c for a, c in aliases.items()}, stages=tuple(stage_plans),
         input_names=captured.input_names, inputs_are_kwargs=captured.inputs_are_kwargs,
-        out_spec=treespec_dumps(captured.out_spec), tp_report=tuple(tp.report))
+        out_spec=treespec_dumps(captured.out_spec), tp_report=tuple(tp.report),
+        activation_checkpointing=spec.activation_checkpointing.mode,
+        checkpoint_every=spec.activation_checkpointing.every)

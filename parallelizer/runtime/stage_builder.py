@@ -2,11 +2,13 @@
 wrap it for data parallelism by ZeRO stage (runtime/data_parallel.py)."""
 from __future__ import annotations
 
+import functools
 import sys
 import types
 from pathlib import Path
 
 import torch
+from torch.utils.checkpoint import checkpoint
 from torch.distributed.tensor import distribute_tensor
 
 from ..checkpoint.reader import load_shard
@@ -53,6 +55,7 @@ def instantiate(cls: type, plan: ParallelPlan, ctx: RankContext, shard: dict,
     local piece), then wrap it for data parallelism (DDP or FSDP2 by ZeRO stage)."""
     stage = cls(ctx.device)
     load_into(stage, plan, shard, ctx, source)
+    apply_activation_checkpointing(stage, plan)
     apply_data_parallel(stage, ctx, plan.zero_stage)
     return stage
 
@@ -77,6 +80,19 @@ def load_into(stage: torch.nn.Module, plan: ParallelPlan, shard: dict, ctx: Rank
             raise CheckpointError(f"{source}: {fqn} has shape {tuple(src.shape)}, the program "
                                   f"expects {tuple(t.shape)} on (pp {ctx.pp_rank}, tp {ctx.tp_rank})")
         t.copy_(src)
+
+
+def apply_activation_checkpointing(stage: EmittedModule, plan: ParallelPlan) -> None:
+    """Recompute checkpointed blocks in backward instead of saving their activations
+    (Chen et al. 2016; ``torch.utils.checkpoint``, non-reentrant). The block's forward is
+    wrapped in place, so FQNs stay the original ones and FSDP2 hooks still fire."""
+    mode = plan.activation_checkpointing
+    if mode == "none":
+        return
+    order = [b for st in plan.stages for b in st.blocks]
+    for name, block in stage.emitted_blocks():
+        if mode == "full" or order.index(name) % plan.checkpoint_every == 0:
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,7 @@ def test_defaults_for_empty_file(tmp_path):
         "seed": 0,
         "optimizer": {"name": "adamw", "lr": 1.0e-3, "weight_decay": 0.0},
         "verify": {"atol": 1.0e-5, "rtol": 1.0e-5, "optimizer": "sgd"},
+        "activation_checkpointing": {"mode": "none", "every": 2},
     }
     assert spec == Spec()
 
@@ -62,7 +63,7 @@ def test_override_feeds_interpolation(tmp_path):
 def test_unknown_top_level_key_suggests_closest(tmp_path):
     msg = spec_error(tmp_path, "zero_stages: 3\n")
     assert "zero_stages" in msg and "did you mean 'zero_stage'" in msg.lower()
-    assert "mesh, pipeline, zero_stage, checkpoint, seed, optimizer, verify" in msg
+    assert "mesh, pipeline, zero_stage, checkpoint, seed, optimizer, verify, activation_checkpointing" in msg
 
 
 def test_unknown_nested_key_suggests_closest(tmp_path):
