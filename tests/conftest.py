@@ -1,0 +1,168 @@
+"""Shared fixtures of the distributed and end-to-end tests: the real ``parallelize`` CLI and
+``torchrun``, each in a subprocess, and a session-wide cache of compiled programs.
+
+A compile takes seconds on CPU, so each (example, overrides) pair is compiled once per
+session, and the pairs named by ``@pytest.mark.precompile(example, *overrides)`` on the
+selected tests are compiled ahead in one background thread: a compile (one process) then
+overlaps the torchrun of the test before it instead of adding to it.
+"""
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
+
+# One intra-op thread per rank: CI has fewer cores than ranks, and oversubscription makes
+# the gloo runs several times slower.
+_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+
+_ERR = re.compile(r"^verify: (loss|outputs|gradients|parameters)\b.*max abs err (\S+)$", re.M)
+_STEP = re.compile(r"^step (\d+) loss (\S+)$", re.M)
+
+# torch 2.13 + gloo: a process that built a DeviceMesh and ran a collective sometimes aborts
+# in interpreter shutdown, after destroy_process_group() (reported to the lead).
+_EXIT_ABORT = "terminate called without an active exception"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "precompile(example, *overrides): compile this "
+                            "example with these overrides ahead, in the background")
+
+
+@dataclass
+class Result:
+    code: int
+    stdout: str
+    stderr: str
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+    def explain(self) -> str:
+        return f"exit {self.code}\n--- stdout\n{self.stdout[-6000:]}\n--- stderr\n{self.stderr[-6000:]}"
+
+
+def mesh_overrides(dp: int = 1, tp: int = 1, pp: int = 1) -> tuple[str, ...]:
+    """Every mesh dim explicitly: the example specs set their own."""
+    return (f"mesh.dp={dp}", f"mesh.tp={tp}", f"mesh.pp={pp}")
+
+
+def parallelize(model: Path, spec: Path, out: Path, *args: str, timeout: float = 240) -> Result:
+    """``python -m parallelizer MODEL SPEC -o OUT ARGS...`` in a subprocess."""
+    cmd = [sys.executable, "-m", "parallelizer", str(model), str(spec), "-o", str(out), *args]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=_ENV, cwd=REPO, timeout=timeout)
+    return Result(p.returncode, p.stdout, p.stderr)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(out: Path, nproc: int, *args: str, timeout: float = 240) -> Result:
+    """``torchrun --nproc-per-node NPROC OUT/run.py --device cpu ARGS...`` (gloo, fp32) on a
+    fresh port, so consecutive or parallel runs never share a rendezvous."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           str(out / "run.py"), "--device", "cpu", *args]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=_ENV, cwd=out.parent,
+                       timeout=timeout)
+    return Result(p.returncode, p.stdout, p.stderr)
+
+
+def check_exit(res: Result) -> None:
+    """Exit 0, checked last (after the output): a run whose only fault is the known abort at
+    interpreter exit is reported as xfail with the reason, not as a pass or a failure."""
+    if res.code != 0 and _EXIT_ABORT in res.stderr and "exitcode: -6" in res.stderr:
+        pytest.xfail("known bug: a rank aborted at exit after finishing its work "
+                     f"({_EXIT_ABORT!r}; torch gloo + DeviceMesh), so torchrun exited {res.code}")
+    assert res.code == 0, res.explain()
+
+
+def verify_errors(stdout: str) -> dict[str, float]:
+    """The four ``max abs err`` figures of ``run.py --verify``: category -> float."""
+    return {cat: float(v) for cat, v in _ERR.findall(stdout)}
+
+
+def step_losses(stdout: str) -> list[float]:
+    """The ``step N loss X`` lines of ``run.py --train`` (rank 0), in order."""
+    steps = _STEP.findall(stdout)
+    assert [int(n) for n, _ in steps] == list(range(1, len(steps) + 1)), stdout
+    return [float(x) for _, x in steps]
+
+
+class Compiled:
+    """``compiled(example, *overrides) -> OUT``, compiled once per session."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._futures: dict[tuple, Future] = {}
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="precompile")
+
+    def _out(self, key) -> Path:
+        return self.root / f"{key[0]}-{len(self._futures)}"
+
+    def prefetch(self, example: str, *overrides: str) -> None:
+        key = (example, tuple(overrides))
+        if key not in self._futures:
+            out = self._out(key)
+            self._futures[key] = self._pool.submit(self._compile, example, overrides, out)
+
+    @staticmethod
+    def _compile(example, overrides, out) -> tuple[Path, Result]:
+        return out, parallelize(EXAMPLES / example / "model.py",
+                                EXAMPLES / example / "spec.yaml", out, *overrides)
+
+    def __call__(self, example: str, *overrides: str) -> Path:
+        self.prefetch(example, *overrides)
+        out, res = self._futures[(example, tuple(overrides))].result()
+        assert res.code == 0, res.explain()
+        return out
+
+    def close(self) -> None:
+        for f in self._futures.values():
+            f.cancel()
+        self._pool.shutdown(wait=True)
+
+
+@pytest.fixture(scope="session")
+def compiled(request, tmp_path_factory):
+    """The session's :class:`Compiled`; treat each OUT as read-only (copy it to tamper).
+    Starts compiling, in test order, every pair named by a ``precompile`` mark of the
+    selected tests."""
+    cache = Compiled(tmp_path_factory.mktemp("compiled"))
+    for item in request.session.items:
+        for mark in item.iter_markers("precompile"):
+            cache.prefetch(*mark.args)
+    yield cache
+    cache.close()
+
+
+class Tools:
+    """The helpers above, handed to tests as the ``tools`` fixture (test modules do not
+    import conftest)."""
+    repo = REPO
+    examples = EXAMPLES
+    mesh = staticmethod(mesh_overrides)
+    parallelize = staticmethod(parallelize)
+    torchrun = staticmethod(torchrun)
+    check_exit = staticmethod(check_exit)
+    verify_errors = staticmethod(verify_errors)
+    step_losses = staticmethod(step_losses)
+
+
+@pytest.fixture(scope="session")
+def tools() -> type[Tools]:
+    return Tools
