@@ -167,7 +167,10 @@ class ParallelModule:
     def full_state_dict(self) -> Optional[dict]:
         """Full tensors under the original (canonical) FQNs on global rank 0; None on the
         other ranks. Collective: call on every rank."""
-        return gather_full_state(self.module, self.plan, self.ctx)
+        state = gather_full_state(self.module, self.plan, self.ctx)
+        if state is not None:  # tied names too, so model.load_state_dict(state) is strict-clean
+            state.update({a: state[c] for a, c in self.plan.aliases.items() if c in state})
+        return state
 
     def __repr__(self) -> str:
         m = self.plan.mesh

@@ -14,7 +14,7 @@ import torch
 
 from . import emit
 from .checkpoint.hf import load_hf_state_dict, match_to_model
-from .errors import CheckpointError
+from .errors import CheckpointError, PlanError
 from .frontend import build_model, capture, example_batch, load_model_file
 from .passes.aliases import apply_untie
 from .passes.cleanup import apply_cleanup
@@ -73,6 +73,7 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
     Raises:
         CaptureError, PlanError: the model cannot be captured or the spec cannot apply.
     """
+    _check_batch(batch, spec)
     weights = not any(t.is_meta for t in model.parameters())
     model.train()
     if not weights:
@@ -109,6 +110,21 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
                                     captured.input_names, spec)
     report = render_report(plan, captured.route, tp_decision.report, pp_decision, block_notes)
     return Program(plan, sources, report, model_file, spec.to_dict(), state, ref)
+
+
+def _check_batch(batch, spec: Spec) -> None:
+    """The example batch feeds --verify: it must split over dp ranks and microbatches.
+
+    Raises:
+        PlanError: names mesh.dp, pipeline.microbatches and the batch size.
+    """
+    first = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
+    m = spec.pipeline.microbatches if spec.mesh.pp > 1 else 1
+    need = spec.mesh.dp * m
+    if first.shape[0] % need:
+        raise PlanError(f"the example batch size ({first.shape[0]}) is not divisible by mesh.dp "
+                        f"({spec.mesh.dp}) x pipeline.microbatches ({m}) = {need}; change "
+                        f"example_inputs() or those keys so it divides")
 
 
 def _to_meta(batch):

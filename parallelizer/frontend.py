@@ -19,11 +19,14 @@ from typing import Any
 
 import torch
 from torch.export import Dim
-from torch.utils._pytree import TreeSpec, tree_flatten
+from torch.utils._pytree import TreeSpec, tree_flatten, treespec_dumps
 
 from .errors import CaptureError, ModelFileError
 
 REQUIRED = ("build_model", "example_inputs")
+# model.py is imported under this one name at compile time and by run.py, so output types
+# it defines (a ModelOutput subclass) get the same pytree name in both processes
+MODEL_MODULE = "parallelizer_model"
 
 
 def load_model_file(path: Path) -> ModuleType:
@@ -37,8 +40,10 @@ def load_model_file(path: Path) -> ModuleType:
     if not path.is_file():
         raise ModelFileError(f"model file {path} does not exist; pass the path to a model.py "
                              f"that defines {' and '.join(REQUIRED)}()")
-    name = f"parallelizer_user_model_{abs(hash(str(path.resolve())))}"
-    spec = importlib.util.spec_from_file_location(name, path)
+    spec = importlib.util.spec_from_file_location(MODEL_MODULE, path)
+    if spec is None or not path.suffix == ".py":
+        raise ModelFileError(f"model file {path} is not a Python file; pass a model.py")
+    name = MODEL_MODULE
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:
@@ -149,6 +154,12 @@ def capture(model: torch.nn.Module, batch: tuple | dict, model_file: Path) -> Ca
             raise CaptureError(_capture_message(export_error, model_file)) from export_error
     gm = ep.module()
     out_spec = gm._out_spec
+    try:
+        treespec_dumps(out_spec)
+    except Exception as e:
+        raise CaptureError(f"the output of {model_file}'s forward ({out_spec}) cannot be sent "
+                           f"between processes ({type(e).__name__}: {e}); return a tensor, a "
+                           f"tuple or dict of tensors, or a Hugging Face ModelOutput") from e
     names = tuple(kwargs) if kwargs else tuple(
         n.name for n in gm.graph.nodes if n.op == "placeholder")
     _to_flat_calling(gm)

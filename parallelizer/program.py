@@ -37,9 +37,7 @@ class Program:
             UserError: OUT exists and is not a parallelizer output folder.
         """
         out_dir = Path(out_dir)
-        if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / "plan.json").exists():
-            raise UserError(f"output folder {out_dir} exists and is not a parallelizer output "
-                            f"(no plan.json); choose another -o or remove it")
+        _check_replaceable(out_dir)
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
         try:
@@ -65,6 +63,27 @@ class Program:
         if self.reference is not None:
             save_file({k: v.contiguous() for k, v in self.reference.items()},
                       str(tmp / "reference.safetensors"))
+
+
+EMITTED = {"run.py", "program", "checkpoint", "plan.json", "report.md", "spec.yaml", "model.py",
+           "reference.safetensors", "__pycache__"}
+
+
+def _check_replaceable(out_dir: Path) -> None:
+    """OUT may be replaced only when it holds nothing but a previous compile's output.
+
+    Raises:
+        UserError: OUT is a file, or holds anything else (e.g. a checkpoint saved there).
+    """
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"output path {out_dir} is a file; pass a folder to -o")
+    if not out_dir.exists():
+        return
+    foreign = sorted(p.name for p in out_dir.iterdir() if p.name not in EMITTED)
+    if foreign or (any(out_dir.iterdir()) and not (out_dir / "plan.json").exists()):
+        raise UserError(f"output folder {out_dir} holds files parallelizer did not write "
+                        f"({', '.join(foreign[:5]) or 'no plan.json'}); it would be replaced whole, "
+                        f"so choose another -o or move them away")
 
 
 def _replace(tmp: Path, out_dir: Path) -> None:

@@ -88,7 +88,7 @@ def load_shard(ckpt_dir, pp_rank: int, tp_rank: int, plan: Optional[ParallelPlan
         raise CheckpointError(
             f"checkpoint {ckpt_dir} was written for another plan (plan_hash "
             f"{manifest['plan_hash'][:12]}..., mesh {manifest['mesh']}); this plan has hash "
-            f"{plan.hash()[:12]}..., mesh {plan.mesh}; reshard it with `parallelize reshard`")
+            f"{plan.hash()[:12]}..., mesh {plan.mesh}; recompile with the mesh the checkpoint was written for, or save it again under this plan")
     mesh = manifest["mesh"]
     if not (0 <= pp_rank < mesh["pp"] and 0 <= tp_rank < mesh["tp"]):
         raise CheckpointError(f"(pp {pp_rank}, tp {tp_rank}) is outside the checkpoint's mesh {mesh}")

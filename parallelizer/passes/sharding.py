@@ -71,7 +71,9 @@ def propagate(graph: fx.Graph, column: set, row: set, tp: int) -> Propagation:
     for node in graph.nodes:
         placement, groups = _rule(node, prop, column, row, tp)
         prop.placements[node.name] = placement
-        prop.groups[node.name] = groups
+        # a replicated value (e.g. after g) carries no shard: a conflict further down the
+        # residual stream must not blame the pairs upstream of it
+        prop.groups[node.name] = frozenset() if placement is None else groups
     return prop
 
 

@@ -11,6 +11,7 @@ from torch.utils._pytree import treespec_dumps
 from ..passes.cleanup import RUNTIME_DEVICE
 from ..passes.graph_facts import module_path
 from ..plan import ParallelPlan, StagePlan, TensorPlan
+from ..errors import PlanError
 from .tp import TPDecision
 
 
@@ -60,6 +61,24 @@ def _placement(name: str, tp: TPDecision) -> tuple:
     return None, "replicate"
 
 
+def _check_sharing(owned: list, canonical: dict, stage: int) -> None:
+    """One tensor read by two emitted modules of one stage (blocks sharing weights, as in
+    ALBERT) would become two parameters with split gradients: refuse it at compile time.
+
+    Raises:
+        PlanError: names the tensor and the modules sharing it.
+    """
+    owners: dict = {}
+    for owner, name in owned:
+        owners.setdefault(canonical.get(name, name), {})[owner or "<stage root>"] = name
+    for fqn, by in owners.items():
+        if len(by) > 1:
+            raise PlanError(
+                f"{fqn} is shared by {', '.join(sorted(by))} (stage {stage}); weights shared "
+                f"across blocks (ALBERT-style) are not supported yet: give each block its own "
+                f"weights, or share only between the embedding and the LM head")
+
+
 def build_plan(spec, captured, gm, model, groups, tp: TPDecision, stages, block_graphs) -> ParallelPlan:
     canonical = {n: g[0] for g in groups for n in g}
     aliases = {n: g[0] for g in groups for n in g[1:]}
@@ -67,12 +86,12 @@ def build_plan(spec, captured, gm, model, groups, tp: TPDecision, stages, block_
     seen: dict = {}
     stage_plans = []
     for st, blocks in zip(stages, block_graphs):
-        names = [n.target for n in st.graph.nodes if n.op == "get_attr"]
-        names += [f"{b.fqn}.{t}" for b in blocks for t in b.targets]
+        owned = [("", n.target) for n in st.graph.nodes
+                 if n.op == "get_attr" and n.target != RUNTIME_DEVICE]
+        owned += [(b.fqn, f"{b.fqn}.{t}") for b in blocks for t in b.targets if t != RUNTIME_DEVICE]
+        _check_sharing(owned, canonical, st.index)
         fqns = []
-        for name in names:
-            if name == RUNTIME_DEVICE:
-                continue
+        for _owner, name in owned:
             fqn = canonical.get(name, name)
             seen.setdefault(fqn, set()).add(st.index)
             if fqn not in fqns:

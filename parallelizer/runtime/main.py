@@ -7,15 +7,17 @@ import os
 import sys
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from ..errors import UserError
+from ..frontend import MODEL_MODULE
 from ..plan import ParallelPlan
 from .loss import default_loss
 from .setup import init, world_size_error
 from .stage_builder import build_stage
-from .train import run_train, save_checkpoint
+from .train import check_save_target, run_train, save_checkpoint
 from .verify import run_verify
 
 
@@ -37,7 +39,7 @@ def _load_model_module(out_dir: Path):
     """OUT/model.py (absent for programs compiled from an in-memory model by the API)."""
     if not (out_dir / "model.py").exists():
         return None
-    spec = importlib.util.spec_from_file_location("parallelizer_program_model", out_dir / "model.py")
+    spec = importlib.util.spec_from_file_location(MODEL_MODULE, out_dir / "model.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -45,6 +47,17 @@ def _load_model_module(out_dir: Path):
 
 
 def main(out_dir: Path, argv=None) -> int:
+    """Run the program; exits the process with the status (0 PASS/trained, 1 FAIL, 2 error)."""
+    code = _main(out_dir, argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Exit without interpreter teardown: gloo's threads racing static destructors after
+    # destroy_process_group aborted about one run in five ('terminate called without an
+    # active exception', SIGABRT) after a PASS on dp=2 programs.
+    os._exit(code)
+
+
+def _main(out_dir: Path, argv=None) -> int:
     args = _parser().parse_args(argv)
     out_dir = Path(out_dir)
     plan = ParallelPlan.from_json((out_dir / "plan.json").read_text())
@@ -56,6 +69,19 @@ def main(out_dir: Path, argv=None) -> int:
     spec = OmegaConf.to_container(OmegaConf.load(out_dir / "spec.yaml"))
     model_module = _load_model_module(out_dir)  # registers the output types (e.g. ModelOutput)
     loss_fn = getattr(model_module, "loss_fn", None) or default_loss
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("run.py: error: --device cuda but CUDA is not available here; use --device cpu", file=sys.stderr)
+        return 2
+    if args.save:
+        try:
+            check_save_target(args.save)
+        except UserError as e:
+            print(f"run.py: error: {e}", file=sys.stderr)
+            return 2
+    if args.verify and not (out_dir / "reference.safetensors").exists():
+        print(f"run.py: error: {out_dir} has no reference.safetensors (compiled with --no-weights, "
+              f"or by pz.compile with its own loss_fn); recompile with weights to verify", file=sys.stderr)
+        return 2
     ctx = init(plan, args.device)
     try:
         stage = build_stage(out_dir, plan, ctx, args.load)
@@ -68,5 +94,14 @@ def main(out_dir: Path, argv=None) -> int:
     except (UserError, ValueError) as e:
         print(f"run.py: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        _shutdown()
+
+
+def _shutdown() -> None:
+    """Barrier, then destroy: a rank that tears gloo down while its peer still finishes the
+    last collective aborted the peer ('terminate called without an active exception')."""
+    try:
+        dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -44,7 +44,8 @@ def build_stage(out_dir: Path, plan: ParallelPlan, ctx: RankContext,
     """
     ckpt = Path(checkpoint) if checkpoint else Path(out_dir) / "checkpoint"
     if not ckpt.exists():
-        raise CheckpointError(f"no checkpoint at {ckpt}; compile without --no-weights or pass --load DIR")
+        raise CheckpointError(f"no checkpoint at {ckpt}" + ("" if checkpoint else
+                              "; compile without --no-weights or pass --load DIR"))
     shard = load_shard(ckpt, ctx.pp_rank, ctx.tp_rank, plan)
     return instantiate(import_stage_class(out_dir, ctx.pp_rank), plan, ctx, shard, str(ckpt))
 

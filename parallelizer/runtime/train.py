@@ -8,6 +8,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ..checkpoint.writer import write_checkpoint
+from ..errors import UserError
 from ..plan import ParallelPlan
 from .batching import dp_slice, synthetic_batches
 from .gather import full_tensor
@@ -65,9 +66,30 @@ def gather_full_state(stage, plan: ParallelPlan, ctx: RankContext) -> dict | Non
     return state
 
 
+def check_save_target(out: Path) -> None:
+    """A save may replace an earlier checkpoint (a folder with manifest.json), never other
+    files, a compiled program, or the weights a program was compiled with.
+
+    Raises:
+        UserError: ``out`` is a file, a program folder (plan.json), an OUT/checkpoint, or a
+            non-empty folder that is not a checkpoint.
+    """
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--save {out}: a file is in the way; pass a folder")
+    if not out.exists() or not any(out.iterdir()):
+        return
+    if (out / "plan.json").exists() or (out.parent / "plan.json").exists():
+        raise UserError(f"--save {out}: that is a compiled program or its checkpoint/, which "
+                        f"--verify needs; save somewhere else")
+    if not (out / "manifest.json").exists():
+        raise UserError(f"--save {out}: the folder holds files that are not a parallelizer "
+                        f"checkpoint; save into a new or empty folder")
+
+
 def save_checkpoint(stage, plan: ParallelPlan, ctx: RankContext, out: Path) -> None:
     """Write the model to ``out`` in the plan's sharded layout, atomically (temporary
     folder, then rename) from global rank 0. Collective."""
+    check_save_target(Path(out))  # on every rank, before any collective: all raise alike
     state = gather_full_state(stage, plan, ctx)
     if state is not None:
         write_checkpoint(state, plan, Path(out), overwrite=True)
