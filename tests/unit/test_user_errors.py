@@ -1,0 +1,143 @@
+"""User-facing errors found by a new-user trial: each names what is wrong and the fix, and
+nothing is overwritten or half-written."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from parallelizer.compiler import compile_model
+from parallelizer.errors import CaptureError, ModelFileError, PlanError, UserError
+from parallelizer.frontend import load_model_file
+from parallelizer.runtime.train import check_save_target
+from parallelizer.spec import load_spec
+
+REPO = Path(__file__).resolve().parents[2]
+GPT = REPO / "examples" / "gpt"
+
+
+def _model(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "model.py"
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def test_weights_shared_across_blocks_are_refused(tmp_path):
+    path = _model(tmp_path, """
+        import torch
+        from torch import nn
+        class Albert(nn.Module):
+            def __init__(self):
+                super().__init__()
+                block = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+                self.layers = nn.ModuleList([block] * 3)
+            def forward(self, x):
+                for layer in self.layers:
+                    x = x + layer(x)
+                return x
+        def build_model():
+            torch.manual_seed(0)
+            return Albert()
+        def example_inputs():
+            return (torch.randn(4, 5, 16),)
+    """)
+    spec = load_spec(GPT / "spec.yaml", ["mesh.tp=1"])
+    with pytest.raises(PlanError) as e:
+        compile_model(path, spec)
+    msg = str(e.value)
+    assert "layers.0.0.weight" in msg and "layers.1" in msg and "ALBERT" in msg
+
+
+def test_unserialisable_output_is_a_capture_error(tmp_path):
+    path = _model(tmp_path, """
+        import collections, torch
+        from torch import nn
+        Out = collections.namedtuple("Out", "y")
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.layers = nn.ModuleList([nn.Linear(8, 8)])
+            def forward(self, x):
+                return Out(self.layers[0](x))
+        def build_model():
+            return M()
+        def example_inputs():
+            return (torch.randn(4, 3, 8),)
+    """)
+    with pytest.raises(CaptureError) as e:
+        compile_model(path, load_spec(GPT / "spec.yaml", ["mesh.tp=1"]))
+    assert "cannot be sent between processes" in str(e.value) and "ModelOutput" in str(e.value)
+
+
+def test_example_batch_must_split_over_dp_and_microbatches():
+    spec = load_spec(GPT / "spec.yaml", ["mesh.tp=1", "mesh.dp=2", "mesh.pp=2",
+                                         "pipeline.microbatches=8"])
+    with pytest.raises(PlanError) as e:
+        compile_model(GPT / "model.py", spec)
+    msg = str(e.value)
+    assert "(8)" in msg and "mesh.dp (2)" in msg and "pipeline.microbatches (8)" in msg
+
+
+def test_a_non_python_model_file_is_refused():
+    with pytest.raises(ModelFileError) as e:
+        load_model_file(REPO / "README.md")
+    assert "not a Python file" in str(e.value)
+
+
+def test_output_folder_with_foreign_files_is_kept(tmp_path):
+    spec = load_spec(GPT / "spec.yaml", ["mesh.tp=1"])
+    out = tmp_path / "out"
+    compile_model(GPT / "model.py", spec).save(out)
+    (out / "my_notes.md").write_text("keep")
+    with pytest.raises(UserError) as e:
+        compile_model(GPT / "model.py", spec).save(out)
+    assert "my_notes.md" in str(e.value)
+    assert (out / "my_notes.md").read_text() == "keep" and (out / "plan.json").exists()
+    (out / "my_notes.md").unlink()
+    compile_model(GPT / "model.py", spec).save(out)  # a plain earlier output is replaced
+    assert (out / "plan.json").exists()
+
+
+def test_save_never_replaces_foreign_files_or_a_program(tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "weights.bin").write_text("x")
+    with pytest.raises(UserError, match="not a parallelizer checkpoint"):
+        check_save_target(mine)
+    prog = tmp_path / "prog"
+    (prog / "checkpoint").mkdir(parents=True)
+    (prog / "plan.json").write_text("{}")
+    (prog / "checkpoint" / "manifest.json").write_text("{}")
+    with pytest.raises(UserError, match="compiled program"):
+        check_save_target(prog)
+    with pytest.raises(UserError, match="compiled program"):
+        check_save_target(prog / "checkpoint")
+    old = tmp_path / "old_ckpt"
+    old.mkdir()
+    (old / "manifest.json").write_text("{}")
+    check_save_target(old)  # an earlier checkpoint may be replaced
+    check_save_target(tmp_path / "new")
+
+
+@pytest.fixture(scope="module")
+def no_weights_out(tmp_path_factory):
+    out = tmp_path_factory.mktemp("nw") / "out"
+    compile_model(GPT / "model.py", load_spec(GPT / "spec.yaml", ["mesh.tp=1"]), weights=False).save(out)
+    return out
+
+
+def test_verify_without_a_reference_is_one_clear_error(no_weights_out):
+    p = subprocess.run([sys.executable, str(no_weights_out / "run.py"), "--verify", "--device", "cpu"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "no reference.safetensors" in p.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_device_cuda_without_cuda_is_one_clear_error(no_weights_out):
+    p = subprocess.run([sys.executable, str(no_weights_out / "run.py"), "--train", "--device", "cuda"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "CUDA is not available" in p.stderr
