@@ -73,8 +73,9 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
     Raises:
         CaptureError, PlanError: the model cannot be captured or the spec cannot apply.
     """
-    _check_batch(batch, spec)
     weights = not any(t.is_meta for t in model.parameters())
+    if weights and reference:
+        _check_batch(batch, spec)
     model.train()
     if not weights:
         batch = _to_meta(batch)
@@ -113,7 +114,8 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
 
 
 def _check_batch(batch, spec: Spec) -> None:
-    """The example batch feeds --verify: it must split over dp ranks and microbatches.
+    """The example batch feeds --verify (the reference): it must split over dp ranks and
+    microbatches. Without weights there is no reference, and training batches may differ.
 
     Raises:
         PlanError: names mesh.dp, pipeline.microbatches and the batch size.

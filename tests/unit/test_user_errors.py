@@ -141,3 +141,12 @@ def test_device_cuda_without_cuda_is_one_clear_error(no_weights_out):
     p = subprocess.run([sys.executable, str(no_weights_out / "run.py"), "--train", "--device", "cuda"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "CUDA is not available" in p.stderr
+
+
+def test_no_weights_compile_does_not_need_a_divisible_example_batch(tmp_path):
+    """Without weights there is no reference to verify, so the example batch (the 70B
+    example's is 2) need not split over dp x microbatches."""
+    spec = load_spec(GPT / "spec.yaml", ["mesh.tp=1", "mesh.dp=2", "mesh.pp=2",
+                                         "pipeline.microbatches=8"])
+    program = compile_model(GPT / "model.py", spec, weights=False)
+    assert program.state is None and program.reference is None
