@@ -6,6 +6,7 @@ data) or a pass (reads a plan, rewrites the graph).
 from __future__ import annotations
 
 import copy
+import sys
 from operator import attrgetter
 from pathlib import Path
 from typing import Optional
@@ -34,8 +35,12 @@ from .spec import Spec
 
 def compile_to_dir(model_path: Path, spec: Spec, out_dir: Path, weights: bool = True,
                    dump_passes: Optional[Path] = None) -> None:
-    """CLI entry: compile and write OUT/ atomically (nothing is written on error)."""
-    compile_model(Path(model_path), spec, weights, dump_passes).save(Path(out_dir))
+    """CLI entry: compile and write OUT/ atomically (nothing is written on error);
+    the compiler's warnings go to stderr."""
+    program = compile_model(Path(model_path), spec, weights, dump_passes)
+    program.save(Path(out_dir))
+    for line in program.warnings:
+        print(f"warning: {line}", file=sys.stderr)
 
 
 def compile_model(model_path: Path, spec: Spec, weights: bool = True,
@@ -109,8 +114,10 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
             stepped = model if owns_model else copy.deepcopy(model)
             ref = compute_reference(stepped, batch, loss_fn or default_loss,
                                     captured.input_names, spec)
-    report = render_report(plan, captured.route, tp_decision.report, pp_decision, block_notes)
-    return Program(plan, sources, report, model_file, spec.to_dict(), state, ref)
+    report = render_report(plan, captured.route, tp_decision.warnings + tp_decision.report,
+                           pp_decision, block_notes)
+    return Program(plan, sources, report, model_file, spec.to_dict(), state, ref,
+                   warnings=list(tp_decision.warnings))
 
 
 def _check_batch(batch, spec: Spec) -> None:

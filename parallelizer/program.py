@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -26,6 +26,7 @@ class Program:
     spec: dict
     state: Optional[dict] = None      # canonical fqn -> full tensor (None under --no-weights)
     reference: Optional[dict] = None  # see parallelizer.reference
+    warnings: list = field(default_factory=list)  # one line each, also in report.md
 
     def save(self, out_dir: Path) -> Path:
         """Write OUT/ atomically: into a temporary sibling folder, then rename.

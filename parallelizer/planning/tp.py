@@ -32,6 +32,7 @@ class TPDecision:
     biases: dict = field(default_factory=dict)
     rewrites: dict = field(default_factory=dict)
     report: list = field(default_factory=list)
+    warnings: list = field(default_factory=list)  # also printed by the CLI
 
 
 def plan_tp(graph: fx.Graph, tp: int) -> TPDecision:
@@ -66,6 +67,11 @@ def plan_tp(graph: fx.Graph, tp: int) -> TPDecision:
     decision.report.insert(0, f"column_parallel: {len(column)} linears; row_parallel: "
                               f"{len(row)} linears; replicated: "
                               f"{len(linears) - len(column) - len(row)} linears")
+    if not column:
+        decision.warnings.append(
+            f"mesh.tp={tp} but no linear layer could be sharded (only aten.linear on a 2-D "
+            f"weight is recognised; e.g. GPT-2's Conv1D/addmm is not yet): every rank holds "
+            f"the whole model; see report.md")
     paired = {w for c, rows in pairs.items() if rows for w in {c} | rows}
     for n in linears:
         w = n.args[1].target

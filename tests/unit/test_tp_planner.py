@@ -378,3 +378,25 @@ def test_tp2_gqa_llama_matches_unmodified_model(llama):
     outs = run_tp_lockstep(cap.gm, d, 2, (), batch)
     for out in outs:
         torch.testing.assert_close(out[0], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_tp_that_shards_nothing_warns():
+    """A model whose only matmuls are not aten.linear (here addmm, as GPT-2's Conv1D) gets
+    nothing sharded; the planner says so instead of silently running replicated."""
+    class Conv1DMLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1 = torch.nn.Parameter(torch.randn(16, 32))
+            self.w2 = torch.nn.Parameter(torch.randn(32, 16))
+
+        def forward(self, x):
+            h = torch.addmm(torch.zeros(32), x.reshape(-1, 16), self.w1).relu()
+            return torch.addmm(torch.zeros(16), h, self.w2)
+
+    from parallelizer.frontend import capture
+    from parallelizer.planning.tp import plan_tp
+    cap = capture(Conv1DMLP(), (torch.randn(4, 16),), Path(__file__))
+    decision = plan_tp(cap.gm.graph, 2)
+    assert not decision.column and not decision.row
+    assert len(decision.warnings) == 1 and "mesh.tp=2 but no linear layer could be sharded" in decision.warnings[0]
+    assert not plan_tp(cap.gm.graph, 1).warnings
