@@ -12,9 +12,7 @@ import warnings
 import torch
 import torch.fx as fx
 
-from .graph_facts import aten
-
-RUNTIME_DEVICE = "runtime_device"
+from .graph_facts import RUNTIME_DEVICE, aten
 
 
 def apply_cleanup(gm: fx.GraphModule) -> bool:

@@ -9,6 +9,9 @@ import torch.fx as fx
 
 aten = torch.ops.aten
 
+# the emitted modules' device attribute (cleanup pass): read with get_attr, not a tensor
+RUNTIME_DEVICE = "runtime_device"
+
 
 def val(node) -> object:
     return node.meta.get("val") if isinstance(node, fx.Node) else node
@@ -69,4 +72,13 @@ def linear_nodes(graph: fx.Graph) -> list[fx.Node]:
             w = n.args[1]
             if weight_fqn(w) and is_tensor(w) and len(shape(w)) == 2:
                 out.append(n)
+    return out
+
+
+def attr_targets(graph: fx.Graph) -> list[str]:
+    """Tensors a graph reads with get_attr, in first-use order, without ``runtime_device``."""
+    out = []
+    for n in graph.nodes:
+        if n.op == "get_attr" and n.target != RUNTIME_DEVICE and n.target not in out:
+            out.append(n.target)
     return out

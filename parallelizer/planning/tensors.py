@@ -9,7 +9,7 @@ import torch.fx as fx
 from torch.utils._pytree import treespec_dumps
 
 from ..passes.cleanup import RUNTIME_DEVICE
-from ..passes.graph_facts import module_path
+from ..passes.graph_facts import attr_targets, module_path
 from ..plan import ParallelPlan, StagePlan, TensorPlan
 from ..errors import PlanError
 from .tp import TPDecision
@@ -86,9 +86,8 @@ def build_plan(spec, captured, gm, model, groups, tp: TPDecision, stages, block_
     seen: dict = {}
     stage_plans = []
     for st, blocks in zip(stages, block_graphs):
-        owned = [("", n.target) for n in st.graph.nodes
-                 if n.op == "get_attr" and n.target != RUNTIME_DEVICE]
-        owned += [(b.fqn, f"{b.fqn}.{t}") for b in blocks for t in b.targets if t != RUNTIME_DEVICE]
+        owned = [("", t) for t in attr_targets(st.graph)]
+        owned += [(b.fqn, f"{b.fqn}.{t}") for b in blocks for t in attr_targets(b.graph)]
         _check_sharing(owned, canonical, st.index)
         fqns = []
         for _owner, name in owned:
