@@ -14,6 +14,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+from .layouts import local_length
+
 PLAN_VERSION = 1
 MESH_DIMS = ("pp", "dp", "tp")
 
@@ -30,6 +32,9 @@ class TensorPlan:
         stages: pipeline stage indices holding this tensor (two for tied weights across stages).
         is_buffer: a buffer (not trained) rather than a parameter.
         role: ``column_parallel`` | ``row_parallel`` | ``replicate`` (informational, for the report).
+        layout: how the tp pieces tile ``tp_dim`` beyond Megatron's even split (fused q|k|v,
+            replicated kv heads, padded vocab): JSON data described in :mod:`parallelizer.layouts`;
+            None for the even split.
     """
 
     fqn: str
@@ -39,13 +44,15 @@ class TensorPlan:
     stages: tuple[int, ...]
     is_buffer: bool = False
     role: str = "replicate"
+    layout: Optional[dict] = None
 
     def local_shape(self, tp: int) -> tuple[int, ...]:
-        """Shape of one tp shard: the sharded dim divided by the tp degree."""
+        """Shape of one tp piece: the sharded dim's length under ``layout`` (n / tp for the
+        even split)."""
         if self.tp_dim is None:
             return self.shape
         s = list(self.shape)
-        s[self.tp_dim] //= tp
+        s[self.tp_dim] = local_length(s[self.tp_dim], self.layout, tp)
         return tuple(s)
 
 

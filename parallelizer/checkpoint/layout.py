@@ -3,9 +3,10 @@
 Megatron-LM's even split (Shoeybi et al. 2019, §3): a tensor placed ``Shard(d)`` over a tp
 mesh dim of degree ``tp`` is cut into ``tp`` equal contiguous blocks along ``d``; rank ``r``
 holds block ``r``, i.e. ``[r * n / tp, (r + 1) * n / tp)`` with ``n = shape[d]``.
-``Replicate`` (``tp_dim is None``) means every rank holds the whole tensor. Uneven splits are
-not a layout: the planner pads (vocab) or replicates (kv heads) before this point, so a
-non-dividing degree here is a bug, caught by an assertion.
+``Replicate`` (``tp_dim is None``) means every rank holds the whole tensor. Layouts other than
+the even split (fused q|k|v, replicated kv heads, padded vocab) are described in
+:mod:`parallelizer.layouts`; :func:`local_piece` follows them. A non-dividing degree here is a
+bug (the planner checks first), caught by an assertion.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from parallelizer.layouts import segments
 from parallelizer.plan import TensorPlan
 
 
@@ -62,13 +64,19 @@ def local_piece(tensor: torch.Tensor, tensor_plan: TensorPlan, tp: int, tp_rank:
 
     Args:
         tensor: the full tensor, shape ``tensor_plan.shape``.
-        tensor_plan: its placement (``tp_dim``).
+        tensor_plan: its placement (``tp_dim``) and ``layout`` (:mod:`parallelizer.layouts`).
         tp, tp_rank: tp degree and rank.
 
     Returns:
-        tensor of shape ``tensor_plan.local_shape(tp)``, same dtype.
+        tensor of shape ``tensor_plan.local_shape(tp)``, same dtype; the segments of the
+        layout copied in piece order, padding rows zero.
     """
     assert tuple(tensor.shape) == tuple(tensor_plan.shape), (
         f"{tensor_plan.fqn}: tensor shape {tuple(tensor.shape)} != plan shape {tensor_plan.shape}")
-    piece = tensor[shard_slice(tensor.shape, tensor_plan.tp_dim, tp, tp_rank)]
-    return piece.clone(memory_format=torch.contiguous_format)
+    d = normalize_dim(tensor_plan.tp_dim, tensor.dim())
+    if d is None:
+        return tensor.clone(memory_format=torch.contiguous_format)
+    piece = tensor.new_zeros(tensor_plan.local_shape(tp))
+    for seg in segments(tensor.shape[d], tensor_plan.layout, tp, tp_rank):
+        piece.narrow(d, seg.piece_offset, seg.length).copy_(tensor.narrow(d, seg.full_offset, seg.length))
+    return piece

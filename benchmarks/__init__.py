@@ -1,0 +1,1 @@
+"""Benchmarks: one module per figure, run as ``python -m benchmarks.NAME`` (see README.md here)."""
