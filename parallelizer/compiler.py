@@ -23,8 +23,11 @@ from .passes.manager import PassManager
 from .passes.split_blocks import split_blocks
 from .passes.split_stages import split_stages
 from .passes.tensor_parallel import apply_tensor_parallel
-from .planning.pipeline import find_blocks, plan_pipeline
-from .planning.tensors import build_plan, pipeline_costs, tied_groups
+from .passes.graph_costs import collect_costs
+from .planning.pipeline import find_blocks, plan_from_costs
+from .planning.pipeline_summary import (check_microbatches, check_placement, summarize,
+                                        virtual_stages_of)
+from .planning.tensors import build_plan, tied_groups
 from .planning.tp import plan_tp
 from .program import Program
 from .reference import compute_reference
@@ -78,6 +81,9 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
     Raises:
         CaptureError, PlanError: the model cannot be captured or the spec cannot apply.
     """
+    pipe = spec.pipeline
+    virtual = virtual_stages_of(pipe)
+    pp_warnings = check_microbatches(spec.mesh.pp, pipe.microbatches, pipe.schedule, virtual)
     weights = not any(t.is_meta for t in model.parameters())
     if weights and reference:
         _check_batch(batch, spec)
@@ -96,8 +102,9 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
     passes.run("untie", apply_untie, gm, groups)
 
     blocks = find_blocks(model)
-    block_params, pre, post = pipeline_costs(gm, model, blocks)
-    pp_decision = plan_pipeline(block_params, pre, post, mesh.pp, blocks)
+    canonical = {n: g[0] for g in groups for n in g}
+    costs = collect_costs(gm, blocks, canonical)
+    pp_decision = plan_from_costs(costs, mesh.pp, blocks, pipe)
     stages = passes.run_split("split_stages", split_stages, gm, pp_decision, mesh.pp)
     block_graphs, block_notes = [], []
     for st in stages:
@@ -106,6 +113,9 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
         block_notes += notes
 
     plan = build_plan(spec, captured, gm, model, groups, tp_decision, stages, block_graphs)
+    pipeline = summarize(pp_decision, costs, pipe.schedule, mesh.pp, pipe.microbatches, virtual)
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    pp_warnings += check_placement(pipeline, [st.fqns for st in plan.stages], params, canonical)
     sources = emit.stage_sources(plan, stages, block_graphs, model, name)
     ref = state = None
     if weights:
@@ -114,10 +124,11 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
             stepped = model if owns_model else copy.deepcopy(model)
             ref = compute_reference(stepped, batch, loss_fn or default_loss,
                                     captured.input_names, spec)
+    warnings = list(tp_decision.warnings) + pp_warnings
     report = render_report(plan, captured.route, tp_decision.warnings + tp_decision.report,
-                           pp_decision, block_notes)
+                           pipeline, block_notes, pp_warnings)
     return Program(plan, sources, report, model_file, spec.to_dict(), state, ref,
-                   warnings=list(tp_decision.warnings))
+                   warnings=warnings, pipeline=pipeline)
 
 
 def _check_batch(batch, spec: Spec) -> None:

@@ -1,6 +1,7 @@
 """Program: everything a compile produces, in memory, and its atomic save to OUT/."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -15,6 +16,7 @@ from safetensors.torch import save_file
 from .checkpoint.writer import write_checkpoint
 from .errors import UserError
 from .plan import ParallelPlan
+from .plots import write_pipeline_plots
 
 
 @dataclass
@@ -27,6 +29,7 @@ class Program:
     state: Optional[dict] = None      # canonical fqn -> full tensor (None under --no-weights)
     reference: Optional[dict] = None  # see parallelizer.reference
     warnings: list = field(default_factory=list)  # one line each, also in report.md
+    pipeline: Optional[dict] = None   # planning.pipeline_summary.summarize: stage costs, bubble
 
     def save(self, out_dir: Path) -> Path:
         """Write OUT/ atomically: into a temporary sibling folder, then rename.
@@ -56,6 +59,9 @@ class Program:
             path.write_text(text)
         (tmp / "plan.json").write_text(self.plan.to_json())
         (tmp / "report.md").write_text(self.report)
+        if self.pipeline is not None:
+            (tmp / "pipeline.json").write_text(json.dumps(self.pipeline, indent=1) + "\n")
+            write_pipeline_plots(self.pipeline, tmp)
         (tmp / "spec.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(self.spec)))
         if self.model_file is not None:
             shutil.copyfile(self.model_file, tmp / "model.py")
@@ -67,7 +73,8 @@ class Program:
 
 
 EMITTED = {"run.py", "program", "checkpoint", "plan.json", "report.md", "spec.yaml", "model.py",
-           "reference.safetensors", "__pycache__"}
+           "reference.safetensors", "__pycache__", "pipeline.json", "pipeline_costs.png",
+           "pipeline_schedule.png"}
 
 
 def _check_replaceable(out_dir: Path) -> None:

@@ -5,10 +5,10 @@ from .plan import ParallelPlan
 
 _DP = {0: "DDP", 1: "DDP + ZeroRedundancyOptimizer", 2: "FSDP2 per block, kept after forward",
        3: "FSDP2 per block, resharded after forward"}
-from .planning.pipeline import PipelineDecision
 
 
-def render_report(plan: ParallelPlan, route: str, tp_lines, pp: PipelineDecision, notes) -> str:
+def render_report(plan: ParallelPlan, route: str, tp_lines, pipeline: dict, notes,
+                  pp_warnings=()) -> str:
     m = plan.mesh
     lines = [f"# parallelizer report", "",
              f"- mesh: pp={m['pp']} x dp={m['dp']} x tp={m['tp']} = {plan.world_size} ranks "
@@ -22,14 +22,42 @@ def render_report(plan: ParallelPlan, route: str, tp_lines, pp: PipelineDecision
     lines += ["", "| tensor | shape | placement | role |", "|---|---|---|---|"]
     for t in sharded:
         lines.append(f"| {t.fqn} | {list(t.shape)} | Shard({t.tp_dim}) | {t.role} |")
-    lines += ["", "## Pipeline stages", "",
-              "| stage | blocks | parameters | sends |", "|---|---|---|---|"]
-    for st, params in zip(plan.stages, pp.stage_params):
-        blocks = f"{st.blocks[0]} .. {st.blocks[-1]}" if st.blocks else "-"
-        lines.append(f"| {st.index} | {blocks} | {params:,} | {', '.join(st.outputs) or 'outputs'} |")
+    lines += pipeline_section(plan, pipeline, pp_warnings)
     tied = [t.fqn for t in plan.tensors.values() if len(t.stages) > 1]
     if tied:
         lines += ["", f"Tied across stages (gradients summed between them): {', '.join(tied)}"]
     if notes:
         lines += [""] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
+
+
+_SPLIT = {"balanced": "balanced by forward + backward FLOPs (contiguous min-max partition)",
+          "pipeline.split_points": "fixed by pipeline.split_points",
+          "pipeline.layers_per_stage": "fixed by pipeline.layers_per_stage"}
+
+
+def pipeline_section(plan: ParallelPlan, pipeline: dict, pp_warnings=()) -> list[str]:
+    """``## Pipeline stages``: per-stage cost table, imbalance, theoretical bubble, pictures."""
+    p, m, v = pipeline["pp"], pipeline["microbatches"], pipeline["virtual_stages"]
+    formula = f"(P-1)/(v*M+P-1), v={v}" if v > 1 else "(P-1)/(M+P-1)"
+    batch = "x".join(str(d) for d in pipeline["batch_shape"]) or "?"
+    lines = ["", "## Pipeline stages", "",
+             f"- split: {_SPLIT.get(pipeline['split'], pipeline['split'])}; imbalance "
+             f"{pipeline['imbalance']:.3f} (max / mean stage FLOPs)",
+             f"- theoretical bubble: {pipeline['bubble']:.1%} = {formula} with P={p}, M={m} "
+             f"({pipeline['schedule']})",
+             f"- FLOPs and activation bytes are for one step of the example batch ({batch}), "
+             f"by torch.utils.flop_counter (matmul, attention, convolution)",
+             "", "| stage | blocks | GFLOP fwd | GFLOP bwd | parameter bytes | activation bytes sent | sends |",
+             "|---|---|---|---|---|---|---|"]
+    for st, s in zip(plan.stages, pipeline["stages"]):
+        blocks = f"{st.blocks[0]} .. {st.blocks[-1]}" if st.blocks else "-"
+        lines.append(f"| {st.index} | {blocks} | {s['fwd_flops'] / 1e9:.4g} | {s['bwd_flops'] / 1e9:.4g} "
+                     f"| {s['param_bytes']:,} | {s['activation_bytes_sent']:,} "
+                     f"| {', '.join(st.outputs) or 'outputs'} |")
+    lines += [f"- warning: {w}" for w in pp_warnings]
+    lines += [f"- {n}" for n in pipeline["notes"]]
+    lines += ["", "![stage cost](pipeline_costs.png)"]
+    if p > 1:
+        lines += ["", "![schedule](pipeline_schedule.png)"]
+    return lines

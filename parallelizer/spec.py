@@ -9,7 +9,7 @@ the dotted key, the value seen and what is allowed.
 Defaults::
 
     mesh: {dp: 1, tp: 1, pp: 1}
-    pipeline: {microbatches: 1, schedule: 1f1b}
+    pipeline: {microbatches: 1, schedule: 1f1b, split_points: null, layers_per_stage: null}
     zero_stage: 3
     checkpoint: {path: null}
     seed: 0
@@ -24,7 +24,7 @@ import importlib.util
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal, Optional, Sequence
+from typing import Annotated, Any, Literal, Optional, Sequence
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -71,6 +71,18 @@ class Pipeline(BaseModel):
     model_config = _STRICT
     microbatches: int = Field(1, ge=1, description="an integer >= 1 (microbatches per step)")
     schedule: Literal["gpipe", "1f1b"] = Field("1f1b", description="one of 'gpipe', '1f1b'")
+    split_points: Optional[list[str]] = Field(
+        None, description="null or a list of block FQNs where stages 1.. begin, e.g. "
+                          "['model.layers.16']")
+    layers_per_stage: Optional[list[Annotated[int, Field(ge=1)]]] = Field(
+        None, description="null or a list of block counts per stage, each >= 1, e.g. [15, 17]")
+
+    @model_validator(mode="after")
+    def _one_split_override(self) -> "Pipeline":
+        if self.split_points is not None and self.layers_per_stage is not None:
+            raise ValueError("set pipeline.split_points or pipeline.layers_per_stage, not both "
+                             f"(got {self.split_points} and {self.layers_per_stage})")
+        return self
 
 
 class Checkpoint(BaseModel):
@@ -226,9 +238,9 @@ def _format_one(d: dict) -> str:
     key = ".".join(loc)
     if d["type"] == "extra_forbidden":
         return _unknown_key(loc, d["input"])
-    if not loc:  # model-level validator (cross-field check) or top level not a mapping
-        if d["type"] == "value_error":
-            return str(d["ctx"]["error"])
+    if d["type"] == "value_error":  # a model-level validator (cross-field check)
+        return str(d["ctx"]["error"])
+    if not loc:  # top level not a mapping
         return f"the spec must be a mapping of {_keys_of(Spec)}, got {_show(d['input'])}."
     return f"{key} must be {_describe(loc)}, got {_show(d['input'])}."
 
@@ -254,7 +266,10 @@ def _model_at(loc: tuple[str, ...]) -> Optional[type[BaseModel]]:
 
 
 def _describe(loc: tuple[str, ...]) -> str:
-    """What is allowed at ``loc``: a section's keys or the field's description."""
+    """What is allowed at ``loc``: a section's keys or the field's description (a list
+    item, ``pipeline.layers_per_stage.0``, is described by its list's field)."""
+    while loc and loc[-1].isdigit():
+        loc = loc[:-1]
     section = _model_at(loc)
     if section is not None:
         return f"a mapping with keys {_keys_of(section)}"

@@ -8,8 +8,7 @@ import torch.fx as fx
 
 from torch.utils._pytree import treespec_dumps
 
-from ..passes.cleanup import RUNTIME_DEVICE
-from ..passes.graph_facts import attr_targets, module_path
+from ..passes.graph_facts import attr_targets
 from ..plan import ParallelPlan, StagePlan, TensorPlan
 from ..errors import PlanError
 from .tp import TPDecision
@@ -22,30 +21,6 @@ def tied_groups(model: torch.nn.Module) -> list[list[str]]:
             list(model.named_buffers(remove_duplicate=False)):
         by_id.setdefault(id(t), []).append(name)
     return [g for g in by_id.values()]
-
-
-def pipeline_costs(gm: fx.GraphModule, model, blocks) -> tuple[list[int], int, int]:
-    """Parameter count per block, before the first block and after the last."""
-    prefixes = [b + "." for b in blocks]
-    block_params = [sum(p.numel() for p in model.get_submodule(b).parameters()) for b in blocks]
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    first_block = min((order[n] for n in gm.graph.nodes
-                       if any((module_path(n) + ".").startswith(p) for p in prefixes)),
-                      default=len(order))
-    pre = post = 0
-    for n in gm.graph.nodes:
-        if n.op != "get_attr" or n.target == RUNTIME_DEVICE or not n.users:
-            continue
-        if any(n.target.startswith(p) for p in prefixes):
-            continue
-        t = attrgetter(n.target)(gm)
-        if not isinstance(t, torch.nn.Parameter):
-            continue
-        if min(order[u] for u in n.users) < first_block:
-            pre += t.numel()
-        else:
-            post += t.numel()
-    return block_params, pre, post
 
 
 def _placement(name: str, tp: TPDecision) -> tuple:

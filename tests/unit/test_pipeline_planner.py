@@ -33,44 +33,44 @@ def check_well_formed(d: PipelineDecision, block_params, pre, post, pp):
     assert d.stage_of_block[0] == 0 and d.stage_of_block[-1] == pp - 1
     steps = [b - a for a, b in zip(d.stage_of_block, d.stage_of_block[1:])]
     assert set(steps) <= {0, 1}                     # contiguous, none empty
-    assert len(d.stage_params) == pp
-    assert sum(d.stage_params) == pre + sum(block_params) + post
+    assert len(d.stage_costs) == pp
+    assert sum(d.stage_costs) == pre + sum(block_params) + post
     for s in range(pp):
         mine = sum(c for c, st in zip(block_params, d.stage_of_block) if st == s)
-        assert d.stage_params[s] == mine + (pre if s == 0 else 0) + (post if s == pp - 1 else 0)
+        assert d.stage_costs[s] == mine + (pre if s == 0 else 0) + (post if s == pp - 1 else 0)
 
 
 def test_equal_blocks_split_evenly():
     d = plan_pipeline([10] * 8, 0, 0, 4, names(8))
     assert d.stage_of_block == (0, 0, 1, 1, 2, 2, 3, 3)
-    assert d.stage_params == (20, 20, 20, 20)
+    assert d.stage_costs == (20, 20, 20, 20)
     assert d.blocks == names(8)
 
 
 def test_pp1_everything_in_one_stage():
     d = plan_pipeline([3, 4, 5], 7, 11, 1, names(3))
-    assert d.stage_of_block == (0, 0, 0) and d.stage_params == (30,)
+    assert d.stage_of_block == (0, 0, 0) and d.stage_costs == (30,)
 
 
 def test_pp_equal_to_blocks_one_block_per_stage():
     d = plan_pipeline([5, 1, 9], 2, 3, 3, names(3))
-    assert d.stage_of_block == (0, 1, 2) and d.stage_params == (7, 1, 12)
+    assert d.stage_of_block == (0, 1, 2) and d.stage_costs == (7, 1, 12)
 
 
 def test_heavy_embedding_shifts_blocks_to_later_stages():
     d = plan_pipeline([10] * 4, 25, 0, 2, names(4))
-    assert d.stage_of_block == (0, 1, 1, 1) and d.stage_params == (35, 30)
+    assert d.stage_of_block == (0, 1, 1, 1) and d.stage_costs == (35, 30)
 
 
 def test_heavy_head_shifts_blocks_to_earlier_stages():
     d = plan_pipeline([10] * 4, 0, 25, 2, names(4))
-    assert d.stage_of_block == (0, 0, 0, 1) and d.stage_params == (30, 35)
+    assert d.stage_of_block == (0, 0, 0, 1) and d.stage_costs == (30, 35)
 
 
 def test_heavy_embedding_and_head():
     # 8 blocks of 10, embedding and head 30 each: stages 0 and 3 get one block each
     d = plan_pipeline([10] * 8, 30, 30, 4, names(8))
-    assert max(d.stage_params) == 40
+    assert max(d.stage_costs) == 40
     assert d.stage_of_block.count(0) == 1 and d.stage_of_block.count(3) == 1
 
 
@@ -83,7 +83,7 @@ def test_min_max_matches_brute_force(seed):
     pre, post = rng.randint(0, 150), rng.randint(0, 150)
     d = plan_pipeline(block_params, pre, post, pp, names(n))
     check_well_formed(d, block_params, pre, post, pp)
-    assert max(d.stage_params) == brute_force(block_params, pre, post, pp)
+    assert max(d.stage_costs) == brute_force(block_params, pre, post, pp)
 
 
 def test_pp_exceeding_blocks_is_a_plan_error():

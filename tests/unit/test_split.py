@@ -22,8 +22,9 @@ from parallelizer.passes.graph_facts import is_tensor, module_path
 from parallelizer.passes.split_blocks import split_blocks
 from parallelizer.passes.split_stages import split_stages
 from parallelizer.passes.tensor_parallel import apply_tensor_parallel
-from parallelizer.planning.pipeline import find_blocks, plan_pipeline
-from parallelizer.planning.tensors import pipeline_costs, tied_groups
+from parallelizer.passes.graph_costs import collect_costs
+from parallelizer.planning.pipeline import find_blocks, plan_from_costs
+from parallelizer.planning.tensors import tied_groups
 from parallelizer.planning.tp import plan_tp
 
 VOCAB = 64
@@ -56,12 +57,11 @@ class Compiled:
         apply_untie(gm, self.groups)
         gm.runtime_device = torch.device("cpu")
         self.blocks = find_blocks(self.model)
-        self.costs = pipeline_costs(gm, self.model, self.blocks)
         self.canonical = {n: g[0] for g in self.groups for n in g}
+        self.costs = collect_costs(gm, self.blocks, self.canonical)
 
     def decision(self, pp):
-        block_params, pre, post = self.costs
-        return plan_pipeline(block_params, pre, post, pp, self.blocks)
+        return plan_from_costs(self.costs, pp, self.blocks)
 
     def stages(self, pp):
         return split_stages(self.gm, self.decision(pp), pp)
@@ -93,10 +93,11 @@ def test_compiler_order_leaves_a_clean_graph(compiled):
     targets = [n.target for n in gm.graph.nodes if n.op == "get_attr" and n.users]
     # untie: the embedding reads model.embed_tokens.weight, the head lm_head.weight
     assert "model.embed_tokens.weight" in targets and "lm_head.weight" in targets
-    block_params, pre, post = compiled.costs
-    assert block_params == [sum(p.numel() for p in compiled.model.model.layers[i].parameters())
-                            for i in range(4)]
-    assert pre == VOCAB * 32 and post == VOCAB * 32 + 32       # embedding; tied head + norm
+    units = compiled.costs.units
+    assert [len(u.params) for u in units[1:-1]] == [9] * 4     # 7 linears, 2 norms per layer
+    assert units[0].params == ("model.embed_tokens.weight",)
+    # the tied head counts under its canonical name, next to the final norm
+    assert set(units[-1].params) == {"model.norm.weight", "model.embed_tokens.weight"}
 
 
 @pytest.mark.parametrize("pp", [2, 3, 4])

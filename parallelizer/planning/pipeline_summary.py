@@ -1,0 +1,122 @@
+"""What a pipeline split costs, as data for report.md and ``parallelize inspect``.
+
+Per stage: forward/backward FLOPs, parameter bytes and the activation bytes it sends
+(cost model, ``planning/costs.py``); imbalance = max / mean stage FLOPs; the theoretical
+bubble of the schedule. Also the compile-time checks of a split: every parameter lands in
+the stages the partition predicts, and microbatches against pp.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from ..errors import PlanError
+from .costs import PipelineCosts
+from .pipeline import PipelineDecision
+
+SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
+
+
+def bubble(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """Idle fraction of a step, (P-1)/(M+P-1) for GPipe and 1F1B (Huang et al. 2019, §2.2;
+    Narayanan et al. 2021, §2.2.1), (P-1)/(v*M+P-1) with v stages per rank for interleaved
+    schedules (Narayanan et al. 2021, §2.2.2); an upper bound for zero-bubble schedules."""
+    v = 1 if schedule in SINGLE_STAGE_SCHEDULES else max(1, virtual_stages)
+    return (pp - 1) / (v * microbatches + pp - 1)
+
+
+def stage_units(decision: PipelineDecision, stage: int) -> range:
+    """Cost-model unit indices of ``stage`` (unit 0 before the blocks, 1 + i block i)."""
+    r = decision.block_range(stage)
+    lo = 0 if stage == 0 else r.start + 1
+    hi = len(decision.blocks) + 2 if stage == decision.num_stages - 1 else r.stop + 1
+    return range(lo, hi)
+
+
+def summarize(decision: PipelineDecision, costs: PipelineCosts, schedule: str, pp: int,
+              microbatches: int, virtual_stages: int = 1) -> dict:
+    """JSON-ready summary: ``{"stages": [{"index", "blocks", "fwd_flops", "bwd_flops", "flops",
+    "param_bytes", "activation_bytes_sent", "fqns"}], "imbalance", "bubble", ...}``.
+
+    FLOPs are per training step of the example batch ``batch_shape``; activation bytes are
+    what the stage sends forward for that batch (its gradient comes back in backward).
+    """
+    stages = []
+    for s in range(decision.num_stages):
+        units = stage_units(decision, s)
+        r = decision.block_range(s)
+        stages.append({
+            "index": s,
+            "blocks": [decision.blocks[i] for i in r],
+            "fwd_flops": sum(costs.units[u].fwd_flops for u in units),
+            "bwd_flops": sum(costs.units[u].bwd_flops for u in units),
+            "flops": sum(costs.units[u].flops for u in units),
+            "param_bytes": costs.stage_param_bytes(units),
+            "activation_bytes_sent": costs.cut_bytes[units.stop - 1] if s < decision.num_stages - 1 else 0,
+            "fqns": list(costs.stage_fqns(units)),
+        })
+    flops = [st["flops"] for st in stages]
+    mean = sum(flops) / len(flops)
+    return {
+        "stages": stages,
+        "imbalance": max(flops) / mean if mean else 1.0,
+        "bubble": bubble(schedule, pp, microbatches, virtual_stages),
+        "schedule": schedule, "pp": pp, "microbatches": microbatches,
+        "virtual_stages": virtual_stages, "split": decision.source,
+        "batch_shape": list(costs.batch_shape), "notes": list(costs.notes),
+    }
+
+
+def check_placement(summary: dict, stage_fqns: list, params: set, canonical: dict) -> list[str]:
+    """Check (not assume) that the split graphs hold what the partition planned.
+
+    Args:
+        summary: from :func:`summarize` (the partition's parameter FQNs per stage).
+        stage_fqns: FQNs each split stage graph actually reads (``ParallelPlan.stages``).
+        params: every parameter name of the model (tied aliases included).
+        canonical: alias -> canonical FQN.
+
+    Returns:
+        warnings: parameters that no stage holds (unused in forward).
+
+    Raises:
+        PlanError: a stage holds a parameter the partition did not put there, or misses
+            one it did (a split bug, never the user's): names stage and FQN.
+    """
+    for st, actual in zip(summary["stages"], stage_fqns):
+        want = set(st["fqns"])
+        got = {f for f in actual if canonical.get(f, f) in {canonical.get(p, p) for p in params}}
+        if want != got:
+            extra, missing = sorted(got - want), sorted(want - got)
+            raise PlanError(f"pipeline stage {st['index']} holds {extra or 'nothing extra'} it was not "
+                            f"assigned and lacks {missing or 'nothing'}; this is a parallelizer bug "
+                            f"in the stage split, please report it with the model")
+    placed = {canonical.get(f, f) for st in summary["stages"] for f in st["fqns"]}
+    unused = sorted({canonical.get(p, p) for p in params} - placed)
+    if unused:
+        return [f"{len(unused)} parameter(s) are not used by forward and are in no pipeline stage "
+                f"(no gradient, not in the checkpoint): {', '.join(unused[:5])}"
+                f"{' ...' if len(unused) > 5 else ''}"]
+    return []
+
+
+def check_microbatches(pp: int, microbatches: int, schedule: str,
+                       virtual_stages: int = 1) -> list[str]:
+    """Raises PlanError when microbatches < pp; returns a warning when < 2 pp (bubble > 33 %)."""
+    if pp <= 1:
+        return []
+    if microbatches < pp:
+        raise PlanError(f"pipeline.microbatches ({microbatches}) must be >= mesh.pp ({pp}): with "
+                        f"fewer microbatches than stages some stage never has work; set "
+                        f"pipeline.microbatches={pp} or more (>= {2 * pp} keeps the bubble under 33%)")
+    if microbatches < 2 * pp:
+        b = bubble(schedule, pp, microbatches, virtual_stages)
+        return [f"pipeline.microbatches ({microbatches}) < 2 x mesh.pp ({pp}): the pipeline bubble "
+                f"is {b:.0%} of the step ({schedule}); more microbatches shrink it "
+                f"({2 * pp} gives {bubble(schedule, pp, 2 * pp, virtual_stages):.0%})"]
+    return []
+
+
+def virtual_stages_of(spec_pipeline) -> int:
+    """``pipeline.virtual_stages`` when the spec has it (interleaved schedules), else 1."""
+    v: Optional[int] = getattr(spec_pipeline, "virtual_stages", None)
+    return int(v) if v else 1
