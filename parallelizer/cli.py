@@ -1,7 +1,8 @@
 """``parallelize`` command line.
 
     parallelize MODEL SPEC -o OUT [--no-weights] [--dump-passes DIR] [KEY=VALUE ...]
-    parallelize SUBCOMMAND ...        (a name registered in SUBCOMMANDS, e.g. reshard)
+    parallelize SUBCOMMAND ...        (a name registered in SUBCOMMANDS, e.g. inspect)
+    parallelize inspect MODEL SPEC [--json] [--plots DIR] [KEY=VALUE ...]
 
 A user error (:class:`parallelizer.errors.UserError`) prints ``error: <message>`` to stderr
 and exits with 2; anything else is a bug in parallelizer and keeps its traceback.
@@ -16,8 +17,17 @@ from typing import Callable, Optional, Sequence
 from parallelizer.errors import ModelFileError, UserError
 
 # Subcommand name -> handler(argv after the name) -> exit code. Handlers import their
-# modules lazily so that `parallelize --help` stays fast. Planned: reshard, inspect, estimate.
+# modules lazily so that `parallelize --help` stays fast. Planned: reshard, estimate.
 SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {}
+
+
+def _inspect(argv: list[str]) -> int:
+    from parallelizer.inspect_cmd import main as inspect_main
+
+    return inspect_main(argv)
+
+
+SUBCOMMANDS["inspect"] = _inspect
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
