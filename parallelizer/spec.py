@@ -74,8 +74,9 @@ class Pipeline(BaseModel):
     split_points: Optional[list[str]] = Field(
         None, description="null or a list of block FQNs where stages 1.. begin, e.g. "
                           "['model.layers.16']")
-    layers_per_stage: Optional[list[Annotated[int, Field(ge=1)]]] = Field(
-        None, description="null or a list of block counts per stage, each >= 1, e.g. [15, 17]")
+    layers_per_stage: Optional[list[Annotated[int, Field(ge=0)]]] = Field(
+        None, description="null or a list of block counts per stage, e.g. [15, 17]; each >= 1 "
+                          "but the last, which may be 0 (a stage of only the final norm and head)")
 
     @model_validator(mode="after")
     def _one_split_override(self) -> "Pipeline":

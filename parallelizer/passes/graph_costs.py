@@ -74,7 +74,7 @@ def assign_units(graph: fx.Graph, blocks: tuple[str, ...]) -> dict:
     index = {b: i + 1 for i, b in enumerate(blocks)}
     found: dict = {}
     for node in graph.nodes:
-        if node.op in ("placeholder", "call_function"):
+        if node.op not in ("get_attr", "output"):
             path = module_path(node)
             found[node] = next((i for b, i in index.items() if path == b or path.startswith(b + ".")), None)
     last_block_node = max((i for i, n in enumerate(graph.nodes) if found.get(n)), default=-1)
@@ -157,12 +157,18 @@ class _FlopCounter:
             return torch.device("cpu")
         if "val" not in a.meta:
             raise _NoValue(a.name)
-        v = a.meta["val"]
-        if isinstance(v, torch.Tensor):
+        grad = a in self.requires_grad
+
+        def fresh(v):
+            if isinstance(v, torch.SymInt):
+                return _hint(v)
+            if not isinstance(v, torch.Tensor):
+                return v
             with self.mode:
                 t = torch.empty([_hint(s) for s in v.shape], dtype=v.dtype, device="cpu")
-            return t.requires_grad_(a in self.requires_grad)
-        return tree_map(lambda x: _hint(x) if isinstance(x, torch.SymInt) else x, v)
+            return t.requires_grad_(grad and v.dtype.is_floating_point)
+
+        return tree_map(fresh, a.meta["val"])
 
     def _run(self, op, args, kwargs) -> tuple[int, int]:
         with self.mode, FlopCounterMode(display=False, custom_mapping=_CPU_SDPA) as fc:
@@ -182,10 +188,11 @@ def _requires_grad(graph: fx.Graph) -> set:
     computed from one (export's node values do not carry requires_grad past the inputs)."""
     out = set()
     for n in graph.nodes:
-        v = n.meta.get("val")
-        if not isinstance(v, torch.Tensor) or not v.dtype.is_floating_point:
+        # a tuple of tensors too (unbind, split), read by getitem
+        vals = [v for v in tree_flatten(n.meta.get("val"))[0] if isinstance(v, torch.Tensor)]
+        if not any(v.dtype.is_floating_point for v in vals):
             continue
-        if n.op == "get_attr" and v.requires_grad:
+        if n.op == "get_attr" and any(v.requires_grad for v in vals):
             out.add(n)
         elif n.op == "call_function" and any(a in out for a in n.all_input_nodes):
             out.add(n)

@@ -2,7 +2,7 @@
 
 Every node goes to the stage of the block it belongs to (by ``nn_module_stack``); nodes
 outside blocks go with the most recent block before them (stage 0 before the first block,
-the last stage after the last). Stage ``s`` takes as inputs every tensor defined before it
+the last stage after the last, which may then hold no block). Stage ``s`` takes as inputs every tensor defined before it
 and used at or after it, in graph order, and returns what stage ``s+1`` takes, so values
 needed further down (attention masks, rotary tables) pass through the stages in between;
 that is what ``torch.distributed.pipelining.PipelineStage`` needs (stage s's outputs are
@@ -18,7 +18,8 @@ import torch
 import torch.fx as fx
 
 from ..planning.pipeline import PipelineDecision
-from .graph_facts import aten, expr, is_tensor, module_path
+from .graph_costs import assign_units
+from .graph_facts import aten, expr, is_tensor
 
 
 @dataclass
@@ -31,18 +32,12 @@ class StageGraph:
 
 
 def assign_stages(graph: fx.Graph, decision: PipelineDecision) -> dict:
-    """node -> stage index for every placeholder and call_function node."""
-    prefix_stage = {b: s for b, s in zip(decision.blocks, decision.stage_of_block)}
-    stage_of, current = {}, 0
-    for node in graph.nodes:
-        if node.op in ("get_attr", "output"):
-            continue
-        path = module_path(node)
-        block = next((b for b in prefix_stage if path == b or path.startswith(b + ".")), None)
-        if block is not None:
-            current = max(current, prefix_stage[block])
-        stage_of[node] = current if node.op != "placeholder" else 0
-    return stage_of
+    """node -> stage index for every placeholder and call_function node: the stage of its
+    cost-model unit (``graph_costs.assign_units``), so the split is the one the partitioner
+    costed; what follows the last block goes to the last stage."""
+    last = len(decision.stage_costs) - 1
+    stage_of_unit = (0,) + tuple(decision.stage_of_block) + (last,)
+    return {n: stage_of_unit[u] for n, u in assign_units(graph, decision.blocks).items()}
 
 
 def split_stages(gm: fx.GraphModule, decision: PipelineDecision, pp: int) -> list[StageGraph]:

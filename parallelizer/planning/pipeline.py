@@ -3,7 +3,8 @@
 Blocks are the children of the model's largest ``nn.ModuleList`` (``model.layers``,
 ``encoder.layer``, ``blocks``). Stages are contiguous runs of blocks; stage 0 also holds
 what runs before the first block (embeddings) and the last stage what runs after the last
-(final norm, LM head). The split minimises the largest stage's cost, forward + backward
+(final norm, LM head); the last stage may hold only that when it is heavy enough.
+The split minimises the largest stage's cost, forward + backward
 FLOPs from the cost model (``planning/costs.py``): a contiguous min-max partition by
 dynamic programming, as in PipeDream's planner (Narayanan et al. 2019, §3.1), so a heavy
 LM head shifts blocks away from the last stage. ``pipeline.split_points`` or
@@ -33,9 +34,9 @@ class PipelineDecision:
         return len(self.stage_costs)
 
     def block_range(self, stage: int) -> range:
-        """Indices of the blocks of ``stage``."""
+        """Indices of the blocks of ``stage`` (empty for a last stage holding only the head)."""
         idx = [i for i, s in enumerate(self.stage_of_block) if s == stage]
-        return range(idx[0], idx[-1] + 1) if idx else range(0)
+        return range(idx[0], idx[-1] + 1) if idx else range(len(self.blocks), len(self.blocks))
 
 
 def find_blocks(model: torch.nn.Module) -> tuple[str, ...]:
@@ -84,7 +85,7 @@ def plan_pipeline(block_costs: Sequence[int], pre_cost: int, post_cost: int, num
     elif num_stages == 1:
         sizes = [n]
     else:
-        sizes = _min_max_sizes(list(block_costs), pre_cost, post_cost, num_stages)
+        sizes = _balanced_sizes(list(block_costs), pre_cost, post_cost, num_stages)
     stage_of = tuple(s for s, k in enumerate(sizes) for _ in range(k))
     costs, start = [], 0
     for s, k in enumerate(sizes):
@@ -102,6 +103,29 @@ def plan_from_costs(costs: PipelineCosts, num_stages: int, blocks: tuple[str, ..
                          split_points=getattr(spec_pipeline, "split_points", None),
                          layers_per_stage=getattr(spec_pipeline, "layers_per_stage", None),
                          stages_key=stages_key)
+
+
+def _balanced_sizes(c: list, pre: int, post: int, k: int) -> list[int]:
+    """Blocks per stage minimising the largest stage cost over the candidate cuts: every
+    block boundary, and the cut between the last block and what follows it, so that a head
+    heavier than a few blocks (Llama-3-8B's LM head is ~2 blocks of FLOPs) may be a stage
+    of its own (a last entry 0)."""
+    with_blocks = _min_max_sizes(c, pre, post, k)
+    best = _max_cost(c, pre, post, with_blocks)
+    if k - 1 <= len(c):
+        head_alone = _min_max_sizes(c, pre, 0, k - 1) + [0]
+        if _max_cost(c, pre, post, head_alone) < best:
+            return head_alone
+    return with_blocks
+
+
+def _max_cost(c: list, pre: int, post: int, sizes: list[int]) -> int:
+    costs, start = [], 0
+    for s, k in enumerate(sizes):
+        costs.append(sum(c[start:start + k]) + (pre if s == 0 else 0)
+                     + (post if s == len(sizes) - 1 else 0))
+        start += k
+    return max(costs)
 
 
 def _min_max_sizes(c: list, pre: int, post: int, k: int) -> list[int]:
@@ -160,13 +184,16 @@ def _sizes_from_split_points(points, blocks, k: int, stages_key: str) -> list[in
 
 
 def _check_layers_per_stage(sizes, n: int, k: int, stages_key: str) -> list[int]:
-    """Raises PlanError: wrong count, an entry < 1, or a sum other than the block count."""
+    """Raises PlanError: wrong count, an entry < 1 (the last may be 0), or a sum other than
+    the block count."""
     sizes = list(sizes)
     if len(sizes) != k:
         raise PlanError(f"pipeline.layers_per_stage has {len(sizes)} entries {sizes}, but there are "
                         f"{k} stages ({stages_key}={k}); give one block count per stage")
-    if any(s < 1 for s in sizes):
-        raise PlanError(f"pipeline.layers_per_stage {sizes}: every stage needs at least one block")
+    if any(s < 1 for s in sizes[:-1]) or sizes[-1] < 0 or (k > 1 and sizes[-2] < 1):
+        raise PlanError(f"pipeline.layers_per_stage {sizes}: every stage needs at least one block, "
+                        f"except the last, which may be 0 (it then holds only what follows the "
+                        f"last block: final norm, LM head)")
     if sum(sizes) != n:
         raise PlanError(f"pipeline.layers_per_stage {sizes} sums to {sum(sizes)}, but the model has "
                         f"{n} blocks; make the entries sum to {n}")

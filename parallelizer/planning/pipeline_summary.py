@@ -26,7 +26,7 @@ def bubble(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -
 
 def stage_units(decision: PipelineDecision, stage: int) -> range:
     """Cost-model unit indices of ``stage`` (unit 0 before the blocks, 1 + i block i)."""
-    r = decision.block_range(stage)
+    r = decision.block_range(stage)  # empty: a last stage holding only the head
     lo = 0 if stage == 0 else r.start + 1
     hi = len(decision.blocks) + 2 if stage == decision.num_stages - 1 else r.stop + 1
     return range(lo, hi)

@@ -9,6 +9,7 @@ source for identical layers. Numerics: the stages (and the outlined blocks) run 
 reproduce the captured graph exactly, at another batch size and sequence length.
 """
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,7 +24,9 @@ from parallelizer.passes.split_blocks import split_blocks
 from parallelizer.passes.split_stages import split_stages
 from parallelizer.passes.tensor_parallel import apply_tensor_parallel
 from parallelizer.passes.graph_costs import collect_costs
+from parallelizer.errors import PlanError
 from parallelizer.planning.pipeline import find_blocks, plan_from_costs
+from parallelizer.planning.pipeline_summary import check_placement, summarize
 from parallelizer.planning.tensors import tied_groups
 from parallelizer.planning.tp import plan_tp
 
@@ -233,3 +236,44 @@ def test_outlined_stages_reproduce_the_captured_graph(compiled, outlined):
         ref = gm(input_ids=x)
     got = run_stages(modules, x)
     assert torch.equal(got[0], ref[0])
+
+
+# --- a last stage holding only what follows the blocks (final norm, LM head) ------------------
+
+def test_head_alone_stage_reproduces_the_captured_graph(compiled):
+    decision = plan_from_costs(compiled.costs, 3, compiled.blocks,
+                               SimpleNamespace(split_points=None, layers_per_stage=[2, 2, 0]))
+    assert decision.stage_of_block == (0, 0, 1, 1) and decision.source == "pipeline.layers_per_stage"
+    gm = compiled.gm
+    stages = split_stages(gm, decision, 3)
+    assert set(stages[-1].targets) == {"model.norm.weight", "lm_head.weight"}
+    found = [split_blocks(st.graph, compiled.blocks) for st in stages]
+    assert [[b.fqn for b in bs] for bs, _ in found] == [["model.layers.0", "model.layers.1"],
+                                                        ["model.layers.2", "model.layers.3"], []]
+    modules = [_stage_module(gm, st, bs) for st, (bs, _) in zip(stages, found)]
+    x = ids(2, 9, seed=3)
+    with torch.no_grad():
+        ref = gm(input_ids=x)
+    assert torch.equal(run_stages(modules, x)[0], ref[0])
+
+
+@pytest.mark.parametrize("sizes", [[1, 3], [3, 1], [1, 1, 2], [2, 1, 1, 0], [1, 1, 1, 1]])
+def test_stage_parameters_are_the_ones_the_partition_costed(compiled, sizes):
+    """check_placement compares the split graphs with the cost model's units, so a stage that
+    gains or loses a parameter in the split is a PlanError, not a silent change."""
+    k = len(sizes)
+    decision = plan_from_costs(compiled.costs, k, compiled.blocks,
+                               SimpleNamespace(split_points=None, layers_per_stage=sizes))
+    stages = split_stages(compiled.gm, decision, k)
+    reads = [[compiled.canonical.get(t, t) for t in st.targets if t != RUNTIME_DEVICE] for st in stages]
+    summary = summarize(decision, compiled.costs, "1f1b", k, 2 * k)
+    params = {n for n, _ in compiled.model.named_parameters(remove_duplicate=False)}
+    assert check_placement(summary, reads, params, compiled.canonical) == []
+    moved = [reads[0] + reads[1][:1]] + reads[1:]        # stage 1's first weight also in 0
+    with pytest.raises(PlanError) as e:
+        check_placement(summary, moved, params, compiled.canonical)
+    assert str(e.value).startswith(f"pipeline stage 0 holds ['{reads[1][0]}'] it was not assigned")
+    unused = params | {"model.extra.weight"}
+    assert check_placement(summary, reads, unused, compiled.canonical) == [
+        "1 parameter(s) are not used by forward and are in no pipeline stage (no gradient, not "
+        "in the checkpoint): model.extra.weight"]
