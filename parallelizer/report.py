@@ -36,7 +36,7 @@ _SPLIT = {"balanced": "balanced by forward + backward FLOPs (contiguous min-max 
           "pipeline.layers_per_stage": "fixed by pipeline.layers_per_stage"}
 
 
-def pipeline_section(plan: ParallelPlan, pipeline: dict, pp_warnings=()) -> list[str]:
+def pipeline_section(plan: ParallelPlan, pipeline: dict, pp_warnings=(), pictures=True) -> list[str]:
     """``## Pipeline stages``: per-stage cost table, imbalance, theoretical bubble, pictures."""
     p, m, v = pipeline["pp"], pipeline["microbatches"], pipeline["virtual_stages"]
     formula = f"(P-1)/(v*M+P-1), v={v}" if v > 1 else "(P-1)/(M+P-1)"
@@ -51,13 +51,14 @@ def pipeline_section(plan: ParallelPlan, pipeline: dict, pp_warnings=()) -> list
              "", "| stage | blocks | GFLOP fwd | GFLOP bwd | parameter bytes | activation bytes sent | sends |",
              "|---|---|---|---|---|---|---|"]
     for st, s in zip(plan.stages, pipeline["stages"]):
-        blocks = f"{st.blocks[0]} .. {st.blocks[-1]}" if st.blocks else "-"
+        blocks = " .. ".join(dict.fromkeys([st.blocks[0], st.blocks[-1]])) if st.blocks else "-"
         lines.append(f"| {st.index} | {blocks} | {s['fwd_flops'] / 1e9:.4g} | {s['bwd_flops'] / 1e9:.4g} "
                      f"| {s['param_bytes']:,} | {s['activation_bytes_sent']:,} "
                      f"| {', '.join(st.outputs) or 'outputs'} |")
     lines += [f"- warning: {w}" for w in pp_warnings]
     lines += [f"- {n}" for n in pipeline["notes"]]
-    lines += ["", "![stage cost](pipeline_costs.png)"]
-    if p > 1:
+    if pictures:
+        lines += ["", "![stage cost](pipeline_costs.png)"]
+    if pictures and p > 1:
         lines += ["", "![schedule](pipeline_schedule.png)"]
     return lines

@@ -1,0 +1,96 @@
+"""The pipeline split end to end: ``parallelize inspect --json --plots`` (the CLI entry,
+in process), the microbatch check, report.md and the PNGs in OUT/, and a last stage holding
+only the final norm and the LM head (``pipeline.layers_per_stage=[4,0]``) running
+``--verify`` against the single-device reference (torchrun, gloo, fp32).
+"""
+import contextlib
+import io
+import json
+import struct
+
+import pytest
+
+from parallelizer import cli
+
+HEAD_ALONE = ("mesh.dp=1", "mesh.tp=1", "mesh.pp=2", "pipeline.layers_per_stage=[4,0]")
+TOL = 1e-5
+
+
+def png_size(path) -> tuple[int, int]:
+    """Width and height from a PNG's IHDR chunk, after checking the signature."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", path
+    return struct.unpack(">II", data[16:24])
+
+
+def inspect(tools, capsys, *args):
+    code = cli.main(["inspect", str(tools.examples / "llama" / "model.py"),
+                     str(tools.examples / "llama" / "spec.yaml"), *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def inspected(tools, tmp_path_factory):
+    plots = tmp_path_factory.mktemp("plots")
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(["inspect", str(tools.examples / "llama" / "model.py"),
+                         str(tools.examples / "llama" / "spec.yaml"), "mesh.tp=1", "mesh.pp=4",
+                         "--json", "--plots", str(plots)])
+    assert code == 0, err.getvalue()
+    return json.loads(out.getvalue()), err.getvalue(), plots
+
+
+def test_inspect_json_shape(inspected):
+    summary, _, _ = inspected
+    stages = summary["stages"]
+    assert [s["index"] for s in stages] == [0, 1, 2, 3]
+    for s in stages:
+        assert {"index", "flops", "param_bytes", "fqns"} <= set(s)
+        assert s["flops"] == s["fwd_flops"] + s["bwd_flops"] > 0 and s["param_bytes"] > 0
+    assert [s["blocks"] for s in stages] == [[f"model.layers.{i}"] for i in range(4)]
+    # the tied embedding is held by the first and the last stage, under its canonical name
+    assert "model.embed_tokens.weight" in stages[0]["fqns"] and "model.embed_tokens.weight" in stages[3]["fqns"]
+    mean = sum(s["flops"] for s in stages) / 4
+    assert summary["imbalance"] == pytest.approx(max(s["flops"] for s in stages) / mean)
+    assert summary["bubble"] == pytest.approx(3 / 7)               # (P-1)/(M+P-1), M=4
+    assert [s["activation_bytes_sent"] > 0 for s in stages] == [True, True, True, False]
+
+
+def test_inspect_warns_and_draws(inspected):
+    summary, stderr, plots = inspected
+    assert ("warning: pipeline.microbatches (4) < 2 x mesh.pp (4): the pipeline bubble is 43% of "
+            "the step (1f1b)") in stderr
+    assert sorted(p.name for p in plots.iterdir()) == ["pipeline_costs.png", "pipeline_schedule.png"]
+    w, h = png_size(plots / "pipeline_schedule.png")
+    assert w > 300 and h > 100
+    assert min(png_size(plots / "pipeline_costs.png")) > 100
+
+
+def test_too_few_microbatches_is_an_error(tools, capsys):
+    code, out, err = inspect(tools, capsys, "mesh.pp=4", "pipeline.schedule=gpipe",
+                             "pipeline.microbatches=2")
+    assert code == 2 and out == ""
+    assert err.startswith("error: pipeline.microbatches (2) must be >= mesh.pp (4)")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.precompile("llama", *HEAD_ALONE)
+def test_head_alone_stage_verifies(compiled, tools):
+    out = compiled("llama", *HEAD_ALONE)
+    report = (out / "report.md").read_text()
+    assert "split: fixed by pipeline.layers_per_stage" in report
+    assert "| 1 | - |" in report                                   # stage 1 holds no block
+    assert "![schedule](pipeline_schedule.png)" in report
+    summary = json.loads((out / "pipeline.json").read_text())
+    assert summary["stages"][1]["blocks"] == []
+    assert set(summary["stages"][1]["fqns"]) == {"model.norm.weight", "model.embed_tokens.weight"}
+    png_size(out / "pipeline_costs.png")
+    png_size(out / "pipeline_schedule.png")
+    res = tools.torchrun(out, 2, "--verify")
+    errs = tools.verify_errors(res.stdout)
+    assert res.stdout.rstrip().endswith("PASS"), res.explain()
+    assert set(errs) == {"loss", "outputs", "gradients", "parameters"}, res.explain()
+    assert all(e <= TOL for e in errs.values()), errs
+    tools.check_exit(res)
