@@ -98,12 +98,14 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
     tp_decision = plan_tp(gm.graph, mesh.tp)  # raises before anything is rewritten
     passes = PassManager(dump_passes)
     passes.run("cleanup", apply_cleanup, gm)
-    passes.run("tensor_parallel", apply_tensor_parallel, gm, tp_decision)
-    passes.run("untie", apply_untie, gm, groups)
-
+    # costed before tensor_parallel, whose local head counts no longer match the global
+    # shapes on the nodes: FLOPs of whole stages (all tp ranks together)
     blocks = find_blocks(model)
     canonical = {n: g[0] for g in groups for n in g}
     costs = collect_costs(gm, blocks, canonical)
+    passes.run("tensor_parallel", apply_tensor_parallel, gm, tp_decision)
+    passes.run("untie", apply_untie, gm, groups)
+
     pp_decision = plan_from_costs(costs, mesh.pp, blocks, pipe)
     stages = passes.run_split("split_stages", split_stages, gm, pp_decision, mesh.pp)
     block_graphs, block_notes = [], []

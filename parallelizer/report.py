@@ -46,8 +46,9 @@ def pipeline_section(plan: ParallelPlan, pipeline: dict, pp_warnings=(), picture
              f"{pipeline['imbalance']:.3f} (max / mean stage FLOPs)",
              f"- theoretical bubble: {pipeline['bubble']:.1%} = {formula} with P={p}, M={m} "
              f"({pipeline['schedule']})",
-             f"- FLOPs and activation bytes are for one step of the example batch ({batch}), "
-             f"by torch.utils.flop_counter (matmul, attention, convolution)",
+             f"- FLOPs (all tp ranks of a stage together) and activation bytes are for one step "
+             f"of the example batch ({batch}), by torch.utils.flop_counter (matmul, attention, "
+             f"convolution)",
              "", "| stage | blocks | GFLOP fwd | GFLOP bwd | parameter bytes | activation bytes sent | sends |",
              "|---|---|---|---|---|---|---|"]
     for st, s in zip(plan.stages, pipeline["stages"]):
