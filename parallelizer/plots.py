@@ -128,7 +128,10 @@ def write_pipeline_plots(summary: dict, out_dir: Path) -> list[str]:
     written = ["pipeline_costs.png"]
     pp, m, v = summary["pp"], summary["microbatches"], summary["virtual_stages"]
     if pp > 1:
-        timeline = schedule_timeline(summary["schedule"], pp, m, v)
+        try:
+            timeline = schedule_timeline(summary["schedule"], pp, m, v)
+        except ValueError:  # a schedule torch lacks is refused at compile time; never crash here
+            return written
         draw_timeline(timeline, out_dir / "pipeline_schedule.png",
                       f"{summary['schedule']}: pp={pp}, microbatches={m}"
                       f"{f', virtual stages={v}' if v > 1 else ''}; theoretical bubble "

@@ -67,9 +67,9 @@ def collect_costs(gm: fx.GraphModule, blocks: tuple[str, ...], canonical: dict) 
 def assign_units(graph: fx.Graph, blocks: tuple[str, ...]) -> dict:
     """node -> unit index (0 before the blocks, 1 + i for block i, len(blocks) + 1 after).
 
-    Mirrors ``split_stages.assign_stages``: a node outside every block goes with the most
-    recent block before it; placeholders are unit 0; nodes after the last block's last node
-    form the last unit.
+    ``split_stages.assign_stages`` maps these units to stages, so what is costed is what
+    is split. A node outside every block goes with the most recent block before it;
+    placeholders are unit 0; nodes after the last block's last node form the last unit.
     """
     index = {b: i + 1 for i, b in enumerate(blocks)}
     found: dict = {}

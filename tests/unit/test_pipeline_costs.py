@@ -195,3 +195,20 @@ def test_virtual_stages_read_defensively():
 
     assert virtual_stages_of(SimpleNamespace()) == 1
     assert virtual_stages_of(SimpleNamespace(virtual_stages=3)) == 3
+
+
+def test_report_section_shows_costs_warnings_and_pictures(costs):
+    from parallelizer.report import pipeline_section
+
+    d = plan_from_costs(costs, 2, ("blocks.0", "blocks.1", "blocks.2"))
+    s = summarize(d, costs, "gpipe", 2, 3)
+    assert d.stage_of_block == (0, 0, 1)       # the input layer is lighter than the head
+    plan = SimpleNamespace(stages=[SimpleNamespace(index=0, blocks=("blocks.0", "blocks.1"), outputs=["proj"]),
+                                   SimpleNamespace(index=1, blocks=("blocks.2",), outputs=[])])
+    warning = check_microbatches(2, 3, "gpipe")
+    text = "\n".join(pipeline_section(plan, s, warning))
+    assert "theoretical bubble: 25.0% = (P-1)/(M+P-1) with P=2, M=3 (gpipe)" in text
+    assert f"imbalance {s['imbalance']:.3f}" in text
+    assert "| 0 | blocks.0 .. blocks.1 |" in text and "| 1 | blocks.2 |" in text
+    assert "- warning: pipeline.microbatches (3) < 2 x mesh.pp (2): the pipeline bubble is 25%" in text
+    assert "![stage cost](pipeline_costs.png)" in text and "![schedule](pipeline_schedule.png)" in text
