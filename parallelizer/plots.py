@@ -74,6 +74,7 @@ def draw_timeline(timeline: list[list], path: Path, title: str) -> None:
     """One row per rank: coloured forward/backward slots, grey idle slots, to ``path`` (PNG)."""
     plt = _pyplot()
     from matplotlib.patches import Patch, Rectangle
+    from matplotlib.ticker import MaxNLocator
 
     slots = max((len(r) for r in timeline), default=1)
     fig, ax = plt.subplots(figsize=(min(2 + slots * 0.32, 40), 1 + 0.5 * len(timeline)))
@@ -87,6 +88,7 @@ def draw_timeline(timeline: list[list], path: Path, title: str) -> None:
             if act and small:
                 ax.text(x + 0.5, y + 0.5, act[1], ha="center", va="center", fontsize=5, color="white")
     ax.set_xlim(0, slots)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylim(0, len(timeline))
     ax.set_yticks([len(timeline) - 0.5 - r for r in range(len(timeline))])
     ax.set_yticklabels([f"rank {r}" for r in range(len(timeline))])
