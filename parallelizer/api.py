@@ -31,7 +31,7 @@ from .program import Program
 from .runtime.batching import dp_slice
 from .runtime.loss import default_loss
 from .runtime.setup import RankContext, init
-from .runtime.stage_builder import instantiate, load_into, stage_class_from_source
+from .runtime.stage_builder import LocalStages, instantiate, load_into, stage_class_from_source
 from .runtime.step import StepRunner
 from .runtime.train import gather_full_state, save_checkpoint
 from .spec import Spec, load_spec
@@ -78,18 +78,21 @@ def parallelize(model: torch.nn.Module, spec: Spec, example_inputs, loss_fn: Opt
     program = compile(model, spec, example_inputs, loss_fn, reference=False)
     plan = program.plan
     ctx = init(plan, device)
-    p, t = ctx.pp_rank, ctx.tp_rank
-    cls = stage_class_from_source(program.sources[f"program/stage{p}.py"], p)
-    if program.state is not None:
-        shard = {fqn: local_piece(program.state[fqn], tp_plan, plan.mesh["tp"], t)
-                 for fqn, tp_plan in plan.tensors.items() if p in tp_plan.stages}
-        source = "the model"
-    elif weights is not None:
-        shard, source = load_shard(weights, p, t, plan), str(weights)
-    else:
+    if program.state is None and weights is None:
         raise UserError("the model is on the meta device and no weights= checkpoint was given; "
                         "build it on cpu or pass weights=<checkpoint folder>")
-    stage = instantiate(cls, plan, ctx, shard, source)
+    t, modules = ctx.tp_rank, []
+    indices = plan.local_stages(ctx.pp_rank)
+    for p in indices:
+        cls = stage_class_from_source(program.sources[f"program/stage{p}.py"], p)
+        if program.state is not None:
+            shard = {fqn: local_piece(program.state[fqn], tp_plan, plan.mesh["tp"], t)
+                     for fqn, tp_plan in plan.tensors.items() if p in tp_plan.stages}
+            source = "the model"
+        else:
+            shard, source = load_shard(weights, p, t, plan), str(weights)
+        modules.append(instantiate(cls, plan, ctx, shard, source, p))
+    stage = LocalStages(indices, modules)
     return ParallelModule(stage, plan, ctx, loss_fn or default_loss)
 
 
@@ -114,19 +117,23 @@ class ParallelModule:
     Attributes:
         module: the local stage module (an ``nn.Module`` whose parameters keep the original
             FQNs, tp-sharded and, when dp > 1, FSDP2-sharded); call it yourself when pp = 1.
+            With ``pipeline.virtual_stages`` > 1 a rank runs several stages: ``module`` is
+            the first, ``stages`` holds them all.
+        stages: this rank's stage modules (:class:`parallelizer.runtime.stage_builder.LocalStages`).
         plan: the ParallelPlan. ``pp_rank``, ``dp_rank``, ``tp_rank``: this rank's coordinates.
     """
 
-    def __init__(self, stage, plan, ctx: RankContext, loss_fn):
-        self.module, self.plan, self.ctx = stage, plan, ctx
-        self._runner = StepRunner(stage, plan, ctx, loss_fn)
+    def __init__(self, stages: LocalStages, plan, ctx: RankContext, loss_fn):
+        self.stages, self.plan, self.ctx = stages, plan, ctx
+        self.module = stages.modules[0]
+        self._runner = StepRunner(stages, plan, ctx, loss_fn)
         self.pp_rank, self.dp_rank, self.tp_rank = ctx.pp_rank, ctx.dp_rank, ctx.tp_rank
 
     def parameters(self):
-        return self.module.parameters()
+        return self.stages.parameters()
 
     def named_parameters(self):
-        return self.module.named_parameters()
+        return self.stages.named_parameters()
 
     def shard_batch(self, batch):
         """This data-parallel rank's contiguous share of a global ``batch``, on its device.
@@ -153,7 +160,7 @@ class ParallelModule:
     def save_checkpoint(self, path: str | Path) -> None:
         """Write the weights in the plan's sharded layout (``pp{p}-tp{t}.safetensors`` and
         ``manifest.json``), atomically. Collective: call on every rank."""
-        save_checkpoint(self.module, self.plan, self.ctx, Path(path))
+        save_checkpoint(self.stages, self.plan, self.ctx, Path(path))
 
     def load_checkpoint(self, path: str | Path) -> None:
         """Load weights saved by :meth:`save_checkpoint` (or an OUT/checkpoint) for this plan.
@@ -161,23 +168,24 @@ class ParallelModule:
         Raises:
             CheckpointError: corrupt file, another plan, or a missing tensor.
         """
-        load_into(self.module, self.plan, load_shard(path, self.pp_rank, self.tp_rank, self.plan),
-                  self.ctx, str(path))
+        for index, module in self.stages:
+            load_into(module, self.plan, load_shard(path, index, self.tp_rank, self.plan),
+                      self.ctx, str(path), index)
 
     def full_state_dict(self) -> Optional[dict]:
         """Full tensors under the original (canonical) FQNs on global rank 0; None on the
         other ranks. Collective: call on every rank."""
-        state = gather_full_state(self.module, self.plan, self.ctx)
+        state = gather_full_state(self.stages, self.plan, self.ctx)
         if state is not None:  # tied names too, so model.load_state_dict(state) is strict-clean
             state.update({a: state[c] for a, c in self.plan.aliases.items() if c in state})
         return state
 
     def __repr__(self) -> str:
         m = self.plan.mesh
-        n = sum(p.numel() for p in self.module.parameters())
-        blocks = [b for b, _ in self.module.emitted_blocks()]
+        n = sum(p.numel() for p in self.stages.parameters())
+        blocks = [b for b, _ in self.stages.emitted_blocks()]
         held = f"{blocks[0]}..{blocks[-1]}" if blocks else "no blocks"
         return (f"ParallelModule(mesh pp={m['pp']} x dp={m['dp']} x tp={m['tp']}, rank "
                 f"{self.ctx.rank} at (pp={self.pp_rank}, dp={self.dp_rank}, tp={self.tp_rank}), "
-                f"stage {self.pp_rank} of {m['pp']} holding {held}, {n:,} local parameter "
+                f"stage(s) {self.stages.indices} of {self.plan.num_stages} holding {held}, {n:,} local parameter "
                 f"elements, schedule {self.plan.schedule if m['pp'] > 1 else 'none'})")

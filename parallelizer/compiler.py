@@ -106,8 +106,10 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
     passes.run("tensor_parallel", apply_tensor_parallel, gm, tp_decision)
     passes.run("untie", apply_untie, gm, groups)
 
-    pp_decision = plan_from_costs(costs, mesh.pp, blocks, pipe)
-    stages = passes.run_split("split_stages", split_stages, gm, pp_decision, mesh.pp)
+    num_stages = _num_stages(spec, blocks)
+    stages_key = "mesh.pp" if pipe.virtual_stages == 1 else "mesh.pp x pipeline.virtual_stages"
+    pp_decision = plan_from_costs(costs, num_stages, blocks, pipe, stages_key=stages_key)
+    stages = passes.run_split("split_stages", split_stages, gm, pp_decision, num_stages)
     block_graphs, block_notes = [], []
     for st in stages:
         found, notes = split_blocks(st.graph, blocks)
@@ -131,6 +133,20 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
                            pipeline, block_notes, pp_warnings)
     return Program(plan, sources, report, model_file, spec.to_dict(), state, ref,
                    warnings=warnings, pipeline=pipeline)
+
+
+def _num_stages(spec: Spec, blocks: tuple[str, ...]) -> int:
+    """``mesh.pp * pipeline.virtual_stages``: each pp rank runs ``virtual_stages`` stages.
+
+    Raises:
+        PlanError: more stages than blocks (each stage needs one block at least).
+    """
+    pp, v = spec.mesh.pp, spec.pipeline.virtual_stages
+    if v > 1 and pp * v > len(blocks):
+        raise PlanError(f"mesh.pp ({pp}) x pipeline.virtual_stages ({v}) = {pp * v} stages "
+                        f"exceeds the number of blocks ({len(blocks)}) found in the model; use "
+                        f"mesh.pp x pipeline.virtual_stages <= {max(len(blocks), 1)}")
+    return pp * v
 
 
 def _check_batch(batch, spec: Spec) -> None:

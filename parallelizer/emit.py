@@ -136,10 +136,11 @@ def stage_sources(plan, stages, block_graphs, model, model_path) -> dict:
             submodules.append((b.fqn, by_text[text]))
         tensors = _tensor_entries(attr_targets(st.graph), "", plan, canonical)
         text, imps = class_source(f"Stage{st.index}", st.graph, tensors, submodules,
-                                  f"Pipeline stage {st.index} of {mesh['pp']} (local shapes for tp={mesh['tp']}).")
+                                  f"Pipeline stage {st.index} of {plan.num_stages}, on pp rank {plan.stages[st.index].rank} "
+                                  f"(local shapes for tp={mesh['tp']}).")
         classes.append(text)
         imports += imps
-        header = HEADER.format(title=f"Stage {st.index} of {mesh['pp']}", model=model_path.name,
+        header = HEADER.format(title=f"Stage {st.index} of {plan.num_stages}", model=model_path.name,
                                detail=f"Inputs: {', '.join(st.inputs)}\nOutputs: {', '.join(st.outputs) or 'the model outputs'}\n")
         sources[f"program/stage{st.index}.py"] = module_source(header, classes, imports)
     sources["run.py"] = RUN_PY.format(model=model_path.name, world=plan.world_size, **mesh)

@@ -24,3 +24,7 @@ class PlanError(UserError):
 
 class CheckpointError(UserError):
     """A checkpoint file is missing, corrupt, or does not match the plan or model."""
+
+
+class BatchError(UserError, ValueError):
+    """A batch given to the program does not fit the plan (e.g. not divisible into microbatches)."""

@@ -61,12 +61,14 @@ class StagePlan:
     """One pipeline stage: the emitted module and what crosses its boundaries.
 
     Attributes:
-        index: stage_index in ``[0, pp)``.
+        index: stage_index in ``[0, pp * virtual_stages)``.
         module: emitted Python module name in ``OUT/program`` (``stage0``).
         fqns: canonical FQNs of the tensors this stage holds.
         inputs: names of the stage's forward inputs (model inputs for stage 0, activations after).
         outputs: names of its outputs (activations sent on; the model's flat outputs for the last).
         blocks: FQNs of the blocks (FSDP units) inside the stage, in execution order.
+        rank: the pp rank running this stage (loop or V placement,
+            :func:`parallelizer.pipeline_schedules.stage_ranks`).
     """
 
     index: int
@@ -75,6 +77,7 @@ class StagePlan:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     blocks: tuple[str, ...] = ()
+    rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -88,7 +91,7 @@ class ParallelPlan:
     seed: int
     tensors: dict  # fqn -> TensorPlan
     aliases: dict  # alias fqn -> canonical fqn (tied weights)
-    stages: tuple  # StagePlan, one per pp rank
+    stages: tuple  # StagePlan, pp * virtual_stages of them, in pipeline order
     input_names: tuple[str, ...] = ()
     inputs_are_kwargs: bool = False
     out_spec: str = ""  # torch.utils._pytree.treespec_dumps of the model's output
@@ -96,11 +99,21 @@ class ParallelPlan:
     tp_report: tuple = ()  # human-readable lines: what was sharded, what was gathered and why
     activation_checkpointing: str = "none"  # none | full | selective
     checkpoint_every: int = 1  # under selective: every k-th block, counted over the model
+    virtual_stages: int = 1  # pipeline stages per pp rank
     version: int = PLAN_VERSION
 
     @property
     def world_size(self) -> int:
         return self.mesh["pp"] * self.mesh["dp"] * self.mesh["tp"]
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages, ``pp * virtual_stages``; one checkpoint file per stage and tp rank."""
+        return self.mesh["pp"] * self.virtual_stages
+
+    def local_stages(self, pp_rank: int) -> list[int]:
+        """Indices of the stages pp rank ``pp_rank`` runs, in pipeline order."""
+        return [st.index for st in self.stages if st.rank == pp_rank]
 
     def to_json(self) -> str:
         d = asdict(self)

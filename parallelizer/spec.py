@@ -9,7 +9,8 @@ the dotted key, the value seen and what is allowed.
 Defaults::
 
     mesh: {dp: 1, tp: 1, pp: 1}
-    pipeline: {microbatches: 1, schedule: 1f1b, split_points: null, layers_per_stage: null}
+    pipeline: {microbatches: 1, schedule: 1f1b, virtual_stages: 1, split_points: null,
+               layers_per_stage: null}
     zero_stage: 3
     checkpoint: {path: null}
     seed: 0
@@ -32,6 +33,7 @@ from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from parallelizer.errors import SpecError
+from parallelizer.pipeline_schedules import check as check_schedule, check_data_parallel
 
 _STRICT = ConfigDict(extra="forbid", frozen=True, strict=True)
 _OVERRIDE_KEY = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
@@ -70,7 +72,8 @@ class Mesh(BaseModel):
 class Pipeline(BaseModel):
     model_config = _STRICT
     microbatches: int = Field(1, ge=1, description="an integer >= 1 (microbatches per step)")
-    schedule: Literal["gpipe", "1f1b"] = Field("1f1b", description="one of 'gpipe', '1f1b'")
+    schedule: str = Field("1f1b", description="a schedule name (see parallelizer.pipeline_schedules)")
+    virtual_stages: int = Field(1, ge=1, description="an integer >= 1 (pipeline stages per pp rank)")
     split_points: Optional[list[str]] = Field(
         None, description="null or a list of block FQNs where stages 1.. begin, e.g. "
                           "['model.layers.16']")
@@ -133,12 +136,12 @@ class Spec(BaseModel):
 
     @model_validator(mode="after")
     def _check_schedule(self) -> "Spec":
-        # torch.distributed.pipelining.Schedule1F1B rejects n_microbatches < num_stages.
-        mb, pp = self.pipeline.microbatches, self.mesh.pp
-        if self.pipeline.schedule == "1f1b" and mb < pp:
-            raise ValueError(
-                f"pipeline.microbatches ({mb}) must be >= mesh.pp ({pp}) for schedule '1f1b'; "
-                f"set pipeline.microbatches={pp} or more, or pipeline.schedule=gpipe.")
+        # the installed torch's schedule classes check these only when built on the cluster
+        p = self.pipeline
+        problem = (check_schedule(p.schedule, self.mesh.pp, p.virtual_stages, p.microbatches)
+                   or check_data_parallel(p.schedule, self.mesh.pp, self.mesh.dp, self.zero_stage))
+        if problem:
+            raise ValueError(problem)
         return self
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Read checkpoints written by :mod:`parallelizer.checkpoint.writer` (layout in its docstring).
 
-- :func:`load_shard`: what one rank loads, the file of its (pp, tp) coordinate (dp replicas
-  share it), checked against the manifest's sha256 and the plan hash.
+- :func:`load_shard`: the file of one (stage, tp) coordinate, what a rank loads for each
+  pipeline stage it runs (dp replicas share it), checked against the manifest's sha256 and the plan hash.
 - :func:`load_tensor`: any region of one logical tensor, read lazily with
   ``safe_open(...).get_slice`` from only the pieces that overlap it, so resharding needs memory
   for the requested region only (DESIGN.md §4).
@@ -65,16 +65,17 @@ def verify_file(ckpt_dir, file_name: str, manifest: dict) -> Path:
     return path
 
 
-def load_shard(ckpt_dir, pp_rank: int, tp_rank: int, plan: Optional[ParallelPlan] = None,
+def load_shard(ckpt_dir, stage: int, tp_rank: int, plan: Optional[ParallelPlan] = None,
                verify: bool = True) -> dict[str, torch.Tensor]:
-    """Tensors of the (pp_rank, tp_rank) file: canonical fqn -> local piece.
+    """Tensors of the (stage, tp_rank) file: canonical fqn -> local piece.
 
     Every data-parallel replica at that coordinate loads the same file. A piece has the
-    plan's ``local_shape(tp)`` for tensors held by stage ``pp_rank``.
+    plan's ``local_shape(tp)`` for tensors held by pipeline stage ``stage``.
 
     Args:
         ckpt_dir: checkpoint folder.
-        pp_rank, tp_rank: coordinates in ``[0, pp)`` x ``[0, tp)`` of the manifest's mesh.
+        stage, tp_rank: coordinates in ``[0, num_stages)`` x ``[0, tp)`` of the manifest
+            (``num_stages`` = pp x virtual stages; pp when the manifest predates it).
         plan: when given, its ``hash()`` must equal the manifest's ``plan_hash``.
         verify: check the file's sha256 against the manifest (reads the file twice).
 
@@ -90,9 +91,11 @@ def load_shard(ckpt_dir, pp_rank: int, tp_rank: int, plan: Optional[ParallelPlan
             f"{manifest['plan_hash'][:12]}..., mesh {manifest['mesh']}); this plan has hash "
             f"{plan.hash()[:12]}..., mesh {plan.mesh}; recompile with the mesh the checkpoint was written for, or save it again under this plan")
     mesh = manifest["mesh"]
-    if not (0 <= pp_rank < mesh["pp"] and 0 <= tp_rank < mesh["tp"]):
-        raise CheckpointError(f"(pp {pp_rank}, tp {tp_rank}) is outside the checkpoint's mesh {mesh}")
-    name = shard_file_name(pp_rank, tp_rank)
+    num_stages = manifest.get("num_stages", mesh["pp"])
+    if not (0 <= stage < num_stages and 0 <= tp_rank < mesh["tp"]):
+        raise CheckpointError(f"(stage {stage}, tp {tp_rank}) is outside the checkpoint's "
+                              f"{num_stages} stages x mesh {mesh}")
+    name = shard_file_name(stage, tp_rank)
     path = verify_file(ckpt_dir, name, manifest) if verify else Path(ckpt_dir) / name
     expected = {pc["name"] for t in manifest["tensors"].values() for pc in t["pieces"]
                 if pc["file"] == name}

@@ -1,15 +1,18 @@
-"""Write a state_dict resharded for a ParallelPlan: one safetensors file per (pp, tp)
-coordinate plus ``manifest.json`` (DESIGN.md §4).
+"""Write a state_dict resharded for a ParallelPlan: one safetensors file per (pipeline
+stage, tp rank) plus ``manifest.json`` (DESIGN.md §4).
 
 Layout of ``out_dir``::
 
-    pp0-tp0.safetensors  pp0-tp1.safetensors  ...   one per (pp, tp); dp replicas share them
+    pp0-tp0.safetensors  pp0-tp1.safetensors  ...   one per (stage, tp); dp replicas share them
     manifest.json
 
-Each file holds, under its canonical fqn, the tp piece of every tensor whose plan ``stages``
-include that pp rank (a tensor tied across stages is stored in each of them). The manifest::
+``pp{s}`` is the pipeline *stage* index ``s`` in ``[0, pp * virtual_stages)``; it equals the
+pp rank when each rank runs one stage, and a rank running several stages (interleaved,
+ZB-V schedules) reads one file per stage. Each file holds, under its canonical fqn, the tp
+piece of every tensor whose plan ``stages`` include stage ``s`` (a tensor tied across stages
+is stored in each of them). The manifest::
 
-    {"format_version": 1, "plan_hash": ..., "mesh": {"pp", "dp", "tp"},
+    {"format_version": 1, "plan_hash": ..., "mesh": {"pp", "dp", "tp"}, "num_stages": ...,
      "tensors": {fqn: {"shape", "dtype", "is_buffer",
                        "pieces": [{"file", "name", "dim", "offset", "length"}, ...]}},
      "aliases": {alias fqn: canonical fqn}, "files": {file name: sha256 hex}}
@@ -42,9 +45,9 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 
 
-def shard_file_name(pp_rank: int, tp_rank: int) -> str:
-    """``pp{p}-tp{t}.safetensors``: the file of one (pp, tp) coordinate."""
-    return f"pp{pp_rank}-tp{tp_rank}.safetensors"
+def shard_file_name(stage: int, tp_rank: int) -> str:
+    """``pp{s}-tp{t}.safetensors``: the file of pipeline stage ``s`` and tp rank ``t``."""
+    return f"pp{stage}-tp{tp_rank}.safetensors"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -63,7 +66,7 @@ def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
 
 def write_checkpoint(state_dict: dict[str, torch.Tensor], plan: ParallelPlan, out_dir: Path,
                      overwrite: bool = False) -> Path:
-    """Write ``state_dict`` in the plan's (pp, tp) layout to ``out_dir``.
+    """Write ``state_dict`` in the plan's (stage, tp) layout to ``out_dir``.
 
     Args:
         state_dict: canonical fqn -> full tensor (shape and dtype as in the plan); entries
@@ -75,7 +78,7 @@ def write_checkpoint(state_dict: dict[str, torch.Tensor], plan: ParallelPlan, ou
     Returns:
         ``out_dir``.
 
-    Peak memory: the state_dict plus the pieces of one (pp, tp) file.
+    Peak memory: the state_dict plus the pieces of one (stage, tp) file.
 
     Raises:
         CheckpointError: ``out_dir`` exists and is not empty (without ``overwrite``) or is a
@@ -89,7 +92,7 @@ def write_checkpoint(state_dict: dict[str, torch.Tensor], plan: ParallelPlan, ou
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
     try:
         files = {}
-        for p in range(plan.mesh["pp"]):
+        for p in range(plan.num_stages):
             for t in range(plan.mesh["tp"]):
                 files[shard_file_name(p, t)] = _write_shard(state_dict, plan, p, t, tmp)
         manifest = build_manifest(plan, files)
@@ -117,6 +120,7 @@ def build_manifest(plan: ParallelPlan, files: dict[str, str]) -> dict:
         tensors[fqn] = {"shape": list(tplan.shape), "dtype": tplan.dtype,
                         "is_buffer": tplan.is_buffer, "pieces": pieces}
     return {"format_version": FORMAT_VERSION, "plan_hash": plan.hash(), "mesh": dict(plan.mesh),
+            "num_stages": plan.num_stages,
             "tensors": tensors, "aliases": dict(sorted(plan.aliases.items())), "files": files}
 
 
@@ -127,7 +131,7 @@ def _write_shard(state_dict, plan: ParallelPlan, p: int, t: int, folder: Path) -
               for fqn, tplan in sorted(plan.tensors.items()) if p in tplan.stages}
     path = folder / shard_file_name(p, t)
     save_file(pieces, str(path), metadata={"format": "pt", "plan_hash": plan.hash(),
-                                           "pp_rank": str(p), "tp_rank": str(t)})
+                                           "stage": str(p), "tp_rank": str(t)})
     del pieces
     with open(path, "rb+") as f:
         os.fsync(f.fileno())
@@ -165,8 +169,8 @@ def _check_state_dict(state_dict: dict, plan: ParallelPlan) -> None:
         d = normalize_dim(tplan.tp_dim, len(tplan.shape))
         assert d is None or tplan.shape[d] % plan.mesh["tp"] == 0, (
             f"{fqn}: tp {plan.mesh['tp']} does not divide dim {d} of {tplan.shape}")
-        assert tplan.stages and all(0 <= p < plan.mesh["pp"] for p in tplan.stages), (
-            f"{fqn}: stages {tplan.stages} not in [0, {plan.mesh['pp']})")
+        assert tplan.stages and all(0 <= p < plan.num_stages for p in tplan.stages), (
+            f"{fqn}: stages {tplan.stages} not in [0, {plan.num_stages})")
 
 
 def _agrees(tensor: torch.Tensor, tplan: TensorPlan) -> bool:

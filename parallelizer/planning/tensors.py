@@ -9,6 +9,7 @@ import torch.fx as fx
 from torch.utils._pytree import treespec_dumps
 
 from ..passes.graph_facts import attr_targets
+from ..pipeline_schedules import stage_ranks
 from ..plan import ParallelPlan, StagePlan, TensorPlan
 from ..errors import PlanError
 from .tp import TPDecision
@@ -56,6 +57,9 @@ def _check_sharing(owned: list, canonical: dict, stage: int) -> None:
 
 def build_plan(spec, captured, gm, model, groups, tp: TPDecision, stages, block_graphs) -> ParallelPlan:
     canonical = {n: g[0] for g in groups for n in g}
+    p = spec.pipeline
+    ranks = stage_ranks(p.schedule, spec.mesh.pp, p.virtual_stages)
+    assert len(ranks) == len(stages), (len(ranks), len(stages))
     aliases = {n: g[0] for g in groups for n in g[1:]}
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     seen: dict = {}
@@ -71,7 +75,8 @@ def build_plan(spec, captured, gm, model, groups, tp: TPDecision, stages, block_
             if fqn not in fqns:
                 fqns.append(fqn)
         stage_plans.append(StagePlan(st.index, f"stage{st.index}", tuple(fqns), tuple(st.inputs),
-                                     tuple(st.outputs), tuple(b.fqn for b in blocks)))
+                                     tuple(st.outputs), tuple(b.fqn for b in blocks),
+                                     ranks[st.index]))
     tensors = {}
     for fqn, stage_set in seen.items():
         t = attrgetter(fqn)(gm)
@@ -89,4 +94,4 @@ def build_plan(spec, captured, gm, model, groups, tp: TPDecision, stages, block_
         input_names=captured.input_names, inputs_are_kwargs=captured.inputs_are_kwargs,
         out_spec=treespec_dumps(captured.out_spec), tp_report=tuple(tp.report),
         activation_checkpointing=spec.activation_checkpointing.mode,
-        checkpoint_every=spec.activation_checkpointing.every)
+        checkpoint_every=spec.activation_checkpointing.every, virtual_stages=p.virtual_stages)

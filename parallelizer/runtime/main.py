@@ -5,6 +5,7 @@ import argparse
 import importlib.util
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -13,10 +14,11 @@ from omegaconf import OmegaConf
 
 from ..errors import UserError
 from ..frontend import MODEL_MODULE
+from ..pipeline_schedules import with_schedule
 from ..plan import ParallelPlan
 from .loss import default_loss
 from .setup import init, world_size_error
-from .stage_builder import build_stage
+from .stage_builder import build_stages
 from .train import check_save_target, run_train, save_checkpoint
 from .verify import run_verify
 
@@ -30,6 +32,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
     p.add_argument("--save", type=Path, help="write the trained weights here, same sharded layout")
     p.add_argument("--load", type=Path, help="start from this checkpoint instead of OUT/checkpoint")
+    p.add_argument("--profile", action="store_true",
+                   help="also time forward/backward steps and print each rank's measured "
+                        "pipeline bubble as a line 'BUBBLE {json}'")
+    p.add_argument("--schedule", help="run under this pipeline schedule instead of the compiled "
+                                      "one (same stages; e.g. compare zbv with interleaved_1f1b)")
     p.add_argument("--device", choices=("cpu", "cuda"),
                    help="default: cuda (NCCL) when available, else cpu (gloo)")
     return p
@@ -61,11 +68,13 @@ def _main(out_dir: Path, argv=None) -> int:
     args = _parser().parse_args(argv)
     out_dir = Path(out_dir)
     plan = ParallelPlan.from_json((out_dir / "plan.json").read_text())
+    try:
+        plan = with_schedule(plan, args.schedule) if args.schedule else plan
+    except UserError as e:
+        return _fail_before_init(f"run.py: error: {e}")
     error = world_size_error(plan, str(out_dir / "run.py"))
     if error:
-        if os.environ.get("RANK", "0") == "0":
-            print(error, file=sys.stderr)
-        return 2
+        return _fail_before_init(error)
     spec = OmegaConf.to_container(OmegaConf.load(out_dir / "spec.yaml"))
     model_module = _load_model_module(out_dir)  # registers the output types (e.g. ModelOutput)
     loss_fn = getattr(model_module, "loss_fn", None) or default_loss
@@ -84,10 +93,13 @@ def _main(out_dir: Path, argv=None) -> int:
         return 2
     ctx = init(plan, args.device)
     try:
-        stage = build_stage(out_dir, plan, ctx, args.load)
+        stage = build_stages(out_dir, plan, ctx, args.load)
         if args.verify:
-            return run_verify(out_dir, plan, spec, stage, ctx, loss_fn)
+            code = run_verify(out_dir, plan, spec, stage, ctx, loss_fn)
+            _profile(args, out_dir, plan, spec, stage, ctx, loss_fn, model_module)
+            return code
         run_train(plan, spec, stage, ctx, loss_fn, model_module, args.steps)
+        _profile(args, out_dir, plan, spec, stage, ctx, loss_fn, model_module)
         if args.save:
             save_checkpoint(stage, plan, ctx, args.save)
         return 0
@@ -96,6 +108,24 @@ def _main(out_dir: Path, argv=None) -> int:
         return 2
     finally:
         _shutdown()
+
+
+def _fail_before_init(message: str) -> int:
+    """Rank 0 prints ``message`` and exits 2; the other ranks exit 2 a moment later, since
+    torchrun kills the remaining ranks as soon as one fails and rank 0 was at times killed
+    before it printed (seen under load)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(message, file=sys.stderr, flush=True)
+    else:
+        time.sleep(3)
+    return 2
+
+
+def _profile(args, *context) -> None:
+    """--profile: the measured pipeline bubble (runtime/bubble.py), after the main work."""
+    if args.profile:
+        from .bubble import run_profile
+        run_profile(*context)
 
 
 def _shutdown() -> None:

@@ -1,5 +1,9 @@
-"""Build this rank's stage module: import the emitted source, load its checkpoint shard,
-wrap it for data parallelism by ZeRO stage (runtime/data_parallel.py)."""
+"""Build this rank's stage modules: import the emitted source, load each stage's checkpoint
+shard, wrap it for data parallelism by ZeRO stage (runtime/data_parallel.py).
+
+A pp rank runs ``pipeline.virtual_stages`` stages (the plan's ``StagePlan.rank``), so this
+rank's part of the model is a :class:`LocalStages`: the stage modules in pipeline order, each
+with the original FQNs of the tensors it holds."""
 from __future__ import annotations
 
 import functools
@@ -34,10 +38,49 @@ def stage_class_from_source(source: str, index: int, filename: str | None = None
     return getattr(module, f"Stage{index}")
 
 
-def build_stage(out_dir: Path, plan: ParallelPlan, ctx: RankContext,
-                checkpoint: Path | None = None) -> EmittedModule:
-    """The stage module of ``ctx.pp_rank`` with the (pp, tp) shard of ``checkpoint``
-    (default ``OUT/checkpoint``) loaded, wrapped for data parallelism when dp > 1.
+class LocalStages:
+    """The pipeline stages one rank runs (one unless ``pipeline.virtual_stages`` > 1).
+
+    Attributes:
+        indices: stage indices in pipeline order (``[r, r + pp, ...]`` under loop placement,
+            ``[r, 2 pp - 1 - r]`` under V placement).
+        modules: the emitted stage modules, same order.
+
+    ``parameters()``, ``named_parameters()``, ``named_buffers()`` and ``emitted_blocks()``
+    run over all of them; names are the original FQNs (a tied weight held by two local
+    stages appears once per stage, as two Parameters).
+    """
+
+    def __init__(self, indices: list[int], modules: list[torch.nn.Module]):
+        assert len(indices) == len(modules) and indices, (indices, modules)
+        self.indices, self.modules = list(indices), list(modules)
+
+    def __len__(self) -> int:
+        return len(self.modules)
+
+    def __iter__(self):
+        return iter(zip(self.indices, self.modules))
+
+    def parameters(self):
+        for m in self.modules:
+            yield from m.parameters()
+
+    def named_parameters(self):
+        for m in self.modules:
+            yield from m.named_parameters()
+
+    def named_buffers(self):
+        for m in self.modules:
+            yield from m.named_buffers()
+
+    def emitted_blocks(self) -> list[tuple[str, torch.nn.Module]]:
+        return [b for m in self.modules for b in m.emitted_blocks()]
+
+
+def build_stages(out_dir: Path, plan: ParallelPlan, ctx: RankContext,
+                 checkpoint: Path | None = None) -> LocalStages:
+    """The stage modules of ``ctx.pp_rank``, each with its (stage, tp) shard of
+    ``checkpoint`` (default ``OUT/checkpoint``) loaded, wrapped for data parallelism when dp > 1.
 
     Raises:
         CheckpointError: the shard is missing, corrupt, for another plan, or lacks a tensor.
@@ -46,16 +89,18 @@ def build_stage(out_dir: Path, plan: ParallelPlan, ctx: RankContext,
     if not ckpt.exists():
         raise CheckpointError(f"no checkpoint at {ckpt}" + ("" if checkpoint else
                               "; compile without --no-weights or pass --load DIR"))
-    shard = load_shard(ckpt, ctx.pp_rank, ctx.tp_rank, plan)
-    return instantiate(import_stage_class(out_dir, ctx.pp_rank), plan, ctx, shard, str(ckpt))
+    indices = plan.local_stages(ctx.pp_rank)
+    modules = [instantiate(import_stage_class(out_dir, s), plan, ctx,
+                           load_shard(ckpt, s, ctx.tp_rank, plan), str(ckpt), s) for s in indices]
+    return LocalStages(indices, modules)
 
 
 def instantiate(cls: type, plan: ParallelPlan, ctx: RankContext, shard: dict,
-                source: str = "the checkpoint") -> EmittedModule:
-    """Create the stage on this rank's device, fill it from ``shard`` (canonical fqn ->
+                source: str = "the checkpoint", index: int | None = None) -> EmittedModule:
+    """Create stage ``index`` on this rank's device, fill it from ``shard`` (canonical fqn ->
     local piece), then wrap it for data parallelism (DDP or FSDP2 by ZeRO stage)."""
     stage = cls(ctx.device)
-    load_into(stage, plan, shard, ctx, source)
+    load_into(stage, plan, shard, ctx, source, index)
     apply_activation_checkpointing(stage, plan)
     apply_data_parallel(stage, ctx, plan.zero_stage)
     return stage
@@ -63,23 +108,24 @@ def instantiate(cls: type, plan: ParallelPlan, ctx: RankContext, shard: dict,
 
 @torch.no_grad()
 def load_into(stage: torch.nn.Module, plan: ParallelPlan, shard: dict, ctx: RankContext,
-              source: str = "the checkpoint") -> None:
+              source: str = "the checkpoint", index: int | None = None) -> None:
     """Copy ``shard`` into the stage's tensors, FSDP2-sharded (DTensor) ones included.
 
     Raises:
         CheckpointError: a tensor is missing or has another shape.
     """
+    where = f"stage {ctx.pp_rank if index is None else index}, tp {ctx.tp_rank}"
     for name, t in list(stage.named_parameters()) + list(stage.named_buffers()):
         fqn = plan.aliases.get(name, name)
         if fqn not in shard:
-            raise CheckpointError(f"{source} (pp {ctx.pp_rank}, tp {ctx.tp_rank}) lacks {fqn}")
+            raise CheckpointError(f"{source} ({where}) lacks {fqn}")
         src = shard[fqn].to(ctx.device)
         if hasattr(t, "device_mesh"):  # an FSDP2 shard: take this rank's chunk of src
             src = distribute_tensor(src, t.device_mesh, t.placements, src_data_rank=None).to_local()
             t = t.to_local()
         if tuple(src.shape) != tuple(t.shape):
             raise CheckpointError(f"{source}: {fqn} has shape {tuple(src.shape)}, the program "
-                                  f"expects {tuple(t.shape)} on (pp {ctx.pp_rank}, tp {ctx.tp_rank})")
+                                  f"expects {tuple(t.shape)} on ({where})")
         t.copy_(src)
 
 

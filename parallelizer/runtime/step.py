@@ -1,37 +1,47 @@
-"""One training step of this rank's stage: forward, loss, backward (no optimizer step).
+"""One training step of this rank's stages: forward, loss, backward (no optimizer step).
 
 pp = 1: a plain forward and backward. pp > 1: ``torch.distributed.pipelining`` runs the
-spec's schedule (ScheduleGPipe or Schedule1F1B) over ``microbatches`` microbatches with
-``scale_grads=True``, so gradients are those of the mean loss over the whole batch.
-Weights held by two stages (a tied embedding and LM head) get their gradients summed over
-the stages holding them, so both copies take the same update (Megatron-LM keeps tied
-embeddings equal the same way, with an all-reduce over the embedding group).
+spec's schedule (:mod:`parallelizer.pipeline_schedules`: gpipe, 1f1b, interleaved_1f1b,
+looped_bfs, interleaved_zero_bubble, zbv, dualpipev) over ``microbatches`` microbatches
+with ``scale_grads=True``, so gradients are those of the mean loss over the whole batch.
+A rank runs one ``PipelineStage`` per local stage (several under interleaved and V
+schedules). Weights held by several stages (a tied embedding and LM head) get their
+gradients summed over the stages holding them, on one rank or several, so every copy takes
+the same update (Megatron-LM keeps tied embeddings equal the same way, with an all-reduce
+over the embedding group).
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.utils._pytree import tree_unflatten, treespec_loads
 
+from ..errors import BatchError
+from ..pipeline_schedules import SINGLE_STAGE, schedule_class
 from ..plan import ParallelPlan
 from .batching import flatten, index_rows
+from .bubble import TimedPipelineStage
 from .data_parallel import all_reduce_grads
 from .setup import RankContext
-from .stage_builder import local_tensor
-
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+from .stage_builder import LocalStages, local_tensor
 
 
 class StepRunner:
-    def __init__(self, stage: torch.nn.Module, plan: ParallelPlan, ctx: RankContext, loss_fn):
-        self.stage, self.plan, self.ctx, self.loss_fn = stage, plan, ctx, loss_fn
+    def __init__(self, stages, plan: ParallelPlan, ctx: RankContext, loss_fn, schedule: str | None = None):
+        """``stages``: this rank's :class:`LocalStages` (or its one stage module);
+        ``schedule``: a schedule name overriding the plan's (same stage placement)."""
+        if isinstance(stages, torch.nn.Module):
+            stages = LocalStages(plan.local_stages(ctx.pp_rank) or [0], [stages])
+        self.stage, self.plan, self.ctx, self.loss_fn = stages, plan, ctx, loss_fn
+        self.schedule_name = schedule or plan.schedule
         self.out_spec = treespec_loads(plan.out_spec)
         self.pp = plan.mesh["pp"]
-        self.is_last = ctx.pp_rank == self.pp - 1
+        self.has_first = 0 in stages.indices
+        self.is_last = plan.num_stages - 1 in stages.indices
         self._schedules: dict = {}
         self._target = None
-        self.tied = _tied_params(stage, plan, ctx)
+        self.pipeline_stages: list = []  # the PipelineStages of the last schedule built
+        self.tied = _tied_params(stages, plan, ctx)
         # DDP cannot follow a pipeline schedule's interleaved forwards (data_parallel.py)
         self.manual_dp = plan.zero_stage in (0, 1) and plan.mesh["dp"] > 1 and self.pp > 1
 
@@ -42,11 +52,16 @@ class StepRunner:
 
         Returns:
             (loss, outputs): the mean loss over the whole global batch (a 0-dim tensor on
-            every rank) and, on the last stage, the flat outputs for ``batch`` (else None).
+            every rank) and, on the rank of the last stage, the flat outputs for ``batch``
+            (else None).
+
+        Raises:
+            BatchError: under pp > 1, the batch size is not divisible by the microbatches.
         """
         target = batch if target is None else target
         if self.pp == 1:
-            flat_out = _as_tuple(self.stage(*flatten(self.plan, batch)))
+            module = self.stage.modules[0]
+            flat_out = _as_tuple(module(*flatten(self.plan, batch)))
             loss = self.loss_fn(self._unflatten(flat_out), target)
             loss.backward()
             loss, outputs = loss.detach(), list(flat_out)
@@ -66,25 +81,30 @@ class StepRunner:
     def _schedule(self, flat):
         key = tuple(tuple(t.shape) for t in flat)  # stages infer activation shapes once
         if key not in self._schedules:
-            stage = PipelineStage(self.stage, self.ctx.pp_rank, self.pp, self.ctx.device,
-                                  group=self.ctx.group("pp"))
-            self._schedules[key] = SCHEDULES[self.plan.schedule](
-                stage, n_microbatches=self.plan.microbatches, loss_fn=self._pipeline_loss,
-                scale_grads=True)
-        return self._schedules[key]
+            stages = [TimedPipelineStage(module, index, self.plan.num_stages, self.ctx.device,
+                                         group=self.ctx.group("pp"))
+                      for index, module in self.stage]
+            cls = schedule_class(self.schedule_name)
+            self._schedules[key] = (cls(stages[0] if self.schedule_name in SINGLE_STAGE else stages,
+                                        n_microbatches=self.plan.microbatches,
+                                        loss_fn=self._pipeline_loss, scale_grads=True), stages)
+        schedule, self.pipeline_stages = self._schedules[key]
+        return schedule
 
     def _pipeline_step(self, batch, target):
         flat = flatten(self.plan, batch)
+        b, m = flat[0].shape[0], self.plan.microbatches
+        if b % m:
+            raise BatchError(f"this rank's batch size {b} is not divisible by "
+                             f"pipeline.microbatches ({m}); pass a batch whose size is a multiple "
+                             f"of {m} per data-parallel rank (a global batch that is a multiple "
+                             f"of mesh.dp ({self.plan.mesh['dp']}) x {m})")
         self._target = target
         schedule = self._schedule(flat)
-        rows = torch.arange(flat[0].shape[0], device=self.ctx.device)
+        rows = torch.arange(b, device=self.ctx.device)
         losses: list = []
-        if self.ctx.pp_rank == 0:
-            out = schedule.step(*flat)
-        elif self.is_last:
-            out = schedule.step(target=rows, losses=losses)
-        else:
-            out = schedule.step()
+        kwargs = {"target": rows, "losses": losses} if self.is_last else {}
+        out = schedule.step(*(flat if self.has_first else ()), **kwargs)
         if not self.is_last:
             return torch.zeros((), device=self.ctx.device), None
         return torch.stack([l.detach() for l in losses]).mean(), list(_as_tuple(out))
@@ -102,32 +122,44 @@ class StepRunner:
         return loss
 
     def _sync_tied_grads(self) -> None:
-        for param, group in self.tied:
-            if param.grad is not None:
-                dist.all_reduce(local_tensor(param.grad), group=group)
+        """Sum each tied weight's gradient over its copies: the local ones (two stages on
+        this rank), then over the other ranks holding it; every copy gets the sum."""
+        for params, group in self.tied:
+            grads = [local_tensor(p.grad) for p in params if p.grad is not None]
+            if not grads:
+                continue
+            total = grads[0] if len(grads) == 1 else torch.stack(grads).sum(0)
+            if group is not None:
+                dist.all_reduce(total, group=group)
+            for g in grads:
+                if g is not total:
+                    g.copy_(total)
 
 
 def _as_tuple(x):
     return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 
 
-def _tied_params(stage, plan: ParallelPlan, ctx: RankContext) -> list:
-    """(parameter, process group over the stages holding it) for weights in several stages.
-    Every rank creates every group, in the same order, as ``new_group`` requires."""
+def _tied_params(stages: LocalStages, plan: ParallelPlan, ctx: RankContext) -> list:
+    """(local copies of one tied weight, process group over the other ranks holding it or
+    None) for weights in several stages. Every rank creates every group, in the same order,
+    as ``new_group`` requires."""
+    rank_of = {st.index: st.rank for st in plan.stages}
     stage_sets = sorted({t.stages for t in plan.tensors.values()
                          if len(t.stages) > 1 and not t.is_buffer})
     mesh = ctx.mesh.mesh  # ranks, shape (pp, dp, tp)
-    mine = {}
-    for stages in stage_sets:
+    groups = {}
+    for stage_set in stage_sets:
+        pp_ranks = sorted({rank_of.get(s, s) for s in stage_set})
         for d in range(plan.mesh["dp"]):
             for t in range(plan.mesh["tp"]):
-                ranks = [int(mesh[p, d, t]) for p in stages]
-                group = dist.new_group(ranks)
+                ranks = [int(mesh[p, d, t]) for p in pp_ranks]
+                group = dist.new_group(ranks) if len(ranks) > 1 else None
                 if ctx.rank in ranks:
-                    mine[stages] = group
-    out = []
-    for name, param in stage.named_parameters():
+                    groups[stage_set] = group
+    copies: dict = {}
+    for name, param in stages.named_parameters():
         tplan = plan.tensors[plan.aliases.get(name, name)]
-        if tplan.stages in mine:
-            out.append((param, mine[tplan.stages]))
-    return out
+        if tplan.stages in groups:
+            copies.setdefault(tplan.fqn, (tplan.stages, []))[1].append(param)
+    return [(params, groups[stage_set]) for stage_set, params in copies.values()]

@@ -24,7 +24,7 @@ def run_train(plan: ParallelPlan, spec: dict, stage, ctx: RankContext, loss_fn, 
     runner = StepRunner(stage, plan, ctx, loss_fn)
     opt = make_stage_optimizer(stage.parameters(), ocfg["name"], ocfg["lr"], ocfg["weight_decay"],
                                plan.zero_stage, ctx)
-    source = _batches(plan, model_module, spec)
+    source = batch_source(plan, model_module, spec)
     losses = []
     for step, batch in zip(range(steps), source):
         opt.zero_grad(set_to_none=True)
@@ -36,7 +36,8 @@ def run_train(plan: ParallelPlan, spec: dict, stage, ctx: RankContext, loss_fn, 
     return losses
 
 
-def _batches(plan: ParallelPlan, model_module, spec: dict):
+def batch_source(plan: ParallelPlan, model_module, spec: dict):
+    """model.py's batches(), else seeded synthetic batches shaped like example_inputs()."""
     if model_module is not None and hasattr(model_module, "batches"):
         return model_module.batches()
     if model_module is not None:

@@ -50,7 +50,9 @@ def single_device() -> list[tuple[float, float]]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mesh", [("mesh.tp=2", "mesh.pp=2", "mesh.dp=1"),
+# the pp case runs ZB-V: two stages per rank, the tied embedding and LM head on one rank
+@pytest.mark.parametrize("mesh", [("mesh.tp=2", "mesh.pp=2", "mesh.dp=1", "pipeline.schedule=zbv",
+                                   "pipeline.virtual_stages=2"),
                                   ("mesh.dp=2", "mesh.tp=2", "mesh.pp=1")])
 def test_api_training_equals_single_device(mesh, single_device):
     p = _run(4, *mesh)

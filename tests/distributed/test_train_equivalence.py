@@ -23,12 +23,15 @@ OPTIMIZER = ("optimizer.name=sgd", "optimizer.lr=0.1", "optimizer.weight_decay=0
 CASES = {  # id -> (example, dp, tp, pp)
     "llama-tp2-pp2": ("llama", 1, 2, 2),  # tied embeddings across the two stages
     "gpt-dp2": ("gpt", 2, 1, 1),
+    # ZB-V: the tied embedding (stage 0) and LM head (stage 3) on one rank; 4 checkpoint files
+    "llama-pp2-zbv": ("llama", 1, 1, 2),
 }
+EXTRA = {"llama-pp2-zbv": ("pipeline.schedule=zbv", "pipeline.virtual_stages=2")}
 
 
 def _overrides(case):
     _, dp, tp, pp = CASES[case]
-    return (f"mesh.dp={dp}", f"mesh.tp={tp}", f"mesh.pp={pp}", *OPTIMIZER)
+    return (f"mesh.dp={dp}", f"mesh.tp={tp}", f"mesh.pp={pp}", *OPTIMIZER, *EXTRA.get(case, ()))
 
 
 def _load_module(path, name):

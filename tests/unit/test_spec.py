@@ -26,7 +26,7 @@ def test_defaults_for_empty_file(tmp_path):
     assert spec.to_dict() == {
         "mesh": {"dp": 1, "tp": 1, "pp": 1},
         "pipeline": {"microbatches": 1, "schedule": "1f1b", "split_points": None,
-                     "layers_per_stage": None},
+                     "layers_per_stage": None, "virtual_stages": 1},
         "zero_stage": 3,
         "checkpoint": {"path": None},
         "seed": 0,

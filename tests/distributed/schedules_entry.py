@@ -1,0 +1,70 @@
+"""torchrun entry of test_schedules.py: ``--verify`` of one compiled program under several
+pipeline schedules in turn, in one process group (a torchrun launch costs seconds on CI).
+
+    torchrun --nproc-per-node N schedules_entry.py OUT [--profile] [--bad-batch] gpipe 1f1b ...
+
+For each schedule: the stages are rebuilt from OUT/checkpoint (fresh weights), placed as the
+schedule needs (pipeline_schedules.with_schedule), and run_verify prints its report; rank 0
+then prints ``SCHEDULE <name> <exit code>``. ``--profile``: then the ``BUBBLE`` line of every
+rank (runtime/bubble.py, what ``run.py --profile`` prints). ``--bad-batch``: then a step on a
+batch of microbatches + 1 rows, printing ``BATCHERROR <message>`` (rank 0).
+"""
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from parallelizer.errors import BatchError
+from parallelizer.pipeline_schedules import with_schedule
+from parallelizer.plan import ParallelPlan
+from parallelizer.runtime.main import _load_model_module
+from parallelizer.runtime.setup import init
+from parallelizer.runtime.batching import to_batch
+from parallelizer.runtime.bubble import run_profile
+from parallelizer.runtime.stage_builder import build_stages
+from parallelizer.runtime.step import StepRunner
+from parallelizer.runtime.verify import run_verify
+
+
+def main(out: Path, args: list[str]) -> int:
+    schedules = [a for a in args if not a.startswith("--")]
+    plan = ParallelPlan.from_json((out / "plan.json").read_text())
+    spec = OmegaConf.to_container(OmegaConf.load(out / "spec.yaml"))
+    loss_fn = _load_model_module(out).loss_fn
+    ctx = init(plan, "cpu")
+    worst = 0
+    for name in schedules:
+        p = with_schedule(plan, name)
+        stages = build_stages(out, p, ctx)
+        code = run_verify(out, p, spec, stages, ctx, loss_fn)
+        if ctx.rank == 0:
+            print(f"SCHEDULE {name} {code}", flush=True)
+        worst = max(worst, code)
+        if "--profile" in args:
+            run_profile(out, p, spec, stages, ctx, loss_fn, None)
+        if "--bad-batch" in args:
+            _bad_batch(p, stages, ctx, loss_fn)
+    dist.barrier()
+    dist.destroy_process_group()
+    return worst
+
+
+def _bad_batch(plan, stages, ctx, loss_fn) -> None:
+    """A step on a batch that does not split into the microbatches must fail before the
+    schedule runs, on every rank alike (no rank left waiting in a collective)."""
+    n = plan.microbatches + 1
+    batch = to_batch(plan, [torch.zeros(n, 4, dtype=torch.long) for _ in plan.input_names])
+    try:
+        StepRunner(stages, plan, ctx, loss_fn).step(batch)
+    except BatchError as e:
+        if ctx.rank == 0:
+            print(f"BATCHERROR {e}", flush=True)
+
+
+if __name__ == "__main__":
+    code = main(Path(sys.argv[1]), sys.argv[2:])
+    sys.stdout.flush()
+    os._exit(code)

@@ -1,0 +1,153 @@
+"""Pipeline schedules by name: the installed torch's classes, stage placement, the spec's
+compile-time checks (each message names the keys and the numbers), the theoretical bubble,
+the measured-bubble arithmetic, and checkpoint files per stage."""
+import pytest
+import torch
+from torch.distributed.pipelining import schedules as torch_schedules
+
+from parallelizer.checkpoint import load_shard, write_checkpoint
+from parallelizer.compiler import _num_stages
+from parallelizer.errors import CheckpointError, PlanError, SpecError
+from parallelizer.pipeline_schedules import (TORCH_NAMES, available, schedule_class, stage_ranks,
+                                             theoretical_bubble, with_schedule)
+from parallelizer.plan import ParallelPlan, StagePlan, TensorPlan
+from parallelizer.runtime.bubble import busy_time
+from parallelizer.spec import load_spec
+
+EXPECTED = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
+            "interleaved_1f1b": "ScheduleInterleaved1F1B", "looped_bfs": "ScheduleLoopedBFS",
+            "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble",
+            "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
+
+
+def test_every_name_maps_to_the_installed_torch_class():
+    assert set(TORCH_NAMES) == set(EXPECTED)
+    assert available() == list(TORCH_NAMES)  # torch 2.13 has all of them
+    for name, cls in EXPECTED.items():
+        assert schedule_class(name) is getattr(torch_schedules, cls)
+    assert schedule_class("zerobubble") is None
+
+
+def test_loop_and_v_placement_match_torch():
+    assert stage_ranks("1f1b", 4, 1) == (0, 1, 2, 3)
+    assert stage_ranks("interleaved_1f1b", 2, 2) == (0, 1, 0, 1)
+    assert stage_ranks("zbv", 2, 2) == (0, 1, 1, 0)
+    assert stage_ranks("dualpipev", 4, 2) == (0, 1, 2, 3, 3, 2, 1, 0)
+    for style, name in (("loop", "looped_bfs"), ("v", "zbv")):
+        want = torch_schedules.generate_stage_to_rank_mapping(4, 8, style=style)
+        assert stage_ranks(name, 4, 2) == tuple(want[s] for s in range(8))
+
+
+def _spec(tmp_path, *overrides):
+    path = tmp_path / "spec.yaml"
+    path.write_text("mesh: {pp: 2}\npipeline: {microbatches: 4}\n")
+    return load_spec(path, list(overrides))
+
+
+def _spec_error(tmp_path, *overrides) -> str:
+    with pytest.raises(SpecError) as e:
+        _spec(tmp_path, *overrides)
+    return str(e.value)
+
+
+def test_valid_combinations_load(tmp_path):
+    for name, v in (("gpipe", 1), ("interleaved_1f1b", 2), ("looped_bfs", 2),
+                    ("interleaved_zero_bubble", 1), ("interleaved_zero_bubble", 2), ("zbv", 2),
+                    ("dualpipev", 2)):
+        spec = _spec(tmp_path, f"pipeline.schedule={name}", f"pipeline.virtual_stages={v}")
+        assert (spec.pipeline.schedule, spec.pipeline.virtual_stages) == (name, v)
+
+
+@pytest.mark.parametrize("overrides, needles", [
+    (("pipeline.schedule=zero_bubble",),
+     ["pipeline.schedule 'zero_bubble'", "torch 2.13", "'gpipe'", "'dualpipev'"]),
+    (("pipeline.schedule=gpipe", "pipeline.virtual_stages=2"),
+     ["'gpipe' runs one stage per rank", "pipeline.virtual_stages is 2"]),
+    (("pipeline.schedule=interleaved_1f1b",),
+     ["'interleaved_1f1b' needs pipeline.virtual_stages >= 2 (got 1)", "use 1f1b"]),
+    (("pipeline.schedule=zbv", "pipeline.virtual_stages=3"),
+     ["'zbv' needs exactly 2 stages per rank", "pipeline.virtual_stages=2 (got 3)"]),
+    (("pipeline.schedule=dualpipev", "pipeline.virtual_stages=2", "pipeline.microbatches=3"),
+     ["pipeline.microbatches (3) must be >= the number of stages 2 * mesh.pp = 4"]),
+    (("pipeline.schedule=interleaved_1f1b", "pipeline.virtual_stages=2", "pipeline.microbatches=5"),
+     ["pipeline.microbatches (5) must be a multiple of the number of rounds", "= 2", "e.g. 4"]),
+    (("mesh.pp=1", "pipeline.virtual_stages=2"),
+     ["pipeline.virtual_stages (2) needs mesh.pp > 1"]),
+    (("pipeline.schedule=zbv", "pipeline.virtual_stages=2", "mesh.dp=2", "zero_stage=3"),
+     ["'zbv' (a zero-bubble schedule) with mesh.dp (2) > 1 and zero_stage 3", "zero_stage=0 or 1"]),
+    (("pipeline.virtual_stages=0",), ["pipeline.virtual_stages must be an integer >= 1"]),
+])
+def test_schedule_constraints_are_spec_errors(tmp_path, overrides, needles):
+    msg = _spec_error(tmp_path, *overrides)
+    for needle in needles:
+        assert needle in msg, (needle, msg)
+
+
+def test_zero_bubble_with_zero_stage_0_over_dp_is_allowed(tmp_path):
+    spec = _spec(tmp_path, "pipeline.schedule=dualpipev", "pipeline.virtual_stages=2",
+                 "mesh.dp=2", "zero_stage=0")
+    assert spec.zero_stage == 0
+
+
+def test_more_stages_than_blocks_is_a_plan_error(tmp_path):
+    spec = _spec(tmp_path, "pipeline.schedule=interleaved_1f1b", "pipeline.virtual_stages=3")
+    assert _num_stages(spec, ("l.0", "l.1", "l.2", "l.3", "l.4", "l.5")) == 6
+    with pytest.raises(PlanError, match=r"mesh.pp \(2\) x pipeline.virtual_stages \(3\) = 6 "
+                                        r"stages exceeds the number of blocks \(4\)"):
+        _num_stages(spec, ("l.0", "l.1", "l.2", "l.3"))
+
+
+def test_theoretical_bubble():
+    assert theoretical_bubble("1f1b", 4, 1, 8) == pytest.approx(3 / 11)
+    assert theoretical_bubble("gpipe", 2, 1, 4) == pytest.approx(1 / 5)
+    assert theoretical_bubble("interleaved_1f1b", 2, 2, 4) == pytest.approx(1 / 9)
+    assert theoretical_bubble("looped_bfs", 4, 2, 8) == pytest.approx(3 / 19)
+    assert theoretical_bubble("zbv", 2, 2, 4) is None
+    assert theoretical_bubble("1f1b", 1, 1, 4) == 0.0
+
+
+def test_busy_time_merges_overlapping_intervals():
+    assert busy_time([]) == 0.0
+    assert busy_time([(0.0, 1.0), (2.0, 3.0)]) == pytest.approx(2.0)
+    assert busy_time([(2.0, 3.0), (0.0, 1.5), (1.0, 2.5)]) == pytest.approx(3.0)
+    assert busy_time([(0.0, 4.0), (1.0, 2.0)]) == pytest.approx(4.0)
+
+
+def _plan(schedule: str, pp: int, v: int, microbatches: int = 4, dp: int = 1, zero_stage: int = 0):
+    n = pp * v
+    ranks = stage_ranks(schedule, pp, v)
+    tensors = {"embed.weight": TensorPlan("embed.weight", (6, 4), "float32", 0, (0, n - 1)),
+               **{f"layers.{s}.w": TensorPlan(f"layers.{s}.w", (4, 4), "float32", None, (s,))
+                  for s in range(n)}}
+    stages = tuple(StagePlan(s, f"stage{s}", (), (), (), (), ranks[s]) for s in range(n))
+    return ParallelPlan(mesh={"pp": pp, "dp": dp, "tp": 2}, zero_stage=zero_stage,
+                        schedule=schedule, microbatches=microbatches, seed=0, tensors=tensors,
+                        aliases={"head.weight": "embed.weight"}, stages=stages, virtual_stages=v)
+
+
+def test_with_schedule_replaces_stages_and_keeps_the_layout():
+    plan = _plan("interleaved_1f1b", 2, 2)
+    v = with_schedule(plan, "zbv")
+    assert v.schedule == "zbv" and [st.rank for st in v.stages] == [0, 1, 1, 0]
+    assert v.local_stages(0) == [0, 3] and v.local_stages(1) == [1, 2]
+    assert v.hash() == plan.hash()  # the same checkpoint serves both placements
+    assert ParallelPlan.from_json(v.to_json()) == v
+    with pytest.raises(PlanError, match=r"cannot run schedule 'gpipe'.*pipeline.virtual_stages is 2"):
+        with_schedule(plan, "gpipe")
+    with pytest.raises(PlanError, match=r"zero_stage 3 \(FSDP2\)"):
+        with_schedule(_plan("interleaved_1f1b", 2, 2, dp=2, zero_stage=3), "dualpipev")
+
+
+def test_checkpoint_has_one_file_per_stage(tmp_path):
+    plan = _plan("interleaved_1f1b", 2, 2)
+    g = torch.Generator().manual_seed(0)
+    state = {fqn: torch.randn(t.shape, generator=g) for fqn, t in plan.tensors.items()}
+    write_checkpoint(state, plan, tmp_path / "ckpt")
+    names = sorted(p.name for p in (tmp_path / "ckpt").glob("*.safetensors"))
+    assert names == [f"pp{s}-tp{t}.safetensors" for s in range(4) for t in range(2)]
+    last = load_shard(tmp_path / "ckpt", 3, 1, plan)
+    assert sorted(last) == ["embed.weight", "layers.3.w"]
+    assert torch.equal(last["embed.weight"], state["embed.weight"][3:6])
+    assert torch.equal(last["layers.3.w"], state["layers.3.w"])
+    with pytest.raises(CheckpointError, match=r"\(stage 4, tp 0\) is outside the checkpoint's 4 stages"):
+        load_shard(tmp_path / "ckpt", 4, 0, plan)
