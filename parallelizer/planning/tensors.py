@@ -90,3 +90,28 @@ def build_plan(spec, captured, gm, model, groups, tp: TPDecision, stages, block_
         out_spec=treespec_dumps(captured.out_spec), tp_report=tuple(tp.report),
         activation_checkpointing=spec.activation_checkpointing.mode,
         checkpoint_every=spec.activation_checkpointing.every)
+
+
+def pipeline_structure(graph: fx.Graph, model, blocks, costs, canonical: dict) -> dict:
+    """What re-partitioning a checkpoint for another pp degree needs, without the model
+    (ParallelPlan.structure, read by checkpoint/target.py).
+
+    ``uses[fqn]`` lists the cost-model units of the tensor's readers (0 before the blocks,
+    1 + i for block i, len(blocks) + 1 after; ``graph_costs.assign_units``, the mapping
+    split_stages uses), so a tensor's stages under any partition are the stages of its
+    units. ``block_costs``/``pre_cost``/``post_cost`` are what ``plan_from_costs`` gives the
+    partitioner; ``state_dict_keys`` are the model's own names, for export.
+    """
+    from ..passes.graph_costs import assign_units
+    from ..passes.graph_facts import RUNTIME_DEVICE
+    unit_of = assign_units(graph, tuple(blocks))
+    uses: dict = {}
+    for node in graph.nodes:
+        if node.op != "get_attr" or node.target == RUNTIME_DEVICE:
+            continue
+        seen = uses.setdefault(canonical.get(node.target, node.target), set())
+        seen.update(unit_of[u] for u in node.users if u in unit_of)
+    return {"blocks": list(blocks), "block_costs": [u.flops for u in costs.blocks],
+            "pre_cost": costs.units[0].flops, "post_cost": costs.units[-1].flops,
+            "uses": {k: sorted(v) for k, v in sorted(uses.items())},
+            "state_dict_keys": list(model.state_dict().keys())}
