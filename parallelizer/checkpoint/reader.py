@@ -181,35 +181,42 @@ def load_tensor(ckpt_dir, fqn: str, index: Optional[tuple[slice, ...]] = None,
         raise CheckpointError(f"{fqn} is not in the checkpoint {ckpt_dir}")
     shape = tuple(entry["shape"])
     want = [s.indices(n)[:2] for s, n in zip(index, shape)] if index else [(0, n) for n in shape]
-    out = torch.empty([hi - lo for lo, hi in want], dtype=getattr(torch, entry["dtype"]))
+    size = [hi - lo for lo, hi in want]
     d = entry["tp_dim"]
     replicas = check_replicas and (entry.get("layout") or {}).get("kind") == "replicated_heads"
+    handles = handles if handles is not None else {}
     with ExitStack() as stack:
-        handles = handles if handles is not None else {}
+        opened: dict = {}  # files this call opened: closed (mappings released) on return
 
         def read(piece, src):
-            if piece["file"] not in handles:
-                f = stack.enter_context(_open(Path(ckpt_dir) / piece["file"]))
-                handles[piece["file"]] = f
-            f = handles[piece["file"]]
-            _check_piece_shape(f, piece, Path(ckpt_dir) / piece["file"])
+            path = Path(ckpt_dir) / piece["file"]
+            f = handles.get(piece["file"]) or opened.get(piece["file"])
+            if f is None:
+                f = opened[piece["file"]] = stack.enter_context(_open(path))
+            _check_piece_shape(f, piece, path)
             return _read_piece(f, piece, src, bool(shape), ckpt_dir)
 
+        parts = []
         for (full_lo, length), copies in _runs(fqn, entry):
             src, dst = _overlap(d, full_lo, length, copies[0][1], shape, want)
             if src is None:
                 continue
-            out[dst] = read(copies[0][0], src)
-            if replicas:
-                for piece, p_lo in copies[1:]:
-                    other = read(piece, _overlap(d, full_lo, length, p_lo, shape, want)[0])
-                    if not torch.equal(other.view(torch.uint8), out[dst].contiguous().view(torch.uint8)):
-                        raise CheckpointError(
-                            f"replicas of {fqn} differ: rows [{full_lo}, {full_lo + length}) along "
-                            f"dim {d} in {Path(ckpt_dir) / copies[0][0]['file']} and "
-                            f"{Path(ckpt_dir) / piece['file']}; the replicated kv heads must be "
-                            "identical (was the checkpoint edited, or trained without syncing them?)")
-    return out
+            part = read(copies[0][0], src)
+            parts.append((dst, part))
+            for piece, p_lo in (copies[1:] if replicas else ()):
+                other = read(piece, _overlap(d, full_lo, length, p_lo, shape, want)[0])
+                if not torch.equal(other.view(torch.uint8), part.contiguous().view(torch.uint8)):
+                    raise CheckpointError(
+                        f"replicas of {fqn} differ: rows [{full_lo}, {full_lo + length}) along "
+                        f"dim {d} in {Path(ckpt_dir) / copies[0][0]['file']} and "
+                        f"{Path(ckpt_dir) / piece['file']}; the replicated kv heads must be "
+                        "identical (was the checkpoint edited, or trained without syncing them?)")
+        if len(parts) == 1 and list(parts[0][1].shape) == size:
+            return parts[0][1]  # one run covers the region: no second copy
+        out = torch.empty(size, dtype=getattr(torch, entry["dtype"]))
+        for dst, part in parts:
+            out[dst] = part
+        return out
 
 
 def load_full(ckpt_dir, verify: bool = True, optim: bool = False) -> dict[str, torch.Tensor]:

@@ -107,12 +107,14 @@ class Layout:
     train: Optional[dict] = None
 
     @staticmethod
-    def from_plan(plan: ParallelPlan, optim_names: dict = None, train: Optional[dict] = None) -> "Layout":
-        """The plan's layout; ``optim_names``: optimizer state name -> parameter fqn."""
+    def from_plan(plan: ParallelPlan, optim_names: dict = None, train: Optional[dict] = None,
+                  dtypes: Optional[dict] = None) -> "Layout":
+        """The plan's layout; ``optim_names``: optimizer state name -> parameter fqn;
+        ``dtypes``: optimizer state name -> dtype name (default the parameter's)."""
         tensors = dict(plan.tensors)
         params = dict(optim_names or {})
         for name, fqn in params.items():
-            tensors[name] = optim_entry(plan.tensors[fqn], name)
+            tensors[name] = optim_entry(plan.tensors[fqn], name, (dtypes or {}).get(name))
         return Layout(dict(plan.mesh), tensors, params, dict(plan.aliases), dict(plan.structure),
                       plan.hash(), train)
 
@@ -132,13 +134,13 @@ class Layout:
                 for name, tplan in sorted(self.tensors.items()) if p in tplan.stages]
 
 
-def optim_entry(param: TensorPlan, name: str) -> TensorPlan:
+def optim_entry(param: TensorPlan, name: str, dtype: Optional[str] = None) -> TensorPlan:
     """Placement of optimizer state ``name`` of ``param``: the parameter's, except ``step``
-    (a 0-d fp32 counter, replicated)."""
+    (a 0-d counter, replicated); ``dtype`` default: the parameter's (fp32 for ``step``)."""
     if name.endswith(".step"):
-        return replace(param, fqn=name, shape=(), dtype="float32", tp_dim=None, layout=None,
-                       is_buffer=True, role="replicate")
-    return replace(param, fqn=name)
+        return replace(param, fqn=name, shape=(), dtype=dtype or "float32", tp_dim=None,
+                       layout=None, is_buffer=True, role="replicate")
+    return replace(param, fqn=name, dtype=dtype or param.dtype)
 
 
 def write_checkpoint(state_dict: dict[str, torch.Tensor], plan: ParallelPlan, out_dir: Path,
@@ -175,7 +177,7 @@ def write_checkpoint(state_dict: dict[str, torch.Tensor], plan: ParallelPlan, ou
         for state, t in states.items():
             names[optim_name(fqn, state)] = fqn
             full[optim_name(fqn, state)] = t
-    layout = Layout.from_plan(plan, names, train)
+    layout = Layout.from_plan(plan, names, train, {n: dtype_name(full[n].dtype) for n in names})
     tp = plan.mesh["tp"]
 
     def piece(name: str, t_rank: int) -> torch.Tensor:
