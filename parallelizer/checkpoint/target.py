@@ -160,7 +160,10 @@ def plan_layout(manifest: dict, plan) -> Layout:
             f"the plan does not describe this checkpoint's model: missing {missing[:3]}, "
             f"unexpected {extra[:3]}, differing {diff[:3]}")
     tensors = dict(plan.tensors)
+    if plan.mesh["tp"] == 1:  # a tp=1 plan has no placements: keep the checkpoint's for later
+        tensors = {k: replace(v, tp_dim=ours[k].tp_dim, role=ours[k].role,
+                              layout=relayout(ours[k], 1)) for k, v in tensors.items()}
     for name, fqn in src.params.items():
-        tensors[name] = optim_entry(plan.tensors[fqn], name, src.tensors[name].dtype)
+        tensors[name] = optim_entry(tensors[fqn], name, src.tensors[name].dtype)
     return Layout(dict(plan.mesh), tensors, dict(src.params), dict(plan.aliases),
                   dict(plan.structure) or src.structure, plan.hash(), src.train)

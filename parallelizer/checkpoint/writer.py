@@ -85,9 +85,13 @@ def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
 
 def layout_hash(pp: int, tp: int, tensors: dict) -> str:
     """sha256 of what decides the bytes of each file: pp, tp and every model tensor's shape,
-    dtype, tp_dim, layout and stages (not dp, not optimizer state)."""
+    dtype, tp_dim, layout and stages (not dp, not optimizer state). At tp = 1 placements
+    decide nothing (a checkpoint keeps them to be resharded to tp > 1 later; a program
+    compiled for tp = 1 has none), so they are left out."""
+    def placement(t):
+        return [t.tp_dim, t.layout] if tp > 1 else [None, None]
     data = {"pp": pp, "tp": tp, "tensors": {
-        k: [list(t.shape), t.dtype, t.tp_dim, t.layout, list(t.stages), t.is_buffer]
+        k: [list(t.shape), t.dtype, *placement(t), list(t.stages), t.is_buffer]
         for k, t in sorted(tensors.items())}}
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..layouts import segments
 from ..plan import TensorPlan
 from .setup import RankContext
 
@@ -17,4 +18,11 @@ def full_tensor(t: torch.Tensor, tplan: TensorPlan, ctx: RankContext, tp: int) -
         return t
     parts = [torch.empty_like(t) for _ in range(tp)]
     dist.all_gather(parts, t.contiguous(), group=ctx.group("tp"))
-    return torch.cat(parts, dim=tplan.tp_dim)
+    if tplan.layout is None:
+        return torch.cat(parts, dim=tplan.tp_dim)
+    d = tplan.tp_dim % t.dim()  # fused / replicated heads / padded: place each segment
+    full = t.new_empty(tplan.shape)
+    for r, part in enumerate(parts):
+        for seg in segments(tplan.shape[d], tplan.layout, tp, r):
+            full.narrow(d, seg.full_offset, seg.length).copy_(part.narrow(d, seg.piece_offset, seg.length))
+    return full

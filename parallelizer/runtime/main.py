@@ -17,7 +17,7 @@ from ..plan import ParallelPlan
 from .loss import default_loss
 from .setup import init, world_size_error
 from .stage_builder import build_stage
-from .train import check_save_target, run_train, save_checkpoint
+from .train import check_save_target, run_train, save_checkpoint, training_state_error
 from .verify import run_verify
 
 
@@ -30,6 +30,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
     p.add_argument("--save", type=Path, help="write the trained weights here, same sharded layout")
     p.add_argument("--load", type=Path, help="start from this checkpoint instead of OUT/checkpoint")
+    p.add_argument("--resume", type=Path,
+                   help="continue training from a --save checkpoint: weights, optimizer state, step "
+                        "counter and data position (reshard it to this program's layout first)")
     p.add_argument("--device", choices=("cpu", "cuda"),
                    help="default: cuda (NCCL) when available, else cpu (gloo)")
     return p
@@ -78,18 +81,25 @@ def _main(out_dir: Path, argv=None) -> int:
         except UserError as e:
             print(f"run.py: error: {e}", file=sys.stderr)
             return 2
+    if args.resume and (args.load or not args.train):
+        print("run.py: error: --resume goes with --train and replaces --load", file=sys.stderr)
+        return 2
+    state_error = training_state_error(plan) if (args.save or args.resume) and args.train else None
+    if state_error:
+        print(f"run.py: error: {state_error}", file=sys.stderr)
+        return 2
     if args.verify and not (out_dir / "reference.safetensors").exists():
         print(f"run.py: error: {out_dir} has no reference.safetensors (compiled with --no-weights, "
               f"or by pz.compile with its own loss_fn); recompile with weights to verify", file=sys.stderr)
         return 2
     ctx = init(plan, args.device)
     try:
-        stage = build_stage(out_dir, plan, ctx, args.load)
+        stage = build_stage(out_dir, plan, ctx, args.resume or args.load)
         if args.verify:
             return run_verify(out_dir, plan, spec, stage, ctx, loss_fn)
-        run_train(plan, spec, stage, ctx, loss_fn, model_module, args.steps)
+        _, opt, step = run_train(plan, spec, stage, ctx, loss_fn, model_module, args.steps, args.resume)
         if args.save:
-            save_checkpoint(stage, plan, ctx, args.save)
+            save_checkpoint(stage, plan, ctx, args.save, opt, step, spec["optimizer"]["name"])
         return 0
     except (UserError, ValueError) as e:
         print(f"run.py: error: {e}", file=sys.stderr)

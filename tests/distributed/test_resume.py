@@ -1,0 +1,48 @@
+"""Training state across layouts: 2 steps at (tp=2, pp=2), reshard to (tp=1, pp=2), resume 2
+steps == 4 uninterrupted steps (losses, parameters and AdamW state)."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from parallelizer.checkpoint import load_full, read_manifest
+from parallelizer.checkpoint.cli import load_plan
+from parallelizer.checkpoint.reshard import reshard
+
+TP2PP2 = ("mesh.dp=1", "mesh.tp=2", "mesh.pp=2")
+PP2 = ("mesh.dp=1", "mesh.tp=1", "mesh.pp=2")
+_STEP = re.compile(r"^step (\d+) loss (\S+)$", re.M)
+
+
+def losses(stdout: str) -> dict[int, float]:
+    return {int(n): float(x) for n, x in _STEP.findall(stdout)}
+
+
+@pytest.mark.precompile("gpt", *TP2PP2)
+@pytest.mark.precompile("gpt", *PP2)
+def test_resume_on_another_layout_equals_uninterrupted(compiled, tools, tmp_path):
+    a, b = compiled("gpt", *TP2PP2), compiled("gpt", *PP2)
+    full = tools.torchrun(a, 4, "--train", "--steps", "4", "--save", str(tmp_path / "u4"))
+    tools.check_exit(full)
+    half = tools.torchrun(a, 4, "--train", "--steps", "2", "--save", str(tmp_path / "s2"))
+    tools.check_exit(half)
+    assert read_manifest(tmp_path / "s2")["train"] == {"step": 2, "optimizer": "adamw"}
+
+    reshard(tmp_path / "s2", tmp_path / "r2", tp=1, pp=2)  # from the checkpoint alone
+    reshard(tmp_path / "s2", tmp_path / "r2plan", plan=load_plan(b))  # the program's own plan
+    assert read_manifest(tmp_path / "r2")["layout_hash"] == read_manifest(tmp_path / "r2plan")["layout_hash"]
+
+    resumed = tools.torchrun(b, 2, "--train", "--steps", "2", "--resume", str(tmp_path / "r2"),
+                             "--save", str(tmp_path / "r4"))
+    tools.check_exit(resumed)
+    u, r = losses(full.stdout), losses(resumed.stdout)
+    assert sorted(r) == [3, 4] and sorted(u) == [1, 2, 3, 4]
+    for step in (3, 4):  # other tp degree: reductions reorder, fp32
+        assert abs(u[step] - r[step]) <= 1e-5 * max(1.0, abs(u[step])), (step, u, r)
+    for optim in (False, True):
+        want, got = load_full(tmp_path / "u4", optim=optim), load_full(tmp_path / "r4", optim=optim)
+        assert want.keys() == got.keys() and len(want) > 0
+        for k in want:
+            assert torch.allclose(want[k], got[k], rtol=1e-5, atol=1e-6), k
