@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -45,7 +46,8 @@ def write_streamed(path: Path, specs: Sequence[tuple[str, tuple, torch.dtype]],
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     h = hashlib.sha256()
-    with open(path, "wb") as f:
+    # hashing overlaps the write of the same buffer: both release the GIL
+    with open(path, "wb") as f, ThreadPoolExecutor(1, thread_name_prefix="sha256") as hasher:
         for chunk in (struct.pack("<Q", len(raw)), raw):
             f.write(chunk)
             h.update(chunk)
@@ -54,8 +56,9 @@ def write_streamed(path: Path, specs: Sequence[tuple[str, tuple, torch.dtype]],
             assert tuple(t.shape) == tuple(shape) and t.dtype == dtype, (
                 f"{name}: produced {tuple(t.shape)} {t.dtype}, expected {tuple(shape)} {dtype}")
             data = memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+            hashed = hasher.submit(h.update, data)
             f.write(data)
-            h.update(data)
+            hashed.result()
             del t, data
         f.flush()
         os.fsync(f.fileno())
