@@ -50,8 +50,16 @@ def test_resume_on_another_layout_equals_uninterrupted(compiled, tools, tmp_path
     for other in (r, {**r, **losses(fsdp.stdout)}):
         for step in (1, 2, 3, 4):  # other layouts reorder reductions, fp32
             assert abs(u[step] - other[step]) <= 1e-5 * max(1.0, abs(u[step])), (step, u, other)
-    for optim in (False, True):
-        want, got = load_full(tmp_path / "u4", optim=optim), load_full(tmp_path / "r4", optim=optim)
-        assert want.keys() == got.keys() and len(want) > 0
-        for k in want:
-            assert torch.allclose(want[k], got[k], rtol=1e-5, atol=1e-6), k
+    want, got = load_full(tmp_path / "u4"), load_full(tmp_path / "r4")
+    assert want.keys() == got.keys() and len(want) > 0
+    for k in want:  # Adam turns rounding noise of near-zero gradients (attention k biases)
+        # into ~1e-6 parameter differences between layouts (cf. verify.optimizer); lr is 3e-4
+        assert torch.allclose(want[k], got[k], rtol=1e-5, atol=1e-5), k
+    want, got = load_full(tmp_path / "u4", optim=True), load_full(tmp_path / "r4", optim=True)
+    assert want.keys() == got.keys() and len(want) > 0
+    for kind in ("exp_avg", "exp_avg_sq", "step"):
+        # moments of gradients that are rounding noise (attention k biases) differ at the noise
+        # level between layouts: tolerance relative to the largest moment of that kind
+        scale = max(float(v.abs().max()) for k, v in want.items() if k.endswith("." + kind))
+        for k in (k for k in want if k.endswith("." + kind)):
+            assert torch.allclose(want[k], got[k], rtol=1e-4, atol=1e-4 * scale), k
