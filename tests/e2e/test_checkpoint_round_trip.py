@@ -11,11 +11,16 @@ from safetensors.torch import save_file
 from parallelizer.checkpoint.export import export_hf, import_hf
 from parallelizer.checkpoint.hf import load_hf_state_dict
 from parallelizer.checkpoint.cli import load_plan
+from parallelizer.checkpoint.reader import read_manifest
 from parallelizer.checkpoint.reshard import reshard
+from parallelizer.checkpoint.target import target_layout
+from parallelizer.checkpoint.writer import layout_hash
 from parallelizer.errors import CheckpointError
 
 TP2PP2 = ("mesh.dp=1", "mesh.tp=2", "mesh.pp=2")
+OTHER = {"tp2": ("mesh.dp=1", "mesh.tp=2", "mesh.pp=1"), "pp2": ("mesh.dp=1", "mesh.tp=1", "mesh.pp=2")}
 EXAMPLES = ["gpt", "llama", "minilm", "gpt2"]
+SHARED = ("gpt", "llama", "minilm")  # compiled at OTHER meshes by test_equivalence anyway
 
 
 def hf_input(tools, example: str, tmp_path):
@@ -33,12 +38,18 @@ def hf_input(tools, example: str, tmp_path):
     return tmp_path / "in.safetensors"
 
 
-@pytest.mark.parametrize("example", [pytest.param(e, marks=pytest.mark.precompile(e, *TP2PP2))
-                                     for e in EXAMPLES])
+@pytest.mark.parametrize("example", [pytest.param(e, marks=[pytest.mark.precompile(e, *TP2PP2)] + [
+    pytest.mark.precompile(e, *o) for o in OTHER.values() if e in SHARED]) for e in EXAMPLES])
 def test_hf_round_trip_bit_exact(compiled, tools, tmp_path, example):
     out = compiled(example, *TP2PP2)
     src = hf_input(tools, example, tmp_path)
     import_hf(src, tmp_path / "a", load_plan(out), buffers_from=out / "checkpoint")
+    manifest = read_manifest(tmp_path / "a")
+    for overrides in OTHER.values() if example in SHARED else ():
+        # the layout computed without the model == the compiler's
+        plan = load_plan(compiled(example, *overrides))
+        want = layout_hash(plan.mesh["pp"], plan.mesh["tp"], plan.tensors)
+        assert target_layout(manifest, plan.mesh["tp"], plan.mesh["pp"]).layout_hash() == want
     try:
         reshard(tmp_path / "a", tmp_path / "b", tp=4, pp=1)
         mid = tmp_path / "b"
