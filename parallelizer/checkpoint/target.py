@@ -134,7 +134,13 @@ def target_layout(manifest: dict, tp: int, pp: int, dp: Optional[int] = None) ->
         if st is None:
             raise CheckpointError(f"{fqn} is not in the checkpoint's pipeline structure; it "
                                   "cannot be placed on a stage without the model")
-        model[fqn] = replace(t, layout=relayout(t, tp), stages=st)
+        try:
+            model[fqn] = replace(t, layout=relayout(t, tp), stages=st)
+        except CheckpointError as e:
+            sharded = [x for x in src.model_tensors().values() if x.tp_dim is not None]
+            common = [d for d in range(1, _MAX_TP + 1) if all(_fits(x, d) for x in sharded)]
+            raise CheckpointError(f"{e}; tp values that fit every tensor of this checkpoint: "
+                                  f"{', '.join(map(str, common))}") from None
     tensors = dict(model)
     for name, fqn in src.params.items():
         tensors[name] = optim_entry(model[fqn], name, src.tensors[name].dtype)
