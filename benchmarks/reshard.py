@@ -31,20 +31,20 @@ def llama_plan(layers: int, tp: int, pp: int):
     from parallelizer.checkpoint.target import repartition
     from parallelizer.plan import ParallelPlan, TensorPlan
     hd = HIDDEN // HEADS
-    specs = [("model.embed_tokens.weight", (VOCAB, HIDDEN), 0, [-1])]
+    specs = [("model.embed_tokens.weight", (VOCAB, HIDDEN), 0, [0])]  # uses: cost-model units
     for i in range(layers):
-        p = f"model.layers.{i}."
-        specs += [(p + "input_layernorm.weight", (HIDDEN,), None, [i]),
-                  (p + "self_attn.q_proj.weight", (HIDDEN, HIDDEN), 0, [i]),
-                  (p + "self_attn.k_proj.weight", (KV_HEADS * hd, HIDDEN), 0, [i]),
-                  (p + "self_attn.v_proj.weight", (KV_HEADS * hd, HIDDEN), 0, [i]),
-                  (p + "self_attn.o_proj.weight", (HIDDEN, HIDDEN), 1, [i]),
-                  (p + "post_attention_layernorm.weight", (HIDDEN,), None, [i]),
-                  (p + "mlp.gate_proj.weight", (INTER, HIDDEN), 0, [i]),
-                  (p + "mlp.up_proj.weight", (INTER, HIDDEN), 0, [i]),
-                  (p + "mlp.down_proj.weight", (HIDDEN, INTER), 1, [i])]
-    specs += [("model.norm.weight", (HIDDEN,), None, [layers - 1]),
-              ("lm_head.weight", (VOCAB, HIDDEN), 0, [layers - 1])]
+        p, u = f"model.layers.{i}.", i + 1
+        specs += [(p + "input_layernorm.weight", (HIDDEN,), None, [u]),
+                  (p + "self_attn.q_proj.weight", (HIDDEN, HIDDEN), 0, [u]),
+                  (p + "self_attn.k_proj.weight", (KV_HEADS * hd, HIDDEN), 0, [u]),
+                  (p + "self_attn.v_proj.weight", (KV_HEADS * hd, HIDDEN), 0, [u]),
+                  (p + "self_attn.o_proj.weight", (HIDDEN, HIDDEN), 1, [u]),
+                  (p + "post_attention_layernorm.weight", (HIDDEN,), None, [u]),
+                  (p + "mlp.gate_proj.weight", (INTER, HIDDEN), 0, [u]),
+                  (p + "mlp.up_proj.weight", (INTER, HIDDEN), 0, [u]),
+                  (p + "mlp.down_proj.weight", (HIDDEN, INTER), 1, [u])]
+    specs += [("model.norm.weight", (HIDDEN,), None, [layers + 1]),
+              ("lm_head.weight", (VOCAB, HIDDEN), 0, [layers + 1])]
     numel = {f: torch.Size(s).numel() for f, s, _, _ in specs}
     costs = [sum(n for f, n in numel.items() if f.startswith(f"model.layers.{i}.")) for i in range(layers)]
     structure = {"blocks": [f"model.layers.{i}" for i in range(layers)], "block_costs": costs,

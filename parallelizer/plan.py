@@ -98,8 +98,8 @@ class ParallelPlan:
     checkpoint_every: int = 1  # under selective: every k-th block, counted over the model
     version: int = PLAN_VERSION
     # What a checkpoint needs to be re-partitioned without the model (checkpoint/target.py):
-    # {"blocks", "block_costs", "pre_cost", "post_cost", "uses": {fqn: [block index or -1]},
-    #  "state_dict_keys": [...]}; empty for plans built without it.
+    # {"blocks", "block_costs", "pre_cost", "post_cost", "uses": {fqn: [cost-model unit]},
+    #  "state_dict_keys": [...]} (planning/tensors.py:pipeline_structure); empty if absent.
     structure: dict = field(default_factory=dict)
 
     @property

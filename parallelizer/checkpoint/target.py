@@ -5,7 +5,10 @@
   into an even split when tp <= kv heads and back; vocab padding is recomputed) and refuses
   degrees that do not fit, naming the tensor and the tp values that do.
 - pp: the manifest carries ``structure`` (ParallelPlan.structure): the blocks, the costs the
-  compiler gave the pipeline partitioner and, per tensor, the blocks its readers follow.
+  compiler gave the pipeline partitioner (FLOPs of the cost model) and, per tensor, the
+  cost-model units of its readers (0 before the blocks, 1 + i block i, n + 1 after). A
+  split fixed by ``pipeline.split_points``/``layers_per_stage`` is not reproduced (those name
+  one pp): pass ``--plan OUT`` of the program compiled with it.
   :func:`repartition` calls the same partitioner (planning/pipeline.py) through
   :func:`_partition`, so a program compiled for the new pp expects exactly these stages.
 """
@@ -112,10 +115,9 @@ def repartition(structure: dict, pp: int) -> dict[str, tuple[int, ...]]:
         stage_of_block = _partition(structure, pp)
     except PlanError as e:
         raise CheckpointError(f"--pp {pp}: {e}") from None
-    out = {}
-    for fqn, uses in structure["uses"].items():
-        out[fqn] = tuple(sorted({0 if u < 0 else stage_of_block[u] for u in uses} or {0}))
-    return out
+    stage_of_unit = (0,) + stage_of_block + (pp - 1,)  # as split_stages.assign_stages
+    return {fqn: tuple(sorted({stage_of_unit[u] for u in uses} or {0}))
+            for fqn, uses in structure["uses"].items()}
 
 
 def target_layout(manifest: dict, tp: int, pp: int, dp: Optional[int] = None) -> Layout:

@@ -39,14 +39,14 @@ def layouts(tp: int) -> dict:
 
 
 def make_plan(tp: int, pp: int, dp: int = 1) -> ParallelPlan:
-    specs = [  # fqn, shape, dtype, tp_dim, uses (block index, -1 before the first)
-        ("embed.weight", (10, 8), "float32", 0, [-1, 2]),           # tied with lm_head
-        ("layers.0.c_attn.weight", (8, 24), "float32", 1, [0]),     # Conv1D (in, out), q|k|v
-        ("layers.0.c_attn.bias", (24,), "bfloat16", None, [0]),
-        ("layers.1.k_proj.weight", (8, 8), "float32", 0, [1]),      # 2 kv heads of 4
-        ("layers.2.down.weight", (8, 12), "float16", 1, [2]),
-        ("norm.weight", (8,), "float32", None, [2]),
-        ("rope.inv_freq", (4,), "float32", None, [-1]),
+    specs = [  # fqn, shape, dtype, tp_dim, uses (cost-model units: 0 pre, 1 + block, 4 post)
+        ("embed.weight", (10, 8), "float32", 0, [0, 4]),            # tied with lm_head
+        ("layers.0.c_attn.weight", (8, 24), "float32", 1, [1]),     # Conv1D (in, out), q|k|v
+        ("layers.0.c_attn.bias", (24,), "bfloat16", None, [1]),
+        ("layers.1.k_proj.weight", (8, 8), "float32", 0, [2]),      # 2 kv heads of 4
+        ("layers.2.down.weight", (8, 12), "float16", 1, [3]),
+        ("norm.weight", (8,), "float32", None, [4]),
+        ("rope.inv_freq", (4,), "float32", None, [0]),
     ]
     structure = {"blocks": BLOCKS, "block_costs": [192, 64, 96], "pre_cost": 80, "post_cost": 8,
                  "uses": {f: u for f, *_, u in specs},
