@@ -16,12 +16,15 @@ time with the module named.
 Layouts (:mod:`parallelizer.layouts`) are decided here too, from how a column linear's output
 is used. While its sharded dim is still exactly the weight's output features (a *raw*
 value: through elementwise ops and same-size views), a ``split`` of that dim makes the
-weight ``fused`` (GPT-2's q|k|v ``c_attn``: each rank splits its piece into its own q, k and
-v), and a view into ``K`` heads with ``tp % K == 0 < K < tp`` makes it ``replicated_heads``
+weight ``fused`` (GPT-2's q|k|v ``c_attn``, a fused gate|up: each rank splits its piece
+into its own q, k and v), as do static slices of it (Phi-3's ``qkv[..., a:b]``: the cuts of
+all slices give the parts), and a view into ``K`` heads with ``tp % K == 0 < K < tp`` makes it ``replicated_heads``
 (GQA kv heads: rank ``r`` holds head ``r // (tp / K)``). Such a replicated value may only
 flow through head-preserving ops into ``repeat_kv``'s expand + reshape, which hand each rank
 the (even) block of query heads it serves; anything else marks the weight as not
-replicable. Any other use of a raw value needs the even split. The planner runs propagation
+replicable. A split of the per-head dim after an even heads split records
+``interleaved_heads`` (GPT-NeoX's per-head [q k v]: already head-aligned, recorded for
+converters). Any other use of a raw value needs the even split. The planner runs propagation
 again with the layouts found until they are stable, so the rewritten constants (split sizes,
 views) follow the layouts.
 
@@ -97,21 +100,34 @@ class Propagation:
     claimed: set = field(default_factory=set)        # nodes whose rule set the markers
     features: dict = field(default_factory=dict)     # column weight fqn -> out features
     kv_weights: set = field(default_factory=set)     # column weights whose heads reach repeat_kv
+    slices: dict = field(default_factory=dict)       # column weight -> [(lo, hi, node, module)]
 
     def found_layouts(self) -> dict:
         """weight fqn -> its one non-even layout (weights used in several ways excluded:
         :func:`layout_conflicts` names them)."""
         out = {}
         for w, uses in self.uses.items():
+            uses = _merged(uses)
             if len(uses) == 1 and next(iter(uses)) != "null":
                 out[w] = json.loads(next(iter(uses)))
         return out
 
     def layout_conflicts(self) -> list:
         """(weight, node name, reason) for weights whose output is used in two layouts."""
-        return [(w, sorted(uses.values())[0], f"{w}'s output is used both as "
-                 + " and as ".join(_describe(json.loads(u)) for u in sorted(uses)))
-                for w, uses in sorted(self.uses.items()) if len(uses) > 1]
+        out = []
+        for w, uses in sorted(self.uses.items()):
+            uses = _merged(uses)
+            if len(uses) > 1:
+                out.append((w, sorted(uses.values())[0], f"{w}'s output is used both as "
+                            + " and as ".join(_describe(json.loads(u)) for u in sorted(uses))))
+        return out
+
+
+def _merged(uses: dict) -> dict:
+    """interleaved_heads is the even split, recorded for converters: it absorbs even uses."""
+    if "null" in uses and any('"interleaved_heads"' in u for u in uses):
+        return {u: n for u, n in uses.items() if u != "null"}
+    return uses
 
 
 @dataclass(frozen=True)
@@ -157,6 +173,7 @@ def propagate(graph: fx.Graph, column: set, row: set, tp: int, layouts: Optional
         # a replicated value (e.g. after g) carries no shard: a conflict further down the
         # residual stream must not blame the pairs upstream of it
         prop.groups[node.name] = frozenset() if placement is None else groups
+    _fuse_slices(prop)
     return prop
 
 
@@ -251,8 +268,9 @@ def _moves_dim(node, prop, fn, e) -> bool:
 
 def _use(prop, weights, layout, node) -> None:
     key = json.dumps(layout, sort_keys=True)
+    name = node if isinstance(node, str) else node.name
     for w in weights:
-        prop.uses.setdefault(w, {}).setdefault(key, node.name)
+        prop.uses.setdefault(w, {}).setdefault(key, name)
 
 
 def _holds_tensors(node) -> bool:
@@ -503,7 +521,62 @@ def _slice(node, prop, tp):
     start = node.args[2] if len(node.args) > 2 else 0
     end = node.args[3] if len(node.args) > 3 else None
     full = start in (0, None) and (end is None or (isinstance(end, int) and end >= 2 ** 62))
-    return d if full else INVALID
+    if full:
+        return d
+    return _slice_part(node, prop, tp, d, start, end)
+
+
+def _slice_part(node, prop, tp, d, start, end):
+    """Phi-3's ``qkv[..., a:b]``: slices of a column output's features cut it into parts.
+    The cuts of all slices of one weight's output give its ``fused`` parts (each slice must
+    be exactly one part, checked in :func:`_fuse_slices`); the bounds become local offsets."""
+    src = node.args[0]
+    raw = prop.raw.get(src.name)
+    n = shape(src)[d]
+    step = node.args[4] if len(node.args) > 4 else 1
+    if not raw or step != 1 or not isinstance(n, int) or not isinstance(start or 0, int) \
+            or not isinstance(end if end is not None else n, int):
+        return INVALID
+    lo, hi = max(0, min(start or 0, n)), max(0, min(n if end is None else end, n))
+    if hi <= lo or any(prop.features.get(w) != n for w in raw):
+        return INVALID
+    prop.claimed.add(node.name)
+    for w in raw:
+        prop.slices.setdefault(w, []).append((lo, hi, node.name, module_path(node)))
+    layouts = [prop.layouts.get(w) for w in raw]
+    layout = layouts[0] if all(x == layouts[0] for x in layouts) else None
+    if lo:
+        _rewrite(prop, node, 2, None, _local_offset(lo, layout, tp))
+    if hi < n and end is not None:
+        _rewrite(prop, node, 3, None, _local_offset(hi, layout, tp))
+    return d
+
+
+def _local_offset(at: int, layout, tp: int) -> int:
+    """Where full offset ``at`` (a part boundary) lands in a rank's fused piece."""
+    if not layout or layout.get("kind") != "fused":
+        return at // tp
+    full = local = 0
+    for part in layout["parts"]:
+        if full >= at:
+            break
+        full, local = full + part, local + part // tp
+    return local
+
+
+def _fuse_slices(prop) -> None:
+    """Turn the cuts recorded by :func:`_slice_part` into one fused layout per weight."""
+    for w, cuts in prop.slices.items():
+        n = prop.features[w]
+        bounds = sorted({0, n} | {b for lo, hi, _n, _m in cuts for b in (lo, hi)})
+        parts = [b - a for a, b in zip(bounds, bounds[1:])]
+        for lo, hi, name, _m in cuts:
+            if bounds.index(hi) - bounds.index(lo) != 1:  # a slice spanning two parts
+                _use(prop, {w}, None, name)
+        for p in parts:
+            _constraint(prop, p, "features", cuts[0][3], f"a part of the fused output of {w} "
+                        f"(sliced into {parts})")
+        _use(prop, {w}, {"kind": "fused", "parts": parts}, cuts[0][2])
 
 
 def _select(node, prop, tp):
@@ -570,6 +643,11 @@ def _split(node, prop, tp):
     n = len(node.meta["val"])
     if dim == d:
         return _split_fused(node, prop, tp, d, n)
+    mark = prop.heads.get(node.args[0].name)
+    if mark is not None and not mark.replicated and not mark.expanded and n > 1 \
+            and dim == len(shape(node.args[0])) - 1 and node.target is not aten.unbind.int:
+        # GPT-NeoX: (B, T, heads, 3 * head_dim) per-head [q k v], split after the heads
+        _use(prop, mark.weights, {"kind": "interleaved_heads", "heads": mark.heads}, node)
     if node.target is aten.unbind.int:
         return tuple((d - (1 if dim < d else 0)) for _ in range(n))
     return tuple(d for _ in range(n))

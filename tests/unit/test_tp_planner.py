@@ -520,3 +520,54 @@ def test_gpt2_tp_matches_unmodified_model(gpt2, tp):
         ref = gpt2(**batch).logits
     for out in run_tp_lockstep(cap.gm, d, tp, (), batch):
         torch.testing.assert_close(out[0], ref, rtol=1e-5, atol=1e-5)
+
+
+# --- other fused layouts: Phi-3 (qkv sliced, GQA parts; gate_up chunked), GPT-NeoX ----------
+
+def _tp_matches(model, tp):
+    """Rewrite a fresh capture at ``tp``; every lockstep rank's logits equal the model's."""
+    cap = captured(model, ids_batch())
+    d = plan_tp(cap.gm.graph, tp)
+    apply_cleanup(cap.gm)
+    apply_tensor_parallel(cap.gm, d)
+    batch = ids_batch(3, 11, seed=1)
+    with torch.no_grad():
+        ref = model(**batch).logits
+    for out in run_tp_lockstep(cap.gm, d, tp, (), batch):
+        torch.testing.assert_close(out[0], ref, rtol=1e-5, atol=1e-5)
+    return d
+
+
+def test_phi3_fused_qkv_slices_and_gate_up_tp2():
+    """Phi-3 slices qkv_proj's output at q | k | v (4 heads, 2 kv heads of 8: parts
+    [32, 16, 16]) and chunks gate_up_proj's in two: both become fused column weights."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Phi3Config(
+        vocab_size=64, hidden_size=H, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        use_cache=False, attn_implementation="sdpa", resid_pdrop=0.0, embd_pdrop=0.0,
+        attention_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    d = _tp_matches(transformers.Phi3ForCausalLM(cfg).eval(), 2)
+    for i in range(2):
+        p = f"model.layers.{i}."
+        assert d.layouts[p + "self_attn.qkv_proj.weight"] == {"kind": "fused", "parts": [32, 16, 16]}
+        assert d.layouts[p + "mlp.gate_up_proj.weight"] == {"kind": "fused", "parts": [64, 64]}
+        assert {p + "self_attn.o_proj.weight", p + "mlp.down_proj.weight"} <= d.row
+
+
+def test_gpt_neox_interleaved_qkv_tp2():
+    """GPT-NeoX views query_key_value's output as (B, T, heads, 3 * head_dim) and chunks the
+    last dim: the even split is head-aligned, recorded as interleaved_heads."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPTNeoXConfig(
+        vocab_size=64, hidden_size=H, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=64, use_cache=False,
+        attn_implementation="sdpa", hidden_dropout=0.0, attention_dropout=0.0,
+        bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    d = _tp_matches(transformers.GPTNeoXForCausalLM(cfg).eval(), 2)
+    layout = {"kind": "interleaved_heads", "heads": 4}
+    for i in range(2):
+        p = f"gpt_neox.layers.{i}.attention.query_key_value."
+        assert d.layouts[p + "weight"] == d.layouts[p + "bias"] == layout
