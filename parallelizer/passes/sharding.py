@@ -101,6 +101,7 @@ class Propagation:
     features: dict = field(default_factory=dict)     # column weight fqn -> out features
     kv_weights: set = field(default_factory=set)     # column weights whose heads reach repeat_kv
     slices: dict = field(default_factory=dict)       # column weight -> [(lo, hi, node, module)]
+    head_shapes: dict = field(default_factory=dict)  # column weight -> (heads, head_dim)
 
     def found_layouts(self) -> dict:
         """weight fqn -> its one non-even layout (weights used in several ways excluded:
@@ -174,7 +175,20 @@ def propagate(graph: fx.Graph, column: set, row: set, tp: int, layouts: Optional
         # residual stream must not blame the pairs upstream of it
         prop.groups[node.name] = frozenset() if placement is None else groups
     _fuse_slices(prop)
+    _mark_kv_heads(prop)
     return prop
+
+
+def _mark_kv_heads(prop) -> None:
+    """GQA kv projections split evenly (tp divides their heads) are recorded as
+    ``interleaved_heads`` with their head_dim, so a converter knows which dim holds kv heads
+    and can copy them (``replicated_heads``) for a tp above their count."""
+    for w in prop.kv_weights:
+        uses = prop.uses.get(w, {})
+        if w in prop.head_shapes and set(uses) == {"null"}:
+            heads, head_dim = prop.head_shapes[w]
+            layout = {"kind": "interleaved_heads", "heads": heads, "head_dim": head_dim}
+            prop.uses[w] = {json.dumps(layout, sort_keys=True): uses["null"]}
 
 
 def _inputs(node):
@@ -410,6 +424,8 @@ def _split_heads(node, prop, tp, e, raw, detail):
     _constraint(prop, heads, "heads", module_path(node), detail, raw)
     prop.claimed.add(node.name)
     prop.heads[node.name] = HeadsMark(raw, heads, replicate)
+    for w in raw:
+        prop.head_shapes[w] = (heads, head_dim)
     sizes = _sizes_arg(node)
     if replicate:
         _use(prop, raw, {"kind": "replicated_heads", "heads": heads, "head_dim": head_dim}, node)

@@ -24,11 +24,8 @@ def copies_max_diff(t: torch.Tensor, tplan: TensorPlan, ctx: RankContext, tp: in
 
 
 def full_tensor(t: torch.Tensor, tplan: TensorPlan, ctx: RankContext, tp: int) -> torch.Tensor:
-    """All-gather over dp (FSDP2's DTensor ``full_tensor``) then over tp, each tp rank's
-    piece placed where ``tplan.layout`` says it came from (:mod:`parallelizer.layouts`;
-    concatenation along ``tplan.tp_dim`` for the even split; for replicated heads the copies
-    agree, the last one is kept). Collective: every rank of the stage calls it in the same
-    order."""
+    """All-gather over dp (FSDP2's DTensor ``full_tensor``) then over tp (concatenated along
+    ``tplan.tp_dim``). Collective: every rank of the stage calls it in the same order."""
     t = t.full_tensor() if hasattr(t, "full_tensor") else t
     t = t.detach()
     if tplan.tp_dim is None or tp == 1:
@@ -37,9 +34,9 @@ def full_tensor(t: torch.Tensor, tplan: TensorPlan, ctx: RankContext, tp: int) -
     dist.all_gather(parts, t.contiguous(), group=ctx.group("tp"))
     if tplan.layout is None:
         return torch.cat(parts, dim=tplan.tp_dim)
-    d = tplan.tp_dim % t.dim()
-    full = t.new_zeros(tplan.shape)
-    for rank, part in enumerate(parts):
-        for seg in segments(tplan.shape[d], tplan.layout, tp, rank):
+    d = tplan.tp_dim % t.dim()  # fused / replicated heads / padded: place each segment
+    full = t.new_empty(tplan.shape)
+    for r, part in enumerate(parts):
+        for seg in segments(tplan.shape[d], tplan.layout, tp, r):
             full.narrow(d, seg.full_offset, seg.length).copy_(part.narrow(d, seg.piece_offset, seg.length))
     return full

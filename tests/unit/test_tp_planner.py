@@ -216,6 +216,10 @@ def test_gqa_tp2_rewrites_repeat_kv_constants(llama):
         assert {p + "self_attn.o_proj.weight", p + "mlp.down_proj.weight"} <= d.row
     assert "lm_head.weight" not in d.column | d.row
     assert "replicated linear: lm_head.weight (no column/row pair found)" in d.report
+    # kv projections split evenly are marked as heads (a converter may copy them for tp > 2)
+    kv = {"kind": "interleaved_heads", "heads": 2, "head_dim": 8}
+    assert d.layouts == {f"model.layers.{i}.self_attn.{x}_proj.weight": kv
+                         for i in range(2) for x in "kv"}
     by_name = {n.name: n for n in cap.gm.graph.nodes}
     expands = [n for n in cap.gm.graph.nodes if n.target is aten.expand.default and n.name in d.rewrites]
     reshapes = [n for n in cap.gm.graph.nodes if n.target is aten.reshape.default and n.name in d.rewrites]
