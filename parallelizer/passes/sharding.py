@@ -18,11 +18,11 @@ is used. While its sharded dim is still exactly the weight's output features (a 
 value: through elementwise ops and same-size views), a ``split`` of that dim makes the
 weight ``fused`` (GPT-2's q|k|v ``c_attn``, a fused gate|up: each rank splits its piece
 into its own q, k and v), as do static slices of it (Phi-3's ``qkv[..., a:b]``: the cuts of
-all slices give the parts), and a view into ``K`` heads with ``tp % K == 0 < K < tp`` makes it ``replicated_heads``
-(GQA kv heads: rank ``r`` holds head ``r // (tp / K)``). Such a replicated value may only
-flow through head-preserving ops into ``repeat_kv``'s expand + reshape, which hand each rank
-the (even) block of query heads it serves; anything else marks the weight as not
-replicable. A split of the per-head dim after an even heads split records
+all slices give the parts), and a view into ``K < tp`` heads, K dividing tp, makes it
+``replicated_heads`` (GQA kv heads: rank ``r`` holds head ``r // (tp / K)``). Such a
+replicated value may only flow through head-preserving ops into ``repeat_kv``'s expand +
+reshape, which hand each rank the (even) block of query heads it serves; anything else
+marks the weight as not replicable. A split of the per-head dim after an even heads split records
 ``interleaved_heads`` (GPT-NeoX's per-head [q k v]: already head-aligned, recorded for
 converters). Any other use of a raw value needs the even split. The planner runs propagation
 again with the layouts found until they are stable, so the rewritten constants (split sizes,
@@ -60,8 +60,8 @@ _SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
 
 @dataclass(frozen=True)
 class Constraint:
-    """A global size that the tp degree must divide, or, when ``replicable`` (GQA kv heads),
-    divide or be a multiple of."""
+    """A global size that the tp degree must divide, or, for the heads of GQA kv projections
+    (``weights`` all reach repeat_kv), divide or be a multiple of."""
     size: int
     what: str      # "heads", "features", ...
     module: str    # module FQN
@@ -94,7 +94,6 @@ class Propagation:
     # per-run inputs and value markers (see the module docstring)
     layouts: dict = field(default_factory=dict)      # the layouts this run assumes
     no_replication: frozenset = frozenset()
-    tp: int = 1
     raw: dict = field(default_factory=dict)          # node name -> frozenset of weights
     heads: dict = field(default_factory=dict)        # node name -> HeadsMark
     claimed: set = field(default_factory=set)        # nodes whose rule set the markers
@@ -160,7 +159,7 @@ def propagate(graph: fx.Graph, column: set, row: set, tp: int, layouts: Optional
         no_replication: weights whose kv heads must not be replicated (a previous run found
             the replicated value reaching an op other than repeat_kv).
     """
-    prop = Propagation(layouts=dict(layouts or {}), no_replication=frozenset(no_replication), tp=tp)
+    prop = Propagation(layouts=dict(layouts or {}), no_replication=frozenset(no_replication))
     weight_dims = {}
     for node in graph.nodes:
         site = as_linear(node)
@@ -485,7 +484,8 @@ def _repeat_replicated_kv(node, prop, tp, e, mark):
     n_rep = int(shape(node)[e + 1])
     prop.claimed.add(node.name)
     prop.heads[node.name] = HeadsMark(mark.weights, mark.heads, True, expanded=True)
-    _constraint(prop, n_rep * mark.heads, "heads", module_path(node), f"dims {e}, {e + 1} of expand")
+    _constraint(prop, n_rep * mark.heads, "heads", module_path(node),
+                f"dims {e}, {e + 1} of expand")
     sizes = _sizes_arg(node)
     if isinstance(sizes[e], int) and sizes[e] != -1:
         _rewrite(prop, node, 1, e, 1)

@@ -183,8 +183,8 @@ def _check_divisible(prop: Propagation, tp: int) -> None:
     top = max(x.size for x in prop.constraints)
     valid = [t for t in range(1, top + 1) if all(x.allows(t, kv) for x in prop.constraints)]
     kv_heads = c.what == "heads" and c.replicable(kv)
+    copies = ", or be a multiple of it (each kv head is then held by tp / kv heads ranks)"
     raise PlanError(
         f"mesh.tp ({tp}) must divide the number of {'kv heads' if kv_heads else c.what} "
-        f"({c.size}) of {c.module or 'the model'} ({c.detail})"
-        f"{', or be a multiple of it (each kv head is then held by tp / kv heads ranks)' if kv_heads else ''}; "
+        f"({c.size}) of {c.module or 'the model'} ({c.detail}){copies if kv_heads else ''}; "
         f"valid choices: tp in {{{', '.join(map(str, valid))}}}")
