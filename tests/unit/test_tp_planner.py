@@ -256,19 +256,6 @@ def test_gqa_tp4_replicates_kv_heads(llama):
     assert any(line.startswith("layout replicated_heads (2 heads of 8") for line in d.report)
 
 
-def test_tp4_gqa_llama_matches_unmodified_model(llama):
-    model, _ = llama
-    cap = captured(model, ids_batch())
-    d = plan_tp(cap.gm.graph, 4)
-    apply_cleanup(cap.gm)
-    apply_tensor_parallel(cap.gm, d)
-    batch = ids_batch(3, 11, seed=1)
-    with torch.no_grad():
-        ref = model(**batch).logits
-    for out in run_tp_lockstep(cap.gm, d, 4, (), batch):
-        torch.testing.assert_close(out[0], ref, rtol=1e-5, atol=1e-5)
-
-
 def test_gqa_tp3_plan_error(llama):
     """3 divides neither the 2 kv heads nor is a multiple of them (nor divides 4 heads)."""
     _, cap = llama
@@ -511,7 +498,7 @@ def test_gpt2_c_attn_fused_column_c_proj_row(gpt2):
     assert len(views) == 2 and all(d.rewrites[n] == [(1, 2, 3 * H // 2)] for n in views)
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [4])  # tp=2 (with pp=2) runs in tests/distributed
 def test_gpt2_tp_matches_unmodified_model(gpt2, tp):
     cap = captured(gpt2, ids_batch())
     d = plan_tp(cap.gm.graph, tp)
