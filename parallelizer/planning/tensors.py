@@ -24,16 +24,18 @@ def tied_groups(model: torch.nn.Module) -> list[list[str]]:
 
 
 def _placement(name: str, tp: TPDecision) -> tuple:
+    """(tp_dim, role, layout) of one tensor under the TP decision."""
+    layout = tp.layouts.get(name)
     if name in tp.column:
-        return 0, "column_parallel"
+        return tp.dims[name], "column_parallel", layout
     if name in tp.row:
-        return 1, "row_parallel"
+        return tp.dims[name], "row_parallel", layout
     for w, b in tp.biases.items():
         if b == name and w in tp.column:
-            return 0, "column_parallel"
+            return tp.dims[name], "column_parallel", layout
         if b == name and w in tp.row:
-            return None, "row_parallel bias (added after the all-reduce)"
-    return None, "replicate"
+            return None, "row_parallel bias (added after the all-reduce)", None
+    return None, "replicate", None
 
 
 def _check_sharing(owned: list, canonical: dict, stage: int) -> None:
@@ -77,10 +79,10 @@ def build_plan(spec, captured, gm, model, groups, tp: TPDecision, stages, block_
         t = attrgetter(fqn)(gm)
         # the TP planner saw the graph before untie, which may read a tied weight by an alias
         names = [fqn] + [n for n, c in canonical.items() if c == fqn and n != fqn]
-        tp_dim, role = next((_placement(n, tp) for n in names if _placement(n, tp)[0] is not None),
-                            _placement(fqn, tp))
+        tp_dim, role, layout = next((_placement(n, tp) for n in names
+                                     if _placement(n, tp)[0] is not None), _placement(fqn, tp))
         tensors[fqn] = TensorPlan(fqn, tuple(t.shape), str(t.dtype).removeprefix("torch."), tp_dim,
-                                  tuple(sorted(stage_set)), fqn not in params, role)
+                                  tuple(sorted(stage_set)), fqn not in params, role, layout)
     return ParallelPlan(
         mesh={"pp": spec.mesh.pp, "dp": spec.mesh.dp, "tp": spec.mesh.tp},
         zero_stage=spec.zero_stage, schedule=spec.pipeline.schedule,

@@ -9,6 +9,20 @@ from ..plan import TensorPlan
 from .setup import RankContext
 
 
+def copies_max_diff(t: torch.Tensor, tplan: TensorPlan, ctx: RankContext, tp: int) -> float:
+    """Max abs difference between the tp ranks' copies of a ``replicated_heads`` tensor and
+    the first copy of the same head (0.0 for other layouts). Collective over tp."""
+    layout = tplan.layout or {}
+    if layout.get("kind") != "replicated_heads" or tp == 1:
+        return 0.0
+    t = (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().contiguous()
+    parts = [torch.empty_like(t) for _ in range(tp)]
+    dist.all_gather(parts, t, group=ctx.group("tp"))
+    copies = tp // layout["heads"]
+    return max((parts[r] - parts[r - r % copies]).abs().max().item() if t.numel() else 0.0
+               for r in range(tp))
+
+
 def full_tensor(t: torch.Tensor, tplan: TensorPlan, ctx: RankContext, tp: int) -> torch.Tensor:
     """All-gather over dp (FSDP2's DTensor ``full_tensor``) then over tp (concatenated along
     ``tplan.tp_dim``). Collective: every rank of the stage calls it in the same order."""

@@ -5,7 +5,10 @@ spec's schedule (ScheduleGPipe or Schedule1F1B) over ``microbatches`` microbatch
 ``scale_grads=True``, so gradients are those of the mean loss over the whole batch.
 Weights held by two stages (a tied embedding and LM head) get their gradients summed over
 the stages holding them, so both copies take the same update (Megatron-LM keeps tied
-embeddings equal the same way, with an all-reduce over the embedding group).
+embeddings equal the same way, with an all-reduce over the embedding group). Likewise the
+copies of a GQA kv head held by several tp ranks (layout ``replicated_heads``): each copy's
+gradient holds only the contribution of its rank's query heads, so the gradients are summed
+over the ranks holding that head, and all copies take the true gradient's update.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ class StepRunner:
         self.is_last = ctx.pp_rank == self.pp - 1
         self._schedules: dict = {}
         self._target = None
-        self.tied = _tied_params(stage, plan, ctx)
+        self.summed = _tied_params(stage, plan, ctx) + _replicated_head_params(stage, plan, ctx)
         # DDP cannot follow a pipeline schedule's interleaved forwards (data_parallel.py)
         self.manual_dp = plan.zero_stage in (0, 1) and plan.mesh["dp"] > 1 and self.pp > 1
 
@@ -54,7 +57,7 @@ class StepRunner:
             loss, outputs = self._pipeline_step(batch, target)
         if self.manual_dp:
             all_reduce_grads(self.stage.parameters(), self.ctx)
-        self._sync_tied_grads()
+        self._sum_shared_grads()
         return self._global_loss(loss), outputs
 
     def _unflatten(self, flat):
@@ -101,10 +104,35 @@ class StepRunner:
             loss /= self.plan.mesh["dp"]
         return loss
 
-    def _sync_tied_grads(self) -> None:
-        for param, group in self.tied:
+    def _sum_shared_grads(self) -> None:
+        for param, group in self.summed:
             if param.grad is not None:
                 dist.all_reduce(local_tensor(param.grad), group=group)
+
+
+def _replicated_head_params(stage, plan: ParallelPlan, ctx: RankContext) -> list:
+    """(parameter, process group over the tp ranks holding the same kv head copy) for
+    tensors laid out ``replicated_heads``. Every rank creates every group, in the same order."""
+    tp = plan.mesh["tp"]
+    heads = sorted({t.layout["heads"] for t in plan.tensors.values()
+                    if t.layout and t.layout["kind"] == "replicated_heads"})
+    mesh = ctx.mesh.mesh  # ranks, shape (pp, dp, tp)
+    mine = {}
+    for k in heads:
+        copies = tp // k
+        for p in range(plan.mesh["pp"]):
+            for d in range(plan.mesh["dp"]):
+                for h in range(k):
+                    ranks = [int(mesh[p, d, t]) for t in range(h * copies, (h + 1) * copies)]
+                    group = dist.new_group(ranks)
+                    if ctx.rank in ranks:
+                        mine[k] = group
+    out = []
+    for name, param in stage.named_parameters():
+        layout = plan.tensors[plan.aliases.get(name, name)].layout
+        if layout and layout["kind"] == "replicated_heads":
+            out.append((param, mine[layout["heads"]]))
+    return out
 
 
 def _as_tuple(x):
