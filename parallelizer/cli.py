@@ -30,6 +30,20 @@ def _inspect(argv: list[str]) -> int:
 SUBCOMMANDS["inspect"] = _inspect
 
 
+def _lazy(module: str, func: str) -> Callable[[list[str]], int]:
+    def handler(argv: list[str]) -> int:
+        import importlib
+        return getattr(importlib.import_module(module), func)(argv)
+    return handler
+
+
+SUBCOMMANDS.update({  # checkpoint conversions (parallelizer/checkpoint/cli.py)
+    "reshard": _lazy("parallelizer.checkpoint.cli", "reshard_main"),
+    "export": _lazy("parallelizer.checkpoint.cli", "export_main"),
+    "import": _lazy("parallelizer.checkpoint.cli", "import_main"),
+})
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the CLI on ``argv`` (default ``sys.argv[1:]``); return the process exit code.
 

@@ -6,6 +6,7 @@ data) or a pass (reads a plan, rewrites the graph).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import sys
 from operator import attrgetter
 from pathlib import Path
@@ -27,7 +28,7 @@ from .passes.graph_costs import collect_costs
 from .planning.pipeline import find_blocks, plan_from_costs
 from .planning.pipeline_summary import (check_microbatches, check_placement, summarize,
                                         virtual_stages_of)
-from .planning.tensors import build_plan, tied_groups
+from .planning.tensors import build_plan, pipeline_structure, tied_groups
 from .planning.tp import plan_tp
 from .program import Program
 from .reference import compute_reference
@@ -109,6 +110,7 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
     num_stages = _num_stages(spec, blocks)
     stages_key = "mesh.pp" if pipe.virtual_stages == 1 else "mesh.pp x pipeline.virtual_stages"
     pp_decision = plan_from_costs(costs, num_stages, blocks, pipe, stages_key=stages_key)
+    structure = pipeline_structure(gm.graph, model, blocks, costs, canonical)
     stages = passes.run_split("split_stages", split_stages, gm, pp_decision, num_stages)
     block_graphs, block_notes = [], []
     for st in stages:
@@ -117,6 +119,7 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
         block_notes += notes
 
     plan = build_plan(spec, captured, gm, model, groups, tp_decision, stages, block_graphs)
+    plan = dataclasses.replace(plan, structure=structure)
     pipeline = summarize(pp_decision, costs, pipe.schedule, mesh.pp, pipe.microbatches, virtual)
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     pp_warnings += check_placement(pipeline, [st.fqns for st in plan.stages], params, canonical)

@@ -11,7 +11,9 @@ JSON data (``TensorPlan.layout``), one of:
   the fused output still yields its own q, k and v.
 - ``{"kind": "interleaved_heads", "heads": H}``: GPT-NeoX's per-head ``[q_h k_h v_h]``
   interleaving. Heads are contiguous, so the even split is already head-aligned; recorded so
-  converters know the dim is not q|k|v.
+  converters know the dim is not q|k|v. The compiler also records GQA kv projections split
+  evenly this way, with ``"head_dim": D``, so a converter can turn them into
+  ``replicated_heads`` for a tp above their head count.
 - ``{"kind": "replicated_heads", "heads": K, "head_dim": D}``: tp > K kv heads (GQA,
   Ainslie et al. 2023): ``tp / K`` consecutive ranks hold a copy of the same head, rank ``r``
   holds head ``r // (tp / K)``. Copies must be identical; a merge reads one.

@@ -101,6 +101,10 @@ class ParallelPlan:
     checkpoint_every: int = 1  # under selective: every k-th block, counted over the model
     virtual_stages: int = 1  # pipeline stages per pp rank
     version: int = PLAN_VERSION
+    # What a checkpoint needs to be re-partitioned without the model (checkpoint/target.py):
+    # {"blocks", "block_costs", "pre_cost", "post_cost", "uses": {fqn: [cost-model unit]},
+    #  "state_dict_keys": [...]} (planning/tensors.py:pipeline_structure); empty if absent.
+    structure: dict = field(default_factory=dict)
 
     @property
     def world_size(self) -> int:

@@ -1,7 +1,9 @@
 """Checkpoints: Hugging Face import, (pp, tp) layout math, safetensors writer and reader.
 
-Layout on disk (DESIGN.md §4): ``pp{p}-tp{t}.safetensors`` per (pp, tp) coordinate plus
-``manifest.json`` with the plan hash, every tensor's pieces and a sha256 per file.
+Layout on disk (DESIGN.md §4, format in writer.py): ``pp{p}-tp{t}.safetensors`` per (pp, tp)
+coordinate plus ``manifest.json`` with every tensor's placement, layout and pieces, the
+pipeline structure and a sha256 per file. Conversions: reshard.py (any (tp, pp) to any),
+export.py (Hugging Face format out and in), target.py (the new layout without the model).
 """
 from parallelizer.checkpoint.hf import load_hf_state_dict, match_to_model
 from parallelizer.checkpoint.layout import local_piece, shard_slice

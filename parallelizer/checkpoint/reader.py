@@ -17,7 +17,8 @@ from typing import Optional
 import torch
 from safetensors import safe_open
 
-from parallelizer.checkpoint.writer import FORMAT_VERSION, MANIFEST, sha256_file, shard_file_name
+from parallelizer.checkpoint.writer import (FORMAT_VERSION, MANIFEST, OPTIM_PREFIX, layout_hash,
+                                            sha256_file, shard_file_name)
 from parallelizer.errors import CheckpointError
 from parallelizer.plan import ParallelPlan
 
@@ -40,15 +41,16 @@ def read_manifest(ckpt_dir) -> dict:
     version = manifest.get("format_version") if isinstance(manifest, dict) else None
     if version != FORMAT_VERSION:
         raise CheckpointError(f"{path} has format_version {version!r}; this parallelizer reads "
-                              f"version {FORMAT_VERSION}")
+                              f"version {FORMAT_VERSION} (rewrite the checkpoint with this version)")
     return manifest
 
 
 def verify_file(ckpt_dir, file_name: str, manifest: dict) -> Path:
-    """Path of ``file_name`` after checking it exists and its sha256 matches the manifest.
+    """Path of ``file_name`` after checking it exists and its size and sha256 match the manifest.
 
     Raises:
-        CheckpointError: the file is missing, not listed, or its sha256 differs (names both).
+        CheckpointError: the file is missing, not listed, truncated (or grown), or its sha256
+            differs; names the file.
     """
     path = Path(ckpt_dir) / file_name
     if not path.is_file():
@@ -57,16 +59,60 @@ def verify_file(ckpt_dir, file_name: str, manifest: dict) -> Path:
     expected = manifest["files"].get(file_name)
     if expected is None:
         raise CheckpointError(f"checkpoint file {path} is not listed in {MANIFEST}")
+    size = path.stat().st_size
+    if size != expected["bytes"]:
+        what = "truncated" if size < expected["bytes"] else "larger than written"
+        raise CheckpointError(f"checkpoint file {path} is {what}: {size} bytes, {MANIFEST} records "
+                              f"{expected['bytes']}; copy it again or rewrite the checkpoint")
     actual = sha256_file(path)
-    if actual != expected:
+    if actual != expected["sha256"]:
         raise CheckpointError(f"checkpoint file {path} is corrupt: sha256 {actual} does not match "
-                              f"{expected} recorded in {MANIFEST}; copy it again or rewrite the "
-                              "checkpoint")
+                              f"{expected['sha256']} recorded in {MANIFEST}; copy it again or rewrite "
+                              "the checkpoint")
     return path
 
 
+def check_plan(ckpt_dir, manifest: dict, plan: ParallelPlan) -> None:
+    """The checkpoint's layout is the plan's (same number of stages, tp and per-tensor
+    placement).
+
+    Raises:
+        CheckpointError: names the manifest, the first tensor that differs and both values,
+            and the reshard command that converts the checkpoint.
+    """
+    mine = layout_hash(plan.num_stages, plan.mesh["tp"], plan.tensors)
+    if manifest.get("layout_hash") == mine:
+        return
+    m, pm = manifest["mesh"], plan.mesh
+    diff = _first_difference(manifest, plan)
+    raise CheckpointError(
+        f"{Path(ckpt_dir) / MANIFEST} is from another plan: checkpoint mesh pp={m['pp']} tp={m['tp']}"
+        f"{_stages(manifest.get('num_stages', m['pp']), m['pp'])}, this program pp={pm['pp']} "
+        f"tp={pm['tp']}{_stages(plan.num_stages, pm['pp'])}{diff}; convert it with `parallelize reshard "
+        f"{ckpt_dir} -o NEW --plan OUT` (OUT: this program's folder) or load the checkpoint "
+        "it was written for")
+
+
+def _stages(num_stages: int, pp: int) -> str:
+    return "" if num_stages == pp else f" ({num_stages} stages, {num_stages // pp} per rank)"
+
+
+def _first_difference(manifest: dict, plan: ParallelPlan) -> str:
+    model = {k: v for k, v in manifest["tensors"].items() if v.get("kind", "model") == "model"}
+    extra, missing = sorted(set(model) - set(plan.tensors)), sorted(set(plan.tensors) - set(model))
+    if missing or extra:
+        return (f"; tensors only in the plan: {missing[:3]}, only in the checkpoint: {extra[:3]}")
+    for fqn, tplan in sorted(plan.tensors.items()):
+        e = model[fqn]
+        for key, ours in (("shape", list(tplan.shape)), ("dtype", tplan.dtype),
+                          ("layout", tplan.layout), ("stages", list(tplan.stages))):
+            if e[key] != ours:
+                return f"; first difference: {fqn} {key} {e[key]} in the checkpoint, {ours} in the plan"
+    return ""
+
+
 def load_shard(ckpt_dir, stage: int, tp_rank: int, plan: Optional[ParallelPlan] = None,
-               verify: bool = True) -> dict[str, torch.Tensor]:
+               verify: bool = True, optim: bool = False) -> dict[str, torch.Tensor]:
     """Tensors of the (stage, tp_rank) file: canonical fqn -> local piece.
 
     Every data-parallel replica at that coordinate loads the same file. A piece has the
@@ -76,20 +122,18 @@ def load_shard(ckpt_dir, stage: int, tp_rank: int, plan: Optional[ParallelPlan] 
         ckpt_dir: checkpoint folder.
         stage, tp_rank: coordinates in ``[0, num_stages)`` x ``[0, tp)`` of the manifest
             (``num_stages`` = pp x virtual stages; pp when the manifest predates it).
-        plan: when given, its ``hash()`` must equal the manifest's ``plan_hash``.
-        verify: check the file's sha256 against the manifest (reads the file twice).
+        plan: when given, its layout must be the checkpoint's (:func:`check_plan`).
+        verify: check the file's size and sha256 against the manifest (reads the file twice).
+        optim: return the optimizer state pieces (``optim.<fqn>.<state>``) instead of the model's.
 
     Raises:
         CheckpointError: the checkpoint was written for another plan; coordinates out of the
-            mesh; the file is missing, corrupt, unreadable, or holds other names than the
-            manifest says.
+            mesh; the file is missing, corrupt, truncated, unreadable, lacks a tensor the
+            manifest lists or holds one of another shape (each names the file and tensor).
     """
     manifest = read_manifest(ckpt_dir)
-    if plan is not None and plan.hash() != manifest["plan_hash"]:
-        raise CheckpointError(
-            f"checkpoint {ckpt_dir} was written for another plan (plan_hash "
-            f"{manifest['plan_hash'][:12]}..., mesh {manifest['mesh']}); this plan has hash "
-            f"{plan.hash()[:12]}..., mesh {plan.mesh}; recompile with the mesh the checkpoint was written for, or save it again under this plan")
+    if plan is not None:
+        check_plan(ckpt_dir, manifest, plan)
     mesh = manifest["mesh"]
     num_stages = manifest.get("num_stages", mesh["pp"])
     if not (0 <= stage < num_stages and 0 <= tp_rank < mesh["tp"]):
@@ -97,30 +141,48 @@ def load_shard(ckpt_dir, stage: int, tp_rank: int, plan: Optional[ParallelPlan] 
                               f"{num_stages} stages x mesh {mesh}")
     name = shard_file_name(stage, tp_rank)
     path = verify_file(ckpt_dir, name, manifest) if verify else Path(ckpt_dir) / name
-    expected = {pc["name"] for t in manifest["tensors"].values() for pc in t["pieces"]
-                if pc["file"] == name}
+    want = {pc["name"]: pc for k, t in manifest["tensors"].items() for pc in t["pieces"]
+            if pc["file"] == name and k.startswith(OPTIM_PREFIX) == optim}
+    out = {}
     with _open(path) as f:
         found = set(f.keys())
-        if found != expected:
-            raise CheckpointError(
-                f"{path} holds {sorted(found - expected)[:5]} not in {MANIFEST} and lacks "
-                f"{sorted(expected - found)[:5]}")
-        return {k: f.get_tensor(k) for k in sorted(found)}
+        absent = sorted(set(want) - found)
+        if absent:
+            raise CheckpointError(f"{path} lacks tensor(s) {absent[:5]} that {MANIFEST} lists in it")
+        for k, pc in sorted(want.items()):
+            _check_piece_shape(f, pc, path)
+            out[k] = f.get_tensor(k)
+    return out
+
+
+def _check_piece_shape(f, piece: dict, path: Path) -> None:
+    shape = list(f.get_slice(piece["name"]).get_shape())
+    if shape != list(piece["shape"]):
+        raise CheckpointError(f"{path}: tensor {piece['name']} has shape {tuple(shape)}, "
+                              f"{MANIFEST} says {tuple(piece['shape'])}; the file does not belong "
+                              "to this checkpoint (copy the folder again or rewrite it)")
 
 
 def load_tensor(ckpt_dir, fqn: str, index: Optional[tuple[slice, ...]] = None,
-                manifest: Optional[dict] = None, handles: Optional[dict] = None) -> torch.Tensor:
+                manifest: Optional[dict] = None, handles: Optional[dict] = None,
+                check_replicas: bool = True) -> torch.Tensor:
     """Region ``index`` (one ``slice`` per dim, step 1; None = all) of logical tensor ``fqn``.
 
-    Reads, with ``get_slice``, only the overlap of each needed piece (one copy per offset),
-    so memory is the size of the result. ``handles`` (file name -> open ``safe_open``) lets
-    a caller reuse open files across calls.
+    Reads, with ``get_slice``, only the overlap of each needed segment of one copy, so memory
+    is the size of the result; padding rows of a padded layout are never read. ``handles``
+    (file name -> open ``safe_open``) lets a caller reuse open files across calls; without
+    it, files are opened for this call and closed (their mappings released) on return.
+
+    With ``check_replicas`` and a ``replicated_heads`` layout, every other copy of each head
+    in the region is read too and compared byte for byte.
 
     Returns:
         tensor of the region's shape and the manifest's dtype.
 
     Raises:
-        CheckpointError: ``fqn`` is not in the manifest, or its pieces do not tile the tensor.
+        CheckpointError: ``fqn`` is not in the manifest; its pieces do not tile the tensor;
+            a piece has another shape than the manifest says; replicas differ (names the
+            tensor, the rows and both files).
     """
     manifest = manifest if manifest is not None else read_manifest(ckpt_dir)
     entry = manifest["tensors"].get(fqn)
@@ -128,22 +190,48 @@ def load_tensor(ckpt_dir, fqn: str, index: Optional[tuple[slice, ...]] = None,
         raise CheckpointError(f"{fqn} is not in the checkpoint {ckpt_dir}")
     shape = tuple(entry["shape"])
     want = [s.indices(n)[:2] for s, n in zip(index, shape)] if index else [(0, n) for n in shape]
-    out = torch.empty([hi - lo for lo, hi in want], dtype=getattr(torch, entry["dtype"]))
+    size = [hi - lo for lo, hi in want]
+    d = entry["tp_dim"]
+    replicas = check_replicas and (entry.get("layout") or {}).get("kind") == "replicated_heads"
+    handles = handles if handles is not None else {}
     with ExitStack() as stack:
-        handles = handles if handles is not None else {}
-        for piece in _one_copy(fqn, entry):
-            src, dst = _overlap(piece, shape, want)
+        opened: dict = {}  # files this call opened: closed (mappings released) on return
+
+        def read(piece, src):
+            path = Path(ckpt_dir) / piece["file"]
+            f = handles.get(piece["file"]) or opened.get(piece["file"])
+            if f is None:
+                f = opened[piece["file"]] = stack.enter_context(_open(path))
+            _check_piece_shape(f, piece, path)
+            return _read_piece(f, piece, src, bool(shape), ckpt_dir)
+
+        parts = []
+        for (full_lo, length), copies in _runs(fqn, entry):
+            src, dst = _overlap(d, full_lo, length, copies[0][1], shape, want)
             if src is None:
                 continue
-            if piece["file"] not in handles:
-                handles[piece["file"]] = stack.enter_context(_open(Path(ckpt_dir) / piece["file"]))
-            out[dst] = _read_piece(handles[piece["file"]], piece, src, bool(shape), ckpt_dir)
-    return out
+            part = read(copies[0][0], src)
+            parts.append((dst, part))
+            for piece, p_lo in (copies[1:] if replicas else ()):
+                other = read(piece, _overlap(d, full_lo, length, p_lo, shape, want)[0])
+                if not torch.equal(other.view(torch.uint8), part.contiguous().view(torch.uint8)):
+                    raise CheckpointError(
+                        f"replicas of {fqn} differ: rows [{full_lo}, {full_lo + length}) along "
+                        f"dim {d} in {Path(ckpt_dir) / copies[0][0]['file']} and "
+                        f"{Path(ckpt_dir) / piece['file']}; the replicated kv heads must be "
+                        "identical (was the checkpoint edited, or trained without syncing them?)")
+        if len(parts) == 1 and list(parts[0][1].shape) == size:
+            return parts[0][1]  # one run covers the region: no second copy
+        out = torch.empty(size, dtype=getattr(torch, entry["dtype"]))
+        for dst, part in parts:
+            out[dst] = part
+        return out
 
 
-def load_full(ckpt_dir, verify: bool = True) -> dict[str, torch.Tensor]:
-    """Every logical tensor at full shape, canonical fqn -> tensor (aliases not repeated;
-    see ``read_manifest(ckpt_dir)["aliases"]``).
+def load_full(ckpt_dir, verify: bool = True, optim: bool = False) -> dict[str, torch.Tensor]:
+    """Every logical model tensor at full shape, canonical fqn -> tensor (aliases not repeated;
+    see ``read_manifest(ckpt_dir)["aliases"]``); with ``optim`` the optimizer state tensors
+    (``optim.<fqn>.<state>``) instead.
 
     Raises:
         CheckpointError: as :func:`verify_file` (with ``verify``) and :func:`load_tensor`.
@@ -157,40 +245,48 @@ def load_full(ckpt_dir, verify: bool = True) -> dict[str, torch.Tensor]:
         for name in manifest["files"]:
             handles[name] = stack.enter_context(_open(Path(ckpt_dir) / name))
         return {fqn: load_tensor(ckpt_dir, fqn, manifest=manifest, handles=handles)
-                for fqn in sorted(manifest["tensors"])}
+                for fqn in sorted(manifest["tensors"]) if fqn.startswith(OPTIM_PREFIX) == optim}
 
 
-def _one_copy(fqn: str, entry: dict) -> list[dict]:
-    """The pieces of one copy (first file per offset), checked to tile the sharded dim."""
-    by_offset: dict[int, dict] = {}
-    for pc in sorted(entry["pieces"], key=lambda pc: (pc["offset"], pc["file"])):
-        by_offset.setdefault(pc["offset"], pc)
-    pieces = list(by_offset.values())
+def _runs(fqn: str, entry: dict) -> list:
+    """``[((full_offset, length), [(piece, piece_offset), ...]), ...]``: the runs of the tp
+    dim in order, each with every stored copy (first file first); checked to tile the dim.
+    A replicated tensor is one run ``(0, 0)`` whose copies are its pieces."""
+    pieces = sorted(entry["pieces"], key=lambda pc: pc["file"])
     if not pieces:
         raise CheckpointError(f"{fqn} has no pieces in the manifest")
-    d = pieces[0]["dim"]
-    end = 0
+    d = entry["tp_dim"]
+    if d is None:
+        return [((0, 0), [(pc, 0) for pc in pieces])]
+    runs: dict = {}
     for pc in pieces:
-        if pc["dim"] != d or pc["offset"] != end:
+        for full_lo, p_lo, length in pc["segments"]:
+            runs.setdefault((full_lo, length), []).append((pc, p_lo))
+    end = 0
+    for full_lo, length in sorted(runs):
+        if full_lo != end:
             raise CheckpointError(f"pieces of {fqn} in the manifest do not tile dim {d} "
-                                  f"(gap or overlap at offset {pc['offset']})")
-        end += pc["length"] if d is not None else 0
-    if d is not None and end != entry["shape"][d]:
+                                  f"(gap or overlap at offset {full_lo}, expected {end})")
+        end += length
+    if end != entry["shape"][d]:
         raise CheckpointError(f"pieces of {fqn} cover {end} of {entry['shape'][d]} along dim {d}")
-    return pieces
+    return sorted(runs.items())
 
 
-def _overlap(piece: dict, shape: tuple, want: list) -> tuple:
-    """``(index into the piece, index into the result)`` of the overlap of ``piece`` and the
-    requested region ``want`` ((lo, hi) per dim), or ``(None, None)`` when they are disjoint."""
+def _overlap(d, full_lo: int, length: int, p_lo: int, shape: tuple, want: list) -> tuple:
+    """``(index into the piece, index into the result)`` of the overlap of one run (full
+    ``[full_lo, full_lo + length)`` stored at piece ``[p_lo, ...)`` along ``d``) and the
+    requested region ``want`` ((lo, hi) per dim), or ``(None, None)`` when disjoint."""
     src, dst = [], []
     for dim, (lo, hi) in enumerate(want):
-        p_lo, p_hi = (piece["offset"], piece["offset"] + piece["length"]) \
-            if dim == piece["dim"] else (0, shape[dim])
-        a, b = max(lo, p_lo), min(hi, p_hi)
+        if dim == d:
+            r_lo, r_hi, shift = full_lo, full_lo + length, full_lo - p_lo
+        else:
+            r_lo, r_hi, shift = 0, shape[dim], 0
+        a, b = max(lo, r_lo), min(hi, r_hi)
         if a >= b and hi > lo:
             return None, None
-        src.append(slice(a - p_lo, max(a, b) - p_lo))
+        src.append(slice(a - shift, max(a, b) - shift))
         dst.append(slice(a - lo, max(a, b) - lo))
     return tuple(src), tuple(dst)
 
@@ -200,7 +296,7 @@ def _read_piece(f, piece: dict, src: tuple, sliced: bool, ckpt_dir) -> torch.Ten
     try:
         return f.get_slice(piece["name"])[src] if sliced else f.get_tensor(piece["name"])
     except Exception as e:  # SafetensorError: name absent or data unreadable
-        raise CheckpointError(f"cannot read {piece['name']} from {Path(ckpt_dir) / piece['file']}: "
+        raise CheckpointError(f"cannot read tensor {piece['name']} from {Path(ckpt_dir) / piece['file']}: "
                               f"{e}") from e
 
 

@@ -1,26 +1,39 @@
 """Write a state_dict resharded for a ParallelPlan: one safetensors file per (pipeline
-stage, tp rank) plus ``manifest.json`` (DESIGN.md §4).
+stage, tp rank) plus ``manifest.json`` (DESIGN.md §4, docs/architecture.md "Checkpoint format").
 
 Layout of ``out_dir``::
 
     pp0-tp0.safetensors  pp0-tp1.safetensors  ...   one per (stage, tp); dp replicas share them
     manifest.json
 
-``pp{s}`` is the pipeline *stage* index ``s`` in ``[0, pp * virtual_stages)``; it equals the
-pp rank when each rank runs one stage, and a rank running several stages (interleaved,
-ZB-V schedules) reads one file per stage. Each file holds, under its canonical fqn, the tp
-piece of every tensor whose plan ``stages`` include stage ``s`` (a tensor tied across stages
-is stored in each of them). The manifest::
+``pp{s}`` is the pipeline *stage* index ``s`` in ``[0, num_stages)``, ``num_stages`` = pp x
+``pipeline.virtual_stages``; it equals the pp rank when each rank runs one stage, and a rank
+running several stages (interleaved, ZB-V schedules) reads one file per stage. Each file
+holds, under its canonical fqn, the tp piece of every tensor whose plan ``stages`` include
+stage ``s`` (a tensor tied across stages is stored in each of them), and, in a training
+checkpoint, the AdamW state of those parameters under ``optim.<fqn>.exp_avg``,
+``optim.<fqn>.exp_avg_sq`` and ``optim.<fqn>.step``, in the parameter's layout. The
+manifest (format_version 2)::
 
-    {"format_version": 1, "plan_hash": ..., "mesh": {"pp", "dp", "tp"}, "num_stages": ...,
-     "tensors": {fqn: {"shape", "dtype", "is_buffer",
-                       "pieces": [{"file", "name", "dim", "offset", "length"}, ...]}},
-     "aliases": {alias fqn: canonical fqn}, "files": {file name: sha256 hex}}
+    {"format_version": 2, "plan_hash": ..., "layout_hash": ..., "mesh": {"pp", "dp", "tp"},
+     "num_stages": pp x virtual_stages (pp when absent),
+     "tensors": {name: {"shape", "dtype", "is_buffer", "role", "tp_dim", "layout", "stages",
+                        "kind": "model" | "optim", "param": fqn (optim only),
+                        "pieces": [{"file", "name", "tp_rank", "shape",
+                                    "segments": [[full_offset, piece_offset, length], ...]
+                                                | null (replicated)}, ...]}},
+     "aliases": {alias fqn: canonical fqn}, "structure": ParallelPlan.structure,
+     "train": {"step": int, "optimizer": str} (training checkpoints only),
+     "files": {file name: {"sha256": hex, "bytes": int}}}
 
-``pieces`` lists every stored copy: a piece is the slice ``[offset, offset + length)`` of the
-full tensor along ``dim``; a replicated tensor's pieces have ``dim``/``length`` null and
-``offset`` 0. Copies with the same offset (other pp stages, or other tp ranks of a
-replicated tensor) hold identical bytes.
+A piece's ``segments`` say which runs of the full tensor's ``tp_dim`` it holds and where:
+``full[full_offset : full_offset + length] == piece[piece_offset : ... + length]`` along
+``tp_dim`` (:func:`parallelizer.layouts.segments`). Rows of a piece no segment covers are
+vocabulary padding (zero). Two pieces with the same ``(full_offset, length)`` run are
+copies (other pp stages of a tied weight, replicated kv heads); readers read one and check
+replicated heads are identical. ``layout_hash`` covers pp, tp and every model tensor's
+shape, dtype, tp_dim, layout and stages (not dp, not the optimizer state): a program loads a
+checkpoint whose layout_hash equals its plan's.
 
 The write is atomic: everything goes to a hidden sibling folder, is fsynced, then renamed
 onto ``out_dir``; a reader never sees a partial checkpoint.
@@ -32,22 +45,32 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Callable, Optional
 
 import torch
-from safetensors.torch import save_file
 
-from parallelizer.checkpoint.layout import local_piece, normalize_dim, shard_range
+from parallelizer.checkpoint.layout import local_piece, normalize_dim
+from parallelizer.checkpoint.stream import write_streamed
 from parallelizer.errors import CheckpointError
+from parallelizer.layouts import segments
 from parallelizer.plan import ParallelPlan, TensorPlan
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
+OPTIM_PREFIX = "optim."
+OPTIM_STATES = ("exp_avg", "exp_avg_sq", "step")
 
 
 def shard_file_name(stage: int, tp_rank: int) -> str:
     """``pp{s}-tp{t}.safetensors``: the file of pipeline stage ``s`` and tp rank ``t``."""
     return f"pp{stage}-tp{tp_rank}.safetensors"
+
+
+def optim_name(fqn: str, state: str) -> str:
+    """``optim.<fqn>.<state>``: the checkpoint name of one optimizer state tensor."""
+    return f"{OPTIM_PREFIX}{fqn}.{state}"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -64,21 +87,99 @@ def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
     return h.hexdigest()
 
 
+def layout_hash(num_stages: int, tp: int, tensors: dict) -> str:
+    """sha256 of what decides the bytes of each file: the number of pipeline stages (pp x
+    virtual stages: files are per stage, so pp=4 and pp=2 with 2 virtual stages under the
+    same partition share files), tp and every model tensor's shape, dtype, tp_dim, layout
+    and stages (not dp, not optimizer state). At tp = 1 placements
+    decide nothing (a checkpoint keeps them to be resharded to tp > 1 later; a program
+    compiled for tp = 1 has none), so they are left out."""
+    def placement(t):
+        return [t.tp_dim, t.layout] if tp > 1 else [None, None]
+    # key "pp" kept from format 2's first writers: with one stage per rank, hashes agree
+    data = {"pp": num_stages, "tp": tp, "tensors": {
+        k: [list(t.shape), t.dtype, *placement(t), list(t.stages), t.is_buffer]
+        for k, t in sorted(tensors.items())}}
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+@dataclass
+class Layout:
+    """Everything that decides a checkpoint's files: the mesh, every stored tensor's
+    placement (optimizer state entries carry their parameter's), tied aliases and the
+    pipeline structure that lets a resharder re-partition it (ParallelPlan.structure)."""
+
+    mesh: dict
+    tensors: dict                                  # name -> TensorPlan (fqn == name)
+    params: dict = field(default_factory=dict)     # optimizer state name -> parameter fqn
+    aliases: dict = field(default_factory=dict)
+    structure: dict = field(default_factory=dict)
+    plan_hash: str = ""
+    train: Optional[dict] = None
+    num_stages: Optional[int] = None               # pp x virtual stages; None: mesh["pp"]
+
+    @staticmethod
+    def from_plan(plan: ParallelPlan, optim_names: dict = None, train: Optional[dict] = None,
+                  dtypes: Optional[dict] = None) -> "Layout":
+        """The plan's layout; ``optim_names``: optimizer state name -> parameter fqn;
+        ``dtypes``: optimizer state name -> dtype name (default the parameter's)."""
+        tensors = dict(plan.tensors)
+        params = dict(optim_names or {})
+        for name, fqn in params.items():
+            tensors[name] = optim_entry(plan.tensors[fqn], name, (dtypes or {}).get(name))
+        return Layout(dict(plan.mesh), tensors, params, dict(plan.aliases), dict(plan.structure),
+                      plan.hash(), train, plan.num_stages)
+
+    def model_tensors(self) -> dict:
+        return {k: v for k, v in self.tensors.items() if k not in self.params}
+
+    def stages(self) -> int:
+        """Number of pipeline stages (one file per stage and tp rank)."""
+        return self.num_stages or self.mesh["pp"]
+
+    def layout_hash(self) -> str:
+        return layout_hash(self.stages(), self.mesh["tp"], self.model_tensors())
+
+    def files(self) -> list[tuple[int, int]]:
+        """(stage, tp rank) of every file."""
+        return [(p, t) for p in range(self.stages()) for t in range(self.mesh["tp"])]
+
+    def file_specs(self, p: int, t: int) -> list[tuple[str, tuple, torch.dtype]]:
+        """(name, local shape, dtype) of every tensor stored in file (p, t), in file order."""
+        tp = self.mesh["tp"]
+        return [(name, tuple(tplan.local_shape(tp)), getattr(torch, tplan.dtype))
+                for name, tplan in sorted(self.tensors.items()) if p in tplan.stages]
+
+
+def optim_entry(param: TensorPlan, name: str, dtype: Optional[str] = None) -> TensorPlan:
+    """Placement of optimizer state ``name`` of ``param``: the parameter's, except ``step``
+    (a 0-d counter, replicated); ``dtype`` default: the parameter's (fp32 for ``step``)."""
+    if name.endswith(".step"):
+        return replace(param, fqn=name, shape=(), dtype=dtype or "float32", tp_dim=None,
+                       layout=None, is_buffer=True, role="replicate")
+    return replace(param, fqn=name, dtype=dtype or param.dtype)
+
+
 def write_checkpoint(state_dict: dict[str, torch.Tensor], plan: ParallelPlan, out_dir: Path,
-                     overwrite: bool = False) -> Path:
+                     overwrite: bool = False, optim_state: Optional[dict] = None,
+                     train: Optional[dict] = None) -> Path:
     """Write ``state_dict`` in the plan's (stage, tp) layout to ``out_dir``.
 
     Args:
         state_dict: canonical fqn -> full tensor (shape and dtype as in the plan); entries
             under alias fqns of ``plan.aliases`` are ignored.
-        plan: the ParallelPlan; ``plan.mesh`` gives pp and tp, ``plan.tensors`` the placements.
+        plan: the ParallelPlan; ``plan.num_stages`` and tp give the files, ``plan.tensors``
+            the placements.
         out_dir: destination folder; must not exist or be empty unless ``overwrite``.
         overwrite: replace an existing non-empty ``out_dir``, only once the new one is complete.
+        optim_state: optional ``{fqn: {"exp_avg", "exp_avg_sq", "step"}}`` full tensors
+            (AdamW state gathered to full shape), stored in the parameter's layout.
+        train: optional ``{"step": int, "optimizer": name}`` recorded in the manifest.
 
     Returns:
         ``out_dir``.
 
-    Peak memory: the state_dict plus the pieces of one (stage, tp) file.
+    Peak memory: the state_dict plus one tp piece.
 
     Raises:
         CheckpointError: ``out_dir`` exists and is not empty (without ``overwrite``) or is a
@@ -88,14 +189,51 @@ def write_checkpoint(state_dict: dict[str, torch.Tensor], plan: ParallelPlan, ou
     out_dir = Path(out_dir)
     _check_destination(out_dir, overwrite)
     _check_state_dict(state_dict, plan)
+    full = dict(state_dict)
+    names = {}
+    for fqn, states in sorted((optim_state or {}).items()):
+        for state, t in states.items():
+            names[optim_name(fqn, state)] = fqn
+            full[optim_name(fqn, state)] = t
+    layout = Layout.from_plan(plan, names, train, {n: dtype_name(full[n].dtype) for n in names})
+    tp = plan.mesh["tp"]
+
+    def piece(name: str, t_rank: int) -> torch.Tensor:
+        return local_piece(full[name], layout.tensors[name], tp, t_rank)
+
+    return write_layout(layout, piece, out_dir, overwrite)
+
+
+def write_layout(layout: Layout, piece: Callable[[str, int], torch.Tensor], out_dir: Path,
+                 overwrite: bool = False, progress: Optional[Callable[[int], None]] = None,
+                 tmp_hook: Optional[Callable[[Path], None]] = None) -> Path:
+    """Write every file of ``layout`` (``piece(name, tp_rank)`` gives each local piece, one at
+    a time) and the manifest into a hidden temporary sibling of ``out_dir``, then rename it
+    onto ``out_dir``. ``progress(nbytes)`` is called after each piece; ``tmp_hook(tmp)`` once
+    the temporary folder exists. On any error (or a kill) nothing exists at ``out_dir``
+    that was not there before; a killed process leaves only ``.<name>.tmp-*``."""
+    out_dir = Path(out_dir)
+    _check_destination(out_dir, overwrite)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
     try:
+        if tmp_hook is not None:
+            tmp_hook(tmp)
         files = {}
-        for p in range(plan.num_stages):
-            for t in range(plan.mesh["tp"]):
-                files[shard_file_name(p, t)] = _write_shard(state_dict, plan, p, t, tmp)
-        manifest = build_manifest(plan, files)
+        for p, t in layout.files():
+            name = shard_file_name(p, t)
+            meta = {"format": "pt", "layout_hash": layout.layout_hash(), "stage": str(p),
+                    "tp_rank": str(t)}
+
+            def produce(n, t=t):
+                out = piece(n, t)
+                if progress is not None:
+                    progress(out.numel() * out.element_size())
+                return out
+
+            digest, size = write_streamed(tmp / name, layout.file_specs(p, t), produce, meta)
+            files[name] = {"sha256": digest, "bytes": size}
+        manifest = build_manifest(layout, files)
         _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
         _fsync_dir(tmp)
         _publish(tmp, out_dir, overwrite)
@@ -105,37 +243,34 @@ def write_checkpoint(state_dict: dict[str, torch.Tensor], plan: ParallelPlan, ou
     return out_dir
 
 
-def build_manifest(plan: ParallelPlan, files: dict[str, str]) -> dict:
-    """The manifest dict for ``plan`` given ``files`` (file name -> sha256 hex)."""
-    tp = plan.mesh["tp"]
+def build_manifest(layout: Layout, files: dict) -> dict:
+    """The manifest dict of ``layout`` given ``files`` (file name -> {sha256, bytes})."""
+    tp = layout.mesh["tp"]
     tensors = {}
-    for fqn, tplan in sorted(plan.tensors.items()):
+    for name, tplan in sorted(layout.tensors.items()):
         d = normalize_dim(tplan.tp_dim, len(tplan.shape))
         pieces = []
         for p in sorted(set(tplan.stages)):
             for t in range(tp):
-                offset, length = (0, None) if d is None else shard_range(tplan.shape[d], tp, t)
-                pieces.append({"file": shard_file_name(p, t), "name": fqn, "dim": d,
-                               "offset": offset, "length": length})
-        tensors[fqn] = {"shape": list(tplan.shape), "dtype": tplan.dtype,
-                        "is_buffer": tplan.is_buffer, "pieces": pieces}
-    return {"format_version": FORMAT_VERSION, "plan_hash": plan.hash(), "mesh": dict(plan.mesh),
-            "num_stages": plan.num_stages,
-            "tensors": tensors, "aliases": dict(sorted(plan.aliases.items())), "files": files}
-
-
-def _write_shard(state_dict, plan: ParallelPlan, p: int, t: int, folder: Path) -> str:
-    """Write file (p, t) into ``folder``, fsync it, and return its sha256."""
-    tp = plan.mesh["tp"]
-    pieces = {fqn: local_piece(state_dict[fqn], tplan, tp, t)
-              for fqn, tplan in sorted(plan.tensors.items()) if p in tplan.stages}
-    path = folder / shard_file_name(p, t)
-    save_file(pieces, str(path), metadata={"format": "pt", "plan_hash": plan.hash(),
-                                           "stage": str(p), "tp_rank": str(t)})
-    del pieces
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
-    return sha256_file(path)
+                segs = None if d is None else [
+                    list(s) for s in segments(tplan.shape[d], tplan.layout, tp, t) if s.length]
+                pieces.append({"file": shard_file_name(p, t), "name": name, "tp_rank": t,
+                               "shape": list(tplan.local_shape(tp)), "segments": segs})
+        entry = {"shape": list(tplan.shape), "dtype": tplan.dtype, "is_buffer": tplan.is_buffer,
+                 "role": tplan.role, "tp_dim": d, "layout": tplan.layout,
+                 "stages": list(tplan.stages), "pieces": pieces,
+                 "kind": "optim" if name in layout.params else "model"}
+        if name in layout.params:
+            entry["param"] = layout.params[name]
+        tensors[name] = entry
+    out = {"format_version": FORMAT_VERSION, "plan_hash": layout.plan_hash,
+           "layout_hash": layout.layout_hash(), "mesh": dict(layout.mesh),
+           "num_stages": layout.stages(), "tensors": tensors,
+           "aliases": dict(sorted(layout.aliases.items())), "structure": layout.structure,
+           "files": files}
+    if layout.train is not None:
+        out["train"] = layout.train
+    return out
 
 
 def _check_destination(out_dir: Path, overwrite: bool) -> None:
@@ -166,9 +301,7 @@ def _check_state_dict(state_dict: dict, plan: ParallelPlan) -> None:
         raise CheckpointError("cannot write checkpoint: " + "; ".join(problems)
                               + "; the state_dict must be keyed by the plan's canonical fqns")
     for fqn, tplan in plan.tensors.items():
-        d = normalize_dim(tplan.tp_dim, len(tplan.shape))
-        assert d is None or tplan.shape[d] % plan.mesh["tp"] == 0, (
-            f"{fqn}: tp {plan.mesh['tp']} does not divide dim {d} of {tplan.shape}")
+        tplan.local_shape(plan.mesh["tp"])  # ValueError: a layout the planner should have refused
         assert tplan.stages and all(0 <= p < plan.num_stages for p in tplan.stages), (
             f"{fqn}: stages {tplan.stages} not in [0, {plan.num_stages})")
 

@@ -1,7 +1,7 @@
 """Read-only facts about a captured graph: shapes, module paths, parameter uses."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import sympy
 import torch
@@ -64,15 +64,58 @@ def weight_fqn(node: fx.Node) -> Optional[str]:
     return node.target if isinstance(node, fx.Node) and node.op == "get_attr" else None
 
 
+class Linear(NamedTuple):
+    """One linear layer of the graph: ``aten.linear(x, W, b)`` (nn.Linear, W of shape
+    (out, in)) or ``aten.addmm(b, x, W)`` (GPT-2's Conv1D, W of shape (in, out)).
+
+    Attributes:
+        node: the call_function node.
+        x: its input activation.
+        weight, bias: get_attr targets (bias None when absent).
+        out_dim: the weight dim of the output features (0 for linear, 1 for Conv1D);
+            ``1 - out_dim`` is the input-features dim.
+    """
+
+    node: fx.Node
+    x: fx.Node
+    weight: str
+    bias: Optional[str]
+    out_dim: int
+
+    @property
+    def in_dim(self) -> int:
+        return 1 - self.out_dim
+
+
+def as_linear(n: fx.Node) -> Optional[Linear]:
+    """``n`` as a :class:`Linear`, or None: aten.linear on a 2-D get_attr weight, or
+    aten.addmm(bias, x, weight) on a get_attr bias and 2-D weight (transformers' Conv1D)."""
+    if n.op != "call_function":
+        return None
+    if n.target is aten.linear.default:
+        x, w = n.args[0], n.args[1]
+        b = n.args[2] if len(n.args) > 2 else None
+        out_dim = 0
+    elif n.target is aten.addmm.default and len(n.args) == 3 and not n.kwargs:
+        b, x, w = n.args
+        if not weight_fqn(b):
+            return None
+        out_dim = 1
+    else:
+        return None
+    if not (weight_fqn(w) and is_tensor(w) and len(shape(w)) == 2):
+        return None
+    return Linear(n, x, w.target, weight_fqn(b), out_dim)
+
+
+def linear_sites(graph: fx.Graph) -> list[Linear]:
+    """Every linear layer of ``graph`` (see :func:`as_linear`), in graph order."""
+    return [s for s in map(as_linear, graph.nodes) if s is not None]
+
+
 def linear_nodes(graph: fx.Graph) -> list[fx.Node]:
-    """aten.linear calls whose weight is a 2-D parameter read with get_attr."""
-    out = []
-    for n in graph.nodes:
-        if n.op == "call_function" and n.target is aten.linear.default:
-            w = n.args[1]
-            if weight_fqn(w) and is_tensor(w) and len(shape(w)) == 2:
-                out.append(n)
-    return out
+    """The nodes of :func:`linear_sites`."""
+    return [s.node for s in linear_sites(graph)]
 
 
 def attr_targets(graph: fx.Graph) -> list[str]:

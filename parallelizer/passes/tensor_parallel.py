@@ -2,9 +2,11 @@
 
 - ``f`` (copy_to_tp_region) before column_parallel linears, one per distinct input, so
   q/k/v (or gate/up) share one all-reduce of their input gradient in backward.
-- row_parallel ``linear(x, W, b)`` becomes ``reduce_from_tp_region(linear(x, W)) + b``: the
+- row_parallel ``linear(x, W, b)`` becomes ``reduce_from_tp_region(linear(x, W)) + b`` (and
+  GPT-2's Conv1D ``addmm(b, x, W)`` becomes ``reduce_from_tp_region(mm(x, W)) + b``): the
   bias is added once, after the all-reduce, not once per rank.
-- int shape constants on sharded dims (heads, hidden) are divided by the tp degree.
+- int shape constants on sharded dims (heads, hidden, split sizes of a fused q|k|v, the kv
+  heads and ``n_rep`` of repeat_kv) become the local sizes the planner computed.
 Parameter shapes themselves are the checkpoint's business (plan ``tp_dim``); the graph only
 reads them with get_attr.
 """
@@ -14,7 +16,7 @@ import torch.fx as fx
 
 from ..planning.tp import TPDecision
 from ..runtime.tp import copy_to_tp_region, reduce_from_tp_region
-from .graph_facts import aten, linear_nodes
+from .graph_facts import Linear, aten, linear_sites
 
 
 def apply_tensor_parallel(gm: fx.GraphModule, decision: TPDecision) -> bool:
@@ -24,12 +26,11 @@ def apply_tensor_parallel(gm: fx.GraphModule, decision: TPDecision) -> bool:
     graph = gm.graph
     _rewrite_constants(graph, decision.rewrites)
     copies: dict = {}
-    for lin in linear_nodes(graph):
-        w = lin.args[1].target
-        if w in decision.column:
-            _insert_f(graph, lin, copies)
-        elif w in decision.row:
-            _insert_g(graph, lin)
+    for site in linear_sites(graph):
+        if site.weight in decision.column:
+            _insert_f(graph, site, copies)
+        elif site.weight in decision.row:
+            _insert_g(graph, site)
     graph.lint()
     gm.recompile()
     return True
@@ -41,26 +42,37 @@ def _rewrite_constants(graph: fx.Graph, rewrites: dict) -> None:
         node = by_name[name]
         args = list(node.args)
         for arg_index, list_index, new in edits:
+            if list_index is None:  # a scalar argument (split size)
+                args[arg_index] = new
+                continue
             sizes = list(args[arg_index])
             sizes[list_index] = new
             args[arg_index] = sizes
         node.args = tuple(args)
 
 
-def _insert_f(graph: fx.Graph, lin: fx.Node, copies: dict) -> None:
-    x = lin.args[0]
+def _insert_f(graph: fx.Graph, site: Linear, copies: dict) -> None:
+    x = site.x
     if x not in copies:
-        with graph.inserting_before(lin):
+        with graph.inserting_before(site.node):
             copies[x] = graph.call_function(copy_to_tp_region, (x,))
             copies[x].meta = dict(x.meta)
-    lin.replace_input_with(x, copies[x])
+    site.node.replace_input_with(x, copies[x])
 
 
-def _insert_g(graph: fx.Graph, lin: fx.Node) -> None:
-    bias = lin.args[2] if len(lin.args) > 2 else None
-    lin.args = lin.args[:2]
-    with graph.inserting_after(lin):
-        reduced = graph.call_function(reduce_from_tp_region, (lin,))
+def _insert_g(graph: fx.Graph, site: Linear) -> None:
+    lin = site.node
+    if lin.target is aten.addmm.default:  # Conv1D: addmm(b, x, W) -> mm(x, W), b after g
+        bias = lin.args[0]
+        with graph.inserting_before(lin):
+            partial = graph.call_function(aten.mm.default, (site.x, lin.args[2]))
+            partial.meta = dict(lin.meta)
+    else:
+        bias = lin.args[2] if len(lin.args) > 2 else None
+        lin.args = lin.args[:2]
+        partial = lin
+    with graph.inserting_after(partial):
+        reduced = graph.call_function(reduce_from_tp_region, (partial,))
         reduced.meta = dict(lin.meta)
     last = reduced
     if bias is not None:
@@ -70,3 +82,5 @@ def _insert_g(graph: fx.Graph, lin: fx.Node) -> None:
     for user in list(lin.users):
         if user is not reduced:
             user.replace_input_with(lin, last)
+    if partial is not lin:
+        graph.erase_node(lin)

@@ -25,16 +25,18 @@ def tied_groups(model: torch.nn.Module) -> list[list[str]]:
 
 
 def _placement(name: str, tp: TPDecision) -> tuple:
+    """(tp_dim, role, layout) of one tensor under the TP decision."""
+    layout = tp.layouts.get(name)
     if name in tp.column:
-        return 0, "column_parallel"
+        return tp.dims[name], "column_parallel", layout
     if name in tp.row:
-        return 1, "row_parallel"
+        return tp.dims[name], "row_parallel", layout
     for w, b in tp.biases.items():
         if b == name and w in tp.column:
-            return 0, "column_parallel"
+            return tp.dims[name], "column_parallel", layout
         if b == name and w in tp.row:
-            return None, "row_parallel bias (added after the all-reduce)"
-    return None, "replicate"
+            return None, "row_parallel bias (added after the all-reduce)", None
+    return None, "replicate", None
 
 
 def _check_sharing(owned: list, canonical: dict, stage: int) -> None:
@@ -82,10 +84,10 @@ def build_plan(spec, captured, gm, model, groups, tp: TPDecision, stages, block_
         t = attrgetter(fqn)(gm)
         # the TP planner saw the graph before untie, which may read a tied weight by an alias
         names = [fqn] + [n for n, c in canonical.items() if c == fqn and n != fqn]
-        tp_dim, role = next((_placement(n, tp) for n in names if _placement(n, tp)[0] is not None),
-                            _placement(fqn, tp))
+        tp_dim, role, layout = next((_placement(n, tp) for n in names
+                                     if _placement(n, tp)[0] is not None), _placement(fqn, tp))
         tensors[fqn] = TensorPlan(fqn, tuple(t.shape), str(t.dtype).removeprefix("torch."), tp_dim,
-                                  tuple(sorted(stage_set)), fqn not in params, role)
+                                  tuple(sorted(stage_set)), fqn not in params, role, layout)
     return ParallelPlan(
         mesh={"pp": spec.mesh.pp, "dp": spec.mesh.dp, "tp": spec.mesh.tp},
         zero_stage=spec.zero_stage, schedule=spec.pipeline.schedule,
@@ -95,3 +97,28 @@ def build_plan(spec, captured, gm, model, groups, tp: TPDecision, stages, block_
         out_spec=treespec_dumps(captured.out_spec), tp_report=tuple(tp.report),
         activation_checkpointing=spec.activation_checkpointing.mode,
         checkpoint_every=spec.activation_checkpointing.every, virtual_stages=p.virtual_stages)
+
+
+def pipeline_structure(graph: fx.Graph, model, blocks, costs, canonical: dict) -> dict:
+    """What re-partitioning a checkpoint for another pp degree needs, without the model
+    (ParallelPlan.structure, read by checkpoint/target.py).
+
+    ``uses[fqn]`` lists the cost-model units of the tensor's readers (0 before the blocks,
+    1 + i for block i, len(blocks) + 1 after; ``graph_costs.assign_units``, the mapping
+    split_stages uses), so a tensor's stages under any partition are the stages of its
+    units. ``block_costs``/``pre_cost``/``post_cost`` are what ``plan_from_costs`` gives the
+    partitioner; ``state_dict_keys`` are the model's own names, for export.
+    """
+    from ..passes.graph_costs import assign_units
+    from ..passes.graph_facts import RUNTIME_DEVICE
+    unit_of = assign_units(graph, tuple(blocks))
+    uses: dict = {}
+    for node in graph.nodes:
+        if node.op != "get_attr" or node.target == RUNTIME_DEVICE:
+            continue
+        seen = uses.setdefault(canonical.get(node.target, node.target), set())
+        seen.update(unit_of[u] for u in node.users if u in unit_of)
+    return {"blocks": list(blocks), "block_costs": [u.flops for u in costs.blocks],
+            "pre_cost": costs.units[0].flops, "post_cost": costs.units[-1].flops,
+            "uses": {k: sorted(v) for k, v in sorted(uses.items())},
+            "state_dict_keys": list(model.state_dict().keys())}

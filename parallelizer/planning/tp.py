@@ -7,6 +7,12 @@ the reached linear its row half (Megatron-LM §3: MLP A|B column then row; atten
 column over heads, output projection row). Then sharding propagation checks the whole
 graph; a pair group whose shard reaches an op with no rule is kept replicated, with the
 reason in the report. Divisibility of every sharded size by tp is checked last.
+
+Linears are ``aten.linear`` (nn.Linear, weight (out, in)) and ``aten.addmm`` on a parameter
+(GPT-2's Conv1D, weight (in, out)): column_parallel shards the output-features dim of the
+weight, row_parallel the input-features dim, whichever that is. Propagation also decides
+each column weight's layout (:mod:`parallelizer.layouts`): ``fused`` when its output is
+split into parts (q|k|v), ``replicated_heads`` for GQA kv heads when tp exceeds them.
 """
 from __future__ import annotations
 
@@ -15,7 +21,7 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 
 from ..errors import PlanError
-from ..passes.graph_facts import aten, linear_nodes
+from ..passes.graph_facts import aten, linear_sites
 from ..passes.sharding import Propagation, propagate
 
 _STOP = {aten.embedding.default, aten.native_layer_norm.default, aten.layer_norm.default}
@@ -25,11 +31,15 @@ _WALK_LIMIT = 400
 @dataclass
 class TPDecision:
     """Column/row weight FQNs (get_attr targets), the shape-constant rewrites and the
-    report. ``biases`` maps a linear weight FQN to its bias FQN."""
+    report. ``biases`` maps a linear weight FQN to its bias FQN; ``dims`` maps every sharded
+    weight and column bias to its sharded dim (``tp_dim``), ``layouts`` those with a layout
+    other than the even split to it (JSON data, :mod:`parallelizer.layouts`)."""
 
     column: set = field(default_factory=set)
     row: set = field(default_factory=set)
     biases: dict = field(default_factory=dict)
+    dims: dict = field(default_factory=dict)
+    layouts: dict = field(default_factory=dict)
     rewrites: dict = field(default_factory=dict)
     report: list = field(default_factory=list)
     warnings: list = field(default_factory=list)  # also printed by the CLI
@@ -43,53 +53,92 @@ def plan_tp(graph: fx.Graph, tp: int) -> TPDecision:
             message names ``mesh.tp``, the module and the tp degrees that would work.
     """
     decision = TPDecision()
-    linears = linear_nodes(graph)
-    for n in linears:
-        if len(n.args) > 2 and isinstance(n.args[2], fx.Node):
-            decision.biases[n.args[1].target] = n.args[2].target
+    sites = linear_sites(graph)
+    for site in sites:
+        if site.bias:
+            decision.biases[site.weight] = site.bias
     if tp == 1:
         return decision
-    pairs = _seed_pairs(linears)
+    pairs = _seed_pairs(sites)
     column = {c for c, rows in pairs.items() if rows}
     row = {r for rows in pairs.values() for r in rows}
-    while True:
-        prop = propagate(graph, column, row, tp)
-        if not prop.conflicts:
-            break
-        bad = _component(pairs, prop.conflicts[0][2] or column)
-        node, module, _g, reason = prop.conflicts[0]
-        decision.report.append(f"kept replicated: {', '.join(sorted(bad))} "
-                               f"(at {node} in {module or 'the root module'}: {reason})")
-        column -= bad
-        row -= bad
+    prop = _settle(graph, pairs, column, row, tp, decision.report)
     _check_divisible(prop, tp)
+    layouts = prop.found_layouts()
     decision.column, decision.row, decision.rewrites = column, row, prop.rewrites
+    for site in sites:
+        w = site.weight
+        if w in column or w in row:
+            decision.dims[w] = site.out_dim if w in column else site.in_dim
+        if w in column and site.bias:
+            decision.dims[site.bias] = 0
+        if w in column and w in layouts:
+            decision.layouts[w] = layouts[w]
+            if site.bias:
+                decision.layouts[site.bias] = layouts[w]
     decision.report.insert(0, f"column_parallel: {len(column)} linears; row_parallel: "
                               f"{len(row)} linears; replicated: "
-                              f"{len(linears) - len(column) - len(row)} linears")
+                              f"{len(sites) - len(column) - len(row)} linears")
+    for w, layout in sorted(decision.layouts.items()):
+        if w in column:
+            decision.report.append(f"layout {_layout_text(layout)}: {w}")
     if not column:
         decision.warnings.append(
-            f"mesh.tp={tp} but no linear layer could be sharded (only aten.linear on a 2-D "
-            f"weight is recognised; e.g. GPT-2's Conv1D/addmm is not yet): every rank holds "
-            f"the whole model; see report.md")
+            f"mesh.tp={tp} but no linear layer could be sharded (no column/row pair of "
+            f"aten.linear or Conv1D addmm layers was found): every rank holds the whole "
+            f"model; see report.md")
     paired = {w for c, rows in pairs.items() if rows for w in {c} | rows}
-    for n in linears:
-        w = n.args[1].target
-        if w not in paired:
-            decision.report.append(f"replicated linear: {w} (no column/row pair found)")
+    for site in sites:
+        if site.weight not in paired:
+            decision.report.append(f"replicated linear: {site.weight} (no column/row pair found)")
     return decision
 
 
-def _seed_pairs(linears: list) -> dict:
+def _layout_text(layout: dict) -> str:
+    if layout["kind"] == "fused":
+        return f"fused {layout['parts']}"
+    if layout["kind"] == "replicated_heads":
+        return (f"replicated_heads ({layout['heads']} heads of {layout['head_dim']}, each held "
+                f"by tp / {layout['heads']} ranks; their gradients are summed)")
+    return layout["kind"]
+
+
+def _settle(graph, pairs: dict, column: set, row: set, tp: int, report: list) -> Propagation:
+    """Propagate until the layouts found are the layouts assumed (the rewrites follow them)
+    and no conflict is left; groups in conflict are removed from ``column``/``row``."""
+    layouts, no_replication = {}, frozenset()
+    for _ in range(4 * (len(column) + len(row)) + 8):
+        prop = propagate(graph, column, row, tp, layouts, no_replication)
+        if prop.not_replicable - no_replication:
+            no_replication |= prop.not_replicable
+            continue
+        found = prop.found_layouts()
+        if found != layouts:
+            layouts = found
+            continue
+        conflicts = prop.conflicts + [(n, "", frozenset({w}), r)
+                                      for w, n, r in prop.layout_conflicts()]
+        if not conflicts:
+            return prop
+        node, module, groups, reason = conflicts[0]
+        bad = _component(pairs, groups or column)
+        report.append(f"kept replicated: {', '.join(sorted(bad))} "
+                      f"(at {node} in {module or 'the root module'}: {reason})")
+        column -= bad
+        row -= bad
+    raise AssertionError("tp planning did not settle")  # each round removes or fixes something
+
+
+def _seed_pairs(sites: list) -> dict:
     """column weight FQN -> row weight FQNs its output reaches as their input."""
     pairs, taken = {}, set()
-    is_linear = {n: n.args[1].target for n in linears}
-    for lin in linears:
-        w = is_linear[lin]
+    is_linear = {s.node: s for s in sites}
+    for site in sites:
+        w = site.weight
         if w in taken:
             pairs[w] = set()
             continue
-        reached = _walk(lin, is_linear)
+        reached = _walk(site.node, is_linear)
         pairs[w] = reached
         taken |= reached
     return pairs
@@ -104,8 +153,8 @@ def _walk(start: fx.Node, is_linear: dict) -> set:
                 continue
             seen.add(user)
             if user in is_linear:
-                if user.args[0] is node:
-                    reached.add(is_linear[user])
+                if is_linear[user].x is node:
+                    reached.add(is_linear[user].weight)
                 continue
             if user.target not in _STOP:
                 frontier.append(user)
@@ -124,17 +173,18 @@ def _component(pairs: dict, seeds) -> set:
     return comp
 
 
-def _divisors(n: int) -> set:
-    return {d for d in range(1, n + 1) if n % d == 0}
-
-
 def _check_divisible(prop: Propagation, tp: int) -> None:
-    bad = [c for c in prop.constraints if c.size % tp]
+    kv = frozenset(prop.kv_weights)
+    bad = [c for c in prop.constraints if not c.allows(tp, kv)]
     if not bad:
         return
     bad.sort(key=lambda c: c.what != "heads")
     c = bad[0]
-    valid = set.intersection(*[_divisors(x.size) for x in prop.constraints])
+    top = max(x.size for x in prop.constraints)
+    valid = [t for t in range(1, top + 1) if all(x.allows(t, kv) for x in prop.constraints)]
+    kv_heads = c.what == "heads" and c.replicable(kv)
+    copies = ", or be a multiple of it (each kv head is then held by tp / kv heads ranks)"
     raise PlanError(
-        f"mesh.tp ({tp}) must divide the number of {c.what} ({c.size}) of {c.module or 'the model'} "
-        f"({c.detail}); valid choices: tp in {{{', '.join(map(str, sorted(valid)))}}}")
+        f"mesh.tp ({tp}) must divide the number of {'kv heads' if kv_heads else c.what} "
+        f"({c.size}) of {c.module or 'the model'} ({c.detail}){copies if kv_heads else ''}; "
+        f"valid choices: tp in {{{', '.join(map(str, valid))}}}")

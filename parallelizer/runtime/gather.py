@@ -4,8 +4,23 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..layouts import segments
 from ..plan import TensorPlan
 from .setup import RankContext
+
+
+def copies_max_diff(t: torch.Tensor, tplan: TensorPlan, ctx: RankContext, tp: int) -> float:
+    """Max abs difference between the tp ranks' copies of a ``replicated_heads`` tensor and
+    the first copy of the same head (0.0 for other layouts). Collective over tp."""
+    layout = tplan.layout or {}
+    if layout.get("kind") != "replicated_heads" or tp == 1:
+        return 0.0
+    t = (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().contiguous()
+    parts = [torch.empty_like(t) for _ in range(tp)]
+    dist.all_gather(parts, t, group=ctx.group("tp"))
+    copies = tp // layout["heads"]
+    return max((parts[r] - parts[r - r % copies]).abs().max().item() if t.numel() else 0.0
+               for r in range(tp))
 
 
 def full_tensor(t: torch.Tensor, tplan: TensorPlan, ctx: RankContext, tp: int) -> torch.Tensor:
@@ -17,4 +32,11 @@ def full_tensor(t: torch.Tensor, tplan: TensorPlan, ctx: RankContext, tp: int) -
         return t
     parts = [torch.empty_like(t) for _ in range(tp)]
     dist.all_gather(parts, t.contiguous(), group=ctx.group("tp"))
-    return torch.cat(parts, dim=tplan.tp_dim)
+    if tplan.layout is None:
+        return torch.cat(parts, dim=tplan.tp_dim)
+    d = tplan.tp_dim % t.dim()  # fused / replicated heads / padded: place each segment
+    full = t.new_empty(tplan.shape)
+    for r, part in enumerate(parts):
+        for seg in segments(tplan.shape[d], tplan.layout, tp, r):
+            full.narrow(d, seg.full_offset, seg.length).copy_(part.narrow(d, seg.piece_offset, seg.length))
+    return full

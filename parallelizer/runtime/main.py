@@ -19,7 +19,7 @@ from ..plan import ParallelPlan
 from .loss import default_loss
 from .setup import init, world_size_error
 from .stage_builder import build_stages
-from .train import check_save_target, run_train, save_checkpoint
+from .train import check_save_target, run_train, save_checkpoint, training_state_error
 from .verify import run_verify
 
 
@@ -37,6 +37,9 @@ def _parser() -> argparse.ArgumentParser:
                         "pipeline bubble as a line 'BUBBLE {json}'")
     p.add_argument("--schedule", help="run under this pipeline schedule instead of the compiled "
                                       "one (same stages; e.g. compare zbv with interleaved_1f1b)")
+    p.add_argument("--resume", type=Path,
+                   help="continue training from a --save checkpoint: weights, optimizer state, step "
+                        "counter and data position (reshard it to this program's layout first)")
     p.add_argument("--device", choices=("cpu", "cuda"),
                    help="default: cuda (NCCL) when available, else cpu (gloo)")
     return p
@@ -87,21 +90,26 @@ def _main(out_dir: Path, argv=None) -> int:
         except UserError as e:
             print(f"run.py: error: {e}", file=sys.stderr)
             return 2
+    if args.resume and (args.load or not args.train):
+        return _fail_before_init("run.py: error: --resume goes with --train and replaces --load")
+    state_error = training_state_error(plan) if (args.save or args.resume) and args.train else None
+    if state_error:
+        return _fail_before_init(f"run.py: error: {state_error}")
     if args.verify and not (out_dir / "reference.safetensors").exists():
         print(f"run.py: error: {out_dir} has no reference.safetensors (compiled with --no-weights, "
               f"or by pz.compile with its own loss_fn); recompile with weights to verify", file=sys.stderr)
         return 2
     ctx = init(plan, args.device)
     try:
-        stage = build_stages(out_dir, plan, ctx, args.load)
+        stage = build_stages(out_dir, plan, ctx, args.resume or args.load)
         if args.verify:
             code = run_verify(out_dir, plan, spec, stage, ctx, loss_fn)
             _profile(args, out_dir, plan, spec, stage, ctx, loss_fn, model_module)
             return code
-        run_train(plan, spec, stage, ctx, loss_fn, model_module, args.steps)
-        _profile(args, out_dir, plan, spec, stage, ctx, loss_fn, model_module)
+        _, opt, step = run_train(plan, spec, stage, ctx, loss_fn, model_module, args.steps, args.resume)
         if args.save:
-            save_checkpoint(stage, plan, ctx, args.save)
+            save_checkpoint(stage, plan, ctx, args.save, opt, step, spec["optimizer"]["name"])
+        _profile(args, out_dir, plan, spec, stage, ctx, loss_fn, model_module)
         return 0
     except (UserError, ValueError) as e:
         print(f"run.py: error: {e}", file=sys.stderr)

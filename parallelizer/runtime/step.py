@@ -8,7 +8,10 @@ A rank runs one ``PipelineStage`` per local stage (several under interleaved and
 schedules). Weights held by several stages (a tied embedding and LM head) get their
 gradients summed over the stages holding them, on one rank or several, so every copy takes
 the same update (Megatron-LM keeps tied embeddings equal the same way, with an all-reduce
-over the embedding group).
+over the embedding group). Likewise the copies of a GQA kv head held by several tp ranks
+(layout ``replicated_heads``): each copy's gradient holds only the contribution of its
+rank's query heads, so the gradients are summed over the ranks holding that head, and all
+copies take the true gradient's update.
 """
 from __future__ import annotations
 
@@ -42,6 +45,7 @@ class StepRunner:
         self._target = None
         self.pipeline_stages: list = []  # the PipelineStages of the last schedule built
         self.tied = _tied_params(stages, plan, ctx)
+        self.summed = _replicated_head_params(stages, plan, ctx)
         # DDP cannot follow a pipeline schedule's interleaved forwards (data_parallel.py)
         self.manual_dp = plan.zero_stage in (0, 1) and plan.mesh["dp"] > 1 and self.pp > 1
 
@@ -70,6 +74,7 @@ class StepRunner:
         if self.manual_dp:
             all_reduce_grads(self.stage.parameters(), self.ctx)
         self._sync_tied_grads()
+        self._sum_shared_grads()
         return self._global_loss(loss), outputs
 
     def _unflatten(self, flat):
@@ -134,6 +139,37 @@ class StepRunner:
             for g in grads:
                 if g is not total:
                     g.copy_(total)
+
+    def _sum_shared_grads(self) -> None:
+        """Sum each replicated kv head's gradient over the tp ranks holding a copy."""
+        for param, group in self.summed:
+            if param.grad is not None:
+                dist.all_reduce(local_tensor(param.grad), group=group)
+
+
+def _replicated_head_params(stage, plan: ParallelPlan, ctx: RankContext) -> list:
+    """(parameter, process group over the tp ranks holding the same kv head copy) for
+    tensors laid out ``replicated_heads``. Every rank creates every group, in the same order."""
+    tp = plan.mesh["tp"]
+    heads = sorted({t.layout["heads"] for t in plan.tensors.values()
+                    if t.layout and t.layout["kind"] == "replicated_heads"})
+    mesh = ctx.mesh.mesh  # ranks, shape (pp, dp, tp)
+    mine = {}
+    for k in heads:
+        copies = tp // k
+        for p in range(plan.mesh["pp"]):
+            for d in range(plan.mesh["dp"]):
+                for h in range(k):
+                    ranks = [int(mesh[p, d, t]) for t in range(h * copies, (h + 1) * copies)]
+                    group = dist.new_group(ranks)
+                    if ctx.rank in ranks:
+                        mine[k] = group
+    out = []
+    for name, param in stage.named_parameters():
+        layout = plan.tensors[plan.aliases.get(name, name)].layout
+        if layout and layout["kind"] == "replicated_heads":
+            out.append((param, mine[layout["heads"]]))
+    return out
 
 
 def _as_tuple(x):

@@ -1,14 +1,20 @@
-"""``run.py --train --steps N [--save DIR]``: train on ``batches()`` from model.py (seeded
-synthetic batches shaped like the example inputs when it has none) and save the trained
-weights in the same sharded layout."""
+"""``run.py --train --steps N [--save DIR] [--resume DIR]``: train on ``batches()`` from
+model.py (seeded synthetic batches shaped like the example inputs when it has none) and save
+the trained weights, the AdamW state (``exp_avg``, ``exp_avg_sq``, ``step``, in the
+parameters' layout) and the step counter in the same sharded layout. ``--resume`` restores
+all three (the data stream skips the batches already seen), so training continues as if
+uninterrupted, on the program's own layout (reshard the checkpoint to it first)."""
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import torch.distributed as dist
+from torch.distributed.tensor import distribute_tensor
 
-from ..checkpoint.writer import write_checkpoint
-from ..errors import UserError
+from ..checkpoint.reader import load_shard, read_manifest
+from ..checkpoint.writer import OPTIM_STATES, optim_name, write_checkpoint
+from ..errors import CheckpointError, UserError
 from ..plan import ParallelPlan
 from .batching import dp_slice, synthetic_batches
 from .gather import full_tensor
@@ -18,22 +24,75 @@ from .step import StepRunner
 
 
 def run_train(plan: ParallelPlan, spec: dict, stage, ctx: RankContext, loss_fn, model_module,
-              steps: int) -> list[float]:
-    """Train ``steps`` steps; returns the losses (global means, on every rank)."""
+              steps: int, resume: Path | None = None):
+    """Train ``steps`` steps (after the ``resume`` checkpoint's, when given); returns
+    ``(losses, optimizer, last step number)``, losses being global means, on every rank."""
     ocfg = spec["optimizer"]
     runner = StepRunner(stage, plan, ctx, loss_fn)
     opt = make_stage_optimizer(stage.parameters(), ocfg["name"], ocfg["lr"], ocfg["weight_decay"],
                                plan.zero_stage, ctx)
-    source = batch_source(plan, model_module, spec)
+    start = 0
+    if resume is not None:
+        start = load_optimizer_state(opt, stage, plan, ctx, Path(resume))
+    source = itertools.islice(batch_source(plan, model_module, spec), start, None)
     losses = []
-    for step, batch in zip(range(steps), source):
+    for step, batch in zip(range(start, start + steps), source):
         opt.zero_grad(set_to_none=True)
         loss, _ = runner.step(dp_slice(plan, batch, ctx.dp_rank, ctx.device))
         opt.step()
         losses.append(loss.item())
         if ctx.rank == 0:
             print(f"step {step + 1} loss {loss.item():.6f}", flush=True)
-    return losses
+    return losses, opt, start + len(losses)
+
+
+def training_state_error(plan: ParallelPlan) -> str | None:
+    """Why this program cannot save or resume optimizer state (None when it can)."""
+    if plan.zero_stage == 1 and plan.mesh["dp"] > 1:
+        return ("--save/--resume of the optimizer state under zero_stage 1 with dp > 1 "
+                "(ZeroRedundancyOptimizer) is not supported yet; use zero_stage 0, 2 or 3")
+    return None
+
+
+def load_optimizer_state(opt, stages, plan: ParallelPlan, ctx: RankContext, ckpt: Path) -> int:
+    """Fill ``opt`` (AdamW or SGD) with the state stored in ``ckpt`` for this rank's stages
+    (:class:`LocalStages`; one file per (stage, tp): each local stage's parameters, a tied
+    weight's copies included, read their own stage's file; FSDP2 shards: this rank's dp
+    chunk); returns the step counter to continue from.
+
+    Raises:
+        CheckpointError: the checkpoint holds no training state (weights only).
+    """
+    manifest = read_manifest(ckpt)
+    if "train" not in manifest:
+        raise CheckpointError(f"{ckpt} holds weights only (no 'train' entry in manifest.json); "
+                              "--resume needs a checkpoint written by run.py --train --save; use "
+                              "--load to start from weights")
+    sd = opt.state_dict()
+    order = [p for g in opt.param_groups for p in g["params"]]
+    index = {id(p): i for i, p in enumerate(order)}
+    state = {}
+    for stage_index, module in stages:
+        shard = load_shard(ckpt, stage_index, ctx.tp_rank, plan, optim=True)
+        for name, p in module.named_parameters():
+            fqn = plan.aliases.get(name, name)
+            if optim_name(fqn, "step") in shard:
+                state[index[id(p)]] = _param_state(shard, fqn, p, ctx)
+    sd["state"] = state
+    opt.load_state_dict(sd)
+    return int(manifest["train"]["step"])
+
+
+def _param_state(shard: dict, fqn: str, p, ctx: RankContext) -> dict:
+    st = {}
+    for key in OPTIM_STATES:
+        v = shard[optim_name(fqn, key)]
+        if key != "step":
+            v = v.to(ctx.device)
+            if hasattr(p, "device_mesh"):  # FSDP2: this rank's dp chunk, as a DTensor
+                v = distribute_tensor(v, p.device_mesh, p.placements, src_data_rank=None)
+        st[key] = v
+    return st
 
 
 def batch_source(plan: ParallelPlan, model_module, spec: dict):
@@ -87,12 +146,40 @@ def check_save_target(out: Path) -> None:
                         f"checkpoint; save into a new or empty folder")
 
 
-def save_checkpoint(stage, plan: ParallelPlan, ctx: RankContext, out: Path) -> None:
-    """Write the model to ``out`` in the plan's sharded layout, atomically (temporary
-    folder, then rename) from global rank 0. Collective."""
+def gather_optimizer_state(opt, stage, plan: ParallelPlan, ctx: RankContext) -> dict | None:
+    """``{fqn: {"exp_avg", "exp_avg_sq", "step"}}`` at full shape on global rank 0 (None
+    elsewhere); parameters without state (never given a gradient) are left out. Collective."""
+    tp = plan.mesh["tp"]
+    mine = {}
+    for name, p in stage.named_parameters():
+        fqn = plan.aliases.get(name, name)
+        st = opt.state.get(p)
+        if not st:
+            continue
+        full = {k: full_tensor(st[k], plan.tensors[fqn], ctx, tp).cpu() for k in ("exp_avg", "exp_avg_sq")
+                if k in st}
+        if ctx.dp_rank == 0 and ctx.tp_rank == 0 and full:
+            mine[fqn] = {**full, "step": st["step"].detach().cpu().float()}
+    gathered = [None] * dist.get_world_size() if ctx.rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    if ctx.rank != 0:
+        return None
+    out = {}
+    for part in gathered:
+        out.update(part)
+    return out
+
+
+def save_checkpoint(stage, plan: ParallelPlan, ctx: RankContext, out: Path, opt=None,
+                    step: int | None = None, optimizer: str = "") -> None:
+    """Write the model (and, with ``opt``, its optimizer state and the step counter) to
+    ``out`` in the plan's sharded layout, atomically (temporary folder, then rename) from
+    global rank 0. Collective."""
     check_save_target(Path(out))  # on every rank, before any collective: all raise alike
     state = gather_full_state(stage, plan, ctx)
+    optim = gather_optimizer_state(opt, stage, plan, ctx) if opt is not None else None
     if state is not None:
-        write_checkpoint(state, plan, Path(out), overwrite=True)
+        train = {"step": step, "optimizer": optimizer} if opt is not None else None
+        write_checkpoint(state, plan, Path(out), overwrite=True, optim_state=optim, train=train)
         print(f"saved {len(state)} tensors to {out}", flush=True)
     dist.barrier()

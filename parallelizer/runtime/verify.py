@@ -4,7 +4,8 @@ Forward, backward and one optimizer step on the reference inputs; loss, outputs,
 and updated parameters (each gathered back to full shape) are compared with
 ``reference.safetensors`` in fp32 with the spec's atol/rtol. Gradients are compared
 directly: AdamW's first step is nearly invariant to a uniform gradient scale, so checking
-only the updated parameters would miss a wrongly scaled gradient.
+only the updated parameters would miss a wrongly scaled gradient. The tp ranks' copies of a
+replicated kv head (layout ``replicated_heads``) must agree, in gradients and parameters.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from safetensors.torch import load_file
 
 from ..plan import ParallelPlan
 from .batching import dp_slice, to_batch
-from .gather import full_tensor
+from .gather import copies_max_diff, full_tensor
 from .data_parallel import make_stage_optimizer
 from .setup import RankContext
 from .step import StepRunner
@@ -81,6 +82,10 @@ def _compare_tensors(tally, cat, key, stage, plan, ctx, ref, pick):
             continue
         full = full_tensor(t, plan.tensors[fqn], ctx, tp)
         tally.add(cat, name, full, want)
+        if plan.tensors[fqn].layout and plan.tensors[fqn].layout["kind"] == "replicated_heads":
+            # tp ranks holding one kv head must hold the same gradient and weights
+            spread = copies_max_diff(t, plan.tensors[fqn], ctx, tp)
+            tally.add(cat, f"{name} (kv head copies)", torch.tensor([spread]), torch.zeros(1))
 
 
 def _report(tally: _Tally, plan, opt_name, loss, ref_loss, ctx) -> int:

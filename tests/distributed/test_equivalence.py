@@ -29,16 +29,31 @@ def _mesh_args(mesh):
     return f"mesh.dp={dp}", f"mesh.tp={tp}", f"mesh.pp={pp}"
 
 
+# tp layouts beyond the even split: GPT-2's Conv1D with the fused q|k|v c_attn (with pp=2:
+# the tied wte/lm_head spans both stages), and Llama's 2 kv heads copied over 4 tp ranks
+# (run.py --verify also checks that the copies' gradients and weights agree). Compiled with
+# test_train_equivalence's optimizer overrides, so one compile serves both tests.
+MESHES["tp4"] = (1, 4, 1)
+LAYOUT_CASES = [("gpt2", "tp2-pp2"), ("llama", "tp4")]
+TRAIN_OPTIMIZER = ("optimizer.name=sgd", "optimizer.lr=0.1", "optimizer.weight_decay=0.0")
+
+
+def _overrides(example, mesh):
+    extra = TRAIN_OPTIMIZER if (example, mesh) in LAYOUT_CASES else ()
+    return (*_mesh_args(mesh), *extra)
+
+
 CASES = [pytest.param(example, mesh, id=f"{example}-{mesh}",
-                      marks=pytest.mark.precompile(example, *_mesh_args(mesh)))
-         for example in EXAMPLES for mesh in MESHES]
+                      marks=pytest.mark.precompile(example, *_overrides(example, mesh)))
+         for example, mesh in [(e, m) for e in EXAMPLES for m in MESHES if m != "tp4"]
+         + LAYOUT_CASES]
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("example, mesh", CASES)
 def test_verify_matches_reference(compiled, tools, example, mesh):
     dp, tp, pp = MESHES[mesh]
-    out = compiled(example, *_mesh_args(mesh))
+    out = compiled(example, *_overrides(example, mesh))
     res = tools.torchrun(out, dp * tp * pp, "--verify")
     errs = tools.verify_errors(res.stdout)
     print(f"\n{example} {mesh}: " + ", ".join(f"{k} {v:.3g}" for k, v in errs.items()))

@@ -4,7 +4,8 @@ Same initial weights (build_model()), same batches (model.py's batches(), else t
 program's seeded synthetic batches), same loss_fn and optimizer. SGD, not AdamW: Adam's
 first steps are nearly invariant to a uniform gradient scale, so only SGD makes the
 parameters after 3 steps sensitive to a wrongly scaled pipeline or data-parallel gradient.
-Checked: the 3 printed losses, and every tensor of the saved checkpoint.
+Checked: the 3 printed losses, and every tensor of the saved checkpoint (reassembled from
+the shard files by the plan's tp layouts; the copies of a replicated kv head must be equal).
 """
 import importlib.util
 import itertools
@@ -12,7 +13,8 @@ import itertools
 import pytest
 import torch
 
-from parallelizer.checkpoint.reader import load_full
+from parallelizer.checkpoint.reader import load_shard
+from parallelizer.layouts import segments
 from parallelizer.plan import ParallelPlan
 from parallelizer.runtime.batching import synthetic_batches
 from parallelizer.runtime.optim import make_optimizer
@@ -23,6 +25,8 @@ OPTIMIZER = ("optimizer.name=sgd", "optimizer.lr=0.1", "optimizer.weight_decay=0
 CASES = {  # id -> (example, dp, tp, pp)
     "llama-tp2-pp2": ("llama", 1, 2, 2),  # tied embeddings across the two stages
     "gpt-dp2": ("gpt", 2, 1, 1),
+    "gpt2-tp2-pp2": ("gpt2", 1, 2, 2),  # Conv1D, fused q|k|v; tied wte/lm_head across stages
+    "llama-tp4": ("llama", 1, 4, 1),    # 2 kv heads, each copied to 2 of the 4 tp ranks
     # ZB-V: the tied embedding (stage 0) and LM head (stage 3) on one rank; 4 checkpoint files
     "llama-pp2-zbv": ("llama", 1, 1, 2),
 }
@@ -86,10 +90,10 @@ def test_training_matches_eager(compiled, tools, tmp_path, case):
 
     named = _named_tensors(model)
     canonical = {plan.aliases.get(name, name) for name in named}
-    ckpt = load_full(tmp_path / "trained")
+    ckpt = _load_full(tmp_path / "trained", plan)
     assert canonical <= set(ckpt) | _non_persistent(model), sorted(canonical - set(ckpt))
     assert set(ckpt) <= set(named), sorted(set(ckpt) - set(named))
-    start = load_full(out / "checkpoint")  # the compile's weights are build_model()'s
+    start = _load_full(out / "checkpoint", plan)  # the compile's weights are build_model()'s
     for fqn in set(start) & set(initial):
         assert torch.equal(start[fqn], initial[fqn]), f"{fqn}: compiled weights != build_model()"
     worst = moved = 0.0
@@ -106,6 +110,36 @@ def test_training_matches_eager(compiled, tools, tmp_path, case):
           f"(largest change from the initial weights {moved:.3g})")
     assert moved > 100 * TOL, "training did not move the weights: the check would be vacuous"
     tools.check_exit(res)
+
+
+def _load_full(ckpt_dir, plan: ParallelPlan) -> dict:
+    """Every tensor of a checkpoint at full shape, each tp piece put where its layout says
+    (:mod:`parallelizer.layouts`); a region held by several files (copies of a kv head, a
+    weight tied across stages) must be identical in all of them."""
+    tp, full, filled = plan.mesh["tp"], {}, {}
+    for p in range(plan.num_stages):
+        for t in range(tp):
+            for fqn, piece in load_shard(ckpt_dir, p, t, plan).items():
+                tplan = plan.tensors[fqn]
+                out = full.setdefault(fqn, torch.zeros(tplan.shape, dtype=piece.dtype))
+                if tplan.tp_dim is None:
+                    regions = [(tuple(slice(None) for _ in tplan.shape), piece)]
+                else:
+                    d = tplan.tp_dim % len(tplan.shape)
+                    regions = [(_index(d, seg.full_offset, seg.length),
+                                piece.narrow(d, seg.piece_offset, seg.length))
+                               for seg in segments(tplan.shape[d], tplan.layout, tp, t)]
+                for index, values in regions:
+                    key = (fqn, str(index))
+                    if key in filled:
+                        assert torch.equal(out[index], values), f"{fqn}: copies differ ({ckpt_dir})"
+                    filled[key] = True
+                    out[index] = values
+    return full
+
+
+def _index(d, offset, length):
+    return tuple([slice(None)] * d + [slice(offset, offset + length)])
 
 
 def _non_persistent(model) -> set:

@@ -103,19 +103,20 @@ def test_round_trip_bit_exact(tmp_path, pp, tp):
 def test_manifest_contents(written):
     out, plan, _ = written
     m = read_manifest(out)
-    assert m["format_version"] == 1 and m["plan_hash"] == plan.hash()
+    assert m["format_version"] == 2 and m["plan_hash"] == plan.hash()
     assert m["mesh"] == {"pp": 2, "dp": 1, "tp": 2}
     assert m["aliases"] == {"lm_head.weight": "embed.weight"}
     assert set(m["files"]) == {"pp0-tp0.safetensors", "pp0-tp1.safetensors",
                                "pp1-tp0.safetensors", "pp1-tp1.safetensors"}
     emb = m["tensors"]["embed.weight"]
     assert emb["shape"] == [16, 8] and emb["dtype"] == "float32" and not emb["is_buffer"]
-    assert {(p["file"], p["dim"], p["offset"], p["length"]) for p in emb["pieces"]} == {
-        ("pp0-tp0.safetensors", 0, 0, 8), ("pp0-tp1.safetensors", 0, 8, 8),
-        ("pp1-tp0.safetensors", 0, 0, 8), ("pp1-tp1.safetensors", 0, 8, 8)}
-    assert m["tensors"]["layers.0.up.bias"]["pieces"][1]["dim"] == 0  # -1 normalised
+    assert emb["tp_dim"] == 0 and emb["layout"] is None
+    assert {(p["file"], p["tp_rank"], tuple(map(tuple, p["segments"]))) for p in emb["pieces"]} == {
+        ("pp0-tp0.safetensors", 0, ((0, 0, 8),)), ("pp0-tp1.safetensors", 1, ((8, 0, 8),)),
+        ("pp1-tp0.safetensors", 0, ((0, 0, 8),)), ("pp1-tp1.safetensors", 1, ((8, 0, 8),))}
+    assert m["tensors"]["layers.0.up.bias"]["tp_dim"] == 0  # -1 normalised
     assert m["tensors"]["rope.inv_freq"]["is_buffer"]
-    assert m["tensors"]["norm.weight"]["pieces"][0]["dim"] is None
+    assert m["tensors"]["norm.weight"]["pieces"][0]["segments"] is None
 
 
 def test_load_tensor_reads_any_region(written):
@@ -132,7 +133,7 @@ def test_flipped_byte_is_a_sha256_mismatch(written):
     data = bytearray(f.read_bytes())
     data[-1] ^= 0xFF
     f.write_bytes(bytes(data))
-    expected = read_manifest(out)["files"]["pp1-tp0.safetensors"]
+    expected = read_manifest(out)["files"]["pp1-tp0.safetensors"]["sha256"]
     with pytest.raises(CheckpointError, match="pp1-tp0.safetensors is corrupt") as e:
         load_shard(out, 1, 0, plan=plan)
     assert expected in str(e.value) and "sha256" in str(e.value)
@@ -151,7 +152,7 @@ def test_missing_shard(written):
 
 def test_plan_hash_mismatch(written):
     out, _, _ = written
-    with pytest.raises(CheckpointError, match="written for another plan"):
+    with pytest.raises(CheckpointError, match="is from another plan"):
         load_shard(out, 0, 0, plan=make_plan(pp=2, tp=1))
 
 

@@ -151,3 +151,48 @@ def test_checkpoint_has_one_file_per_stage(tmp_path):
     assert torch.equal(last["layers.3.w"], state["layers.3.w"])
     with pytest.raises(CheckpointError, match=r"\(stage 4, tp 0\) is outside the checkpoint's 4 stages"):
         load_shard(tmp_path / "ckpt", 4, 0, plan)
+
+
+def test_checkpoint_with_optimizer_state_per_stage_and_reshard(tmp_path):
+    """The manifest records num_stages; AdamW state is stored in each stage file its
+    parameter is in (the tied embedding in stages 0 and 3); reshard to another tp keeps the
+    4 stages bit-exactly; another pp without --plan is refused, naming the manifest."""
+    from parallelizer.checkpoint.reader import check_plan, read_manifest
+    from parallelizer.checkpoint.reshard import reshard
+    plan = _plan("zbv", 2, 2)
+    g = torch.Generator().manual_seed(0)
+    state = {fqn: torch.randn(t.shape, generator=g) for fqn, t in plan.tensors.items()}
+    optim = {fqn: {"exp_avg": torch.randn(t.shape, generator=g),
+                   "exp_avg_sq": torch.rand(t.shape, generator=g), "step": torch.tensor(3.0)}
+             for fqn, t in plan.tensors.items()}
+    src = write_checkpoint(state, plan, tmp_path / "ckpt", optim_state=optim,
+                           train={"step": 3, "optimizer": "adamw"})
+    manifest = read_manifest(src)
+    assert manifest["num_stages"] == 4 and manifest["mesh"]["pp"] == 2
+    check_plan(src, manifest, plan)
+    for s in (0, 3):
+        opt = load_shard(src, s, 1, plan, optim=True)
+        assert torch.equal(opt["optim.embed.weight.exp_avg"], optim["embed.weight"]["exp_avg"][3:6])
+        assert torch.equal(opt["optim.embed.weight.step"], torch.tensor(3.0))
+        assert f"optim.layers.{s}.w.exp_avg_sq" in opt and "optim.layers.1.w.step" not in opt
+
+    reshard(src, tmp_path / "tp1", tp=1)
+    names = sorted(p.name for p in (tmp_path / "tp1").glob("*.safetensors"))
+    assert names == [f"pp{s}-tp0.safetensors" for s in range(4)]
+    assert read_manifest(tmp_path / "tp1")["num_stages"] == 4
+    for s in range(4):
+        shard = load_shard(tmp_path / "tp1", s, 0)
+        assert torch.equal(shard[f"layers.{s}.w"], state[f"layers.{s}.w"])
+        if s in (0, 3):
+            assert torch.equal(shard["embed.weight"], state["embed.weight"])
+            opt = load_shard(tmp_path / "tp1", s, 0, optim=True)
+            assert torch.equal(opt["optim.embed.weight.exp_avg_sq"], optim["embed.weight"]["exp_avg_sq"])
+
+    with pytest.raises(CheckpointError) as e:
+        reshard(src, tmp_path / "pp4", pp=4)
+    assert str(e.value) == (
+        f"{src / 'manifest.json'}: 4 pipeline stages on pp=2 ranks (2 stages per rank, "
+        "pipeline.virtual_stages); --pp 4 re-partitions into one stage per rank only; pass "
+        "--plan OUT of a program compiled for pp=4 (any pipeline.virtual_stages) instead, or "
+        "keep pp=2")
+    assert not (tmp_path / "pp4").exists()

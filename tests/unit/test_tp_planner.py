@@ -15,10 +15,12 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from parallelizer.checkpoint.layout import local_piece
 from parallelizer.errors import PlanError
 from parallelizer.frontend import capture
 from parallelizer.passes.cleanup import apply_cleanup
 from parallelizer.passes.tensor_parallel import apply_tensor_parallel
+from parallelizer.plan import TensorPlan
 from parallelizer.planning.tp import plan_tp
 from parallelizer.runtime.tp import copy_to_tp_region, reduce_from_tp_region
 
@@ -102,23 +104,26 @@ def ids_batch(b=2, t=8, seed=0):
 # --- lockstep tp simulation -----------------------------------------------------------------
 
 class _Rank(fx.Interpreter):
-    """One tp rank: reads its shard of every column/row weight (and column bias)."""
+    """One tp rank: reads its piece of every sharded weight and bias (the planner's
+    ``dims`` and ``layouts``, cut by the checkpoint writer's ``local_piece``)."""
 
-    def __init__(self, gm, rank, tp, shard_dims):
+    def __init__(self, gm, rank, tp, decision):
         super().__init__(gm)
-        self.rank, self.tp, self.shard_dims = rank, tp, shard_dims
+        self.rank, self.tp, self.decision = rank, tp, decision
 
     def get_attr(self, target, args, kwargs):
         t = super().get_attr(target, args, kwargs)
-        d = self.shard_dims.get(target)
-        return t if d is None else t.chunk(self.tp, d)[self.rank].contiguous()
+        d = self.decision.dims.get(target)
+        if d is None:
+            return t
+        tplan = TensorPlan(target, tuple(t.shape), "float32", d, (0,),
+                           layout=self.decision.layouts.get(target))
+        return local_piece(t.detach(), tplan, self.tp, self.rank)
 
 
 def run_tp_lockstep(gm, decision, tp, args, kwargs=None):
     """Outputs of every rank of the tp-rewritten ``gm``; ``g`` sums the ranks' inputs."""
-    dims = {w: 0 for w in decision.column} | {w: 1 for w in decision.row}
-    dims |= {b: 0 for w, b in decision.biases.items() if w in decision.column}
-    ranks = [_Rank(gm, r, tp, dims) for r in range(tp)]
+    ranks = [_Rank(gm, r, tp, decision) for r in range(tp)]
     flat = list(args) + [kwargs[n.target] for n in gm.graph.nodes
                          if kwargs and n.op == "placeholder"]
     for r in ranks:
@@ -211,6 +216,10 @@ def test_gqa_tp2_rewrites_repeat_kv_constants(llama):
         assert {p + "self_attn.o_proj.weight", p + "mlp.down_proj.weight"} <= d.row
     assert "lm_head.weight" not in d.column | d.row
     assert "replicated linear: lm_head.weight (no column/row pair found)" in d.report
+    # kv projections split evenly are marked as heads (a converter may copy them for tp > 2)
+    kv = {"kind": "interleaved_heads", "heads": 2, "head_dim": 8}
+    assert d.layouts == {f"model.layers.{i}.self_attn.{x}_proj.weight": kv
+                         for i in range(2) for x in "kv"}
     by_name = {n.name: n for n in cap.gm.graph.nodes}
     expands = [n for n in cap.gm.graph.nodes if n.target is aten.expand.default and n.name in d.rewrites]
     reshapes = [n for n in cap.gm.graph.nodes if n.target is aten.reshape.default and n.name in d.rewrites]
@@ -223,20 +232,54 @@ def test_gqa_tp2_rewrites_repeat_kv_constants(llama):
     assert all(name in by_name for name in d.rewrites)
 
 
-def test_gqa_tp4_exceeds_kv_heads_plan_error(llama):
-    _, cap = llama
-    with pytest.raises(PlanError) as e:
-        plan_tp(cap.gm.graph, 4)
-    msg = str(e.value)
-    assert msg.startswith("mesh.tp (4) must divide the number of heads (2) of "
-                          "model.layers.0.self_attn")
-    assert msg.endswith("valid choices: tp in {1, 2}")
+def test_gqa_tp4_replicates_kv_heads(llama):
+    """tp (4) > kv heads (2): k/v_proj keep one whole kv head per rank (replicated_heads,
+    ranks 0,1 head 0 and ranks 2,3 head 1); repeat_kv's expand becomes (B, 1, 1, T, hd) and
+    its reshape (B, 1, T, hd): each rank's query head uses its own kv head."""
+    model, cap = llama
+    d = plan_tp(cap.gm.graph, 4)
+    kv = {"kind": "replicated_heads", "heads": 2, "head_dim": 8}
+    for i in range(2):
+        p = f"model.layers.{i}.self_attn."
+        assert {p + f"{x}_proj.weight" for x in "qkv"} <= d.column
+        assert d.layouts[p + "k_proj.weight"] == kv and d.layouts[p + "v_proj.weight"] == kv
+        assert p + "q_proj.weight" not in d.layouts
+    assert set(d.layouts) == {f"model.layers.{i}.self_attn.{x}_proj.weight"
+                              for i in range(2) for x in "kv"}
+    expands = [n for n in cap.gm.graph.nodes if n.target is aten.expand.default and n.name in d.rewrites]
+    reshapes = [n for n in cap.gm.graph.nodes if n.target is aten.reshape.default and n.name in d.rewrites]
+    assert len(expands) == 4 and len(reshapes) == 4
+    for n in expands:
+        assert list(n.args[1])[1:3] == [2, 2] and d.rewrites[n.name] == [(1, 1, 1), (1, 2, 1)]
+    for n in reshapes:
+        assert list(n.args[1])[1] == 4 and d.rewrites[n.name] == [(1, 1, 1)]
+    assert any(line.startswith("layout replicated_heads (2 heads of 8") for line in d.report)
 
 
 def test_gqa_tp3_plan_error(llama):
+    """3 divides neither the 2 kv heads nor is a multiple of them (nor divides 4 heads)."""
     _, cap = llama
-    with pytest.raises(PlanError, match=r"mesh.tp \(3\) must divide .*valid choices: tp in \{1, 2\}"):
+    with pytest.raises(PlanError, match=r"mesh.tp \(3\) must divide .*valid choices: tp in \{1, 2, 4\}"):
         plan_tp(cap.gm.graph, 3)
+
+
+def test_gqa_kv_heads_neither_divided_nor_replicable_plan_error():
+    """6 heads, 2 kv heads, tp 3: 3 divides the heads but neither divides the kv heads nor
+    is a multiple of them; the error names the module, both numbers and the valid tps."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=1,
+        num_attention_heads=6, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+        use_cache=False, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    cap = captured(transformers.LlamaForCausalLM(cfg).eval(), ids_batch())
+    with pytest.raises(PlanError) as e:
+        plan_tp(cap.gm.graph, 3)
+    msg = str(e.value)
+    assert msg.startswith("mesh.tp (3) must divide the number of kv heads (2) of "
+                          "model.layers.0.self_attn ("), msg
+    assert "or be a multiple of it (each kv head is then held by tp / kv heads ranks)" in msg
+    assert msg.endswith("valid choices: tp in {1, 2, 6}"), msg
 
 
 # --- planner: ops without a sharding rule ----------------------------------------------------
@@ -380,23 +423,142 @@ def test_tp2_gqa_llama_matches_unmodified_model(llama):
         torch.testing.assert_close(out[0], ref, rtol=1e-5, atol=1e-5)
 
 
+class Conv1DMLP(torch.nn.Module):
+    """Two transformers-style Conv1D layers: ``addmm(bias, x, W)`` with W stored (in, out)."""
+
+    def __init__(self, bias=True):
+        super().__init__()
+        self.w1 = torch.nn.Parameter(torch.randn(16, 32))
+        self.w2 = torch.nn.Parameter(torch.randn(32, 16))
+        self.b1 = torch.nn.Parameter(torch.randn(32)) if bias else None
+        self.b2 = torch.nn.Parameter(torch.randn(16)) if bias else None
+
+    def forward(self, x):
+        if self.b1 is None:
+            return (x.reshape(-1, 16) @ self.w1).relu() @ self.w2
+        h = torch.addmm(self.b1, x.reshape(-1, 16), self.w1).relu()
+        return torch.addmm(self.b2, h, self.w2)
+
+
+def test_conv1d_addmm_pair_is_column_then_row_on_transposed_dims():
+    """Conv1D's weight is (in, out): column_parallel shards dim 1 (and the bias), row_parallel
+    dim 0; nothing to warn about."""
+    cap = captured(Conv1DMLP(), (torch.randn(4, 16),))
+    d = plan_tp(cap.gm.graph, 2)
+    assert d.column == {"w1"} and d.row == {"w2"} and not d.warnings
+    assert d.dims == {"w1": 1, "b1": 0, "w2": 0} and d.layouts == {}
+
+
 def test_tp_that_shards_nothing_warns():
-    """A model whose only matmuls are not aten.linear (here addmm, as GPT-2's Conv1D) gets
-    nothing sharded; the planner says so instead of silently running replicated."""
-    class Conv1DMLP(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w1 = torch.nn.Parameter(torch.randn(16, 32))
-            self.w2 = torch.nn.Parameter(torch.randn(32, 16))
-
-        def forward(self, x):
-            h = torch.addmm(torch.zeros(32), x.reshape(-1, 16), self.w1).relu()
-            return torch.addmm(torch.zeros(16), h, self.w2)
-
-    from parallelizer.frontend import capture
-    from parallelizer.planning.tp import plan_tp
-    cap = capture(Conv1DMLP(), (torch.randn(4, 16),), Path(__file__))
+    """A model whose only matmuls are neither aten.linear nor a Conv1D addmm (here plain
+    ``x @ W``) gets nothing sharded; the planner says so instead of silently running
+    replicated."""
+    cap = captured(Conv1DMLP(bias=False), (torch.randn(4, 16),))
     decision = plan_tp(cap.gm.graph, 2)
     assert not decision.column and not decision.row
     assert len(decision.warnings) == 1 and "mesh.tp=2 but no linear layer could be sharded" in decision.warnings[0]
     assert not plan_tp(cap.gm.graph, 1).warnings
+
+
+# --- GPT-2 (transformers' GPT2LMHeadModel: Conv1D, fused q|k|v in c_attn) --------------------
+
+def tiny_gpt2():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(
+        vocab_size=64, n_positions=64, n_embd=H, n_layer=2, n_head=4, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=63, eos_token_id=63,
+        attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return tiny_gpt2()
+
+
+def test_gpt2_c_attn_fused_column_c_proj_row(gpt2):
+    cap = captured(gpt2, ids_batch())
+    d = plan_tp(cap.gm.graph, 2)
+    fused = {"kind": "fused", "parts": [H, H, H]}
+    for i in range(2):
+        p = f"transformer.h.{i}."
+        assert {p + "attn.c_attn.weight", p + "mlp.c_fc.weight"} <= d.column
+        assert {p + "attn.c_proj.weight", p + "mlp.c_proj.weight"} <= d.row
+        assert d.dims[p + "attn.c_attn.weight"] == 1 and d.dims[p + "attn.c_attn.bias"] == 0
+        assert d.dims[p + "attn.c_proj.weight"] == 0 and p + "attn.c_proj.bias" not in d.dims
+        assert d.layouts[p + "attn.c_attn.weight"] == d.layouts[p + "attn.c_attn.bias"] == fused
+    assert len(d.layouts) == 4 and not d.warnings
+    by_name = {n.name: n for n in cap.gm.graph.nodes}
+    splits = [by_name[n] for n in d.rewrites if by_name[n].target is aten.split.Tensor]
+    assert len(splits) == 2 and all(d.rewrites[n.name] == [(1, None, H // 2)] for n in splits)
+    # the (B, T, 3H) view of c_attn's output becomes (B, T, 3H / 2)
+    views = [n for n in d.rewrites if by_name[n].target is aten.view.default
+             and list(by_name[n].args[1])[-1] == 3 * H]
+    assert len(views) == 2 and all(d.rewrites[n] == [(1, 2, 3 * H // 2)] for n in views)
+
+
+@pytest.mark.parametrize("tp", [4])  # tp=2 (with pp=2) runs in tests/distributed
+def test_gpt2_tp_matches_unmodified_model(gpt2, tp):
+    cap = captured(gpt2, ids_batch())
+    d = plan_tp(cap.gm.graph, tp)
+    apply_cleanup(cap.gm)
+    apply_tensor_parallel(cap.gm, d)
+    assert not any(n.target is aten.addmm.default and n.args[2].target.endswith("c_proj.weight")
+                   for n in cap.gm.graph.nodes if n.op == "call_function")
+    batch = ids_batch(3, 11, seed=1)
+    with torch.no_grad():
+        ref = gpt2(**batch).logits
+    for out in run_tp_lockstep(cap.gm, d, tp, (), batch):
+        torch.testing.assert_close(out[0], ref, rtol=1e-5, atol=1e-5)
+
+
+# --- other fused layouts: Phi-3 (qkv sliced, GQA parts; gate_up chunked), GPT-NeoX ----------
+
+def _tp_matches(model, tp):
+    """Rewrite a fresh capture at ``tp``; every lockstep rank's logits equal the model's."""
+    cap = captured(model, ids_batch())
+    d = plan_tp(cap.gm.graph, tp)
+    apply_cleanup(cap.gm)
+    apply_tensor_parallel(cap.gm, d)
+    batch = ids_batch(3, 11, seed=1)
+    with torch.no_grad():
+        ref = model(**batch).logits
+    for out in run_tp_lockstep(cap.gm, d, tp, (), batch):
+        torch.testing.assert_close(out[0], ref, rtol=1e-5, atol=1e-5)
+    return d
+
+
+def test_phi3_fused_qkv_slices_and_gate_up_tp2():
+    """Phi-3 slices qkv_proj's output at q | k | v (4 heads, 2 kv heads of 8: parts
+    [32, 16, 16]) and chunks gate_up_proj's in two: both become fused column weights."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Phi3Config(
+        vocab_size=64, hidden_size=H, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        use_cache=False, attn_implementation="sdpa", resid_pdrop=0.0, embd_pdrop=0.0,
+        attention_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    d = _tp_matches(transformers.Phi3ForCausalLM(cfg).eval(), 2)
+    for i in range(2):
+        p = f"model.layers.{i}."
+        assert d.layouts[p + "self_attn.qkv_proj.weight"] == {"kind": "fused", "parts": [32, 16, 16]}
+        assert d.layouts[p + "mlp.gate_up_proj.weight"] == {"kind": "fused", "parts": [64, 64]}
+        assert {p + "self_attn.o_proj.weight", p + "mlp.down_proj.weight"} <= d.row
+
+
+def test_gpt_neox_interleaved_qkv_tp2():
+    """GPT-NeoX views query_key_value's output as (B, T, heads, 3 * head_dim) and chunks the
+    last dim: the even split is head-aligned, recorded as interleaved_heads."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPTNeoXConfig(
+        vocab_size=64, hidden_size=H, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=64, use_cache=False,
+        attn_implementation="sdpa", hidden_dropout=0.0, attention_dropout=0.0,
+        bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    d = _tp_matches(transformers.GPTNeoXForCausalLM(cfg).eval(), 2)
+    layout = {"kind": "interleaved_heads", "heads": 4}
+    for i in range(2):
+        p = f"gpt_neox.layers.{i}.attention.query_key_value."
+        assert d.layouts[p + "weight"] == d.layouts[p + "bias"] == layout

@@ -1,0 +1,178 @@
+"""Reshard throughput and peak memory: a Llama-shaped synthetic checkpoint (tp=2, pp=2) ->
+(tp=4, pp=1), beside ``cp -r`` of the same bytes (throughput) and beside loading every file
+with ``safetensors.torch.load_file`` (peak resident memory), all in this run.
+
+    python -m benchmarks.reshard [--size 2.0] [--repeats 3] [--json PATH]
+
+Targets (issue 5): throughput >= 0.5 x cp's; peak RSS <= 2 x the largest tensor + 300 MB.
+Each measurement runs in a fresh subprocess that reports its own peak RSS (VmHWM). The page
+cache is warm for both cp and reshard (the source is read once before timing). Temporary
+data lives under ``--workdir`` (default: a temp folder) and is deleted at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+HIDDEN, INTER, VOCAB, HEADS, KV_HEADS = 2048, 5632, 32000, 16, 4
+
+
+def llama_plan(layers: int, tp: int, pp: int):
+    """A Llama-shaped ParallelPlan (Megatron placements, untied embedding and LM head)."""
+    from parallelizer.checkpoint.target import repartition
+    from parallelizer.plan import ParallelPlan, TensorPlan
+    hd = HIDDEN // HEADS
+    specs = [("model.embed_tokens.weight", (VOCAB, HIDDEN), 0, [0])]  # uses: cost-model units
+    for i in range(layers):
+        p, u = f"model.layers.{i}.", i + 1
+        specs += [(p + "input_layernorm.weight", (HIDDEN,), None, [u]),
+                  (p + "self_attn.q_proj.weight", (HIDDEN, HIDDEN), 0, [u]),
+                  (p + "self_attn.k_proj.weight", (KV_HEADS * hd, HIDDEN), 0, [u]),
+                  (p + "self_attn.v_proj.weight", (KV_HEADS * hd, HIDDEN), 0, [u]),
+                  (p + "self_attn.o_proj.weight", (HIDDEN, HIDDEN), 1, [u]),
+                  (p + "post_attention_layernorm.weight", (HIDDEN,), None, [u]),
+                  (p + "mlp.gate_proj.weight", (INTER, HIDDEN), 0, [u]),
+                  (p + "mlp.up_proj.weight", (INTER, HIDDEN), 0, [u]),
+                  (p + "mlp.down_proj.weight", (HIDDEN, INTER), 1, [u])]
+    specs += [("model.norm.weight", (HIDDEN,), None, [layers + 1]),
+              ("lm_head.weight", (VOCAB, HIDDEN), 0, [layers + 1])]
+    numel = {f: torch.Size(s).numel() for f, s, _, _ in specs}
+    costs = [sum(n for f, n in numel.items() if f.startswith(f"model.layers.{i}.")) for i in range(layers)]
+    structure = {"blocks": [f"model.layers.{i}" for i in range(layers)], "block_costs": costs,
+                 "pre_cost": numel["model.embed_tokens.weight"],
+                 "post_cost": numel["lm_head.weight"] + HIDDEN,
+                 "uses": {f: u for f, _, _, u in specs}, "state_dict_keys": [f for f, *_ in specs]}
+    stages = repartition(structure, pp)
+    tensors = {f: TensorPlan(f, s, "float32", d, stages[f]) for f, s, d, _ in specs}
+    return ParallelPlan(mesh={"pp": pp, "dp": 1, "tp": tp}, zero_stage=0, schedule="1f1b",
+                        microbatches=1, seed=0, tensors=tensors, aliases={}, stages=(),
+                        structure=structure)
+
+
+def write_source(path: Path, size_gb: float) -> dict:
+    """A synthetic (tp=2, pp=2) checkpoint of about ``size_gb`` GB, written piece by piece."""
+    from parallelizer.checkpoint.layout import local_piece
+    from parallelizer.checkpoint.writer import Layout, write_layout
+    per_layer = 4 * (2 * HIDDEN * HIDDEN + 2 * KV_HEADS * (HIDDEN // HEADS) * HIDDEN + 3 * HIDDEN * INTER)
+    fixed = 4 * 2 * VOCAB * HIDDEN
+    layers = max(2, round((size_gb * 1e9 - fixed) / per_layer))
+    plan = llama_plan(layers, tp=2, pp=2)
+    layout = Layout.from_plan(plan)
+
+    def piece(name, t):
+        g = torch.Generator().manual_seed(hash(name) % (1 << 31))
+        full = torch.rand(plan.tensors[name].shape, generator=g)
+        return local_piece(full, plan.tensors[name], 2, t)
+
+    write_layout(layout, piece, path)
+    largest = max(torch.Size(t.shape).numel() * 4 for t in plan.tensors.values())
+    return {"layers": layers, "largest_tensor_bytes": largest}
+
+
+def child(argv: list[str]) -> None:
+    """Run one measured operation and print its seconds and peak RSS as JSON."""
+    kind, src = argv[0], Path(argv[1])
+    t0 = time.perf_counter()
+    if kind == "reshard":
+        from parallelizer.checkpoint.reshard import reshard
+        reshard(src, Path(argv[2]), tp=4, pp=1)
+    elif kind == "sha256":  # the floor: reshard hashes every input and every output byte
+        from parallelizer.checkpoint.writer import sha256_file
+        for f in sorted(src.glob("*.safetensors")):
+            sha256_file(f)
+            sha256_file(f)
+    else:
+        from safetensors.torch import load_file
+        tensors = [load_file(str(f)) for f in sorted(src.glob("*.safetensors"))]
+        for part in tensors:  # touch every element: the tensors may be lazily mapped pages
+            for t in part.values():
+                t.sum()
+    seconds = time.perf_counter() - t0
+    # VmHWM, not ru_maxrss: Linux carries the forking parent's peak into ru_maxrss over exec
+    hwm = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("VmHWM"))
+    rss = int(hwm.split()[1]) * 1024
+    print(json.dumps({"seconds": seconds, "peak_rss_bytes": rss}))
+
+
+def measure(*args: str) -> dict:
+    out = subprocess.run([sys.executable, "-m", "benchmarks.reshard", "--child", *args],
+                         check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.iterdir())
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", type=float, default=2.0, help="checkpoint size in GB (default 2.0)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--workdir", type=Path, default=None)
+    p.add_argument("--json", type=Path, default=Path("benchmarks/results/reshard.json"))
+    p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    ns = p.parse_args(argv)
+    if ns.child:
+        child(ns.child)
+        return 0
+    work = Path(tempfile.mkdtemp(prefix="bench-reshard-", dir=ns.workdir))
+    try:
+        src = work / "src"
+        info = write_source(src, ns.size)
+        nbytes = folder_bytes(src)
+        measure("load", str(src))  # warm the page cache for everyone
+        cp, rs, base, sha = [], [], [], []
+        for i in range(ns.repeats):
+            t0 = time.perf_counter()
+            subprocess.run(["cp", "-r", str(src), str(work / "cp")], check=True)
+            cp.append(time.perf_counter() - t0)
+            shutil.rmtree(work / "cp")
+            rs.append(measure("reshard", str(src), str(work / "dst")))
+            shutil.rmtree(work / "dst")
+            base.append(measure("load", str(src)))
+            sha.append(measure("sha256", str(src)))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    cp_s = statistics.median(cp)
+    rs_s = statistics.median(r["seconds"] for r in rs)
+    sha_s = statistics.median(r["seconds"] for r in sha)
+    rs_rss = statistics.median(r["peak_rss_bytes"] for r in rs)
+    base_rss = statistics.median(r["peak_rss_bytes"] for r in base)
+    limit = 2 * info["largest_tensor_bytes"] + 300e6
+    result = {"checkpoint_bytes": nbytes, "layers": info["layers"],
+              "largest_tensor_bytes": info["largest_tensor_bytes"], "repeats": ns.repeats,
+              "cp_seconds": cp, "reshard_seconds": [r["seconds"] for r in rs],
+              "cp_gb_s": nbytes / cp_s / 1e9, "reshard_gb_s": nbytes / rs_s / 1e9,
+              "throughput_ratio_vs_cp": cp_s / rs_s, "sha256_in_and_out_seconds": sha_s,
+              "sha256_floor_gb_s": nbytes / sha_s / 1e9, "reshard_peak_rss_bytes": rs_rss,
+              "load_file_peak_rss_bytes": base_rss, "rss_limit_bytes": limit,
+              "meets_throughput_target": cp_s / rs_s >= 0.5, "meets_rss_target": rs_rss <= limit}
+    rows = [("cp -r (baseline)", f"{result['cp_gb_s']:.2f} GB/s", "1.00", "-"),
+            ("reshard tp2pp2 -> tp4pp1", f"{result['reshard_gb_s']:.2f} GB/s",
+             f"{result['throughput_ratio_vs_cp']:.2f}", ">= 0.50"),
+            ("sha256 of in + out only", f"{result['sha256_floor_gb_s']:.2f} GB/s",
+             f"{cp_s / sha_s:.2f}", "(floor: hashing alone)"),
+            ("load_file all (baseline)", f"{base_rss / 1e6:.0f} MB peak RSS", "1.00", "-"),
+            ("reshard", f"{rs_rss / 1e6:.0f} MB peak RSS", f"{rs_rss / base_rss:.2f}",
+             f"<= {limit / 1e6:.0f} MB")]
+    print(f"checkpoint {nbytes / 1e9:.2f} GB, {info['layers']} layers, largest tensor "
+          f"{info['largest_tensor_bytes'] / 1e6:.0f} MB; medians of {ns.repeats}")
+    print(f"{'measurement':28} {'figure':20} {'ratio':>6}  target")
+    for r in rows:
+        print(f"{r[0]:28} {r[1]:20} {r[2]:>6}  {r[3]}")
+    ns.json.parent.mkdir(parents=True, exist_ok=True)
+    ns.json.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

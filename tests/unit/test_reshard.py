@@ -1,0 +1,269 @@
+"""Reshard / export / import on real files written from hand-built plans with every tp layout
+(fused q|k|v of a Conv1D weight, kv heads replicated at tp > heads, padded vocabulary, tied
+weights on two stages), and the bad-checkpoint errors."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from parallelizer.checkpoint import load_full, load_shard, local_piece, read_manifest, write_checkpoint
+from parallelizer.checkpoint.export import export_hf, import_hf
+from parallelizer.checkpoint.hf import load_hf_state_dict
+from parallelizer.checkpoint.reshard import reshard
+from parallelizer.checkpoint.target import repartition
+from parallelizer.cli import main as cli
+from parallelizer.errors import CheckpointError
+from parallelizer.plan import ParallelPlan, TensorPlan
+
+REPO = Path(__file__).resolve().parents[2]
+BLOCKS = ["layers.0", "layers.1", "layers.2"]
+
+
+def layouts(tp: int) -> dict:
+    """The compiler's layouts of the toy model at degree ``tp``."""
+    kv = ({"kind": "replicated_heads", "heads": 2, "head_dim": 4} if tp > 2
+          else {"kind": "interleaved_heads", "heads": 2, "head_dim": 4})
+    return {"embed.weight": {"kind": "padded", "padded_size": -(-10 // tp) * tp},
+            "layers.0.c_attn.weight": {"kind": "fused", "parts": [8, 8, 8]},
+            "layers.1.k_proj.weight": kv}
+
+
+def make_plan(tp: int, pp: int, dp: int = 1) -> ParallelPlan:
+    specs = [  # fqn, shape, dtype, tp_dim, uses (cost-model units: 0 pre, 1 + block, 4 post)
+        ("embed.weight", (10, 8), "float32", 0, [0, 4]),            # tied with lm_head
+        ("layers.0.c_attn.weight", (8, 24), "float32", 1, [1]),     # Conv1D (in, out), q|k|v
+        ("layers.0.c_attn.bias", (24,), "bfloat16", None, [1]),
+        ("layers.1.k_proj.weight", (8, 8), "float32", 0, [2]),      # 2 kv heads of 4
+        ("layers.2.down.weight", (8, 12), "float16", 1, [3]),
+        ("norm.weight", (8,), "float32", None, [4]),
+        ("rope.inv_freq", (4,), "float32", None, [0]),
+    ]
+    structure = {"blocks": BLOCKS, "block_costs": [192, 64, 96], "pre_cost": 80, "post_cost": 8,
+                 "uses": {f: u for f, *_, u in specs},
+                 "state_dict_keys": [f for f, *_ in specs if f != "rope.inv_freq"] + ["lm_head.weight"]}
+    stages = repartition(structure, pp)
+    lay = layouts(tp)
+    tensors = {f: TensorPlan(f, s, d, t, stages[f], f == "rope.inv_freq", "x", lay.get(f) if t is not None else None)
+               for f, s, d, t, _ in specs}
+    return ParallelPlan(mesh={"pp": pp, "dp": dp, "tp": tp}, zero_stage=0, schedule="1f1b",
+                        microbatches=1, seed=0, tensors=tensors,
+                        aliases={"lm_head.weight": "embed.weight"}, stages=(), structure=structure)
+
+
+def state_dict(plan) -> dict:
+    g = torch.Generator().manual_seed(1)
+    return {f: torch.randn(t.shape, generator=g).to(getattr(torch, t.dtype)) for f, t in plan.tensors.items()}
+
+
+def optim_state(sd) -> dict:
+    return {f: {"exp_avg": t.float() * 2, "exp_avg_sq": t.float() ** 2, "step": torch.tensor(2.0)}
+            for f, t in sd.items() if f != "rope.inv_freq"}
+
+
+def file_hashes(folder: Path) -> dict:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+def same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert torch.equal(a[k].view(torch.uint8) if a[k].dim() else a[k], b[k].view(torch.uint8) if b[k].dim() else b[k]), k
+
+
+@pytest.fixture
+def src(tmp_path):
+    plan = make_plan(2, 2)
+    sd = state_dict(plan)
+    out = write_checkpoint(sd, plan, tmp_path / "src", optim_state=optim_state(sd),
+                           train={"step": 2, "optimizer": "adamw"})
+    return out, plan, sd
+
+
+def test_reshard_chain_every_layout_bit_exact(src, tmp_path):
+    out, plan, sd = src
+    before = file_hashes(out)
+    optim = load_full(out, optim=True)
+    prev = out
+    for tp, pp in [(4, 1), (1, 1), (4, 3), (2, 2)]:
+        dst = tmp_path / f"tp{tp}-pp{pp}"
+        reshard(prev, dst, tp, pp)
+        m = read_manifest(dst)
+        target = make_plan(tp, pp)
+        # the pieces are exactly what the writer makes from the full tensors under the
+        # compiler's plan for (tp, pp): fused parts, replicated heads, padding, stages
+        assert m["layout_hash"] == read_manifest(write_checkpoint(sd, target, tmp_path / f"w{tp}{pp}"))["layout_hash"]
+        for p in range(pp):
+            for t in range(tp):
+                shard = load_shard(dst, p, t, plan=target)
+                assert shard.keys() == {f for f, x in target.tensors.items() if p in x.stages}
+                for f, piece in shard.items():
+                    assert torch.equal(piece, local_piece(sd[f], target.tensors[f], tp, t)), (f, tp, t)
+        same(load_full(dst), sd)
+        same(load_full(dst, optim=True), optim)
+        assert m["train"] == {"step": 2, "optimizer": "adamw"}
+        prev = dst
+    assert file_hashes(out) == before  # SRC untouched
+    k = read_manifest(tmp_path / "tp4-pp1")["tensors"]["layers.1.k_proj.weight"]
+    assert k["layout"]["kind"] == "replicated_heads"
+    assert [p["segments"] for p in k["pieces"]] == [[[0, 0, 4]], [[0, 0, 4]], [[4, 0, 4]], [[4, 0, 4]]]
+    e = read_manifest(tmp_path / "tp4-pp1")["tensors"]["embed.weight"]
+    assert e["layout"]["padded_size"] == 12 and e["pieces"][3]["segments"] == [[9, 0, 1]]
+
+
+def test_export_import_round_trip_sharded(src, tmp_path):
+    out, plan, sd = src
+    export_hf(out, tmp_path / "hf", max_shard_size="300B")
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    hf = load_hf_state_dict(tmp_path / "hf")
+    assert list(hf) != [] and set(hf) == set(plan.structure["state_dict_keys"])
+    assert torch.equal(hf["lm_head.weight"], sd["embed.weight"])  # tied name exported
+    assert hf["embed.weight"].shape == (10, 8)  # padding stripped
+    same({k: v for k, v in hf.items() if k != "lm_head.weight"},
+         {k: v for k, v in sd.items() if k != "rope.inv_freq"})
+    export_hf(out, tmp_path / "hf1")
+    assert sorted(os.listdir(tmp_path / "hf1")) == ["model.safetensors"]
+    same(load_file(tmp_path / "hf1" / "model.safetensors"), hf)
+    import_hf(tmp_path / "hf", tmp_path / "imp", plan, tp=4, pp=1, buffers_from=out)
+    same(load_full(tmp_path / "imp"), sd)
+    with pytest.raises(CheckpointError, match=r"non-persistent buffers\): \['rope.inv_freq'\]"):
+        import_hf(tmp_path / "hf", tmp_path / "imp2", plan)
+
+
+def test_tp_that_does_not_fit_names_tensor_and_valid_values(src, tmp_path):
+    out, _, _ = src
+    with pytest.raises(CheckpointError, match=r"tp=3 does not fit layers\.0\.c_attn\.weight .*fit "
+                                              r"this tensor: 1, 2, 4, 8; tp values that fit every "
+                                              r"tensor of this checkpoint: 1, 2, 4$"):
+        reshard(out, tmp_path / "dst", tp=3)
+    assert not (tmp_path / "dst").exists()
+    assert cli(["reshard", str(out), "-o", str(tmp_path / "d"), "--pp", "4"]) == 2  # 3 blocks
+
+
+def test_replicas_must_be_identical(tmp_path):
+    plan = make_plan(4, 1)
+    out = write_checkpoint(state_dict(plan), plan, tmp_path / "ck")
+    f = out / "pp0-tp1.safetensors"
+    tensors = load_file(f)
+    tensors["layers.1.k_proj.weight"][0, 0] += 1
+    save_file(tensors, f)
+    m = json.loads((out / "manifest.json").read_text())
+    m["files"][f.name] = {"sha256": hashlib.sha256(f.read_bytes()).hexdigest(), "bytes": f.stat().st_size}
+    (out / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(CheckpointError, match=r"replicas of layers\.1\.k_proj\.weight differ: rows "
+                                              r"\[0, 4\) along dim 0 in .*pp0-tp0\.safetensors and .*pp0-tp1"):
+        reshard(out, tmp_path / "dst", tp=2)
+    assert not (tmp_path / "dst").exists()
+
+
+# ------------------------------------------------------------ bad checkpoints (via the CLI)
+
+
+def run_cli(capsys, *args) -> str:
+    assert cli([str(a) for a in args]) == 2
+    return capsys.readouterr().err
+
+
+def test_bad_flipped_byte(src, tmp_path, capsys):
+    out, _, _ = src
+    f = out / "pp1-tp0.safetensors"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    f.write_bytes(bytes(data))
+    err = run_cli(capsys, "reshard", out, "-o", tmp_path / "d", "--tp", "1")
+    assert "pp1-tp0.safetensors is corrupt: sha256" in err and not (tmp_path / "d").exists()
+
+
+def test_bad_truncated_file(src, tmp_path, capsys):
+    out, _, _ = src
+    f = out / "pp0-tp1.safetensors"
+    f.write_bytes(f.read_bytes()[:-10])
+    err = run_cli(capsys, "export", out, "-o", tmp_path / "d")
+    assert f"{f} is truncated" in err and "bytes, manifest.json records" in err
+
+
+def test_bad_missing_shard(src, tmp_path, capsys):
+    out, _, _ = src
+    (out / "pp1-tp1.safetensors").unlink()
+    err = run_cli(capsys, "reshard", out, "-o", tmp_path / "d", "--pp", "1")
+    assert "pp1-tp1.safetensors is missing (listed in manifest.json)" in err
+
+
+def test_bad_manifest_from_another_plan(src, tmp_path, capsys):
+    out, _, _ = src
+    other = make_plan(2, 1)
+    with pytest.raises(CheckpointError, match=r"manifest\.json is from another plan: checkpoint mesh "
+                                              r"pp=2 tp=2, this program pp=1 tp=2; first difference: "
+                                              r"embed\.weight stages \[0, 1\]"):
+        load_shard(out, 0, 0, plan=other)
+    wrong = ParallelPlan(**{**other.__dict__, "tensors": {**other.tensors, "norm.weight": TensorPlan(
+        "norm.weight", (9,), "float32", None, (0,))}})
+    (tmp_path / "plan.json").write_text(wrong.to_json())
+    err = run_cli(capsys, "reshard", out, "-o", tmp_path / "d", "--plan", tmp_path / "plan.json")
+    assert "the plan does not describe this checkpoint's model" in err and "norm.weight" in err
+
+
+def test_bad_tensor_of_wrong_shape(src, tmp_path, capsys):
+    out, _, _ = src
+    f = out / "pp0-tp0.safetensors"
+    tensors = load_file(f)
+    tensors["layers.0.c_attn.weight"] = torch.zeros(8, 10)
+    save_file(tensors, f)
+    m = json.loads((out / "manifest.json").read_text())
+    m["files"][f.name] = {"sha256": hashlib.sha256(f.read_bytes()).hexdigest(), "bytes": f.stat().st_size}
+    (out / "manifest.json").write_text(json.dumps(m))
+    err = run_cli(capsys, "reshard", out, "-o", tmp_path / "d", "--tp", "1")
+    assert f"{f}: tensor layers.0.c_attn.weight has shape (8, 10), manifest.json says (8, 12)" in err
+
+
+def test_existing_destination_needs_force(src, tmp_path, capsys):
+    out, _, sd = src
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "old.txt").write_text("x")
+    err = run_cli(capsys, "reshard", out, "-o", tmp_path / "d", "--tp", "1")
+    assert "already exists" in err and "--force" in err
+    assert cli(["reshard", str(out), "-o", str(tmp_path / "d"), "--tp", "1", "--force", "--no-progress"]) == 0
+    same(load_full(tmp_path / "d"), sd)
+    assert sorted(p for p in os.listdir(tmp_path) if p.startswith(".")) == []
+
+
+_KILLED = """
+import sys, time
+import parallelizer.checkpoint.reshard as r
+slow = r.target_piece
+def target_piece(*a):
+    time.sleep(0.05)
+    return slow(*a)
+r.target_piece = target_piece
+r.reshard(sys.argv[1], sys.argv[2], tp=1, pp=1)
+"""
+
+
+def test_interrupted_reshard_leaves_no_destination(src, tmp_path):
+    """A real SIGKILL while the output files are being written."""
+    out, _, sd = src
+    dst = tmp_path / "dst"
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED, str(out), str(dst)], cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    deadline = time.time() + 60
+    while not list(tmp_path.glob(".dst.tmp-*/pp0-tp0.safetensors")):
+        assert proc.poll() is None and time.time() < deadline, "reshard ended before the kill"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
+    assert not dst.exists()
+    leftovers = sorted(p.name for p in tmp_path.iterdir() if p.name not in ("src",))
+    assert len(leftovers) == 1 and leftovers[0].startswith(".dst.tmp-")  # only the temp folder
+    reshard(out, dst, tp=1, pp=1)  # a stale temp folder does not disturb the next run
+    same(load_full(dst), sd)
