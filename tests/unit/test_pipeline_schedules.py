@@ -170,6 +170,11 @@ def test_checkpoint_with_optimizer_state_per_stage_and_reshard(tmp_path):
     manifest = read_manifest(src)
     assert manifest["num_stages"] == 4 and manifest["mesh"]["pp"] == 2
     check_plan(src, manifest, plan)
+    check_plan(src, manifest, _plan("gpipe", 4, 1))  # files are per stage: 4 x 1 == 2 x 2
+    with pytest.raises(CheckpointError, match=r"checkpoint mesh pp=2 tp=2 \(4 stages, 2 per rank\), "
+                                              r"this program pp=2 tp=2; tensors only in the plan: \[\], only in the "
+                                              r"checkpoint: \[.layers.2.w., .layers.3.w.\]"):
+        check_plan(src, manifest, _plan("gpipe", 2, 1))
     for s in (0, 3):
         opt = load_shard(src, s, 1, plan, optim=True)
         assert torch.equal(opt["optim.embed.weight.exp_avg"], optim["embed.weight"]["exp_avg"][3:6])
