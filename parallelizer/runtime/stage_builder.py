@@ -57,7 +57,7 @@ def instantiate(cls: type, plan: ParallelPlan, ctx: RankContext, shard: dict,
     stage = cls(ctx.device)
     load_into(stage, plan, shard, ctx, source)
     apply_activation_checkpointing(stage, plan)
-    apply_data_parallel(stage, ctx, plan.zero_stage)
+    apply_data_parallel(stage, ctx, plan)
     return stage
 
 
