@@ -33,6 +33,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", type=Path,
                    help="continue training from a --save checkpoint: weights, optimizer state, step "
                         "counter and data position (reshard it to this program's layout first)")
+    p.add_argument("--profile", action="store_true",
+                   help="with --train: print per rank a MEMORY {json} line (bytes held, peak)")
     p.add_argument("--device", choices=("cpu", "cuda"),
                    help="default: cuda (NCCL) when available, else cpu (gloo)")
     return p
@@ -98,6 +100,9 @@ def _main(out_dir: Path, argv=None) -> int:
         if args.verify:
             return run_verify(out_dir, plan, spec, stage, ctx, loss_fn)
         _, opt, step = run_train(plan, spec, stage, ctx, loss_fn, model_module, args.steps, args.resume)
+        if args.profile:  # MEMORY line per rank (runtime/memory.py)
+            from .memory import print_memory
+            print_memory(stage, opt, ctx)
         if args.save:
             save_checkpoint(stage, plan, ctx, args.save, opt, step, spec["optimizer"]["name"])
         return 0
