@@ -1,4 +1,4 @@
-"""Activation bytes per microbatch of each emitted stage, from a forward on the meta device.
+"""Activation bytes per microbatch of each emitted stage, from a forward on FakeTensors.
 
 Every tensor autograd saves for backward passes through a ``saved_tensors_hooks`` pack
 hook; its storage's size is counted once (views share a storage) unless the storage is a
@@ -52,20 +52,30 @@ def _tensor_bytes(args, seen: set) -> int:
     return total
 
 
-def _microbatch(plan: ParallelPlan, batch) -> list:
-    """The flat meta inputs of one microbatch on one data-parallel rank."""
+def _microbatch(plan: ParallelPlan, batch, mode) -> list:
+    """The flat inputs (FakeTensors of ``mode``) of one microbatch on one data-parallel rank."""
     from .runtime.batching import flatten
     flat = flatten(plan, batch)
     m = plan.microbatches if plan.mesh["pp"] > 1 else 1
     rows = max(1, flat[0].shape[0] // (plan.mesh["dp"] * m))
-    return [t[:rows].to("meta") for t in flat]
+    return [mode.from_tensor(t[:rows]) for t in flat]
 
 
-def stage_activations(stages: list, plan: ParallelPlan, batch, loss_fn) -> list[tuple[int, int]]:
+def stage_activations(stages: list, plan: ParallelPlan, batch, loss_fn, mode) -> list[tuple[int, int]]:
     """Per stage: (bytes kept per microbatch, transient bytes of one block's recompute)."""
+    from .runtime import tp
+    group = tp.tp_group()
+    tp.set_tp_group(None)  # f and g as identities: no collective on FakeTensors
+    try:
+        return _stage_activations(stages, plan, batch, loss_fn, mode)
+    finally:
+        tp.set_tp_group(group)
+
+
+def _stage_activations(stages: list, plan: ParallelPlan, batch, loss_fn, mode) -> list[tuple[int, int]]:
     scale = DTYPE_BYTES[plan.param_dtype] / 4
     order = [b for st in plan.stages for b in st.blocks]
-    inputs = _microbatch(plan, batch)
+    inputs = _microbatch(plan, batch, mode)
     target = None
     out = []
     for index, stage in enumerate(stages):
@@ -82,15 +92,15 @@ def stage_activations(stages: list, plan: ParallelPlan, batch, loss_fn) -> list[
             flat = stage(*inputs)
             flat = tuple(flat) if isinstance(flat, (tuple, list)) else (flat,)
             if index == len(stages) - 1:
-                target = _loss_target(plan, batch, inputs if index == 0 else None)
+                target = _loss_target(plan, batch, mode)
                 loss_fn(unflatten_outputs(plan, flat), target)
         for h in hooks:
             h.remove()
         kept, recompute = rec.saved.get(None, 0), 0
         for name, _ in stage.emitted_blocks():
             saved = rec.saved.get(name, 0)
-            mode = plan.activation_checkpointing
-            if mode == "full" or (mode == "selective" and order.index(name) % plan.checkpoint_every == 0):
+            ac = plan.activation_checkpointing
+            if ac == "full" or (ac == "selective" and order.index(name) % plan.checkpoint_every == 0):
                 kept += block_inputs.get(name, 0)
                 recompute = max(recompute, saved)
             else:
@@ -100,7 +110,7 @@ def stage_activations(stages: list, plan: ParallelPlan, batch, loss_fn) -> list[
     return out
 
 
-def _loss_target(plan: ParallelPlan, batch, first_inputs):
+def _loss_target(plan: ParallelPlan, batch, mode):
     """The loss target of one microbatch (the batch itself, as ``loss_fn`` expects)."""
     from .runtime.batching import to_batch
-    return to_batch(plan, _microbatch(plan, batch))
+    return to_batch(plan, _microbatch(plan, batch, mode))

@@ -9,11 +9,11 @@ is the fp32 master copy (4), its gradient fp32 (4), AdamW's ``exp_avg`` and ``ex
 fp32 (8); the ``param_dtype`` copy exists only while a unit is all-gathered.
 
 Per rank the estimate is exact bookkeeping rather than a formula: the emitted stage class
-is instantiated on the meta device (its tensors carry this rank's tp-local shapes), FSDP2's
+is instantiated with FakeTensors (no storage; its tensors carry this rank's tp-local shapes), FSDP2's
 ``Shard(0)`` is applied as ``torch.chunk`` does it, and ZeRO-1's partition repeats
 ``ZeroRedundancyOptimizer``'s greedy largest-first assignment. Activations are the bytes
-of the tensors autograd saves for backward (``saved_tensors_hooks`` on a meta forward of
-one microbatch, parameters excluded, one count per storage), which is the quantity
+of the tensors autograd saves for backward (``saved_tensors_hooks`` on a forward of one
+microbatch on FakeTensors, parameters excluded, one count per storage), which is the quantity
 Korthikanti et al. 2022 (§4, Eq. 1-2: ``sbh(34 + 5as/h)`` per layer without tp) count by
 hand; a checkpointed block keeps only its inputs (their §4.1, full recomputation) and
 recomputes one block at a time in backward. Microbatches in flight per stage: 1 at pp=1,
@@ -54,8 +54,8 @@ def format_zero_figures(psi: float, n: int, stages, k: int = 12) -> str:
              f"ranks, K = {k} (mixed-precision Adam; Rajbhandari et al. 2020, Sec. 5.1, Fig. 1)"]
     for row in zero_figures(psi, n, k):
         if row["stage"] in stages:
-            lines.append(f"  zero_stage {row['stage']}  {row['name']:<18} {row['formula']:<26} "
-                         f"= {row['bytes'] / 1e9:7.1f} GB  ({row['bytes']:.4g} bytes)")
+            lines.append(f"  zero_stage {row['stage']}  {row['name']:<18} {row['formula']:<43} "
+                         f"= {row['bytes'] / 1e9:7.2f} GB  ({row['bytes']:.4g} bytes)")
     return "\n".join(lines)
 
 
@@ -110,7 +110,7 @@ def _optimizer_bytes(numels: list[int], elem: int, optimizer: str) -> int:
 
 def model_states(stage: torch.nn.Module, plan: ParallelPlan, dp_rank: int, optimizer: str) -> dict:
     """Parameters, gradients, optimizer state and buffers (bytes) of ``stage`` (the emitted
-    stage on the meta device, tp-local shapes) on data-parallel rank ``dp_rank``."""
+    stage with FakeTensors, tp-local shapes) on data-parallel rank ``dp_rank``."""
     params = list(stage.parameters())
     dp, z = plan.mesh["dp"], plan.zero_stage
     shards = dp // plan.dp_replicate if z >= 2 else 1
@@ -152,17 +152,22 @@ def in_flight(plan: ParallelPlan, stage_index: int) -> int:
 
 
 def load_stage(source: str, index: int):
+    """The emitted stage with FakeTensor parameters (call under a ``FakeTensorMode``): CPU
+    kernels' shape and stride rules, no storage (a meta SDPA output has other strides
+    than the CPU kernel's, which breaks the emitted ``view`` after it)."""
     from .runtime.stage_builder import stage_class_from_source
-    return stage_class_from_source(source, index, f"<estimate stage {index}>")("meta")
+    return stage_class_from_source(source, index, f"<estimate stage {index}>")("cpu")
 
 
 def estimate_program(plan: ParallelPlan, sources: dict, batch, loss_fn, optimizer: str) -> list[RankEstimate]:
     """One :class:`RankEstimate` per global rank of ``plan`` (rank order of the mesh
     ``(pp, dp, tp)``, tp innermost)."""
     from .memory_activations import stage_activations
+    from torch._subclasses.fake_tensor import FakeTensorMode
     m = plan.mesh
-    stages = [load_stage(sources[f"program/stage{p}.py"], p) for p in range(m["pp"])]
-    acts = stage_activations(stages, plan, batch, loss_fn)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        stages = [load_stage(sources[f"program/stage{p}.py"], p) for p in range(m["pp"])]
+        acts = stage_activations(stages, plan, batch, loss_fn, mode)
     out = []
     for p, stage in enumerate(stages):
         per_mb, recompute = acts[p]
