@@ -57,5 +57,7 @@ def measure(stage: torch.nn.Module, opt: torch.optim.Optimizer, ctx: RankContext
 
 
 def print_memory(stage: torch.nn.Module, opt: torch.optim.Optimizer, ctx: RankContext) -> None:
-    """Print ``MEMORY {json}`` (one line, this rank)."""
-    print("MEMORY " + json.dumps(measure(stage, opt, ctx), sort_keys=True), flush=True)
+    """Print ``MEMORY {json}`` (one line, this rank) in one write: ranks share stdout, and
+    ``print`` writes the text and the newline separately, so two ranks' lines could merge."""
+    sys.stdout.write("MEMORY " + json.dumps(measure(stage, opt, ctx), sort_keys=True) + "\n")
+    sys.stdout.flush()

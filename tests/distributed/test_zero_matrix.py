@@ -1,0 +1,108 @@
+"""Every ZeRO stage, with and without activation checkpointing, alone (dp=4, also HSDP 2x2
+and CPU offload) and with tp=2 or pp=2 (dp=2): 3 SGD steps equal to eager training of the
+unmodified model (last step's gradients and final parameters, gathered to full shape, fp32);
+and the memory model's parameter, gradient and optimizer bytes against the bytes each rank
+measures from its local tensors after an AdamW step. One torchrun launch (4 ranks) runs all
+cases through the real runtime (zero_matrix_driver.py); a second one checks the user-facing
+path: ``run.py --train --profile`` MEMORY lines against ``parallelize estimate --json``.
+"""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TOL = 1e-5          # fp32, absolute
+MEMORY_TOL = 0.05   # the issue's bound; the bookkeeping is exact on these programs
+SGD = ("optimizer.name=sgd", "optimizer.lr=0.1")
+PROGRAMS = {  # out name prefix -> (example, overrides)
+    "gpt-dp2-tp2": ("gpt", ("mesh.dp=2", "mesh.tp=2", "mesh.pp=1", *SGD)),
+    "llama-dp2-pp2": ("llama", ("mesh.dp=2", "mesh.tp=1", "mesh.pp=2", *SGD)),
+    "llama-dp4": ("llama", ("mesh.dp=4", "mesh.tp=1", "mesh.pp=1", *SGD)),
+}
+DRIVER = Path(__file__).with_name("zero_matrix_driver.py")
+PROFILE = ("gpt", ("mesh.dp=2", "mesh.tp=1", "mesh.pp=1"))  # test_equivalence's gpt-dp2 program
+
+
+def _results(stdout: str) -> list[dict]:
+    return [json.loads(line[len("RESULT "):]) for line in stdout.splitlines() if line.startswith("RESULT ")]
+
+
+def _assert_close(measured: dict, estimated: dict, where: str) -> None:
+    for key in ("parameters", "gradients", "optimizer"):
+        m, e = measured[key], estimated[key]
+        assert m > 0 or key == "optimizer", (where, key, m)
+        assert abs(m - e) <= MEMORY_TOL * m, f"{where} {key}: measured {m}, estimated {e}"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.precompile(PROGRAMS["gpt-dp2-tp2"][0], *PROGRAMS["gpt-dp2-tp2"][1])
+@pytest.mark.precompile(PROGRAMS["llama-dp2-pp2"][0], *PROGRAMS["llama-dp2-pp2"][1])
+@pytest.mark.precompile(PROGRAMS["llama-dp4"][0], *PROGRAMS["llama-dp4"][1])
+def test_zero_stages_train_like_eager_and_match_the_memory_model(compiled, tools, tmp_path):
+    outs = [compiled(example, *ov) for example, ov in PROGRAMS.values()]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+           "--master-addr", "127.0.0.1", "--master-port", str(_port()), str(DRIVER), *map(str, outs)]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=_env(tools), cwd=tmp_path, timeout=280)
+    results = _results(p.stdout)
+    explain = f"exit {p.returncode}\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
+    train = [r for r in results if r["kind"] == "train"]
+    memory = [r for r in results if r["kind"] == "memory"]
+    assert len(train) == 13 and len(memory) == 5, explain
+    seen_pairs = set()
+    for r in train:
+        where = f"{r['out']} zero_stage {r['zero_stage']} ac {r['ac']} hsdp {r['dp_replicate']} offload {r['offload']}"
+        print(f"\n{where}: grads err {r['err']['gradients']:.3g}, params err "
+              f"{r['err']['parameters']:.3g} ({r['counts']['parameters']} tensors)", end="")
+        assert r["err"]["gradients"] <= TOL and r["err"]["parameters"] <= TOL, where
+        assert r["counts"]["gradients"] > 0 and r["moved"] > 100 * TOL, where
+        seen_pairs.add((r["zero_stage"], r["ac"] != "none"))
+    assert seen_pairs == {(z, ac) for z in range(4) for ac in (False, True)}
+    for r in memory:
+        assert len(r["ranks"]) == 4
+        for row in r["ranks"]:
+            _assert_close(row["measured"], row["estimated"],
+                          f"{r['out']} zero_stage {r['zero_stage']} rank {row['measured']['rank']}")
+    assert sorted(r["zero_stage"] for r in memory) == [0, 1, 2, 3, 3]
+    # ZeRO's sharding shows in the measurement itself: stage 3 holds 1/dp_shard of stage 0
+    by_stage = {(r["zero_stage"], r["dp_replicate"]): r["ranks"] for r in memory}
+    p0, p3 = by_stage[(0, 1)][0]["measured"], by_stage[(3, 1)][0]["measured"]
+    assert abs(p3["parameters"] * 2 - p0["parameters"]) <= 0.05 * p0["parameters"], (p0, p3)
+    assert p0["optimizer"] > by_stage[(1, 1)][0]["measured"]["optimizer"], "ZeRO-1 did not partition"
+    assert p.returncode == 0, explain
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.precompile(PROFILE[0], *PROFILE[1])
+def test_profile_memory_lines_match_estimate_json(compiled, tools):
+    example, overrides = PROFILE
+    out = compiled(example, *overrides)
+    res = tools.torchrun(out, 2, "--train", "--steps", "1", "--profile")
+    lines = [json.loads(l[len("MEMORY "):]) for l in res.stdout.splitlines() if l.startswith("MEMORY ")]
+    est = subprocess.run([sys.executable, "-m", "parallelizer", "estimate",
+                          str(tools.examples / example / "model.py"),
+                          str(tools.examples / example / "spec.yaml"), *overrides, "--json"],
+                         capture_output=True, text=True, env=_env(tools), cwd=tools.repo, timeout=240)
+    assert est.returncode == 0, est.stderr
+    ranks = {r["rank"]: r for r in json.loads(est.stdout)["ranks"]}
+    assert sorted(l["rank"] for l in lines) == [0, 1], res.explain()
+    for line in lines:
+        print(f"\nrank {line['rank']}: measured {line}, estimated {ranks[line['rank']]}", end="")
+        _assert_close(line, ranks[line["rank"]], f"rank {line['rank']}")
+        assert line["optimizer"] > 0 and line["peak"] > line["parameters"], line
+        assert line["peak_kind"] == "process_peak_rss"
+    tools.check_exit(res)
+
+
+def _port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(tools) -> dict:
+    import os
+    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": str(tools.repo)}
