@@ -3,6 +3,7 @@
     parallelize MODEL SPEC -o OUT [--no-weights] [--dump-passes DIR] [KEY=VALUE ...]
     parallelize SUBCOMMAND ...        (a name registered in SUBCOMMANDS, e.g. inspect)
     parallelize inspect MODEL SPEC [--json] [--plots DIR] [KEY=VALUE ...]
+    parallelize estimate MODEL SPEC [--json] [KEY=VALUE ...] | --params PSI --dp N
 
 A user error (:class:`parallelizer.errors.UserError`) prints ``error: <message>`` to stderr
 and exits with 2; anything else is a bug in parallelizer and keeps its traceback.

@@ -106,3 +106,22 @@ def _env(tools) -> dict:
     import os
     return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
             "PYTHONPATH": str(tools.repo)}
+
+
+BF16 = ("gpt", ("mesh.dp=2", "mesh.tp=1", "mesh.pp=1", "zero_stage=2",
+                "mixed_precision.param_dtype=bf16", "mixed_precision.reduce_dtype=fp32"))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.precompile(BF16[0], *BF16[1])
+def test_mixed_precision_verify_uses_bf16_tolerances(compiled, tools):
+    out = compiled(BF16[0], *BF16[1])
+    res = tools.torchrun(out, 2, "--verify")
+    assert ("param_dtype bf16, reduce_dtype fp32, atol=0.03 rtol=0.03 (tolerances for bf16)"
+            in res.stdout), res.explain()
+    errs = tools.verify_errors(res.stdout)
+    print(f"\nbf16 zero_stage 2 dp=2: " + ", ".join(f"{k} {v:.3g}" for k, v in errs.items()), end="")
+    assert res.stdout.rstrip().endswith("PASS"), res.explain()
+    # the program really computed in bf16: fp32 runs of this mesh are within 1e-6
+    assert errs["loss"] > 1e-4 and errs["gradients"] > 1e-5, errs
+    tools.check_exit(res)
