@@ -71,7 +71,7 @@ def _fsdp_mesh(plan: ParallelPlan, mesh: DeviceMesh, device_type: str) -> Device
     """The mesh FSDP2 shards over: ``mesh["dp"]``, or under HSDP (``dp_replicate`` > 1) a
     2-D ``(dp_replicate, dp_shard)`` mesh whose rank order is that of ``dp`` (row-major), so
     dp rank ``r`` is replica ``r // dp_shard``, shard ``r % dp_shard``."""
-    rep = getattr(plan, "dp_replicate", 1)
+    rep = plan.dp_replicate
     if rep == 1:
         return mesh["dp"]
     m = plan.mesh

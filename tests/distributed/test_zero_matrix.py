@@ -2,9 +2,10 @@
 and CPU offload) and with tp=2 or pp=2 (dp=2): 3 SGD steps equal to eager training of the
 unmodified model (last step's gradients and final parameters, gathered to full shape, fp32);
 and the memory model's parameter, gradient and optimizer bytes against the bytes each rank
-measures from its local tensors after an AdamW step. One torchrun launch (4 ranks) runs all
-cases through the real runtime (zero_matrix_driver.py); a second one checks the user-facing
-path: ``run.py --train --profile`` MEMORY lines against ``parallelize estimate --json``.
+measures from its local tensors after an AdamW step; and ``run_verify`` under bf16 mixed
+precision. One torchrun launch (4 ranks) runs all cases through the real runtime
+(zero_matrix_driver.py); a second one checks the user-facing path: ``run.py --train
+--profile`` MEMORY lines against ``parallelize estimate --json``.
 """
 import json
 import subprocess
@@ -13,13 +14,16 @@ from pathlib import Path
 
 import pytest
 
+from parallelizer import cli
+
 TOL = 1e-5          # fp32, absolute
 MEMORY_TOL = 0.05   # the issue's bound; the bookkeeping is exact on these programs
-SGD = ("optimizer.name=sgd", "optimizer.lr=0.1")
+# The driver trains with its own SGD (lr 0.1), whatever the spec's optimizer, so the first
+# program is test_equivalence's gpt-dp2-tp2 (one compile for both in a full run).
 PROGRAMS = {  # out name prefix -> (example, overrides)
-    "gpt-dp2-tp2": ("gpt", ("mesh.dp=2", "mesh.tp=2", "mesh.pp=1", *SGD)),
-    "llama-dp2-pp2": ("llama", ("mesh.dp=2", "mesh.tp=1", "mesh.pp=2", *SGD)),
-    "llama-dp4": ("llama", ("mesh.dp=4", "mesh.tp=1", "mesh.pp=1", *SGD)),
+    "gpt-dp2-tp2": ("gpt", ("mesh.dp=2", "mesh.tp=2", "mesh.pp=1")),
+    "llama-dp2-pp2": ("llama", ("mesh.dp=2", "mesh.tp=1", "mesh.pp=2")),
+    "llama-dp4": ("llama", ("mesh.dp=4", "mesh.tp=1", "mesh.pp=1")),
 }
 DRIVER = Path(__file__).with_name("zero_matrix_driver.py")
 PROFILE = ("gpt", ("mesh.dp=2", "mesh.tp=1", "mesh.pp=1"))  # test_equivalence's gpt-dp2 program
@@ -49,7 +53,8 @@ def test_zero_stages_train_like_eager_and_match_the_memory_model(compiled, tools
     explain = f"exit {p.returncode}\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
     train = [r for r in results if r["kind"] == "train"]
     memory = [r for r in results if r["kind"] == "memory"]
-    assert len(train) == 13 and len(memory) == 5, explain
+    verify = [r for r in results if r["kind"] == "verify"]
+    assert len(train) == 13 and len(memory) == 5 and len(verify) == 1, explain
     seen_pairs = set()
     for r in train:
         where = f"{r['out']} zero_stage {r['zero_stage']} ac {r['ac']} hsdp {r['dp_replicate']} offload {r['offload']}"
@@ -70,22 +75,29 @@ def test_zero_stages_train_like_eager_and_match_the_memory_model(compiled, tools
     p0, p3 = by_stage[(0, 1)][0]["measured"], by_stage[(3, 1)][0]["measured"]
     assert abs(p3["parameters"] * 2 - p0["parameters"]) <= 0.05 * p0["parameters"], (p0, p3)
     assert p0["optimizer"] > by_stage[(1, 1)][0]["measured"]["optimizer"], "ZeRO-1 did not partition"
+    # bf16 mixed precision (zero_stage 2, tp=2): run_verify's tolerances by dtype, and it says so
+    assert ("param_dtype bf16, reduce_dtype fp32, atol=0.03 rtol=0.03 (tolerances for bf16)"
+            in p.stdout), explain
+    errs = tools.verify_errors(p.stdout)
+    print("\nbf16 zero_stage 2 dp=2 tp=2 verify: " + ", ".join(f"{k} {v:.3g}" for k, v in errs.items()), end="")
+    assert verify[0]["code"] == 0, explain
+    assert errs["loss"] > 1e-4 and errs["gradients"] > 1e-5, f"not computed in bf16? {errs}"
     assert p.returncode == 0, explain
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.precompile(PROFILE[0], *PROFILE[1])
-def test_profile_memory_lines_match_estimate_json(compiled, tools):
+def test_profile_memory_lines_match_estimate_json(compiled, tools, capsys):
     example, overrides = PROFILE
     out = compiled(example, *overrides)
     res = tools.torchrun(out, 2, "--train", "--steps", "1", "--profile")
     lines = [json.loads(l[len("MEMORY "):]) for l in res.stdout.splitlines() if l.startswith("MEMORY ")]
-    est = subprocess.run([sys.executable, "-m", "parallelizer", "estimate",
-                          str(tools.examples / example / "model.py"),
-                          str(tools.examples / example / "spec.yaml"), *overrides, "--json"],
-                         capture_output=True, text=True, env=_env(tools), cwd=tools.repo, timeout=240)
-    assert est.returncode == 0, est.stderr
-    ranks = {r["rank"]: r for r in json.loads(est.stdout)["ranks"]}
+    capsys.readouterr()
+    code = cli.main(["estimate", str(tools.examples / example / "model.py"),  # in-process: no
+                     str(tools.examples / example / "spec.yaml"), *overrides, "--json"])  # 2nd torch import
+    est = capsys.readouterr()
+    assert code == 0, est.err
+    ranks = {r["rank"]: r for r in json.loads(est.out)["ranks"]}
     assert sorted(l["rank"] for l in lines) == [0, 1], res.explain()
     for line in lines:
         print(f"\nrank {line['rank']}: measured {line}, estimated {ranks[line['rank']]}", end="")
@@ -107,21 +119,3 @@ def _env(tools) -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
             "PYTHONPATH": str(tools.repo)}
 
-
-BF16 = ("gpt", ("mesh.dp=2", "mesh.tp=1", "mesh.pp=1", "zero_stage=2",
-                "mixed_precision.param_dtype=bf16", "mixed_precision.reduce_dtype=fp32"))
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.precompile(BF16[0], *BF16[1])
-def test_mixed_precision_verify_uses_bf16_tolerances(compiled, tools):
-    out = compiled(BF16[0], *BF16[1])
-    res = tools.torchrun(out, 2, "--verify")
-    assert ("param_dtype bf16, reduce_dtype fp32, atol=0.03 rtol=0.03 (tolerances for bf16)"
-            in res.stdout), res.explain()
-    errs = tools.verify_errors(res.stdout)
-    print(f"\nbf16 zero_stage 2 dp=2: " + ", ".join(f"{k} {v:.3g}" for k, v in errs.items()), end="")
-    assert res.stdout.rstrip().endswith("PASS"), res.explain()
-    # the program really computed in bf16: fp32 runs of this mesh are within 1e-6
-    assert errs["loss"] > 1e-4 and errs["gradients"] > 1e-5, errs
-    tools.check_exit(res)

@@ -7,7 +7,7 @@ Per OUT (compiled with SGD lr 0.1) and case of :func:`cases`: build
 the stage with the real runtime (stage_builder.instantiate, StepRunner,
 make_stage_optimizer), train 3 steps, gather the last step's gradients and the final
 parameters to full shape, and compare them on rank 0 with 3 eager steps of the unmodified
-model; or one AdamW step, runtime/memory.measure on every rank
+model; or ``run_verify`` under bf16 mixed precision; or one AdamW step, runtime/memory.measure on every rank
 against memory_model.estimate_program for that rank. Prints ``RESULT {json}`` lines.
 """
 from __future__ import annotations
@@ -133,6 +133,17 @@ def memory_case(out, plan, module, data, sources):
                 "ranks": [{"measured": m, "estimated": dataclasses.asdict(e)} for m, e in zip(rows, est)]})
 
 
+def verify_case(out, plan, module):
+    """``run.py --verify``'s own function on a mixed-precision variant of the program."""
+    from omegaconf import OmegaConf
+    from parallelizer.runtime.verify import run_verify
+    ctx, stage, _ = build(out, plan, module)
+    spec = OmegaConf.to_container(OmegaConf.load(out / "spec.yaml"))
+    code = run_verify(out, plan, spec, stage, ctx, module.loss_fn)
+    if ctx.rank == 0:
+        report({"kind": "verify", "out": out.name, "param_dtype": plan.param_dtype, "code": code})
+
+
 def report(obj):
     obj["seconds"] = round(time.perf_counter() - T0, 1)
     print("RESULT " + json.dumps(obj), flush=True)
@@ -145,7 +156,8 @@ def cases(base: ParallelPlan) -> list[tuple]:
     every zero stage on the pp=2 program (uneven stages, tied embedding in both) and HSDP."""
     if base.mesh["tp"] > 1:
         return [("train", 0, "none", 1, False), ("train", 1, "full", 1, False),
-                ("train", 2, "none", 1, False), ("train", 3, "full", 1, False)]
+                ("train", 2, "none", 1, False), ("train", 3, "full", 1, False),
+                ("verify-bf16", 2, "none", 1, False)]
     if base.mesh["pp"] > 1:
         return [("train", 0, "full", 1, False), ("train", 1, "none", 1, False),
                 ("train", 2, "full", 1, False), ("train", 3, "none", 1, False)] + \
@@ -168,6 +180,8 @@ def main(outs: list[Path]) -> None:
                                        dp_replicate=rep, offload=offload)
             if check == "train":
                 train_case(out, plan, module, data, want)
+            elif check == "verify-bf16":
+                verify_case(out, dataclasses.replace(plan, param_dtype="bf16", reduce_dtype="fp32"), module)
             else:
                 memory_case(out, plan, module, data, sources)
     dist.barrier()
