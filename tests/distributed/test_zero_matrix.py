@@ -64,6 +64,13 @@ def test_zero_stages_train_like_eager_and_match_the_memory_model(compiled, tools
         assert r["counts"]["gradients"] > 0 and r["moved"] > 100 * TOL, where
         seen_pairs.add((r["zero_stage"], r["ac"] != "none"))
     assert seen_pairs == {(z, ac) for z in range(4) for ac in (False, True)}
+    # explicit prefetch lists (forward, backward) per block of the 4-block llama: depth 1
+    # by default, depth 3 on the HSDP case; never past the stage's ends
+    hsdp = next(r for r in train if r["dp_replicate"] == 2)
+    assert hsdp["prefetch"] == [[3, 0], [2, 1], [1, 2], [0, 3]], hsdp["prefetch"]
+    plain = next(r for r in train if r["out"].startswith("llama") and r["zero_stage"] == 2
+                 and r["dp_replicate"] == 1 and r["mesh"]["pp"] == 1)
+    assert plain["prefetch"] == [[1, 0], [1, 1], [1, 1], [0, 1]], plain["prefetch"]
     for r in memory:
         assert len(r["ranks"]) == 4
         for row in r["ranks"]:

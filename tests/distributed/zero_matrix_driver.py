@@ -98,6 +98,9 @@ def train_case(out, plan, module, data, want):
         grads = gather(stage, plan, ctx, lambda p: p.grad)  # the last step's, before its update
         opt.step()
     params = gather(stage, plan, ctx, lambda p: p)
+    prefetch = [[len(b._get_fsdp_state()._states_to_forward_prefetch),
+                 len(b._get_fsdp_state()._states_to_backward_prefetch)]
+                for _, b in stage.emitted_blocks()] if plan.zero_stage >= 2 else []
     if ctx.rank != 0:
         return
     want_grads, want_params, moved = want
@@ -114,7 +117,8 @@ def train_case(out, plan, module, data, want):
         assert not missing, (cat, sorted(missing))
     report({"kind": "train", "out": out.name, "zero_stage": plan.zero_stage,
             "ac": plan.activation_checkpointing, "offload": plan.offload,
-            "dp_replicate": plan.dp_replicate, "mesh": plan.mesh, "err": err, "counts": counts, "moved": moved})
+            "dp_replicate": plan.dp_replicate, "mesh": plan.mesh, "err": err, "counts": counts, "moved": moved,
+            "prefetch": prefetch})
 
 
 def memory_case(out, plan, module, data, sources):
@@ -176,8 +180,11 @@ def main(outs: list[Path]) -> None:
         want = eager(module, data) if dist.get_rank() == 0 else None
         sources = {f"program/{p.name}": p.read_text() for p in (out / "program").glob("stage*.py")}
         for check, zero, ac, rep, offload in cases(base):
+            # HSDP also runs the deepest explicit prefetch (every other block ahead)
+            deep = 3 if rep > 1 else 1
             plan = dataclasses.replace(base, zero_stage=zero, activation_checkpointing=ac,
-                                       dp_replicate=rep, offload=offload)
+                                       dp_replicate=rep, offload=offload,
+                                       prefetch_forward=deep, prefetch_backward=deep)
             if check == "train":
                 train_case(out, plan, module, data, want)
             elif check == "verify-bf16":
