@@ -45,7 +45,10 @@ def apply_data_parallel(stage: torch.nn.Module, ctx: RankContext, plan) -> None:
     blocks = [block for _name, block in stage.emitted_blocks()]
     for block in blocks:
         fully_shard(block, **kw)
-    fully_shard(stage, **kw)
+    # The root (embedding, final norm, LM head) is needed again at once by backward: under
+    # ZeRO-3 leave it to FSDP2's root default (None: kept gathered, as torchtitan does); an
+    # explicit True re-gathered it for every backward (benchmarks/communication.py).
+    fully_shard(stage, **{**kw, "reshard_after_forward": None if kw["reshard_after_forward"] else False})
     set_prefetch(blocks, plan.prefetch_forward, plan.prefetch_backward)
     if plan.param_dtype != "fp32":
         _autocast_forward(stage, ctx.device.type, TORCH_DTYPES[plan.param_dtype])
