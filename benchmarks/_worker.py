@@ -127,11 +127,13 @@ def _sync(device):
 
 
 def _timed(side, batch, device):
+    """(wall seconds, this process's CPU seconds, global loss) of one step. CPU time is
+    beside wall time because the cores are shared: it excludes time spent preempted."""
     _sync(device)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     loss = side.step(batch)
     _sync(device)
-    return time.perf_counter() - t0, float(side.global_loss(loss))
+    return time.perf_counter() - t0, time.process_time() - c0, float(side.global_loss(loss))
 
 
 def main(argv=None) -> None:
@@ -147,15 +149,17 @@ def main(argv=None) -> None:
     result = {"mesh": plan.mesh, "microbatches": plan.microbatches, "schedule": plan.schedule,
               "zero_stage": plan.zero_stage, "device": args.device, "warmup": args.warmup,
               "baseline": sides[1].name, "times": {s.name: [] for s in sides},
+              "cpu_times": {s.name: [] for s in sides},
               "losses": {s.name: [] for s in sides}, "rtol": args.rtol, "atol": args.atol}
     for i in range(args.warmup + args.steps):
         batch = next(batches)
         order = sides if i % 2 == 0 else sides[::-1]  # alternate who goes first
         for side in order:
-            dt, loss = _timed(side, batch, ctx.device)
+            dt, cpu, loss = _timed(side, batch, ctx.device)
             result["losses"][side.name].append(loss)
             if i >= args.warmup:
                 result["times"][side.name].append(dt)
+                result["cpu_times"][side.name].append(cpu)
         _check_losses(result, sides, i)
     if args.comm:
         result["collectives"] = _record(sides, next(batches), ctx)
@@ -171,6 +175,7 @@ def _check_losses(result, sides, i) -> None:
     a, b = (result["losses"][s.name][i] for s in sides)
     tol = result["atol"] + result["rtol"] * abs(b)
     result["max_loss_diff"] = max(result.get("max_loss_diff", 0.0), abs(a - b))
+    result["checked_steps"] = result.get("checked_steps", 0) + 1
     if not abs(a - b) <= tol:
         raise AssertionError(f"LOSS MISMATCH at step {i + 1}: {sides[0].name} {a:.8f} vs "
                              f"{sides[1].name} {b:.8f} (|diff| {abs(a - b):.3g} > tol {tol:.3g})")
