@@ -3,6 +3,7 @@
     parallelize MODEL SPEC -o OUT [--no-weights] [--dump-passes DIR] [KEY=VALUE ...]
     parallelize SUBCOMMAND ...        (a name registered in SUBCOMMANDS, e.g. inspect)
     parallelize inspect MODEL SPEC [--json] [--plots DIR] [KEY=VALUE ...]
+    parallelize estimate MODEL SPEC [--json] [KEY=VALUE ...] | --params PSI --dp N
 
 A user error (:class:`parallelizer.errors.UserError`) prints ``error: <message>`` to stderr
 and exits with 2; anything else is a bug in parallelizer and keeps its traceback.
@@ -17,7 +18,7 @@ from typing import Callable, Optional, Sequence
 from parallelizer.errors import ModelFileError, UserError
 
 # Subcommand name -> handler(argv after the name) -> exit code. Handlers import their
-# modules lazily so that `parallelize --help` stays fast. Planned: reshard, estimate.
+# modules lazily so that `parallelize --help` stays fast. Planned: reshard.
 SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {}
 
 
@@ -42,6 +43,15 @@ SUBCOMMANDS.update({  # checkpoint conversions (parallelizer/checkpoint/cli.py)
     "export": _lazy("parallelizer.checkpoint.cli", "export_main"),
     "import": _lazy("parallelizer.checkpoint.cli", "import_main"),
 })
+
+
+def _estimate(argv: list[str]) -> int:
+    from parallelizer.estimate_cli import main as estimate_main
+
+    return estimate_main(argv)
+
+
+SUBCOMMANDS["estimate"] = _estimate
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

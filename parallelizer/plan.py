@@ -100,6 +100,14 @@ class ParallelPlan:
     activation_checkpointing: str = "none"  # none | full | selective
     checkpoint_every: int = 1  # under selective: every k-th block, counted over the model
     virtual_stages: int = 1  # pipeline stages per pp rank
+    # FSDP2 options (zero_stage 2/3; runtime/data_parallel.py): HSDP split of dp, explicit
+    # prefetch depth, CPU offload, MixedPrecisionPolicy dtypes (spec names: fp32/bf16/fp16)
+    dp_replicate: int = 1
+    prefetch_forward: int = 1
+    prefetch_backward: int = 1
+    offload: bool = False
+    param_dtype: str = "fp32"
+    reduce_dtype: str = "fp32"
     version: int = PLAN_VERSION
     # What a checkpoint needs to be re-partitioned without the model (checkpoint/target.py):
     # {"blocks", "block_costs", "pre_cost", "post_cost", "uses": {fqn: [cost-model unit]},

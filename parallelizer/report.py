@@ -7,6 +7,16 @@ _DP = {0: "DDP", 1: "DDP + ZeroRedundancyOptimizer", 2: "FSDP2 per block, kept a
        3: "FSDP2 per block, resharded after forward"}
 
 
+def _fsdp_options(plan: ParallelPlan) -> str:
+    if plan.zero_stage < 2:
+        return ""
+    hsdp = (f"HSDP dp_replicate={plan.dp_replicate} x dp_shard={plan.mesh['dp'] // plan.dp_replicate}, "
+            if plan.dp_replicate > 1 else "")
+    return (f"; {hsdp}prefetch forward {plan.prefetch_forward} / backward {plan.prefetch_backward}, "
+            f"param_dtype {plan.param_dtype}, reduce_dtype {plan.reduce_dtype}"
+            + (", CPU offload" if plan.offload else ""))
+
+
 def render_report(plan: ParallelPlan, route: str, tp_lines, pipeline: dict, notes,
                   pp_warnings=()) -> str:
     m = plan.mesh
@@ -15,7 +25,8 @@ def render_report(plan: ParallelPlan, route: str, tp_lines, pipeline: dict, note
              f"(order pp, dp, tp; tp innermost)",
              f"- capture: {route}",
              f"- schedule: {plan.schedule}, microbatches: {plan.microbatches}; "
-             f"data parallel: {_DP[plan.zero_stage]} over dp (zero_stage {plan.zero_stage})",
+             f"data parallel: {_DP[plan.zero_stage]} over dp (zero_stage {plan.zero_stage})"
+             + _fsdp_options(plan),
              "", "## Tensor parallel", ""]
     lines += [f"- {line}" for line in tp_lines] or ["- tp=1: nothing sharded"]
     sharded = [t for t in plan.tensors.values() if t.tp_dim is not None]

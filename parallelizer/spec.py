@@ -17,6 +17,13 @@ Defaults::
     optimizer: {name: adamw, lr: 1.0e-3, weight_decay: 0.0}
     verify: {atol: 1.0e-5, rtol: 1.0e-5, optimizer: sgd}
     activation_checkpointing: {mode: none, every: 2}
+    fsdp: {prefetch: {forward: null, backward: null}, offload: false}   # null prefetch = 1
+    mixed_precision: {param_dtype: fp32, reduce_dtype: null}          # null = param_dtype
+
+``mesh.dp_replicate``, ``fsdp.*`` and non-fp32 ``mixed_precision`` need FSDP2 (zero_stage
+2/3); under zero_stage 0/1 they are a SpecError rather than silently ignored or emulated
+with autocast (autocast would compute in low precision but keep fp32 gradients, a
+different contract from FSDP2's parameter/reduce dtypes).
 """
 from __future__ import annotations
 
@@ -67,6 +74,8 @@ class Mesh(BaseModel):
     dp: int = Field(1, ge=1, description="an integer >= 1 (data-parallel degree)")
     tp: int = Field(1, ge=1, description="an integer >= 1 (tensor-parallel degree)")
     pp: int = Field(1, ge=1, description="an integer >= 1 (pipeline-parallel degree)")
+    dp_replicate: int = Field(1, ge=1, description="an integer >= 1 that divides mesh.dp (HSDP: "
+                                                   "dp = dp_replicate x dp_shard)")
 
 
 class Pipeline(BaseModel):
@@ -119,6 +128,35 @@ class ActivationCheckpointing(BaseModel):
     every: int = Field(2, ge=1, description="an integer >= 1 (k of 'selective')")
 
 
+class Prefetch(BaseModel):
+    model_config = _STRICT
+    # None = the default (1); kept distinct so that setting it under zero_stage 0/1 is an error
+    forward: Optional[int] = Field(None, ge=0, description="null or an integer >= 0 (FSDP units "
+                                   "all-gathered ahead in forward; default 1)")
+    backward: Optional[int] = Field(None, ge=0, description="null or an integer >= 0 (FSDP units "
+                                    "all-gathered ahead in backward; default 1)")
+
+
+class Fsdp(BaseModel):
+    model_config = _STRICT
+    prefetch: Prefetch = Prefetch()
+    offload: bool = Field(False, description="true or false (FSDP2 CPUOffloadPolicy: sharded "
+                                             "parameters, gradients and optimizer state on the CPU)")
+
+
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+class MixedPrecision(BaseModel):
+    model_config = _STRICT
+    param_dtype: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="one of 'fp32', 'bf16', 'fp16' (dtype of the gathered parameters "
+                            "in forward and backward)")
+    reduce_dtype: Optional[Literal["fp32", "bf16", "fp16"]] = Field(
+        None, description="null (= param_dtype) or one of 'fp32', 'bf16', 'fp16' (dtype of the "
+                          "gradient reduce-scatter / all-reduce)")
+
+
 class Spec(BaseModel):
     """A validated, immutable spec. Build it with :func:`load_spec`."""
 
@@ -133,6 +171,32 @@ class Spec(BaseModel):
     optimizer: Optimizer = Optimizer()
     verify: Verify = Verify()
     activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing()
+    fsdp: Fsdp = Fsdp()
+    mixed_precision: MixedPrecision = MixedPrecision()
+
+    @model_validator(mode="after")
+    def _check_data_parallel(self) -> "Spec":
+        """Combinations that need FSDP2 (zero_stage 2/3), and the HSDP split."""
+        dp, rep, z = self.mesh.dp, self.mesh.dp_replicate, self.zero_stage
+        if dp % rep:
+            divisors = [d for d in range(1, dp + 1) if dp % d == 0]
+            raise ValueError(f"mesh.dp_replicate ({rep}) must divide mesh.dp ({dp}): HSDP splits "
+                             f"dp into dp_replicate x dp_shard; valid choices: {divisors}.")
+        if z in (0, 1):
+            mp = self.mixed_precision
+            needs = [("mesh.dp_replicate", rep, rep != 1),
+                     ("fsdp.offload", "true", self.fsdp.offload),
+                     ("fsdp.prefetch.forward", self.fsdp.prefetch.forward, self.fsdp.prefetch.forward is not None),
+                     ("fsdp.prefetch.backward", self.fsdp.prefetch.backward, self.fsdp.prefetch.backward is not None),
+                     ("mixed_precision.param_dtype", mp.param_dtype, mp.param_dtype != "fp32"),
+                     ("mixed_precision.reduce_dtype", mp.reduce_dtype, mp.reduce_dtype not in (None, "fp32"))]
+            for key, value, bad in needs:
+                if bad:
+                    raise ValueError(
+                        f"{key}={value} needs FSDP2, i.e. zero_stage 2 or 3, but zero_stage is {z} "
+                        f"(DDP{' + ZeroRedundancyOptimizer' if z == 1 else ''}, which has no such "
+                        f"policy); set zero_stage=2 or zero_stage=3, or remove {key}.")
+        return self
 
     @model_validator(mode="after")
     def _check_schedule(self) -> "Spec":

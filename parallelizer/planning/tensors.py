@@ -96,7 +96,16 @@ def build_plan(spec, captured, gm, model, groups, tp: TPDecision, stages, block_
         input_names=captured.input_names, inputs_are_kwargs=captured.inputs_are_kwargs,
         out_spec=treespec_dumps(captured.out_spec), tp_report=tuple(tp.report),
         activation_checkpointing=spec.activation_checkpointing.mode,
-        checkpoint_every=spec.activation_checkpointing.every, virtual_stages=p.virtual_stages)
+        checkpoint_every=spec.activation_checkpointing.every, virtual_stages=p.virtual_stages,
+        dp_replicate=spec.mesh.dp_replicate,
+        prefetch_forward=_default(spec.fsdp.prefetch.forward, 1),
+        prefetch_backward=_default(spec.fsdp.prefetch.backward, 1),
+        offload=spec.fsdp.offload, param_dtype=spec.mixed_precision.param_dtype,
+        reduce_dtype=spec.mixed_precision.reduce_dtype or spec.mixed_precision.param_dtype)
+
+
+def _default(value, default):
+    return default if value is None else value
 
 
 def pipeline_structure(graph: fx.Graph, model, blocks, costs, canonical: dict) -> dict:

@@ -8,19 +8,30 @@
 - 2: FSDP2 ``fully_shard`` per block with ``reshard_after_forward=False`` (gradients and
   optimizer state sharded; parameters stay gathered between forward and backward);
 - 3: FSDP2 per block with ``reshard_after_forward=True`` (parameters sharded too).
+
+FSDP2 options (stages 2 and 3, spec ``fsdp.*``, ``mixed_precision.*``, ``mesh.dp_replicate``):
+HSDP shards over ``dp_shard`` and replicates over ``dp_replicate`` (a 2-D mesh; FSDP2
+reduce-scatters then all-reduces the gradients); ``MixedPrecisionPolicy(param_dtype,
+reduce_dtype)`` keeps the sharded parameters, gradients and optimizer state in fp32 (the
+master copy) and all-gathers/computes in ``param_dtype``; ``CPUOffloadPolicy`` keeps the
+sharded parameters, gradients and optimizer state on the CPU. Explicit prefetch
+(:func:`set_prefetch`) is per stage: the next pipeline stage's blocks live on other ranks.
 """
 from __future__ import annotations
 
 import torch
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from .optim import make_optimizer
 from .setup import RankContext
 
 
-def apply_data_parallel(stage: torch.nn.Module, ctx: RankContext, zero_stage: int) -> None:
-    """Wrap ``stage`` for data parallelism in place (no-op when dp = 1)."""
-    if ctx.mesh["dp"].size() == 1:
+def apply_data_parallel(stage: torch.nn.Module, ctx: RankContext, plan) -> None:
+    """Wrap ``stage`` for data parallelism in place by ``plan.zero_stage`` (no-op when
+    dp = 1, except for FSDP2 mixed precision or offload, which apply at dp = 1 too)."""
+    zero_stage = plan.zero_stage
+    fsdp_options = plan.param_dtype != "fp32" or plan.reduce_dtype != "fp32" or plan.offload
+    if ctx.mesh["dp"].size() == 1 and not (zero_stage >= 2 and fsdp_options):
         return
     if zero_stage in (0, 1):
         if ctx.mesh["pp"].size() > 1:
@@ -30,11 +41,58 @@ def apply_data_parallel(stage: torch.nn.Module, ctx: RankContext, zero_stage: in
         # leave DDP's reducer waiting for its gradient
         replicate(stage, process_group=ctx.group("dp"), find_unused_parameters=True)
         return
-    dp_mesh = ctx.mesh["dp"]
-    reshard = zero_stage == 3
-    for _name, block in stage.emitted_blocks():
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
-    fully_shard(stage, mesh=dp_mesh, reshard_after_forward=reshard)
+    kw = fsdp_kwargs(plan, ctx)
+    blocks = [block for _name, block in stage.emitted_blocks()]
+    for block in blocks:
+        fully_shard(block, **kw)
+    # The root (embedding, final norm, LM head) is needed again at once by backward: under
+    # ZeRO-3 leave it to FSDP2's root default (None: kept gathered, as torchtitan does); an
+    # explicit True re-gathered it for every backward (benchmarks/communication.py).
+    fully_shard(stage, **{**kw, "reshard_after_forward": None if kw["reshard_after_forward"] else False})
+    set_prefetch(blocks, plan.prefetch_forward, plan.prefetch_backward)
+    if plan.param_dtype != "fp32":
+        _autocast_forward(stage, ctx.device.type, TORCH_DTYPES[plan.param_dtype])
+
+
+def _autocast_forward(stage: torch.nn.Module, device_type: str, dtype: torch.dtype) -> None:
+    """Run the stage's forward under ``torch.autocast(dtype)`` besides FSDP2's policy: the
+    exported graph keeps the dtype casts it was traced with (an RMSNorm's ``.to(float32)``
+    and its cast back to the fp32 input dtype), which would feed fp32 activations into a
+    matmul with ``param_dtype`` weights; autocast casts both operands of such ops."""
+    inner = stage.forward
+
+    def forward(*args, **kwargs):
+        with torch.autocast(device_type, dtype=dtype):
+            return inner(*args, **kwargs)
+    stage.forward = forward
+
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def fsdp_kwargs(plan, ctx: RankContext) -> dict:
+    """``fully_shard`` keyword arguments of the plan: mesh (1-D or HSDP 2-D), reshard after
+    forward by ZeRO stage, mixed precision and offload policies."""
+    mp = MixedPrecisionPolicy(param_dtype=TORCH_DTYPES[plan.param_dtype],
+                              reduce_dtype=TORCH_DTYPES[plan.reduce_dtype])
+    # pin_memory needs CUDA; on a CPU-only run the offload is a no-op move (documented)
+    offload = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if plan.offload else OffloadPolicy()
+    return dict(mesh=ctx.fsdp_mesh if ctx.fsdp_mesh is not None else ctx.mesh["dp"],
+                reshard_after_forward=plan.zero_stage == 3, mp_policy=mp, offload_policy=offload)
+
+
+def set_prefetch(blocks: list, forward: int, backward: int) -> None:
+    """Explicit FSDP2 prefetch (``set_modules_to_forward_prefetch`` /
+    ``..._backward_prefetch``): block i all-gathers blocks i+1..i+``forward`` after its own
+    all-gather in forward, and blocks i-1..i-``backward`` in backward. Lists stop at the
+    stage's ends (the neighbouring stage's blocks are on other ranks), so under a pipeline
+    schedule a stage's first block is never prefetched from the previous microbatch's
+    backward; 0 leaves FSDP2's implicit prefetch of the next unit."""
+    for i, block in enumerate(blocks):
+        if forward > 0 and i + 1 < len(blocks):
+            block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + forward])
+        if backward > 0 and i > 0:
+            block.set_modules_to_backward_prefetch(blocks[max(0, i - backward):i][::-1])
 
 
 def make_stage_optimizer(params, name: str, lr: float, weight_decay: float, zero_stage: int,

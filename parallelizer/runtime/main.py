@@ -33,8 +33,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--save", type=Path, help="write the trained weights here, same sharded layout")
     p.add_argument("--load", type=Path, help="start from this checkpoint instead of OUT/checkpoint")
     p.add_argument("--profile", action="store_true",
-                   help="also time forward/backward steps and print each rank's measured "
-                        "pipeline bubble as a line 'BUBBLE {json}'")
+                   help="with --train: print per rank a MEMORY {json} line (bytes held, peak); "
+                        "under pp > 1 also time forward/backward steps and print each rank's "
+                        "measured pipeline bubble as a line 'BUBBLE {json}'")
     p.add_argument("--schedule", help="run under this pipeline schedule instead of the compiled "
                                       "one (same stages; e.g. compare zbv with interleaved_1f1b)")
     p.add_argument("--resume", type=Path,
@@ -107,6 +108,9 @@ def _main(out_dir: Path, argv=None) -> int:
             _profile(args, out_dir, plan, spec, stage, ctx, loss_fn, model_module)
             return code
         _, opt, step = run_train(plan, spec, stage, ctx, loss_fn, model_module, args.steps, args.resume)
+        if args.profile:  # MEMORY line per rank (runtime/memory.py)
+            from .memory import print_memory
+            print_memory(stage, opt, ctx)
         if args.save:
             save_checkpoint(stage, plan, ctx, args.save, opt, step, spec["optimizer"]["name"])
         _profile(args, out_dir, plan, spec, stage, ctx, loss_fn, model_module)

@@ -20,6 +20,7 @@ class RankContext:
     pp_rank: int
     dp_rank: int
     tp_rank: int
+    fsdp_mesh: DeviceMesh | None = None  # 1-D (dp) or, under HSDP, 2-D (dp_replicate, dp_shard)
 
     @property
     def rank(self) -> int:
@@ -63,7 +64,21 @@ def init(plan: ParallelPlan, device_type: str | None) -> RankContext:
     if plan.mesh["tp"] > 1:
         set_tp_group(mesh["tp"].get_group())
     return RankContext(mesh, device, mesh.get_local_rank("pp"), mesh.get_local_rank("dp"),
-                       mesh.get_local_rank("tp"))
+                       mesh.get_local_rank("tp"), _fsdp_mesh(plan, mesh, device_type))
+
+
+def _fsdp_mesh(plan: ParallelPlan, mesh: DeviceMesh, device_type: str) -> DeviceMesh:
+    """The mesh FSDP2 shards over: ``mesh["dp"]``, or under HSDP (``dp_replicate`` > 1) a
+    2-D ``(dp_replicate, dp_shard)`` mesh whose rank order is that of ``dp`` (row-major), so
+    dp rank ``r`` is replica ``r // dp_shard``, shard ``r % dp_shard``."""
+    rep = plan.dp_replicate
+    if rep == 1:
+        return mesh["dp"]
+    m = plan.mesh
+    shape = (m["pp"], rep, m["dp"] // rep, m["tp"])
+    hsdp = DeviceMesh(device_type, mesh.mesh.reshape(shape),
+                      mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
+    return hsdp["dp_replicate", "dp_shard"]
 
 
 def _free_port() -> int:

@@ -46,9 +46,9 @@ class LocalStages:
             ``[r, 2 pp - 1 - r]`` under V placement).
         modules: the emitted stage modules, same order.
 
-    ``parameters()``, ``named_parameters()``, ``named_buffers()`` and ``emitted_blocks()``
-    run over all of them; names are the original FQNs (a tied weight held by two local
-    stages appears once per stage, as two Parameters).
+    ``parameters()``, ``named_parameters()``, ``buffers()``, ``named_buffers()`` and
+    ``emitted_blocks()`` run over all of them; names are the original FQNs (a tied weight
+    held by two local stages appears once per stage, as two Parameters).
     """
 
     def __init__(self, indices: list[int], modules: list[torch.nn.Module]):
@@ -72,6 +72,10 @@ class LocalStages:
     def named_buffers(self):
         for m in self.modules:
             yield from m.named_buffers()
+
+    def buffers(self):
+        for m in self.modules:
+            yield from m.buffers()
 
     def emitted_blocks(self) -> list[tuple[str, torch.nn.Module]]:
         return [b for m in self.modules for b in m.emitted_blocks()]
@@ -102,7 +106,7 @@ def instantiate(cls: type, plan: ParallelPlan, ctx: RankContext, shard: dict,
     stage = cls(ctx.device)
     load_into(stage, plan, shard, ctx, source, index)
     apply_activation_checkpointing(stage, plan)
-    apply_data_parallel(stage, ctx, plan.zero_stage)
+    apply_data_parallel(stage, ctx, plan)
     return stage
 
 

@@ -23,6 +23,16 @@ from .setup import RankContext
 from .step import StepRunner
 
 CATEGORIES = ("loss", "outputs", "gradients", "parameters")
+# (atol, rtol) floor by the dtype the program computes in (mixed_precision.param_dtype); the
+# reference is the fp32 model. About 2-4 ulp at |x| ~ 1: bf16 has 8 mantissa bits (eps
+# 7.8e-3), fp16 11 (eps 9.8e-4). fp32 uses verify.atol / verify.rtol as given.
+DTYPE_TOLERANCE = {"fp32": (0.0, 0.0), "fp16": (5e-3, 5e-3), "bf16": (3e-2, 3e-2)}
+
+
+def tolerances(vcfg: dict, param_dtype: str) -> tuple[float, float]:
+    """(atol, rtol) of --verify: the spec's, raised to the floor of ``param_dtype``."""
+    floor_a, floor_r = DTYPE_TOLERANCE[param_dtype]
+    return max(vcfg["atol"], floor_a), max(vcfg["rtol"], floor_r)
 
 
 class _Tally:
@@ -53,7 +63,7 @@ def run_verify(out_dir: Path, plan: ParallelPlan, spec: dict, stage, ctx: RankCo
     batch = to_batch(plan, [ref[f"input.{n}"] for n in plan.input_names])
     local = dp_slice(plan, batch, ctx.dp_rank, ctx.device)
     vcfg, ocfg = spec["verify"], spec["optimizer"]
-    tally = _Tally(vcfg["atol"], vcfg["rtol"])
+    tally = _Tally(*tolerances(vcfg, plan.param_dtype))
     runner = StepRunner(stage, plan, ctx, loss_fn)
     opt = make_stage_optimizer(stage.parameters(), vcfg["optimizer"], ocfg["lr"], ocfg["weight_decay"],
                                plan.zero_stage, ctx)
@@ -96,8 +106,10 @@ def _report(tally: _Tally, plan, opt_name, loss, ref_loss, ctx) -> int:
     ok = bad.sum().item() == 0
     if ctx.rank == 0:
         m = plan.mesh
-        print(f"verify: mesh pp={m['pp']} x dp={m['dp']} x tp={m['tp']}, fp32, "
-              f"atol={tally.atol:g} rtol={tally.rtol:g}")
+        dtypes = "fp32" if plan.param_dtype == "fp32" else \
+            f"param_dtype {plan.param_dtype}, reduce_dtype {plan.reduce_dtype}"
+        print(f"verify: mesh pp={m['pp']} x dp={m['dp']} x tp={m['tp']}, {dtypes}, "
+              f"atol={tally.atol:g} rtol={tally.rtol:g} (tolerances for {plan.param_dtype})")
         print(f"verify: loss {loss.item():.6f} (reference {ref_loss.item():.6f}) max abs err {errs[0]:.3g}")
         print(f"verify: outputs max abs err {errs[1]:.3g}")
         print(f"verify: gradients (gathered to full shape) max abs err {errs[2]:.3g}")

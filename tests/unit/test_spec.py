@@ -24,7 +24,7 @@ def spec_error(tmp_path: Path, text: str, overrides=()) -> str:
 def test_defaults_for_empty_file(tmp_path):
     spec = load_spec(write(tmp_path, ""))
     assert spec.to_dict() == {
-        "mesh": {"dp": 1, "tp": 1, "pp": 1},
+        "mesh": {"dp": 1, "tp": 1, "pp": 1, "dp_replicate": 1},
         "pipeline": {"microbatches": 1, "schedule": "1f1b", "split_points": None,
                      "layers_per_stage": None, "virtual_stages": 1},
         "zero_stage": 3,
@@ -33,6 +33,8 @@ def test_defaults_for_empty_file(tmp_path):
         "optimizer": {"name": "adamw", "lr": 1.0e-3, "weight_decay": 0.0},
         "verify": {"atol": 1.0e-5, "rtol": 1.0e-5, "optimizer": "sgd"},
         "activation_checkpointing": {"mode": "none", "every": 2},
+        "fsdp": {"prefetch": {"forward": None, "backward": None}, "offload": False},
+        "mixed_precision": {"param_dtype": "fp32", "reduce_dtype": None},
     }
     assert spec == Spec()
 
@@ -64,7 +66,8 @@ def test_override_feeds_interpolation(tmp_path):
 def test_unknown_top_level_key_suggests_closest(tmp_path):
     msg = spec_error(tmp_path, "zero_stages: 3\n")
     assert "zero_stages" in msg and "did you mean 'zero_stage'" in msg.lower()
-    assert "mesh, pipeline, zero_stage, checkpoint, seed, optimizer, verify, activation_checkpointing" in msg
+    assert ("mesh, pipeline, zero_stage, checkpoint, seed, optimizer, verify, activation_checkpointing, "
+            "fsdp, mixed_precision") in msg
 
 
 def test_unknown_nested_key_suggests_closest(tmp_path):

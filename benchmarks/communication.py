@@ -1,0 +1,172 @@
+"""Every collective of one training step (op, process group, bytes), counted by torch's own
+``CommDebugMode`` (benchmarks/_comm.py) on every rank: the emitted program beside the
+torch-native baseline (benchmarks/native_llama.py) and beside the analytical minimum, at
+tp=2 x dp=2 (FSDP2, ZeRO-3) and tp=2 x pp=2 (1F1B), world 4, after warm-up steps with
+equal losses asserted.
+
+Analytical minimum per step (no sequence parallelism; fp32):
+
+- tensor parallelism, Megatron-LM (Shoeybi et al. 2019) §3: per transformer layer and
+  microbatch, two all-reduces of b*s*h elements in forward (g after attention and after
+  the MLP) and two in backward (f before q/k/v and before gate/up); ``b`` the microbatch;
+- data parallelism, ZeRO-3 / FSDP (Rajbhandari et al. 2020, §7): all-gather of the
+  parameters in forward, again in backward, reduce-scatter of the gradients: 1.5x DDP's
+  all-reduce. FSDP2 keeps the root module (embedding, final norm, LM head) gathered from
+  forward to backward (its default, and torchtitan's), so the backward all-gather covers the
+  decoder layers only;
+- pipeline parallelism: one activation (b*s*h) sent forward and one gradient sent back per
+  microbatch and stage boundary;
+- bytes a rank sends with ring algorithms (Patarasuk & Yuan 2009): all-reduce 2(N-1)/N of
+  the buffer, all-gather / reduce-scatter (N-1)/N, a send its buffer.
+
+The figure is the sum over all ranks. Target: ours equals the minimum; differences are
+listed by op and mesh dim. 0-dim all-reduces (the emitted step puts the global loss on
+every rank) are listed and left out of the totals.
+
+    python -m benchmarks.communication [--quick]
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from ._comm import wire_bytes
+from ._common import (BENCH_MODEL, bench_env, base_parser, compile_program, main_guard, mesh_overrides,
+                      print_table, run_worker, write_json)
+from .native_llama import LAYER_TP_PLAN
+
+CONFIGS = {"tp2-dp2-fsdp": dict(tp=2, dp=2, pp=1), "tp2-pp2": dict(tp=2, dp=1, pp=2)}
+MICROBATCHES = 4  # benchmarks/models/spec.yaml
+
+
+def _bench_model(quick: bool):
+    os.environ["PZ_BENCH_SIZE"] = "quick" if quick else "full"
+    spec = importlib.util.spec_from_file_location("pz_bench_model", BENCH_MODEL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def dim_of(ranks: list[int], mesh: dict) -> str:
+    """The mesh dim (pp, dp, tp; ranks laid out (pp, dp, tp), tp innermost) a group spans."""
+    pp, dp, tp = mesh["pp"], mesh["dp"], mesh["tp"]
+    coords = [((r // (dp * tp)), (r // tp) % dp, r % tp) for r in sorted(ranks)]
+    varying = [name for i, name in enumerate(("pp", "dp", "tp")) if len({c[i] for c in coords}) > 1]
+    if len(ranks) == pp * dp * tp and len(varying) > 1:
+        return "world"
+    return "+".join(varying) or "self"
+
+
+def minimum(module, mesh: dict, micro: int) -> dict:
+    """(op, dim) -> {"calls", "wire_bytes"} summed over all ranks, from the model's config
+    alone (not from our plan)."""
+    cfg = module.make_config()
+    b, s, h = module.SIZE["batch"], module.SIZE["seq"], cfg.hidden_size
+    pp, dp, tp = mesh["pp"], mesh["dp"], mesh["tp"]
+    world, m = pp * dp * tp, micro if pp > 1 else 1
+    act = (b // dp // m) * s * h * 4  # one microbatch's activation, bytes
+    out = {}
+    if tp > 1:
+        calls = 4 * cfg.num_hidden_layers * m * dp * tp
+        out[("allreduce_", "tp")] = {"calls": calls, "wire_bytes": calls * wire_bytes("allreduce_", act, tp)}
+    if pp > 1:
+        calls = 2 * m * (pp - 1) * dp * tp
+        out[("send", "pp")] = {"calls": calls, "wire_bytes": calls * act}
+    if dp > 1:
+        if pp > 1:
+            raise NotImplementedError("FSDP under pipelining: not a configuration of this benchmark")
+        with torch.device("meta"):
+            model = module.build_model()
+        sharded = tuple(f"{k}.weight" for k in LAYER_TP_PLAN)
+        total = layers = 0
+        for name, p in model.named_parameters():
+            n = p.numel() * 4 // (tp if name.endswith(sharded) else 1)
+            total += n
+            layers += n if ".layers." in name else 0
+        ag = (total + layers) * tp  # every tp rank's shard, over the tp coordinates
+        out[("_allgather_base_", "dp")] = {"calls": None, "wire_bytes": dp * wire_bytes("_allgather_base_", ag, dp)}
+        out[("_reduce_scatter_base_", "dp")] = {"calls": None,
+                                                "wire_bytes": dp * wire_bytes("_reduce_scatter_base_", total * tp, dp)}
+        out["ddp_allreduce_wire_bytes"] = dp * wire_bytes("allreduce_", total * tp, dp)
+    return out
+
+
+def tally(per_rank: list[list[dict]], mesh: dict) -> dict:
+    """(op, dim) -> {"calls", "wire_bytes"} summed over ranks."""
+    out = defaultdict(lambda: {"calls": 0, "wire_bytes": 0.0})
+    for records in per_rank:
+        for r in records:
+            key = (r["op"], dim_of(r["ranks"], mesh))
+            out[key]["calls"] += 1
+            out[key]["wire_bytes"] += r["wire_bytes"]
+    return dict(out)
+
+
+def measure(name: str, quick: bool) -> dict:
+    mesh = CONFIGS[name]
+    env = bench_env(quick)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = compile_program(Path(tmp) / "out", mesh_overrides(**mesh), env=env)
+        r = run_worker(out, mesh["tp"] * mesh["dp"] * mesh["pp"],
+                       ["--steps", "1", "--warmup", "1", "--comm"], env=env)
+    full = {**mesh, "pp": mesh["pp"]}
+    ours, native = tally(r["collectives"]["ours"], full), tally(r["collectives"]["native"], full)
+    low = minimum(_bench_model(quick), full, r["microbatches"])
+    ddp = low.pop("ddp_allreduce_wire_bytes", None)
+    rows = []
+    for key in sorted(set(ours) | set(native) | set(low)):
+        o, n, mn = ours.get(key), native.get(key), low.get(key)
+        ob, nb = (o or {}).get("wire_bytes", 0.0), (n or {}).get("wire_bytes", 0.0)
+        mb = (mn or {}).get("wire_bytes", 0.0)
+        rows.append({"op": key[0], "dim": key[1], "calls": {"ours": (o or {}).get("calls", 0),
+                     "native": (n or {}).get("calls", 0), "minimum": (mn or {}).get("calls")},
+                     "wire_bytes": {"ours": ob, "native": nb, "minimum": mb},
+                     "ours_minus_minimum": ob - mb, "scalar": _scalar(o) and _scalar(n)})
+    # 0-dim all-reduces (ours puts the global loss on every rank) are listed, not compared
+    tot = {k: sum(row["wire_bytes"][k] for row in rows if not row["scalar"]) for k in ("ours", "native", "minimum")}
+    return {"config": name, "mesh": mesh, "microbatches": r["microbatches"], "rows": rows, "total": tot,
+            "ratio_to_minimum": tot["ours"] / tot["minimum"], "met": abs(tot["ours"] - tot["minimum"]) < 1,
+            "ddp_allreduce_wire_bytes": ddp, "max_loss_diff": r["max_loss_diff"],
+            "losses": r["losses"], "collectives": r["collectives"]}
+
+
+def _scalar(t: dict | None) -> bool:
+    """Every call of this (op, dim) moved at most one fp64 scalar per rank (loss reporting)."""
+    return t is None or t["wire_bytes"] <= 8 * t["calls"]
+
+
+def _mb(x) -> str:
+    return f"{x / 2**20:.3f}"
+
+
+def main() -> None:
+    p = base_parser(__doc__.splitlines()[0], "communication")
+    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    a = p.parse_args()
+    runs = [measure(n, a.quick) for n in a.configs]
+    rows = []
+    for r in runs:
+        for row in r["rows"]:
+            c, w = row["calls"], row["wire_bytes"]
+            rows.append([r["config"], row["op"] + (" (0-dim loss)" if row["scalar"] else ""), row["dim"],
+                         c["ours"], c["native"],
+                         "-" if c["minimum"] is None else c["minimum"], _mb(w["ours"]), _mb(w["native"]),
+                         _mb(w["minimum"]), f"{row['ours_minus_minimum'] / 2**20:+.3f}"])
+        t = r["total"]
+        rows.append([f"**{r['config']} total**", "", "", "", "", "", _mb(t["ours"]), _mb(t["native"]),
+                     _mb(t["minimum"]), f"ours/min {r['ratio_to_minimum']:.3f} (target 1.0, "
+                     f"{'met' if r['met'] else 'NOT met'})"])
+    table = print_table(f"communication per training step, all ranks (MiB sent, ring algorithms)"
+                        f"{' (quick)' if a.quick else ''}",
+                        ["config", "op", "mesh dim", "calls ours", "calls native", "calls min",
+                         "MiB ours", "MiB native", "MiB min", "ours - min (MiB)"], rows)
+    write_json("communication", {"quick": a.quick, "runs": runs, "table": table}, a.json)
+
+
+if __name__ == "__main__":
+    main_guard(main)

@@ -1,0 +1,133 @@
+"""The memory model without processes: the ZeRO paper's figures (``estimate --params``),
+the CLI's errors, FSDP2's chunking, activations against a real forward, and the spec errors
+of the FSDP2-only options."""
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from parallelizer import cli
+from parallelizer.compiler import compile_module
+from parallelizer.errors import SpecError
+from parallelizer.frontend import build_model, example_batch, load_model_file
+from parallelizer.memory_model import estimate_program, fsdp_rows, zero_figures
+from parallelizer.spec import load_spec
+
+
+def run_cli(capsys, *argv):
+    code = cli.main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_params_prints_the_zero_paper_figures(capsys):
+    code, out, _ = run_cli(capsys, "estimate", "--params", "13e9", "--dp", "8")
+    assert code == 0
+    lines = out.splitlines()
+    assert "Psi = 1.3e+10" in lines[0] and "N = 8" in lines[0] and "K = 12" in lines[0]
+    expect = {0: ("16*Psi ", "208.00 GB"), 1: ("4*Psi + 12*Psi/N", "71.50 GB"),
+              2: ("2*Psi + 14*Psi/N", "48.75 GB"), 3: ("16*Psi/N", "26.00 GB")}
+    for stage, (formula, figure) in expect.items():
+        line = next(l for l in lines if f"zero_stage {stage}" in l)
+        assert formula in line and figure in line, line
+
+
+def test_params_one_stage_prints_it_beside_ddp(capsys):
+    code, out, _ = run_cli(capsys, "estimate", "--params", "13e9", "--dp", "8", "--zero-stage", "2")
+    assert code == 0
+    assert "zero_stage 0" in out and "zero_stage 2" in out and "48.75 GB" in out
+    assert "zero_stage 1" not in out and "zero_stage 3" not in out
+
+
+def test_zero_figures_are_the_paper_formulas():
+    psi, n = 7.5e9, 64  # Figure 1 of Rajbhandari et al. 2020: 120, 31.4, 16.6, 1.9 GB
+    got = [round(r["bytes"] / 1e9, 1) for r in zero_figures(psi, n)]
+    assert got == [120.0, 31.4, 16.6, 1.9]
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (("estimate",), "needs MODEL SPEC"),
+    (("estimate", "--params", "13e9"), "--dp N"),
+    (("estimate", "--params", "0", "--dp", "8"), "--params needs a count > 0"),
+    (("estimate", "m.py", "s.yaml", "--params", "1e9", "--dp", "2"), "drop MODEL SPEC"),
+    (("estimate", "m.py", "s.yaml", "--dp", "2"), "mesh.dp=N zero_stage=S"),
+    (("estimate", "missing_model.py", "s.yaml"), "missing_model.py does not exist"),
+])
+def test_estimate_user_errors(capsys, argv, needle):
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 2 and err.startswith("error: ") and needle in err, err
+
+
+@pytest.mark.parametrize("n, shards", [(7, 2), (5, 4), (3, 4), (128, 3), (0, 2)])
+def test_fsdp_rows_follow_torch_chunk(n, shards):
+    chunks = torch.arange(n).chunk(shards) if n else ()
+    want = [len(c) for c in chunks] + [0] * (shards - len(chunks))
+    assert [fsdp_rows(n, shards, i) for i in range(shards)] == want
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("mesh: {dp: 4, dp_replicate: 3}\n", "mesh.dp_replicate (3) must divide mesh.dp (4)"),
+    ("zero_stage: 1\nmixed_precision: {param_dtype: bf16}\n", "mixed_precision.param_dtype=bf16 needs FSDP2"),
+    ("zero_stage: 0\nfsdp: {offload: true}\n", "fsdp.offload=true needs FSDP2"),
+    ("zero_stage: 1\nfsdp: {prefetch: {forward: 2}}\n", "fsdp.prefetch.forward=2 needs FSDP2"),
+    ("zero_stage: 0\nmesh: {dp: 4, dp_replicate: 2}\n", "mesh.dp_replicate=2 needs FSDP2"),
+    ("mixed_precision: {param_dtype: fp8}\n", "mixed_precision.param_dtype must be one of 'fp32', 'bf16', 'fp16'"),
+])
+def test_fsdp_only_options_are_spec_errors(tmp_path, text, needle):
+    path = tmp_path / "spec.yaml"
+    path.write_text(text)
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    assert needle in str(info.value), str(info.value)
+
+
+@pytest.fixture(scope="module")
+def llama_pp2(tools):
+    """The llama example compiled from its meta-device model for pp=2, 4 microbatches."""
+    module = load_model_file(tools.examples / "llama" / "model.py")
+    spec = load_spec(tools.examples / "llama" / "spec.yaml",
+                     ["mesh.tp=1", "mesh.pp=2", "mesh.dp=1", "pipeline.microbatches=4"])
+    program = compile_module(build_model(module, on_meta=True), example_batch(module), spec,
+                             module.loss_fn, reference=False)
+    return module, program
+
+
+def _estimate(llama_pp2, **changes):
+    module, program = llama_pp2
+    plan = dataclasses.replace(program.plan, **changes)
+    return plan, estimate_program(plan, program.sources, example_batch(module), module.loss_fn, "adamw")
+
+
+def test_activations_follow_checkpointing_and_schedule(llama_pp2):
+    _, none = _estimate(llama_pp2)
+    _, full = _estimate(llama_pp2, activation_checkpointing="full")
+    _, gpipe = _estimate(llama_pp2, schedule="gpipe")
+    # 1F1B: stage 0 holds pp = 2 microbatches, the last stage 1; GPipe all 4
+    assert [r.microbatches_in_flight for r in none] == [2, 1]
+    assert [r.microbatches_in_flight for r in gpipe] == [4, 4]
+    for n, f in zip(none, full):
+        assert f.activations_per_microbatch < n.activations_per_microbatch / 2, (n, f)
+        assert f.activations > f.activations_per_microbatch * f.microbatches_in_flight  # recompute
+        assert f.parameters == n.parameters and f.optimizer == n.optimizer
+    # optimizer: AdamW's two fp32 states per parameter (+ a 4-byte step per tensor)
+    assert 2 * none[0].parameters <= none[0].optimizer <= 2 * none[0].parameters + 4 * 64
+
+
+def test_activation_bytes_match_a_real_forward(llama_pp2):
+    """The FakeTensor count of saved tensors equals the count on real tensors of the same
+    emitted stage (stage 0 of the pp=2 program, one microbatch): same hook, real storages."""
+    from parallelizer.memory_activations import _Recorder
+    from parallelizer.memory_model import load_stage
+    module, program = llama_pp2
+    _, (est, _) = _estimate(llama_pp2)
+    stage = load_stage(program.sources["program/stage0.py"], 0)  # real, uninitialised tensors
+    from parallelizer.runtime.batching import flatten
+    flat = flatten(program.plan, example_batch(module))
+    rec = _Recorder(stage, 1.0)
+    with torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
+        stage(*[t[:t.shape[0] // 4] for t in flat])  # one of 4 microbatches
+    real = sum(rec.saved.values())
+    print(f"\nactivations of stage 0: estimated {est.activations_per_microbatch} bytes, "
+          f"real forward {real}")
+    assert real > 0 and abs(est.activations_per_microbatch - real) <= 0.05 * real
