@@ -52,13 +52,9 @@ def test_overhead_quick(tmp_path):
     assert "<= 1.05" in out
 
 
-def test_step_time_and_communication_quick(tmp_path):
-    data, out = bench("step_time", tmp_path, "--configs", "tp2-pp2", "--steps", "2")
-    (run,) = data["runs"]
-    _check_run(run, 2, 1)
-    assert run["baseline"] == "native" and run["mesh"] == {"dp": 1, "pp": 2, "tp": 2}
-    assert "<= 1.0" in out
-
+def test_communication_quick(tmp_path):
+    # step_time runs the same _worker and native baseline; its equal-loss check is the one
+    # test_overhead_quick and test_loss_check_fails_on_mismatch exercise
     data, out = bench("communication", tmp_path, "--configs", "tp2-dp2-fsdp")
     (run,) = data["runs"]
     rows = {(r["op"], r["dim"]): r for r in run["rows"]}
