@@ -35,7 +35,18 @@ def expr(x) -> sympy.Expr:
 
 
 def same(a, b) -> bool:
-    return sympy.simplify(expr(a) - expr(b)) == 0
+    """Whether two sizes are equal for every value of their symbols.
+
+    ``sympy.simplify`` costs milliseconds per call and the view rule compares thousands of
+    sizes on a 70B graph (18 s of a 31 s compile); an expanded polynomial is zero exactly
+    when it is identically zero, so simplify is left for FloorDiv/Mod-like expressions.
+    """
+    diff = sympy.expand(expr(a) - expr(b))
+    if diff == 0:
+        return True
+    if diff.is_number or diff.is_polynomial():
+        return False
+    return sympy.simplify(diff) == 0
 
 
 def prod(sizes) -> sympy.Expr:
