@@ -27,11 +27,11 @@ from torch.distributed.pipelining import PipelineStage
 
 
 def unshard_fsdp_modules(module: torch.nn.Module) -> None:
-    """Unshard (all-gather, synchronously) every FSDP2 module in ``module``; no-op for the
-    ones already unsharded and for a module without FSDP2."""
-    for m in module.modules():
-        if isinstance(m, FSDPModule):
-            m.unshard()
+    """Unshard every FSDP2 module in ``module`` (all-gathers issued together, then waited
+    on); no-op for the ones already unsharded and for a module without FSDP2."""
+    handles = [m.unshard(async_op=True) for m in module.modules() if isinstance(m, FSDPModule)]
+    for handle in handles:
+        handle.wait()
 
 
 class SplitBackwardPipelineStage(PipelineStage):
