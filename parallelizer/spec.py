@@ -40,7 +40,7 @@ from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from parallelizer.errors import SpecError
-from parallelizer.pipeline_schedules import check as check_schedule, check_data_parallel
+from parallelizer.pipeline_schedules import check as check_schedule
 
 _STRICT = ConfigDict(extra="forbid", frozen=True, strict=True)
 _OVERRIDE_KEY = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
@@ -202,8 +202,7 @@ class Spec(BaseModel):
     def _check_schedule(self) -> "Spec":
         # the installed torch's schedule classes check these only when built on the cluster
         p = self.pipeline
-        problem = (check_schedule(p.schedule, self.mesh.pp, p.virtual_stages, p.microbatches)
-                   or check_data_parallel(p.schedule, self.mesh.pp, self.mesh.dp, self.zero_stage))
+        problem = check_schedule(p.schedule, self.mesh.pp, p.virtual_stages, p.microbatches)
         if problem:
             raise ValueError(problem)
         return self

@@ -24,15 +24,14 @@ import statistics
 import time
 
 import torch
-from torch.distributed.pipelining import PipelineStage
-
 from ..pipeline_schedules import theoretical_bubble
+from .pipeline_stage import SplitBackwardPipelineStage
 
 PROFILE_STEPS = 5  # steps timed by --profile after one warm-up step
 
 
-class TimedPipelineStage(PipelineStage):
-    """A ``PipelineStage`` that records ``(start, end)`` of each compute call into
+class TimedPipelineStage(SplitBackwardPipelineStage):
+    """A ``PipelineStage`` (:class:`SplitBackwardPipelineStage`) that records ``(start, end)`` of each compute call into
     ``self.intervals`` while that list is not None (None: no timing, no synchronisation)."""
 
     intervals: list | None = None

@@ -24,7 +24,7 @@ ENTRY = Path(__file__).with_name("schedules_entry.py")
 _SCHEDULE = re.compile(r"^SCHEDULE (\S+) (\d+)$")
 
 MULTI = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv", "dualpipev")
-# test_train_equivalence.py's llama-pp2-zbv compiles the same (one compile for both); the
+# test_zero_matrix.py's llama-pp2-zbv compiles the same (one compile for both); the
 # llama spec has 4 microbatches; --verify's SGD step runs at optimizer.lr = 0.1
 PP2_V2 = ("mesh.dp=1", "mesh.tp=1", "mesh.pp=2", "optimizer.name=sgd", "optimizer.lr=0.1",
           "optimizer.weight_decay=0.0", "pipeline.schedule=zbv", "pipeline.virtual_stages=2")

@@ -28,15 +28,14 @@ CASES = {  # id -> (example, dp, tp, pp)
     "gpt2-tp2-pp2": ("gpt2", 1, 2, 2),  # Conv1D, fused q|k|v; tied wte/lm_head across stages
     # llama at tp=4 (kv heads copied) is checked by test_equivalence's --verify: gradients,
     # one step and the agreement of the copies, without a second 4-rank launch here
-    # ZB-V: the tied embedding (stage 0) and LM head (stage 3) on one rank; 4 checkpoint files
-    "llama-pp2-zbv": ("llama", 1, 1, 2),
+    # ZB-V (tied embedding and LM head on one rank) trains like eager in test_zero_matrix.py
+    # (dp=2, FSDP2; gradients and parameters) and saves/resumes in test_resume.py
 }
-EXTRA = {"llama-pp2-zbv": ("pipeline.schedule=zbv", "pipeline.virtual_stages=2")}
 
 
 def _overrides(case):
     _, dp, tp, pp = CASES[case]
-    return (f"mesh.dp={dp}", f"mesh.tp={tp}", f"mesh.pp={pp}", *OPTIMIZER, *EXTRA.get(case, ()))
+    return (f"mesh.dp={dp}", f"mesh.tp={tp}", f"mesh.pp={pp}", *OPTIMIZER)
 
 
 def _load_module(path, name):

@@ -1,6 +1,8 @@
 """Every ZeRO stage, with and without activation checkpointing, alone (dp=4, also HSDP 2x2
-and CPU offload) and with tp=2 or pp=2 (dp=2): 3 SGD steps equal to eager training of the
-unmodified model (last step's gradients and final parameters, gathered to full shape, fp32);
+and CPU offload) and with tp=2 or pp=2 (dp=2; also the zero-bubble schedules, which split
+the backward into input- and weight-gradient actions, over FSDP2 with 2 stages per rank):
+3 SGD steps equal to eager training of the unmodified model (last step's gradients and final
+parameters, gathered to full shape, fp32);
 and the memory model's parameter, gradient and optimizer bytes against the bytes each rank
 measures from its local tensors after an AdamW step; and ``run_verify`` under bf16 mixed
 precision. One torchrun launch (4 ranks) runs all cases through the real runtime
@@ -24,6 +26,12 @@ PROGRAMS = {  # out name prefix -> (example, overrides)
     "gpt-dp2-tp2": ("gpt", ("mesh.dp=2", "mesh.tp=2", "mesh.pp=1")),
     "llama-dp2-pp2": ("llama", ("mesh.dp=2", "mesh.tp=1", "mesh.pp=2")),
     "llama-dp4": ("llama", ("mesh.dp=4", "mesh.tp=1", "mesh.pp=1")),
+    # V placement, 2 stages per rank (embedding and LM head on rank 0), for the zero-bubble
+    # schedules; compiled for dp=1 (test_schedules.py's PP2_V2: one compile for both), the
+    # driver runs it at dp=2 (the checkpoint is per stage and tp; dp replicas share it)
+    "llama-pp2-zbv": ("llama", ("mesh.dp=1", "mesh.tp=1", "mesh.pp=2", "optimizer.name=sgd",
+                                "optimizer.lr=0.1", "optimizer.weight_decay=0.0",
+                                "pipeline.schedule=zbv", "pipeline.virtual_stages=2")),
 }
 DRIVER = Path(__file__).with_name("zero_matrix_driver.py")
 PROFILE = ("gpt", ("mesh.dp=2", "mesh.tp=1", "mesh.pp=1"))  # test_equivalence's gpt-dp2 program
@@ -44,6 +52,7 @@ def _assert_close(measured: dict, estimated: dict, where: str) -> None:
 @pytest.mark.precompile(PROGRAMS["gpt-dp2-tp2"][0], *PROGRAMS["gpt-dp2-tp2"][1])
 @pytest.mark.precompile(PROGRAMS["llama-dp2-pp2"][0], *PROGRAMS["llama-dp2-pp2"][1])
 @pytest.mark.precompile(PROGRAMS["llama-dp4"][0], *PROGRAMS["llama-dp4"][1])
+@pytest.mark.precompile(PROGRAMS["llama-pp2-zbv"][0], *PROGRAMS["llama-pp2-zbv"][1])
 def test_zero_stages_train_like_eager_and_match_the_memory_model(compiled, tools, tmp_path):
     outs = [compiled(example, *ov) for example, ov in PROGRAMS.values()]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
@@ -54,16 +63,21 @@ def test_zero_stages_train_like_eager_and_match_the_memory_model(compiled, tools
     train = [r for r in results if r["kind"] == "train"]
     memory = [r for r in results if r["kind"] == "memory"]
     verify = [r for r in results if r["kind"] == "verify"]
-    assert len(train) == 13 and len(memory) == 5 and len(verify) == 1, explain
+    assert len(train) == 16 and len(memory) == 5 and len(verify) == 1, explain
     seen_pairs = set()
     for r in train:
-        where = f"{r['out']} zero_stage {r['zero_stage']} ac {r['ac']} hsdp {r['dp_replicate']} offload {r['offload']}"
+        where = (f"{r['out']} {r['schedule']} zero_stage {r['zero_stage']} ac {r['ac']} "
+                 f"hsdp {r['dp_replicate']} offload {r['offload']}")
         print(f"\n{where}: grads err {r['err']['gradients']:.3g}, params err "
               f"{r['err']['parameters']:.3g} ({r['counts']['parameters']} tensors)", end="")
         assert r["err"]["gradients"] <= TOL and r["err"]["parameters"] <= TOL, where
         assert r["counts"]["gradients"] > 0 and r["moved"] > 100 * TOL, where
         seen_pairs.add((r["zero_stage"], r["ac"] != "none"))
     assert seen_pairs == {(z, ac) for z in range(4) for ac in (False, True)}
+    # zero-bubble schedules (split input/weight gradients) over FSDP2, 2 stages per rank
+    zero_bubble = {(r["schedule"], r["zero_stage"]) for r in train
+                   if r["schedule"] in ("zbv", "dualpipev", "interleaved_zero_bubble")}
+    assert zero_bubble == {("zbv", 3), ("dualpipev", 3), ("interleaved_zero_bubble", 2)}, zero_bubble
     # explicit prefetch lists (forward, backward) per block of the 4-block llama: depth 1
     # by default, depth 3 on the HSDP case; never past the stage's ends
     hsdp = next(r for r in train if r["dp_replicate"] == 2)

@@ -4,7 +4,7 @@ compiled programs, in one launch (one process group; a new device mesh per progr
     torchrun --nproc-per-node 4 zero_matrix_driver.py OUT [OUT ...]
 
 Per OUT (compiled with SGD lr 0.1) and case of :func:`cases`: build
-the stage with the real runtime (stage_builder.instantiate, StepRunner,
+the rank's stages with the real runtime (stage_builder.build_stages, StepRunner,
 make_stage_optimizer), train 3 steps, gather the last step's gradients and the final
 parameters to full shape, and compare them on rank 0 with 3 eager steps of the unmodified
 model; or ``run_verify`` under bf16 mixed precision; or one AdamW step, runtime/memory.measure on every rank
@@ -23,7 +23,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from parallelizer.checkpoint.reader import load_shard
 from parallelizer.memory_model import estimate_program
 from parallelizer.plan import ParallelPlan
 from parallelizer.runtime.batching import dp_slice, synthetic_batches
@@ -33,7 +32,8 @@ from parallelizer.runtime.main import _load_model_module
 from parallelizer.runtime.memory import measure
 from parallelizer.runtime.optim import make_optimizer
 from parallelizer.runtime.setup import init
-from parallelizer.runtime.stage_builder import import_stage_class, instantiate
+from parallelizer.pipeline_schedules import V_SHAPED, with_schedule
+from parallelizer.runtime.stage_builder import build_stages
 from parallelizer.runtime.step import StepRunner
 from parallelizer.runtime.tp import set_tp_group
 
@@ -82,11 +82,11 @@ def gather(stage, plan, ctx, pick) -> dict | None:
 
 
 def build(out, plan, module):
+    """This rank's stages (two under V placement) from OUT/checkpoint, and their runner."""
     set_tp_group(None)  # the previous program's tp group must not leak into this one
     ctx = init(plan, "cpu")
-    shard = load_shard(out / "checkpoint", ctx.pp_rank, ctx.tp_rank, plan)
-    stage = instantiate(import_stage_class(out, ctx.pp_rank), plan, ctx, shard)
-    return ctx, stage, StepRunner(stage, plan, ctx, module.loss_fn)
+    stages = build_stages(out, plan, ctx)
+    return ctx, stages, StepRunner(stages, plan, ctx, module.loss_fn)
 
 
 def train_case(out, plan, module, data, want):
@@ -107,15 +107,15 @@ def train_case(out, plan, module, data, want):
     err = {"gradients": 0.0, "parameters": 0.0}
     counts = {"gradients": 0, "parameters": 0}
     for cat, got, ref in (("gradients", grads, want_grads), ("parameters", params, want_params)):
+        missing = {plan.aliases.get(n, n) for n in ref} ^ set(got)
+        assert not missing, (plan.schedule, plan.zero_stage, cat, sorted(missing))
         for name, w in ref.items():
             fqn = plan.aliases.get(name, name)
             g = got[fqn]
             assert g.shape == w.shape, (name, g.shape, w.shape)
             err[cat] = max(err[cat], (g - w).abs().max().item())
             counts[cat] += 1
-        missing = {plan.aliases.get(n, n) for n in ref} ^ set(got)
-        assert not missing, (cat, sorted(missing))
-    report({"kind": "train", "out": out.name, "zero_stage": plan.zero_stage,
+    report({"kind": "train", "out": out.name, "schedule": plan.schedule, "zero_stage": plan.zero_stage,
             "ac": plan.activation_checkpointing, "offload": plan.offload,
             "dp_replicate": plan.dp_replicate, "mesh": plan.mesh, "err": err, "counts": counts, "moved": moved,
             "prefetch": prefetch})
@@ -154,10 +154,16 @@ def report(obj):
 
 
 def cases(base: ParallelPlan) -> list[tuple]:
-    """(check, zero_stage, activation checkpointing, dp_replicate, offload). Training runs
-    cover every (zero stage, mesh) pair and every (zero stage, checkpointing) pair over the
-    three programs (a pairwise design: the full product took 60 s on 2 cores); memory runs
-    every zero stage on the pp=2 program (uneven stages, tied embedding in both) and HSDP."""
+    """(check, zero_stage, activation checkpointing, dp_replicate, offload[, schedule]).
+    Training runs cover every (zero stage, mesh) pair and every (zero stage, checkpointing)
+    pair over the programs (a pairwise design: the full product took 60 s on 2 cores);
+    memory runs every zero stage on the pp=2 program (uneven stages, tied embedding in both)
+    and HSDP. The V program (2 stages per rank) trains under the three zero-bubble
+    schedules with FSDP2: their split weight-gradient action under ZeRO-3 once dropped
+    gradients (runtime/pipeline_stage.py)."""
+    if base.schedule in V_SHAPED:
+        return [("train", 3, "none", 1, False, "zbv"), ("train", 3, "none", 1, False, "dualpipev"),
+                ("train", 2, "full", 1, False, "interleaved_zero_bubble")]
     if base.mesh["tp"] > 1:
         return [("train", 0, "none", 1, False), ("train", 1, "full", 1, False),
                 ("train", 2, "none", 1, False), ("train", 3, "full", 1, False),
@@ -175,16 +181,20 @@ def main(outs: list[Path]) -> None:
     dist.init_process_group("gloo")
     for out in outs:
         base = ParallelPlan.from_json((out / "plan.json").read_text())
+        if base.schedule in V_SHAPED:  # compiled for dp=1: run it over dp=2 (same checkpoint)
+            base = dataclasses.replace(base, mesh={**base.mesh, "dp": 2})
         module = _load_model_module(out)
         data = batches(base, module)
         want = eager(module, data) if dist.get_rank() == 0 else None
         sources = {f"program/{p.name}": p.read_text() for p in (out / "program").glob("stage*.py")}
-        for check, zero, ac, rep, offload in cases(base):
+        for check, zero, ac, rep, offload, *schedule in cases(base):
             # HSDP also runs the deepest explicit prefetch (every other block ahead)
             deep = 3 if rep > 1 else 1
             plan = dataclasses.replace(base, zero_stage=zero, activation_checkpointing=ac,
                                        dp_replicate=rep, offload=offload,
                                        prefetch_forward=deep, prefetch_backward=deep)
+            if schedule:
+                plan = with_schedule(plan, schedule[0])
             if check == "train":
                 train_case(out, plan, module, data, want)
             elif check == "verify-bf16":
