@@ -24,12 +24,20 @@ ENTRY = Path(__file__).with_name("schedules_entry.py")
 _SCHEDULE = re.compile(r"^SCHEDULE (\S+) (\d+)$")
 
 MULTI = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv", "dualpipev")
+# at pp=2 zbv and interleaved_zero_bubble run in the minilm test below and in
+# test_zero_matrix.py (trained like eager); pp4 v2 runs all of MULTI
+MULTI_PP2 = ("interleaved_1f1b", "looped_bfs", "dualpipev")
 # test_zero_matrix.py's llama-pp2-zbv compiles the same (one compile for both); the
 # llama spec has 4 microbatches; --verify's SGD step runs at optimizer.lr = 0.1
 PP2_V2 = ("mesh.dp=1", "mesh.tp=1", "mesh.pp=2", "optimizer.name=sgd", "optimizer.lr=0.1",
           "optimizer.weight_decay=0.0", "pipeline.schedule=zbv", "pipeline.virtual_stages=2")
 PP2 = ("mesh.dp=1", "mesh.tp=1", "mesh.pp=2")  # test_equivalence.py compiles the same
 PP4 = ("mesh.dp=1", "mesh.tp=1", "mesh.pp=4")
+# 8 stages of a 4-layer Llama: every layer cut inside (attention | MLP); 8 microbatches, as
+# dualpipev needs microbatches >= stages
+PP4_V2 = ("mesh.dp=1", "mesh.tp=1", "mesh.pp=4", "optimizer.name=sgd", "optimizer.lr=0.1",
+          "optimizer.weight_decay=0.0", "pipeline.schedule=interleaved_1f1b",
+          "pipeline.virtual_stages=2", "pipeline.microbatches=8")
 
 
 def _run(tools, out: Path, nproc: int, *args: str):
@@ -92,11 +100,11 @@ def test_multi_stage_schedules_pp2_v2_with_measured_bubble(compiled, tools):
     assert [s["rank"] for s in plan["stages"]] == [0, 1, 1, 0]  # V placement
     assert sorted(p.name for p in (out / "checkpoint").glob("*.safetensors")) == \
         [f"pp{s}-tp0.safetensors" for s in range(4)]
-    p = _run(tools, out, 2, "--profile", *MULTI)
-    _check(tools, "llama", p, MULTI)
+    p = _run(tools, out, 2, "--profile", *MULTI_PP2)
+    _check(tools, "llama", p, MULTI_PP2)
     bubbles = _bubbles(p.stdout)
     assert sorted((b["schedule"], b["rank"]) for b in bubbles) == \
-        sorted((s, r) for s in MULTI for r in (0, 1)), p.stdout
+        sorted((s, r) for s in MULTI_PP2 for r in (0, 1)), p.stdout
     for b in bubbles:
         assert 0.0 <= b["measured"] < 1.0 and len(b["measured_steps"]) == 5, b
         assert b["theoretical"] == (None if theoretical_bubble(b["schedule"], 2, 2, 4) is None
@@ -131,8 +139,20 @@ def test_single_stage_schedules_pp2_keyword_inputs_and_bad_batch(compiled, tools
 
 @pytest.mark.timeout(300)
 @pytest.mark.precompile("llama", *PP4)
-def test_schedules_pp4(compiled, tools):
-    out = compiled("llama", *PP4)
-    schedules = ("gpipe", "1f1b")
-    p = _run(tools, out, 4, *schedules)
-    _check(tools, "llama", p, schedules)
+@pytest.mark.precompile("llama", *PP4_V2)
+def test_schedules_pp4_and_pp4_v2_cut_inside_blocks(compiled, tools):
+    """One launch on 4 ranks: gpipe and 1f1b on one stage per rank, then every multi-stage
+    schedule on 8 stages, which a 4-layer Llama only has when each layer is cut between its
+    attention and its MLP (planning/pipeline.py, cuts inside a block)."""
+    out, out_v2 = compiled("llama", *PP4), compiled("llama", *PP4_V2)
+    summary = json.loads((out_v2 / "pipeline.json").read_text())
+    layers = [f"model.layers.{i}" for i in range(4)]
+    assert [st["blocks"] for st in summary["stages"]] == [[b] for b in layers for _ in (0, 1)]
+    assert [st["children"] for st in summary["stages"]] == [
+        {b: [f"{b}.{c}" for c in part]} for b in layers
+        for part in (("input_layernorm", "self_attn"), ("post_attention_layernorm", "mlp"))]
+    plan = json.loads((out_v2 / "plan.json").read_text())
+    assert [s["blocks"] for s in plan["stages"]] == [[b] for b in layers for _ in (0, 1)]
+    single = ("gpipe", "1f1b")
+    p = _run(tools, out, 4, *single, "--program", str(out_v2), *MULTI)
+    _check(tools, "llama", p, single + MULTI)
