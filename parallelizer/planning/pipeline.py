@@ -338,7 +338,8 @@ def _valid_points(p: str, grid: _Grid) -> str:
     b = blocks.index(block)
     kids = [c for j, cs in enumerate(grid.children) if grid.block_of[j] == b for c in cs]
     if not kids:
-        return msg + f"; {block} cannot be cut inside (its children's computations interleave)"
+        return msg + (f"; {block} cannot be cut inside (it has one child, or its children's "
+                      f"computations interleave)")
     return msg + f" or of a direct child of one; the children of {block}: {', '.join(kids)}"
 
 
