@@ -153,6 +153,8 @@ def test_schedules_pp4_and_pp4_v2_cut_inside_blocks(compiled, tools):
         for part in (("input_layernorm", "self_attn"), ("post_attention_layernorm", "mlp"))]
     plan = json.loads((out_v2 / "plan.json").read_text())
     assert [s["blocks"] for s in plan["stages"]] == [[b] for b in layers for _ in (0, 1)]
+    report = (out_v2 / "report.md").read_text()
+    assert "| 1 | model.layers.0 (post_attention_layernorm, mlp) |" in report, report
     single = ("gpipe", "1f1b")
     p = _run(tools, out, 4, *single, "--program", str(out_v2), *MULTI)
     _check(tools, "llama", p, single + MULTI)
