@@ -26,8 +26,8 @@ ENTRY = Path(__file__).with_name("schedules_entry.py")
 _SCHEDULE = re.compile(r"^SCHEDULE (\S+) (\d+)$")
 
 MULTI = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv", "dualpipev")
-# at pp=2 zbv and interleaved_zero_bubble run in the minilm test below and in
-# test_zero_matrix.py (trained like eager); pp4 v2 runs all of MULTI
+# at pp=2 interleaved_zero_bubble runs in the minilm test below, and zbv, dualpipev and
+# interleaved_zero_bubble train like eager in test_zero_matrix.py; pp4 v2 runs all of MULTI
 MULTI_PP2 = ("interleaved_1f1b", "looped_bfs", "dualpipev")
 # test_zero_matrix.py's llama-pp2-zbv compiles the same (one compile for both); the
 # llama spec has 4 microbatches; --verify's SGD step runs at optimizer.lr = 0.1
