@@ -4,7 +4,11 @@ For pp in {2, 4, 8, 16}, the imbalance (max / mean stage cost) of three splits, 
 with parallelizer's cost model (forward + backward FLOPs by torch.utils.flop_counter, one
 step of a batch of 1 x SEQ tokens) in the same run:
 
-- ours: ``planning.pipeline.plan_from_costs`` (contiguous min-max over block boundaries);
+- ours: ``planning.pipeline.plan_from_costs`` (contiguous min-max over block boundaries,
+  and over the cuts inside blocks that add no communication when whole blocks lose more
+  than 1 %; "cut" counts the blocks split across two stages);
+- whole blocks: the best split at block boundaries only (the same planner without the
+  parts of blocks), what ours was before cuts inside blocks;
 - torchtitan: an even split by layer count with the embedding and the head each counted as
   one layer (``generate_llm_fqn_per_model_part``, input_weight = output_weight = 1);
 - DeepSpeed: ``PipelineModule(partition_method="parameters")``, a min-max split of the
@@ -86,10 +90,17 @@ def min_max_sizes(weights: list, pp: int) -> list:
     return _min_max_sizes(weights, 0, 0, pp)
 
 
-def ours(costs, blocks, pp: int) -> list:
+def ours(costs, blocks, pp: int):
     from parallelizer.planning.pipeline import plan_from_costs
 
-    return list(plan_from_costs(costs, pp, blocks).stage_costs)
+    return plan_from_costs(costs, pp, blocks)
+
+
+def whole_blocks(costs, blocks, pp: int) -> list:
+    from parallelizer.planning.pipeline import plan_pipeline
+
+    flops = [u.flops for u in costs.units]
+    return list(plan_pipeline(flops[1:-1], flops[0], flops[-1], pp, blocks).stage_costs)
 
 
 def run(seq: int) -> list:
@@ -100,11 +111,15 @@ def run(seq: int) -> list:
         flops = [u.flops for u in costs.units]
         n = len(blocks)
         for pp in PPS:
-            mine = imbalance(ours(costs, blocks, pp))
+            decision = ours(costs, blocks, pp)
+            mine = imbalance(decision.stage_costs)
+            cut = sum(len(decision.stages_of_block(i)) > 1 for i in range(n))
+            whole = imbalance(whole_blocks(costs, blocks, pp))
             titan = imbalance(group(flops, torchtitan_sizes(n, pp)))
             deepspeed = imbalance(group(flops, min_max_sizes(params, pp)))
             limit = imbalance(group(flops, min_max_sizes(flops, pp)))
-            rows.append({"model": name, "pp": pp, "ours": mine, "torchtitan_even_layers": titan,
+            rows.append({"model": name, "pp": pp, "ours": mine, "blocks_cut": cut,
+                         "whole_blocks": whole, "torchtitan_even_layers": titan,
                          "deepspeed_parameters": deepspeed, "limit": limit,
                          "ours_vs_best_baseline": mine / min(titan, deepspeed)})
         print(f"# {name}: {n} blocks, head = {costs.units[-1].flops / costs.units[1].flops:.2f} "
@@ -119,11 +134,13 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=Path("benchmarks/results/pipeline_balance.json"))
     args = ap.parse_args()
     rows = run(args.seq)
-    head = f"{'model':<12} {'pp':>3} {'ours':>7} {'torchtitan':>11} {'deepspeed':>10} {'limit':>7} {'ours/best':>10}"
+    head = (f"{'model':<12} {'pp':>3} {'ours':>7} {'cut':>4} {'whole blocks':>13} {'torchtitan':>11} "
+            f"{'deepspeed':>10} {'limit':>7} {'ours/best':>10}")
     print(f"imbalance = max / mean stage FLOPs (fwd + bwd, batch 2 x {args.seq}); lower is better")
     print(head)
     for r in rows:
-        print(f"{r['model']:<12} {r['pp']:>3} {r['ours']:>7.3f} {r['torchtitan_even_layers']:>11.3f} "
+        print(f"{r['model']:<12} {r['pp']:>3} {r['ours']:>7.3f} {r['blocks_cut']:>4} "
+              f"{r['whole_blocks']:>13.3f} {r['torchtitan_even_layers']:>11.3f} "
               f"{r['deepspeed_parameters']:>10.3f} {r['limit']:>7.3f} {r['ours_vs_best_baseline']:>10.3f}")
     worse = [r for r in rows if r["ours"] > min(r["torchtitan_even_layers"], r["deepspeed_parameters"]) + 1e-12]
     print(f"ours never worse than either baseline: {not worse}")

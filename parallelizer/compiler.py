@@ -107,7 +107,7 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
     passes.run("tensor_parallel", apply_tensor_parallel, gm, tp_decision)
     passes.run("untie", apply_untie, gm, groups)
 
-    num_stages = _num_stages(spec, blocks)
+    num_stages = _num_stages(spec, blocks, costs.block_parts())
     stages_key = "mesh.pp" if pipe.virtual_stages == 1 else "mesh.pp x pipeline.virtual_stages"
     pp_decision = plan_from_costs(costs, num_stages, blocks, pipe, stages_key=stages_key)
     structure = pipeline_structure(gm.graph, model, blocks, costs, canonical)
@@ -138,17 +138,20 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
                    warnings=warnings, pipeline=pipeline)
 
 
-def _num_stages(spec: Spec, blocks: tuple[str, ...]) -> int:
+def _num_stages(spec: Spec, blocks: tuple[str, ...], parts=()) -> int:
     """``mesh.pp * pipeline.virtual_stages``: each pp rank runs ``virtual_stages`` stages.
 
     Raises:
-        PlanError: more stages than blocks (each stage needs one block at least).
+        PlanError: more stages than blocks and the cuts inside them the cost model offers
+            (``PipelineCosts.block_parts``; each stage needs one part of a block at least).
     """
     pp, v = spec.mesh.pp, spec.pipeline.virtual_stages
-    if v > 1 and pp * v > len(blocks):
+    inside = sum(ok for runs in parts for _, _, ok in runs[1:])
+    if v > 1 and pp * v > len(blocks) + inside:
+        cuts = f" and {inside} cut(s) inside blocks" if inside else ""
         raise PlanError(f"mesh.pp ({pp}) x pipeline.virtual_stages ({v}) = {pp * v} stages "
-                        f"exceeds the number of blocks ({len(blocks)}) found in the model; use "
-                        f"mesh.pp x pipeline.virtual_stages <= {max(len(blocks), 1)}")
+                        f"exceeds the number of blocks ({len(blocks)}){cuts} found in the model; "
+                        f"use mesh.pp x pipeline.virtual_stages <= {max(len(blocks) + inside, 1)}")
     return pp * v
 
 

@@ -53,4 +53,6 @@ def main(argv: list[str]) -> int:
         print("\n".join(pipeline_section(program.plan, summary, pictures=False)[2:]))
         for st in summary["stages"]:
             print(f"stage {st['index']} fqns: {', '.join(st['fqns'])}")
+            for block, kids in st["children"].items():
+                print(f"stage {st['index']} holds of {block} only: {', '.join(kids)}")
     return 0

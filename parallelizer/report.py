@@ -64,7 +64,7 @@ def pipeline_section(plan: ParallelPlan, pipeline: dict, pp_warnings=(), picture
              "", "| stage | blocks | GFLOP fwd | GFLOP bwd | parameter bytes | activation bytes sent | sends |",
              "|---|---|---|---|---|---|---|"]
     for st, s in zip(plan.stages, pipeline["stages"]):
-        blocks = " .. ".join(dict.fromkeys([st.blocks[0], st.blocks[-1]])) if st.blocks else "-"
+        blocks = _blocks_cell(st.blocks, s.get("children", {}))
         lines.append(f"| {st.index} | {blocks} | {s['fwd_flops'] / 1e9:.4g} | {s['bwd_flops'] / 1e9:.4g} "
                      f"| {s['param_bytes']:,} | {s['activation_bytes_sent']:,} "
                      f"| {', '.join(st.outputs) or 'outputs'} |")
@@ -75,3 +75,15 @@ def pipeline_section(plan: ParallelPlan, pipeline: dict, pp_warnings=(), picture
     if pictures and p > 1:
         lines += ["", "![schedule](pipeline_schedule.png)"]
     return lines
+
+
+def _blocks_cell(blocks, children: dict) -> str:
+    """``model.layers.0 .. model.layers.3``; a block cut across stages names the children
+    held here: ``model.layers.4 (post_attention_layernorm, mlp)``."""
+    if not blocks:
+        return "-"
+
+    def one(b):
+        kids = children.get(b)
+        return f"{b} ({', '.join(k.rsplit('.', 1)[1] for k in kids)})" if kids else b
+    return " .. ".join(dict.fromkeys([one(blocks[0]), one(blocks[-1])]))

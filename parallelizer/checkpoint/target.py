@@ -6,7 +6,9 @@
   degrees that do not fit, naming the tensor and the tp values that do.
 - pp: the manifest carries ``structure`` (ParallelPlan.structure): the blocks, the costs the
   compiler gave the pipeline partitioner (FLOPs of the cost model) and, per tensor, the
-  cost-model units of its readers (0 before the blocks, 1 + i block i, n + 1 after). A
+  cost-model units of its readers (0 before the blocks, 1 + i block i, n + 1 after), the
+  blocks' parts (runs of direct children, for cuts inside a block) and the parts of its
+  readers inside blocks. A
   split fixed by ``pipeline.split_points``/``layers_per_stage`` is not reproduced (those name
   one pp): pass ``--plan OUT`` of the program compiled with it.
   :func:`repartition` calls the same partitioner (planning/pipeline.py) through
@@ -93,13 +95,13 @@ def _fits(tplan: TensorPlan, tp: int) -> bool:
         return False
 
 
-def _partition(structure: dict, pp: int) -> tuple[int, ...]:
-    """Stage of each block for ``pp`` stages: the compiler's partitioner on the recorded costs
-    (the one place to adapt when the partitioner's signature changes)."""
+def _partition(structure: dict, pp: int):
+    """The PipelineDecision for ``pp`` stages: the compiler's partitioner on the recorded
+    costs and block parts (the one place to adapt when the partitioner's signature changes)."""
     from parallelizer.planning.pipeline import plan_pipeline
-    decision = plan_pipeline(list(structure["block_costs"]), structure["pre_cost"],
-                             structure["post_cost"], pp, tuple(structure["blocks"]))
-    return tuple(decision.stage_of_block)
+    parts = [[tuple(p) for p in runs] for runs in structure.get("block_parts") or []]
+    return plan_pipeline(list(structure["block_costs"]), structure["pre_cost"],
+                         structure["post_cost"], pp, tuple(structure["blocks"]), parts=parts)
 
 
 def repartition(structure: dict, pp: int) -> dict[str, tuple[int, ...]]:
@@ -115,12 +117,20 @@ def repartition(structure: dict, pp: int) -> dict[str, tuple[int, ...]]:
             "stages cannot be re-partitioned without the model; recompile the program and save "
             "the checkpoint again, or pass --plan OUT of a program compiled for the new mesh")
     try:
-        stage_of_block = _partition(structure, pp)
+        decision = _partition(structure, pp)
     except PlanError as e:
         raise CheckpointError(f"--pp {pp}: {e}") from None
-    stage_of_unit = (0,) + stage_of_block + (pp - 1,)  # as split_stages.assign_stages
-    return {fqn: tuple(sorted({stage_of_unit[u] for u in uses} or {0}))
-            for fqn, uses in structure["uses"].items()}
+    # as split_stages.assign_stages: a unit's stage, or its part's in a block cut across stages
+    stage_of_unit = (0,) + decision.stage_of_block + (pp - 1,)
+    part_stage = dict(decision.part_stages)
+    cut = {i + 1 for i in range(len(decision.blocks)) if len(decision.stages_of_block(i)) > 1}
+    part_uses = structure.get("part_uses", {})
+    out = {}
+    for fqn, uses in structure["uses"].items():
+        stages = {stage_of_unit[u] for u in uses if u not in cut}
+        stages |= {part_stage[c] for c in part_uses.get(fqn, ()) if c in part_stage}
+        out[fqn] = tuple(sorted(stages or {0}))
+    return out
 
 
 def target_layout(manifest: dict, tp: int, pp: int, dp: Optional[int] = None,

@@ -38,16 +38,22 @@ def collect_costs(gm: fx.GraphModule, blocks: tuple[str, ...], canonical: dict) 
         canonical: tied-weight name -> canonical FQN (names not in it are canonical).
     """
     unit_of = assign_units(gm.graph, blocks)
-    n_units = len(blocks) + 2
+    child_of = assign_parts(gm.graph, blocks, unit_of)
+    atom_of, runs = _atoms(gm.graph, unit_of, child_of)
+    n_units, n_atoms = len(blocks) + 2, len(runs)
     counter = _FlopCounter(_requires_grad(gm.graph))
     fwd, bwd = [0] * n_units, [0] * n_units
+    afwd, abwd = [0] * n_atoms, [0] * n_atoms
     params: list[list] = [[] for _ in range(n_units)]
+    aparams: list[list] = [[] for _ in range(n_atoms)]
     param_bytes = {}
     for node in gm.graph.nodes:
         if node.op == "call_function" and node in unit_of:
             f, b = counter.count(node)
             fwd[unit_of[node]] += f
             bwd[unit_of[node]] += b
+            afwd[atom_of[node]] += f
+            abwd[atom_of[node]] += b
         if node.op == "get_attr" and node.target != RUNTIME_DEVICE:
             t = attrgetter(node.target)(gm)
             if not isinstance(t, torch.nn.Parameter):
@@ -57,11 +63,23 @@ def collect_costs(gm: fx.GraphModule, blocks: tuple[str, ...], canonical: dict) 
             for u in sorted({unit_of[user] for user in node.users if user in unit_of}):
                 if fqn not in params[u]:
                     params[u].append(fqn)
+            for a in sorted({atom_of[user] for user in node.users if user in atom_of}):
+                if fqn not in aparams[a]:
+                    aparams[a].append(fqn)
     names = ([f"<before {blocks[0]}>" if blocks else "<before>"] + list(blocks)
              + [f"<after {blocks[-1]}>" if blocks else "<after>"])
     units = tuple(UnitCost(n, fwd[i], bwd[i], tuple(params[i])) for i, n in enumerate(names))
+    atom_cuts = _cut_bytes(gm.graph, atom_of, n_atoms)
+    parts, part_cuts = [], []
+    for u in range(1, len(blocks) + 1):
+        mine = [a for a, (au, _) in enumerate(runs) if au == u]
+        split = len(mine) > 1
+        parts.append(tuple(UnitCost(runs[a][1], afwd[a], abwd[a], tuple(aparams[a]))
+                           for a in mine) if split else ())
+        part_cuts.append(tuple(atom_cuts[a - 1] for a in mine[1:]) if split else ())
     return PipelineCosts(units, _cut_bytes(gm.graph, unit_of, n_units), param_bytes,
-                         _batch_shape(gm.graph), tuple(counter.notes))
+                         _batch_shape(gm.graph), tuple(counter.notes), tuple(parts),
+                         tuple(part_cuts))
 
 
 def assign_units(graph: fx.Graph, blocks: tuple[str, ...]) -> dict:
@@ -89,6 +107,45 @@ def assign_units(graph: fx.Graph, blocks: tuple[str, ...]) -> dict:
             current = max(current, found[node])
         out[node] = current if found[node] or i < last_block_node else len(blocks) + 1
     return out
+
+
+def assign_parts(graph: fx.Graph, blocks: tuple[str, ...], unit_of: dict = None) -> dict:
+    """node -> the FQN of its block's direct child whose run it belongs to, for the nodes of
+    block units (``assign_units``) of blocks that may be cut inside.
+
+    A block may be cut inside when its nodes (in graph order) go through two or more direct
+    children, each in one contiguous run. Nodes with the block's own path (residual adds)
+    and nodes after the block outside every block go with the most recent child, those
+    before the first child with the first child, as ``assign_units`` places nodes outside
+    blocks with the most recent block. ``split_stages`` and the cost model both use this.
+    """
+    unit_of = assign_units(graph, blocks) if unit_of is None else unit_of
+    current, order, child = {}, {}, {}
+    for node in graph.nodes:
+        u = unit_of.get(node)
+        if u is None or not 1 <= u <= len(blocks):
+            continue
+        block = blocks[u - 1]
+        path = module_path(node)
+        if path.startswith(block + "."):
+            current[u] = block + "." + path[len(block) + 1:].split(".", 1)[0]
+            seq = order.setdefault(u, [])
+            if not seq or seq[-1] != current[u]:
+                seq.append(current[u])
+        child[node] = current.get(u)
+    cuttable = {u for u, seq in order.items() if 1 < len(seq) == len(set(seq))}
+    return {n: c or order[unit_of[n]][0] for n, c in child.items() if unit_of[n] in cuttable}
+
+
+def _atoms(graph: fx.Graph, unit_of: dict, child_of: dict) -> tuple[dict, list]:
+    """node -> index of its (unit, child) run in graph order, and the runs: units split
+    into their parts where ``child_of`` has them."""
+    index: dict = {}
+    out = {}
+    for node in graph.nodes:
+        if node in unit_of:
+            out[node] = index.setdefault((unit_of[node], child_of.get(node)), len(index))
+    return out, list(index)
 
 
 def _cut_bytes(graph: fx.Graph, unit_of: dict, n_units: int) -> tuple[int, ...]:

@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from ..planning.pipeline import PipelineDecision
-from .graph_costs import assign_units
+from .graph_costs import assign_parts, assign_units
 from .graph_facts import aten, expr, is_tensor
 
 
@@ -33,11 +33,18 @@ class StageGraph:
 
 def assign_stages(graph: fx.Graph, decision: PipelineDecision) -> dict:
     """node -> stage index for every placeholder and call_function node: the stage of its
-    cost-model unit (``graph_costs.assign_units``), so the split is the one the partitioner
-    costed; what follows the last block goes to the last stage."""
+    cost-model unit (``graph_costs.assign_units``), or of its part (``assign_parts``) in a
+    block cut across stages, so the split is the one the partitioner costed; what follows
+    the last block goes to the last stage."""
     last = len(decision.stage_costs) - 1
     stage_of_unit = (0,) + tuple(decision.stage_of_block) + (last,)
-    return {n: stage_of_unit[u] for n, u in assign_units(graph, decision.blocks).items()}
+    unit_of = assign_units(graph, decision.blocks)
+    child_of = assign_parts(graph, decision.blocks, unit_of) if decision.part_stages else {}
+    part_stage, out = dict(decision.part_stages), {}
+    for n, u in unit_of.items():
+        part = part_stage.get(child_of.get(n))
+        out[n] = stage_of_unit[u] if part is None else part
+    return out
 
 
 def split_stages(gm: fx.GraphModule, decision: PipelineDecision, pp: int) -> list[StageGraph]:

@@ -44,6 +44,22 @@ class PipelineCosts:
     param_bytes: dict
     batch_shape: tuple[int, ...] = ()
     notes: tuple[str, ...] = ()
+    # per block: its parts, one UnitCost per run of a direct child (name = the child's FQN),
+    # () when the block cannot be cut inside (one child, or children's runs interleave)
+    parts: tuple[tuple[UnitCost, ...], ...] = ()
+    # per block: bytes crossing the cut before parts[b][j], at index j - 1
+    part_cut_bytes: tuple[tuple[int, ...], ...] = ()
+
+    def block_parts(self) -> list[list[tuple[str, int, bool]]]:
+        """``planning.pipeline.BlockParts`` of every block: (child FQN, FLOPs, offered) where
+        a cut before the part is offered to the partitioner when no more bytes cross it
+        than cross into the block (``cut_bytes[b]``), so that it adds no communication."""
+        out = []
+        for b, runs in enumerate(self.parts):
+            cut = self.part_cut_bytes[b]
+            out.append([(u.name, u.flops, j > 0 and cut[j - 1] <= self.cut_bytes[b])
+                        for j, u in enumerate(runs)])
+        return out
 
     @property
     def blocks(self) -> tuple[UnitCost, ...]:

@@ -1,4 +1,5 @@
-"""Pipeline planner: which blocks go to which stage, and what each stage costs.
+"""Pipeline planner: which blocks (or parts of blocks) go to which stage, and what each
+stage costs.
 
 Blocks are the children of the model's largest ``nn.ModuleList`` (``model.layers``,
 ``encoder.layer``, ``blocks``). Stages are contiguous runs of blocks; stage 0 also holds
@@ -9,6 +10,18 @@ FLOPs from the cost model (``planning/costs.py``): a contiguous min-max partitio
 dynamic programming, as in PipeDream's planner (Narayanan et al. 2019, §3.1), so a heavy
 LM head shifts blocks away from the last stage. ``pipeline.split_points`` or
 ``pipeline.layers_per_stage`` in the spec replace the search.
+
+Cuts inside a block. A block is made of *parts*, the runs of its direct children
+(Llama: ``input_layernorm`` + ``self_attn`` + residual add | ``post_attention_layernorm`` +
+``mlp`` + residual add). The search may also cut before a part when the cost model offers
+that cut (no more activation bytes cross it than cross into the block, so it adds no
+pipeline communication; the block's children run one after the other). Policy: the best
+whole-block partition is kept unless whole blocks cannot make the requested stages
+(stages > blocks) or the finer grid lowers the largest stage cost by more than
+``FINER_GAIN`` (1 %): the case of a block bigger than the target stage cost. A block cut
+across stages keeps its FQN in each; ``PipelineDecision.part_stages`` says which child runs
+where. ``pipeline.split_points`` may name a child (``model.layers.2.mlp``: the stage
+begins at that child); ``pipeline.layers_per_stage`` counts whole blocks.
 """
 from __future__ import annotations
 
@@ -22,21 +35,48 @@ from ..errors import PlanError
 from .costs import PipelineCosts
 
 
+FINER_GAIN = 0.01  # cut inside blocks only when that lowers the largest stage cost by more
+
+# A block's parts: (child FQN, cost, cut offered before it) per run of a direct child, in
+# execution order; the first entry's flag is unused. Empty: the block cannot be cut inside.
+BlockParts = Sequence[tuple[str, int, bool]]
+
+
 @dataclass(frozen=True)
 class PipelineDecision:
     blocks: tuple[str, ...]          # block FQNs in execution order
-    stage_of_block: tuple[int, ...]  # stage index per block
+    stage_of_block: tuple[int, ...]  # stage index per block (of its first part, if cut)
     stage_costs: tuple[int, ...]     # cost per stage (the numbers given to plan_pipeline)
     source: str = "balanced"         # "balanced", or the spec key that fixed the split
+    # (child FQN, stage) of every part of each block cut across stages, in order
+    part_stages: tuple[tuple[str, int], ...] = ()
 
     @property
     def num_stages(self) -> int:
         return len(self.stage_costs)
 
     def block_range(self, stage: int) -> range:
-        """Indices of the blocks of ``stage`` (empty for a last stage holding only the head)."""
-        idx = [i for i, s in enumerate(self.stage_of_block) if s == stage]
+        """Indices of the blocks ``stage`` holds, whole or in part (empty for a last stage
+        holding only the head)."""
+        idx = [i for i in range(len(self.blocks)) if stage in self.stages_of_block(i)]
         return range(idx[0], idx[-1] + 1) if idx else range(len(self.blocks), len(self.blocks))
+
+    def stages_of_block(self, i: int) -> tuple[int, ...]:
+        """Stages holding a part of block ``i`` (one, unless it is cut)."""
+        mine = sorted({s for c, s in self.part_stages if _block_of_child(c) == self.blocks[i]})
+        return tuple(mine) or (self.stage_of_block[i],)
+
+    def children(self, stage: int) -> dict[str, list[str]]:
+        """block FQN -> the children of it ``stage`` holds, for blocks cut across stages."""
+        out: dict = {}
+        for c, s in self.part_stages:
+            if s == stage:
+                out.setdefault(_block_of_child(c), []).append(c)
+        return out
+
+
+def _block_of_child(child: str) -> str:
+    return child.rsplit(".", 1)[0]
 
 
 def find_blocks(model: torch.nn.Module) -> tuple[str, ...]:
@@ -55,42 +95,62 @@ def find_blocks(model: torch.nn.Module) -> tuple[str, ...]:
 def plan_pipeline(block_costs: Sequence[int], pre_cost: int, post_cost: int, num_stages: int,
                   blocks: tuple[str, ...], *, split_points: Optional[Sequence[str]] = None,
                   layers_per_stage: Optional[Sequence[int]] = None,
-                  stages_key: str = "mesh.pp") -> PipelineDecision:
+                  stages_key: str = "mesh.pp",
+                  parts: Optional[Sequence[BlockParts]] = None) -> PipelineDecision:
     """Split ``len(block_costs)`` blocks into ``num_stages`` contiguous non-empty stages.
 
     Args:
         block_costs: cost of each block, in order (FLOPs, or any additive measure).
         pre_cost / post_cost: cost before the first / after the last block (stage 0 / last).
         num_stages: stages in the pipeline (``mesh.pp``, times virtual stages per rank).
-        split_points: FQNs of the blocks where stages 1.. begin (``pipeline.split_points``).
+        split_points: FQNs of the blocks, or of children of blocks, where stages 1..
+            begin (``pipeline.split_points``).
         layers_per_stage: blocks per stage (``pipeline.layers_per_stage``).
         stages_key: how the spec names ``num_stages``, for error messages.
+        parts: per block, its parts (:data:`BlockParts`; their costs sum to the block's),
+            for cuts inside blocks; None or empty entries: whole blocks only.
 
     Raises:
-        PlanError: more stages than blocks; a bad ``split_points`` / ``layers_per_stage``
-            (unknown FQN, wrong count, out of order, wrong sum), naming the key and the fix.
+        PlanError: more stages than blocks and offered cuts inside them; a bad
+            ``split_points`` / ``layers_per_stage`` (unknown FQN, wrong count, out of order,
+            wrong sum), naming the key, the valid FQNs and the fix.
     """
     n = len(block_costs)
-    if num_stages > 1 and n < num_stages:
-        raise PlanError(f"{stages_key} ({num_stages}) exceeds the number of blocks ({n}) found in "
+    parts = [list(p) for p in parts] if parts else [[] for _ in range(n)]
+    offered = sum(f for p in parts for _, _, f in p[1:])
+    if num_stages > 1 and n + offered < num_stages:
+        inside = f" and {offered} cut(s) inside blocks" if offered else ""
+        raise PlanError(f"{stages_key} ({num_stages}) exceeds the number of blocks ({n}){inside} found in "
                         f"the model ({blocks[0].rsplit('.', 1)[0] if blocks else 'no nn.ModuleList'}); "
-                        f"use {stages_key} <= {max(n, 1)}")
-    source = "balanced"
+                        f"use {stages_key} <= {max(n + offered, 1)}")
     if split_points is not None:
-        sizes, source = _sizes_from_split_points(split_points, blocks, num_stages, stages_key), \
-            "pipeline.split_points"
-    elif layers_per_stage is not None:
-        sizes, source = _check_layers_per_stage(layers_per_stage, n, num_stages, stages_key), \
-            "pipeline.layers_per_stage"
-    elif num_stages == 1:
-        sizes = [n]
-    else:
+        grid = _Grid(block_costs, pre_cost, post_cost, blocks, parts, every_child=True)
+        starts = _starts_from_split_points(split_points, grid, num_stages, stages_key)
+        return grid.decision(starts, "pipeline.split_points")
+    if layers_per_stage is not None:
+        sizes = _check_layers_per_stage(layers_per_stage, n, num_stages, stages_key)
+        return _whole_blocks(block_costs, pre_cost, post_cost, sizes, blocks,
+                             "pipeline.layers_per_stage")
+    if num_stages == 1:
+        return _whole_blocks(block_costs, pre_cost, post_cost, [n], blocks, "balanced")
+    whole = None
+    if num_stages <= n:
         sizes = _balanced_sizes(list(block_costs), pre_cost, post_cost, num_stages)
+        whole = _whole_blocks(block_costs, pre_cost, post_cost, sizes, blocks, "balanced")
+    if offered:
+        grid = _Grid(block_costs, pre_cost, post_cost, blocks, parts, every_child=False)
+        finer = grid.decision(_min_max_starts(grid.costs, grid.may_start, num_stages), "balanced")
+        if whole is None or max(finer.stage_costs) < (1 - FINER_GAIN) * max(whole.stage_costs):
+            return finer
+    return whole
+
+
+def _whole_blocks(block_costs, pre: int, post: int, sizes: list[int], blocks, source: str):
     stage_of = tuple(s for s, k in enumerate(sizes) for _ in range(k))
     costs, start = [], 0
     for s, k in enumerate(sizes):
-        c = sum(block_costs[start:start + k]) + (pre_cost if s == 0 else 0)
-        costs.append(c + (post_cost if s == len(sizes) - 1 else 0))
+        c = sum(block_costs[start:start + k]) + (pre if s == 0 else 0)
+        costs.append(c + (post if s == len(sizes) - 1 else 0))
         start += k
     return PipelineDecision(tuple(blocks), stage_of, tuple(costs), source)
 
@@ -102,7 +162,87 @@ def plan_from_costs(costs: PipelineCosts, num_stages: int, blocks: tuple[str, ..
                          costs.units[-1].flops, num_stages, blocks,
                          split_points=getattr(spec_pipeline, "split_points", None),
                          layers_per_stage=getattr(spec_pipeline, "layers_per_stage", None),
-                         stages_key=stages_key)
+                         stages_key=stages_key, parts=costs.block_parts())
+
+
+class _Grid:
+    """The candidate units in execution order: [before], then per block either the block or
+    its parts, then [after]; ``may_start[j]``: a stage may begin at unit j. With
+    ``every_child`` every part of a block that has parts is a unit (for split_points);
+    otherwise parts between cuts that are not offered are merged (for the search)."""
+
+    def __init__(self, block_costs, pre, post, blocks, parts, every_child: bool):
+        self.blocks = tuple(blocks)
+        self.costs, self.may_start, self.names = [pre], [False], ["<before>"]
+        self.block_of, self.children = [-1], [()]   # children: the child FQNs of a unit
+        for b, cost in enumerate(block_costs):
+            runs = parts[b] if b < len(parts) else []
+            if not runs:
+                self._add(blocks[b], cost, b, (), b > 0)
+                continue
+            for j, (child, c, ok) in enumerate(runs):
+                if j == 0 or ok or every_child:
+                    self._add(child, c, b, (child,), b > 0 or j > 0)
+                else:
+                    self.costs[-1] += c
+                    self.children[-1] += (child,)
+        self._add("<after>", post, len(block_costs), (), True)
+        self.first_child = {r[0][0]: blocks[b] for b, r in enumerate(parts) if r}
+
+    def _add(self, name, cost, b, children, may_start):
+        self.names.append(name)
+        self.costs.append(cost)
+        self.block_of.append(b)
+        self.children.append(children)
+        self.may_start.append(may_start)
+
+    def decision(self, starts: list[int], source: str) -> PipelineDecision:
+        """The decision for stages 1.. beginning at units ``starts``."""
+        stage_of = [sum(1 for s in starts if s <= j) for j in range(len(self.costs))]
+        stage_costs = [0] * (len(starts) + 1)
+        for j, c in enumerate(self.costs):
+            stage_costs[stage_of[j]] += c
+        first: list = [None] * len(self.blocks)
+        seen: dict = {}
+        for j in range(1, len(self.costs) - 1):
+            b = self.block_of[j]
+            first[b] = stage_of[j] if first[b] is None else first[b]
+            seen.setdefault(b, set()).add(stage_of[j])
+        parts = tuple((c, stage_of[j]) for j in range(1, len(self.costs) - 1)
+                      if len(seen[self.block_of[j]]) > 1 for c in self.children[j])
+        return PipelineDecision(self.blocks, tuple(first), tuple(stage_costs), source, parts)
+
+
+def _min_max_starts(costs: list[int], may_start: list[bool], k: int) -> list[int]:
+    """Units where stages 1..k-1 begin, minimising the largest stage cost over contiguous
+    splits of ``costs`` into k non-empty stages beginning only where ``may_start``
+    (O(m^2 k) dynamic programming; ties go to the earliest feasible cut)."""
+    m = len(costs)
+    prefix = [0]
+    for x in costs:
+        prefix.append(prefix[-1] + x)
+    ends = [j for j in range(1, m + 1) if j == m or may_start[j]]
+    inf = float("inf")
+    # best[s][j]: least max cost of units [0, j) as stages 0..s (j an end)
+    best = [dict.fromkeys(ends, inf) for _ in range(k)]
+    arg = [dict.fromkeys(ends, 0) for _ in range(k)]
+    for j in ends:
+        best[0][j] = prefix[j]
+    for s in range(1, k):
+        for j in ends:
+            for i in ends:
+                if i >= j:
+                    break
+                v = max(best[s - 1][i], prefix[j] - prefix[i])
+                if v < best[s][j]:
+                    best[s][j], arg[s][j] = v, i
+    if best[k - 1][m] == inf:
+        raise AssertionError(f"no split of {m} units into {k} stages")  # the caller checks counts
+    starts, j = [], m
+    for s in range(k - 1, 0, -1):
+        j = arg[s][j]
+        starts.append(j)
+    return starts[::-1]
 
 
 def _balanced_sizes(c: list, pre: int, post: int, k: int) -> list[int]:
@@ -157,30 +297,50 @@ def _min_max_sizes(c: list, pre: int, post: int, k: int) -> list[int]:
     return [j] + sizes[::-1]
 
 
-def _sizes_from_split_points(points, blocks, k: int, stages_key: str) -> list[int]:
-    """Raises PlanError: wrong count, unknown FQN (with close matches), order, first block."""
-    points = list(points)
+def _starts_from_split_points(points, grid: _Grid, k: int, stages_key: str) -> list[int]:
+    """Units where stages 1.. begin. Raises PlanError: wrong count, unknown FQN (with close
+    matches and the valid FQNs), order, first block."""
+    points, blocks = list(points), grid.blocks
     if len(points) != k - 1:
         raise PlanError(f"pipeline.split_points has {len(points)} entries {points}, but {k} stages "
-                        f"({stages_key}={k}) need {k - 1}: the FQNs of the blocks where stages "
-                        f"1..{k - 1} begin")
-    index = {b: i for i, b in enumerate(blocks)}
+                        f"({stages_key}={k}) need {k - 1}: the FQNs of the blocks (or of children "
+                        f"of blocks) where stages 1..{k - 1} begin")
+    index = {name: j for j, name in enumerate(grid.names) if 0 < j < len(grid.names) - 1}
+    index.update({b: index[c] for c, b in grid.first_child.items()})  # first child = its block
     for p in points:
         if p not in index:
-            close = difflib.get_close_matches(p, blocks, n=3, cutoff=0.6)
-            hint = f"; did you mean {', '.join(close)}?" if close else ""
-            where = f" ({blocks[0]} .. {blocks[-1]})" if blocks else " (the model has none)"
-            raise PlanError(f"pipeline.split_points: '{p}' is not a block of the model{hint} "
-                            f"A split point is the FQN of a block{where}")
+            raise PlanError(f"pipeline.split_points: '{p}' is not a block of the model"
+                            f"{_did_you_mean(p, list(index))} {_valid_points(p, grid)}")
     starts = [index[p] for p in points]
-    if starts and starts[0] == 0:
+    if starts and starts[0] == 1:
         raise PlanError(f"pipeline.split_points: '{points[0]}' is the first block, so stage 0 would "
                         f"hold no block; list where stages 1..{k - 1} begin")
     if any(b <= a for a, b in zip(starts, starts[1:])):
         raise PlanError(f"pipeline.split_points must be distinct blocks in execution order, got "
                         f"{points}")
-    bounds = [0] + starts + [len(blocks)]
-    return [b - a for a, b in zip(bounds, bounds[1:])]
+    return starts
+
+
+def _did_you_mean(p: str, valid: list) -> str:
+    close = difflib.get_close_matches(p, valid, n=3, cutoff=0.6)
+    return f"; did you mean {', '.join(close)}?" if close else ""
+
+
+def _valid_points(p: str, grid: _Grid) -> str:
+    """The valid split points near ``p``: the block range, and the children of p's block."""
+    blocks = grid.blocks
+    if not blocks:
+        return "A split point is the FQN of a block (the model has none)"
+    msg = f"A split point is the FQN of a block ({blocks[0]} .. {blocks[-1]})"
+    block = next((b for b in blocks if p.startswith(b + ".")), None)
+    if block is None:
+        return msg + " or of a direct child of one"
+    b = blocks.index(block)
+    kids = [c for j, cs in enumerate(grid.children) if grid.block_of[j] == b for c in cs]
+    if not kids:
+        return msg + (f"; {block} cannot be cut inside (it has one child, or its children's "
+                      f"computations interleave)")
+    return msg + f" or of a direct child of one; the children of {block}: {', '.join(kids)}"
 
 
 def _check_layers_per_stage(sizes, n: int, k: int, stages_key: str) -> list[int]:

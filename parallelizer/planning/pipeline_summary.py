@@ -24,35 +24,50 @@ def bubble(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -
     return (pp - 1) / (v * microbatches + pp - 1)
 
 
-def stage_units(decision: PipelineDecision, stage: int) -> range:
-    """Cost-model unit indices of ``stage`` (unit 0 before the blocks, 1 + i block i)."""
-    r = decision.block_range(stage)  # empty: a last stage holding only the head
-    lo = 0 if stage == 0 else r.start + 1
-    hi = len(decision.blocks) + 2 if stage == decision.num_stages - 1 else r.stop + 1
-    return range(lo, hi)
+def stage_units(decision: PipelineDecision, costs: PipelineCosts) -> list[tuple]:
+    """(stage, UnitCost, bytes crossing the cut after it) of each cost-model unit in
+    execution order, a block cut across stages replaced by its parts."""
+    last = decision.num_stages - 1
+    part_stage = dict(decision.part_stages)
+    out = [(0, costs.units[0], costs.cut_bytes[0] if len(costs.cut_bytes) else 0)]
+    for b in range(len(decision.blocks)):
+        after = costs.cut_bytes[b + 1]
+        runs = costs.parts[b] if b < len(costs.parts) else ()
+        if runs and runs[0].name in part_stage:
+            inner = costs.part_cut_bytes[b]
+            out += [(part_stage[u.name], u, inner[j] if j < len(inner) else after)
+                    for j, u in enumerate(runs)]
+        else:
+            out.append((decision.stage_of_block[b], costs.units[b + 1], after))
+    out.append((last, costs.units[-1], 0))
+    return out
 
 
 def summarize(decision: PipelineDecision, costs: PipelineCosts, schedule: str, pp: int,
               microbatches: int, virtual_stages: int = 1) -> dict:
-    """JSON-ready summary: ``{"stages": [{"index", "blocks", "fwd_flops", "bwd_flops", "flops",
-    "param_bytes", "activation_bytes_sent", "fqns"}], "imbalance", "bubble", ...}``.
+    """JSON-ready summary: ``{"stages": [{"index", "blocks", "children", "fwd_flops",
+    "bwd_flops", "flops", "param_bytes", "activation_bytes_sent", "fqns"}], "imbalance",
+    "bubble", ...}``; ``children``: block FQN -> the direct children the stage holds, for
+    blocks cut across stages.
 
     FLOPs are per training step of the example batch ``batch_shape``; activation bytes are
     what the stage sends forward for that batch (its gradient comes back in backward).
     """
+    units = stage_units(decision, costs)
     stages = []
     for s in range(decision.num_stages):
-        units = stage_units(decision, s)
-        r = decision.block_range(s)
+        mine = [(u, sent) for st, u, sent in units if st == s]
+        fqns = list(dict.fromkeys(f for u, _ in mine for f in u.params))
         stages.append({
             "index": s,
-            "blocks": [decision.blocks[i] for i in r],
-            "fwd_flops": sum(costs.units[u].fwd_flops for u in units),
-            "bwd_flops": sum(costs.units[u].bwd_flops for u in units),
-            "flops": sum(costs.units[u].flops for u in units),
-            "param_bytes": costs.stage_param_bytes(units),
-            "activation_bytes_sent": costs.cut_bytes[units.stop - 1] if s < decision.num_stages - 1 else 0,
-            "fqns": list(costs.stage_fqns(units)),
+            "blocks": [decision.blocks[i] for i in decision.block_range(s)],
+            "children": decision.children(s),
+            "fwd_flops": sum(u.fwd_flops for u, _ in mine),
+            "bwd_flops": sum(u.bwd_flops for u, _ in mine),
+            "flops": sum(u.flops for u, _ in mine),
+            "param_bytes": sum(costs.param_bytes[f] for f in fqns),
+            "activation_bytes_sent": mine[-1][1] if s < decision.num_stages - 1 and mine else 0,
+            "fqns": fqns,
         })
     flops = [st["flops"] for st in stages]
     mean = sum(flops) / len(flops)

@@ -114,20 +114,30 @@ def pipeline_structure(graph: fx.Graph, model, blocks, costs, canonical: dict) -
 
     ``uses[fqn]`` lists the cost-model units of the tensor's readers (0 before the blocks,
     1 + i for block i, len(blocks) + 1 after; ``graph_costs.assign_units``, the mapping
-    split_stages uses), so a tensor's stages under any partition are the stages of its
-    units. ``block_costs``/``pre_cost``/``post_cost`` are what ``plan_from_costs`` gives the
-    partitioner; ``state_dict_keys`` are the model's own names, for export.
+    split_stages uses), and ``part_uses[fqn]`` the block parts (direct child FQNs,
+    ``graph_costs.assign_parts``) of its readers inside blocks that may be cut, so a
+    tensor's stages under any partition are the stages of its units, or of its parts in a
+    block cut across stages. ``block_costs``/``pre_cost``/``post_cost``/``block_parts`` are
+    what ``plan_from_costs`` gives the partitioner; ``state_dict_keys`` are the model's own
+    names, for export.
     """
-    from ..passes.graph_costs import assign_units
+    from ..passes.graph_costs import assign_parts, assign_units
     from ..passes.graph_facts import RUNTIME_DEVICE
     unit_of = assign_units(graph, tuple(blocks))
+    child_of = assign_parts(graph, tuple(blocks), unit_of)
     uses: dict = {}
+    part_uses: dict = {}
     for node in graph.nodes:
         if node.op != "get_attr" or node.target == RUNTIME_DEVICE:
             continue
-        seen = uses.setdefault(canonical.get(node.target, node.target), set())
-        seen.update(unit_of[u] for u in node.users if u in unit_of)
+        fqn = canonical.get(node.target, node.target)
+        uses.setdefault(fqn, set()).update(unit_of[u] for u in node.users if u in unit_of)
+        kids = {child_of[u] for u in node.users if u in child_of}
+        if kids:
+            part_uses.setdefault(fqn, set()).update(kids)
     return {"blocks": list(blocks), "block_costs": [u.flops for u in costs.blocks],
             "pre_cost": costs.units[0].flops, "post_cost": costs.units[-1].flops,
+            "block_parts": [[list(p) for p in runs] for runs in costs.block_parts()],
             "uses": {k: sorted(v) for k, v in sorted(uses.items())},
+            "part_uses": {k: sorted(v) for k, v in sorted(part_uses.items())},
             "state_dict_keys": list(model.state_dict().keys())}

@@ -140,7 +140,8 @@ def apply_activation_checkpointing(stage: EmittedModule, plan: ParallelPlan) -> 
     mode = plan.activation_checkpointing
     if mode == "none":
         return
-    order = [b for st in plan.stages for b in st.blocks]
+    # a block cut across two stages counts once (both parts checkpointed alike)
+    order = list(dict.fromkeys(b for st in plan.stages for b in st.blocks))
     for name, block in stage.emitted_blocks():
         if mode == "full" or order.index(name) % plan.checkpoint_every == 0:
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)

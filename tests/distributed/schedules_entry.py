@@ -2,12 +2,14 @@
 pipeline schedules in turn, in one process group (a torchrun launch costs seconds on CI).
 
     torchrun --nproc-per-node N schedules_entry.py OUT [--profile] [--bad-batch] gpipe 1f1b ...
+        [--program OUT2 interleaved_1f1b ...]
 
 For each schedule: the stages are rebuilt from OUT/checkpoint (fresh weights), placed as the
 schedule needs (pipeline_schedules.with_schedule), and run_verify prints its report; rank 0
 then prints ``SCHEDULE <name> <exit code>``. ``--profile``: then the ``BUBBLE`` line of every
 rank (runtime/bubble.py, what ``run.py --profile`` prints). ``--bad-batch``: then a step on a
-batch of microbatches + 1 rows, printing ``BATCHERROR <message>`` (rank 0).
+batch of microbatches + 1 rows, printing ``BATCHERROR <message>`` (rank 0). ``--program
+OUT2``: the schedules after it run OUT2 (compiled for the same mesh), in the same group.
 """
 import os
 import sys
@@ -29,14 +31,26 @@ from parallelizer.runtime.step import StepRunner
 from parallelizer.runtime.verify import run_verify
 
 
+def _runs(out: Path, args: list[str]) -> list[tuple[Path, str]]:
+    """(program, schedule) pairs in order; ``--program OUT2`` switches the program."""
+    runs, it = [], iter(args)
+    for a in it:
+        if a == "--program":
+            out = Path(next(it))
+        elif not a.startswith("--"):
+            runs.append((out, a))
+    return runs
+
+
 def main(out: Path, args: list[str]) -> int:
-    schedules = [a for a in args if not a.startswith("--")]
-    plan = ParallelPlan.from_json((out / "plan.json").read_text())
-    spec = OmegaConf.to_container(OmegaConf.load(out / "spec.yaml"))
-    loss_fn = _load_model_module(out).loss_fn
-    ctx = init(plan, "cpu")
-    worst = 0
-    for name in schedules:
+    ctx, worst, loaded = None, 0, {}
+    for out, name in _runs(out, args):
+        if out not in loaded:
+            plan = ParallelPlan.from_json((out / "plan.json").read_text())
+            loaded[out] = (plan, OmegaConf.to_container(OmegaConf.load(out / "spec.yaml")),
+                           _load_model_module(out).loss_fn)
+        plan, spec, loss_fn = loaded[out]
+        ctx = ctx or init(plan, "cpu")
         p = with_schedule(plan, name)
         stages = build_stages(out, p, ctx)
         code = run_verify(out, p, spec, stages, ctx, loss_fn)

@@ -1,5 +1,8 @@
 """HF -> (tp=2, pp=2) -> (tp=4, pp=1) -> (tp=1, pp=1) -> HF is bit-exact for every example
-(real MiniLM weights; GPT-2 from transformers; tp=4 only where the heads allow it)."""
+(real MiniLM weights; GPT-2 from transformers; tp=4 only where the heads allow it); Llama
+also goes through (tp=1, pp=8), 8 stages of 4 layers, every layer cut inside, which must
+load into the program compiled for 8 stages (pp=4 x 2 virtual stages; the layout counts
+stages, not ranks)."""
 from __future__ import annotations
 
 import importlib.util
@@ -11,7 +14,7 @@ from safetensors.torch import save_file
 from parallelizer.checkpoint.export import export_hf, import_hf
 from parallelizer.checkpoint.hf import load_hf_state_dict
 from parallelizer.checkpoint.cli import load_plan
-from parallelizer.checkpoint.reader import read_manifest
+from parallelizer.checkpoint.reader import check_plan, read_manifest
 from parallelizer.checkpoint.reshard import reshard
 from parallelizer.checkpoint.target import target_layout
 from parallelizer.checkpoint.writer import layout_hash
@@ -19,7 +22,11 @@ from parallelizer.checkpoint.writer import layout_hash
 TP2PP2 = ("mesh.dp=1", "mesh.tp=2", "mesh.pp=2")
 OTHER = {"tp2": ("mesh.dp=1", "mesh.tp=2", "mesh.pp=1"), "pp2": ("mesh.dp=1", "mesh.tp=1", "mesh.pp=2")}
 EXAMPLES = ["gpt", "llama", "minilm", "gpt2"]
-SHARED = ("gpt", "llama", "minilm")  # compiled at OTHER meshes by test_equivalence anyway
+SHARED = ("gpt", "llama", "minilm")
+# test_schedules.py's PP4_V2, so the suite compiles it once
+PP4_V2 = ("mesh.dp=1", "mesh.tp=1", "mesh.pp=4", "optimizer.name=sgd", "optimizer.lr=0.1",
+          "optimizer.weight_decay=0.0", "pipeline.schedule=interleaved_1f1b",
+          "pipeline.virtual_stages=2", "pipeline.microbatches=8")  # compiled at OTHER meshes by test_equivalence anyway
 
 
 def hf_input(tools, example: str, tmp_path):
@@ -38,7 +45,8 @@ def hf_input(tools, example: str, tmp_path):
 
 
 @pytest.mark.parametrize("example", [pytest.param(e, marks=[pytest.mark.precompile(e, *TP2PP2)] + [
-    pytest.mark.precompile(e, *o) for o in OTHER.values() if e in SHARED]) for e in EXAMPLES])
+    pytest.mark.precompile(e, *o) for o in OTHER.values() if e in SHARED]
+    + ([pytest.mark.precompile(e, *PP4_V2)] if e == "llama" else [])) for e in EXAMPLES])
 def test_hf_round_trip_bit_exact(compiled, tools, tmp_path, example):
     out = compiled(example, *TP2PP2)
     src = hf_input(tools, example, tmp_path)
@@ -49,7 +57,15 @@ def test_hf_round_trip_bit_exact(compiled, tools, tmp_path, example):
         plan = load_plan(compiled(example, *overrides))
         want = layout_hash(plan.num_stages, plan.mesh["tp"], plan.tensors)
         assert target_layout(manifest, plan.mesh["tp"], plan.mesh["pp"]).layout_hash() == want
-    reshard(tmp_path / "a", tmp_path / "b", tp=4, pp=1)  # llama: its 2 kv heads copied
+    first = tmp_path / "a"
+    if example == "llama":  # reshard --pp 8 cuts the layers as the compiler does, from the manifest
+        plan8 = load_plan(compiled(example, *PP4_V2))
+        layer0 = {t.stages for k, t in plan8.tensors.items() if k.startswith("model.layers.0.")}
+        assert layer0 == {(0,), (1,)} and plan8.num_stages == 8
+        reshard(first, tmp_path / "a8", tp=1, pp=8)
+        check_plan(tmp_path / "a8", read_manifest(tmp_path / "a8"), plan8)  # what loading checks
+        first = tmp_path / "a8"
+    reshard(first, tmp_path / "b", tp=4, pp=1)  # llama: its 2 kv heads copied
     if example == "llama":
         kv = read_manifest(tmp_path / "b")["tensors"]["model.layers.0.self_attn.k_proj.weight"]
         assert kv["layout"]["kind"] == "replicated_heads", kv["layout"]

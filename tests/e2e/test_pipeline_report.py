@@ -1,5 +1,5 @@
 """The pipeline split end to end: ``parallelize inspect --json --plots`` (the CLI entry,
-in process), the microbatch check, report.md and the PNGs in OUT/, and a last stage holding
+in process; split_points naming a child cut a block), the microbatch check, report.md and the PNGs in OUT/, and a last stage holding
 only the final norm and the LM head (``pipeline.layers_per_stage=[4,0]``) running
 ``--verify`` against the single-device reference (torchrun, gloo, fp32).
 """
@@ -37,6 +37,7 @@ def inspected(tools, tmp_path_factory):
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = cli.main(["inspect", str(tools.examples / "llama" / "model.py"),
                          str(tools.examples / "llama" / "spec.yaml"), "mesh.tp=1", "mesh.pp=4",
+                         "pipeline.split_points=[model.layers.1,model.layers.2.mlp,model.layers.3]",
                          "--json", "--plots", str(plots)])
     assert code == 0, err.getvalue()
     return json.loads(out.getvalue()), err.getvalue(), plots
@@ -49,7 +50,17 @@ def test_inspect_json_shape(inspected):
     for s in stages:
         assert {"index", "flops", "param_bytes", "fqns"} <= set(s)
         assert s["flops"] == s["fwd_flops"] + s["bwd_flops"] > 0 and s["param_bytes"] > 0
-    assert [s["blocks"] for s in stages] == [[f"model.layers.{i}"] for i in range(4)]
+    # stage 2 begins at a child: model.layers.2 is cut, its mlp in stage 2, the rest in 1
+    assert summary["split"] == "pipeline.split_points"
+    assert [s["blocks"] for s in stages] == [["model.layers.0"], ["model.layers.1", "model.layers.2"],
+                                             ["model.layers.2"], ["model.layers.3"]]
+    kids = ["input_layernorm", "self_attn", "post_attention_layernorm"]
+    assert [s["children"] for s in stages] == [
+        {}, {"model.layers.2": [f"model.layers.2.{c}" for c in kids]},
+        {"model.layers.2": ["model.layers.2.mlp"]}, {}]
+    assert "model.layers.2.self_attn.q_proj.weight" in stages[1]["fqns"]
+    assert {f for f in stages[2]["fqns"]} == {f"model.layers.2.mlp.{p}_proj.weight"
+                                               for p in ("gate", "up", "down")}
     # the tied embedding is held by the first and the last stage, under its canonical name
     assert "model.embed_tokens.weight" in stages[0]["fqns"] and "model.embed_tokens.weight" in stages[3]["fqns"]
     mean = sum(s["flops"] for s in stages) / 4

@@ -98,6 +98,11 @@ def test_summary_per_stage(costs):
     assert s["imbalance"] == max(d.stage_costs) / (sum(flops) / 2)
     assert s["stages"][0]["activation_bytes_sent"] == B * S * D * 4
     assert s["stages"][1]["activation_bytes_sent"] == 0
+    # the balanced split cuts blocks.1 after its attention (q, k, v + SDPA go with qkv, the
+    # block's own nodes with the most recent child): only the hidden state crosses there
+    assert dict(d.part_stages) == {"blocks.1.qkv": 0, "blocks.1.proj": 1}
+    assert s["stages"][0]["children"] == {"blocks.1": ["blocks.1.qkv"]}
+    assert costs.part_cut_bytes == ((B * S * D * 4,),) * 3
     assert {f for st in s["stages"] for f in st["fqns"]} == set(costs.param_bytes)
     assert s["bubble"] == pytest.approx(1 / 5)
 
@@ -200,9 +205,10 @@ def test_virtual_stages_read_defensively():
 def test_report_section_shows_costs_warnings_and_pictures(costs):
     from parallelizer.report import pipeline_section
 
-    d = plan_from_costs(costs, 2, ("blocks.0", "blocks.1", "blocks.2"))
+    d = plan_from_costs(costs, 2, ("blocks.0", "blocks.1", "blocks.2"),
+                        SimpleNamespace(split_points=None, layers_per_stage=[2, 1]))
     s = summarize(d, costs, "gpipe", 2, 3)
-    assert d.stage_of_block == (0, 0, 1)       # the input layer is lighter than the head
+    assert d.stage_of_block == (0, 0, 1)
     plan = SimpleNamespace(stages=[SimpleNamespace(index=0, blocks=("blocks.0", "blocks.1"), outputs=["proj"]),
                                    SimpleNamespace(index=1, blocks=("blocks.2",), outputs=[])])
     warning = check_microbatches(2, 3, "gpipe")

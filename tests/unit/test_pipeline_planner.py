@@ -160,3 +160,159 @@ def test_find_blocks_nested_lists_take_the_outer():
             self.blocks = nn.ModuleList(Expert() for _ in range(2))
 
     assert find_blocks(MoE()) == ("blocks.0", "blocks.1")
+
+
+# --- cuts inside a block ----------------------------------------------------------------------
+
+def random_parts(rng, n):
+    """Per block 1..3 parts (a single part: the block cannot be cut) with random costs and
+    random offered cuts; returns (block costs, parts)."""
+    parts = []
+    for b in range(n):
+        k = rng.randint(1, 3)
+        runs = [(f"model.layers.{b}.c{j}", rng.randint(0, 60), rng.random() < 0.7) for j in range(k)]
+        parts.append(runs if k > 1 else [])
+    costs = [sum(c for _, c, _ in p) if p else rng.randint(1, 100) for p in parts]
+    return costs, parts
+
+
+def grid_brute_force(costs, parts, pre, post, pp, every_child=False):
+    """Min over every split of [pre, units..., post] into pp stages beginning only at allowed
+    units (not at the first block's first unit, not after post) of the max stage cost."""
+    units, allowed = [pre], [False]
+    for b, c in enumerate(costs):
+        runs = parts[b] or [("", c, False)]
+        for j, (_, rc, ok) in enumerate(runs):
+            units.append(rc)
+            allowed.append((b > 0 and j == 0) or (j > 0 and (ok or every_child)))
+    units.append(post)
+    allowed.append(True)
+    starts = [j for j, a in enumerate(allowed) if a]
+    best = None
+    for cuts in itertools.combinations(starts, pp - 1):
+        bounds = (0,) + cuts + (len(units),)
+        worst = max(sum(units[a:b]) for a, b in zip(bounds, bounds[1:]))
+        best = worst if best is None else min(best, worst)
+    return best
+
+
+def check_parts_well_formed(d, costs, parts, pre, post, pp):
+    """Stages contiguous over the parts, none empty, costs add up, only blocks with parts cut."""
+    part_stage = dict(d.part_stages)
+    seq = [0]
+    for b, p in enumerate(parts):
+        if p and p[0][0] in part_stage:
+            seq += [part_stage[c] for c, _, _ in p]
+            assert len({part_stage[c] for c, _, _ in p}) > 1   # listed only when cut
+            assert d.stage_of_block[b] == part_stage[p[0][0]]
+        else:
+            seq.append(d.stage_of_block[b])
+    seq.append(pp - 1)
+    assert seq[1] == 0 and set(b - a for a, b in zip(seq, seq[1:])) <= {0, 1}
+    assert len(d.stage_costs) == pp and sum(d.stage_costs) == pre + sum(costs) + post
+    for s in range(pp):
+        mine = pre if s == 0 else 0
+        for b, p in enumerate(parts):
+            if p and p[0][0] in part_stage:
+                mine += sum(c for name, c, _ in p if part_stage[name] == s)
+            elif d.stage_of_block[b] == s:
+                mine += costs[b]
+        assert d.stage_costs[s] == mine + (post if s == pp - 1 else 0)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_finer_grid_matches_brute_force_and_the_policy(seed):
+    """Optimal over the offered cuts; whole blocks kept unless they cannot make the stages
+    or the finer grid lowers the largest stage by more than 1 %."""
+    rng = random.Random(1000 + seed)
+    n = rng.randint(1, 5)
+    costs, parts = random_parts(rng, n)
+    offered = sum(ok for p in parts for _, _, ok in p[1:])
+    pp = rng.randint(2, n + offered) if n + offered >= 2 else 1
+    pre, post = rng.randint(0, 80), rng.randint(0, 80)
+    d = plan_pipeline(costs, pre, post, pp, names(n), parts=parts)
+    check_parts_well_formed(d, costs, parts, pre, post, pp)
+    fine = grid_brute_force(costs, parts, pre, post, pp)
+    whole = brute_force(costs, pre, post, pp) if pp <= n else None
+    want = whole if whole is not None and fine >= 0.99 * whole else fine
+    assert max(d.stage_costs) == want
+    assert d.part_stages == () or want == fine
+
+
+def test_a_block_bigger_than_the_target_is_cut():
+    # [100 | 10 10] with whole blocks; cut between the halves of block 0: [50 | 50 10 10]
+    parts = [[("model.layers.0.attn", 50, False), ("model.layers.0.mlp", 50, True)], [], []]
+    d = plan_pipeline([100, 10, 10], 0, 0, 2, names(3), parts=parts)
+    assert d.stage_costs == (50, 70) and d.stage_of_block == (0, 1, 1)
+    assert d.part_stages == (("model.layers.0.attn", 0), ("model.layers.0.mlp", 1))
+    assert d.block_range(0) == range(0, 1) and d.block_range(1) == range(0, 3)
+    assert d.children(1) == {"model.layers.0": ["model.layers.0.mlp"]}
+
+
+def test_whole_blocks_kept_when_cutting_gains_1_percent_or_less():
+    # whole: [100 | 101] (max 101); cut: [100 + 50.5 | ...] cannot beat 100.5 -> within 1 %
+    parts = [[("model.layers.0.a", 50, False), ("model.layers.0.b", 50, True)],
+             [("model.layers.1.a", 50, False), ("model.layers.1.b", 51, True)]]
+    d = plan_pipeline([100, 101], 0, 0, 2, names(2), parts=parts)
+    assert d.part_stages == () and d.stage_costs == (100, 101)
+
+
+def test_more_stages_than_blocks_cut_every_block():
+    parts = [[(f"model.layers.{b}.attn", 4, False), (f"model.layers.{b}.mlp", 6, True)] for b in range(4)]
+    d = plan_pipeline([10] * 4, 1, 2, 8, names(4), parts=parts)
+    assert d.stage_costs == (5, 6, 4, 6, 4, 6, 4, 8)
+    assert [d.stages_of_block(b) for b in range(4)] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+
+
+def test_stages_beyond_blocks_and_offered_cuts_is_a_plan_error():
+    parts = [[("model.layers.0.attn", 4, False), ("model.layers.0.mlp", 6, True)], []]
+    with pytest.raises(PlanError) as e:
+        plan_pipeline([10, 10], 0, 0, 4, names(2), parts=parts, stages_key="mesh.pp x pipeline.virtual_stages")
+    assert str(e.value) == ("mesh.pp x pipeline.virtual_stages (4) exceeds the number of blocks (2) and "
+                            "1 cut(s) inside blocks found in the model (model.layers); use "
+                            "mesh.pp x pipeline.virtual_stages <= 3")
+
+
+LLAMA_PARTS = [[(f"model.layers.{b}.{c}", cost, c == "post_attention_layernorm")
+                for c, cost in (("input_layernorm", 0), ("self_attn", 4),
+                                ("post_attention_layernorm", 0), ("mlp", 6))] for b in range(3)]
+
+
+def test_split_points_may_name_a_child():
+    # any child of a block that can be cut, offered to the search or not
+    d = plan_pipeline([10] * 3, 0, 0, 3, names(3), parts=LLAMA_PARTS,
+                      split_points=["model.layers.1.mlp", "model.layers.2"])
+    assert d.source == "pipeline.split_points" and d.stage_costs == (14, 6, 10)
+    assert dict(d.part_stages) == {"model.layers.1.input_layernorm": 0, "model.layers.1.self_attn": 0,
+                                   "model.layers.1.post_attention_layernorm": 0, "model.layers.1.mlp": 1}
+    # a block's first child is the block itself
+    e = plan_pipeline([10] * 3, 0, 0, 2, names(3), parts=LLAMA_PARTS,
+                      split_points=["model.layers.2.input_layernorm"])
+    assert e.stage_of_block == (0, 0, 1) and e.part_stages == ()
+    assert plan_pipeline([10] * 3, 0, 0, 2, names(3), parts=LLAMA_PARTS,
+                         layers_per_stage=[1, 2]).part_stages == ()   # whole blocks
+
+
+@pytest.mark.parametrize("points, parts, message", [
+    (["model.layers.1.mpl"], LLAMA_PARTS,
+     "pipeline.split_points: 'model.layers.1.mpl' is not a block of the model; did you mean "
+     "model.layers.1.mlp, "),
+    (["model.layers.1.mpl"], LLAMA_PARTS,
+     "? A split point is the FQN of a block (model.layers.0 .. model.layers.2) or "
+     "of a direct child of one; the children of model.layers.1: model.layers.1.input_layernorm, "
+     "model.layers.1.self_attn, model.layers.1.post_attention_layernorm, model.layers.1.mlp"),
+    (["model.layers.1.mlp.up_proj"], LLAMA_PARTS,
+     "A split point is the FQN of a block (model.layers.0 .. model.layers.2) or of a direct child "
+     "of one; the children of model.layers.1: model.layers.1.input_layernorm"),
+    (["model.layers.1.mlp"], [[], [], []],
+     "model.layers.0? A split point is the FQN of a block (model.layers.0 .. model.layers.2); "
+     "model.layers.1 cannot be cut inside (it has one child, or its children's computations "
+     "interleave)"),
+    (["model.layers.0.input_layernorm"], LLAMA_PARTS,
+     "pipeline.split_points: 'model.layers.0.input_layernorm' is the first block, so stage 0 "
+     "would hold no block"),
+])
+def test_split_points_errors_list_the_valid_fqns(points, parts, message):
+    with pytest.raises(PlanError) as e:
+        plan_pipeline([10] * 3, 0, 0, 2, names(3), parts=parts, split_points=points)
+    assert message in str(e.value)

@@ -119,11 +119,13 @@ def test_each_parameter_in_exactly_one_stage_but_the_tied_embedding(compiled, pp
     assert held.pop(tied) == {0, pp - 1}
     assert "model.embed_tokens.weight" in stages[0].targets and "lm_head.weight" in stages[-1].targets
     assert all(len(s) == 1 for s in held.values()), {k: s for k, s in held.items() if len(s) > 1}
-    # a block's parameters live in the stage the planner gave the block
+    # a block's parameters live in the stage the planner gave the block (or its part)
     decision = compiled.decision(pp)
+    part = dict(decision.part_stages)
     for block, stage in zip(decision.blocks, decision.stage_of_block):
         mine = [k for k in held if k.startswith(block + ".")]
-        assert mine and all(held[k] == {stage} for k in mine)
+        child = lambda k: ".".join(k.split(".")[:4])  # noqa: E731  model.layers.i.CHILD
+        assert mine and all(held[k] == {part.get(child(k), stage)} for k in mine)
 
 
 @pytest.mark.parametrize("pp", [2, 3, 4])
@@ -277,3 +279,51 @@ def test_stage_parameters_are_the_ones_the_partition_costed(compiled, sizes):
     assert check_placement(summary, reads, unused, compiled.canonical) == [
         "1 parameter(s) are not used by forward and are in no pipeline stage (no gradient, not "
         "in the checkpoint): model.extra.weight"]
+
+
+# --- stages that cut a block inside (attention | MLP) -----------------------------------------
+
+def test_cut_offered_only_where_no_more_bytes_cross_than_into_the_block(compiled):
+    costs = compiled.costs
+    for b, runs in enumerate(costs.block_parts()):
+        block = f"model.layers.{b}"
+        assert [(c, ok) for c, _, ok in runs] == [
+            (f"{block}.input_layernorm", False), (f"{block}.self_attn", False),
+            (f"{block}.post_attention_layernorm", True), (f"{block}.mlp", False)]
+        # after attention + residual add: the residual stream and rotary tables, as between
+        # blocks (the last block's attention is the tables' last use); after a norm the
+        # normed activations cross too
+        inner, into = costs.part_cut_bytes[b], costs.cut_bytes[b]
+        assert (inner[1] == into if b < 3 else inner[1] < into) and inner[0] > into < inner[2]
+        assert sum(u.flops for u in costs.parts[b]) == costs.units[b + 1].flops
+        assert {f for u in costs.parts[b] for f in u.params} == set(costs.units[b + 1].params)
+
+
+@pytest.mark.parametrize("pp, points", [(8, None), (3, ["model.layers.1.mlp", "model.layers.3"])])
+def test_stages_cut_inside_blocks_reproduce_the_captured_graph(compiled, pp, points):
+    """Partial blocks: a call_module at the block's FQN holding only its children in that
+    stage; the placement check passes, the outlined stages compute the captured graph."""
+    gm = compiled.gm
+    decision = plan_from_costs(compiled.costs, pp, compiled.blocks,
+                               SimpleNamespace(split_points=points, layers_per_stage=None))
+    assert decision.part_stages
+    stages = split_stages(gm, decision, pp)
+    reads = [[compiled.canonical.get(t, t) for t in st.targets if t != RUNTIME_DEVICE] for st in stages]
+    summary = summarize(decision, compiled.costs, "1f1b", pp, 2 * pp)
+    params = {n for n, _ in compiled.model.named_parameters(remove_duplicate=False)}
+    assert check_placement(summary, reads, params, compiled.canonical) == []
+    found = [split_blocks(st.graph, compiled.blocks) for st in stages]
+    part_stage = dict(decision.part_stages)
+    for st, (blocks, notes), s in zip(stages, found, summary["stages"]):
+        assert notes == [] and [b.fqn for b in blocks] == s["blocks"]
+        for b in blocks:
+            kids = s["children"].get(b.fqn)
+            want = {k for k in dict(compiled.model.named_parameters()) if k.startswith(b.fqn + ".")
+                    and (kids is None or ".".join(k.split(".")[:4]) in kids)}
+            assert {f"{b.fqn}.{t}" for t in b.targets} == want
+            assert kids is None or all(part_stage[k] == st.index for k in kids)
+    modules = [_stage_module(gm, st, bs) for st, (bs, _) in zip(stages, found)]
+    x = ids(2, 9, seed=4)
+    with torch.no_grad():
+        ref = gm(input_ids=x)
+    assert torch.equal(run_stages(modules, x)[0], ref[0])
