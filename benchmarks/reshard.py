@@ -11,7 +11,8 @@ on 1 thread and on every core, and the hashing floor: reshard must sha256 every 
 (checked against the manifest) and every output byte (recorded in the new manifest), so on
 C cores it cannot beat 2 x bytes / (C x one core's sha256 rate); the same hashing, measured
 alone, is a row. The last line estimates the cores the 0.5 x cp target needs at the
-measured 1 -> C thread scaling. Each measurement runs in a fresh subprocess that reports its own peak RSS (VmHWM). The page
+measured 1 -> C thread scaling. Each measurement runs in a fresh subprocess that reports its own peak RSS (VmHWM) and its
+seconds without the imports of torch and parallelizer (a fixed start-up cost, printed). The page
 cache is warm for both cp and reshard (the source is read once before timing). Temporary
 data lives under ``--workdir`` (default: a temp folder) and is deleted at the end.
 """
@@ -88,28 +89,30 @@ def write_source(path: Path, size_gb: float) -> dict:
 
 
 def child(argv: list[str]) -> None:
-    """Run one measured operation and print its seconds and peak RSS as JSON."""
+    """Run one measured operation and print its seconds (imports excluded: a fixed start-up
+    cost, reported as ``import_seconds``) and peak RSS as JSON."""
     kind, src = argv[0], Path(argv[1])
     t0 = time.perf_counter()
+    from parallelizer.checkpoint.reshard import reshard
+    from parallelizer.checkpoint.writer import sha256_file
+    from safetensors.torch import load_file
+    t1 = time.perf_counter()
     if kind == "reshard":
-        from parallelizer.checkpoint.reshard import reshard
         reshard(src, Path(argv[2]), tp=4, pp=1, threads=int(argv[3]))
     elif kind == "sha256":  # the floor: reshard hashes every input and every output byte
-        from parallelizer.checkpoint.writer import sha256_file
         files = sorted(src.glob("*.safetensors")) * 2  # output bytes = input bytes
         with ThreadPoolExecutor(int(argv[2])) as pool:
             list(pool.map(sha256_file, files))
     else:
-        from safetensors.torch import load_file
         tensors = [load_file(str(f)) for f in sorted(src.glob("*.safetensors"))]
         for part in tensors:  # touch every element: the tensors may be lazily mapped pages
             for t in part.values():
                 t.sum()
-    seconds = time.perf_counter() - t0
+    seconds = time.perf_counter() - t1
     # VmHWM, not ru_maxrss: Linux carries the forking parent's peak into ru_maxrss over exec
     hwm = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("VmHWM"))
     rss = int(hwm.split()[1]) * 1024
-    print(json.dumps({"seconds": seconds, "peak_rss_bytes": rss}))
+    print(json.dumps({"seconds": seconds, "import_seconds": t1 - t0, "peak_rss_bytes": rss}))
 
 
 def measure(*args: str) -> dict:
@@ -196,6 +199,7 @@ def main(argv=None) -> int:
               "throughput_ratio_vs_cp": sec["cp"] / sec["reshard"],
               "throughput_ratio_vs_cp_sync": sec["cp_sync"] / sec["reshard"],
               "sha256_floor_gb_s": gbs["sha256"], "sha256_floor_computed_gb_s": floor_gbs,
+              "import_seconds_not_timed": statistics.median(r["import_seconds"] for r in runs["reshard"]),
               "thread_speedup": speedup, "cores_needed_for_target": cores_needed,
               "reshard_peak_rss_bytes": rs_rss, "reshard_1_thread_peak_rss_bytes":
                   statistics.median(r["peak_rss_bytes"] for r in runs["reshard_1"]),
@@ -221,7 +225,8 @@ def main(argv=None) -> int:
     print(f"checkpoint {nbytes / 1e9:.2f} GB, {info['layers']} layers, largest tensor "
           f"{info['largest_tensor_bytes'] / 1e6:.0f} MB; {cores} cores, sha256 "
           f"{rate / 1e9:.2f} GB/s per core; medians of {ns.repeats}; load average "
-          f"{min(load):.1f}..{max(load):.1f}")
+          f"{min(load):.1f}..{max(load):.1f}; imports (not timed) "
+          f"{result['import_seconds_not_timed']:.2f} s")
     print(f"{'measurement':32} {'figure':20} {'ratio':>6}  target")
     for r in rows:
         print(f"{r[0]:32} {r[1]:20} {r[2]:>6}  {r[3]}")

@@ -15,7 +15,6 @@ so peak memory is about two pieces, never the model.
 from __future__ import annotations
 
 import json
-import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,7 +26,7 @@ from parallelizer.checkpoint.hf import (INDEX_FILE, SINGLE_FILE, HFTensor, load_
                                         match_to_model)
 from parallelizer.checkpoint.layout import local_piece
 from parallelizer.checkpoint.reader import load_tensor, read_manifest
-from parallelizer.checkpoint.reshard import check_paths, progress_bar, verify_all
+from parallelizer.checkpoint.reshard import check_paths, cores, progress_bar, verify_all
 from parallelizer.checkpoint.stream import write_streamed
 from parallelizer.checkpoint.target import target_layout
 from parallelizer.checkpoint.writer import (Layout, _fsync_dir, _publish, _write_synced,
@@ -160,7 +159,7 @@ def import_hf(hf_path, dst, plan, tp: Optional[int] = None, pp: Optional[int] = 
         tplan = layout.tensors[name]
         return local_piece(full, tplan, layout.mesh["tp"], t, getattr(torch, tplan.dtype))
 
-    with ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="import") as pool:
+    with ThreadPoolExecutor(cores(), thread_name_prefix="import") as pool:
         return write_layout(layout, piece, dst, overwrite=force, pool=pool)
 
 

@@ -36,6 +36,14 @@ def progress_bar(total: int, desc: str, enabled: bool):
                 leave=False)
 
 
+def cores() -> int:
+    """CPUs this process may run on (its affinity mask: a container's share, not the host's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def verify_all(src: Path, manifest: dict, show: bool = False) -> int:
     """Check every file of ``src`` against the manifest; returns the bytes checked.
 
@@ -103,7 +111,7 @@ def reshard(src, dst, tp: Optional[int] = None, pp: Optional[int] = None, plan=N
                                source=str(src / "manifest.json"))
     total = sum(_numel(s) * torch.empty((), dtype=dt).element_size()
                 for p, t in layout.files() for _, s, dt in layout.file_specs(p, t))
-    pool = ThreadPoolExecutor(threads or os.cpu_count() or 1, thread_name_prefix="reshard")
+    pool = ThreadPoolExecutor(threads or cores(), thread_name_prefix="reshard")
     try:
         with progress_bar(read + total, f"verify + reshard -> tp={layout.mesh['tp']} "
                           f"pp={layout.mesh['pp']} ({layout.stages()} stages)", show_progress) as bar:
