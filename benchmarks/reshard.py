@@ -22,6 +22,7 @@ import argparse
 import hashlib
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -96,7 +97,7 @@ def child(argv: list[str]) -> None:
     from parallelizer.checkpoint.reshard import reshard
     from parallelizer.checkpoint.writer import sha256_file
     from safetensors.torch import load_file
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     if kind == "reshard":
         reshard(src, Path(argv[2]), tp=4, pp=1, threads=int(argv[3]))
     elif kind == "sha256":  # the floor: reshard hashes every input and every output byte
@@ -112,26 +113,34 @@ def child(argv: list[str]) -> None:
     # VmHWM, not ru_maxrss: Linux carries the forking parent's peak into ru_maxrss over exec
     hwm = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("VmHWM"))
     rss = int(hwm.split()[1]) * 1024
-    print(json.dumps({"seconds": seconds, "import_seconds": t1 - t0, "peak_rss_bytes": rss}))
+    print(json.dumps({"seconds": seconds, "cpu_seconds": time.process_time() - c1,
+                      "import_seconds": t1 - t0, "peak_rss_bytes": rss}))
+
+
+def children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 def measure(*args: str) -> dict:
+    """One child run's JSON: seconds and ``cpu_seconds`` (user + system of all its threads)
+    of the operation, imports excluded; CPU time is what a busy machine inflates least."""
     out = subprocess.run([sys.executable, "-m", "benchmarks.reshard", "--child", *args],
                          check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def copy_seconds(src: Path, dst: Path, sync: bool) -> float:
+def copy_seconds(src: Path, dst: Path, sync: bool) -> dict:
     """``cp -r src dst``, and with ``sync`` then ``sync`` of the copied files and folder
     (fsync of each: the durability reshard gives its output, without flushing what other
     processes have written)."""
-    t0 = time.perf_counter()
+    c0, t0 = children_cpu(), time.perf_counter()
     subprocess.run(["cp", "-r", str(src), str(dst)], check=True)
     if sync:
         subprocess.run(["sync", *map(str, sorted(dst.iterdir())), str(dst)], check=True)
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, children_cpu() - c0
     shutil.rmtree(dst)
-    return seconds
+    return {"seconds": seconds, "cpu_seconds": cpu}
 
 
 def sha256_rate() -> float:
@@ -171,8 +180,8 @@ def main(argv=None) -> int:
         measure("load", str(src))  # warm the page cache for everyone
         runs: dict[str, list] = {k: [] for k in ("cp", "cp_sync", "reshard_1", "reshard", "sha256", "load")}
         for i in range(ns.repeats):  # interleaved: a busy spell on the machine hits every row
-            runs["cp"].append({"seconds": copy_seconds(src, work / "cp", sync=False)})
-            runs["cp_sync"].append({"seconds": copy_seconds(src, work / "cp", sync=True)})
+            runs["cp"].append(copy_seconds(src, work / "cp", sync=False))
+            runs["cp_sync"].append(copy_seconds(src, work / "cp", sync=True))
             for key, threads in (("reshard_1", 1), ("reshard", cores)):
                 runs[key].append(measure("reshard", str(src), str(work / "dst"), str(threads)))
                 shutil.rmtree(work / "dst")
@@ -182,6 +191,7 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     sec = {k: statistics.median(r["seconds"] for r in v) for k, v in runs.items()}
+    cpu = {k: statistics.median(r["cpu_seconds"] for r in v) for k, v in runs.items()}
     gbs = {k: nbytes / s / 1e9 for k, s in sec.items()}
     rs_rss = statistics.median(r["peak_rss_bytes"] for r in runs["reshard"])
     base_rss = statistics.median(r["peak_rss_bytes"] for r in runs["load"])
@@ -195,6 +205,7 @@ def main(argv=None) -> int:
               "largest_tensor_bytes": info["largest_tensor_bytes"], "repeats": ns.repeats,
               "cores": cores, "sha256_core_gb_s": rate / 1e9, "load_average": load,
               "seconds": {k: [r["seconds"] for r in v] for k, v in runs.items()},
+              "cpu_seconds": {k: [r["cpu_seconds"] for r in v] for k, v in runs.items()},
               "gb_s": gbs, "cp_gb_s": gbs["cp"], "reshard_gb_s": gbs["reshard"],
               "throughput_ratio_vs_cp": sec["cp"] / sec["reshard"],
               "throughput_ratio_vs_cp_sync": sec["cp_sync"] / sec["reshard"],
@@ -209,13 +220,16 @@ def main(argv=None) -> int:
 
     def ratio(k):
         return f"{sec['cp'] / sec[k]:.2f}"
-    rows = [("cp -r (baseline)", f"{gbs['cp']:.2f} GB/s", "1.00", "-"),
-            ("cp -r + sync of the copies", f"{gbs['cp_sync']:.2f} GB/s", ratio("cp_sync"),
+
+    def gb(k):  # throughput and CPU seconds (all threads, imports excluded) per GB
+        return f"{gbs[k]:.2f} GB/s {cpu[k] * 1e9 / nbytes:5.2f} cpu"
+    rows = [("cp -r (baseline)", gb("cp"), "1.00", "-"),
+            ("cp -r + sync of the copies", gb("cp_sync"), ratio("cp_sync"),
              "(same durability as reshard)"),
-            ("reshard tp2pp2->tp4pp1, 1 thr", f"{gbs['reshard_1']:.2f} GB/s", ratio("reshard_1"), "-"),
-            (f"reshard, {cores} threads", f"{gbs['reshard']:.2f} GB/s", ratio("reshard"),
+            ("reshard tp2pp2->tp4pp1, 1 thr", gb("reshard_1"), ratio("reshard_1"), "-"),
+            (f"reshard, {cores} threads", gb("reshard"), ratio("reshard"),
              f">= 0.50 ({sec['cp_sync'] / sec['reshard']:.2f} x cp+sync)"),
-            (f"sha256 in + out, {cores} threads", f"{gbs['sha256']:.2f} GB/s", ratio("sha256"),
+            (f"sha256 in + out, {cores} threads", gb("sha256"), ratio("sha256"),
              "(measured floor: hashing alone)"),
             ("sha256 floor, computed", f"{floor_gbs:.2f} GB/s", f"{floor_gbs / gbs['cp']:.2f}",
              f"(2 x bytes / ({cores} cores x {rate / 1e9:.2f} GB/s))"),
@@ -227,9 +241,9 @@ def main(argv=None) -> int:
           f"{rate / 1e9:.2f} GB/s per core; medians of {ns.repeats}; load average "
           f"{min(load):.1f}..{max(load):.1f}; imports (not timed) "
           f"{result['import_seconds_not_timed']:.2f} s")
-    print(f"{'measurement':32} {'figure':20} {'ratio':>6}  target")
+    print(f"{'measurement':32} {'figure (cpu: CPU s/GB)':26} {'ratio':>6}  target")
     for r in rows:
-        print(f"{r[0]:32} {r[1]:20} {r[2]:>6}  {r[3]}")
+        print(f"{r[0]:32} {r[1]:26} {r[2]:>6}  {r[3]}")
     print(f"target 0.5 x cp = {need_gbs:.2f} GB/s; hashing alone caps {cores} cores at "
           f"{floor_gbs:.2f} GB/s ({floor_gbs / gbs['cp']:.2f} x cp); 1 -> {cores} threads: "
           f"x{speedup:.2f}; at that scaling the target needs ~{cores_needed:.1f} cores")

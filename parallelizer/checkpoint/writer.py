@@ -248,7 +248,7 @@ def write_layout(layout: Layout, piece: Callable[[str, int], torch.Tensor], out_
         budget = _Budget(2 * max((n for v in sizes.values() for n in v), default=0))
         meta_hash = layout.layout_hash()
 
-        def write_file(p: int, t: int) -> tuple[str, dict]:
+        def write_file(p: int, t: int) -> tuple[str, dict, Optional[Future]]:
             name = shard_file_name(p, t)
             meta = {"format": "pt", "layout_hash": meta_hash, "stage": str(p), "tp_rank": str(t)}
             specs = layout.file_specs(p, t)
