@@ -7,21 +7,26 @@ stored dtypes and full shapes: ``model.safetensors``, or above ``--max-shard-siz
 ``model-0000i-of-0000n.safetensors`` shards plus ``model.safetensors.index.json``
 (``{"metadata": {"total_size"}, "weight_map": {name: file}}``), as ``transformers``
 ``save_pretrained`` writes them. Vocabulary padding is never exported (only the runs of real
-rows are read). Import reads either format into a compiled program's layout.
+rows are read). Import reads either format into a compiled program's layout, streaming
+like reshard: the Hugging Face files are indexed by their headers, each output piece is
+read from its (lazily mapped) tensor and cast alone, and the files are written in parallel,
+so peak memory is about two pieces, never the model.
 """
 from __future__ import annotations
 
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from parallelizer.checkpoint.hf import INDEX_FILE, SINGLE_FILE, load_hf_state_dict, match_to_model
+from parallelizer.checkpoint.hf import (INDEX_FILE, SINGLE_FILE, HFTensor, load_hf_state_dict,
+                                        match_to_model)
 from parallelizer.checkpoint.layout import local_piece
 from parallelizer.checkpoint.reader import load_tensor, read_manifest
-from parallelizer.checkpoint.reshard import check_paths, progress_bar, verify_all
+from parallelizer.checkpoint.reshard import check_paths, cores, progress_bar, verify_all
 from parallelizer.checkpoint.stream import write_streamed
 from parallelizer.checkpoint.target import target_layout
 from parallelizer.checkpoint.writer import (Layout, _fsync_dir, _publish, _write_synced,
@@ -117,8 +122,9 @@ def import_hf(hf_path, dst, plan, tp: Optional[int] = None, pp: Optional[int] = 
 
     Names are matched as the compiler's ``checkpoint.path`` does (one leading prefix, tied
     aliases, harmless leftovers such as ``embeddings.position_ids``); tensors are cast to
-    the plan's dtype. Non-persistent buffers (absent from Hugging Face files) are taken from
-    ``buffers_from`` (the program's ``OUT/checkpoint``).
+    the plan's dtype piece by piece (peak memory: about two pieces, never the model).
+    Non-persistent buffers (absent from Hugging Face files) are taken from ``buffers_from``
+    (the program's ``OUT/checkpoint``).
 
     Raises:
         CheckpointError: names that do not match, shapes that differ, non-persistent buffers
@@ -130,7 +136,7 @@ def import_hf(hf_path, dst, plan, tp: Optional[int] = None, pp: Optional[int] = 
     keys = plan.structure.get("state_dict_keys") or list(plan.tensors)
     stored = [k for k in keys if plan.aliases.get(k, k) in plan.tensors]
     shapes = {k: plan.tensors[plan.aliases.get(k, k)].shape for k in stored}
-    matched = match_to_model(load_hf_state_dict(hf_path), stored, plan.aliases, shapes)
+    matched = match_to_model(load_hf_state_dict(hf_path, lazy=True), stored, plan.aliases, shapes)
     state = {plan.aliases.get(k, k): v for k, v in matched.items()}
     rest = sorted(set(plan.tensors) - set(state))
     if rest:
@@ -142,14 +148,19 @@ def import_hf(hf_path, dst, plan, tp: Optional[int] = None, pp: Optional[int] = 
         bman = read_manifest(buffers_from)
         for fqn in rest:
             state[fqn] = load_tensor(buffers_from, fqn, manifest=bman)
-    for fqn, t in state.items():
-        state[fqn] = t.to(getattr(torch, plan.tensors[fqn].dtype))
     layout = Layout.from_plan(plan)
     if tp or pp:
         layout = target_layout(build_manifest(layout, {}), tp or plan.mesh["tp"], pp or plan.mesh["pp"],
                                source="the program's plan.json")
-    return write_layout(layout, lambda n, t: local_piece(state[n], layout.tensors[n], layout.mesh["tp"], t),
-                        dst, overwrite=force)
+
+    def piece(name: str, t: int) -> torch.Tensor:
+        # the full tensor is a lazy mapping: only the piece's rows are read, cast as copied
+        full = state[name].read() if isinstance(state[name], HFTensor) else state[name]
+        tplan = layout.tensors[name]
+        return local_piece(full, tplan, layout.mesh["tp"], t, getattr(torch, tplan.dtype))
+
+    with ThreadPoolExecutor(cores(), thread_name_prefix="import") as pool:
+        return write_layout(layout, piece, dst, overwrite=force, pool=pool)
 
 
 def _nbytes(entry: dict) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -39,8 +40,32 @@ HARMLESS_UNEXPECTED_SUFFIXES = (
 _MAX_LISTED = 5
 
 
-def load_hf_state_dict(path) -> dict[str, torch.Tensor]:
-    """Read every tensor of a Hugging Face safetensors checkpoint into CPU memory.
+@dataclass(frozen=True)
+class HFTensor:
+    """A tensor of a Hugging Face safetensors file, known by its header only (``shape``);
+    :meth:`read` maps it (lazily: pages are read when touched, and released with the
+    returned tensor), so a converter can hold the whole checkpoint's index, not its data."""
+
+    file: Path
+    name: str
+    shape: tuple
+
+    def read(self) -> torch.Tensor:
+        """The tensor, with the dtype and shape stored in the file.
+
+        Raises:
+            CheckpointError: the file is unreadable or the tensor's data is; names both.
+        """
+        try:
+            with safe_open(str(self.file), framework="pt") as f:
+                return f.get_tensor(self.name)
+        except Exception as e:  # SafetensorError / OSError
+            raise CheckpointError(f"cannot read tensor {self.name} from {self.file}: {e}") from e
+
+
+def load_hf_state_dict(path, lazy: bool = False) -> dict:
+    """Read every tensor of a Hugging Face safetensors checkpoint into CPU memory (with
+    ``lazy``: only the headers, each tensor an :class:`HFTensor` to read when needed).
 
     Args:
         path: a ``.safetensors`` file, a ``model.safetensors.index.json`` file, or a folder
@@ -48,7 +73,8 @@ def load_hf_state_dict(path) -> dict[str, torch.Tensor]:
             when both are present, as in ``transformers``).
 
     Returns:
-        checkpoint name -> tensor, with the dtype and shape stored in the file.
+        checkpoint name -> tensor (or :class:`HFTensor`), with the dtype and shape stored in
+        the file.
 
     Raises:
         CheckpointError: the path does not exist; the folder has neither file; the index is
@@ -61,9 +87,9 @@ def load_hf_state_dict(path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"Hugging Face checkpoint {path} does not exist")
     if path.is_dir():
         if (path / INDEX_FILE).is_file():
-            return _load_sharded(path / INDEX_FILE)
+            return _load_sharded(path / INDEX_FILE, lazy)
         if (path / SINGLE_FILE).is_file():
-            return _read_safetensors(path / SINGLE_FILE)
+            return _read_safetensors(path / SINGLE_FILE, lazy=lazy)
         found = sorted(p.name for p in path.iterdir())[:10]
         hint = ("; convert pytorch_model.bin to safetensors first"
                 if any(n.startswith("pytorch_model") for n in found) else "")
@@ -71,12 +97,13 @@ def load_hf_state_dict(path) -> dict[str, torch.Tensor]:
             f"folder {path} holds neither {SINGLE_FILE} nor {INDEX_FILE} "
             f"(found: {', '.join(found) or 'nothing'}){hint}")
     if path.name.endswith(".index.json"):
-        return _load_sharded(path)
-    return _read_safetensors(path)
+        return _load_sharded(path, lazy)
+    return _read_safetensors(path, lazy=lazy)
 
 
-def _read_safetensors(file: Path, names: Optional[Iterable[str]] = None) -> dict[str, torch.Tensor]:
-    """All tensors of one safetensors ``file`` (or only ``names``), as CPU tensors."""
+def _read_safetensors(file: Path, names: Optional[Iterable[str]] = None, lazy: bool = False) -> dict:
+    """All tensors of one safetensors ``file`` (or only ``names``), as CPU tensors (or
+    :class:`HFTensor` with ``lazy``)."""
     try:
         with safe_open(str(file), framework="pt") as f:
             keys = set(f.keys())
@@ -86,6 +113,8 @@ def _read_safetensors(file: Path, names: Optional[Iterable[str]] = None) -> dict
                 raise CheckpointError(
                     f"{file} does not hold {len(absent)} tensor(s) its index assigns to it: "
                     f"{_listed(absent)}")
+            if lazy:
+                return {n: HFTensor(file, n, tuple(f.get_slice(n).get_shape())) for n in wanted}
             return {n: f.get_tensor(n) for n in wanted}
     except CheckpointError:
         raise
@@ -93,7 +122,7 @@ def _read_safetensors(file: Path, names: Optional[Iterable[str]] = None) -> dict
         raise CheckpointError(f"cannot read safetensors file {file}: {e}") from e
 
 
-def _load_sharded(index_file: Path) -> dict[str, torch.Tensor]:
+def _load_sharded(index_file: Path, lazy: bool = False) -> dict:
     """Tensors of a sharded checkpoint, read shard by shard as its ``weight_map`` says."""
     try:
         weight_map = json.loads(index_file.read_text())["weight_map"]
@@ -110,7 +139,7 @@ def _load_sharded(index_file: Path) -> dict[str, torch.Tensor]:
             f"{_listed(sorted(missing))}")
     out: dict[str, torch.Tensor] = {}
     for shard, names in sorted(by_shard.items()):
-        out.update(_read_safetensors(index_file.parent / shard, names))
+        out.update(_read_safetensors(index_file.parent / shard, names, lazy))
     return out
 
 
@@ -128,7 +157,8 @@ def match_to_model(ckpt: dict, model_keys: list[str], aliases: dict,
     are dropped too.
 
     Args:
-        ckpt: checkpoint name -> tensor (from :func:`load_hf_state_dict`).
+        ckpt: checkpoint name -> tensor or anything with a ``shape`` (from
+            :func:`load_hf_state_dict`).
         model_keys: the model's ``state_dict()`` names.
         aliases: tied-weight alias fqn -> canonical fqn.
         shapes: optional model name -> expected shape; checked when given.

@@ -58,9 +58,11 @@ def shard_slice(shape, tp_dim: Optional[int], tp: int, tp_rank: int) -> tuple[sl
     return tuple(full)
 
 
-def local_piece(tensor: torch.Tensor, tensor_plan: TensorPlan, tp: int, tp_rank: int) -> torch.Tensor:
+def local_piece(tensor: torch.Tensor, tensor_plan: TensorPlan, tp: int, tp_rank: int,
+                dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Tp rank ``tp_rank``'s piece of ``tensor``, as a contiguous copy owning its storage
-    (safetensors refuses views that share memory).
+    (safetensors refuses views that share memory), cast to ``dtype`` while copied (default:
+    ``tensor``'s: one copy of the piece, never of the whole tensor).
 
     Args:
         tensor: the full tensor, shape ``tensor_plan.shape``.
@@ -68,15 +70,15 @@ def local_piece(tensor: torch.Tensor, tensor_plan: TensorPlan, tp: int, tp_rank:
         tp, tp_rank: tp degree and rank.
 
     Returns:
-        tensor of shape ``tensor_plan.local_shape(tp)``, same dtype; the segments of the
+        tensor of shape ``tensor_plan.local_shape(tp)`` and ``dtype``; the segments of the
         layout copied in piece order, padding rows zero.
     """
     assert tuple(tensor.shape) == tuple(tensor_plan.shape), (
         f"{tensor_plan.fqn}: tensor shape {tuple(tensor.shape)} != plan shape {tensor_plan.shape}")
     d = normalize_dim(tensor_plan.tp_dim, tensor.dim())
     if d is None:
-        return tensor.clone(memory_format=torch.contiguous_format)
-    piece = tensor.new_zeros(tensor_plan.local_shape(tp))
+        return tensor.to(dtype or tensor.dtype, memory_format=torch.contiguous_format, copy=True)
+    piece = tensor.new_zeros(tensor_plan.local_shape(tp), dtype=dtype or tensor.dtype)
     for seg in segments(tensor.shape[d], tensor_plan.layout, tp, tp_rank):
         piece.narrow(d, seg.piece_offset, seg.length).copy_(tensor.narrow(d, seg.full_offset, seg.length))
     return piece

@@ -52,6 +52,18 @@ def verify_file(ckpt_dir, file_name: str, manifest: dict) -> Path:
         CheckpointError: the file is missing, not listed, truncated (or grown), or its sha256
             differs; names the file.
     """
+    path = check_file_size(ckpt_dir, file_name, manifest)
+    check_file_sha256(ckpt_dir, file_name, manifest)
+    return path
+
+
+def check_file_size(ckpt_dir, file_name: str, manifest: dict) -> Path:
+    """Path of ``file_name`` after checking it exists, is listed and has the manifest's size
+    (a stat: cheap, so every file is checked before any is read).
+
+    Raises:
+        CheckpointError: the file is missing, not listed, truncated (or grown); names it.
+    """
     path = Path(ckpt_dir) / file_name
     if not path.is_file():
         raise CheckpointError(f"checkpoint file {path} is missing (listed in {MANIFEST}); "
@@ -64,12 +76,22 @@ def verify_file(ckpt_dir, file_name: str, manifest: dict) -> Path:
         what = "truncated" if size < expected["bytes"] else "larger than written"
         raise CheckpointError(f"checkpoint file {path} is {what}: {size} bytes, {MANIFEST} records "
                               f"{expected['bytes']}; copy it again or rewrite the checkpoint")
-    actual = sha256_file(path)
-    if actual != expected["sha256"]:
-        raise CheckpointError(f"checkpoint file {path} is corrupt: sha256 {actual} does not match "
-                              f"{expected['sha256']} recorded in {MANIFEST}; copy it again or rewrite "
-                              "the checkpoint")
     return path
+
+
+def check_file_sha256(ckpt_dir, file_name: str, manifest: dict) -> None:
+    """The sha256 of ``file_name`` is the manifest's (reads the whole file).
+
+    Raises:
+        CheckpointError: it differs; names the file and both digests.
+    """
+    path = Path(ckpt_dir) / file_name
+    expected = manifest["files"][file_name]["sha256"]
+    actual = sha256_file(path)
+    if actual != expected:
+        raise CheckpointError(f"checkpoint file {path} is corrupt: sha256 {actual} does not match "
+                              f"{expected} recorded in {MANIFEST}; copy it again or rewrite "
+                              "the checkpoint")
 
 
 def check_plan(ckpt_dir, manifest: dict, plan: ParallelPlan) -> None:

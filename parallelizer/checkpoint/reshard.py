@@ -2,22 +2,27 @@
 
 Each output piece is assembled from lazily read regions of the input
 (:func:`parallelizer.checkpoint.reader.load_tensor`, ``safe_open(...).get_slice``) and
-streamed to its file (:mod:`parallelizer.checkpoint.stream`), so peak memory is about one
-output piece plus the region read for it, never the model. Every input file's size and
-sha256 are checked against the manifest first; the output is written into a hidden
-temporary sibling of DST and renamed onto DST when complete; SRC is only read.
+streamed to its file (:mod:`parallelizer.checkpoint.stream`), so peak memory is about two
+output pieces plus the regions read for them, never the model. Every input file's size is
+checked against the manifest first; the sha256 checks of the inputs run in the same thread
+pool as the writing of the output files (one file per thread; hashing, copies and writes
+release the GIL), and nothing is published unless every check passed. The output is
+written into a hidden temporary sibling of DST, fsynced, and renamed onto DST when
+complete; SRC is only read.
 """
 from __future__ import annotations
 
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from parallelizer.checkpoint.reader import load_tensor, read_manifest, verify_file
+from parallelizer.checkpoint.reader import (check_file_sha256, check_file_size, load_tensor,
+                                            read_manifest, verify_file)
 from parallelizer.checkpoint.target import plan_layout, target_layout
 from parallelizer.checkpoint.writer import Layout, write_layout
 from parallelizer.errors import CheckpointError
@@ -29,6 +34,14 @@ def progress_bar(total: int, desc: str, enabled: bool):
     from tqdm import tqdm
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=not enabled,
                 leave=False)
+
+
+def cores() -> int:
+    """CPUs this process may run on (its affinity mask: a container's share, not the host's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def verify_all(src: Path, manifest: dict, show: bool = False) -> int:
@@ -65,12 +78,14 @@ def check_paths(src: Path, dst: Path, force: bool) -> None:
 
 
 def reshard(src, dst, tp: Optional[int] = None, pp: Optional[int] = None, plan=None,
-            force: bool = False, show_progress: bool = False, tmp_hook=None) -> dict:
+            force: bool = False, show_progress: bool = False, tmp_hook=None,
+            threads: Optional[int] = None) -> dict:
     """Write checkpoint ``src`` to ``dst`` in another layout: (``tp``, ``pp``) computed from the
     checkpoint (:func:`parallelizer.checkpoint.target.target_layout`; None keeps the source
     degree), or exactly the layout of a compiled program's ``plan`` (ParallelPlan).
 
-    Optimizer state stored with the parameters is converted with them.
+    Optimizer state stored with the parameters is converted with them. ``threads`` (default:
+    the machine's cores) hash input files and write output files in parallel.
 
     Returns:
         ``{"bytes_read", "bytes_written", "seconds", "files"}``.
@@ -84,7 +99,10 @@ def reshard(src, dst, tp: Optional[int] = None, pp: Optional[int] = None, plan=N
     t0 = time.perf_counter()
     manifest = read_manifest(src)
     check_paths(src, dst, force)
-    read = verify_all(src, manifest, show_progress)
+    names = sorted(manifest["files"])
+    for name in names:
+        check_file_size(src, name, manifest)
+    read = sum(manifest["files"][n]["bytes"] for n in names)
     if plan is not None:
         layout = plan_layout(manifest, plan)
     else:
@@ -93,11 +111,19 @@ def reshard(src, dst, tp: Optional[int] = None, pp: Optional[int] = None, plan=N
                                source=str(src / "manifest.json"))
     total = sum(_numel(s) * torch.empty((), dtype=dt).element_size()
                 for p, t in layout.files() for _, s, dt in layout.file_specs(p, t))
-    with progress_bar(total, f"reshard -> tp={layout.mesh['tp']} pp={layout.mesh['pp']} "
-                      f"({layout.stages()} stages)",
-                      show_progress) as bar:
-        write_layout(layout, lambda name, t: target_piece(src, manifest, layout, name, t), dst,
-                     overwrite=force, progress=bar.update, tmp_hook=tmp_hook)
+    pool = ThreadPoolExecutor(threads or cores(), thread_name_prefix="reshard")
+    try:
+        with progress_bar(read + total, f"verify + reshard -> tp={layout.mesh['tp']} "
+                          f"pp={layout.mesh['pp']} ({layout.stages()} stages)", show_progress) as bar:
+            def check(name: str) -> None:
+                check_file_sha256(src, name, manifest)
+                bar.update(manifest["files"][name]["bytes"])
+
+            write_layout(layout, lambda name, t: target_piece(src, manifest, layout, name, t), dst,
+                         overwrite=force, progress=bar.update, tmp_hook=tmp_hook, pool=pool,
+                         checks=[partial(check, n) for n in names])
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
     return {"bytes_read": read, "bytes_written": total, "seconds": time.perf_counter() - t0,
             "files": len(layout.files())}
 

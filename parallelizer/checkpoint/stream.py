@@ -7,6 +7,11 @@ header length N, N bytes of JSON (``{name: {dtype, shape, data_offsets: [begin, 
 "__metadata__": {str: str}}``, padded with spaces to a multiple of 8), then the raw
 row-major bytes of every tensor at its offsets. Knowing every shape and dtype up front, the
 header is written first and each tensor's bytes are appended and hashed as it is produced.
+
+Each tensor goes out in blocks of :data:`CHUNK` bytes, each hashed and then written while it
+is still in the CPU cache, straight from the tensor's memory (a lazily mapped input region
+is never copied in user space); only a non-contiguous tensor (a column block of a row-major
+piece) is gathered, block by block, into one reused buffer.
 """
 from __future__ import annotations
 
@@ -14,10 +19,10 @@ import hashlib
 import json
 import os
 import struct
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
+import numpy as np
 import torch
 
 ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
@@ -25,16 +30,25 @@ ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
              torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
              torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
 
+# bit-for-bit copies of any dtype (bfloat16, float8 have no numpy type) as integers
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+CHUNK = 1 << 22  # 4 MiB: fits the last-level cache, so write() reads what sha256 just read
+
 
 def write_streamed(path: Path, specs: Sequence[tuple[str, tuple, torch.dtype]],
-                   produce: Callable[[str], torch.Tensor], metadata: dict[str, str]) -> tuple[str, int]:
+                   produce: Callable[[str], torch.Tensor], metadata: dict[str, str],
+                   fsync: bool = True) -> tuple[str, int]:
     """Write the tensors ``specs`` (name, shape, dtype; in file order) to ``path``, asking
-    ``produce(name)`` for each in turn, then fsync.
+    ``produce(name)`` for each in turn, then fsync (unless ``fsync`` is False: the caller
+    syncs the file before publishing it).
 
-    Peak memory: one produced tensor. Returns ``(sha256 hex, size in bytes)`` of the file.
+    Peak memory: one produced tensor plus :data:`CHUNK` bytes. Returns ``(sha256 hex, size
+    in bytes)`` of the file. Runs in the calling thread (hashlib, os.write and torch copies
+    release the GIL, so several files can be written in parallel threads).
 
     Raises:
-        AssertionError: a produced tensor differs from its spec (a bug in the caller).
+        AssertionError: a produced tensor differs from its spec (a bug in the caller, or an
+            input that is not what its manifest says).
     """
     header, offset = {}, 0
     for name, shape, dtype in specs:
@@ -46,24 +60,59 @@ def write_streamed(path: Path, specs: Sequence[tuple[str, tuple, torch.dtype]],
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     h = hashlib.sha256()
-    # hashing overlaps the write of the same buffer: both release the GIL
-    with open(path, "wb") as f, ThreadPoolExecutor(1, thread_name_prefix="sha256") as hasher:
-        for chunk in (struct.pack("<Q", len(raw)), raw):
-            f.write(chunk)
-            h.update(chunk)
+    scratch: list[torch.Tensor] = []  # the one reused gather buffer, allocated on first need
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        head = struct.pack("<Q", len(raw)) + raw
+        h.update(head)
+        _write_all(fd, memoryview(head))
+        size = len(head)
         for name, shape, dtype in specs:
             t = produce(name)
             assert tuple(t.shape) == tuple(shape) and t.dtype == dtype, (
                 f"{name}: produced {tuple(t.shape)} {t.dtype}, expected {tuple(shape)} {dtype}")
-            data = memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
-            hashed = hasher.submit(h.update, data)
-            f.write(data)
-            hashed.result()
-            del t, data
-        f.flush()
-        os.fsync(f.fileno())
-        size = f.tell()
+            for block in _blocks(t, scratch):
+                h.update(block)
+                _write_all(fd, block)
+                size += len(block)
+            del t
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
     return h.hexdigest(), size
+
+
+def _blocks(t: torch.Tensor, scratch: list) -> Iterator[memoryview]:
+    """The row-major bytes of ``t`` in blocks of about :data:`CHUNK` bytes: views of its
+    memory when contiguous, else rows gathered into ``scratch[0]`` (reused, grown once)."""
+    if t.numel() == 0:
+        return
+    if t.is_contiguous():
+        mv = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+        for i in range(0, len(mv), CHUNK):
+            yield mv[i:i + CHUNK]
+        return
+    row = t[0].numel() * t.element_size()
+    rows = max(1, CHUNK // row)  # a row is never split: a single row larger than CHUNK goes whole
+    need = min(rows, t.shape[0]) * row
+    if not scratch or scratch[0].numel() < need:
+        scratch[:] = [torch.empty(need, dtype=torch.uint8)]
+    # numpy copies in this thread; torch's copy_ would wake its intra-op pool, whose
+    # spinning threads cost more CPU than the copy when every core already runs a writer
+    same = _SAME_SIZE_INT[t.element_size()]
+    src = t.view(same).numpy()
+    for r in range(0, t.shape[0], rows):
+        part = src[r:r + rows]
+        n = part.size * t.element_size()
+        out = scratch[0][:n].view(same).numpy().reshape(part.shape)
+        np.copyto(out, part)
+        yield memoryview(scratch[0][:n].numpy())
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while len(data):
+        data = data[os.write(fd, data):]
 
 
 def _numel(shape) -> int:

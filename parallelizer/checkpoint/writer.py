@@ -42,12 +42,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import shutil
 import tempfile
+import threading
+from concurrent.futures import FIRST_EXCEPTION, Executor, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -78,12 +81,17 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
-    """Hex sha256 of a file, read in 16 MiB chunks."""
+def sha256_file(path: Path, window: int = 1 << 24) -> str:
+    """Hex sha256 of a file, hashed through 16 MiB memory-mapped windows: no read buffer is
+    allocated or copied (``f.read`` per chunk costs ~20% of the hash rate on a warm page
+    cache) and resident memory stays one window."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
+        size = os.fstat(f.fileno()).st_size
+        for offset in range(0, size, window):
+            with mmap.mmap(f.fileno(), min(window, size - offset), access=mmap.ACCESS_READ,
+                           offset=offset) as m:
+                h.update(m)
     return h.hexdigest()
 
 
@@ -206,41 +214,149 @@ def write_checkpoint(state_dict: dict[str, torch.Tensor], plan: ParallelPlan, ou
 
 def write_layout(layout: Layout, piece: Callable[[str, int], torch.Tensor], out_dir: Path,
                  overwrite: bool = False, progress: Optional[Callable[[int], None]] = None,
-                 tmp_hook: Optional[Callable[[Path], None]] = None) -> Path:
-    """Write every file of ``layout`` (``piece(name, tp_rank)`` gives each local piece, one at
-    a time) and the manifest into a hidden temporary sibling of ``out_dir``, then rename it
-    onto ``out_dir``. ``progress(nbytes)`` is called after each piece; ``tmp_hook(tmp)`` once
+                 tmp_hook: Optional[Callable[[Path], None]] = None,
+                 pool: Optional[Executor] = None, checks: Sequence[Callable[[], None]] = ()) -> Path:
+    """Write every file of ``layout`` (``piece(name, tp_rank)`` gives each local piece) and
+    the manifest into a hidden temporary sibling of ``out_dir``, fsync, then rename it onto
+    ``out_dir``. ``progress(nbytes)`` is called after each piece; ``tmp_hook(tmp)`` once
     the temporary folder exists. On any error (or a kill) nothing exists at ``out_dir``
-    that was not there before; a killed process leaves only ``.<name>.tmp-*``."""
+    that was not there before; a killed process leaves only ``.<name>.tmp-*``.
+
+    ``checks`` (e.g. the input files' sha256) must all pass before anything is published;
+    their errors take precedence over the writes' (in ``checks`` order), since what is
+    written derives from what they check. Without a ``pool`` they run first, then the files
+    one after another. With a thread ``pool`` the files are written in parallel, largest
+    first (``piece`` must be thread-safe), the checks queued after them so that the files'
+    fsyncs (in one extra thread that mostly waits on the disk) overlap them; pieces produced
+    and not yet written never exceed 2 x the largest piece in bytes, so peak memory stays
+    that of two pieces whatever the number of threads.
+
+    Raises:
+        CheckpointError: ``out_dir`` is not a folder or not empty (without ``overwrite``);
+            whatever a check or ``piece`` raises.
+    """
     out_dir = Path(out_dir)
     _check_destination(out_dir, overwrite)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
+    jobs: list[Future] = []
+    syncer = ThreadPoolExecutor(1, thread_name_prefix="fsync") if pool is not None else None
     try:
         if tmp_hook is not None:
             tmp_hook(tmp)
-        files = {}
-        for p, t in layout.files():
-            name = shard_file_name(p, t)
-            meta = {"format": "pt", "layout_hash": layout.layout_hash(), "stage": str(p),
-                    "tp_rank": str(t)}
+        sizes = {pt: [_nbytes(s, dt) for _, s, dt in layout.file_specs(*pt)] for pt in layout.files()}
+        budget = _Budget(2 * max((n for v in sizes.values() for n in v), default=0))
+        meta_hash = layout.layout_hash()
 
-            def produce(n, t=t):
+        def write_file(p: int, t: int) -> tuple[str, dict, Optional[Future]]:
+            name = shard_file_name(p, t)
+            meta = {"format": "pt", "layout_hash": meta_hash, "stage": str(p), "tp_rank": str(t)}
+            specs = layout.file_specs(p, t)
+            nbytes = {n: _nbytes(s, dt) for n, s, dt in specs}
+            held = [0]
+
+            def produce(n):
+                budget.release(held[0])  # the previous piece of this file is written
+                held[0] = budget.acquire(nbytes[n]) if pool is not None else 0
                 out = piece(n, t)
                 if progress is not None:
                     progress(out.numel() * out.element_size())
                 return out
 
-            digest, size = write_streamed(tmp / name, layout.file_specs(p, t), produce, meta)
-            files[name] = {"sha256": digest, "bytes": size}
-        manifest = build_manifest(layout, files)
+            try:
+                digest, size = write_streamed(tmp / name, specs, produce, meta, fsync=syncer is None)
+            finally:
+                budget.release(held[0])
+                held[0] = 0
+            synced = syncer.submit(_fsync_file, tmp / name) if syncer is not None else None
+            return name, {"sha256": digest, "bytes": size}, synced
+
+        if pool is None:
+            for check in checks:
+                check()
+            written = [write_file(p, t) for p, t in layout.files()]
+        else:
+            order = sorted(layout.files(), key=lambda pt: -sum(sizes[pt]))
+            jobs = [pool.submit(write_file, p, t) for p, t in order]
+            gates = [pool.submit(check) for check in checks]
+            written = _results(jobs, gates)
+        for *_, synced in written:
+            if synced is not None:
+                synced.result()
+        manifest = build_manifest(layout, {name: entry for name, entry, _ in sorted(written)})
         _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
         _fsync_dir(tmp)
         _publish(tmp, out_dir, overwrite)
     except BaseException:
+        for j in jobs:  # no thread may still be writing into tmp while it is removed
+            j.cancel()
+        wait(jobs)
+        if syncer is not None:
+            syncer.shutdown(wait=True)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        if syncer is not None:
+            syncer.shutdown(wait=True)
     return out_dir
+
+
+def _results(jobs: list[Future], gates: list[Future]) -> list:
+    """Results of ``jobs`` once they and ``gates`` are done; on the first failure of either,
+    the pending jobs are cancelled and the first failed gate's error (else a job's) raised."""
+    done, _ = wait(jobs + gates, return_when=FIRST_EXCEPTION)
+    if any(f.exception() is not None for f in done):
+        for j in jobs:
+            j.cancel()
+        wait(jobs)
+    wait(gates)  # a corrupt input explains any failure of a piece derived from it
+    for f in gates + jobs:
+        if not f.cancelled() and f.exception() is not None:
+            raise f.exception()
+    return [j.result() for j in jobs]
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)  # fsync flushes the file's (inode's) dirty pages, any fd
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _nbytes(shape, dtype: torch.dtype) -> int:
+    return _numel(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+class _Budget:
+    """Bytes of pieces produced and not yet written, across writer threads: ``acquire(n)``
+    blocks until ``n`` fits under ``limit`` (a piece larger than ``limit`` waits for an
+    empty budget, then goes alone); a thread holds at most one piece while waiting, so
+    this cannot deadlock."""
+
+    def __init__(self, limit: int):
+        self.limit, self.used = limit, 0
+        self.cond = threading.Condition()
+
+    def acquire(self, n: int) -> int:
+        n = min(n, self.limit)
+        with self.cond:
+            self.cond.wait_for(lambda: self.used + n <= self.limit)
+            self.used += n
+        return n
+
+    def release(self, n: int) -> None:
+        if n:
+            with self.cond:
+                self.used -= n
+                self.cond.notify_all()
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
 
 
 def build_manifest(layout: Layout, files: dict) -> dict:
