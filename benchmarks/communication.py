@@ -68,7 +68,7 @@ def minimum(module, mesh: dict, micro: int) -> dict:
     cfg = module.make_config()
     b, s, h = module.SIZE["batch"], module.SIZE["seq"], cfg.hidden_size
     pp, dp, tp = mesh["pp"], mesh["dp"], mesh["tp"]
-    world, m = pp * dp * tp, micro if pp > 1 else 1
+    m = micro if pp > 1 else 1
     act = (b // dp // m) * s * h * 4  # one microbatch's activation, bytes
     out = {}
     if tp > 1:

@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 
 import parallelizer as pz
-from parallelizer.runtime.batching import synthetic_batches
 
 HERE = Path(__file__).resolve().parent
 STEPS = 3

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-import torch
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
 

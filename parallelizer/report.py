@@ -20,7 +20,7 @@ def _fsdp_options(plan: ParallelPlan) -> str:
 def render_report(plan: ParallelPlan, route: str, tp_lines, pipeline: dict, notes,
                   pp_warnings=()) -> str:
     m = plan.mesh
-    lines = [f"# parallelizer report", "",
+    lines = ["# parallelizer report", "",
              f"- mesh: pp={m['pp']} x dp={m['dp']} x tp={m['tp']} = {plan.world_size} ranks "
              f"(order pp, dp, tp; tp innermost)",
              f"- capture: {route}",

@@ -300,7 +300,7 @@ def _min_max_sizes(c: list, pre: int, post: int, k: int) -> list[int]:
 def _starts_from_split_points(points, grid: _Grid, k: int, stages_key: str) -> list[int]:
     """Units where stages 1.. begin. Raises PlanError: wrong count, unknown FQN (with close
     matches and the valid FQNs), order, first block."""
-    points, blocks = list(points), grid.blocks
+    points = list(points)
     if len(points) != k - 1:
         raise PlanError(f"pipeline.split_points has {len(points)} entries {points}, but {k} stages "
                         f"({stages_key}={k}) need {k - 1}: the FQNs of the blocks (or of children "

@@ -2,7 +2,6 @@
 the CLI's errors, FSDP2's chunking, activations against a real forward, and the spec errors
 of the FSDP2-only options."""
 import dataclasses
-import json
 
 import pytest
 import torch
