@@ -101,25 +101,36 @@ def _main(out_dir: Path, argv=None) -> int:
               f"or by pz.compile with its own loss_fn); recompile with weights to verify", file=sys.stderr)
         return 2
     ctx = init(plan, args.device)
+    done = False
     try:
-        stage = build_stages(out_dir, plan, ctx, args.resume or args.load)
-        if args.verify:
-            code = run_verify(out_dir, plan, spec, stage, ctx, loss_fn)
-            _profile(args, out_dir, plan, spec, stage, ctx, loss_fn, model_module)
-            return code
-        _, opt, step = run_train(plan, spec, stage, ctx, loss_fn, model_module, args.steps, args.resume)
-        if args.profile:  # MEMORY line per rank (runtime/memory.py)
-            from .memory import print_memory
-            print_memory(stage, opt, ctx)
-        if args.save:
-            save_checkpoint(stage, plan, ctx, args.save, opt, step, spec["optimizer"]["name"])
-        _profile(args, out_dir, plan, spec, stage, ctx, loss_fn, model_module)
-        return 0
+        code = _run(args, out_dir, plan, spec, ctx, loss_fn, model_module)
+        done = True
+        return code
     except (UserError, ValueError) as e:
-        print(f"run.py: error: {e}", file=sys.stderr)
+        print(f"run.py: error (rank {ctx.rank}): {e}", file=sys.stderr, flush=True)
         return 2
     finally:
-        _shutdown()
+        # Only a rank that finished may wait for the others: one that failed alone (its own
+        # checkpoint file corrupt) would wait in the barrier while its peers wait in the step's
+        # collectives, forever. Exiting instead lets torchrun stop the peers.
+        if done:
+            _shutdown()
+
+
+def _run(args, out_dir: Path, plan: ParallelPlan, spec: dict, ctx, loss_fn, model_module) -> int:
+    stage = build_stages(out_dir, plan, ctx, args.resume or args.load)
+    if args.verify:
+        code = run_verify(out_dir, plan, spec, stage, ctx, loss_fn)
+        _profile(args, out_dir, plan, spec, stage, ctx, loss_fn, model_module)
+        return code
+    _, opt, step = run_train(plan, spec, stage, ctx, loss_fn, model_module, args.steps, args.resume)
+    if args.profile:  # MEMORY line per rank (runtime/memory.py)
+        from .memory import print_memory
+        print_memory(stage, opt, ctx)
+    if args.save:
+        save_checkpoint(stage, plan, ctx, args.save, opt, step, spec["optimizer"]["name"])
+    _profile(args, out_dir, plan, spec, stage, ctx, loss_fn, model_module)
+    return 0
 
 
 def _fail_before_init(message: str) -> int:
