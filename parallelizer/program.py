@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -12,7 +11,7 @@ from typing import Optional
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
-from .checkpoint.writer import write_checkpoint
+from .checkpoint.writer import temp_sibling, write_checkpoint
 from .errors import UserError
 from .plan import ParallelPlan
 from .plots import write_pipeline_plots
@@ -42,7 +41,7 @@ class Program:
         out_dir = Path(out_dir)
         _check_replaceable(out_dir)
         out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+        tmp = temp_sibling(out_dir)
         try:
             self._write(tmp)
             _replace(tmp, out_dir)

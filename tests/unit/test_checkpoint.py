@@ -191,6 +191,18 @@ def test_write_refuses_non_empty_dir_then_overwrites(written):
     assert os.listdir(out.parent) == ["ckpt"]  # neither temp nor old folder left
 
 
+def test_output_folder_gets_the_umask_permissions(tmp_path):
+    """The temporary folder renamed onto the output is mkdtemp's (0o700): it must get what a
+    plain mkdir gives, or the checkpoint is unreadable to the user's group (shared clusters)."""
+    plan = make_plan(1, 1)
+    old = os.umask(0o027)
+    try:
+        out = write_checkpoint(make_state_dict(plan), plan, tmp_path / "ckpt")
+    finally:
+        os.umask(old)
+    assert oct(out.stat().st_mode & 0o777) == oct(0o750)
+
+
 def test_write_into_empty_existing_dir(tmp_path):
     plan = make_plan(1, 1)
     (tmp_path / "ckpt").mkdir()

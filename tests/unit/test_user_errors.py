@@ -2,6 +2,7 @@
 nothing is overwritten or half-written."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -98,8 +99,13 @@ def test_output_folder_with_foreign_files_is_kept(tmp_path):
     assert "my_notes.md" in str(e.value)
     assert (out / "my_notes.md").read_text() == "keep" and (out / "plan.json").exists()
     (out / "my_notes.md").unlink()
-    compile_model(GPT / "model.py", spec).save(out)  # a plain earlier output is replaced
+    umask = os.umask(0o022)
+    try:
+        compile_model(GPT / "model.py", spec).save(out)  # a plain earlier output is replaced
+    finally:
+        os.umask(umask)
     assert (out / "plan.json").exists()
+    assert oct(out.stat().st_mode & 0o777) == oct(0o755)  # a plain mkdir's, not mkdtemp's 0o700
 
 
 def test_save_never_replaces_foreign_files_or_a_program(tmp_path):
