@@ -157,8 +157,29 @@ def test_plan_hash_mismatch(written):
 
 
 def test_missing_manifest(tmp_path):
-    with pytest.raises(CheckpointError, match="manifest.json does not exist"):
+    with pytest.raises(CheckpointError, match="manifest.json does not exist.*written by `parallelize "
+                                              "MODEL SPEC -o OUT` as OUT/checkpoint"):
         load_shard(tmp_path, 0, 0)
+    with pytest.raises(CheckpointError, match=r"nope is not a parallelizer checkpoint \(no such folder\)"):
+        read_manifest(tmp_path / "nope")
+
+
+def test_missing_manifest_names_the_likely_mix_up(written, tmp_path):
+    """A program folder (OUT instead of OUT/checkpoint) or a Hugging Face folder: the message
+    says which, and the fix."""
+    out, plan, sd = written
+    prog = tmp_path / "prog"
+    os.rename(out, tmp_path / "ckpt_moved")
+    (prog / "checkpoint").parent.mkdir()
+    os.rename(tmp_path / "ckpt_moved", prog / "checkpoint")
+    with pytest.raises(CheckpointError, match=f"compiled program's folder; its checkpoint is {prog}/checkpoint"):
+        read_manifest(prog)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    save_file({"w": torch.zeros(2)}, str(hf / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=f"Hugging Face safetensors; convert them with "
+                                              f"`parallelize import {hf} -o DST --plan OUT`"):
+        read_manifest(hf)
 
 
 def test_write_missing_tensor(tmp_path):
