@@ -178,7 +178,13 @@ def _to_meta(batch):
 
 
 def _load_checkpoint(model: torch.nn.Module, path: str) -> None:
-    ckpt = load_hf_state_dict(path)
+    try:
+        ckpt = load_hf_state_dict(path)
+    except CheckpointError as e:
+        # a relative checkpoint.path was resolved against the spec file's folder: say so
+        hint = ("" if Path(path).exists() else " (a relative checkpoint.path is relative to the "
+                "spec file's folder; given as an override, to the current directory)")
+        raise CheckpointError(f"checkpoint.path: {e}{hint}") from e
     sd = model.state_dict()
     aliases = {a: g[0] for g in tied_groups(model) for a in g[1:]}
     matched = match_to_model(ckpt, list(sd), aliases, shapes={k: v.shape for k, v in sd.items()})

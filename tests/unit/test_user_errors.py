@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from parallelizer.compiler import compile_model
-from parallelizer.errors import CaptureError, ModelFileError, PlanError, UserError
+from parallelizer.errors import CaptureError, CheckpointError, ModelFileError, PlanError, UserError
 from parallelizer.frontend import load_model_file
 from parallelizer.runtime.train import check_save_target
 from parallelizer.spec import load_spec
@@ -156,3 +156,14 @@ def test_no_weights_compile_does_not_need_a_divisible_example_batch(tmp_path):
                                          "pipeline.microbatches=8"])
     program = compile_model(GPT / "model.py", spec, weights=False)
     assert program.state is None and program.reference is None
+
+
+def test_missing_checkpoint_path_names_the_key(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    spec = load_spec(GPT / "spec.yaml", ["mesh.tp=1", "checkpoint.path=weights/nowhere"])
+    with pytest.raises(CheckpointError) as e:
+        compile_model(GPT / "model.py", spec)
+    msg = str(e.value)
+    assert msg.startswith(f"checkpoint.path: Hugging Face checkpoint {tmp_path}/weights/nowhere "
+                          "does not exist"), msg
+    assert "relative to the spec file's folder; given as an override, to the current directory" in msg
