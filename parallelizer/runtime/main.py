@@ -23,13 +23,24 @@ from .train import check_save_target, run_train, save_checkpoint, training_state
 from .verify import run_verify
 
 
+def _steps(text: str) -> int:
+    """--steps: an integer >= 0 (0 trains nothing: with --save it writes the starting point)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return n
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="run.py", description="Run the program parallelizer emitted.")
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--verify", action="store_true",
                       help="one step on the reference inputs; compare with the unmodified model")
     mode.add_argument("--train", action="store_true", help="train for --steps steps")
-    p.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
+    p.add_argument("--steps", type=_steps, default=10, help="training steps (default 10)")
     p.add_argument("--save", type=Path, help="write the trained weights here, same sharded layout")
     p.add_argument("--load", type=Path, help="start from this checkpoint instead of OUT/checkpoint")
     p.add_argument("--profile", action="store_true",

@@ -167,3 +167,11 @@ def test_missing_checkpoint_path_names_the_key(tmp_path, monkeypatch):
     assert msg.startswith(f"checkpoint.path: Hugging Face checkpoint {tmp_path}/weights/nowhere "
                           "does not exist"), msg
     assert "relative to the spec file's folder; given as an override, to the current directory" in msg
+
+
+def test_negative_steps_is_refused(no_weights_out):
+    """--steps -1 used to train nothing and exit 0, silently."""
+    p = subprocess.run([sys.executable, str(no_weights_out / "run.py"), "--train", "--steps", "-1",
+                        "--device", "cpu"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert "argument --steps: expected an integer >= 0, got '-1'" in p.stderr, p.stderr
