@@ -66,8 +66,20 @@ class Program:
         if self.state is not None:
             write_checkpoint(self.state, self.plan, tmp / "checkpoint")
         if self.reference is not None:
-            save_file({k: v.contiguous() for k, v in self.reference.items()},
-                      str(tmp / "reference.safetensors"))
+            save_file(_unshared(self.reference), str(tmp / "reference.safetensors"))
+
+
+def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous tensors with no storage in common, as safetensors requires: a ``loss_fn``
+    returning an output (``outputs.loss``) or ``labels`` that are ``input_ids`` share one."""
+    seen: set[int] = set()
+    out = {}
+    for k, v in tensors.items():
+        v = v.contiguous()
+        ptr = v.untyped_storage().data_ptr()
+        out[k] = v.clone() if ptr in seen and v.numel() else v
+        seen.add(ptr)
+    return out
 
 
 EMITTED = {"run.py", "program", "checkpoint", "plan.json", "report.md", "spec.yaml", "model.py",

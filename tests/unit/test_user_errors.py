@@ -175,3 +175,44 @@ def test_negative_steps_is_refused(no_weights_out):
                         "--device", "cpu"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2, p.stderr
     assert "argument --steps: expected an integer >= 0, got '-1'" in p.stderr, p.stderr
+
+
+def test_loss_that_is_an_output_and_a_0_dim_output(tmp_path):
+    """``loss_fn`` returning an output (HF ``outputs.loss``) made loss and output.N share memory,
+    and safetensors refused to save reference.safetensors. The 0-dim output has no batch dim:
+    --verify compares it only when the step runs the batch whole (dp = pp = 1)."""
+    from safetensors.torch import load_file
+
+    from parallelizer.plan import ParallelPlan
+    from parallelizer.runtime.verify import _output_share
+    path = _model(tmp_path, """
+        import torch
+        from torch import nn
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+            def forward(self, x):
+                for layer in self.layers:
+                    x = x + layer(x)
+                return x, x.pow(2).mean()
+        def build_model():
+            torch.manual_seed(0)
+            return Net()
+        def example_inputs():
+            return (torch.randn(4, 3, 8, generator=torch.Generator().manual_seed(0)),)
+        def loss_fn(outputs, batch):
+            return outputs[1]
+    """)
+    out = tmp_path / "out"
+    compile_model(path, load_spec(GPT / "spec.yaml", ["mesh.tp=1", "mesh.pp=1"])).save(out)
+    ref = load_file(str(out / "reference.safetensors"))
+    assert ref["output.1"].shape == () and torch.equal(ref["loss"], ref["output.1"])
+
+    def plan(dp, pp):
+        return ParallelPlan(mesh={"pp": pp, "dp": dp, "tp": 1}, zero_stage=0, schedule="1F1B",
+                            microbatches=2, seed=0, tensors={}, aliases={}, stages=())
+    assert torch.equal(_output_share(ref["output.0"], 4, plan(2, 1), 1), ref["output.0"][2:])
+    assert torch.equal(_output_share(ref["output.1"], 4, plan(1, 1), 0), ref["output.1"])
+    assert _output_share(ref["output.1"], 4, plan(2, 1), 0) is None
+    assert _output_share(ref["output.1"], 4, plan(1, 2), 0) is None
