@@ -96,6 +96,8 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
     gm, mesh = captured.gm, spec.mesh
     groups = tied_groups(model)
 
+    if mesh.pp > 1:
+        _check_outputs_have_batch_dim(gm, captured.input_names)
     tp_decision = plan_tp(gm.graph, mesh.tp)  # raises before anything is rewritten
     passes = PassManager(dump_passes)
     passes.run("cleanup", apply_cleanup, gm)
@@ -169,6 +171,29 @@ def _check_batch(batch, spec: Spec) -> None:
         raise PlanError(f"the example batch size ({first.shape[0]}) is not divisible by mesh.dp "
                         f"({spec.mesh.dp}) x pipeline.microbatches ({m}) = {need}; change "
                         f"example_inputs() or those keys so it divides")
+
+
+def _check_outputs_have_batch_dim(gm: torch.fx.GraphModule, input_names) -> None:
+    """Under pp > 1 torch.distributed.pipelining concatenates each output of the last stage
+    over microbatches along dim 0 (``merge_chunks``), which fails on a run for an output
+    without the batch dim (a 0-dim mean, HF ``outputs.loss``).
+
+    Raises:
+        PlanError: names the output, its shape and the fix.
+    """
+    first = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == input_names[0])
+    batch = first.meta["val"].shape[0]
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    for i, node in enumerate(torch.fx.node.map_arg(out.args[0], lambda n: n) or ()):
+        val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+        if isinstance(val, torch.Tensor) and (val.dim() == 0 or str(val.shape[0]) != str(batch)):
+            shape = "()" if val.dim() == 0 else str(list(val.shape))
+            raise PlanError(
+                f"output {i} of the model has shape {shape}, without the batch dim of the inputs "
+                f"first; under mesh.pp > 1 each output is concatenated over "
+                f"microbatches along dim 0, so return per-sample values and reduce them in "
+                f"loss_fn (for Hugging Face, leave labels out of example_inputs() so the "
+                f"model returns no outputs.loss), or use mesh.pp=1")
 
 
 def _to_meta(batch):

@@ -169,12 +169,14 @@ def test_missing_checkpoint_path_names_the_key(tmp_path, monkeypatch):
     assert "relative to the spec file's folder; given as an override, to the current directory" in msg
 
 
-def test_negative_steps_is_refused(no_weights_out):
+def test_negative_steps_is_refused(capsys):
     """--steps -1 used to train nothing and exit 0, silently."""
-    p = subprocess.run([sys.executable, str(no_weights_out / "run.py"), "--train", "--steps", "-1",
-                        "--device", "cpu"], capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2, p.stderr
-    assert "argument --steps: expected an integer >= 0, got '-1'" in p.stderr, p.stderr
+    from parallelizer.runtime.main import _parser
+    with pytest.raises(SystemExit) as e:
+        _parser().parse_args(["--train", "--steps", "-1"])
+    assert e.value.code == 2
+    assert "argument --steps: expected an integer >= 0, got '-1'" in capsys.readouterr().err
+    assert _parser().parse_args(["--train", "--steps", "0"]).steps == 0
 
 
 def test_loss_that_is_an_output_and_a_0_dim_output(tmp_path):
@@ -216,3 +218,30 @@ def test_loss_that_is_an_output_and_a_0_dim_output(tmp_path):
     assert torch.equal(_output_share(ref["output.1"], 4, plan(1, 1), 0), ref["output.1"])
     assert _output_share(ref["output.1"], 4, plan(2, 1), 0) is None
     assert _output_share(ref["output.1"], 4, plan(1, 2), 0) is None
+
+
+def test_output_without_batch_dim_is_refused_under_pp(tmp_path):
+    """torch.distributed.pipelining concatenates outputs over microbatches on dim 0: a 0-dim
+    output failed in the first step on every rank; now a compile error naming it."""
+    path = _model(tmp_path, """
+        import torch
+        from torch import nn
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+            def forward(self, x):
+                for layer in self.layers:
+                    x = x + layer(x)
+                return x, x.pow(2).mean()
+        def build_model():
+            return Net()
+        def example_inputs():
+            return (torch.randn(4, 3, 8),)
+    """)
+    spec = load_spec(GPT / "spec.yaml", ["mesh.tp=1", "mesh.pp=2", "pipeline.microbatches=2"])
+    with pytest.raises(PlanError) as e:
+        compile_model(path, spec, weights=False)
+    msg = str(e.value)
+    assert msg.startswith("output 1 of the model has shape (), without the batch dim"), msg
+    assert "return per-sample values and reduce them in loss_fn" in msg and "mesh.pp=1" in msg
