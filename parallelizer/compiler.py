@@ -96,6 +96,7 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
     gm, mesh = captured.gm, spec.mesh
     groups = tied_groups(model)
 
+    _check_no_dropout(gm)
     if mesh.pp > 1:
         _check_outputs_have_batch_dim(gm, captured.input_names)
     tp_decision = plan_tp(gm.graph, mesh.tp)  # raises before anything is rewritten
@@ -171,6 +172,41 @@ def _check_batch(batch, spec: Spec) -> None:
         raise PlanError(f"the example batch size ({first.shape[0]}) is not divisible by mesh.dp "
                         f"({spec.mesh.dp}) x pipeline.microbatches ({m}) = {need}; change "
                         f"example_inputs() or those keys so it divides")
+
+
+_DROPOUT = {"aten.dropout.default", "aten.native_dropout.default", "aten.feature_dropout.default",
+            "aten.alpha_dropout.default", "aten.feature_alpha_dropout.default"}
+
+
+def _check_no_dropout(gm: torch.fx.GraphModule) -> None:
+    """The program is checked against the model and split over ranks as a deterministic
+    function: a dropout with p > 0 makes ``--verify`` fail with no hint, and tp ranks would
+    draw different masks for the same replicated activation.
+
+    Raises:
+        PlanError: names the module FQNs holding a dropout (or SDPA ``dropout_p``) and p.
+    """
+    found = []
+    for node in gm.graph.nodes:
+        target = str(node.target)
+        if node.op != "call_function":
+            continue
+        if target in _DROPOUT:
+            p, train = (list(node.args[1:3]) + [True, True])[:2]
+            p, train = node.kwargs.get("p", p), node.kwargs.get("train", train)
+        elif "scaled_dot_product" in target:
+            p, train = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0), True
+        else:
+            continue
+        if isinstance(p, (int, float)) and p > 0 and train is not False:
+            stack = list(node.meta.get("nn_module_stack", {}).values())
+            found.append(f"{stack[-1][0] if stack else node.name} (p={p:g})")
+    if found:
+        more = f", ... ({len(found) - 5} more)" if len(found) > 5 else ""
+        raise PlanError(f"the model uses dropout: {', '.join(found[:5])}{more}; parallelizer "
+                        f"needs a deterministic model (verified against the original, the same on "
+                        f"every tensor-parallel rank): set the probabilities to 0 in build_model() "
+                        f"(Hugging Face: *_pdrop / *dropout* = 0.0 in the config)")
 
 
 def _check_outputs_have_batch_dim(gm: torch.fx.GraphModule, input_names) -> None:
