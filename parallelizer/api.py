@@ -45,15 +45,39 @@ def compile(model: torch.nn.Module, spec: Spec, example_inputs, loss_fn: Optiona
 
     Args:
         model: on cpu (weights resharded into the program) or on the meta device.
-        example_inputs: a tuple or dict of tensors; dim 0 batch, dim 1 sequence (dynamic).
+        example_inputs: a tuple or dict of tensors (a lone tensor is one positional input);
+            dim 0 batch, dim 1 sequence (dynamic).
         loss_fn: ``loss_fn(outputs, batch) -> scalar`` for the reference step.
         reference: compute ``reference.safetensors`` on a copy of ``model`` (it is never modified).
 
     Raises:
+        UserError: ``spec`` is not a Spec (use :func:`load_spec`); ``example_inputs`` is not
+            tensors.
         CaptureError, PlanError: as the CLI (the message names the module and the fix).
     """
-    batch = example_inputs if isinstance(example_inputs, dict) else tuple(example_inputs)
-    return compile_module(model, batch, spec, loss_fn, reference=reference)
+    return compile_module(model, _check_args(spec, example_inputs), spec, loss_fn, reference=reference)
+
+
+def _check_args(spec, example_inputs):
+    """The example batch as a tuple or dict of tensors (a lone tensor is one positional input).
+
+    Raises:
+        UserError: ``spec`` is not a :class:`Spec`, or ``example_inputs`` holds non-tensors.
+    """
+    if not isinstance(spec, Spec):
+        raise UserError(f"spec must be a parallelizer Spec, got {type(spec).__name__}; build it with "
+                        f"pz.load_spec('spec.yaml', overrides=[...]) (validated like the CLI's)")
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,)
+    batch = example_inputs if isinstance(example_inputs, dict) else \
+        tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else None
+    values = list(batch.values()) if isinstance(batch, dict) else batch
+    if not values or not all(isinstance(v, torch.Tensor) for v in values):
+        seen = type(example_inputs).__name__ if values is None else \
+            ", ".join(type(v).__name__ for v in values) or "nothing"
+        raise UserError(f"example_inputs must be a tensor, or a tuple or dict of tensors (dim 0 "
+                        f"batch, dim 1 sequence) as the model's forward takes them; got {seen}")
+    return batch
 
 
 def parallelize(model: torch.nn.Module, spec: Spec, example_inputs, loss_fn: Optional[Callable] = None,
@@ -74,6 +98,7 @@ def parallelize(model: torch.nn.Module, spec: Spec, example_inputs, loss_fn: Opt
             other than ``mesh.dp * mesh.tp * mesh.pp``; the message says what to launch.
         CaptureError, PlanError, CheckpointError: as the CLI.
     """
+    _check_args(spec, example_inputs)
     _check_launch(spec)
     program = compile(model, spec, example_inputs, loss_fn, reference=False)
     plan = program.plan

@@ -96,6 +96,9 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
     gm, mesh = captured.gm, spec.mesh
     groups = tied_groups(model)
 
+    _check_no_dropout(gm)
+    if mesh.pp > 1:
+        _check_outputs_have_batch_dim(gm, captured.input_names)
     tp_decision = plan_tp(gm.graph, mesh.tp)  # raises before anything is rewritten
     passes = PassManager(dump_passes)
     passes.run("cleanup", apply_cleanup, gm)
@@ -171,6 +174,64 @@ def _check_batch(batch, spec: Spec) -> None:
                         f"example_inputs() or those keys so it divides")
 
 
+_DROPOUT = {"aten.dropout.default", "aten.native_dropout.default", "aten.feature_dropout.default",
+            "aten.alpha_dropout.default", "aten.feature_alpha_dropout.default"}
+
+
+def _check_no_dropout(gm: torch.fx.GraphModule) -> None:
+    """The program is checked against the model and split over ranks as a deterministic
+    function: a dropout with p > 0 makes ``--verify`` fail with no hint, and tp ranks would
+    draw different masks for the same replicated activation.
+
+    Raises:
+        PlanError: names the module FQNs holding a dropout (or SDPA ``dropout_p``) and p.
+    """
+    found = []
+    for node in gm.graph.nodes:
+        target = str(node.target)
+        if node.op != "call_function":
+            continue
+        if target in _DROPOUT:
+            p, train = (list(node.args[1:3]) + [True, True])[:2]
+            p, train = node.kwargs.get("p", p), node.kwargs.get("train", train)
+        elif "scaled_dot_product" in target:
+            p, train = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0), True
+        else:
+            continue
+        if isinstance(p, (int, float)) and p > 0 and train is not False:
+            stack = list(node.meta.get("nn_module_stack", {}).values())
+            found.append(f"{stack[-1][0] if stack else node.name} (p={p:g})")
+    if found:
+        more = f", ... ({len(found) - 5} more)" if len(found) > 5 else ""
+        raise PlanError(f"the model uses dropout: {', '.join(found[:5])}{more}; parallelizer "
+                        f"needs a deterministic model (verified against the original, the same on "
+                        f"every tensor-parallel rank): set the probabilities to 0 in build_model() "
+                        f"(Hugging Face: *_pdrop / *dropout* = 0.0 in the config)")
+
+
+def _check_outputs_have_batch_dim(gm: torch.fx.GraphModule, input_names) -> None:
+    """Under pp > 1 torch.distributed.pipelining concatenates each output of the last stage
+    over microbatches along dim 0 (``merge_chunks``), which fails on a run for an output
+    without the batch dim (a 0-dim mean, HF ``outputs.loss``).
+
+    Raises:
+        PlanError: names the output, its shape and the fix.
+    """
+    first = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == input_names[0])
+    batch = first.meta["val"].shape[0]
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    for i, node in enumerate(torch.fx.node.map_arg(out.args[0], lambda n: n) or ()):
+        val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+        if isinstance(val, torch.Tensor) and (val.dim() == 0 or str(val.shape[0]) != str(batch)):
+            shape = "()" if val.dim() == 0 else str(list(val.shape))
+            raise PlanError(
+                f"output {i} of the model has shape {shape}, without the batch dim of the inputs "
+                f"first; under mesh.pp > 1 each output is concatenated over "
+                f"microbatches along dim 0, so return per-sample values and reduce them in "
+                f"loss_fn (for Hugging Face, leave labels out of example_inputs() so the "
+                f"model returns no outputs.loss), or use mesh.pp=1")
+
+
 def _to_meta(batch):
     if isinstance(batch, dict):
         return {k: v.to("meta") for k, v in batch.items()}
@@ -178,7 +239,13 @@ def _to_meta(batch):
 
 
 def _load_checkpoint(model: torch.nn.Module, path: str) -> None:
-    ckpt = load_hf_state_dict(path)
+    try:
+        ckpt = load_hf_state_dict(path)
+    except CheckpointError as e:
+        # a relative checkpoint.path was resolved against the spec file's folder: say so
+        hint = ("" if Path(path).exists() else " (a relative checkpoint.path is relative to the "
+                "spec file's folder; given as an override, to the current directory)")
+        raise CheckpointError(f"checkpoint.path: {e}{hint}") from e
     sd = model.state_dict()
     aliases = {a: g[0] for g in tied_groups(model) for a in g[1:]}
     matched = match_to_model(ckpt, list(sd), aliases, shapes={k: v.shape for k, v in sd.items()})

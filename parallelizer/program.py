@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -12,7 +11,7 @@ from typing import Optional
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
-from .checkpoint.writer import write_checkpoint
+from .checkpoint.writer import temp_sibling, write_checkpoint
 from .errors import UserError
 from .plan import ParallelPlan
 from .plots import write_pipeline_plots
@@ -42,7 +41,7 @@ class Program:
         out_dir = Path(out_dir)
         _check_replaceable(out_dir)
         out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+        tmp = temp_sibling(out_dir)
         try:
             self._write(tmp)
             _replace(tmp, out_dir)
@@ -67,8 +66,20 @@ class Program:
         if self.state is not None:
             write_checkpoint(self.state, self.plan, tmp / "checkpoint")
         if self.reference is not None:
-            save_file({k: v.contiguous() for k, v in self.reference.items()},
-                      str(tmp / "reference.safetensors"))
+            save_file(_unshared(self.reference), str(tmp / "reference.safetensors"))
+
+
+def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous tensors with no storage in common, as safetensors requires: a ``loss_fn``
+    returning an output (``outputs.loss``) or ``labels`` that are ``input_ids`` share one."""
+    seen: set[int] = set()
+    out = {}
+    for k, v in tensors.items():
+        v = v.contiguous()
+        ptr = v.untyped_storage().data_ptr()
+        out[k] = v.clone() if ptr in seen and v.numel() else v
+        seen.add(ptr)
+    return out
 
 
 EMITTED = {"run.py", "program", "checkpoint", "plan.json", "report.md", "spec.yaml", "model.py",

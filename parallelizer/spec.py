@@ -223,6 +223,9 @@ def load_spec(path: str | Path, overrides: Sequence[str] = ()) -> Spec:
         SpecError: missing/unreadable file, YAML syntax error, malformed override,
             interpolation failure, unknown key, wrong type or out-of-range value.
     """
+    if isinstance(overrides, str):
+        raise SpecError(f"overrides must be a list of 'KEY=VALUE' strings, got the string "
+                        f"{overrides!r}; pass [{overrides!r}]")
     path = Path(path)
     cfg = _load_yaml(path)
     for item in overrides:

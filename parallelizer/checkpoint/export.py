@@ -30,7 +30,7 @@ from parallelizer.checkpoint.reshard import check_paths, cores, progress_bar, ve
 from parallelizer.checkpoint.stream import write_streamed
 from parallelizer.checkpoint.target import target_layout
 from parallelizer.checkpoint.writer import (Layout, _fsync_dir, _publish, _write_synced,
-                                            build_manifest, write_layout)
+                                            build_manifest, temp_sibling, write_layout)
 from parallelizer.errors import CheckpointError
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -173,9 +173,8 @@ def _nbytes(entry: dict) -> int:
 def _atomic_folder(dst: Path, force: bool, fill) -> None:
     """``fill(tmp)`` a hidden temporary sibling of ``dst``, then rename it onto ``dst``."""
     import shutil
-    import tempfile
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}.tmp-"))
+    tmp = temp_sibling(dst)
     try:
         fill(tmp)
         _fsync_dir(tmp)

@@ -32,8 +32,8 @@ def read_manifest(ckpt_dir) -> dict:
     """
     path = Path(ckpt_dir) / MANIFEST
     if not path.is_file():
-        raise CheckpointError(f"{path} does not exist; {ckpt_dir} is not a parallelizer checkpoint "
-                              "(write one with write_checkpoint)")
+        raise CheckpointError(f"{path} does not exist; {ckpt_dir} is not a parallelizer "
+                              f"checkpoint{_what_it_is(Path(ckpt_dir))}")
     try:
         manifest = json.loads(path.read_text())
     except (OSError, ValueError) as e:
@@ -92,6 +92,19 @@ def check_file_sha256(ckpt_dir, file_name: str, manifest: dict) -> None:
         raise CheckpointError(f"checkpoint file {path} is corrupt: sha256 {actual} does not match "
                               f"{expected} recorded in {MANIFEST}; copy it again or rewrite "
                               "the checkpoint")
+
+
+def _what_it_is(folder: Path) -> str:
+    """The likely mix-up behind a folder without a manifest, and its fix."""
+    if not folder.exists():
+        return " (no such folder)"
+    if (folder / "checkpoint" / MANIFEST).is_file():
+        return f" but a compiled program's folder; its checkpoint is {folder / 'checkpoint'}"
+    if folder.is_dir() and any(folder.glob("*.safetensors")) or folder.suffix == ".safetensors":
+        return (f" but Hugging Face safetensors; convert them with `parallelize import {folder} "
+                f"-o DST --plan OUT` (OUT: a program compiled for the model)")
+    return (" (one is written by `parallelize MODEL SPEC -o OUT` as OUT/checkpoint, by "
+            "`run.py --train --save DIR`, `parallelize reshard` or `parallelize import`)")
 
 
 def check_plan(ckpt_dir, manifest: dict, plan: ParallelPlan) -> None:

@@ -238,7 +238,7 @@ def write_layout(layout: Layout, piece: Callable[[str, int], torch.Tensor], out_
     out_dir = Path(out_dir)
     _check_destination(out_dir, overwrite)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
+    tmp = temp_sibling(out_dir)
     jobs: list[Future] = []
     syncer = ThreadPoolExecutor(1, thread_name_prefix="fsync") if pool is not None else None
     try:
@@ -443,6 +443,17 @@ def _fsync_dir(folder: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def temp_sibling(out_dir: Path) -> Path:
+    """A new hidden temporary folder beside ``out_dir``, to be renamed onto it when complete,
+    with the permissions a plain ``mkdir`` would give (``0o777 & ~umask``): ``mkdtemp``'s
+    0o700 would survive the rename and hide the output from the user's group."""
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)
+    return tmp
 
 
 def _publish(tmp: Path, out_dir: Path, overwrite: bool) -> None:

@@ -23,13 +23,24 @@ from .train import check_save_target, run_train, save_checkpoint, training_state
 from .verify import run_verify
 
 
+def _steps(text: str) -> int:
+    """--steps: an integer >= 0 (0 trains nothing: with --save it writes the starting point)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return n
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="run.py", description="Run the program parallelizer emitted.")
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--verify", action="store_true",
                       help="one step on the reference inputs; compare with the unmodified model")
     mode.add_argument("--train", action="store_true", help="train for --steps steps")
-    p.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
+    p.add_argument("--steps", type=_steps, default=10, help="training steps (default 10)")
     p.add_argument("--save", type=Path, help="write the trained weights here, same sharded layout")
     p.add_argument("--load", type=Path, help="start from this checkpoint instead of OUT/checkpoint")
     p.add_argument("--profile", action="store_true",
@@ -101,25 +112,36 @@ def _main(out_dir: Path, argv=None) -> int:
               f"or by pz.compile with its own loss_fn); recompile with weights to verify", file=sys.stderr)
         return 2
     ctx = init(plan, args.device)
+    done = False
     try:
-        stage = build_stages(out_dir, plan, ctx, args.resume or args.load)
-        if args.verify:
-            code = run_verify(out_dir, plan, spec, stage, ctx, loss_fn)
-            _profile(args, out_dir, plan, spec, stage, ctx, loss_fn, model_module)
-            return code
-        _, opt, step = run_train(plan, spec, stage, ctx, loss_fn, model_module, args.steps, args.resume)
-        if args.profile:  # MEMORY line per rank (runtime/memory.py)
-            from .memory import print_memory
-            print_memory(stage, opt, ctx)
-        if args.save:
-            save_checkpoint(stage, plan, ctx, args.save, opt, step, spec["optimizer"]["name"])
-        _profile(args, out_dir, plan, spec, stage, ctx, loss_fn, model_module)
-        return 0
+        code = _run(args, out_dir, plan, spec, ctx, loss_fn, model_module)
+        done = True
+        return code
     except (UserError, ValueError) as e:
-        print(f"run.py: error: {e}", file=sys.stderr)
+        print(f"run.py: error (rank {ctx.rank}): {e}", file=sys.stderr, flush=True)
         return 2
     finally:
-        _shutdown()
+        # Only a rank that finished may wait for the others: one that failed alone (its own
+        # checkpoint file corrupt) would wait in the barrier while its peers wait in the step's
+        # collectives, forever. Exiting instead lets torchrun stop the peers.
+        if done:
+            _shutdown()
+
+
+def _run(args, out_dir: Path, plan: ParallelPlan, spec: dict, ctx, loss_fn, model_module) -> int:
+    stage = build_stages(out_dir, plan, ctx, args.resume or args.load)
+    if args.verify:
+        code = run_verify(out_dir, plan, spec, stage, ctx, loss_fn)
+        _profile(args, out_dir, plan, spec, stage, ctx, loss_fn, model_module)
+        return code
+    _, opt, step = run_train(plan, spec, stage, ctx, loss_fn, model_module, args.steps, args.resume)
+    if args.profile:  # MEMORY line per rank (runtime/memory.py)
+        from .memory import print_memory
+        print_memory(stage, opt, ctx)
+    if args.save:
+        save_checkpoint(stage, plan, ctx, args.save, opt, step, spec["optimizer"]["name"])
+    _profile(args, out_dir, plan, spec, stage, ctx, loss_fn, model_module)
+    return 0
 
 
 def _fail_before_init(message: str) -> int:

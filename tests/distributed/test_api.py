@@ -102,3 +102,21 @@ def test_api_compile_then_save_matches_the_cli_layout(tmp_path):
         assert (tmp_path / "out" / name).exists(), name
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), f"{k} was modified"
+
+
+def test_api_wrong_argument_types_are_user_errors():
+    """A dict spec, a string of overrides or non-tensor inputs were a TypeError or
+    AttributeError deep inside; each is now one UserError naming the argument and the fix."""
+    spec_yaml = REPO / "examples" / "llama" / "spec.yaml"
+    with pytest.raises(UserError, match=r"overrides must be a list .* pass \['mesh.tp=2'\]"):
+        pz.load_spec(spec_yaml, overrides="mesh.tp=2")
+    spec, x = pz.load_spec(spec_yaml), torch.zeros(2, 4)
+    for bad_spec in ({"mesh": {"tp": 2}}, None):
+        for call in (pz.compile, pz.parallelize):
+            with pytest.raises(UserError, match="spec must be a parallelizer Spec, got (dict|NoneType); "
+                                                r"build it with pz.load_spec\("):
+                call(torch.nn.Linear(4, 4), bad_spec, example_inputs=(x,))
+    for bad, seen in ((None, "NoneType"), ((x, 3), "Tensor, int"), ({}, "nothing")):
+        with pytest.raises(UserError, match=f"example_inputs must be a tensor, or a tuple or dict of "
+                                            f"tensors .*; got {seen}$"):
+            pz.compile(torch.nn.Linear(4, 4), spec, example_inputs=bad)

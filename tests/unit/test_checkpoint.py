@@ -157,8 +157,29 @@ def test_plan_hash_mismatch(written):
 
 
 def test_missing_manifest(tmp_path):
-    with pytest.raises(CheckpointError, match="manifest.json does not exist"):
+    with pytest.raises(CheckpointError, match="manifest.json does not exist.*written by `parallelize "
+                                              "MODEL SPEC -o OUT` as OUT/checkpoint"):
         load_shard(tmp_path, 0, 0)
+    with pytest.raises(CheckpointError, match=r"nope is not a parallelizer checkpoint \(no such folder\)"):
+        read_manifest(tmp_path / "nope")
+
+
+def test_missing_manifest_names_the_likely_mix_up(written, tmp_path):
+    """A program folder (OUT instead of OUT/checkpoint) or a Hugging Face folder: the message
+    says which, and the fix."""
+    out, plan, sd = written
+    prog = tmp_path / "prog"
+    os.rename(out, tmp_path / "ckpt_moved")
+    (prog / "checkpoint").parent.mkdir()
+    os.rename(tmp_path / "ckpt_moved", prog / "checkpoint")
+    with pytest.raises(CheckpointError, match=f"compiled program's folder; its checkpoint is {prog}/checkpoint"):
+        read_manifest(prog)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    save_file({"w": torch.zeros(2)}, str(hf / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=f"Hugging Face safetensors; convert them with "
+                                              f"`parallelize import {hf} -o DST --plan OUT`"):
+        read_manifest(hf)
 
 
 def test_write_missing_tensor(tmp_path):
@@ -189,6 +210,18 @@ def test_write_refuses_non_empty_dir_then_overwrites(written):
     assert read_manifest(out)["plan_hash"] == plan1.hash()
     assert sorted(os.listdir(out)) == ["manifest.json", "pp0-tp0.safetensors"]
     assert os.listdir(out.parent) == ["ckpt"]  # neither temp nor old folder left
+
+
+def test_output_folder_gets_the_umask_permissions(tmp_path):
+    """The temporary folder renamed onto the output is mkdtemp's (0o700): it must get what a
+    plain mkdir gives, or the checkpoint is unreadable to the user's group (shared clusters)."""
+    plan = make_plan(1, 1)
+    old = os.umask(0o027)
+    try:
+        out = write_checkpoint(make_state_dict(plan), plan, tmp_path / "ckpt")
+    finally:
+        os.umask(old)
+    assert oct(out.stat().st_mode & 0o777) == oct(0o750)
 
 
 def test_write_into_empty_existing_dir(tmp_path):

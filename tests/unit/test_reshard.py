@@ -170,8 +170,13 @@ def test_export_import_round_trip_sharded(src, tmp_path):
     assert hf["embed.weight"].shape == (10, 8)  # padding stripped
     same({k: v for k, v in hf.items() if k != "lm_head.weight"},
          {k: v for k, v in sd.items() if k != "rope.inv_freq"})
-    export_hf(out, tmp_path / "hf1")
+    umask = os.umask(0o027)
+    try:
+        export_hf(out, tmp_path / "hf1")
+    finally:
+        os.umask(umask)
     assert sorted(os.listdir(tmp_path / "hf1")) == ["model.safetensors"]
+    assert oct((tmp_path / "hf1").stat().st_mode & 0o777) == oct(0o750)  # not mkdtemp's 0o700
     same(load_file(tmp_path / "hf1" / "model.safetensors"), hf)
     import_hf(tmp_path / "hf", tmp_path / "imp", plan, tp=4, pp=1, buffers_from=out)
     same(load_full(tmp_path / "imp"), sd)

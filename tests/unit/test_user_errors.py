@@ -2,6 +2,7 @@
 nothing is overwritten or half-written."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from parallelizer.compiler import compile_model
-from parallelizer.errors import CaptureError, ModelFileError, PlanError, UserError
+from parallelizer.errors import CaptureError, CheckpointError, ModelFileError, PlanError, UserError
 from parallelizer.frontend import load_model_file
 from parallelizer.runtime.train import check_save_target
 from parallelizer.spec import load_spec
@@ -98,8 +99,13 @@ def test_output_folder_with_foreign_files_is_kept(tmp_path):
     assert "my_notes.md" in str(e.value)
     assert (out / "my_notes.md").read_text() == "keep" and (out / "plan.json").exists()
     (out / "my_notes.md").unlink()
-    compile_model(GPT / "model.py", spec).save(out)  # a plain earlier output is replaced
+    umask = os.umask(0o022)
+    try:
+        compile_model(GPT / "model.py", spec).save(out)  # a plain earlier output is replaced
+    finally:
+        os.umask(umask)
     assert (out / "plan.json").exists()
+    assert oct(out.stat().st_mode & 0o777) == oct(0o755)  # a plain mkdir's, not mkdtemp's 0o700
 
 
 def test_save_never_replaces_foreign_files_or_a_program(tmp_path):
@@ -150,3 +156,129 @@ def test_no_weights_compile_does_not_need_a_divisible_example_batch(tmp_path):
                                          "pipeline.microbatches=8"])
     program = compile_model(GPT / "model.py", spec, weights=False)
     assert program.state is None and program.reference is None
+
+
+def test_missing_checkpoint_path_names_the_key(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    spec = load_spec(GPT / "spec.yaml", ["mesh.tp=1", "checkpoint.path=weights/nowhere"])
+    with pytest.raises(CheckpointError) as e:
+        compile_model(GPT / "model.py", spec)
+    msg = str(e.value)
+    assert msg.startswith(f"checkpoint.path: Hugging Face checkpoint {tmp_path}/weights/nowhere "
+                          "does not exist"), msg
+    assert "relative to the spec file's folder; given as an override, to the current directory" in msg
+
+
+def test_negative_steps_is_refused(capsys):
+    """--steps -1 used to train nothing and exit 0, silently."""
+    from parallelizer.runtime.main import _parser
+    with pytest.raises(SystemExit) as e:
+        _parser().parse_args(["--train", "--steps", "-1"])
+    assert e.value.code == 2
+    assert "argument --steps: expected an integer >= 0, got '-1'" in capsys.readouterr().err
+    assert _parser().parse_args(["--train", "--steps", "0"]).steps == 0
+
+
+def test_loss_that_is_an_output_and_a_0_dim_output(tmp_path):
+    """``loss_fn`` returning an output (HF ``outputs.loss``) made loss and output.N share memory,
+    and safetensors refused to save reference.safetensors. The 0-dim output has no batch dim:
+    --verify compares it only when the step runs the batch whole (dp = pp = 1)."""
+    from safetensors.torch import load_file
+
+    from parallelizer.plan import ParallelPlan
+    from parallelizer.runtime.verify import _output_share
+    path = _model(tmp_path, """
+        import torch
+        from torch import nn
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+            def forward(self, x):
+                for layer in self.layers:
+                    x = x + layer(x)
+                return x, x.pow(2).mean()
+        def build_model():
+            torch.manual_seed(0)
+            return Net()
+        def example_inputs():
+            return (torch.randn(4, 3, 8, generator=torch.Generator().manual_seed(0)),)
+        def loss_fn(outputs, batch):
+            return outputs[1]
+    """)
+    out = tmp_path / "out"
+    compile_model(path, load_spec(GPT / "spec.yaml", ["mesh.tp=1", "mesh.pp=1"])).save(out)
+    ref = load_file(str(out / "reference.safetensors"))
+    assert ref["output.1"].shape == () and torch.equal(ref["loss"], ref["output.1"])
+
+    def plan(dp, pp):
+        return ParallelPlan(mesh={"pp": pp, "dp": dp, "tp": 1}, zero_stage=0, schedule="1F1B",
+                            microbatches=2, seed=0, tensors={}, aliases={}, stages=())
+    assert torch.equal(_output_share(ref["output.0"], 4, plan(2, 1), 1), ref["output.0"][2:])
+    assert torch.equal(_output_share(ref["output.1"], 4, plan(1, 1), 0), ref["output.1"])
+    assert _output_share(ref["output.1"], 4, plan(2, 1), 0) is None
+    assert _output_share(ref["output.1"], 4, plan(1, 2), 0) is None
+
+
+def test_output_without_batch_dim_is_refused_under_pp(tmp_path):
+    """torch.distributed.pipelining concatenates outputs over microbatches on dim 0: a 0-dim
+    output failed in the first step on every rank; now a compile error naming it."""
+    path = _model(tmp_path, """
+        import torch
+        from torch import nn
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+            def forward(self, x):
+                for layer in self.layers:
+                    x = x + layer(x)
+                return x, x.pow(2).mean()
+        def build_model():
+            return Net()
+        def example_inputs():
+            return (torch.randn(4, 3, 8),)
+    """)
+    spec = load_spec(GPT / "spec.yaml", ["mesh.tp=1", "mesh.pp=2", "pipeline.microbatches=2"])
+    with pytest.raises(PlanError) as e:
+        compile_model(path, spec, weights=False)
+    msg = str(e.value)
+    assert msg.startswith("output 1 of the model has shape (), without the batch dim"), msg
+    assert "return per-sample values and reduce them in loss_fn" in msg and "mesh.pp=1" in msg
+
+
+def test_dropout_is_refused_naming_the_modules(tmp_path):
+    """Dropout compiled fine and --verify then failed with no hint (and tp ranks would draw
+    different masks); now a compile error naming the modules, the probability and the fix."""
+    path = _model(tmp_path, """
+        import torch
+        from torch import nn
+        import torch.nn.functional as F
+        class Block(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(8, 8)
+                self.drop = nn.Dropout(0.1)
+            def forward(self, x):
+                q = x.view(x.shape[0], x.shape[1], 2, 4).transpose(1, 2)
+                a = F.scaled_dot_product_attention(q, q, q, dropout_p=0.2).transpose(1, 2)
+                return x + self.drop(self.fc(a.reshape(x.shape)))
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.layers = nn.ModuleList([Block(), Block()])
+            def forward(self, x):
+                for layer in self.layers:
+                    x = layer(x)
+                return x
+        def build_model():
+            return Net()
+        def example_inputs():
+            return (torch.randn(4, 3, 8),)
+    """)
+    with pytest.raises(PlanError) as e:
+        compile_model(path, load_spec(GPT / "spec.yaml", ["mesh.tp=1"]), weights=False)
+    msg = str(e.value)
+    assert msg.startswith("the model uses dropout: layers.0 (p=0.2), layers.0.drop (p=0.1), "
+                          "layers.1 (p=0.2), layers.1.drop (p=0.1); "), msg
+    assert "set the probabilities to 0 in build_model()" in msg
