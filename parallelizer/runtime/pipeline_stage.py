@@ -1,4 +1,5 @@
-"""torch's ``PipelineStage`` made safe for split backward (zero-bubble schedules) over FSDP2.
+"""torch's ``PipelineStage`` made safe for split backward (zero-bubble schedules) over FSDP2,
+and for integer inputs received by a later stage.
 
 Zero-bubble schedules (``interleaved_zero_bubble``, ``zbv``, ``dualpipev``; Qi et al. 2024,
 §2) split a stage's backward into an input-gradient action I and a weight-gradient action W.
@@ -18,12 +19,21 @@ Unsharding the stage's FSDP2 modules right before I and W (a no-op when they alr
 makes ``parameters()`` the graph's leaves again; FSDP2 reuses the same unsharded Parameter
 objects across reshards, so the nodes I recorded are still those W finds. The extra cost is
 one all-gather for a W whose block was resharded by a later forward since its I.
+
+Shape inference. Before the first step, torch runs each stage once on tensors built from
+the metadata it received (``_forward_metadata_inference`` -> ``_to_tensor`` ->
+``TensorMeta.to_tensor``: ``torch.empty``). An integer input a later stage uses as an index
+(per-token ``labels`` of a cross-entropy, a gather index) then holds whatever memory was
+there and the inference forward fails (``IndexError: Target 140070266805680 is out of
+bounds``). Zero-filled inputs are valid indices for any non-empty dim, and the inference
+result does not depend on the values.
 """
 from __future__ import annotations
 
 import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining._utils import TensorMeta
 
 
 def unshard_fsdp_modules(module: torch.nn.Module) -> None:
@@ -36,8 +46,16 @@ def unshard_fsdp_modules(module: torch.nn.Module) -> None:
 
 class SplitBackwardPipelineStage(PipelineStage):
     """A ``PipelineStage`` whose input- and weight-gradient actions see the unsharded FSDP2
-    parameters (see the module docstring); full backwards are unchanged (FSDP2's own
-    pre-backward hooks unshard there)."""
+    parameters, and whose shape-inference inputs are zeros, not uninitialised memory (see
+    the module docstring); full backwards are unchanged (FSDP2's own pre-backward hooks
+    unshard there)."""
+
+    def _to_tensor(self, arg):
+        t = super()._to_tensor(arg)
+        if isinstance(arg, TensorMeta):  # see "Shape inference" in the module docstring
+            with torch.no_grad():
+                t.zero_()
+        return t
 
     def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True,
                            last_backward: bool = False):

@@ -1,0 +1,68 @@
+"""Our ``PipelineStage`` (runtime/pipeline_stage.py) under torch's own shape inference: an
+integer input that a later stage uses as an index must not be uninitialised memory.
+
+One process, a gloo group of one rank holding both stages of a real
+``torch.distributed.pipelining`` schedule (looped BFS), so stage 1 gets its inputs through
+torch's same-rank metadata path (``_forward_metadata_inference`` -> ``_to_tensor``).
+"""
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.pipelining import ScheduleLoopedBFS
+
+from parallelizer.runtime.pipeline_stage import SplitBackwardPipelineStage
+
+VOCAB = 1000
+
+
+class Embed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 8)
+
+    def forward(self, ids, labels):
+        return self.emb(ids), labels  # the labels travel to the stage with the head
+
+
+class Head(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(8, VOCAB)
+
+    def forward(self, x, labels):  # per-token loss: labels index the logits
+        return F.cross_entropy(self.head(x).transpose(1, 2), labels, reduction="none")
+
+
+@pytest.fixture
+def one_rank_group():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_integer_input_used_as_index_in_a_later_stage(one_rank_group):
+    torch.manual_seed(0)
+    first, last = Embed(), Head()
+    ids = torch.randint(0, VOCAB, (4, 6))
+    labels = torch.randint(0, VOCAB, (4, 6))
+    want = F.cross_entropy(last.head(first.emb(ids)).transpose(1, 2), labels, reduction="none")
+    # fill the allocator's free blocks with huge values, which torch.empty would hand back
+    # for the label tensors of the inference forward
+    junk = [torch.full((2, 6), 2 ** 40, dtype=torch.long) for _ in range(64)]
+    del junk
+    stages = [SplitBackwardPipelineStage(m, i, 2, torch.device("cpu"))
+              for i, m in enumerate((first, last))]
+    losses = []
+    schedule = ScheduleLoopedBFS(stages, n_microbatches=2, loss_fn=lambda out, _t: out.mean())
+    schedule.step(ids, labels, target=torch.zeros(4), losses=losses)
+    assert len(losses) == 2
+    assert torch.allclose(torch.stack(losses), want.view(2, 2, 6).mean(dim=(1, 2)), atol=1e-6)
