@@ -50,7 +50,7 @@ def main(argv: list[str]) -> int:
     if ns.json:
         print(json.dumps(summary))
     else:
-        print("\n".join(pipeline_section(program.plan, summary, pictures=False)[2:]))
+        print("\n".join(pipeline_section(program.plan, summary, pictures=False)[3:]))
         for st in summary["stages"]:
             print(f"stage {st['index']} fqns: {', '.join(st['fqns'])}")
             for block, kids in st["children"].items():

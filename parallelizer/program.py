@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+import torch
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
 

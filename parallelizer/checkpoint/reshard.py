@@ -114,7 +114,7 @@ def reshard(src, dst, tp: Optional[int] = None, pp: Optional[int] = None, plan=N
     pool = ThreadPoolExecutor(threads or cores(), thread_name_prefix="reshard")
     try:
         with progress_bar(read + total, f"verify + reshard -> tp={layout.mesh['tp']} "
-                          f"pp={layout.mesh['pp']} ({layout.stages()} stages)", show_progress) as bar:
+                          f"pp={layout.mesh['pp']} ({layout.stages()} stage{'' if layout.stages() == 1 else 's'})", show_progress) as bar:
             def check(name: str) -> None:
                 check_file_sha256(src, name, manifest)
                 bar.update(manifest["files"][name]["bytes"])

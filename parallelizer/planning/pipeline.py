@@ -118,6 +118,11 @@ def plan_pipeline(block_costs: Sequence[int], pre_cost: int, post_cost: int, num
     n = len(block_costs)
     parts = [list(p) for p in parts] if parts else [[] for _ in range(n)]
     offered = sum(f for p in parts for _, _, f in p[1:])
+    if num_stages > 1 and not blocks:
+        raise PlanError(f"{stages_key} ({num_stages}): pipeline stages are cut between the blocks "
+                        f"of the model's largest nn.ModuleList (model.layers, encoder.layer, ...), "
+                        f"and this model has none; hold its repeated layers in an nn.ModuleList, "
+                        f"or use {stages_key}=1")
     if num_stages > 1 and n + offered < num_stages:
         inside = f" and {offered} cut(s) inside blocks" if offered else ""
         raise PlanError(f"{stages_key} ({num_stages}) exceeds the number of blocks ({n}){inside} found in "

@@ -125,7 +125,7 @@ def check_microbatches(pp: int, microbatches: int, schedule: str,
                         f"pipeline.microbatches={pp} or more (>= {2 * pp} keeps the bubble under 33%)")
     if microbatches < 2 * pp:
         b = bubble(schedule, pp, microbatches, virtual_stages)
-        return [f"pipeline.microbatches ({microbatches}) < 2 x mesh.pp ({pp}): the pipeline bubble "
+        return [f"pipeline.microbatches ({microbatches}) < 2 x mesh.pp = {2 * pp}: the pipeline bubble "
                 f"is {b:.0%} of the step ({schedule}); more microbatches shrink it "
                 f"({2 * pp} gives {bubble(schedule, pp, 2 * pp, virtual_stages):.0%})"]
     return []

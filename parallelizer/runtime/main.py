@@ -45,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--load", type=Path, help="start from this checkpoint instead of OUT/checkpoint")
     p.add_argument("--profile", action="store_true",
                    help="with --train: print per rank a MEMORY {json} line (bytes held, peak); "
-                        "under pp > 1 also time forward/backward steps and print each rank's "
+                        "under pp > 1 (with --train or --verify) also time forward/backward steps and print each rank's "
                         "measured pipeline bubble as a line 'BUBBLE {json}'")
     p.add_argument("--schedule", help="run under this pipeline schedule instead of the compiled "
                                       "one (same stages; e.g. compare zbv with interleaved_1f1b)")

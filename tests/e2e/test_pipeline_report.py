@@ -71,7 +71,7 @@ def test_inspect_json_shape(inspected):
 
 def test_inspect_warns_and_draws(inspected):
     summary, stderr, plots = inspected
-    assert ("warning: pipeline.microbatches (4) < 2 x mesh.pp (4): the pipeline bubble is 43% of "
+    assert ("warning: pipeline.microbatches (4) < 2 x mesh.pp = 8: the pipeline bubble is 43% of "
             "the step (1f1b)") in stderr
     assert sorted(p.name for p in plots.iterdir()) == ["pipeline_costs.png", "pipeline_schedule.png"]
     w, h = png_size(plots / "pipeline_schedule.png")

@@ -190,7 +190,7 @@ def test_fewer_microbatches_than_stages_is_an_error():
 
 def test_fewer_than_twice_the_stages_warns_with_the_bubble():
     assert check_microbatches(4, 5, "1f1b") == [
-        "pipeline.microbatches (5) < 2 x mesh.pp (4): the pipeline bubble is 38% of the step "
+        "pipeline.microbatches (5) < 2 x mesh.pp = 8: the pipeline bubble is 38% of the step "
         "(1f1b); more microbatches shrink it (8 gives 27%)"]
     assert check_microbatches(4, 8, "1f1b") == [] and check_microbatches(1, 1, "1f1b") == []
 
@@ -216,5 +216,5 @@ def test_report_section_shows_costs_warnings_and_pictures(costs):
     assert "theoretical bubble: 25.0% = (P-1)/(M+P-1) with P=2, M=3 (gpipe)" in text
     assert f"imbalance {s['imbalance']:.3f}" in text
     assert "| 0 | blocks.0 .. blocks.1 |" in text and "| 1 | blocks.2 |" in text
-    assert "- warning: pipeline.microbatches (3) < 2 x mesh.pp (2): the pipeline bubble is 25%" in text
+    assert "- warning: pipeline.microbatches (3) < 2 x mesh.pp = 4: the pipeline bubble is 25%" in text
     assert "![stage cost](pipeline_costs.png)" in text and "![schedule](pipeline_schedule.png)" in text

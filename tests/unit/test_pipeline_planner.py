@@ -106,8 +106,10 @@ def test_pp_exceeding_blocks_is_a_plan_error():
 def test_pp_without_blocks_is_a_plan_error():
     with pytest.raises(PlanError) as e:
         plan_pipeline([], 10, 10, 2, ())
-    assert str(e.value) == ("mesh.pp (2) exceeds the number of blocks (0) found in the model "
-                            "(no nn.ModuleList); use mesh.pp <= 1")
+    assert str(e.value) == ("mesh.pp (2): pipeline stages are cut between the blocks of the "
+                            "model's largest nn.ModuleList (model.layers, encoder.layer, ...), and "
+                            "this model has none; hold its repeated layers in an nn.ModuleList, or "
+                            "use mesh.pp=1")
 
 
 # --- find_blocks -----------------------------------------------------------------------------
