@@ -23,10 +23,10 @@ def load_plan(path: Path):
     return ParallelPlan.from_json(file.read_text())
 
 
-def _mesh_from_spec(path: Path) -> tuple[int, int]:
+def _mesh_from_spec(path: Path) -> tuple[int, int, int]:
     from parallelizer.spec import load_spec
     spec = load_spec(path, [])
-    return spec.mesh.tp, spec.mesh.pp
+    return spec.mesh.tp, spec.mesh.pp, spec.pipeline.virtual_stages
 
 
 def _positive(text: str) -> int:
@@ -45,22 +45,26 @@ def reshard_main(argv: list[str]) -> int:
     p.add_argument("-o", "--out", type=Path, required=True, metavar="DST")
     p.add_argument("--tp", type=_positive, help="target tp degree (default: the source's)")
     p.add_argument("--pp", type=_positive, help="target pp degree (default: the source's)")
+    p.add_argument("--virtual-stages", type=_positive, metavar="V",
+                   help="pipeline stages per pp rank, as pipeline.virtual_stages (default: 1, or "
+                        "the source's stages when pp is unchanged)")
     p.add_argument("--spec", type=Path, help="take tp and pp from this spec's mesh")
     p.add_argument("--plan", type=Path, metavar="OUT",
                    help="exactly the layout of this compiled program (folder or plan.json)")
     p.add_argument("--force", action="store_true", help="replace an existing DST")
     p.add_argument("--no-progress", action="store_true")
     ns = p.parse_args(argv)
-    tp, pp, plan = ns.tp, ns.pp, None
+    tp, pp, v, plan = ns.tp, ns.pp, ns.virtual_stages, None
     if ns.spec:
-        tp, pp = _mesh_from_spec(ns.spec)
+        tp, pp, v = _mesh_from_spec(ns.spec)
     if ns.plan:
-        if ns.tp or ns.pp or ns.spec:
+        if ns.tp or ns.pp or ns.spec or ns.virtual_stages:
             raise CheckpointError("--plan gives the whole target layout; do not combine it with "
-                                  "--tp/--pp/--spec")
+                                  "--tp/--pp/--virtual-stages/--spec")
         plan = load_plan(ns.plan)
     from parallelizer.checkpoint.reshard import reshard
-    stats = reshard(ns.src, ns.out, tp, pp, plan, ns.force, show_progress=not ns.no_progress)
+    stats = reshard(ns.src, ns.out, tp, pp, plan, ns.force, show_progress=not ns.no_progress,
+                    virtual_stages=v)
     gb = stats["bytes_written"] / 1e9
     print(f"resharded {ns.src} -> {ns.out}: {_plural(stats['files'], 'file')}, {gb:.3f} GB in "
           f"{stats['seconds']:.2f} s ({gb / max(stats['seconds'], 1e-9):.2f} GB/s)")

@@ -150,8 +150,7 @@ def import_hf(hf_path, dst, plan, tp: Optional[int] = None, pp: Optional[int] = 
             state[fqn] = load_tensor(buffers_from, fqn, manifest=bman)
     layout = Layout.from_plan(plan)
     if tp or pp:
-        layout = target_layout(build_manifest(layout, {}), tp or plan.mesh["tp"], pp or plan.mesh["pp"],
-                               source="the program's plan.json")
+        layout = target_layout(build_manifest(layout, {}), tp or plan.mesh["tp"], pp or plan.mesh["pp"])
 
     def piece(name: str, t: int) -> torch.Tensor:
         # the full tensor is a lazy mapping: only the piece's rows are read, cast as copied

@@ -13,9 +13,10 @@
   one pp): pass ``--plan OUT`` of the program compiled with it.
   :func:`repartition` calls the same partitioner (planning/pipeline.py) through
   :func:`_partition`, so a program compiled for the new pp expects exactly these stages.
-  The target has one stage per pp rank; a checkpoint with several stages per rank
-  (``pipeline.virtual_stages`` > 1) keeps its stages when pp is unchanged, and converts to
-  another pp only through ``--plan OUT`` (the program's stages are then taken as they are).
+  The target has ``virtual_stages`` stages per pp rank (default 1): ``pp x virtual_stages``
+  stages from the same partitioner (files are per stage, so a program compiled for pp=P,
+  ``pipeline.virtual_stages``=V under either placement reads them). A checkpoint keeps its
+  stages when neither pp nor ``virtual_stages`` is asked to change.
 """
 from __future__ import annotations
 
@@ -134,25 +135,22 @@ def repartition(structure: dict, pp: int) -> dict[str, tuple[int, ...]]:
 
 
 def target_layout(manifest: dict, tp: int, pp: int, dp: Optional[int] = None,
-                  source: str = "the checkpoint's manifest.json") -> Layout:
+                  virtual_stages: Optional[int] = None) -> Layout:
     """The checkpoint's tensors re-laid out for (tp, pp): same tp_dim and layout kind,
-    stages from :func:`repartition` into ``pp`` stages, one per rank (kept, with the number
-    of stages, when pp is unchanged); optimizer state follows its parameter.
+    stages from :func:`repartition` into ``pp x virtual_stages`` stages (``virtual_stages``
+    None: 1, or the checkpoint's stages kept when pp is unchanged); optimizer state follows
+    its parameter.
 
     Raises:
-        CheckpointError: from :func:`relayout` and :func:`repartition`; pp changes on a
-            checkpoint with several stages per pp rank (names ``source``, its stages and pp).
+        CheckpointError: from :func:`relayout` and :func:`repartition`.
     """
     src = source_layout(manifest)
-    same_pp = pp == src.mesh["pp"]
-    if not same_pp and src.stages() != src.mesh["pp"]:
-        raise CheckpointError(
-            f"{source}: {src.stages()} pipeline stages on pp={src.mesh['pp']} ranks "
-            f"({src.stages() // src.mesh['pp']} stages per rank, pipeline.virtual_stages); "
-            f"--pp {pp} re-partitions into one stage per rank only; pass --plan OUT of a "
-            f"program compiled for pp={pp} (any pipeline.virtual_stages) instead, or keep "
-            f"pp={src.mesh['pp']}")
-    stages = None if same_pp else repartition(src.structure, pp)
+    if virtual_stages is None and pp == src.mesh["pp"]:
+        num_stages = src.stages()
+    else:
+        num_stages = pp * (virtual_stages or 1)
+    keep = pp == src.mesh["pp"] and num_stages == src.stages()
+    stages = None if keep else repartition(src.structure, num_stages)
     model = {}
     for fqn, t in src.model_tensors().items():
         st = t.stages if stages is None else stages.get(fqn)
@@ -171,7 +169,7 @@ def target_layout(manifest: dict, tp: int, pp: int, dp: Optional[int] = None,
         tensors[name] = optim_entry(model[fqn], name, src.tensors[name].dtype)
     mesh = {"pp": pp, "dp": src.mesh["dp"] if dp is None else dp, "tp": tp}
     return Layout(mesh, tensors, dict(src.params), src.aliases, src.structure, "", src.train,
-                  src.stages() if same_pp else pp)
+                  num_stages)
 
 
 def plan_layout(manifest: dict, plan) -> Layout:
