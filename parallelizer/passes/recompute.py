@@ -44,6 +44,18 @@ class Recompute:
         carried = {expr(s) for n in kept if is_tensor(n) for s in n.meta["val"].shape}
         return [n for n in crossing if n not in self.needs or not self.needs[n] <= carried]
 
+    def readers(self, node: fx.Node) -> set:
+        """The nodes that read ``node`` directly or through recomputable values: the stages
+        holding them read ``node`` (each copies the chain from ``node`` to its use)."""
+        out, todo = set(), list(node.users)
+        while todo:
+            u = todo.pop()
+            if u not in out:
+                out.add(u)
+                if u in self.needs:
+                    todo.extend(u.users)
+        return out
+
     def _needs(self, n: fx.Node, gm):
         if n.op == "get_attr":
             return frozenset() if not _trainable(gm, n) else None

@@ -27,7 +27,7 @@ from parallelizer.passes.graph_costs import collect_costs
 from parallelizer.errors import PlanError
 from parallelizer.planning.pipeline import find_blocks, plan_from_costs
 from parallelizer.planning.pipeline_summary import check_placement, summarize
-from parallelizer.planning.tensors import tied_groups
+from parallelizer.planning.tensors import pipeline_structure, tied_groups
 from parallelizer.planning.tp import plan_tp
 
 VOCAB = 64
@@ -161,6 +161,12 @@ def test_only_the_hidden_states_cross_stages(compiled, pp):
             == [batch, seq, hidden]
         assert "model.rotary_emb.inv_freq" in st.targets
     assert compiled.costs.cut_bytes == (batch * seq * hidden * 4,) * 5
+    # what reshard --pp re-partitions by: the buffer is read wherever the tables are used
+    structure = pipeline_structure(compiled.gm.graph, compiled.model, compiled.blocks,
+                                   compiled.costs, compiled.canonical)
+    assert structure["uses"]["model.rotary_emb.inv_freq"] == [0, 1, 2, 3, 4]
+    assert structure["part_uses"]["model.rotary_emb.inv_freq"] == [
+        f"model.layers.{i}.self_attn" for i in range(4)]
 
 
 @pytest.mark.parametrize("pp", [2, 4])
