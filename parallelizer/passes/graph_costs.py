@@ -23,6 +23,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_backwa
 
 from ..planning.costs import PipelineCosts, UnitCost
 from .graph_facts import RUNTIME_DEVICE, aten, is_tensor, module_path
+from .recompute import Recompute
 
 # the module-level names are already shape-wrapped; custom_mapping wraps again
 _CPU_SDPA = {aten._scaled_dot_product_flash_attention_for_cpu: sdpa_flop.__wrapped__,
@@ -149,17 +150,19 @@ def _atoms(graph: fx.Graph, unit_of: dict, child_of: dict) -> tuple[dict, list]:
 
 
 def _cut_bytes(graph: fx.Graph, unit_of: dict, n_units: int) -> tuple[int, ...]:
-    """Bytes crossing each cut: tensors defined at or before unit i and used after it."""
-    out = [0] * (n_units - 1)
+    """Bytes sent across each cut: tensors defined at or before unit i and used after it,
+    less those the next stage recomputes (``recompute.Recompute.sent``, as
+    ``split_stages`` decides)."""
+    crossing: list[list] = [[] for _ in range(n_units - 1)]
     for n in graph.nodes:
         if n not in unit_of or not is_tensor(n):
             continue
         uses = [n_units if u.op == "output" else unit_of.get(u, -1) for u in n.users]
         last = min(max(uses, default=-1), n_units - 1)
-        size = _bytes(n.meta["val"])
         for cut in range(unit_of[n], last):
-            out[cut] += size
-    return tuple(out)
+            crossing[cut].append(n)
+    recompute = Recompute(graph)
+    return tuple(sum(_bytes(n.meta["val"]) for n in recompute.sent(c)) for c in crossing)
 
 
 def _batch_shape(graph: fx.Graph) -> tuple[int, ...]:

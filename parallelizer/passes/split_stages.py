@@ -3,8 +3,10 @@
 Every node goes to the stage of the block it belongs to (by ``nn_module_stack``); nodes
 outside blocks go with the most recent block before them (stage 0 before the first block,
 the last stage after the last, which may then hold no block). Stage ``s`` takes as inputs every tensor defined before it
-and used at or after it, in graph order, and returns what stage ``s+1`` takes, so values
-needed further down (attention masks, rotary tables) pass through the stages in between;
+and used at or after it, in graph order, except those it recomputes (``recompute``: values
+of buffers, constants and sizes only, such as Llama's causal mask and rotary cos/sin: each
+stage that uses one copies its producers), and returns what stage ``s+1`` takes, so values
+needed further down (MiniLM's extended attention mask) pass through the stages in between;
 that is what ``torch.distributed.pipelining.PipelineStage`` needs (stage s's outputs are
 stage s+1's inputs). Parameters are read with get_attr in every stage that uses them
 (tied weights appear in two stages), and non-tensor values (SymInt sizes) are recomputed
@@ -19,6 +21,7 @@ import torch.fx as fx
 from ..planning.pipeline import PipelineDecision
 from .graph_costs import assign_parts, assign_units
 from .graph_facts import aten, expr, is_tensor
+from .recompute import Recompute
 
 
 @dataclass
@@ -49,17 +52,18 @@ def assign_stages(graph: fx.Graph, decision: PipelineDecision) -> dict:
 def split_stages(gm: fx.GraphModule, decision: PipelineDecision, pp: int) -> list[StageGraph]:
     graph = gm.graph
     stage_of = assign_stages(graph, decision)
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    boundary = [_boundary(graph, stage_of, s) for s in range(pp)]
+    recompute = Recompute(graph)
+    boundary = [_boundary(graph, stage_of, s, recompute) for s in range(pp)]
     out = []
     for s in range(pp):
         outputs = boundary[s + 1] if s + 1 < pp else None
-        out.append(_extract(graph, stage_of, s, boundary[s], outputs, order))
+        out.append(_extract(graph, stage_of, s, boundary[s], outputs, recompute))
     return out
 
 
-def _boundary(graph, stage_of, s):
-    """Tensors defined before stage s and used at or after it (stage 0: model inputs)."""
+def _boundary(graph, stage_of, s, recompute):
+    """Tensors defined before stage s and used at or after it, less those stage s
+    recomputes (stage 0: model inputs)."""
     if s == 0:
         return [n for n in graph.nodes if n.op == "placeholder"]
     out = []
@@ -67,10 +71,10 @@ def _boundary(graph, stage_of, s):
         if n in stage_of and stage_of[n] < s and is_tensor(n):
             if any(u.op == "output" or stage_of.get(u, -1) >= s for u in n.users):
                 out.append(n)
-    return out
+    return recompute.sent(out)
 
 
-def _extract(graph, stage_of, s, inputs, outputs, order) -> StageGraph:
+def _extract(graph, stage_of, s, inputs, outputs, recompute) -> StageGraph:
     new = fx.Graph()
     env = {}
     for n in inputs:
@@ -86,14 +90,19 @@ def _extract(graph, stage_of, s, inputs, outputs, order) -> StageGraph:
             env[a].meta = dict(a.meta)
             targets.append(a.target)
             return env[a]
-        if not is_tensor(a):
+        if not is_tensor(a) or a in recompute:
             env[a] = _rematerialize(new, a, env, get)
             return env[a]
         raise AssertionError(f"stage {s} needs {a.name} (stage {stage_of.get(a)}) but it is not a boundary input")
 
-    for n in graph.nodes:
-        if stage_of.get(n) != s or n.op == "placeholder":
-            continue
+    mine = [n for n in graph.nodes if stage_of.get(n) == s and n.op != "placeholder"]
+    # recomputed values first, at the stage's top level, not amid a block's nodes (where
+    # split_blocks would outline them into the block)
+    for n in mine:
+        for a in n.all_input_nodes:
+            if a in recompute and stage_of.get(a) != s:
+                get(a)
+    for n in mine:
         env[n] = new.node_copy(n, lambda a: get(a))
     if outputs is None:
         result = graph.output_node().args[0]
@@ -106,7 +115,8 @@ def _extract(graph, stage_of, s, inputs, outputs, order) -> StageGraph:
 
 
 def _rematerialize(new: fx.Graph, node: fx.Node, env: dict, get) -> fx.Node:
-    """Recompute a non-tensor value (a SymInt size) from what this stage has."""
+    """Recompute a non-tensor value (a SymInt size) or a recomputable tensor (``recompute``)
+    from what this stage has, copying its producers."""
     if node.target is aten.sym_size.int:
         want = expr(node.meta["val"])
         for orig, local in env.items():

@@ -36,7 +36,8 @@ class PipelineCosts:
 
     ``cut_bytes[i]``: bytes of the activations that cross the cut between ``units[i]`` and
     ``units[i + 1]`` in forward (the same again as gradients in backward), for the example
-    batch ``batch_shape``; tensors used two stages later count at every cut they cross.
+    batch ``batch_shape``; tensors used two stages later count at every cut they cross, and
+    those the next stage recomputes (``passes.recompute``: masks, rotary tables) not at all.
     ``param_bytes``: bytes of each parameter (canonical FQN).
     """
     units: tuple[UnitCost, ...]

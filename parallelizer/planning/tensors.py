@@ -112,7 +112,9 @@ def pipeline_structure(graph: fx.Graph, model, blocks, costs, canonical: dict) -
     """What re-partitioning a checkpoint for another pp degree needs, without the model
     (ParallelPlan.structure, read by checkpoint/target.py).
 
-    ``uses[fqn]`` lists the cost-model units of the tensor's readers (0 before the blocks,
+    ``uses[fqn]`` lists the cost-model units of the tensor's readers, direct or through
+    values each stage recomputes (``passes.recompute``: Llama's ``inv_freq`` is read by every
+    stage that uses the rotary tables) (0 before the blocks,
     1 + i for block i, len(blocks) + 1 after; ``graph_costs.assign_units``, the mapping
     split_stages uses), and ``part_uses[fqn]`` the block parts (direct child FQNs,
     ``graph_costs.assign_parts``) of its readers inside blocks that may be cut, so a
@@ -123,16 +125,19 @@ def pipeline_structure(graph: fx.Graph, model, blocks, costs, canonical: dict) -
     """
     from ..passes.graph_costs import assign_parts, assign_units
     from ..passes.graph_facts import RUNTIME_DEVICE
+    from ..passes.recompute import Recompute
     unit_of = assign_units(graph, tuple(blocks))
     child_of = assign_parts(graph, tuple(blocks), unit_of)
+    recompute = Recompute(graph)
     uses: dict = {}
     part_uses: dict = {}
     for node in graph.nodes:
         if node.op != "get_attr" or node.target == RUNTIME_DEVICE:
             continue
         fqn = canonical.get(node.target, node.target)
-        uses.setdefault(fqn, set()).update(unit_of[u] for u in node.users if u in unit_of)
-        kids = {child_of[u] for u in node.users if u in child_of}
+        readers = recompute.readers(node)
+        uses.setdefault(fqn, set()).update(unit_of[u] for u in readers if u in unit_of)
+        kids = {child_of[u] for u in readers if u in child_of}
         if kids:
             part_uses.setdefault(fqn, set()).update(kids)
     return {"blocks": list(blocks), "block_costs": [u.flops for u in costs.blocks],

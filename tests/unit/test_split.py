@@ -27,7 +27,7 @@ from parallelizer.passes.graph_costs import collect_costs
 from parallelizer.errors import PlanError
 from parallelizer.planning.pipeline import find_blocks, plan_from_costs
 from parallelizer.planning.pipeline_summary import check_placement, summarize
-from parallelizer.planning.tensors import tied_groups
+from parallelizer.planning.tensors import pipeline_structure, tied_groups
 from parallelizer.planning.tp import plan_tp
 
 VOCAB = 64
@@ -117,6 +117,8 @@ def test_each_parameter_in_exactly_one_stage_but_the_tied_embedding(compiled, pp
     assert set(params) <= set(held)
     tied = "model.embed_tokens.weight"
     assert held.pop(tied) == {0, pp - 1}
+    # every stage recomputes the rotary tables from the buffer rather than receiving them
+    assert held.pop("model.rotary_emb.inv_freq") == set(range(pp))
     assert "model.embed_tokens.weight" in stages[0].targets and "lm_head.weight" in stages[-1].targets
     assert all(len(s) == 1 for s in held.values()), {k: s for k, s in held.items() if len(s) > 1}
     # a block's parameters live in the stage the planner gave the block (or its part)
@@ -142,6 +144,29 @@ def test_stage_boundaries_chain(compiled, pp):
         assert all(is_tensor(n) for n in placeholders)          # only tensors cross stages
     assert stages[-1].outputs == []
     assert len(stages[-1].graph.output_node().args[0]) == 1     # the logits
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_only_the_hidden_states_cross_stages(compiled, pp):
+    """The causal mask (b x 1 x s x s) and rotary cos/sin (b x s x head_dim) depend only on
+    the rotary buffer and the sizes: each stage recomputes them, so only the residual
+    stream (b x s x hidden) is sent, and the cost model counts exactly that."""
+    stages = compiled.stages(pp)
+    hidden = compiled.model.config.hidden_size
+    batch, seq = compiled.costs.batch_shape                     # the captured (2, 8)
+    for st in stages[1:]:
+        sent = [n for n in st.graph.nodes if n.op == "placeholder"]
+        assert len(sent) == 1, st.inputs
+        assert [int(d) if isinstance(d, int) else d.node.hint for d in sent[0].meta["val"].shape] \
+            == [batch, seq, hidden]
+        assert "model.rotary_emb.inv_freq" in st.targets
+    assert compiled.costs.cut_bytes == (batch * seq * hidden * 4,) * 5
+    # what reshard --pp re-partitions by: the buffer is read wherever the tables are used
+    structure = pipeline_structure(compiled.gm.graph, compiled.model, compiled.blocks,
+                                   compiled.costs, compiled.canonical)
+    assert structure["uses"]["model.rotary_emb.inv_freq"] == [0, 1, 2, 3, 4]
+    assert structure["part_uses"]["model.rotary_emb.inv_freq"] == [
+        f"model.layers.{i}.self_attn" for i in range(4)]
 
 
 @pytest.mark.parametrize("pp", [2, 4])
@@ -271,10 +296,11 @@ def test_stage_parameters_are_the_ones_the_partition_costed(compiled, sizes):
     summary = summarize(decision, compiled.costs, "1f1b", k, 2 * k)
     params = {n for n, _ in compiled.model.named_parameters(remove_duplicate=False)}
     assert check_placement(summary, reads, params, compiled.canonical) == []
-    moved = [reads[0] + reads[1][:1]] + reads[1:]        # stage 1's first weight also in 0
+    weight = next(t for t in reads[1] if t in params)    # stage 1's first weight, also in 0
+    moved = [reads[0] + [weight]] + reads[1:]
     with pytest.raises(PlanError) as e:
         check_placement(summary, moved, params, compiled.canonical)
-    assert str(e.value).startswith(f"pipeline stage 0 holds ['{reads[1][0]}'] it was not assigned")
+    assert str(e.value).startswith(f"pipeline stage 0 holds ['{weight}'] it was not assigned")
     unused = params | {"model.extra.weight"}
     assert check_placement(summary, reads, unused, compiled.canonical) == [
         "1 parameter(s) are not used by forward and are in no pipeline stage (no gradient, not "
@@ -290,11 +316,11 @@ def test_cut_offered_only_where_no_more_bytes_cross_than_into_the_block(compiled
         assert [(c, ok) for c, _, ok in runs] == [
             (f"{block}.input_layernorm", False), (f"{block}.self_attn", False),
             (f"{block}.post_attention_layernorm", True), (f"{block}.mlp", False)]
-        # after attention + residual add: the residual stream and rotary tables, as between
-        # blocks (the last block's attention is the tables' last use); after a norm the
-        # normed activations cross too
+        # after attention + residual add: the residual stream, as between blocks (the
+        # causal mask and rotary tables are recomputed, not sent); after a norm the normed
+        # activations cross too
         inner, into = costs.part_cut_bytes[b], costs.cut_bytes[b]
-        assert (inner[1] == into if b < 3 else inner[1] < into) and inner[0] > into < inner[2]
+        assert inner[1] == into and inner[0] > into < inner[2]
         assert sum(u.flops for u in costs.parts[b]) == costs.units[b + 1].flops
         assert {f for u in costs.parts[b] for f in u.params} == set(costs.units[b + 1].params)
 
