@@ -5,7 +5,6 @@ One process, a gloo group of one rank holding both stages of a real
 ``torch.distributed.pipelining`` schedule (looped BFS), so stage 1 gets its inputs through
 torch's same-rank metadata path (``_forward_metadata_inference`` -> ``_to_tensor``).
 """
-import os
 import socket
 
 import pytest
@@ -39,11 +38,12 @@ class Head(nn.Module):
 
 
 @pytest.fixture
-def one_rank_group():
+def one_rank_group(monkeypatch):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # restored after the test
+    monkeypatch.setenv("MASTER_PORT", str(port))
     dist.init_process_group("gloo", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
