@@ -179,6 +179,28 @@ def test_negative_steps_is_refused(capsys):
     assert _parser().parse_args(["--train", "--steps", "0"]).steps == 0
 
 
+# a 0-dim output beside the batch-shaped one; loss_fn returns that output itself
+_LOSS_IS_AN_OUTPUT = """
+    import torch
+    from torch import nn
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+        def forward(self, x):
+            for layer in self.layers:
+                x = x + layer(x)
+            return x, x.pow(2).mean()
+    def build_model():
+        torch.manual_seed(0)
+        return Net()
+    def example_inputs():
+        return (torch.randn(4, 3, 8, generator=torch.Generator().manual_seed(0)),)
+    def loss_fn(outputs, batch):
+        return outputs[1]
+"""
+
+
 def test_loss_that_is_an_output_and_a_0_dim_output(tmp_path):
     """``loss_fn`` returning an output (HF ``outputs.loss``) made loss and output.N share memory,
     and safetensors refused to save reference.safetensors. The 0-dim output has no batch dim:
@@ -187,25 +209,7 @@ def test_loss_that_is_an_output_and_a_0_dim_output(tmp_path):
 
     from parallelizer.plan import ParallelPlan
     from parallelizer.runtime.verify import _output_share
-    path = _model(tmp_path, """
-        import torch
-        from torch import nn
-        class Net(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
-            def forward(self, x):
-                for layer in self.layers:
-                    x = x + layer(x)
-                return x, x.pow(2).mean()
-        def build_model():
-            torch.manual_seed(0)
-            return Net()
-        def example_inputs():
-            return (torch.randn(4, 3, 8, generator=torch.Generator().manual_seed(0)),)
-        def loss_fn(outputs, batch):
-            return outputs[1]
-    """)
+    path = _model(tmp_path, _LOSS_IS_AN_OUTPUT)
     out = tmp_path / "out"
     compile_model(path, load_spec(GPT / "spec.yaml", ["mesh.tp=1", "mesh.pp=1"])).save(out)
     ref = load_file(str(out / "reference.safetensors"))
@@ -223,22 +227,7 @@ def test_loss_that_is_an_output_and_a_0_dim_output(tmp_path):
 def test_output_without_batch_dim_is_refused_under_pp(tmp_path):
     """torch.distributed.pipelining concatenates outputs over microbatches on dim 0: a 0-dim
     output failed in the first step on every rank; now a compile error naming it."""
-    path = _model(tmp_path, """
-        import torch
-        from torch import nn
-        class Net(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
-            def forward(self, x):
-                for layer in self.layers:
-                    x = x + layer(x)
-                return x, x.pow(2).mean()
-        def build_model():
-            return Net()
-        def example_inputs():
-            return (torch.randn(4, 3, 8),)
-    """)
+    path = _model(tmp_path, _LOSS_IS_AN_OUTPUT)
     spec = load_spec(GPT / "spec.yaml", ["mesh.tp=1", "mesh.pp=2", "pipeline.microbatches=2"])
     with pytest.raises(PlanError) as e:
         compile_model(path, spec, weights=False)
