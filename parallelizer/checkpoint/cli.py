@@ -36,23 +36,31 @@ def _positive(text: str) -> int:
     return v
 
 
+def _destination(p: argparse.ArgumentParser, progress: bool = True) -> None:
+    """The output options every conversion shares: -o DST, --force (and --no-progress)."""
+    p.add_argument("-o", "--out", type=Path, required=True, metavar="DST")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing DST (only once the new checkpoint is complete)")
+    if progress:
+        p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
 def reshard_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="parallelize reshard",
         description="Convert a parallelizer checkpoint to another (tp, pp) layout, without the "
                     "model: the checkpoint's manifest carries placements and pipeline structure.")
     p.add_argument("src", type=Path, metavar="SRC", help="checkpoint folder (manifest.json)")
-    p.add_argument("-o", "--out", type=Path, required=True, metavar="DST")
+    _destination(p)
     p.add_argument("--tp", type=_positive, help="target tp degree (default: the source's)")
     p.add_argument("--pp", type=_positive, help="target pp degree (default: the source's)")
     p.add_argument("--virtual-stages", type=_positive, metavar="V",
                    help="pipeline stages per pp rank, as pipeline.virtual_stages (default: 1, or "
                         "the source's stages when pp is unchanged)")
-    p.add_argument("--spec", type=Path, help="take tp and pp from this spec's mesh")
+    p.add_argument("--spec", type=Path,
+                   help="take tp, pp and pipeline.virtual_stages from this spec")
     p.add_argument("--plan", type=Path, metavar="OUT",
                    help="exactly the layout of this compiled program (folder or plan.json)")
-    p.add_argument("--force", action="store_true", help="replace an existing DST")
-    p.add_argument("--no-progress", action="store_true")
     ns = p.parse_args(argv)
     tp, pp, v, plan = ns.tp, ns.pp, ns.virtual_stages, None
     if ns.spec:
@@ -77,10 +85,8 @@ def export_main(argv: list[str]) -> int:
         description="Write a parallelizer checkpoint as a Hugging Face safetensors checkpoint "
                     "(model.safetensors, or shards + model.safetensors.index.json).")
     p.add_argument("src", type=Path, metavar="SRC")
-    p.add_argument("-o", "--out", type=Path, required=True, metavar="DST")
+    _destination(p)
     p.add_argument("--max-shard-size", default="5GB", help="shard above this size (default 5GB)")
-    p.add_argument("--force", action="store_true")
-    p.add_argument("--no-progress", action="store_true")
     ns = p.parse_args(argv)
     from parallelizer.checkpoint.export import export_hf
     files = export_hf(ns.src, ns.out, ns.max_shard_size, ns.force, not ns.no_progress)
@@ -94,12 +100,11 @@ def import_main(argv: list[str]) -> int:
         description="Write a Hugging Face checkpoint in a compiled program's layout (or that "
                     "layout re-laid out for --tp/--pp).")
     p.add_argument("hf", type=Path, metavar="HF", help="model.safetensors, an index.json or their folder")
-    p.add_argument("-o", "--out", type=Path, required=True, metavar="DST")
+    _destination(p, progress=False)
     p.add_argument("--plan", type=Path, required=True, metavar="OUT",
                    help="compiled program folder (or plan.json) giving names and placements")
     p.add_argument("--tp", type=_positive)
     p.add_argument("--pp", type=_positive)
-    p.add_argument("--force", action="store_true")
     ns = p.parse_args(argv)
     plan = load_plan(ns.plan)
     from parallelizer.checkpoint.export import import_hf
