@@ -116,14 +116,19 @@ def gather_full_state(stage, plan: ParallelPlan, ctx: RankContext) -> dict | Non
         full = full_tensor(t, plan.tensors[fqn], ctx, tp).cpu()
         if ctx.dp_rank == 0 and ctx.tp_rank == 0:
             mine[fqn] = full
+    return _merge_on_rank0(mine, ctx)
+
+
+def _merge_on_rank0(mine: dict, ctx: RankContext) -> dict | None:
+    """Every rank's ``mine`` merged into one dict on global rank 0 (None elsewhere). Collective."""
     gathered = [None] * dist.get_world_size() if ctx.rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)
     if ctx.rank != 0:
         return None
-    state = {}
+    out = {}
     for part in gathered:
-        state.update(part)
-    return state
+        out.update(part)
+    return out
 
 
 def check_save_target(out: Path) -> None:
@@ -160,14 +165,7 @@ def gather_optimizer_state(opt, stage, plan: ParallelPlan, ctx: RankContext) -> 
                 if k in st}
         if ctx.dp_rank == 0 and ctx.tp_rank == 0 and full:
             mine[fqn] = {**full, "step": st["step"].detach().cpu().float()}
-    gathered = [None] * dist.get_world_size() if ctx.rank == 0 else None
-    dist.gather_object(mine, gathered, dst=0)
-    if ctx.rank != 0:
-        return None
-    out = {}
-    for part in gathered:
-        out.update(part)
-    return out
+    return _merge_on_rank0(mine, ctx)
 
 
 def save_checkpoint(stage, plan: ParallelPlan, ctx: RankContext, out: Path, opt=None,
