@@ -70,11 +70,11 @@ def reshard_main(argv: list[str]) -> int:
             raise CheckpointError("--plan gives the whole target layout; do not combine it with "
                                   "--tp/--pp/--virtual-stages/--spec")
         plan = load_plan(ns.plan)
-    from parallelizer.checkpoint.reshard import reshard
+    from parallelizer.checkpoint.reshard import plural, reshard
     stats = reshard(ns.src, ns.out, tp, pp, plan, ns.force, show_progress=not ns.no_progress,
                     virtual_stages=v)
     gb = stats["bytes_written"] / 1e9
-    print(f"resharded {ns.src} -> {ns.out}: {_plural(stats['files'], 'file')}, {gb:.3f} GB in "
+    print(f"resharded {ns.src} -> {ns.out}: {plural(stats['files'], 'file')}, {gb:.3f} GB in "
           f"{stats['seconds']:.2f} s ({gb / max(stats['seconds'], 1e-9):.2f} GB/s)")
     return 0
 
@@ -112,7 +112,3 @@ def import_main(argv: list[str]) -> int:
     import_hf(ns.hf, ns.out, plan, ns.tp, ns.pp, buffers if buffers.exists() else None, ns.force)
     print(f"imported {ns.hf} -> {ns.out}", file=sys.stdout)
     return 0
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}{'' if n == 1 else 's'}"

@@ -60,6 +60,11 @@ def verify_all(src: Path, manifest: dict, show: bool = False) -> int:
     return total
 
 
+def plural(n: int, word: str) -> str:
+    """``1 file``, ``4 files``: counts in progress descriptions and summaries."""
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
 def check_paths(src: Path, dst: Path, force: bool) -> None:
     """DST must not be SRC or inside it, and must not exist unless ``force``.
 
@@ -116,7 +121,7 @@ def reshard(src, dst, tp: Optional[int] = None, pp: Optional[int] = None, plan=N
     pool = ThreadPoolExecutor(threads or cores(), thread_name_prefix="reshard")
     try:
         with progress_bar(read + total, f"verify + reshard -> tp={layout.mesh['tp']} "
-                          f"pp={layout.mesh['pp']} ({layout.stages()} stage{'' if layout.stages() == 1 else 's'})", show_progress) as bar:
+                          f"pp={layout.mesh['pp']} ({plural(layout.stages(), 'stage')})", show_progress) as bar:
             def check(name: str) -> None:
                 check_file_sha256(src, name, manifest)
                 bar.update(manifest["files"][name]["bytes"])
