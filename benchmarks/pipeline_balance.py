@@ -44,7 +44,7 @@ def unit_costs(name: str, seq: int):
 
     from parallelizer.frontend import capture
     from parallelizer.passes.cleanup import apply_cleanup
-    from parallelizer.passes.graph_costs import collect_costs
+    from parallelizer.analysis.graph_costs import collect_costs
     from parallelizer.planning.pipeline import find_blocks
 
     cfg = LlamaConfig(**CONFIGS[name], max_position_embeddings=8192, rope_theta=500000.0,

@@ -6,7 +6,6 @@ data) or a pass (reads a plan, rewrites the graph).
 from __future__ import annotations
 
 import copy
-import dataclasses
 import sys
 from operator import attrgetter
 from pathlib import Path
@@ -22,9 +21,10 @@ from .passes.aliases import apply_untie
 from .passes.cleanup import apply_cleanup
 from .passes.manager import PassManager
 from .passes.split_blocks import split_blocks
+from .passes.split_check import check_split
 from .passes.split_stages import split_stages
 from .passes.tensor_parallel import apply_tensor_parallel
-from .passes.graph_costs import collect_costs
+from .analysis.graph_costs import collect_costs
 from .planning.pipeline import find_blocks, plan_from_costs
 from .planning.pipeline_summary import (check_microbatches, check_placement, summarize,
                                         virtual_stages_of)
@@ -99,33 +99,31 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
     _check_no_dropout(gm)
     if mesh.pp > 1:
         _check_outputs_have_batch_dim(gm, captured.input_names)
+    # facts and plan first, from the captured graph (global shapes); then the passes
     tp_decision = plan_tp(gm.graph, mesh.tp)  # raises before anything is rewritten
     passes = PassManager(dump_passes)
     passes.run("cleanup", apply_cleanup, gm)
-    # costed before tensor_parallel, whose local head counts no longer match the global
-    # shapes on the nodes: FLOPs of whole stages (all tp ranks together)
     blocks = find_blocks(model)
     canonical = {n: g[0] for g in groups for n in g}
-    costs = collect_costs(gm, blocks, canonical)
-    passes.run("tensor_parallel", apply_tensor_parallel, gm, tp_decision)
-    passes.run("untie", apply_untie, gm, groups)
-
+    costs = collect_costs(gm, blocks, canonical)  # FLOPs of whole stages (all tp ranks)
     num_stages = _num_stages(spec, blocks, costs.block_parts())
     stages_key = "mesh.pp" if pipe.virtual_stages == 1 else "mesh.pp x pipeline.virtual_stages"
     pp_decision = plan_from_costs(costs, num_stages, blocks, pipe, stages_key=stages_key)
     structure = pipeline_structure(gm.graph, model, blocks, costs, canonical)
+    plan = build_plan(spec, captured, gm, model, groups, tp_decision, pp_decision, structure)
+    pipeline = summarize(pp_decision, costs, pipe.schedule, mesh.pp, pipe.microbatches, virtual)
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    pp_warnings += check_placement(pipeline, [st.fqns for st in plan.stages], params, canonical)
+
+    passes.run("tensor_parallel", apply_tensor_parallel, gm, tp_decision)
+    passes.run("untie", apply_untie, gm, groups)
     stages = passes.run_split("split_stages", split_stages, gm, pp_decision, num_stages)
     block_graphs, block_notes = [], []
     for st in stages:
         found, notes = split_blocks(st.graph, blocks)
         block_graphs.append(found)
         block_notes += notes
-
-    plan = build_plan(spec, captured, gm, model, groups, tp_decision, stages, block_graphs)
-    plan = dataclasses.replace(plan, structure=structure)
-    pipeline = summarize(pp_decision, costs, pipe.schedule, mesh.pp, pipe.microbatches, virtual)
-    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    pp_warnings += check_placement(pipeline, [st.fqns for st in plan.stages], params, canonical)
+    plan = check_split(plan, stages, block_graphs, canonical)
     sources = emit.stage_sources(plan, stages, block_graphs, model, name)
     ref = state = None
     if weights:

@@ -11,7 +11,7 @@ import textwrap
 
 import torch.fx as fx
 
-from .passes.graph_facts import attr_targets
+from .analysis.graph_facts import attr_targets
 
 HEADER = '''"""{title}
 

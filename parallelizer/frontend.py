@@ -22,11 +22,9 @@ from torch.export import Dim
 from torch.utils._pytree import TreeSpec, tree_flatten, treespec_dumps
 
 from .errors import CaptureError, ModelFileError
+from .plan import MODEL_MODULE
 
 REQUIRED = ("build_model", "example_inputs")
-# model.py is imported under this one name at compile time and by run.py, so output types
-# it defines (a ModelOutput subclass) get the same pytree name in both processes
-MODEL_MODULE = "parallelizer_model"
 
 
 def load_model_file(path: Path) -> ModuleType:

@@ -14,9 +14,16 @@ size (an approximation: normalisations that upcast save some fp32 tensors).
 from __future__ import annotations
 
 import torch
+from torch.utils._pytree import tree_unflatten, treespec_loads
 
-from .memory_model import DTYPE_BYTES, unflatten_outputs
 from .plan import ParallelPlan
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def unflatten_outputs(plan: ParallelPlan, flat):
+    """The model's output structure (``plan.out_spec``) around a stage's flat outputs."""
+    return tree_unflatten(list(flat), treespec_loads(plan.out_spec))
 
 
 def _key(t: torch.Tensor):
@@ -74,7 +81,6 @@ def stage_activations(stages: list, plan: ParallelPlan, batch, loss_fn, mode) ->
 
 def _stage_activations(stages: list, plan: ParallelPlan, batch, loss_fn, mode) -> list[tuple[int, int]]:
     scale = DTYPE_BYTES[plan.param_dtype] / 4
-    order = [b for st in plan.stages for b in st.blocks]
     inputs = _microbatch(plan, batch, mode)
     target = None
     out = []
@@ -99,8 +105,7 @@ def _stage_activations(stages: list, plan: ParallelPlan, batch, loss_fn, mode) -
         kept, recompute = rec.saved.get(None, 0), 0
         for name, _ in stage.emitted_blocks():
             saved = rec.saved.get(name, 0)
-            ac = plan.activation_checkpointing
-            if ac == "full" or (ac == "selective" and order.index(name) % plan.checkpoint_every == 0):
+            if name in plan.checkpointed:
                 kept += block_inputs.get(name, 0)
                 recompute = max(recompute, saved)
             else:

@@ -26,11 +26,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from torch.utils._pytree import tree_unflatten, treespec_loads
 
+from .memory_activations import DTYPE_BYTES, stage_activations
 from .plan import ParallelPlan
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 ADAM_STATES = 2  # exp_avg, exp_avg_sq (Loshchilov & Hutter 2019)
 STEP_BYTES = 4   # AdamW's per-parameter ``step``: a float32 scalar tensor
 
@@ -162,7 +161,6 @@ def load_stage(source: str, index: int):
 def estimate_program(plan: ParallelPlan, sources: dict, batch, loss_fn, optimizer: str) -> list[RankEstimate]:
     """One :class:`RankEstimate` per global rank of ``plan`` (rank order of the mesh
     ``(pp, dp, tp)``, tp innermost)."""
-    from .memory_activations import stage_activations
     from torch._subclasses.fake_tensor import FakeTensorMode
     m = plan.mesh
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
@@ -206,7 +204,3 @@ def as_json(plan: ParallelPlan, ranks: list[RankEstimate]) -> dict:
             "param_dtype": plan.param_dtype, "activation_checkpointing": plan.activation_checkpointing,
             "schedule": plan.schedule, "microbatches": plan.microbatches,
             "ranks": [asdict(r) for r in ranks]}
-
-
-def unflatten_outputs(plan: ParallelPlan, flat):
-    return tree_unflatten(list(flat), treespec_loads(plan.out_spec))

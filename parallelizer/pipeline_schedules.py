@@ -24,7 +24,11 @@ and ``2 pp - 1 - r``, so the first and the last stage share rank 0. Both are tor
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
+
+from .errors import PlanError
+from .plan import grad_sync_groups
 
 TORCH_NAMES = {
     "gpipe": "GPipe",
@@ -108,6 +112,14 @@ def _check_microbatches(schedule: str, pp: int, v: int, m: int) -> Optional[str]
     return None
 
 
+def bubble(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """Idle fraction of a step, (P-1)/(M+P-1) for GPipe and 1F1B (Huang et al. 2019, §2.2;
+    Narayanan et al. 2021, §2.2.1), (P-1)/(v*M+P-1) with v stages per rank for interleaved
+    schedules (Narayanan et al. 2021, §2.2.2); an upper bound for zero-bubble schedules."""
+    v = 1 if schedule in SINGLE_STAGE else max(1, virtual_stages)
+    return (pp - 1) / (v * microbatches + pp - 1)
+
+
 def theoretical_bubble(schedule: str, pp: int, virtual_stages: int, microbatches: int) -> Optional[float]:
     """Idle fraction of a step with equal stage costs: (P-1)/(M+P-1) for gpipe and 1f1b
     (Huang et al. 2019, §2.3), (P-1)/(v*M+P-1) for interleaved_1f1b and looped_bfs
@@ -117,7 +129,6 @@ def theoretical_bubble(schedule: str, pp: int, virtual_stages: int, microbatches
         return 0.0
     if schedule in ZERO_BUBBLE:
         return None
-    from .planning.pipeline_summary import bubble  # the one formula, shared with report.md
     return bubble(schedule, pp, microbatches, virtual_stages)
 
 
@@ -130,9 +141,6 @@ def with_schedule(plan, schedule: str):
         PlanError: ``schedule`` cannot run this plan's ``pp`` x ``virtual_stages`` x
             ``microbatches`` (the message names the numbers and the fix).
     """
-    from dataclasses import replace
-
-    from .errors import PlanError
     pp, v = plan.mesh["pp"], plan.virtual_stages
     problem = check(schedule, pp, v, plan.microbatches)
     if problem:
@@ -140,5 +148,6 @@ def with_schedule(plan, schedule: str):
                         f"pipeline.microbatches {plan.microbatches}) cannot run schedule "
                         f"'{schedule}': {problem}; recompile with those keys changed")
     ranks = stage_ranks(schedule, pp, v)
-    return replace(plan, schedule=schedule,
-                   stages=tuple(replace(st, rank=r) for st, r in zip(plan.stages, ranks)))
+    placed = replace(plan, schedule=schedule,
+                     stages=tuple(replace(st, rank=r) for st, r in zip(plan.stages, ranks)))
+    return replace(placed, grad_sync=grad_sync_groups(placed))

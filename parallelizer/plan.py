@@ -18,6 +18,9 @@ from .layouts import local_length
 
 PLAN_VERSION = 1
 MESH_DIMS = ("pp", "dp", "tp")
+# model.py is imported under this one name at compile time and by run.py, so output types
+# it defines (a ModelOutput subclass) get the same pytree name in both processes
+MODEL_MODULE = "parallelizer_model"
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,7 @@ class ParallelPlan:
     tp_report: tuple = ()  # human-readable lines: what was sharded, what was gathered and why
     activation_checkpointing: str = "none"  # none | full | selective
     checkpoint_every: int = 1  # under selective: every k-th block, counted over the model
+    checkpointed: tuple = ()  # block FQNs whose forward is recomputed in backward (planned)
     virtual_stages: int = 1  # pipeline stages per pp rank
     # FSDP2 options (zero_stage 2/3; runtime/data_parallel.py): HSDP split of dp, explicit
     # prefetch depth, CPU offload, MixedPrecisionPolicy dtypes (spec names: fp32/bf16/fp16)
@@ -113,6 +117,14 @@ class ParallelPlan:
     # {"blocks", "block_costs", "pre_cost", "post_cost", "uses": {fqn: [cost-model unit]},
     #  "state_dict_keys": [...]} (planning/tensors.py:pipeline_structure); empty if absent.
     structure: dict = field(default_factory=dict)
+    # Run-time settings run.py needs beyond placements, copied from the spec at compile time so
+    # the program reads plan.json only: {"optimizer": {name, lr, weight_decay},
+    # "verify": {atol, rtol, optimizer}} (spec.py documents each key).
+    settings: dict = field(default_factory=dict)
+    # Gradient-sync groups (:func:`grad_sync_groups`): [{"kind": "tied" | "replicated_heads",
+    # "key": stage indices | kv head count, "ranks": [[global ranks], ...]}]; the runtime
+    # creates each process group once, in this order, on every rank.
+    grad_sync: tuple = ()
 
     @property
     def world_size(self) -> int:
@@ -140,6 +152,8 @@ class ParallelPlan:
                        for s in d.pop("stages"))
         d["input_names"] = tuple(d.get("input_names", ()))
         d["tp_report"] = tuple(d.get("tp_report", ()))
+        d["checkpointed"] = tuple(d.get("checkpointed", ()))
+        d["grad_sync"] = tuple(d.get("grad_sync", ()))
         return ParallelPlan(tensors=tensors, stages=stages, **d)
 
     def hash(self) -> str:
@@ -147,3 +161,40 @@ class ParallelPlan:
         a checkpoint's manifest records it so a shard set is never read under another plan."""
         layout = {"mesh": self.mesh, "tensors": {k: asdict(v) for k, v in sorted(self.tensors.items())}}
         return hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).hexdigest()
+
+
+def global_rank(mesh: dict, pp: int, dp: int, tp: int) -> int:
+    """Global rank of mesh coordinate (pp, dp, tp): row-major over ``MESH_DIMS``, tp
+    innermost (``init_device_mesh`` over ``(pp, dp, tp)``)."""
+    return (pp * mesh["dp"] + dp) * mesh["tp"] + tp
+
+
+def grad_sync_groups(plan: ParallelPlan) -> tuple[dict, ...]:
+    """The rank groups whose gradients are summed after backward, beyond data parallelism:
+
+    - ``tied``: a weight held by several stages (tied embedding and LM head) is summed over
+      the pp ranks running those stages, per (dp, tp) coordinate (Megatron-LM's embedding
+      group, Shoeybi et al. 2019 §3); ``key``: the stage indices.
+    - ``replicated_heads``: a kv head copied to ``tp / heads`` tp ranks (tp > kv heads) is
+      summed over those ranks, per (pp, dp) coordinate, since each copy sees only its rank's
+      query heads; ``key``: the kv head count.
+
+    Placement-dependent (stage -> pp rank), so ``with_schedule`` recomputes it.
+    """
+    m = plan.mesh
+    rank_of = {st.index: st.rank for st in plan.stages}
+    out = []
+    for stages in sorted({t.stages for t in plan.tensors.values() if len(t.stages) > 1 and not t.is_buffer}):
+        pp_ranks = sorted({rank_of.get(s, s) for s in stages})
+        if len(pp_ranks) > 1:
+            out.append({"kind": "tied", "key": list(stages), "ranks": [
+                [global_rank(m, p, d, t) for p in pp_ranks]
+                for d in range(m["dp"]) for t in range(m["tp"])]})
+    for k in sorted({t.layout["heads"] for t in plan.tensors.values()
+                     if t.layout and t.layout["kind"] == "replicated_heads"}):
+        copies = m["tp"] // k
+        out.append({"kind": "replicated_heads", "key": k, "ranks": [
+            [global_rank(m, p, d, t) for t in range(h * copies, (h + 1) * copies)]
+            for p in range(m["pp"]) for d in range(m["dp"]) for h in range(k)]})
+    return tuple(out)
+

@@ -27,6 +27,8 @@ from parallelizer.checkpoint.writer import Layout, optim_entry
 from parallelizer.errors import CheckpointError, PlanError
 from parallelizer.layouts import local_length
 from parallelizer.plan import TensorPlan
+from parallelizer.planning.pipeline import plan_pipeline
+from parallelizer.planning.stages import tensor_stages
 
 _MAX_TP = 128
 
@@ -99,7 +101,6 @@ def _fits(tplan: TensorPlan, tp: int) -> bool:
 def _partition(structure: dict, pp: int):
     """The PipelineDecision for ``pp`` stages: the compiler's partitioner on the recorded
     costs and block parts (the one place to adapt when the partitioner's signature changes)."""
-    from parallelizer.planning.pipeline import plan_pipeline
     parts = [[tuple(p) for p in runs] for runs in structure.get("block_parts") or []]
     return plan_pipeline(list(structure["block_costs"]), structure["pre_cost"],
                          structure["post_cost"], pp, tuple(structure["blocks"]), parts=parts)
@@ -121,17 +122,7 @@ def repartition(structure: dict, pp: int) -> dict[str, tuple[int, ...]]:
         decision = _partition(structure, pp)
     except PlanError as e:
         raise CheckpointError(f"--pp {pp}: {e}") from None
-    # as split_stages.assign_stages: a unit's stage, or its part's in a block cut across stages
-    stage_of_unit = (0,) + decision.stage_of_block + (pp - 1,)
-    part_stage = dict(decision.part_stages)
-    cut = {i + 1 for i in range(len(decision.blocks)) if len(decision.stages_of_block(i)) > 1}
-    part_uses = structure.get("part_uses", {})
-    out = {}
-    for fqn, uses in structure["uses"].items():
-        stages = {stage_of_unit[u] for u in uses if u not in cut}
-        stages |= {part_stage[c] for c in part_uses.get(fqn, ()) if c in part_stage}
-        out[fqn] = tuple(sorted(stages or {0}))
-    return out
+    return tensor_stages(decision, structure["uses"], structure.get("part_uses", {}))
 
 
 def target_layout(manifest: dict, tp: int, pp: int, dp: Optional[int] = None,

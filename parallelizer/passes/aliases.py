@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from .graph_facts import module_path
+from ..analysis.graph_facts import module_path
 
 
 def apply_untie(gm: fx.GraphModule, groups: list[list[str]]) -> bool:

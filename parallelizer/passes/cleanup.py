@@ -12,7 +12,7 @@ import warnings
 import torch
 import torch.fx as fx
 
-from .graph_facts import RUNTIME_DEVICE, aten
+from ..analysis.graph_facts import RUNTIME_DEVICE, aten
 
 
 def apply_cleanup(gm: fx.GraphModule) -> bool:

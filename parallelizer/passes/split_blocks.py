@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from .cleanup import RUNTIME_DEVICE
-from .graph_facts import is_tensor, module_path
+from ..analysis.graph_facts import RUNTIME_DEVICE
+from ..analysis.graph_facts import is_tensor, module_path
 
 
 @dataclass

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from ..planning.pipeline import PipelineDecision
-from .graph_costs import assign_parts, assign_units
-from .graph_facts import aten, expr, is_tensor
-from .recompute import Recompute
+from ..decisions import PipelineDecision
+from ..analysis.graph_costs import assign_parts, assign_units
+from ..analysis.graph_facts import aten, expr, is_tensor
+from ..analysis.recompute import Recompute
 
 
 @dataclass
@@ -38,15 +38,9 @@ def assign_stages(graph: fx.Graph, decision: PipelineDecision) -> dict:
     cost-model unit (``graph_costs.assign_units``), or of its part (``assign_parts``) in a
     block cut across stages, so the split is the one the partitioner costed; what follows
     the last block goes to the last stage."""
-    last = len(decision.stage_costs) - 1
-    stage_of_unit = (0,) + tuple(decision.stage_of_block) + (last,)
     unit_of = assign_units(graph, decision.blocks)
     child_of = assign_parts(graph, decision.blocks, unit_of) if decision.part_stages else {}
-    part_stage, out = dict(decision.part_stages), {}
-    for n, u in unit_of.items():
-        part = part_stage.get(child_of.get(n))
-        out[n] = stage_of_unit[u] if part is None else part
-    return out
+    return {n: decision.stage_of_unit(u, child_of.get(n)) for n, u in unit_of.items()}
 
 
 def split_stages(gm: fx.GraphModule, decision: PipelineDecision, pp: int) -> list[StageGraph]:

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ..planning.tp import TPDecision
+from ..decisions import TPDecision
 from ..runtime.tp import copy_to_tp_region, reduce_from_tp_region
-from .graph_facts import Linear, aten, linear_sites
+from ..analysis.graph_facts import Linear, aten, linear_sites
 
 
 def apply_tensor_parallel(gm: fx.GraphModule, decision: TPDecision) -> bool:

@@ -6,7 +6,7 @@ Blocks are the children of the model's largest ``nn.ModuleList`` (``model.layers
 what runs before the first block (embeddings) and the last stage what runs after the last
 (final norm, LM head); the last stage may hold only that when it is heavy enough.
 The split minimises the largest stage's cost, forward + backward
-FLOPs from the cost model (``planning/costs.py``): a contiguous min-max partition by
+FLOPs from the cost model (``analysis/costs.py``): a contiguous min-max partition by
 dynamic programming, as in PipeDream's planner (Narayanan et al. 2019, §3.1), so a heavy
 LM head shifts blocks away from the last stage. ``pipeline.split_points`` or
 ``pipeline.layers_per_stage`` in the spec replace the search.
@@ -26,13 +26,13 @@ begins at that child); ``pipeline.layers_per_stage`` counts whole blocks.
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
 from ..errors import PlanError
-from .costs import PipelineCosts
+from ..analysis.costs import PipelineCosts
+from ..decisions import PipelineDecision
 
 
 FINER_GAIN = 0.01  # cut inside blocks only when that lowers the largest stage cost by more
@@ -40,43 +40,6 @@ FINER_GAIN = 0.01  # cut inside blocks only when that lowers the largest stage c
 # A block's parts: (child FQN, cost, cut offered before it) per run of a direct child, in
 # execution order; the first entry's flag is unused. Empty: the block cannot be cut inside.
 BlockParts = Sequence[tuple[str, int, bool]]
-
-
-@dataclass(frozen=True)
-class PipelineDecision:
-    blocks: tuple[str, ...]          # block FQNs in execution order
-    stage_of_block: tuple[int, ...]  # stage index per block (of its first part, if cut)
-    stage_costs: tuple[int, ...]     # cost per stage (the numbers given to plan_pipeline)
-    source: str = "balanced"         # "balanced", or the spec key that fixed the split
-    # (child FQN, stage) of every part of each block cut across stages, in order
-    part_stages: tuple[tuple[str, int], ...] = ()
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.stage_costs)
-
-    def block_range(self, stage: int) -> range:
-        """Indices of the blocks ``stage`` holds, whole or in part (empty for a last stage
-        holding only the head)."""
-        idx = [i for i in range(len(self.blocks)) if stage in self.stages_of_block(i)]
-        return range(idx[0], idx[-1] + 1) if idx else range(len(self.blocks), len(self.blocks))
-
-    def stages_of_block(self, i: int) -> tuple[int, ...]:
-        """Stages holding a part of block ``i`` (one, unless it is cut)."""
-        mine = sorted({s for c, s in self.part_stages if _block_of_child(c) == self.blocks[i]})
-        return tuple(mine) or (self.stage_of_block[i],)
-
-    def children(self, stage: int) -> dict[str, list[str]]:
-        """block FQN -> the children of it ``stage`` holds, for blocks cut across stages."""
-        out: dict = {}
-        for c, s in self.part_stages:
-            if s == stage:
-                out.setdefault(_block_of_child(c), []).append(c)
-        return out
-
-
-def _block_of_child(child: str) -> str:
-    return child.rsplit(".", 1)[0]
 
 
 def find_blocks(model: torch.nn.Module) -> tuple[str, ...]:
@@ -274,32 +237,14 @@ def _max_cost(c: list, pre: int, post: int, sizes: list[int]) -> int:
 
 
 def _min_max_sizes(c: list, pre: int, post: int, k: int) -> list[int]:
-    """Blocks per stage minimising the largest stage cost (O(n^2 k) dynamic programming)."""
-    n = len(c)
-    prefix = [0]
-    for x in c:
-        prefix.append(prefix[-1] + x)
-
-    def cost(i, j, s):  # blocks [i, j) as stage s
-        return prefix[j] - prefix[i] + (pre if s == 0 else 0) + (post if s == k - 1 else 0)
-
-    # best[s][j]: min over splits of blocks [0, j) into stages 0..s of the max stage cost
-    best = [[None] * (n + 1) for _ in range(k)]
-    arg = [[0] * (n + 1) for _ in range(k)]
-    for j in range(1, n + 1):
-        best[0][j] = cost(0, j, 0)
-    for s in range(1, k):
-        for j in range(s + 1, n + 1):
-            for i in range(s, j):
-                v = max(best[s - 1][i], cost(i, j, s))
-                if best[s][j] is None or v < best[s][j]:
-                    best[s][j], arg[s][j] = v, i
-    sizes, j = [], n
-    for s in range(k - 1, 0, -1):
-        i = arg[s][j]
-        sizes.append(j - i)
-        j = i
-    return [j] + sizes[::-1]
+    """Blocks per stage minimising the largest stage cost: :func:`_min_max_starts` over the
+    blocks, with ``pre`` on the first block and ``post`` on the last (they always go to the
+    first and last stage)."""
+    costs = list(c)
+    costs[0] += pre
+    costs[-1] += post
+    bounds = [0] + _min_max_starts(costs, [True] * len(costs), k) + [len(c)]
+    return [j - i for i, j in zip(bounds, bounds[1:])]
 
 
 def _starts_from_split_points(points, grid: _Grid, k: int, stages_key: str) -> list[int]:

@@ -1,7 +1,7 @@
 """What a pipeline split costs, as data for report.md and ``parallelize inspect``.
 
 Per stage: forward/backward FLOPs, parameter bytes and the activation bytes it sends
-(cost model, ``planning/costs.py``); imbalance = max / mean stage FLOPs; the theoretical
+(cost model, ``analysis/costs.py``); imbalance = max / mean stage FLOPs; the theoretical
 bubble of the schedule. Also the compile-time checks of a split: every parameter lands in
 the stages the partition predicts, and microbatches against pp.
 """
@@ -10,36 +10,24 @@ from __future__ import annotations
 from typing import Optional
 
 from ..errors import PlanError
-from .costs import PipelineCosts
-from .pipeline import PipelineDecision
-
-SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
-
-
-def bubble(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> float:
-    """Idle fraction of a step, (P-1)/(M+P-1) for GPipe and 1F1B (Huang et al. 2019, §2.2;
-    Narayanan et al. 2021, §2.2.1), (P-1)/(v*M+P-1) with v stages per rank for interleaved
-    schedules (Narayanan et al. 2021, §2.2.2); an upper bound for zero-bubble schedules."""
-    v = 1 if schedule in SINGLE_STAGE_SCHEDULES else max(1, virtual_stages)
-    return (pp - 1) / (v * microbatches + pp - 1)
-
+from ..analysis.costs import PipelineCosts
+from ..decisions import PipelineDecision
+from ..pipeline_schedules import bubble
 
 def stage_units(decision: PipelineDecision, costs: PipelineCosts) -> list[tuple]:
     """(stage, UnitCost, bytes crossing the cut after it) of each cost-model unit in
     execution order, a block cut across stages replaced by its parts."""
-    last = decision.num_stages - 1
-    part_stage = dict(decision.part_stages)
-    out = [(0, costs.units[0], costs.cut_bytes[0] if len(costs.cut_bytes) else 0)]
+    out = [(decision.stage_of_unit(0), costs.units[0], costs.cut_bytes[0] if len(costs.cut_bytes) else 0)]
     for b in range(len(decision.blocks)):
         after = costs.cut_bytes[b + 1]
         runs = costs.parts[b] if b < len(costs.parts) else ()
-        if runs and runs[0].name in part_stage:
+        if runs and decision.is_cut(b + 1):
             inner = costs.part_cut_bytes[b]
-            out += [(part_stage[u.name], u, inner[j] if j < len(inner) else after)
+            out += [(decision.stage_of_unit(b + 1, u.name), u, inner[j] if j < len(inner) else after)
                     for j, u in enumerate(runs)]
         else:
-            out.append((decision.stage_of_block[b], costs.units[b + 1], after))
-    out.append((last, costs.units[-1], 0))
+            out.append((decision.stage_of_unit(b + 1), costs.units[b + 1], after))
+    out.append((decision.stage_of_unit(len(decision.blocks) + 1), costs.units[-1], 0))
     return out
 
 

@@ -1,6 +1,8 @@
-"""Build the ParallelPlan from the decisions and the split graphs (data only)."""
+"""Build the ParallelPlan from the graph facts and the planners' decisions, before any
+rewrite (data only; DESIGN.md §1)."""
 from __future__ import annotations
 
+import dataclasses
 from operator import attrgetter
 
 import torch
@@ -8,11 +10,11 @@ import torch.fx as fx
 
 from torch.utils._pytree import treespec_dumps
 
-from ..passes.graph_facts import attr_targets
+from ..analysis.graph_facts import attr_targets
 from ..pipeline_schedules import stage_ranks
-from ..plan import ParallelPlan, StagePlan, TensorPlan
-from ..errors import PlanError
-from .tp import TPDecision
+from ..plan import ParallelPlan, StagePlan, TensorPlan, grad_sync_groups
+from ..decisions import PipelineDecision, TPDecision
+from .stages import tensor_stages
 
 
 def tied_groups(model: torch.nn.Module) -> list[list[str]]:
@@ -39,69 +41,74 @@ def _placement(name: str, tp: TPDecision) -> tuple:
     return None, "replicate", None
 
 
-def _check_sharing(owned: list, canonical: dict, stage: int) -> None:
-    """One tensor read by two emitted modules of one stage (blocks sharing weights, as in
-    ALBERT) would become two parameters with split gradients: refuse it at compile time.
+def build_plan(spec, captured, gm, model, groups, tp: TPDecision, pipe: PipelineDecision,
+               structure: dict) -> ParallelPlan:
+    """The whole plan, before any rewrite: placements from the TP decision, stages of every
+    tensor from the pipeline decision (:func:`~parallelizer.planning.stages.tensor_stages`,
+    the function ``reshard --pp`` uses), the blocks of each stage and which of them are
+    activation-checkpointed, and the run-time settings. Stage boundary names are left
+    empty: ``passes/split_check.py`` records them from the split graphs and checks that
+    those hold exactly the tensors and blocks planned here.
 
-    Raises:
-        PlanError: names the tensor and the modules sharing it.
+    Args:
+        gm: the captured graph module (global shapes), for each tensor's shape and dtype.
+        structure: :func:`pipeline_structure` of the captured graph.
     """
-    owners: dict = {}
-    for owner, name in owned:
-        owners.setdefault(canonical.get(name, name), {})[owner or "<stage root>"] = name
-    for fqn, by in owners.items():
-        if len(by) > 1:
-            raise PlanError(
-                f"{fqn} is shared by {', '.join(sorted(by))} (stage {stage}); weights shared "
-                f"across blocks (ALBERT-style) are not supported yet: give each block its own "
-                f"weights, or share only between the embedding and the LM head")
-
-
-def build_plan(spec, captured, gm, model, groups, tp: TPDecision, stages, block_graphs) -> ParallelPlan:
     canonical = {n: g[0] for g in groups for n in g}
     p = spec.pipeline
     ranks = stage_ranks(p.schedule, spec.mesh.pp, p.virtual_stages)
-    assert len(ranks) == len(stages), (len(ranks), len(stages))
-    aliases = {n: g[0] for g in groups for n in g[1:]}
+    assert len(ranks) == pipe.num_stages, (len(ranks), pipe.num_stages)
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    seen: dict = {}
-    stage_plans = []
-    for st, blocks in zip(stages, block_graphs):
-        owned = [("", t) for t in attr_targets(st.graph)]
-        owned += [(b.fqn, f"{b.fqn}.{t}") for b in blocks for t in attr_targets(b.graph)]
-        _check_sharing(owned, canonical, st.index)
-        fqns = []
-        for _owner, name in owned:
-            fqn = canonical.get(name, name)
-            seen.setdefault(fqn, set()).add(st.index)
-            if fqn not in fqns:
-                fqns.append(fqn)
-        stage_plans.append(StagePlan(st.index, f"stage{st.index}", tuple(fqns), tuple(st.inputs),
-                                     tuple(st.outputs), tuple(b.fqn for b in blocks),
-                                     ranks[st.index]))
+    # tensors some node reads (export may leave a get_attr nothing uses: no stage holds it)
+    order = [f for f in dict.fromkeys(canonical.get(t, t) for t in attr_targets(gm.graph))
+             if structure["uses"].get(f) or structure.get("part_uses", {}).get(f)]
+    stages_of = tensor_stages(pipe, structure["uses"], structure.get("part_uses", {}))
     tensors = {}
-    for fqn, stage_set in seen.items():
+    for fqn in order:
         t = attrgetter(fqn)(gm)
-        # the TP planner saw the graph before untie, which may read a tied weight by an alias
+        # a tied weight may be read under an alias in the graph
         names = [fqn] + [n for n, c in canonical.items() if c == fqn and n != fqn]
         tp_dim, role, layout = next((_placement(n, tp) for n in names
                                      if _placement(n, tp)[0] is not None), _placement(fqn, tp))
         tensors[fqn] = TensorPlan(fqn, tuple(t.shape), str(t.dtype).removeprefix("torch."), tp_dim,
-                                  tuple(sorted(stage_set)), fqn not in params, role, layout)
-    return ParallelPlan(
+                                  stages_of.get(fqn, (0,)), fqn not in params, role, layout)
+    stage_plans = tuple(
+        StagePlan(s, f"stage{s}", tuple(f for f in order if s in tensors[f].stages), (), (),
+                  tuple(pipe.blocks[i] for i in pipe.block_range(s)), ranks[s])
+        for s in range(pipe.num_stages))
+    ac = spec.activation_checkpointing
+    plan = ParallelPlan(
         mesh={"pp": spec.mesh.pp, "dp": spec.mesh.dp, "tp": spec.mesh.tp},
         zero_stage=spec.zero_stage, schedule=spec.pipeline.schedule,
         microbatches=spec.pipeline.microbatches, seed=spec.seed, tensors=tensors,
-        aliases={a: c for a, c in aliases.items()}, stages=tuple(stage_plans),
+        aliases={n: g[0] for g in groups for n in g[1:]}, stages=stage_plans,
         input_names=captured.input_names, inputs_are_kwargs=captured.inputs_are_kwargs,
         out_spec=treespec_dumps(captured.out_spec), tp_report=tuple(tp.report),
-        activation_checkpointing=spec.activation_checkpointing.mode,
-        checkpoint_every=spec.activation_checkpointing.every, virtual_stages=p.virtual_stages,
-        dp_replicate=spec.mesh.dp_replicate,
+        activation_checkpointing=ac.mode, checkpoint_every=ac.every,
+        checkpointed=checkpointed_blocks(pipe.blocks, ac.mode, ac.every),
+        virtual_stages=p.virtual_stages, dp_replicate=spec.mesh.dp_replicate,
         prefetch_forward=_default(spec.fsdp.prefetch.forward, 1),
         prefetch_backward=_default(spec.fsdp.prefetch.backward, 1),
         offload=spec.fsdp.offload, param_dtype=spec.mixed_precision.param_dtype,
-        reduce_dtype=spec.mixed_precision.reduce_dtype or spec.mixed_precision.param_dtype)
+        reduce_dtype=spec.mixed_precision.reduce_dtype or spec.mixed_precision.param_dtype,
+        structure=structure, settings=run_settings(spec))
+    return dataclasses.replace(plan, grad_sync=grad_sync_groups(plan))
+
+
+def checkpointed_blocks(blocks, mode: str, every: int) -> tuple[str, ...]:
+    """Blocks whose activations are recomputed in backward (Chen et al. 2016): all under
+    ``full``, every ``every``-th counted over the whole model from the first under
+    ``selective`` (a block cut across stages counts once: both parts alike)."""
+    if mode == "full":
+        return tuple(blocks)
+    if mode == "selective":
+        return tuple(b for i, b in enumerate(blocks) if i % every == 0)
+    return ()
+
+
+def run_settings(spec) -> dict:
+    """The spec's sections run.py reads (``ParallelPlan.settings``)."""
+    return {"optimizer": spec.optimizer.model_dump(), "verify": spec.verify.model_dump()}
 
 
 def _default(value, default):
@@ -113,7 +120,7 @@ def pipeline_structure(graph: fx.Graph, model, blocks, costs, canonical: dict) -
     (ParallelPlan.structure, read by checkpoint/target.py).
 
     ``uses[fqn]`` lists the cost-model units of the tensor's readers, direct or through
-    values each stage recomputes (``passes.recompute``: Llama's ``inv_freq`` is read by every
+    values each stage recomputes (``analysis.recompute``: Llama's ``inv_freq`` is read by every
     stage that uses the rotary tables) (0 before the blocks,
     1 + i for block i, len(blocks) + 1 after; ``graph_costs.assign_units``, the mapping
     split_stages uses), and ``part_uses[fqn]`` the block parts (direct child FQNs,
@@ -123,9 +130,9 @@ def pipeline_structure(graph: fx.Graph, model, blocks, costs, canonical: dict) -
     what ``plan_from_costs`` gives the partitioner; ``state_dict_keys`` are the model's own
     names, for export.
     """
-    from ..passes.graph_costs import assign_parts, assign_units
-    from ..passes.graph_facts import RUNTIME_DEVICE
-    from ..passes.recompute import Recompute
+    from ..analysis.graph_costs import assign_parts, assign_units
+    from ..analysis.graph_facts import RUNTIME_DEVICE
+    from ..analysis.recompute import Recompute
     unit_of = assign_units(graph, tuple(blocks))
     child_of = assign_parts(graph, tuple(blocks), unit_of)
     recompute = Recompute(graph)

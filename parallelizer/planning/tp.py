@@ -16,33 +16,15 @@ split into parts (q|k|v), ``replicated_heads`` for GQA kv heads when tp exceeds 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch.fx as fx
 
+from ..decisions import TPDecision
 from ..errors import PlanError
-from ..passes.graph_facts import aten, linear_sites
-from ..passes.sharding import Propagation, propagate
+from ..analysis.graph_facts import aten, linear_sites
+from ..analysis.sharding import Propagation, propagate
 
 _STOP = {aten.embedding.default, aten.native_layer_norm.default, aten.layer_norm.default}
 _WALK_LIMIT = 400
-
-
-@dataclass
-class TPDecision:
-    """Column/row weight FQNs (get_attr targets), the shape-constant rewrites and the
-    report. ``biases`` maps a linear weight FQN to its bias FQN; ``dims`` maps every sharded
-    weight and column bias to its sharded dim (``tp_dim``), ``layouts`` those with a layout
-    other than the even split to it (JSON data, :mod:`parallelizer.layouts`)."""
-
-    column: set = field(default_factory=set)
-    row: set = field(default_factory=set)
-    biases: dict = field(default_factory=dict)
-    dims: dict = field(default_factory=dict)
-    layouts: dict = field(default_factory=dict)
-    rewrites: dict = field(default_factory=dict)
-    report: list = field(default_factory=list)
-    warnings: list = field(default_factory=list)  # also printed by the CLI
 
 
 def plan_tp(graph: fx.Graph, tp: int) -> TPDecision:

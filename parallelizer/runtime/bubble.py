@@ -1,6 +1,6 @@
 """Measured pipeline bubble (``run.py --profile``).
 
-Each local stage is a :class:`TimedPipelineStage`: torch's ``PipelineStage`` whose compute
+Each local stage is a :class:`~parallelizer.runtime.pipeline_stage.TimedPipelineStage`: torch's ``PipelineStage`` whose compute
 entry points (``forward_one_chunk``, ``backward_one_chunk``, ``backward_weight_one_chunk``,
 the calls every torch schedule makes for F, B / I and W actions) record their wall-clock
 intervals while a timer is attached. For one step on one rank::
@@ -23,43 +23,18 @@ import json
 import statistics
 import time
 
-import torch
+from pathlib import Path
+
+import torch.distributed as dist
+from safetensors.torch import load_file
+
 from ..pipeline_schedules import theoretical_bubble
-from .pipeline_stage import SplitBackwardPipelineStage
+from .pipeline_stage import sync_device
+from .batching import dp_slice, to_batch
+from .step import StepRunner
+from .train import batch_source
 
 PROFILE_STEPS = 5  # steps timed by --profile after one warm-up step
-
-
-class TimedPipelineStage(SplitBackwardPipelineStage):
-    """A ``PipelineStage`` (:class:`SplitBackwardPipelineStage`) that records ``(start, end)`` of each compute call into
-    ``self.intervals`` while that list is not None (None: no timing, no synchronisation)."""
-
-    intervals: list | None = None
-
-    def _timed(self, fn, *args, **kwargs):
-        if self.intervals is None:
-            return fn(*args, **kwargs)
-        _sync(self.device)
-        start = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            _sync(self.device)
-            self.intervals.append((start, time.perf_counter()))
-
-    def forward_one_chunk(self, *args, **kwargs):
-        return self._timed(super().forward_one_chunk, *args, **kwargs)
-
-    def backward_one_chunk(self, *args, **kwargs):
-        return self._timed(super().backward_one_chunk, *args, **kwargs)
-
-    def backward_weight_one_chunk(self, *args, **kwargs):
-        return self._timed(super().backward_weight_one_chunk, *args, **kwargs)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def busy_time(intervals: list[tuple[float, float]]) -> float:
@@ -78,11 +53,11 @@ def timed_step(runner, batch) -> float:
     intervals: list = []
     for st in runner.pipeline_stages:
         st.intervals = intervals
-    _sync(runner.ctx.device)
+    sync_device(runner.ctx.device)
     start = time.perf_counter()
     try:
         runner.step(batch)
-        _sync(runner.ctx.device)
+        sync_device(runner.ctx.device)
         wall = time.perf_counter() - start
     finally:
         for st in runner.pipeline_stages:
@@ -124,9 +99,6 @@ def report_bubble(plan, stages, ctx, loss_fn, batch) -> None:
     ``batch``: this rank's data-parallel share, on its device. Collective."""
     if plan.mesh["pp"] == 1:
         return
-    import torch.distributed as dist
-
-    from .step import StepRunner  # step imports this module
     result = profile_bubble(StepRunner(stages, plan, ctx, loss_fn), batch)
     gathered = [None] * dist.get_world_size() if ctx.rank == 0 else None
     dist.gather_object(result, gathered, dst=0)
@@ -137,12 +109,6 @@ def report_bubble(plan, stages, ctx, loss_fn, batch) -> None:
 def run_profile(out_dir, plan, spec: dict, stages, ctx, loss_fn, model_module) -> None:
     """The ``--profile`` hook of ``run.py``: profile on the reference inputs when OUT has
     them, else on the first training batch."""
-    from pathlib import Path
-
-    from safetensors.torch import load_file
-
-    from .batching import dp_slice, to_batch
-    from .train import batch_source
     ref = Path(out_dir) / "reference.safetensors"
     if ref.exists():
         tensors = load_file(str(ref))

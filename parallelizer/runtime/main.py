@@ -10,12 +10,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from omegaconf import OmegaConf
 
 from ..errors import UserError
-from ..frontend import MODEL_MODULE
 from ..pipeline_schedules import with_schedule
-from ..plan import ParallelPlan
+from ..plan import MODEL_MODULE, ParallelPlan
 from .loss import default_loss
 from .setup import init, world_size_error
 from .stage_builder import build_stages
@@ -90,7 +88,7 @@ def _main(out_dir: Path, argv=None) -> int:
     error = world_size_error(plan, str(out_dir / "run.py"))
     if error:
         return _fail_before_init(error)
-    spec = OmegaConf.to_container(OmegaConf.load(out_dir / "spec.yaml"))
+    spec = plan.settings  # the spec's run-time sections, recorded at compile time
     model_module = _load_model_module(out_dir)  # registers the output types (e.g. ModelOutput)
     loss_fn = getattr(model_module, "loss_fn", None) or default_loss
     if args.device == "cuda" and not torch.cuda.is_available():

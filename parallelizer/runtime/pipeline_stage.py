@@ -30,6 +30,8 @@ result does not depend on the values.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
@@ -67,3 +69,35 @@ class SplitBackwardPipelineStage(PipelineStage):
     def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False):
         unshard_fsdp_modules(self.submod)
         return super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+
+
+class TimedPipelineStage(SplitBackwardPipelineStage):
+    """A ``PipelineStage`` (:class:`SplitBackwardPipelineStage`) that records ``(start, end)`` of each compute call into
+    ``self.intervals`` while that list is not None (None: no timing, no synchronisation)."""
+
+    intervals: list | None = None
+
+    def _timed(self, fn, *args, **kwargs):
+        if self.intervals is None:
+            return fn(*args, **kwargs)
+        sync_device(self.device)
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            sync_device(self.device)
+            self.intervals.append((start, time.perf_counter()))
+
+    def forward_one_chunk(self, *args, **kwargs):
+        return self._timed(super().forward_one_chunk, *args, **kwargs)
+
+    def backward_one_chunk(self, *args, **kwargs):
+        return self._timed(super().backward_one_chunk, *args, **kwargs)
+
+    def backward_weight_one_chunk(self, *args, **kwargs):
+        return self._timed(super().backward_weight_one_chunk, *args, **kwargs)
+
+
+def sync_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

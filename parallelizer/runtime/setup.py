@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,7 @@ class RankContext:
     dp_rank: int
     tp_rank: int
     fsdp_mesh: DeviceMesh | None = None  # 1-D (dp) or, under HSDP, 2-D (dp_replicate, dp_shard)
+    sync_groups: dict = field(default_factory=dict)  # rank tuple -> group (plan.grad_sync)
 
     @property
     def rank(self) -> int:
@@ -28,6 +29,17 @@ class RankContext:
 
     def group(self, dim: str):
         return self.mesh[dim].get_group()
+
+    def my_sync_groups(self, plan: ParallelPlan, kind: str) -> dict:
+        """key -> the process group of ``plan.grad_sync`` entries of ``kind`` this rank is in
+        (tied: stage tuple; replicated_heads: kv head count)."""
+        out = {}
+        for entry in plan.grad_sync:
+            key = tuple(entry["key"]) if isinstance(entry["key"], list) else entry["key"]
+            for ranks in entry["ranks"]:
+                if entry["kind"] == kind and self.rank in ranks:
+                    out[key] = self.sync_groups[tuple(ranks)]
+        return out
 
 
 def world_size_error(plan: ParallelPlan, run_py: str) -> str | None:
@@ -64,7 +76,19 @@ def init(plan: ParallelPlan, device_type: str | None) -> RankContext:
     if plan.mesh["tp"] > 1:
         set_tp_group(mesh["tp"].get_group())
     return RankContext(mesh, device, mesh.get_local_rank("pp"), mesh.get_local_rank("dp"),
-                       mesh.get_local_rank("tp"), _fsdp_mesh(plan, mesh, device_type))
+                       mesh.get_local_rank("tp"), _fsdp_mesh(plan, mesh, device_type),
+                       _sync_groups(plan))
+
+
+def _sync_groups(plan: ParallelPlan) -> dict:
+    """One process group per rank list of ``plan.grad_sync``, created once per process by
+    every rank in the same order (``new_group`` is collective)."""
+    groups: dict = {}
+    for entry in plan.grad_sync:
+        for ranks in entry["ranks"]:
+            if tuple(ranks) not in groups:
+                groups[tuple(ranks)] = dist.new_group(ranks)
+    return groups
 
 
 def _fsdp_mesh(plan: ParallelPlan, mesh: DeviceMesh, device_type: str) -> DeviceMesh:

@@ -137,13 +137,8 @@ def apply_activation_checkpointing(stage: EmittedModule, plan: ParallelPlan) -> 
     """Recompute checkpointed blocks in backward instead of saving their activations
     (Chen et al. 2016; ``torch.utils.checkpoint``, non-reentrant). The block's forward is
     wrapped in place, so FQNs stay the original ones and FSDP2 hooks still fire."""
-    mode = plan.activation_checkpointing
-    if mode == "none":
-        return
-    # a block cut across two stages counts once (both parts checkpointed alike)
-    order = list(dict.fromkeys(b for st in plan.stages for b in st.blocks))
     for name, block in stage.emitted_blocks():
-        if mode == "full" or order.index(name) % plan.checkpoint_every == 0:
+        if name in plan.checkpointed:  # decided by the planner (planning/tensors.py)
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
 
 

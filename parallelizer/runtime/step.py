@@ -23,8 +23,8 @@ from ..errors import BatchError
 from ..pipeline_schedules import SINGLE_STAGE, schedule_class
 from ..plan import ParallelPlan
 from .batching import flatten, index_rows
-from .bubble import TimedPipelineStage
 from .data_parallel import all_reduce_grads
+from .pipeline_stage import TimedPipelineStage
 from .setup import RankContext
 from .stage_builder import LocalStages, local_tensor
 
@@ -149,21 +149,8 @@ class StepRunner:
 
 def _replicated_head_params(stage, plan: ParallelPlan, ctx: RankContext) -> list:
     """(parameter, process group over the tp ranks holding the same kv head copy) for
-    tensors laid out ``replicated_heads``. Every rank creates every group, in the same order."""
-    tp = plan.mesh["tp"]
-    heads = sorted({t.layout["heads"] for t in plan.tensors.values()
-                    if t.layout and t.layout["kind"] == "replicated_heads"})
-    mesh = ctx.mesh.mesh  # ranks, shape (pp, dp, tp)
-    mine = {}
-    for k in heads:
-        copies = tp // k
-        for p in range(plan.mesh["pp"]):
-            for d in range(plan.mesh["dp"]):
-                for h in range(k):
-                    ranks = [int(mesh[p, d, t]) for t in range(h * copies, (h + 1) * copies)]
-                    group = dist.new_group(ranks)
-                    if ctx.rank in ranks:
-                        mine[k] = group
+    tensors laid out ``replicated_heads`` (groups from ``plan.grad_sync``, made once)."""
+    mine = ctx.my_sync_groups(plan, "replicated_heads")
     out = []
     for name, param in stage.named_parameters():
         layout = plan.tensors[plan.aliases.get(name, name)].layout
@@ -178,24 +165,12 @@ def _as_tuple(x):
 
 def _tied_params(stages: LocalStages, plan: ParallelPlan, ctx: RankContext) -> list:
     """(local copies of one tied weight, process group over the other ranks holding it or
-    None) for weights in several stages. Every rank creates every group, in the same order,
-    as ``new_group`` requires."""
-    rank_of = {st.index: st.rank for st in plan.stages}
-    stage_sets = sorted({t.stages for t in plan.tensors.values()
-                         if len(t.stages) > 1 and not t.is_buffer})
-    mesh = ctx.mesh.mesh  # ranks, shape (pp, dp, tp)
-    groups = {}
-    for stage_set in stage_sets:
-        pp_ranks = sorted({rank_of.get(s, s) for s in stage_set})
-        for d in range(plan.mesh["dp"]):
-            for t in range(plan.mesh["tp"]):
-                ranks = [int(mesh[p, d, t]) for p in pp_ranks]
-                group = dist.new_group(ranks) if len(ranks) > 1 else None
-                if ctx.rank in ranks:
-                    groups[stage_set] = group
+    None when every copy is on this rank) for weights in several stages (groups from
+    ``plan.grad_sync``, made once)."""
+    mine = ctx.my_sync_groups(plan, "tied")
     copies: dict = {}
     for name, param in stages.named_parameters():
         tplan = plan.tensors[plan.aliases.get(name, name)]
-        if tplan.stages in groups:
+        if len(tplan.stages) > 1 and not tplan.is_buffer:
             copies.setdefault(tplan.fqn, (tplan.stages, []))[1].append(param)
-    return [(params, groups[stage_set]) for stage_set, params in copies.values()]
+    return [(params, mine.get(stage_set)) for stage_set, params in copies.values()]

@@ -10,6 +10,7 @@ import torch
 
 from parallelizer.checkpoint.reader import load_full
 from parallelizer.compiler import compile_model
+from parallelizer.planning.tensors import checkpointed_blocks
 from parallelizer.runtime.stage_builder import apply_activation_checkpointing, import_stage_class
 from parallelizer.spec import load_spec
 
@@ -25,7 +26,9 @@ def gpt_out(tmp_path_factory):
 
 
 def _run(out, plan, mode, every):
-    plan = dataclasses.replace(plan, activation_checkpointing=mode, checkpoint_every=every)
+    blocks = [b for st in plan.stages for b in st.blocks]
+    plan = dataclasses.replace(plan, activation_checkpointing=mode, checkpoint_every=every,
+                               checkpointed=checkpointed_blocks(blocks, mode, every))
     stage = import_stage_class(out, 0)("cpu")
     stage.load_state_dict({k: v for k, v in load_full(out / "checkpoint").items()
                            if k in stage.state_dict()}, strict=True)

@@ -1,4 +1,4 @@
-"""Pipeline cost model (passes/graph_costs.py) against FLOPs worked out by hand, the spec
+"""Pipeline cost model (analysis/graph_costs.py) against FLOPs worked out by hand, the spec
 overrides of the split, microbatch validation and the bubble formulas.
 
 The model: an input projection (Linear 12 -> 16, no bias), then 3 blocks of
@@ -19,7 +19,7 @@ from torch import nn
 from parallelizer.errors import PlanError, SpecError
 from parallelizer.frontend import capture
 from parallelizer.passes.cleanup import apply_cleanup
-from parallelizer.passes.graph_costs import collect_costs
+from parallelizer.analysis.graph_costs import collect_costs
 from parallelizer.planning.pipeline import find_blocks, plan_from_costs, plan_pipeline
 from parallelizer.planning.pipeline_summary import bubble, check_microbatches, summarize
 from parallelizer.spec import load_spec

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallelizer.frontend import capture
-from parallelizer.passes.sharding import INVALID, propagate
+from parallelizer.analysis.sharding import INVALID, propagate
 
 aten = torch.ops.aten
 H, HEADS, HD = 32, 4, 8

@@ -19,11 +19,11 @@ from parallelizer import emit
 from parallelizer.frontend import capture
 from parallelizer.passes.aliases import apply_untie
 from parallelizer.passes.cleanup import RUNTIME_DEVICE, apply_cleanup
-from parallelizer.passes.graph_facts import is_tensor, module_path
+from parallelizer.analysis.graph_facts import is_tensor, module_path
 from parallelizer.passes.split_blocks import split_blocks
 from parallelizer.passes.split_stages import split_stages
 from parallelizer.passes.tensor_parallel import apply_tensor_parallel
-from parallelizer.passes.graph_costs import collect_costs
+from parallelizer.analysis.graph_costs import collect_costs
 from parallelizer.errors import PlanError
 from parallelizer.planning.pipeline import find_blocks, plan_from_costs
 from parallelizer.planning.pipeline_summary import check_placement, summarize

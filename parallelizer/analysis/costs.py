@@ -2,7 +2,7 @@
 
 A *unit* is what a pipeline stage holds whole: everything before the first block
 (embeddings), each block, everything after the last block (final norm, LM head). Costs are
-for the example batch's shapes. ``passes/graph_costs.py`` fills these from the captured
+for the example batch's shapes. ``analysis/graph_costs.py`` fills these from the captured
 graph; the partitioner (``planning/pipeline.py``) and the report read them.
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ class PipelineCosts:
     ``cut_bytes[i]``: bytes of the activations that cross the cut between ``units[i]`` and
     ``units[i + 1]`` in forward (the same again as gradients in backward), for the example
     batch ``batch_shape``; tensors used two stages later count at every cut they cross, and
-    those the next stage recomputes (``passes.recompute``: masks, rotary tables) not at all.
+    those the next stage recomputes (``analysis.recompute``: masks, rotary tables) not at all.
     ``param_bytes``: bytes of each parameter (canonical FQN).
     """
     units: tuple[UnitCost, ...]

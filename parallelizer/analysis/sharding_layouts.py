@@ -1,7 +1,7 @@
 """Sharding rules that decide tp layouts (:mod:`parallelizer.layouts`): views into heads
 (Megatron's heads split, GQA kv heads copied when tp exceeds them), repeat_kv's expand,
 and splits / slices of a column output's features (fused q|k|v, gate|up; GPT-NeoX's
-per-head interleaving). See :mod:`parallelizer.passes.sharding` for the whole picture."""
+per-head interleaving). See :mod:`parallelizer.analysis.sharding` for the whole picture."""
 from __future__ import annotations
 
 import json

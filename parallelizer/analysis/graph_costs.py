@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_backward_flop, sdpa_flop
 
-from ..planning.costs import PipelineCosts, UnitCost
+from .costs import PipelineCosts, UnitCost
 from .graph_facts import RUNTIME_DEVICE, aten, is_tensor, module_path
 from .recompute import Recompute
 

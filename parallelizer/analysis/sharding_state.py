@@ -1,4 +1,4 @@
-"""The state of one sharding-propagation run (:mod:`parallelizer.passes.sharding`): what
+"""The state of one sharding-propagation run (:mod:`parallelizer.analysis.sharding`): what
 the rules record (placements, rewrites of shape constants, divisibility constraints, layout
 uses, kv-head markers) and the small helpers every rule uses to record it."""
 from __future__ import annotations

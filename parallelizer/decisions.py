@@ -1,0 +1,87 @@
+"""The planners' decisions that the passes read, as data: weights by parameter FQN, blocks
+by module FQN, shape-constant rewrites by node name of the captured graph (the one the
+passes rewrite). ``passes/``
+depends on this module, never on ``planning/`` (DESIGN.md §6: plans are data, passes read
+plans, passes never choose).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class TPDecision:
+    """Column/row weight FQNs (get_attr targets), the shape-constant rewrites and the
+    report. ``biases`` maps a linear weight FQN to its bias FQN; ``dims`` maps every sharded
+    weight and column bias to its sharded dim (``tp_dim``), ``layouts`` those with a layout
+    other than the even split to it (JSON data, :mod:`parallelizer.layouts`)."""
+
+    column: set = field(default_factory=set)
+    row: set = field(default_factory=set)
+    biases: dict = field(default_factory=dict)
+    dims: dict = field(default_factory=dict)
+    layouts: dict = field(default_factory=dict)
+    rewrites: dict = field(default_factory=dict)
+    report: list = field(default_factory=list)
+    warnings: list = field(default_factory=list)  # also printed by the CLI
+
+
+@dataclass(frozen=True)
+class PipelineDecision:
+    blocks: tuple[str, ...]          # block FQNs in execution order
+    stage_of_block: tuple[int, ...]  # stage index per block (of its first part, if cut)
+    stage_costs: tuple[int, ...]     # cost per stage (the numbers given to plan_pipeline)
+    source: str = "balanced"         # "balanced", or the spec key that fixed the split
+    # (child FQN, stage) of every part of each block cut across stages, in order
+    part_stages: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_costs)
+
+    def stage_of_unit(self, unit: int, child: Optional[str] = None) -> int:
+        """The one map from cost-model units to stages (split_stages, the plan's tensor
+        stages, ``reshard --pp`` and the cost summary all call it). Units: 0 before the
+        blocks (stage 0), ``1 + i`` for block ``i``, ``len(blocks) + 1`` after the last
+        (last stage); ``child``: the direct child of a block whose run a node belongs to,
+        which decides the stage when that block is cut across stages."""
+        part = self.stage_of_part(child)
+        if part is not None:
+            return part
+        if unit == 0:
+            return 0
+        if unit > len(self.blocks):
+            return self.num_stages - 1
+        return self.stage_of_block[unit - 1]
+
+    def stage_of_part(self, child: Optional[str]) -> Optional[int]:
+        """The stage of a part (direct child FQN) of a block cut across stages, else None."""
+        return next((s for c, s in self.part_stages if c == child), None) if child else None
+
+    def is_cut(self, unit: int) -> bool:
+        """Whether block unit ``unit`` is cut across stages (its parts decide)."""
+        return 1 <= unit <= len(self.blocks) and len(self.stages_of_block(unit - 1)) > 1
+
+    def block_range(self, stage: int) -> range:
+        """Indices of the blocks ``stage`` holds, whole or in part (empty for a last stage
+        holding only the head)."""
+        idx = [i for i in range(len(self.blocks)) if stage in self.stages_of_block(i)]
+        return range(idx[0], idx[-1] + 1) if idx else range(len(self.blocks), len(self.blocks))
+
+    def stages_of_block(self, i: int) -> tuple[int, ...]:
+        """Stages holding a part of block ``i`` (one, unless it is cut)."""
+        mine = sorted({s for c, s in self.part_stages if _block_of_child(c) == self.blocks[i]})
+        return tuple(mine) or (self.stage_of_block[i],)
+
+    def children(self, stage: int) -> dict[str, list[str]]:
+        """block FQN -> the children of it ``stage`` holds, for blocks cut across stages."""
+        out: dict = {}
+        for c, s in self.part_stages:
+            if s == stage:
+                out.setdefault(_block_of_child(c), []).append(c)
+        return out
+
+
+def _block_of_child(child: str) -> str:
+    return child.rsplit(".", 1)[0]

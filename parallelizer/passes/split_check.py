@@ -1,0 +1,65 @@
+"""After split_stages and split_blocks: the split graphs must hold exactly what the plan
+says (each stage reads the tensors the plan places on it, holds the blocks it plans), and
+the stages' boundary names are recorded in the plan for run.py.
+
+The plan is computed before any rewrite (``planning/tensors.build_plan``); a difference here
+is a bug of the compiler, not of the user's model, and fails the compile with both sides.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from ..analysis.graph_facts import attr_targets
+from ..errors import PlanError
+from ..plan import ParallelPlan
+
+
+class SplitMismatch(AssertionError):
+    """The split graphs disagree with the plan (an internal error: please report it)."""
+
+
+def check_split(plan: ParallelPlan, stages: list, block_graphs: list, canonical: dict) -> ParallelPlan:
+    """``plan`` with each stage's boundary input/output names from the split graphs.
+
+    Args:
+        stages: ``split_stages`` output (``StageGraph`` per stage, in stage order).
+        block_graphs: per stage, ``split_blocks``'s ``BlockGraph`` list.
+        canonical: every tensor name -> its canonical FQN (tied weights).
+
+    Raises:
+        PlanError: a tensor is read by two emitted modules of one stage (ALBERT-style
+            weight sharing), which would split its gradient.
+        SplitMismatch: a stage reads other tensors or holds other blocks than planned.
+    """
+    out = []
+    for st, blocks, sp in zip(stages, block_graphs, plan.stages):
+        owned = [("", t) for t in attr_targets(st.graph)]
+        owned += [(b.fqn, f"{b.fqn}.{t}") for b in blocks for t in attr_targets(b.graph)]
+        _check_sharing(owned, canonical, st.index)
+        held = {canonical.get(name, name) for _, name in owned}
+        found = tuple(b.fqn for b in blocks)
+        if held != set(sp.fqns) or found != sp.blocks:
+            raise SplitMismatch(
+                f"internal error: stage {st.index} after split_stages/split_blocks reads "
+                f"{sorted(held - set(sp.fqns))} beyond the plan and lacks "
+                f"{sorted(set(sp.fqns) - held)}; blocks {found} vs planned {sp.blocks}")
+        out.append(dataclasses.replace(sp, inputs=tuple(st.inputs), outputs=tuple(st.outputs)))
+    return dataclasses.replace(plan, stages=tuple(out))
+
+
+def _check_sharing(owned: list, canonical: dict, stage: int) -> None:
+    """One tensor read by two emitted modules of one stage (blocks sharing weights, as in
+    ALBERT) would become two parameters with split gradients: refuse it at compile time.
+
+    Raises:
+        PlanError: names the tensor and the modules sharing it.
+    """
+    owners: dict = {}
+    for owner, name in owned:
+        owners.setdefault(canonical.get(name, name), {})[owner or "<stage root>"] = name
+    for fqn, by in owners.items():
+        if len(by) > 1:
+            raise PlanError(
+                f"{fqn} is shared by {', '.join(sorted(by))} (stage {stage}); weights shared "
+                f"across blocks (ALBERT-style) are not supported yet: give each block its own "
+                f"weights, or share only between the embedding and the LM head")
