@@ -74,7 +74,8 @@ def stage_activations(stages: list, plan: ParallelPlan, batch, loss_fn, mode) ->
 
 def _stage_activations(stages: list, plan: ParallelPlan, batch, loss_fn, mode) -> list[tuple[int, int]]:
     scale = DTYPE_BYTES[plan.param_dtype] / 4
-    order = [b for st in plan.stages for b in st.blocks]
+    # a block cut across two stages counts once, as stage_builder counts it
+    order = list(dict.fromkeys(b for st in plan.stages for b in st.blocks))
     inputs = _microbatch(plan, batch, mode)
     target = None
     out = []

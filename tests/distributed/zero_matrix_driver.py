@@ -133,7 +133,8 @@ def memory_case(out, plan, module, data, sources):
     if ctx.rank == 0:  # the estimate of every rank, computed once
         est = estimate_program(plan, sources, module.example_inputs(), module.loss_fn, "adamw")
         report({"kind": "memory", "out": out.name, "zero_stage": plan.zero_stage,
-                "dp_replicate": plan.dp_replicate,
+                "dp_replicate": plan.dp_replicate, "schedule": plan.schedule,
+                "virtual_stages": plan.virtual_stages,
                 "ranks": [{"measured": m, "estimated": dataclasses.asdict(e)} for m, e in zip(rows, est)]})
 
 
@@ -160,10 +161,14 @@ def cases(base: ParallelPlan) -> list[tuple]:
     memory runs every zero stage on the pp=2 program (uneven stages, tied embedding in both)
     and HSDP. The V program (2 stages per rank) trains under the three zero-bubble
     schedules with FSDP2: their split weight-gradient action under ZeRO-3 once dropped
-    gradients (runtime/pipeline_stage.py)."""
+    gradients (runtime/pipeline_stage.py); its memory runs under V placement (zbv,
+    ZeRO-3: both local stages sharded) and loop placement (interleaved_1f1b, ZeRO-1: one
+    partition over both local stages' parameters)."""
     if base.schedule in V_SHAPED:
         return [("train", 3, "none", 1, False, "zbv"), ("train", 3, "none", 1, False, "dualpipev"),
-                ("train", 2, "full", 1, False, "interleaved_zero_bubble")]
+                ("train", 2, "full", 1, False, "interleaved_zero_bubble"),
+                ("memory", 3, "none", 1, False, "zbv"),
+                ("memory", 1, "none", 1, False, "interleaved_1f1b")]
     if base.mesh["tp"] > 1:
         return [("train", 0, "none", 1, False), ("train", 1, "full", 1, False),
                 ("train", 2, "none", 1, False), ("train", 3, "full", 1, False),
