@@ -14,9 +14,11 @@ size (an approximation: normalisations that upcast save some fp32 tensors).
 from __future__ import annotations
 
 import torch
+from torch.utils._pytree import tree_unflatten, treespec_loads
 
-from .memory_model import DTYPE_BYTES, unflatten_outputs
 from .plan import ParallelPlan
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 def _key(t: torch.Tensor):
@@ -94,7 +96,7 @@ def _stage_activations(stages: list, plan: ParallelPlan, batch, loss_fn, mode) -
             flat = tuple(flat) if isinstance(flat, (tuple, list)) else (flat,)
             if index == len(stages) - 1:
                 target = _loss_target(plan, batch, mode)
-                loss_fn(unflatten_outputs(plan, flat), target)
+                loss_fn(tree_unflatten(list(flat), treespec_loads(plan.out_spec)), target)
         for h in hooks:
             h.remove()
         kept, recompute = rec.saved.get(None, 0), 0

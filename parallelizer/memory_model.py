@@ -35,11 +35,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from torch.utils._pytree import tree_unflatten, treespec_loads
 
+from .memory_activations import DTYPE_BYTES, stage_activations
 from .plan import ParallelPlan
-
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 ADAM_STATES = 2  # exp_avg, exp_avg_sq (Loshchilov & Hutter 2019)
 STEP_BYTES = 4   # AdamW's per-parameter ``step``: a float32 scalar tensor
 
@@ -199,7 +197,6 @@ def estimate_program(plan: ParallelPlan, sources: dict, batch, loss_fn, optimize
     ``(pp, dp, tp)``, tp innermost); a pp rank holds the stages ``plan.local_stages`` names."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from .memory_activations import stage_activations
     from .runtime.stage_builder import LocalStages
     m = plan.mesh
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
@@ -245,8 +242,5 @@ def as_json(plan: ParallelPlan, ranks: list[RankEstimate]) -> dict:
     return {"mesh": plan.mesh, "zero_stage": plan.zero_stage, "dp_replicate": plan.dp_replicate,
             "param_dtype": plan.param_dtype, "activation_checkpointing": plan.activation_checkpointing,
             "schedule": plan.schedule, "microbatches": plan.microbatches,
+            "virtual_stages": plan.virtual_stages,
             "ranks": [asdict(r) for r in ranks]}
-
-
-def unflatten_outputs(plan: ParallelPlan, flat):
-    return tree_unflatten(list(flat), treespec_loads(plan.out_spec))
