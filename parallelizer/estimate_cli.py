@@ -68,21 +68,25 @@ def _paper(ns) -> int:
     return 0
 
 
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.2f}"
+# below this total the table is in bytes, so that it reads like run.py --profile's MEMORY
+# lines (tiny test models); above it in MiB
+BYTES_BELOW = 16 * 2**20
 
 
 def _table(plan, ranks) -> str:
     m = plan.mesh
-    head = (f"memory per rank (MiB), mesh pp={m['pp']} x dp={m['dp']} x tp={m['tp']}, zero_stage "
+    in_bytes = max(r.total for r in ranks) < BYTES_BELOW
+    unit, fmt = ("bytes", "{:,}".format) if in_bytes else ("MiB", lambda n: f"{n / 2**20:.2f}")
+    head = (f"memory per rank ({unit}), mesh pp={m['pp']} x dp={m['dp']} x tp={m['tp']}, zero_stage "
             f"{plan.zero_stage}, param_dtype {plan.param_dtype}, activation_checkpointing "
-            f"{plan.activation_checkpointing}, schedule {plan.schedule} x {plan.microbatches} microbatches")
+            f"{plan.activation_checkpointing}, schedule {plan.schedule} x {plan.microbatches} "
+            f"microbatches, {plan.virtual_stages} stage(s) per pp rank")
     cols = ("rank", "pp", "dp", "tp", "params", "grads", "optim", "buffers", "gathered",
             "act/mb", "in flight", "act", "total")
-    rows = [cols] + [(str(r.rank), str(r.pp), str(r.dp), str(r.tp), _mib(r.parameters),
-                      _mib(r.gradients), _mib(r.optimizer), _mib(r.buffers),
-                      _mib(r.gathered_parameters), _mib(r.activations_per_microbatch),
-                      str(r.microbatches_in_flight), _mib(r.activations), _mib(r.total))
+    rows = [cols] + [(str(r.rank), str(r.pp), str(r.dp), str(r.tp), fmt(r.parameters),
+                      fmt(r.gradients), fmt(r.optimizer), fmt(r.buffers),
+                      fmt(r.gathered_parameters), fmt(r.activations_per_microbatch),
+                      str(r.microbatches_in_flight), fmt(r.activations), fmt(r.total))
                      for r in ranks]
     widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
     lines = [head] + ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]

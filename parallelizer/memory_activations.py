@@ -21,11 +21,6 @@ from .plan import ParallelPlan
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
-def unflatten_outputs(plan: ParallelPlan, flat):
-    """The model's output structure (``plan.out_spec``) around a stage's flat outputs."""
-    return tree_unflatten(list(flat), treespec_loads(plan.out_spec))
-
-
 def _key(t: torch.Tensor):
     return t.untyped_storage()._cdata
 
@@ -99,7 +94,7 @@ def _stage_activations(stages: list, plan: ParallelPlan, batch, loss_fn, mode) -
             flat = tuple(flat) if isinstance(flat, (tuple, list)) else (flat,)
             if index == len(stages) - 1:
                 target = _loss_target(plan, batch, mode)
-                loss_fn(unflatten_outputs(plan, flat), target)
+                loss_fn(tree_unflatten(list(flat), treespec_loads(plan.out_spec)), target)
         for h in hooks:
             h.remove()
         kept, recompute = rec.saved.get(None, 0), 0

@@ -16,8 +16,17 @@ of the tensors autograd saves for backward (``saved_tensors_hooks`` on a forward
 microbatch on FakeTensors, parameters excluded, one count per storage), which is the quantity
 Korthikanti et al. 2022 (§4, Eq. 1-2: ``sbh(34 + 5as/h)`` per layer without tp) count by
 hand; a checkpointed block keeps only its inputs (their §4.1, full recomputation) and
-recomputes one block at a time in backward. Microbatches in flight per stage: 1 at pp=1,
-all ``m`` under GPipe, ``min(pp - stage, m)`` under 1F1B (Narayanan et al. 2021, §2.2).
+recomputes one block at a time in backward.
+
+A pp rank runs ``pipeline.virtual_stages`` stages (the plan's ``StagePlan.rank``: loop or V
+placement), so its model states are the sums over its stages, and its activations the
+peak, over the schedule's own action list for that rank (torch's ``pipeline_order``:
+:func:`parallelizer.pipeline_schedules.compute_actions`), of the bytes of the microbatches
+whose forward has run and whose backward has not finished: a forward adds its stage's
+bytes per microbatch, a full backward (or, under the zero-bubble schedules' split
+backward, the weight-gradient action, which still needs the saved inputs) frees them.
+That gives all ``m`` microbatches under GPipe and ``min(pp - stage, m)`` under 1F1B
+(Narayanan et al. 2021, §2.2), and the interleaved and V schedules' counts likewise.
 """
 from __future__ import annotations
 
@@ -71,9 +80,9 @@ class RankEstimate:
     optimizer: int
     buffers: int
     gathered_parameters: int  # transient: unsharded FSDP units alive at once in fwd/bwd
-    activations_per_microbatch: int
-    microbatches_in_flight: int
-    activations: int  # in flight x per microbatch + one block's recompute under checkpointing
+    activations_per_microbatch: int  # one microbatch through every local stage
+    microbatches_in_flight: int  # (stage, microbatch) pairs held at the activation peak
+    activations: int  # peak held over the schedule + one block's recompute under checkpointing
     total: int
 
 
@@ -107,9 +116,12 @@ def _optimizer_bytes(numels: list[int], elem: int, optimizer: str) -> int:
     return sum(ADAM_STATES * n * elem + STEP_BYTES for n in numels)
 
 
-def model_states(stage: torch.nn.Module, plan: ParallelPlan, dp_rank: int, optimizer: str) -> dict:
-    """Parameters, gradients, optimizer state and buffers (bytes) of ``stage`` (the emitted
-    stage with FakeTensors, tp-local shapes) on data-parallel rank ``dp_rank``."""
+def model_states(stage, plan: ParallelPlan, dp_rank: int, optimizer: str) -> dict:
+    """Parameters, gradients, optimizer state and buffers (bytes) of ``stage`` on data-parallel
+    rank ``dp_rank``: this rank's emitted stages (a :class:`LocalStages` of FakeTensor
+    modules, tp-local shapes; a weight held by two local stages counts twice, as the
+    runtime holds two Parameters). ZeRO-1 partitions the parameters of all of them at once,
+    as the runtime builds one optimizer over ``LocalStages.parameters()``."""
     params = list(stage.parameters())
     dp, z = plan.mesh["dp"], plan.zero_stage
     shards = dp // plan.dp_replicate if z >= 2 else 1
@@ -127,9 +139,11 @@ def model_states(stage: torch.nn.Module, plan: ParallelPlan, dp_rank: int, optim
 
 
 def gathered_bytes(stage, plan: ParallelPlan) -> int:
-    """Unsharded parameters alive at once under FSDP2, in ``param_dtype``: the whole stage
-    under ZeRO-2 (kept from forward to backward), the root plus 1 + prefetch blocks under
-    ZeRO-3; 0 under ZeRO-0/1 (the parameters are the full local tensors already)."""
+    """Unsharded parameters alive at once under FSDP2, in ``param_dtype``: every local
+    stage whole under ZeRO-2 (kept from forward to backward); under ZeRO-3 each local
+    stage's root (FSDP2 does not reshard a root after forward) plus the 1 + prefetch
+    largest blocks; 0 under ZeRO-0/1 (the parameters are the full local tensors already).
+    ``stage``: this rank's :class:`LocalStages`."""
     if plan.zero_stage < 2:
         return 0
     elem = DTYPE_BYTES[plan.param_dtype]
@@ -142,12 +156,33 @@ def gathered_bytes(stage, plan: ParallelPlan) -> int:
     return (root + sum(sizes[:1 + max(plan.prefetch_forward, plan.prefetch_backward)])) * elem
 
 
-def in_flight(plan: ParallelPlan, stage_index: int) -> int:
-    """Microbatches whose activations a stage holds at once (see the module docstring)."""
-    pp, m = plan.mesh["pp"], plan.microbatches
+def held_activations(plan: ParallelPlan, per_microbatch: dict) -> list[tuple[int, int]]:
+    """Per pp rank: (peak activation bytes held, microbatches held at that peak), walking
+    the rank's compute actions in the schedule's order (see the module docstring).
+    ``per_microbatch``: stage index -> bytes one microbatch leaves saved in that stage.
+
+    Raises:
+        AssertionError (internal): torch's schedule places a stage on another rank than the plan.
+    """
+    from .pipeline_schedules import compute_actions
+    pp = plan.mesh["pp"]
     if pp == 1:
-        return 1
-    return m if plan.schedule == "gpipe" else min(pp - stage_index, m)
+        return [(per_microbatch[0], 1)]
+    out = []
+    ranks = compute_actions(plan.schedule, pp, plan.virtual_stages, plan.microbatches)
+    for rank, actions in enumerate(ranks):
+        mine = set(plan.local_stages(rank))
+        assert {s for _, s, _ in actions} == mine, (plan.schedule, rank, actions, mine)
+        held = count = peak = peak_count = 0
+        for kind, s, _ in actions:
+            if kind == "F":
+                held, count = held + per_microbatch[s], count + 1
+                if held > peak:
+                    peak, peak_count = held, count
+            elif kind in "BW":
+                held, count = held - per_microbatch[s], count - 1
+        out.append((peak, peak_count))
+    return out
 
 
 def load_stage(source: str, index: int):
@@ -160,20 +195,25 @@ def load_stage(source: str, index: int):
 
 def estimate_program(plan: ParallelPlan, sources: dict, batch, loss_fn, optimizer: str) -> list[RankEstimate]:
     """One :class:`RankEstimate` per global rank of ``plan`` (rank order of the mesh
-    ``(pp, dp, tp)``, tp innermost)."""
+    ``(pp, dp, tp)``, tp innermost); a pp rank holds the stages ``plan.local_stages`` names."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .runtime.stage_builder import LocalStages
     m = plan.mesh
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        stages = [load_stage(sources[f"program/stage{p}.py"], p) for p in range(m["pp"])]
+        stages = [load_stage(sources[f"program/{st.module}.py"], st.index) for st in plan.stages]
         acts = stage_activations(stages, plan, batch, loss_fn, mode)
+    held = held_activations(plan, {s: kept for s, (kept, _) in enumerate(acts)})
     out = []
-    for p, stage in enumerate(stages):
-        per_mb, recompute = acts[p]
-        flight = in_flight(plan, p)
-        activations = per_mb * flight + recompute
-        gathered = gathered_bytes(stage, plan)
+    for p in range(m["pp"]):
+        indices = plan.local_stages(p)
+        local = LocalStages(indices, [stages[s] for s in indices])
+        per_mb = sum(acts[s][0] for s in indices)
+        peak, flight = held[p]
+        activations = peak + max(acts[s][1] for s in indices)
+        gathered = gathered_bytes(local, plan)
         for d in range(m["dp"]):
-            states = model_states(stage, plan, d, optimizer)
+            states = model_states(local, plan, d, optimizer)
             for t in range(m["tp"]):
                 rank = (p * m["dp"] + d) * m["tp"] + t
                 out.append(RankEstimate(rank, p, d, t, **states, gathered_parameters=gathered,
@@ -203,4 +243,5 @@ def as_json(plan: ParallelPlan, ranks: list[RankEstimate]) -> dict:
     return {"mesh": plan.mesh, "zero_stage": plan.zero_stage, "dp_replicate": plan.dp_replicate,
             "param_dtype": plan.param_dtype, "activation_checkpointing": plan.activation_checkpointing,
             "schedule": plan.schedule, "microbatches": plan.microbatches,
+            "virtual_stages": plan.virtual_stages,
             "ranks": [asdict(r) for r in ranks]}

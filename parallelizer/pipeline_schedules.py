@@ -68,6 +68,35 @@ def stage_ranks(schedule: str, pp: int, virtual_stages: int) -> tuple[int, ...]:
     return tuple(s % pp for s in range(n))
 
 
+def compute_actions(schedule: str, pp: int, virtual_stages: int,
+                    microbatches: int) -> list[list[tuple[str, int, int]]]:
+    """Per pp rank, in order: the compute actions of torch's own schedule, as
+    ``(kind, stage_index, microbatch)`` with ``kind`` one of ``F`` (forward), ``B`` (full
+    backward), ``I`` (input gradient), ``W`` (weight gradient). These are the schedule
+    class's ``pipeline_order`` (``_schedule_visualizer.get_schedule_ops``); an overlapped
+    ``F+B`` pair (dualpipev) is listed as its forward, then its backward. Idle slots and
+    gradient reductions are dropped; microbatch numbers are torch's (its 1F1B numbers the
+    last rank's forwards from 1).
+
+    Raises:
+        ValueError: the installed torch has no class for ``schedule``.
+    """
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+    cls = schedule_class(schedule)
+    if cls is None:
+        raise ValueError(f"the installed torch has no schedule class for '{schedule}'")
+    per_rank = None if issubclass(cls, PipelineScheduleSingle) else virtual_stages
+    kinds = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
+    out = []
+    for actions in get_schedule_ops(cls, pp, microbatches, per_rank):
+        flat = [s for a in actions if a is not None for s in (a.sub_actions or (a,))]
+        out.append([(kinds[a.computation_type.name], a.stage_index, a.microbatch_index)
+                    for a in flat if a.computation_type.name in kinds])
+    return out
+
+
 def check(schedule: str, pp: int, virtual_stages: int, microbatches: int) -> Optional[str]:
     """Why this combination cannot run, as one message naming the spec keys and the
     numbers, or None when it can. Mirrors the installed torch's own checks (schedules.py),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
 from .layouts import local_length
@@ -139,6 +139,13 @@ class ParallelPlan:
         """Indices of the stages pp rank ``pp_rank`` runs, in pipeline order."""
         return [st.index for st in self.stages if st.rank == pp_rank]
 
+    def with_activation_checkpointing(self, mode: str, every: int = 1) -> "ParallelPlan":
+        """This plan under another ``activation_checkpointing`` mode (same program and
+        checkpoint; only which emitted blocks recompute their forward changes)."""
+        blocks = list(dict.fromkeys(b for st in self.stages for b in st.blocks))
+        return replace(self, activation_checkpointing=mode, checkpoint_every=every,
+                       checkpointed=checkpointed_blocks(blocks, mode, every))
+
     def to_json(self) -> str:
         d = asdict(self)
         return json.dumps(d, indent=1, sort_keys=True)
@@ -161,6 +168,18 @@ class ParallelPlan:
         a checkpoint's manifest records it so a shard set is never read under another plan."""
         layout = {"mesh": self.mesh, "tensors": {k: asdict(v) for k, v in sorted(self.tensors.items())}}
         return hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).hexdigest()
+
+
+def checkpointed_blocks(blocks, mode: str, every: int) -> tuple[str, ...]:
+    """Blocks whose activations are recomputed in backward (Chen et al. 2016): all under
+    ``full``, every ``every``-th counted over the whole model from the first under
+    ``selective`` (a block cut across stages counts once: both parts alike), none under
+    ``none``."""
+    if mode == "full":
+        return tuple(blocks)
+    if mode == "selective":
+        return tuple(b for i, b in enumerate(blocks) if i % every == 0)
+    return ()
 
 
 def global_rank(mesh: dict, pp: int, dp: int, tp: int) -> int:

@@ -12,7 +12,7 @@ from torch.utils._pytree import treespec_dumps
 
 from ..analysis.graph_facts import attr_targets
 from ..pipeline_schedules import stage_ranks
-from ..plan import ParallelPlan, StagePlan, TensorPlan, grad_sync_groups
+from ..plan import ParallelPlan, StagePlan, TensorPlan, checkpointed_blocks, grad_sync_groups
 from ..decisions import PipelineDecision, TPDecision
 from .stages import tensor_stages
 
@@ -93,17 +93,6 @@ def build_plan(spec, captured, gm, model, groups, tp: TPDecision, pipe: Pipeline
         reduce_dtype=spec.mixed_precision.reduce_dtype or spec.mixed_precision.param_dtype,
         structure=structure, settings=run_settings(spec))
     return dataclasses.replace(plan, grad_sync=grad_sync_groups(plan))
-
-
-def checkpointed_blocks(blocks, mode: str, every: int) -> tuple[str, ...]:
-    """Blocks whose activations are recomputed in backward (Chen et al. 2016): all under
-    ``full``, every ``every``-th counted over the whole model from the first under
-    ``selective`` (a block cut across stages counts once: both parts alike)."""
-    if mode == "full":
-        return tuple(blocks)
-    if mode == "selective":
-        return tuple(b for i, b in enumerate(blocks) if i % every == 0)
-    return ()
 
 
 def run_settings(spec) -> dict:

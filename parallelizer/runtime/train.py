@@ -7,6 +7,7 @@ uninterrupted, on the program's own layout (reshard the checkpoint to it first).
 from __future__ import annotations
 
 import itertools
+import sys
 from pathlib import Path
 
 import torch.distributed as dist
@@ -42,7 +43,10 @@ def run_train(plan: ParallelPlan, spec: dict, stage, ctx: RankContext, loss_fn, 
         opt.step()
         losses.append(loss.item())
         if ctx.rank == 0:
-            print(f"step {step + 1} loss {loss.item():.6f}", flush=True)
+            # one write: print() sends the newline separately, and another rank's line
+            # could land between the two
+            sys.stdout.write(f"step {step + 1} loss {loss.item():.6f}\n")
+            sys.stdout.flush()
     return losses, opt, start + len(losses)
 
 

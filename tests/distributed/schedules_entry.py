@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from omegaconf import OmegaConf
 
 from parallelizer.errors import BatchError
 from parallelizer.pipeline_schedules import with_schedule
@@ -47,7 +46,7 @@ def main(out: Path, args: list[str]) -> int:
     for out, name in _runs(out, args):
         if out not in loaded:
             plan = ParallelPlan.from_json((out / "plan.json").read_text())
-            loaded[out] = (plan, OmegaConf.to_container(OmegaConf.load(out / "spec.yaml")),
+            loaded[out] = (plan, plan.settings,
                            _load_model_module(out).loss_fn)
         plan, spec, loss_fn = loaded[out]
         ctx = ctx or init(plan, "cpu")

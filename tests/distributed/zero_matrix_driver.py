@@ -133,16 +133,16 @@ def memory_case(out, plan, module, data, sources):
     if ctx.rank == 0:  # the estimate of every rank, computed once
         est = estimate_program(plan, sources, module.example_inputs(), module.loss_fn, "adamw")
         report({"kind": "memory", "out": out.name, "zero_stage": plan.zero_stage,
-                "dp_replicate": plan.dp_replicate,
+                "dp_replicate": plan.dp_replicate, "schedule": plan.schedule,
+                "virtual_stages": plan.virtual_stages,
                 "ranks": [{"measured": m, "estimated": dataclasses.asdict(e)} for m, e in zip(rows, est)]})
 
 
 def verify_case(out, plan, module):
     """``run.py --verify``'s own function on a mixed-precision variant of the program."""
-    from omegaconf import OmegaConf
     from parallelizer.runtime.verify import run_verify
     ctx, stage, _ = build(out, plan, module)
-    spec = OmegaConf.to_container(OmegaConf.load(out / "spec.yaml"))
+    spec = plan.settings
     code = run_verify(out, plan, spec, stage, ctx, module.loss_fn)
     if ctx.rank == 0:
         report({"kind": "verify", "out": out.name, "param_dtype": plan.param_dtype, "code": code})
@@ -160,10 +160,14 @@ def cases(base: ParallelPlan) -> list[tuple]:
     memory runs every zero stage on the pp=2 program (uneven stages, tied embedding in both)
     and HSDP. The V program (2 stages per rank) trains under the three zero-bubble
     schedules with FSDP2: their split weight-gradient action under ZeRO-3 once dropped
-    gradients (runtime/pipeline_stage.py)."""
+    gradients (runtime/pipeline_stage.py); its memory runs under V placement (zbv,
+    ZeRO-3: both local stages sharded) and loop placement (interleaved_1f1b, ZeRO-1: one
+    partition over both local stages' parameters)."""
     if base.schedule in V_SHAPED:
         return [("train", 3, "none", 1, False, "zbv"), ("train", 3, "none", 1, False, "dualpipev"),
-                ("train", 2, "full", 1, False, "interleaved_zero_bubble")]
+                ("train", 2, "full", 1, False, "interleaved_zero_bubble"),
+                ("memory", 3, "none", 1, False, "zbv"),
+                ("memory", 1, "none", 1, False, "interleaved_1f1b")]
     if base.mesh["tp"] > 1:
         return [("train", 0, "none", 1, False), ("train", 1, "full", 1, False),
                 ("train", 2, "none", 1, False), ("train", 3, "full", 1, False),
@@ -190,9 +194,9 @@ def main(outs: list[Path]) -> None:
         for check, zero, ac, rep, offload, *schedule in cases(base):
             # HSDP also runs the deepest explicit prefetch (every other block ahead)
             deep = 3 if rep > 1 else 1
-            plan = dataclasses.replace(base, zero_stage=zero, activation_checkpointing=ac,
-                                       dp_replicate=rep, offload=offload,
+            plan = dataclasses.replace(base, zero_stage=zero, dp_replicate=rep, offload=offload,
                                        prefetch_forward=deep, prefetch_backward=deep)
+            plan = plan.with_activation_checkpointing(ac, base.checkpoint_every)
             if schedule:
                 plan = with_schedule(plan, schedule[0])
             if check == "train":

@@ -2,7 +2,6 @@
 backward (recompute), the others do not, FQNs are unchanged and gradients are identical."""
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -10,7 +9,6 @@ import torch
 
 from parallelizer.checkpoint.reader import load_full
 from parallelizer.compiler import compile_model
-from parallelizer.planning.tensors import checkpointed_blocks
 from parallelizer.runtime.stage_builder import apply_activation_checkpointing, import_stage_class
 from parallelizer.spec import load_spec
 
@@ -26,9 +24,7 @@ def gpt_out(tmp_path_factory):
 
 
 def _run(out, plan, mode, every):
-    blocks = [b for st in plan.stages for b in st.blocks]
-    plan = dataclasses.replace(plan, activation_checkpointing=mode, checkpoint_every=every,
-                               checkpointed=checkpointed_blocks(blocks, mode, every))
+    plan = plan.with_activation_checkpointing(mode, every)
     stage = import_stage_class(out, 0)("cpu")
     stage.load_state_dict({k: v for k, v in load_full(out / "checkpoint").items()
                            if k in stage.state_dict()}, strict=True)

@@ -94,7 +94,9 @@ def llama_pp2(tools):
 
 def _estimate(llama_pp2, **changes):
     module, program = llama_pp2
+    ac = changes.pop("activation_checkpointing", None)
     plan = dataclasses.replace(program.plan, **changes)
+    plan = plan.with_activation_checkpointing(ac, plan.checkpoint_every) if ac else plan
     return plan, estimate_program(plan, program.sources, example_batch(module), module.loss_fn, "adamw")
 
 
@@ -130,3 +132,35 @@ def test_activation_bytes_match_a_real_forward(llama_pp2):
     print(f"\nactivations of stage 0: estimated {est.activations_per_microbatch} bytes, "
           f"real forward {real}")
     assert real > 0 and abs(est.activations_per_microbatch - real) <= 0.05 * real
+
+
+def _plan_of(schedule, pp, v, m):
+    from parallelizer.pipeline_schedules import stage_ranks
+    from parallelizer.plan import ParallelPlan, StagePlan
+    stages = tuple(StagePlan(s, f"stage{s}", (), (), (), (), r)
+                   for s, r in enumerate(stage_ranks(schedule, pp, v)))
+    return ParallelPlan(mesh={"pp": pp, "dp": 1, "tp": 1}, zero_stage=0, schedule=schedule,
+                        microbatches=m, seed=0, tensors={}, aliases={}, stages=stages,
+                        virtual_stages=v)
+
+
+@pytest.mark.parametrize("schedule, pp, v, m, want", [
+    # GPipe holds every microbatch; 1F1B min(pp - stage, m) (Narayanan et al. 2021, §2.2)
+    ("gpipe", 2, 1, 4, [(4, 4), (40, 4)]),
+    ("1f1b", 2, 1, 4, [(2, 2), (10, 1)]),
+    ("1f1b", 4, 1, 8, [(4, 4), (30, 3), (200, 2), (1000, 1)]),
+    # interleaved: Megatron-LM's warmup of 2 (pp - r - 1) + (v - 1) pp forwards, taken chunk
+    # by chunk pp microbatches at a time, then one steady-state forward: rank 0 holds
+    # microbatches 0-2 of stage 0 and 0-1 of stage 2, rank 1 0-1 of stage 1 and 0 of stage 3
+    ("interleaved_1f1b", 2, 2, 4, [(3 + 200, 5), (20 + 1000, 3)]),
+    # ZB-V (Qi et al. 2024, §6): rank 0 (stages 0 and 3) runs 3 forwards of stage 0, then
+    # 3's; rank 1 (stages 1 and 2) alternates them; 2 pp stage-microbatches at the peak,
+    # the same memory as 1F1B. Activations are freed by W (it still needs the saved inputs)
+    ("zbv", 2, 2, 4, [(3 + 1000, 4), (20 + 200, 4)]),
+])
+def test_activations_held_follow_the_schedules_own_order(schedule, pp, v, m, want):
+    """Stage s saves 10**s bytes per microbatch, so the peak spells out how many
+    microbatches of each local stage a rank holds."""
+    from parallelizer.memory_model import held_activations
+    plan = _plan_of(schedule, pp, v, m)
+    assert held_activations(plan, {s: 10 ** s for s in range(pp * v)}) == want

@@ -251,12 +251,18 @@ def test_a_block_bigger_than_the_target_is_cut():
     assert d.children(1) == {"model.layers.0": ["model.layers.0.mlp"]}
 
 
-def test_whole_blocks_kept_when_cutting_gains_1_percent_or_less():
-    # whole: [100 | 101] (max 101); cut: [100 + 50.5 | ...] cannot beat 100.5 -> within 1 %
-    parts = [[("model.layers.0.a", 50, False), ("model.layers.0.b", 50, True)],
-             [("model.layers.1.a", 50, False), ("model.layers.1.b", 51, True)]]
-    d = plan_pipeline([100, 101], 0, 0, 2, names(2), parts=parts)
-    assert d.part_stages == () and d.stage_costs == (100, 101)
+@pytest.mark.parametrize("costs, cut, want", [
+    # whole [100 | 102]; cutting block 1 (1 | 101) gives [101 | 101]: 0.98 % lower, kept whole
+    ((100, 102), (1, 101), ((100, 102), ())),
+    # whole [100 | 104]; cutting block 1 (2 | 102) gives [102 | 102]: 1.9 % lower, cut
+    ((100, 104), (2, 102), ((102, 102), (("model.layers.1.a", 0), ("model.layers.1.b", 1)))),
+])
+def test_blocks_are_cut_only_when_that_gains_more_than_1_percent(costs, cut, want):
+    """FINER_GAIN (1 %) decides both cases: a gain of 0.98 % keeps whole blocks, one of
+    1.9 % cuts (a threshold of 0 cuts in both, one of 5 % in neither)."""
+    parts = [[], [("model.layers.1.a", cut[0], False), ("model.layers.1.b", cut[1], True)]]
+    d = plan_pipeline(list(costs), 0, 0, 2, names(2), parts=parts)
+    assert (d.stage_costs, d.part_stages) == want
 
 
 def test_more_stages_than_blocks_cut_every_block():
