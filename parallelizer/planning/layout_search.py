@@ -1,0 +1,114 @@
+"""Enumerate 3D layouts for a Workload on a Cluster and rank them by predicted step time.
+
+Pure search on data (no graph): every (tp, pp, dp, dp_replicate, ZeRO stage, micro-batch
+size x count, virtual stages, activation checkpointing) whose degrees multiply to the
+cluster's GPUs and whose global batch splits exactly; those that fit each rank's memory
+(``step_time.predict``'s analytical estimate) are ranked by predicted step time.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import UserError
+from .cluster import Cluster
+from .step_time import Layout, Prediction, predict, rank_stats
+from .workload import Workload
+
+TERM_NAMES = {"compute": "compute", "bubble": "pipeline bubble", "tp": "tensor-parallel all-reduces",
+              "pp": "pipeline sends", "dp": "data-parallel communication"}
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    ranked: list            # Prediction, fastest first, all fitting
+    considered: int
+    fitting: int
+    smallest: Prediction | None  # the layout needing the least memory (for the error message)
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def candidates(w: Workload, cluster: Cluster, global_batch: int, zero_stages=(0, 1, 2, 3),
+               max_micro_batch: int = 16, virtual=(1, 2, 4), accumulate: bool = False):
+    """Every layout the search considers (see the module docstring). Micro-batching: at
+    pp = 1 one microbatch per step unless ``accumulate`` (parallelizer's runtime runs no
+    gradient accumulation at pp = 1; Megatron-LM does); at pp > 1 M >= pp, and M a
+    multiple of pp when interleaved (Narayanan et al. 2021, §2.2.2)."""
+    world, gpn = cluster.world, cluster.gpus_per_node
+    for tp in divisors(world):
+        if w.heads % tp or tp > max(gpn, 1) * 2:
+            continue
+        for pp in divisors(world // tp):
+            if pp > w.layers:
+                continue
+            dp = world // (tp * pp)
+            if global_batch % dp:
+                continue
+            per_dp = global_batch // dp
+            for micro in divisors(per_dp):
+                m = per_dp // micro
+                if micro > max_micro_batch or (pp == 1 and m != 1 and not accumulate) or (pp > 1 and m < pp):
+                    continue
+                for v in virtual if pp > 1 else (1,):
+                    if v > 1 and (m % pp or pp * v > w.layers):
+                        continue
+                    for z in zero_stages:
+                        reps = [1]
+                        if z >= 2 and tp < gpn and dp * tp > gpn and dp % (gpn // tp) == 0:
+                            reps.append(dp // (gpn // tp))    # shard inside a node, replicate across
+                        for rep in reps:
+                            for rc in (False, True):
+                                yield Layout(tp, pp, dp, micro, m, z, v, rc, rep)
+
+
+def search(w: Workload, cluster: Cluster, global_batch: int, **options) -> SearchResult:
+    """Rank the fitting layouts. Raises UserError when no layout fits memory or the global
+    batch cannot be split over any data-parallel degree."""
+    stats_cache: dict = {}
+    fitting, considered, smallest = [], 0, None
+    mem_cap = cluster.memory_bytes
+    for lay in candidates(w, cluster, global_batch, **options):
+        key = (lay.pp, lay.virtual_stages)
+        if key not in stats_cache:
+            stats_cache[key] = rank_stats(w, lay.pp, lay.virtual_stages)
+        pred = predict(w, cluster, lay, stats_cache[key], global_batch)
+        considered += 1
+        if smallest is None or pred.memory_bytes < smallest.memory_bytes:
+            smallest = pred
+        if pred.memory_bytes <= mem_cap:
+            fitting.append(pred)
+    if not considered:
+        raise UserError(f"no layout splits --global-batch {global_batch} over {cluster.world} GPUs "
+                        f"(dp must divide the batch, tp the {w.heads} heads, pp <= {w.layers} "
+                        f"blocks); use a global batch divisible by a larger power of two")
+    if not fitting:
+        s = smallest
+        raise UserError(f"no layout fits {cluster.memory_bytes / 1e9:.0f} GB per GPU: the smallest, "
+                        f"{s.layout.short()}, needs {s.memory_bytes / 1e9:.1f} GB on its fullest rank; "
+                        f"add GPUs (nodes), use a GPU with more memory, or a smaller model")
+    fitting.sort(key=lambda p: (p.step_s, p.memory_bytes))
+    return SearchResult(fitting, considered, len(fitting), smallest)
+
+
+def why(pred: Prediction, runner_up: Prediction | None) -> str:
+    """One line: the dominant term and what the next-best loses (the term that grows most)."""
+    step = pred.step_s
+    dom = pred.dominant
+    text = (f"compute {pred.terms['compute'] / step:.0%} of the step; largest overhead "
+            f"{TERM_NAMES[dom]} {pred.terms[dom] / step:.0%}")
+    if runner_up is not None:
+        diff = {k: runner_up.terms[k] - pred.terms[k] for k in pred.terms}
+        worst = max(diff, key=diff.get)
+        text += (f"; next-best ({runner_up.layout.short()}) is {runner_up.step_s / step - 1:+.1%}, "
+                 f"mostly {TERM_NAMES[worst]} ({diff[worst] * 1e3:+.0f} ms)")
+    return text
+
+
+def rank_of(result: SearchResult, match) -> int | None:
+    """1-based position of the first ranked layout for which ``match(layout)`` holds."""
+    for i, p in enumerate(result.ranked):
+        if match(p.layout):
+            return i + 1
+    return None
