@@ -85,8 +85,8 @@ def search(w: Workload, cluster: Cluster, global_batch: int, **options) -> Searc
                         f"blocks); use a global batch divisible by a larger power of two")
     if not fitting:
         s = smallest
-        raise UserError(f"no layout fits {cluster.memory_bytes / 1e9:.0f} GB per GPU: the smallest, "
-                        f"{s.layout.short()}, needs {s.memory_bytes / 1e9:.1f} GB on its fullest rank; "
+        raise UserError(f"no layout fits {cluster.memory_bytes / 1e9:.4g} GB per GPU: the smallest, "
+                        f"{s.layout.short()}, needs {s.memory_bytes / 1e9:.4g} GB on its fullest rank; "
                         f"add GPUs (nodes), use a GPU with more memory, or a smaller model")
     fitting.sort(key=lambda p: (p.step_s, p.memory_bytes))
     return SearchResult(fitting, considered, len(fitting), smallest)
