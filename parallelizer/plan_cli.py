@@ -129,7 +129,19 @@ def _load(ns):
     return load_spec(ns.spec, ns.overrides)
 
 
+_WORKLOADS: dict = {}
+
+
 def capture_workload(model_path: Path, seq: int | None):
+    """:func:`_capture_workload`, once per (file, modification time, seq) in a process."""
+    path = Path(model_path).resolve()
+    key = (path, path.stat().st_mtime_ns, seq)
+    if key not in _WORKLOADS:
+        _WORKLOADS[key] = _capture_workload(path, seq)
+    return _WORKLOADS[key]
+
+
+def _capture_workload(model_path: Path, seq: int | None):
     """Capture ``model_path`` on the meta device at 2 x ``seq`` tokens (default the
     example's; 2 rather than 1 so that export keeps the batch dim dynamic) and turn its
     per-unit costs, halved to one sequence, into a Workload."""
