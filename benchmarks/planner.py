@@ -67,7 +67,7 @@ def evaluate(row: dict, efficiency=None) -> dict:
             "within_20": abs(err) <= 0.20, "rank": rank, "gap": gap,
             "layout_ok": rank is not None and (rank <= 3 or gap <= 0.10),
             "dominant": pred.dominant, "terms": {k: v / pred.step_s for k, v in pred.terms.items()},
-            "published_fits": pred.memory_bytes <= cluster.memory_bytes,
+            "published_fits": pred.memory_bytes <= cluster.usable_memory_bytes,
             "published_mem_gb": pred.memory_bytes / 1e9, "search_s": seconds}
 
 

@@ -42,6 +42,8 @@ def _plan_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--out", type=Path, metavar="spec.yaml", help="write the best layout as a spec")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--tokens", type=float, metavar="T", help="training tokens: add days to train")
+    p.add_argument("--fix", metavar="tp=..,pp=..", help="keep only layouts with these values "
+                   "(keys tp, pp, dp, zero, mb, m, v, ac, rep), e.g. --fix tp=1,pp=1,zero=3")
     p.add_argument("--exact", action="store_true", help="also compile the best layout on the meta "
                    "device and print the exact per-rank memory estimate beside the analytical one")
     return p
@@ -50,7 +52,7 @@ def _plan_parser() -> argparse.ArgumentParser:
 def plan_main(argv: list[str]) -> int:
     """Raises UserError (exit 2): bad arguments, cluster file, model file or spec."""
     from .planning.cluster import load_cluster
-    from .planning.layout_search import search, why
+    from .planning.layout_search import parse_fix, search, why
 
     ns = _plan_parser().parse_intermixed_args(argv)
     cluster = load_cluster(ns.cluster)
@@ -70,7 +72,7 @@ def plan_main(argv: list[str]) -> int:
         workload = capture_workload(ns.model, ns.seq)
         # the runtime computes in bf16/fp16 only under FSDP2 (spec: mixed_precision needs 2/3)
         options = {"zero_stages": (0, 1, 2, 3) if cluster.dtype == "fp32" else (2, 3)}
-    result = search(workload, cluster, ns.global_batch, **options)
+    result = search(workload, cluster, ns.global_batch, fix=parse_fix(ns.fix), **options)
     top = result.ranked[:max(1, ns.top)]
     rows = [_row(p, cluster, ns.tokens, why(p, result.ranked[i + 1] if i + 1 < len(result.ranked) else None))
             for i, p in enumerate(top)]
@@ -82,21 +84,30 @@ def plan_main(argv: list[str]) -> int:
                           "considered": result.considered, "fitting": result.fitting,
                           "layouts": rows, "exact_memory": exact}, indent=1))
         return 0
-    print(f"{workload.name}: {workload.param_count / 1e9:.2f} B parameters, {cluster.world} x "
+    n = workload.param_count
+    count = f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n:,.0f}"
+    print(f"{workload.name}: {count} parameters, {cluster.world} x "
           f"{cluster.gpu_name} ({cluster.dtype}, efficiency {cluster.achieved_efficiency:g}), "
           f"global batch {ns.global_batch} x {workload.seq} tokens; {result.considered} layouts "
-          f"considered, {result.fitting} fit {cluster.memory_bytes / 1e9:.0f} GB")
+          f"considered, {result.fitting} fit {_gb(cluster.usable_memory_bytes / 1e9)} "
+          f"(usable_memory {cluster.usable_memory:g})")
     for i, r in enumerate(rows):
         days = f", {r['days']:.1f} days for {ns.tokens:.3g} tokens" if ns.tokens else ""
         print(f"#{i + 1} {r['layout']}: step {r['step_s']:.3g} s, {r['tokens_per_s']:,.0f} tokens/s, "
               f"{r['tflops_per_gpu']:.3g} TFLOP/s per GPU, MFU {r['mfu']:.0%}, memory "
-              f"{_gb(r['memory_gb'])}{days}\n   terms: {r['terms_text']}\n   why: {r['why']}")
+              f"{_gb(r['memory_gb'])}{days}\n   terms: {r['terms_text']}\n   sent per GPU: "
+              f"{_volumes(r['comm_gb_per_gpu'])}\n   memory: {_volumes(r['memory_parts_gb'])}\n"
+              f"   why: {r['why']}")
     if exact:
         print(f"exact estimate of #1 (compiled on the meta device): fullest rank {_gb(exact['exact_gb'])} "
               f"vs analytical {_gb(exact['analytic_gb'])} ({exact['ratio']:.2f}x)")
     if ns.out is not None:
         print(f"wrote {ns.out} (compile it: parallelize MODEL {ns.out} -o OUT)")
     return 0
+
+
+def _volumes(gb: dict) -> str:
+    return ", ".join(f"{k} {_gb(v)}" for k, v in gb.items() if v) or "nothing"
 
 
 def _gb(x: float) -> str:
@@ -113,6 +124,7 @@ def _row(p, cluster, tokens, why_text) -> dict:
            "mfu": p.mfu, "memory_gb": p.memory_bytes / 1e9,
            "memory_parts_gb": {k: v / 1e9 for k, v in p.memory.items() if k != "pp_rank"},
            "terms_s": p.terms, "why": why_text,
+           "comm_gb_per_gpu": {k: v / 1e9 for k, v in p.volumes.items()},
            "terms_text": ", ".join(f"{k} {v:.3g} s" for k, v in p.terms.items() if v)}
     if tokens:
         row["days"] = tokens / p.tokens_per_s / 86400

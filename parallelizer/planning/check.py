@@ -22,6 +22,10 @@ class Finding:
         return f"{self.severity}: {self.key}: {self.message}"
 
 
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.1f} GB" if x >= 1e9 else f"{x / 1e6:.3g} MB"
+
+
 def check_spec(spec, cluster, memory_bytes: float | None = None, memory_detail: str = "",
                global_batch: int | None = None, micro_batch: int | None = None) -> list[Finding]:
     """Findings of ``spec`` (a ``parallelizer.spec.Spec``) on ``cluster`` (``Cluster``).
@@ -60,10 +64,11 @@ def check_spec(spec, cluster, memory_bytes: float | None = None, memory_detail: 
         out.append(Finding("warning", "fsdp.prefetch", f"zero_stage 3 with fsdp.prefetch.{which} = 0: "
                            f"every unit's all-gather waits on the critical path; set it to 1 (the "
                            f"default) or use zero_stage 2"))
-    if memory_bytes is not None and memory_bytes > cluster.memory_bytes:
-        out.append(Finding("error", "memory", f"the fullest rank needs {memory_bytes / 1e9:.1f} GB "
+    if memory_bytes is not None and memory_bytes > cluster.usable_memory_bytes:
+        out.append(Finding("error", "memory", f"the fullest rank needs {_gb(memory_bytes)} "
                            f"({memory_detail}) but a {cluster.gpu_name} has "
-                           f"{cluster.memory_bytes / 1e9:.0f} GB; raise zero_stage, tp or pp, enable "
+                           f"{_gb(cluster.usable_memory_bytes)} usable (usable_memory "
+                           f"{cluster.usable_memory:g} of {_gb(cluster.memory_bytes)}); raise zero_stage, tp or pp, enable "
                            f"activation_checkpointing.mode=full, or run `parallelize plan`"))
     if global_batch is not None:
         m_eff = mb if m.pp > 1 else 1

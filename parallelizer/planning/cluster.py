@@ -7,6 +7,7 @@
     intra_node: {bandwidth_gb_s: 300, latency_us: 3}   # per GPU, per direction (NVLink/NVSwitch)
     inter_node: {bandwidth_gb_s: 25, latency_us: 5}    # per GPU, per direction (its NIC share)
     efficiency: null        # achieved fraction of peak in matmuls; null = the GPU's figure
+    usable_memory: 0.9      # fraction of device memory a rank may plan for
 
 Bandwidths are what one GPU can send while receiving the same (the β of a ring collective,
 Thakur et al. 2005); 1 GB = 1e9 bytes. ``efficiency`` is one number per GPU type: the
@@ -98,6 +99,9 @@ class Cluster(BaseModel):
     intra_node: Optional[Link] = None   # None: the GPU's NVLink figure, 3 us
     inter_node: Link
     efficiency: Optional[float] = Field(None, gt=0, le=1, description="null or a number in (0, 1]")
+    usable_memory: float = Field(0.9, gt=0, le=1, description="a number in (0, 1] (fraction of "
+                                 "device memory a rank may plan for; the rest: CUDA context, NCCL "
+                                 "buffers, allocator fragmentation)")
 
     @model_validator(mode="after")
     def _known_gpu(self) -> "Cluster":
@@ -120,6 +124,10 @@ class Cluster(BaseModel):
     @property
     def memory_bytes(self) -> float:
         return (GPUS[self.gpu_name].memory_gb if isinstance(self.gpu, str) else self.gpu.memory_gb) * 1e9
+
+    @property
+    def usable_memory_bytes(self) -> float:
+        return self.memory_bytes * self.usable_memory
 
     @property
     def peak_flops(self) -> float:

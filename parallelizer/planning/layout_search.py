@@ -63,13 +63,36 @@ def candidates(w: Workload, cluster: Cluster, global_batch: int, zero_stages=(0,
                                 yield Layout(tp, pp, dp, micro, m, z, v, rc, rep)
 
 
-def search(w: Workload, cluster: Cluster, global_batch: int, **options) -> SearchResult:
-    """Rank the fitting layouts. Raises UserError when no layout fits memory or the global
-    batch cannot be split over any data-parallel degree."""
+FIX_KEYS = {"tp": "tp", "pp": "pp", "dp": "dp", "zero": "zero_stage", "mb": "micro_batch",
+            "m": "microbatches", "v": "virtual_stages", "ac": "recompute", "rep": "dp_replicate"}
+
+
+def parse_fix(text: str) -> dict:
+    """``tp=1,pp=1,zero=3`` -> Layout field values the search must keep (``--fix``).
+
+    Raises:
+        UserError: an item that is not KEY=INTEGER with KEY in FIX_KEYS."""
+    out = {}
+    for item in filter(None, (x.strip() for x in (text or "").split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or key not in FIX_KEYS or not value.strip().isdigit():
+            raise UserError(f"--fix: '{item}' is not KEY=INTEGER with KEY one of "
+                            f"{', '.join(FIX_KEYS)}; e.g. --fix tp=1,pp=1,zero=3")
+        out[FIX_KEYS[key]] = bool(int(value)) if key == "ac" else int(value)
+    return out
+
+
+def search(w: Workload, cluster: Cluster, global_batch: int, fix: dict | None = None,
+           **options) -> SearchResult:
+    """Rank the fitting layouts (only those with the field values in ``fix``, if given).
+    Raises UserError when no layout fits memory or the global batch cannot be split over
+    any data-parallel degree."""
     stats_cache: dict = {}
     fitting, considered, smallest = [], 0, None
-    mem_cap = cluster.memory_bytes
+    mem_cap = cluster.usable_memory_bytes
     for lay in candidates(w, cluster, global_batch, **options):
+        if fix and any(getattr(lay, k) != v for k, v in fix.items()):
+            continue
         key = (lay.pp, lay.virtual_stages)
         if key not in stats_cache:
             stats_cache[key] = rank_stats(w, lay.pp, lay.virtual_stages)
@@ -79,13 +102,18 @@ def search(w: Workload, cluster: Cluster, global_batch: int, **options) -> Searc
             smallest = pred
         if pred.memory_bytes <= mem_cap:
             fitting.append(pred)
+    if not considered and fix:
+        raise UserError(f"no layout has {fix} for --global-batch {global_batch} on {cluster.world} "
+                        f"GPUs (degrees must multiply to the GPUs, dp x microbatches x micro-batch "
+                        f"size to the batch); loosen --fix")
     if not considered:
         raise UserError(f"no layout splits --global-batch {global_batch} over {cluster.world} GPUs "
                         f"(dp must divide the batch, tp the {w.heads} heads, pp <= {w.layers} "
                         f"blocks); use a global batch divisible by a larger power of two")
     if not fitting:
         s = smallest
-        raise UserError(f"no layout fits {cluster.memory_bytes / 1e9:.4g} GB per GPU: the smallest, "
+        raise UserError(f"no layout fits {cluster.usable_memory_bytes / 1e9:.4g} GB per GPU (usable_memory "
+                        f"{cluster.usable_memory:g} of {cluster.memory_bytes / 1e9:.4g} GB): the smallest, "
                         f"{s.layout.short()}, needs {s.memory_bytes / 1e9:.4g} GB on its fullest rank; "
                         f"add GPUs (nodes), use a GPU with more memory, or a smaller model")
     fitting.sort(key=lambda p: (p.step_s, p.memory_bytes))
@@ -96,13 +124,14 @@ def why(pred: Prediction, runner_up: Prediction | None) -> str:
     """One line: the dominant term and what the next-best loses (the term that grows most)."""
     step = pred.step_s
     dom = pred.dominant
-    text = (f"compute {pred.terms['compute'] / step:.0%} of the step; largest overhead "
-            f"{TERM_NAMES[dom]} {pred.terms[dom] / step:.0%}")
+    text = f"compute {pred.terms['compute'] / step:.0%} of the step; " + (
+        f"largest overhead {TERM_NAMES[dom]} {pred.terms[dom] / step:.0%}" if dom != "compute"
+        else "no exposed communication or bubble")
     if runner_up is not None:
         diff = {k: runner_up.terms[k] - pred.terms[k] for k in pred.terms}
         worst = max(diff, key=diff.get)
         text += (f"; next-best ({runner_up.layout.short()}) is {runner_up.step_s / step - 1:+.1%}, "
-                 f"mostly {TERM_NAMES[worst]} ({diff[worst] * 1e3:+.0f} ms)")
+                 f"mostly {TERM_NAMES[worst]} ({diff[worst] * 1e3:+.3g} ms)")
     return text
 
 

@@ -70,7 +70,7 @@ class Prediction:
     tokens_per_s: float
     tflops_per_gpu: float  # FLOPs executed (recomputation included, as eq. 3 counts) / s / GPU
     mfu: float             # model FLOPs (no recomputation) / (step x GPUs x peak)
-    notes: tuple = field(default=())
+    volumes: dict = field(default_factory=dict)  # bytes each GPU sends per step, by collective
 
     @property
     def dominant(self) -> str:
@@ -187,7 +187,29 @@ def predict(w: Workload, cluster: Cluster, lay: Layout, stats: list[RankStats] |
     world = lay.world
     return Prediction(lay, step, terms, mem, parts, sequences * w.seq / step,
                       w.model_flops(sequences, lay.recompute) / (step * world) / 1e12,
-                      w.model_flops(sequences, False) / (step * world * cluster.peak_flops))
+                      w.model_flops(sequences, False) / (step * world * cluster.peak_flops),
+                      volumes(w, lay, stats, params * e, act_msg))
+
+
+def volumes(w: Workload, lay: Layout, stats, grad_bytes: float, act_msg: float) -> dict:
+    """Bytes one GPU sends per step in each collective (ring: an all-reduce of n bytes over
+    g ranks sends 2 (g-1)/g n per rank, a reduce-scatter or all-gather (g-1)/g n)."""
+    t, p, d, z, m = lay.tp, lay.pp, lay.dp, lay.zero_stage, lay.microbatches
+    blocks = max(r.blocks for r in stats)
+    out = {"tp all-reduce": m * blocks * w.tp_allreduces_per_block * (3 if lay.recompute else 2)
+           * 2 * (t - 1) / t * act_msg,
+           "pp send": m * 2 * lay.virtual_stages * act_msg if p > 1 else 0.0}
+    shard = d // (lay.dp_replicate if z >= 2 else 1)
+    one = (shard - 1) / shard * grad_bytes if shard > 1 else 0.0
+    if z <= 1:
+        out["dp all-reduce"] = 2 * (d - 1) / d * grad_bytes
+        out["dp all-gather"] = (d - 1) / d * grad_bytes if z == 1 else 0.0
+    else:
+        rep = lay.dp_replicate
+        out["dp reduce-scatter"] = one
+        out["dp all-gather"] = one * (1 if z == 2 else 2 * m)
+        out["dp all-reduce"] = 2 * (rep - 1) / rep * grad_bytes / shard if rep > 1 else 0.0
+    return {k: v for k, v in out.items() if v}
 
 
 def _activation_traffic(w: Workload, r: RankStats, tp: int, recompute: bool, e: int) -> float:
