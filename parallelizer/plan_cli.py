@@ -28,6 +28,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("spec", metavar="SPEC", type=Path, nargs="?", help="parallelization spec (YAML)")
     p.add_argument("overrides", metavar="KEY=VALUE", nargs="*", help="spec overrides")
     p.add_argument("--cluster", metavar="C.yaml", type=Path, required=True, help="cluster file")
+    p.add_argument("--nodes", type=int, metavar="N", help="use N nodes of the cluster (overrides its nodes)")
     p.add_argument("--global-batch", type=int, metavar="B", help="sequences per optimizer step")
     p.add_argument("--seq", type=int, metavar="S", help="tokens per sequence (default: the example's)")
 
@@ -55,7 +56,7 @@ def plan_main(argv: list[str]) -> int:
     from .planning.layout_search import parse_fix, search, why
 
     ns = _plan_parser().parse_intermixed_args(argv)
-    cluster = load_cluster(ns.cluster)
+    cluster = _cluster(ns)
     if ns.global_batch is None or ns.global_batch < 1:
         raise UserError("parallelize plan needs --global-batch B (sequences per step, >= 1)")
     spec = None
@@ -129,6 +130,14 @@ def _row(p, cluster, tokens, why_text) -> dict:
     if tokens:
         row["days"] = tokens / p.tokens_per_s / 86400
     return row
+
+
+def _cluster(ns):
+    from .planning.cluster import cluster_from_dict, load_cluster
+    cluster = load_cluster(ns.cluster)
+    if ns.nodes is not None:
+        cluster = cluster_from_dict({**cluster.model_dump(), "nodes": ns.nodes}, f"{ns.cluster} --nodes")
+    return cluster
 
 
 def _load(ns):
@@ -263,7 +272,7 @@ def check_main(argv: list[str]) -> int:
     """Exit 1 when a finding is an error, 0 on warnings only (UserError: exit 2)."""
     ns = _check_parser().parse_intermixed_args(argv)
     spec = _load(ns)
-    findings = run_check(ns.model, spec, ns.cluster, ns.global_batch, ns.seq, ns.micro_batch)
+    findings = run_check(ns.model, spec, _cluster(ns), ns.global_batch, ns.seq, ns.micro_batch)
     for f in findings:
         print(f)
     if not findings:
@@ -271,14 +280,16 @@ def check_main(argv: list[str]) -> int:
     return 1 if any(f.severity == "error" for f in findings) else 0
 
 
-def run_check(model_path, spec, cluster_path, global_batch=None, seq=None, micro_batch=None) -> list:
-    """Findings of ``spec`` for ``model_path`` on the cluster file (``planning.check``),
-    memory by the analytical model at the spec's precision and micro-batch size."""
+def run_check(model_path, spec, cluster, global_batch=None, seq=None, micro_batch=None) -> list:
+    """Findings of ``spec`` for ``model_path`` on ``cluster`` (a Cluster or a cluster file;
+    ``planning.check``), memory by the analytical model at the spec's precision and
+    micro-batch size."""
     from .planning.check import check_spec
     from .planning.cluster import load_cluster
     from .planning.step_time import Layout, predict
 
-    cluster = load_cluster(cluster_path)
+    if not hasattr(cluster, "world"):
+        cluster = load_cluster(cluster)
     m, pipe = spec.mesh, spec.pipeline
     mbs = pipe.microbatches if m.pp > 1 else 1
     if micro_batch is None and global_batch:

@@ -116,7 +116,8 @@ def search(w: Workload, cluster: Cluster, global_batch: int, fix: dict | None = 
                         f"{cluster.usable_memory:g} of {cluster.memory_bytes / 1e9:.4g} GB): the smallest, "
                         f"{s.layout.short()}, needs {s.memory_bytes / 1e9:.4g} GB on its fullest rank; "
                         f"add GPUs (nodes), use a GPU with more memory, or a smaller model")
-    fitting.sort(key=lambda p: (p.step_s, p.memory_bytes))
+    # ties (communication fully hidden in both) go to the layout that sends less, then uses less memory
+    fitting.sort(key=lambda p: (p.step_s, sum(p.volumes.values()), p.memory_bytes))
     return SearchResult(fitting, considered, len(fitting), smallest)
 
 
