@@ -128,7 +128,12 @@ def why(pred: Prediction, runner_up: Prediction | None) -> str:
     text = f"compute {pred.terms['compute'] / step:.0%} of the step; " + (
         f"largest overhead {TERM_NAMES[dom]} {pred.terms[dom] / step:.0%}" if dom != "compute"
         else "no exposed communication or bubble")
-    if runner_up is not None:
+    if runner_up is not None and runner_up.step_s <= step * 1.0005:
+        sent = (sum(runner_up.volumes.values()) - sum(pred.volumes.values())) / 1e9
+        mem = (runner_up.memory_bytes - pred.memory_bytes) / 1e9
+        text += (f"; ties with {runner_up.layout.short()} (which sends {sent:+.3g} GB per GPU "
+                 f"and needs {mem:+.3g} GB)")
+    elif runner_up is not None:
         diff = {k: runner_up.terms[k] - pred.terms[k] for k in pred.terms}
         worst = max(diff, key=diff.get)
         text += (f"; next-best ({runner_up.layout.short()}) is {runner_up.step_s / step - 1:+.1%}, "
