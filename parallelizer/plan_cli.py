@@ -74,6 +74,8 @@ def plan_main(argv: list[str]) -> int:
         # the runtime computes in bf16/fp16 only under FSDP2 (spec: mixed_precision needs 2/3)
         options = {"zero_stages": (0, 1, 2, 3) if cluster.dtype == "fp32" else (2, 3)}
     result = search(workload, cluster, ns.global_batch, fix=parse_fix(ns.fix), **options)
+    if spec is not None:
+        result = _runnable(result)
     top = result.ranked[:max(1, ns.top)]
     rows = [_row(p, cluster, ns.tokens, why(p, result.ranked[i + 1] if i + 1 < len(result.ranked) else None))
             for i, p in enumerate(top)]
@@ -109,6 +111,24 @@ def plan_main(argv: list[str]) -> int:
 
 def _volumes(gb: dict) -> str:
     return ", ".join(f"{k} {_gb(v)}" for k, v in gb.items() if v) or "nothing"
+
+
+def _runnable(result):
+    """Keep the layouts the installed torch's pipelining schedules accept (the spec's own
+    check, ``pipeline_schedules.check``), so that ``-o`` always writes a spec that compiles.
+
+    Raises:
+        UserError: none of the fitting layouts is accepted."""
+    import dataclasses
+    from .pipeline_schedules import check
+    ok = [p for p in result.ranked if check(p.layout.schedule, p.layout.pp, p.layout.virtual_stages,
+                                             p.layout.microbatches if p.layout.pp > 1 else 1) is None]
+    if not ok:
+        lay = result.ranked[0].layout
+        raise UserError(f"none of the {result.fitting} fitting layouts has a pipeline schedule the "
+                        f"installed torch accepts (e.g. {lay.short()}: "
+                        f"{check(lay.schedule, lay.pp, lay.virtual_stages, lay.microbatches)})")
+    return dataclasses.replace(result, ranked=ok, fitting=len(ok))
 
 
 def _gb(x: float) -> str:
