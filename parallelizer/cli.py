@@ -4,6 +4,8 @@
     parallelize SUBCOMMAND ...        (a name registered in SUBCOMMANDS, e.g. inspect)
     parallelize inspect MODEL SPEC [--json] [--plots DIR] [KEY=VALUE ...]
     parallelize estimate MODEL SPEC [--json] [KEY=VALUE ...] | --params PSI --dp N
+    parallelize plan MODEL SPEC --cluster C.yaml --global-batch B ... | --model-shape ...
+    parallelize check MODEL SPEC --cluster C.yaml [--global-batch B]
 
 A user error (:class:`parallelizer.errors.UserError`) prints ``error: <message>`` to stderr
 and exits with 2; anything else is a bug in parallelizer and keeps its traceback.
@@ -52,6 +54,10 @@ def _estimate(argv: list[str]) -> int:
 
 
 SUBCOMMANDS["estimate"] = _estimate
+SUBCOMMANDS.update({  # the layout planner (parallelizer/plan_cli.py)
+    "plan": _lazy("parallelizer.plan_cli", "plan_main"),
+    "check": _lazy("parallelizer.plan_cli", "check_main"),
+})
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -88,6 +94,10 @@ def _compile_parser() -> argparse.ArgumentParser:
                    help="do not materialize weights: build on the meta device, write no checkpoint")
     p.add_argument("--dump-passes", metavar="DIR", type=Path, default=None,
                    help="write the graph code after each pass that changed it into DIR")
+    p.add_argument("--cluster", metavar="C.yaml", type=Path, default=None,
+                   help="check the spec against this cluster first (parallelize check); stop on an error")
+    p.add_argument("--global-batch", type=int, metavar="B", default=None,
+                   help="with --cluster: sequences per step, checked for divisibility")
     return p
 
 
@@ -106,6 +116,11 @@ def _compile(argv: list[str]) -> int:
         raise ModelFileError(f"model file {ns.model} does not exist (or is not a file); "
                              f"pass the path to a model.py defining build_model() and example_inputs()")
     spec = load_spec(ns.spec, ns.overrides)
+    if ns.cluster is not None:
+        from parallelizer.plan_cli import check_before_compile
+        if not check_before_compile(ns.model, spec, ns.cluster, ns.global_batch):
+            print("error: the cluster check found errors (above); nothing compiled", file=sys.stderr)
+            return 1
     from parallelizer.compiler import compile_to_dir
 
     compile_to_dir(ns.model, spec, ns.out, weights=not ns.no_weights, dump_passes=ns.dump_passes)

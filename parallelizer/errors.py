@@ -28,3 +28,7 @@ class CheckpointError(UserError):
 
 class BatchError(UserError, ValueError):
     """A batch given to the program does not fit the plan (e.g. not divisible into microbatches)."""
+
+
+class ClusterError(UserError):
+    """The cluster file is invalid: names the key, the value seen and what is allowed."""
