@@ -188,7 +188,7 @@ def _capture_workload(model_path: Path, seq: int | None):
     per-unit costs, halved to one sequence, into a Workload."""
     from .frontend import build_model, capture, example_batch, load_model_file
     from .passes.cleanup import apply_cleanup
-    from .passes.graph_costs import collect_costs
+    from .analysis.graph_costs import collect_costs
     from .planning.pipeline import find_blocks
     from .planning.tensors import tied_groups
     from .planning.workload import Workload

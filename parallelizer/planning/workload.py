@@ -2,7 +2,7 @@
 
 Two sources fill :class:`Workload`: a shape (``layers=..,hidden=..``: Narayanan et al. 2021,
 SC'21, §3.5 / eq. 3 for FLOPs, the GPT parameter count ``12 l h^2 + 13 l h + (V + s) h``)
-or a captured graph (``passes/graph_costs.collect_costs``' per-unit FLOPs and parameter
+or a captured graph (``analysis/graph_costs.collect_costs``' per-unit FLOPs and parameter
 bytes, through ``plan_cli``). Everything here is per *one sequence* of ``seq`` tokens
 (micro-batch size 1); the step-time model scales by the micro-batch size.
 
