@@ -8,6 +8,7 @@ import torch.fx as fx
 
 from torch.utils._pytree import treespec_dumps
 
+from ..compression import plan_settings, reduce_dtype as compression_reduce_dtype
 from ..passes.graph_facts import attr_targets
 from ..pipeline_schedules import stage_ranks
 from ..plan import ParallelPlan, StagePlan, TensorPlan
@@ -101,7 +102,7 @@ def build_plan(spec, captured, gm, model, groups, tp: TPDecision, stages, block_
         prefetch_forward=_default(spec.fsdp.prefetch.forward, 1),
         prefetch_backward=_default(spec.fsdp.prefetch.backward, 1),
         offload=spec.fsdp.offload, param_dtype=spec.mixed_precision.param_dtype,
-        reduce_dtype=spec.mixed_precision.reduce_dtype or spec.mixed_precision.param_dtype)
+        reduce_dtype=compression_reduce_dtype(spec), compression=plan_settings(spec))
 
 
 def _default(value, default):

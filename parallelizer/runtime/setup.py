@@ -21,6 +21,7 @@ class RankContext:
     dp_rank: int
     tp_rank: int
     fsdp_mesh: DeviceMesh | None = None  # 1-D (dp) or, under HSDP, 2-D (dp_replicate, dp_shard)
+    compression: object = None  # runtime/compression.GradCompression, set by apply_data_parallel
 
     @property
     def rank(self) -> int:

@@ -73,6 +73,8 @@ class StepRunner:
             loss, outputs = self._pipeline_step(batch, target)
         if self.manual_dp:
             all_reduce_grads(self.stage.parameters(), self.ctx)
+        if self.ctx.compression is not None:
+            self.ctx.compression.finish_step()
         self._sync_tied_grads()
         self._sum_shared_grads()
         return self._global_loss(loss), outputs
