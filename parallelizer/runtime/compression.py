@@ -18,11 +18,14 @@ The hooks take any object with ``index() buffer() gradients() is_last() paramete
 Error-feedback state is per rank (each rank's residual differs): :meth:`state_dict`.
 (No ``from __future__ import annotations``: DDP checks the hook's return annotation object.)
 """
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook as psgd
 
 from ..compression import topk_count
+from ..errors import CheckpointError
 
 
 class FlatBucket:
@@ -116,8 +119,33 @@ def topk_hook(state: TopKState, bucket) -> torch.futures.Future[torch.Tensor]:
         buf.index_add_(0, all_idx, all_vals)
         return buf.div_(world)
 
-    work = dist.all_gather_into_tensor(gathered, packed, group=group, async_op=True)
+    work = dist.all_gather_single(gathered, packed, group=group, async_op=True)
     return work.get_future().then(decompress)
+
+
+def _powersgd_in_order(state, bucket) -> torch.futures.Future[torch.Tensor]:
+    """torch's ``powerSGD_hook``, waited for before returning. Its later all-reduces (P, Q)
+    are issued from the future's callbacks; under gloo those run on gloo's thread when the
+    previous all-reduce completes, racing the next bucket's first all-reduce from the
+    autograd thread, so ranks issued them in different orders (a 'collective mismatch'
+    abort with DDP's two buckets, GPT example at dp=2 x tp=2). NCCL futures run callbacks
+    on the issuing thread, so there torch's hook is used as it is."""
+    out = psgd.powerSGD_hook(state, bucket).wait()
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(out)
+    return fut
+
+
+def _bf16_hook():
+    """torch's ``bf16_compress_hook``; on a non-CUDA build the same computation under another
+    name, because DDP refuses that hook by name unless NCCL >= 2.10 is present, although
+    gloo all-reduces bf16 (checked with torch 2.13)."""
+    if torch.version.cuda is not None or torch.version.hip is not None:
+        return default_hooks.bf16_compress_hook
+
+    def bf16_compress_hook_gloo(process_group, bucket) -> torch.futures.Future[torch.Tensor]:
+        return default_hooks._compress_hook(torch.bfloat16, process_group, bucket)
+    return bf16_compress_hook_gloo
 
 
 class GradCompression:
@@ -129,13 +157,13 @@ class GradCompression:
         self.flat_iter = False  # True when iterations are counted by finish_step (not DDP)
         if self.method in ("fp16", "bf16"):
             self.state = group
-            self.hook = default_hooks.fp16_compress_hook if self.method == "fp16" else default_hooks.bf16_compress_hook
+            self.hook = default_hooks.fp16_compress_hook if self.method == "fp16" else _bf16_hook()
         elif self.method == "powersgd":
             self.state = psgd.PowerSGDState(
                 process_group=group, matrix_approximation_rank=settings["rank"],
                 start_powerSGD_iter=settings["start_iter"],
                 use_error_feedback=settings["error_feedback"], warm_start=True)
-            self.hook = psgd.powerSGD_hook
+            self.hook = psgd.powerSGD_hook if dist.get_backend(group) != "gloo" else _powersgd_in_order
         elif self.method == "topk":
             self.state = TopKState(group, settings["ratio"], settings["error_feedback"])
             self.hook = topk_hook
@@ -222,3 +250,44 @@ class GradCompression:
                 setattr(s, name, {int(k): v.to(device) for k, v in sd[name].items()})
         elif self.method == "topk":
             s.error_dict = {int(k): v.to(device) for k, v in sd["error_dict"].items()}
+
+
+STATE_DIR = "compression"  # inside a --save checkpoint: one file per global rank
+
+
+def save_state(comp: "GradCompression", plan, out: Path, rank: int) -> None:
+    """Write this rank's compression state to ``out/compression/rank{rank}.pt`` (after the
+    checkpoint folder exists). Per rank: each rank's error feedback differs, so it belongs
+    to this mesh; it is not part of the sharded layout (reshard leaves it behind)."""
+    folder = Path(out) / STATE_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    payload = {"settings": plan.compression, "mesh": plan.mesh, "dp_replicate": plan.dp_replicate,
+               "zero_stage": plan.zero_stage, "state": comp.state_dict()}
+    tmp = folder / f".rank{rank}.pt.tmp"
+    torch.save(payload, tmp)
+    tmp.replace(folder / f"rank{rank}.pt")
+
+
+def load_state(comp: "GradCompression", plan, ckpt: Path, rank: int, device) -> None:
+    """Restore what :func:`save_state` wrote for this rank.
+
+    Raises:
+        CheckpointError: no state for this rank, or it was saved under other compression
+            settings or another mesh (error feedback is per rank of one mesh).
+    """
+    path = Path(ckpt) / STATE_DIR / f"rank{rank}.pt"
+    if not path.exists():
+        raise CheckpointError(
+            f"--resume {ckpt}: no {STATE_DIR}/rank{rank}.pt, the error-feedback state of "
+            f"data_parallel.compression={comp.method} (saved by run.py --train --save of a program "
+            f"with that compression, on this mesh; a resharded checkpoint has none); resume with "
+            f"the program that saved it, or recompile with data_parallel.compression=none")
+    saved = torch.load(path, map_location="cpu", weights_only=False)  # our own file: numpy RNG state
+    mine = {"settings": plan.compression, "mesh": plan.mesh, "dp_replicate": plan.dp_replicate,
+            "zero_stage": plan.zero_stage}
+    diff = {k: (saved[k], v) for k, v in mine.items() if saved[k] != v}
+    if diff:
+        shown = "; ".join(f"{k}: saved {a}, this program {b}" for k, (a, b) in diff.items())
+        raise CheckpointError(f"--resume {ckpt}: {path.name} holds compression state of another "
+                              f"program ({shown}); resume with the program that saved it")
+    comp.load_state_dict(saved["state"], device)

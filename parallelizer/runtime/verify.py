@@ -99,7 +99,7 @@ def run_verify(out_dir: Path, plan: ParallelPlan, spec: dict, stage, ctx: RankCo
                 skipped.append(f"output.{i} {tuple(ref[f'output.{i}'].shape)}")
             else:
                 tally.add("outputs", f"output.{i}", out, want)
-    dropped = _mean_residuals(stage, ctx) if plan.compression.get("method") == "topk" else {}
+    dropped = _mean_residuals(stage, ctx, runner) if plan.compression.get("method") == "topk" else {}
     _compare_tensors(tally, "gradients", "grad", stage, plan, ctx, ref,
                      lambda p: p.grad if p.grad is None or id(p) not in dropped else p.grad + dropped[id(p)])
     opt.step()
@@ -110,9 +110,10 @@ def run_verify(out_dir: Path, plan: ParallelPlan, spec: dict, stage, ctx: RankCo
     return _report(tally, plan, vcfg["optimizer"], loss, ref["loss"], ctx, skipped)
 
 
-def _mean_residuals(stage, ctx: RankContext) -> dict:
+def _mean_residuals(stage, ctx: RankContext, runner: StepRunner) -> dict:
     """Top-K: ``{id(parameter): mean over the reducing ranks of what they did not send}``
-    (a DTensor under FSDP2, like ``.grad``). Collective over the compression's group."""
+    (a DTensor under FSDP2, like ``.grad``), then summed over tied copies and kv-head copies
+    as the step sums the gradients. Collective over the compression's group."""
     comp = ctx.compression
     mine, out = comp.residuals(), {}
     for p in stage.parameters():
@@ -123,6 +124,8 @@ def _mean_residuals(stage, ctx: RankContext) -> dict:
         dist.all_reduce(local_tensor(r), group=comp.group)
         local_tensor(r).div_(dist.get_world_size(comp.group))
         out[id(p)] = r
+    runner._sync_tied_grads(lambda p: out.get(id(p)))
+    runner._sum_shared_grads(lambda p: out.get(id(p)))
     return out
 
 
