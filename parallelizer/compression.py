@@ -132,3 +132,82 @@ def payload_bytes(shapes: list[tuple], settings: dict, dtype: str = "fp32") -> d
         return {"method": method, "uncompressed": full, "compressed": k * (DTYPE_BYTES[dtype] + 4),
                 "ops": "all-gather (values + int32 indices)"}
     return {"method": method, "uncompressed": full, "compressed": full, "ops": "all-reduce"}
+
+
+def _local_shapes(plan, pp_rank: int) -> list[tuple]:
+    """tp-local shapes of the parameters pp rank ``pp_rank`` holds (tp rank 0's)."""
+    from .layouts import local_length  # the tp piece arithmetic the checkpoint uses
+    stages, tp, out = set(plan.local_stages(pp_rank)), plan.mesh["tp"], []
+    for t in plan.tensors.values():
+        if t.is_buffer or not stages & set(t.stages):
+            continue
+        shape = list(t.shape)
+        if t.tp_dim is not None and tp > 1:
+            d = t.tp_dim % len(shape)
+            shape[d] = local_length(shape[d], t.layout, tp)
+        out.append(tuple(shape))
+    return out
+
+
+def dp_collectives(plan) -> list[dict]:
+    """Per pp rank, the gradient collectives over dp one step issues on one rank, with and
+    without ``plan.compression``: ``{"pp_rank", "collective", "group", "ranks", "bytes",
+    "compressed_bytes", "wire_bytes", "compressed_wire_bytes", "ops"}``. ``bytes``: the
+    buffer handed to the collective; ``wire_bytes``: what the rank sends with ring
+    algorithms (all-reduce 2(N-1)/N of the buffer, reduce-scatter (N-1)/N, all-gather of a
+    payload p (N-1) p; Patarasuk & Yuan 2009). PowerSGD counts its compressed steps (the
+    first ``start_iter`` steps are uncompressed). FSDP2's parameter all-gathers are not
+    gradient collectives and are left out. Empty when dp = 1."""
+    dp, rep, z = plan.mesh["dp"], plan.dp_replicate, plan.zero_stage
+    if dp == 1:
+        return []
+    settings, rows = plan.compression, []
+    rdt = plan.reduce_dtype if z >= 2 else "fp32"
+    for pp_rank in range(plan.mesh["pp"]):
+        shapes = _local_shapes(plan, pp_rank)
+        if z < 2:
+            rows.append(_row(pp_rank, "all-reduce", "dp", dp, payload_bytes(shapes, settings)))
+            continue
+        shard = dp // rep
+        full = sum(math.prod(s) for s in shapes) * DTYPE_BYTES[rdt]
+        method = settings.get("method", "none")
+        rs_method = method if method in ("fp16", "bf16") else "none"
+        if shard > 1:
+            rows.append(_row(pp_rank, "reduce-scatter", "dp_shard" if rep > 1 else "dp", shard,
+                             {"uncompressed": full * 4 // DTYPE_BYTES[rdt] if rs_method != "none" else full,
+                              "compressed": full, "ops": "reduce-scatter", "method": rs_method}))
+        if rep > 1:  # HSDP: the shard of each gradient, all-reduced over the replicas
+            shards = [(-(-s[0] // shard),) + tuple(s[1:]) if s else s for s in shapes]
+            lossy = settings if method in LOSSY else {"method": "none"}
+            row = payload_bytes(shards, lossy, rdt)
+            if rs_method != "none":
+                row = {**row, "uncompressed": row["uncompressed"] * 4 // DTYPE_BYTES[rdt], "method": rs_method}
+            rows.append(_row(pp_rank, "all-reduce", "dp_replicate", rep, row))
+    return rows
+
+
+def _row(pp_rank: int, collective: str, group: str, n: int, b: dict) -> dict:
+    def wire(nbytes: int, op: str) -> float:
+        if n <= 1:
+            return 0.0
+        if "all-gather" in op:
+            return (n - 1) * nbytes
+        return (2 if collective == "all-reduce" else 1) * (n - 1) / n * nbytes
+    return {"pp_rank": pp_rank, "collective": collective, "group": group, "ranks": n,
+            "method": b.get("method", "none"), "bytes": b["uncompressed"], "compressed_bytes": b["compressed"],
+            "wire_bytes": wire(b["uncompressed"], collective), "compressed_wire_bytes": wire(b["compressed"], b["ops"]),
+            "ops": b["ops"]}
+
+
+def format_dp_collectives(rows: list[dict]) -> list[str]:
+    """Markdown table lines of :func:`dp_collectives` (report.md, ``parallelize estimate``)."""
+    if not rows:
+        return []
+    out = ["| pp rank | collective | group (ranks) | method | compressed as | buffer bytes | compressed | "
+           "sent (ring) | sent compressed | ratio |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = r["compressed_wire_bytes"] / r["wire_bytes"] if r["wire_bytes"] else 1.0
+        out.append(f"| {r['pp_rank']} | {r['collective']} | {r['group']} ({r['ranks']}) | "
+                   f"{r['method']} | {r['ops']} | {r['bytes']:,} | {r['compressed_bytes']:,} | {r['wire_bytes']:,.0f} | "
+                   f"{r['compressed_wire_bytes']:,.0f} | {ratio:.3f} |")
+    return out

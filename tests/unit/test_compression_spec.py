@@ -104,3 +104,31 @@ def test_topk_hook_keeps_largest_entries_and_the_rest_as_error(monkeypatch):
         assert torch.equal(out, torch.tensor([0, 0, 0, 2.0, 0.5, 0, 0, 0]))
     finally:
         dist.destroy_process_group()
+
+
+def test_estimate_json_counts_dp_bytes_from_the_model(capsys):
+    """``parallelize estimate --json``'s dp_communication against the GPT example's own
+    parameter shapes (PowerSGD rank 2 under DDP at dp=2; HSDP 2 x 2 with fp16)."""
+    import importlib.util
+    import json
+    from pathlib import Path
+    from parallelizer import cli
+    repo = Path(__file__).resolve().parents[2]
+    mod_spec = importlib.util.spec_from_file_location("gpt_for_bytes", repo / "examples/gpt/model.py")
+    gpt = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(gpt)
+    shapes = [tuple(p.shape) for p in gpt.build_model().parameters()]
+    args = ["estimate", str(repo / "examples/gpt/model.py"), str(repo / "examples/gpt/spec.yaml"), "--json",
+            "mesh.tp=1", "mesh.dp=2", "zero_stage=0", "data_parallel.compression=powersgd",
+            "data_parallel.powersgd.rank=2"]
+    assert cli.main(args) == 0
+    (row,) = json.loads(capsys.readouterr().out)["dp_communication"]
+    assert row["bytes"] == sum(math.prod(s) for s in shapes) * 4
+    assert row["compressed_bytes"] == sum(powersgd_elements(s, 2)[0] for s in shapes) * 4
+    args[5:] = ["mesh.tp=1", "mesh.dp=4", "mesh.dp_replicate=2", "zero_stage=3", "data_parallel.compression=fp16"]
+    assert cli.main(args) == 0
+    rs, ar = json.loads(capsys.readouterr().out)["dp_communication"]
+    assert (rs["collective"], rs["group"], ar["collective"], ar["group"]) == \
+        ("reduce-scatter", "dp_shard", "all-reduce", "dp_replicate")
+    assert rs["compressed_bytes"] * 2 == rs["bytes"] and ar["compressed_bytes"] * 2 == ar["bytes"]
+    assert ar["bytes"] == sum(-(-s[0] // 2) * math.prod(s[1:]) for s in shapes) * 4
