@@ -123,14 +123,34 @@ def topk_hook(state: TopKState, bucket) -> torch.futures.Future[torch.Tensor]:
     return work.get_future().then(decompress)
 
 
+class _InOrderDist:
+    """``torch.distributed`` as torch's powerSGD_hook sees it inside :func:`_powersgd_in_order`:
+    an async all-reduce is waited for before it returns, so its future is complete and
+    ``.then`` runs the next step (P's, then Q's all-reduce) inline, on this thread."""
+
+    def __getattr__(self, name):
+        return getattr(dist, name)
+
+    @staticmethod
+    def all_reduce(tensor, *args, **kwargs):
+        work = dist.all_reduce(tensor, *args, **{**kwargs, "async_op": True})
+        work.wait()
+        return work
+
+
 def _powersgd_in_order(state, bucket) -> torch.futures.Future[torch.Tensor]:
-    """torch's ``powerSGD_hook``, waited for before returning. Its later all-reduces (P, Q)
-    are issued from the future's callbacks; under gloo those run on gloo's thread when the
-    previous all-reduce completes, racing the next bucket's first all-reduce from the
-    autograd thread, so ranks issued them in different orders (a 'collective mismatch'
-    abort with DDP's two buckets, GPT example at dp=2 x tp=2). NCCL futures run callbacks
-    on the issuing thread, so there torch's hook is used as it is."""
-    out = psgd.powerSGD_hook(state, bucket).wait()
+    """torch's ``powerSGD_hook`` with its all-reduces completed in program order on the
+    calling thread. The hook issues P's and Q's all-reduces from future callbacks; under gloo
+    those ran on gloo's thread when the previous all-reduce completed, racing the next
+    bucket's first all-reduce from the autograd thread, so ranks issued them in different
+    orders (a 'collective mismatch' abort with DDP's two buckets, GPT example at dp=2 x
+    tp=2), and a dispatch mode (benchmarks/_comm.py) never saw them. NCCL futures run
+    callbacks on the issuing thread, so there torch's hook is used as it is."""
+    psgd.dist = _InOrderDist()
+    try:
+        out = psgd.powerSGD_hook(state, bucket).wait()
+    finally:
+        psgd.dist = dist
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(out)
     return fut
