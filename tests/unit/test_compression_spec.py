@@ -132,3 +132,35 @@ def test_estimate_json_counts_dp_bytes_from_the_model(capsys):
         ("reduce-scatter", "dp_shard", "all-reduce", "dp_replicate")
     assert rs["compressed_bytes"] * 2 == rs["bytes"] and ar["compressed_bytes"] * 2 == ar["bytes"]
     assert ar["bytes"] == sum(-(-s[0] // 2) * math.prod(s[1:]) for s in shapes) * 4
+
+
+def test_compression_state_files_refuse_another_program(tmp_path, monkeypatch):
+    """save_state / load_state: a round trip restores the residuals; a missing file and a
+    file of other settings are CheckpointErrors naming the file and the fix."""
+    import dataclasses
+    import torch.distributed as dist
+    from parallelizer.errors import CheckpointError
+    from parallelizer.plan import ParallelPlan
+    from parallelizer.runtime.compression import GradCompression, load_state, save_state
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29614")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        settings = {"method": "topk", "ratio": 0.5, "error_feedback": True}
+        plan = ParallelPlan(mesh={"pp": 1, "dp": 2, "tp": 1}, zero_stage=0, schedule="1f1b", microbatches=1,
+                            seed=0, tensors={}, aliases={}, stages=(), compression=settings)
+        comp = GradCompression(settings, dist.group.WORLD)
+        comp.state.error_dict = {0: torch.arange(4.0)}
+        save_state(comp, plan, tmp_path, rank=0)
+        fresh = GradCompression(settings, dist.group.WORLD)
+        load_state(fresh, plan, tmp_path, 0, torch.device("cpu"))
+        assert torch.equal(fresh.state.error_dict[0], torch.arange(4.0))
+        with pytest.raises(CheckpointError, match=r"no compression/rank1.pt, the error-feedback state of "
+                                                  r"data_parallel.compression=topk .* resume with the program"):
+            load_state(fresh, plan, tmp_path, 1, torch.device("cpu"))
+        other = dataclasses.replace(plan, compression={**settings, "ratio": 0.1})
+        with pytest.raises(CheckpointError, match=r"rank0.pt holds compression state of another program "
+                                                  r"\(settings: saved .*'ratio': 0.5.*this program .*'ratio': 0.1"):
+            load_state(fresh, other, tmp_path, 0, torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
