@@ -211,6 +211,8 @@ class GradCompression:
     def add_fsdp_unit(self, fsdp_module) -> None:
         """Install the hook as ``fsdp_module``'s all-reduce (``set_all_reduce_hook``); units
         are numbered in the order added, which keys their state."""
+        if not fsdp_module._get_fsdp_state()._fsdp_param_groups:
+            return  # a unit without parameters of its own (a stage root holding only blocks)
         self.units = getattr(self, "units", 0) + 1
         fsdp_module.set_all_reduce_hook(self._fsdp_hook(fsdp_module, self.units - 1))
 
