@@ -116,13 +116,17 @@ def _mean_residuals(stage, ctx: RankContext, runner: StepRunner) -> dict:
     as the step sums the gradients. Collective over the compression's group."""
     comp = ctx.compression
     mine, out = comp.residuals(), {}
+    # FSDP2 under a schedule reduces (and runs the hook) on the sum over microbatches;
+    # the schedule divides the gradients by their number afterwards (scale_grads)
+    plan = runner.plan
+    scale = plan.microbatches if plan.mesh["pp"] > 1 and plan.zero_stage >= 2 else 1
     for p in stage.parameters():
         if p.grad is None:
             continue
         r = mine.get(id(p))
         r = torch.zeros_like(p.grad) if r is None else r.detach().clone()
         dist.all_reduce(local_tensor(r), group=comp.group)
-        local_tensor(r).div_(dist.get_world_size(comp.group))
+        local_tensor(r).div_(dist.get_world_size(comp.group) * scale)
         out[id(p)] = r
     runner._sync_tied_grads(lambda p: out.get(id(p)))
     runner._sum_shared_grads(lambda p: out.get(id(p)))

@@ -157,6 +157,10 @@ def main(gpt: Path, llama_pp: Path, llama_dp4: Path, tmp: Path) -> None:
     base = dataclasses.replace(ParallelPlan.from_json((llama_pp / "plan.json").read_text()), zero_stage=1)
     module = _load_model_module(llama_pp)
     verify_case(llama_pp, dataclasses.replace(base, compression=METHODS["topk"]), module, "pp2 zero1 topk")
+    # the same pipeline as HSDP with dp_replicate 2 x dp_shard 1 (ZeRO-3): the FSDP2 hook per
+    # stage, a tied embedding in both stages
+    verify_case(llama_pp, dataclasses.replace(base, zero_stage=3, dp_replicate=2, compression=METHODS["topk"]),
+                module, "pp2 hsdp2x1 topk")
     batches = data(base, module, 6)
     for name in ("none", "powersgd"):
         settings = {**METHODS[name], **({"start_iter": 2} if name == "powersgd" else {})}
