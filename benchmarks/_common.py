@@ -127,11 +127,12 @@ def bench_env(quick: bool) -> dict:
     return {**ENV, "PZ_BENCH_SIZE": "quick" if quick else "full"}
 
 
-def run_worker(program: Path, nproc: int, args: list[str], env: dict | None = None) -> dict:
-    """benchmarks._worker under torchrun on ``program``; rank 0's result JSON."""
+def run_worker(program: Path, nproc: int, args: list[str], env: dict | None = None,
+               module: str = "benchmarks._worker") -> dict:
+    """``module`` (default benchmarks._worker) under torchrun on ``program``; rank 0's result JSON."""
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
-        torchrun(nproc, "benchmarks._worker", ["--program", str(program), "--result", str(result), *args],
+        torchrun(nproc, module, ["--program", str(program), "--result", str(result), *args],
                  env=env)
         return json.loads(result.read_text())
 

@@ -23,7 +23,17 @@ The figure is the sum over all ranks. Target: ours equals the minimum; differenc
 listed by op and mesh dim. 0-dim all-reduces (the emitted step puts the global loss on
 every rank) are listed and left out of the totals.
 
-    python -m benchmarks.communication [--quick]
+Gradient compression rows (``--compression``, spec ``data_parallel.compression``): the
+gradient collectives over dp of one step per method, at dp=2 (DDP, zero_stage 0) and HSDP
+dp_replicate 2 x dp_shard 2 (zero_stage 3), counted by the same dispatch mode, beside the
+analytical figure from the model's parameter shapes (not our plan): fp16/bf16 half the
+buffer; PowerSGD rank r (Vogels et al. 2019) r (n + m) per n x m matrix that torch's hook
+compresses (r (n + m) * 2 < n m), other tensors whole; Top-K ceil(ratio n) values + int32
+indices per tensor, all-gathered (each rank sends (N-1) x its payload). Under HSDP the
+reduce-scatter inside the shard group is untouched by PowerSGD/Top-K, and FSDP2's parameter
+all-gathers are not gradient collectives (left out).
+
+    python -m benchmarks.communication [--quick] [--compression]
 """
 from __future__ import annotations
 
@@ -147,7 +157,11 @@ def _mb(x) -> str:
 def main() -> None:
     p = base_parser(__doc__.splitlines()[0], "communication")
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    p.add_argument("--compression", action="store_true", help="only the gradient-compression rows")
     a = p.parse_args()
+    if a.compression:
+        from ._compression_bench import main as compression_main
+        return compression_main(a.quick, a.json)
     runs = [measure(n, a.quick) for n in a.configs]
     rows = []
     for r in runs:

@@ -46,11 +46,18 @@ def main(argv: list[str]) -> int:
     from .memory_model import as_json, estimate_model_file
     from .spec import load_spec
 
+    from .compression import dp_collectives, format_dp_collectives
+
     plan, ranks = estimate_model_file(ns.model, load_spec(ns.spec, ns.overrides))
     if ns.json:
-        print(json.dumps(as_json(plan, ranks), indent=1))
+        print(json.dumps({**as_json(plan, ranks), "dp_communication": dp_collectives(plan)}, indent=1))
     else:
         print(_table(plan, ranks))
+        rows = format_dp_collectives(dp_collectives(plan))
+        if rows:
+            print(f"\ndata-parallel gradient communication per step and rank, compression "
+                  f"{plan.compression.get('method', 'none')} (bytes; sent = ring algorithms)")
+            print("\n".join(rows))
     return 0
 
 

@@ -112,6 +112,9 @@ class ParallelPlan:
     offload: bool = False
     param_dtype: str = "fp32"
     reduce_dtype: str = "fp32"
+    # gradient compression of the dp reduction (compression.plan_settings): {"method": none |
+    # fp16 | bf16 | powersgd | topk, "rank", "start_iter", "ratio", "error_feedback"}
+    compression: dict = field(default_factory=lambda: {"method": "none"})
     version: int = PLAN_VERSION
     # What a checkpoint needs to be re-partitioned without the model (checkpoint/target.py):
     # {"blocks", "block_costs", "pre_cost", "post_cost", "uses": {fqn: [cost-model unit]},

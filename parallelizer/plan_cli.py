@@ -52,7 +52,6 @@ def _plan_parser() -> argparse.ArgumentParser:
 
 def plan_main(argv: list[str]) -> int:
     """Raises UserError (exit 2): bad arguments, cluster file, model file or spec."""
-    from .planning.cluster import load_cluster
     from .planning.layout_search import parse_fix, search, why
 
     ns = _plan_parser().parse_intermixed_args(argv)

@@ -1,6 +1,7 @@
 """report.md: what the compiler decided and why, for a human."""
 from __future__ import annotations
 
+from .compression import dp_collectives, format_dp_collectives
 from .plan import ParallelPlan
 
 _DP = {0: "DDP", 1: "DDP + ZeroRedundancyOptimizer", 2: "FSDP2 per block, kept after forward",
@@ -34,6 +35,7 @@ def render_report(plan: ParallelPlan, route: str, tp_lines, pipeline: dict, note
     for t in sharded:
         layout = f", {t.layout['kind']}" if t.layout else ""
         lines.append(f"| {t.fqn} | {list(t.shape)} | Shard({t.tp_dim}){layout} | {t.role} |")
+    lines += dp_section(plan)
     lines += pipeline_section(plan, pipeline, pp_warnings)
     tied = [t.fqn for t in plan.tensors.values() if len(t.stages) > 1]
     if tied:
@@ -41,6 +43,20 @@ def render_report(plan: ParallelPlan, route: str, tp_lines, pipeline: dict, note
     if notes:
         lines += [""] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
+
+
+def dp_section(plan: ParallelPlan) -> list[str]:
+    """``## Data-parallel gradient communication``: bytes per step of each dp gradient
+    collective on one rank, with and without ``data_parallel.compression``."""
+    rows = dp_collectives(plan)
+    if not rows:
+        return []
+    c = plan.compression
+    detail = ", ".join(f"{k} {v}" for k, v in c.items() if k != "method")
+    return ["", "## Data-parallel gradient communication", "",
+            f"- compression: {c.get('method', 'none')}" + (f" ({detail})" if detail else "")
+            + "; bytes per training step on one rank of each pp rank (tp rank 0), buffer and "
+              "sent with ring algorithms; powersgd after its warm-up", ""] + format_dp_collectives(rows)
 
 
 _SPLIT = {"balanced": "balanced by forward + backward FLOPs (contiguous min-max partition)",

@@ -19,6 +19,8 @@ Defaults::
     activation_checkpointing: {mode: none, every: 2}
     fsdp: {prefetch: {forward: null, backward: null}, offload: false}   # null prefetch = 1
     mixed_precision: {param_dtype: fp32, reduce_dtype: null}          # null = param_dtype
+    data_parallel: {compression: none, error_feedback: true,
+                    powersgd: {rank: null, start_iter: null}, topk: {ratio: null}}
 
 ``mesh.dp_replicate``, ``fsdp.*`` and non-fp32 ``mixed_precision`` need FSDP2 (zero_stage
 2/3); under zero_stage 0/1 they are a SpecError rather than silently ignored or emulated
@@ -157,6 +159,33 @@ class MixedPrecision(BaseModel):
                           "gradient reduce-scatter / all-reduce)")
 
 
+class PowerSgd(BaseModel):
+    model_config = _STRICT
+    # None = the default (1 / 10); kept distinct so that setting it for another method is an error
+    rank: Optional[int] = Field(None, ge=1, description="null (= 1) or an integer >= 1 (rank r of "
+                                "the low-rank approximation P Q^T of each gradient matrix)")
+    start_iter: Optional[int] = Field(
+        None, ge=2, description="null (= 10) or an integer >= 2 (steps reduced uncompressed "
+                                "before PowerSGD starts; torch's powerSGD_hook needs >= 2)")
+
+
+class TopK(BaseModel):
+    model_config = _STRICT
+    ratio: Optional[float] = Field(None, gt=0, le=1, description="null (= 0.01) or a number in "
+                                   "(0, 1] (fraction of each gradient tensor's entries sent)")
+
+
+class DataParallel(BaseModel):
+    model_config = _STRICT
+    compression: Literal["none", "fp16", "bf16", "powersgd", "topk"] = Field(
+        "none", description="one of 'none', 'fp16', 'bf16', 'powersgd', 'topk' (gradient "
+                            "compression of the data-parallel reduction)")
+    error_feedback: bool = Field(True, description="true or false (powersgd/topk: add what "
+                                 "compression dropped to the next step's gradient)")
+    powersgd: PowerSgd = PowerSgd()
+    topk: TopK = TopK()
+
+
 class Spec(BaseModel):
     """A validated, immutable spec. Build it with :func:`load_spec`."""
 
@@ -173,6 +202,15 @@ class Spec(BaseModel):
     activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing()
     fsdp: Fsdp = Fsdp()
     mixed_precision: MixedPrecision = MixedPrecision()
+    data_parallel: DataParallel = DataParallel()
+
+    @model_validator(mode="after")
+    def _check_compression(self) -> "Spec":
+        from parallelizer.compression import check_compression  # pure checks, kept beside the hooks' docs
+        problem = check_compression(self)
+        if problem:
+            raise ValueError(problem)
+        return self
 
     @model_validator(mode="after")
     def _check_data_parallel(self) -> "Spec":

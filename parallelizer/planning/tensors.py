@@ -11,6 +11,7 @@ import torch.fx as fx
 from torch.utils._pytree import treespec_dumps
 
 from ..analysis.graph_facts import attr_targets
+from ..compression import plan_settings, reduce_dtype as compression_reduce_dtype
 from ..pipeline_schedules import stage_ranks
 from ..plan import ParallelPlan, StagePlan, TensorPlan, checkpointed_blocks, grad_sync_groups
 from ..decisions import PipelineDecision, TPDecision
@@ -90,7 +91,7 @@ def build_plan(spec, captured, gm, model, groups, tp: TPDecision, pipe: Pipeline
         prefetch_forward=_default(spec.fsdp.prefetch.forward, 1),
         prefetch_backward=_default(spec.fsdp.prefetch.backward, 1),
         offload=spec.fsdp.offload, param_dtype=spec.mixed_precision.param_dtype,
-        reduce_dtype=spec.mixed_precision.reduce_dtype or spec.mixed_precision.param_dtype,
+        reduce_dtype=compression_reduce_dtype(spec), compression=plan_settings(spec),
         structure=structure, settings=run_settings(spec))
     return dataclasses.replace(plan, grad_sync=grad_sync_groups(plan))
 

@@ -16,12 +16,18 @@ reduce_dtype)`` keeps the sharded parameters, gradients and optimizer state in f
 master copy) and all-gathers/computes in ``param_dtype``; ``CPUOffloadPolicy`` keeps the
 sharded parameters, gradients and optimizer state on the CPU. Explicit prefetch
 (:func:`set_prefetch`) is per stage: the next pipeline stage's blocks live on other ranks.
+
+Gradient compression (spec ``data_parallel.compression``, ``runtime/compression.py``): a DDP
+comm hook at zero_stage 0/1, the same hook on one flat bucket after the schedule under pp > 1,
+FSDP2's reduce dtype for fp16/bf16 at zero_stage 2/3, and under HSDP with powersgd/topk
+FSDP2 over ``dp_shard`` with the hook as the all-reduce over ``dp_replicate``.
 """
 from __future__ import annotations
 
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from .compression import GradCompression
 from .optim import make_optimizer
 from .setup import RankContext
 
@@ -33,15 +39,26 @@ def apply_data_parallel(stage: torch.nn.Module, ctx: RankContext, plan) -> None:
     fsdp_options = plan.param_dtype != "fp32" or plan.reduce_dtype != "fp32" or plan.offload
     if ctx.mesh["dp"].size() == 1 and not (zero_stage >= 2 and fsdp_options):
         return
+    method = plan.compression.get("method", "none")
     if zero_stage in (0, 1):
+        if method != "none" and ctx.compression is None:
+            ctx.compression = GradCompression(plan.compression, ctx.group("dp"))
         if ctx.mesh["pp"].size() > 1:
             return  # StepRunner averages gradients after the schedule (all_reduce_grads)
         from torch.distributed._composable.replicate import replicate  # imports torch.jit: lazily
         # find_unused_parameters: a weight the loss does not use (BERT's pooler) must not
-        # leave DDP's reducer waiting for its gradient
+        # leave DDP's reducer waiting for its gradient (and keeps buckets from being rebuilt,
+        # so a compression hook's per-bucket state keeps its layout across steps and resumes)
         replicate(stage, process_group=ctx.group("dp"), find_unused_parameters=True)
+        if ctx.compression is not None:
+            ctx.compression.register_ddp(stage)
         return
     kw = fsdp_kwargs(plan, ctx)
+    hooked = method in ("powersgd", "topk")  # spec: only under HSDP at zero_stage 2/3
+    if hooked:  # shard over dp_shard; the hook is the all-reduce over dp_replicate
+        if ctx.compression is None:
+            ctx.compression = GradCompression(plan.compression, ctx.fsdp_mesh["dp_replicate"].get_group())
+        kw["mesh"] = ctx.fsdp_mesh["dp_shard"]
     blocks = [block for _name, block in stage.emitted_blocks()]
     for block in blocks:
         fully_shard(block, **kw)
@@ -49,6 +66,9 @@ def apply_data_parallel(stage: torch.nn.Module, ctx: RankContext, plan) -> None:
     # ZeRO-3 leave it to FSDP2's root default (None: kept gathered, as torchtitan does); an
     # explicit True re-gathered it for every backward (benchmarks/communication.py).
     fully_shard(stage, **{**kw, "reshard_after_forward": None if kw["reshard_after_forward"] else False})
+    if hooked:
+        for unit in blocks + [stage]:
+            ctx.compression.add_fsdp_unit(unit)
     set_prefetch(blocks, plan.prefetch_forward, plan.prefetch_backward)
     if plan.param_dtype != "fp32":
         _autocast_forward(stage, ctx.device.type, TORCH_DTYPES[plan.param_dtype])
@@ -107,9 +127,14 @@ def make_stage_optimizer(params, name: str, lr: float, weight_decay: float, zero
 
 
 def all_reduce_grads(params, ctx: RankContext) -> None:
-    """Average gradients over the dp group in one coalesced all-reduce (DDP's result)."""
-    grads = [p.grad for p in params if p.grad is not None]
+    """Average gradients over the dp group in one coalesced all-reduce (DDP's result), or
+    through the compression hook on one flat bucket."""
+    params = [p for p in params if p.grad is not None]
+    grads = [p.grad for p in params]
     if not grads:
+        return
+    if ctx.compression is not None:
+        ctx.compression.reduce(grads, params)
         return
     flat = torch._utils._flatten_dense_tensors(grads)
     torch.distributed.all_reduce(flat, group=ctx.group("dp"))

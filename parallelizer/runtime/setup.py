@@ -22,6 +22,7 @@ class RankContext:
     tp_rank: int
     fsdp_mesh: DeviceMesh | None = None  # 1-D (dp) or, under HSDP, 2-D (dp_replicate, dp_shard)
     sync_groups: dict = field(default_factory=dict)  # rank tuple -> group (plan.grad_sync)
+    compression: object = None  # runtime/compression.GradCompression, set by apply_data_parallel
 
     @property
     def rank(self) -> int:

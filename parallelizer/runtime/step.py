@@ -73,6 +73,8 @@ class StepRunner:
             loss, outputs = self._pipeline_step(batch, target)
         if self.manual_dp:
             all_reduce_grads(self.stage.parameters(), self.ctx)
+        if self.ctx.compression is not None:
+            self.ctx.compression.finish_step()
         self._sync_tied_grads()
         self._sum_shared_grads()
         return self._global_loss(loss), outputs
@@ -126,11 +128,12 @@ class StepRunner:
             loss /= self.plan.mesh["dp"]
         return loss
 
-    def _sync_tied_grads(self) -> None:
-        """Sum each tied weight's gradient over its copies: the local ones (two stages on
-        this rank), then over the other ranks holding it; every copy gets the sum."""
+    def _sync_tied_grads(self, pick=lambda p: p.grad) -> None:
+        """Sum each tied weight's gradient (``pick(param)``: ``.grad``, or what --verify
+        sums like it) over its copies: the local ones (two stages on this rank), then over
+        the other ranks holding it; every copy gets the sum."""
         for params, group in self.tied:
-            grads = [local_tensor(p.grad) for p in params if p.grad is not None]
+            grads = [local_tensor(pick(p)) for p in params if pick(p) is not None]
             if not grads:
                 continue
             total = grads[0] if len(grads) == 1 else torch.stack(grads).sum(0)
@@ -140,11 +143,11 @@ class StepRunner:
                 if g is not total:
                     g.copy_(total)
 
-    def _sum_shared_grads(self) -> None:
+    def _sum_shared_grads(self, pick=lambda p: p.grad) -> None:
         """Sum each replicated kv head's gradient over the tp ranks holding a copy."""
         for param, group in self.summed:
-            if param.grad is not None:
-                dist.all_reduce(local_tensor(param.grad), group=group)
+            if pick(param) is not None:
+                dist.all_reduce(local_tensor(pick(param)), group=group)
 
 
 def _replicated_head_params(stage, plan: ParallelPlan, ctx: RankContext) -> list:

@@ -19,6 +19,7 @@ from ..errors import CheckpointError, UserError
 from ..plan import ParallelPlan
 from .batching import dp_slice, synthetic_batches
 from .gather import full_tensor
+from .compression import load_state as load_compression_state, save_state as save_compression_state
 from .data_parallel import make_stage_optimizer
 from .setup import RankContext
 from .step import StepRunner
@@ -35,6 +36,8 @@ def run_train(plan: ParallelPlan, spec: dict, stage, ctx: RankContext, loss_fn, 
     start = 0
     if resume is not None:
         start = load_optimizer_state(opt, stage, plan, ctx, Path(resume))
+        if ctx.compression is not None:
+            load_compression_state(ctx.compression, plan, Path(resume), ctx.rank, ctx.device)
     source = itertools.islice(batch_source(plan, model_module, spec), start, None)
     losses = []
     for step, batch in zip(range(start, start + steps), source):
@@ -185,3 +188,6 @@ def save_checkpoint(stage, plan: ParallelPlan, ctx: RankContext, out: Path, opt=
         write_checkpoint(state, plan, Path(out), overwrite=True, optim_state=optim, train=train)
         print(f"saved {len(state)} tensors to {out}", flush=True)
     dist.barrier()
+    if opt is not None and ctx.compression is not None:  # per rank: error feedback differs
+        save_compression_state(ctx.compression, plan, Path(out), ctx.rank)
+        dist.barrier()

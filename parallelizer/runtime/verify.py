@@ -20,6 +20,7 @@ from .batching import dp_slice, to_batch
 from .gather import copies_max_diff, full_tensor
 from .data_parallel import make_stage_optimizer
 from .setup import RankContext
+from .stage_builder import local_tensor
 from .step import StepRunner
 
 CATEGORIES = ("loss", "outputs", "gradients", "parameters")
@@ -29,10 +30,25 @@ CATEGORIES = ("loss", "outputs", "gradients", "parameters")
 DTYPE_TOLERANCE = {"fp32": (0.0, 0.0), "fp16": (5e-3, 5e-3), "bf16": (3e-2, 3e-2)}
 
 
-def tolerances(vcfg: dict, param_dtype: str) -> tuple[float, float]:
-    """(atol, rtol) of --verify: the spec's, raised to the floor of ``param_dtype``."""
-    floor_a, floor_r = DTYPE_TOLERANCE[param_dtype]
-    return max(vcfg["atol"], floor_a), max(vcfg["rtol"], floor_r)
+def tolerances(vcfg: dict, param_dtype: str, compression: str = "none") -> tuple[float, float]:
+    """(atol, rtol) of --verify: the spec's, raised to the floor of ``param_dtype`` and of an
+    fp16/bf16 gradient compression (gradients rounded to that dtype before the reduction)."""
+    floors = [DTYPE_TOLERANCE[param_dtype]] + ([DTYPE_TOLERANCE[compression]] if compression in DTYPE_TOLERANCE else [])
+    return max([vcfg["atol"]] + [a for a, _ in floors]), max([vcfg["rtol"]] + [r for _, r in floors])
+
+
+def compression_rule(plan: ParallelPlan) -> str:
+    """How --verify judges gradients and parameters under ``plan.compression`` (printed)."""
+    c = plan.compression
+    if c.get("method") == "powersgd":
+        return (f"powersgd: the verify step is step 1 of the uncompressed warm-up (start_iter="
+                f"{c['start_iter']} >= 2), so the tolerances above apply")
+    if c.get("method") == "topk":
+        return (f"topk ratio {c['ratio']}: the reduced gradient is mean_i(g_i - r_i), r_i what rank "
+                f"i did not send; gradients + mean_i r_i (all-reduced residuals) and, under sgd, "
+                f"parameters - lr mean_i r_i are compared at the tolerances above (adamw: "
+                f"||p - p_ref|| <= 2 lr sqrt(n) + atol)")
+    return ""
 
 
 class _Tally:
@@ -43,7 +59,9 @@ class _Tally:
         self.count = {c: 0 for c in CATEGORIES}
         self.worst = {c: "" for c in CATEGORIES}
 
-    def add(self, cat, name, got, want):
+    def add(self, cat, name, got, want, bound=None):
+        """Compare elementwise at (atol, rtol), or, with ``bound``, by the 2-norm of the
+        difference against ``bound`` + atol (Top-K's rule, :func:`compression_rule`)."""
         got, want = got.detach().float().cpu(), want.float()
         if got.shape != want.shape:
             self.bad[cat] += 1
@@ -54,7 +72,9 @@ class _Tally:
         self.count[cat] += 1
         if e > self.err[cat]:
             self.err[cat], self.worst[cat] = e, name
-        if not torch.allclose(got, want, atol=self.atol, rtol=self.rtol):
+        ok = ((got - want).norm().item() <= bound + self.atol if bound is not None else
+              torch.allclose(got, want, atol=self.atol, rtol=self.rtol))
+        if not ok:
             self.bad[cat] += 1
 
 
@@ -63,7 +83,7 @@ def run_verify(out_dir: Path, plan: ParallelPlan, spec: dict, stage, ctx: RankCo
     batch = to_batch(plan, [ref[f"input.{n}"] for n in plan.input_names])
     local = dp_slice(plan, batch, ctx.dp_rank, ctx.device)
     vcfg, ocfg = spec["verify"], spec["optimizer"]
-    tally = _Tally(*tolerances(vcfg, plan.param_dtype))
+    tally = _Tally(*tolerances(vcfg, plan.param_dtype, plan.compression.get("method", "none")))
     runner = StepRunner(stage, plan, ctx, loss_fn)
     opt = make_stage_optimizer(stage.parameters(), vcfg["optimizer"], ocfg["lr"], ocfg["weight_decay"],
                                plan.zero_stage, ctx)
@@ -79,10 +99,38 @@ def run_verify(out_dir: Path, plan: ParallelPlan, spec: dict, stage, ctx: RankCo
                 skipped.append(f"output.{i} {tuple(ref[f'output.{i}'].shape)}")
             else:
                 tally.add("outputs", f"output.{i}", out, want)
-    _compare_tensors(tally, "gradients", "grad", stage, plan, ctx, ref, lambda p: p.grad)
+    dropped = _mean_residuals(stage, ctx, runner) if plan.compression.get("method") == "topk" else {}
+    _compare_tensors(tally, "gradients", "grad", stage, plan, ctx, ref,
+                     lambda p: p.grad if p.grad is None or id(p) not in dropped else p.grad + dropped[id(p)])
     opt.step()
-    _compare_tensors(tally, "parameters", "param", stage, plan, ctx, ref, lambda p: p)
+    lr, sgd = ocfg["lr"], vcfg["optimizer"] == "sgd"
+    param_bound = (lambda fqn, want: 2 * lr * want.numel() ** 0.5) if dropped and not sgd else None
+    _compare_tensors(tally, "parameters", "param", stage, plan, ctx, ref,
+                     lambda p: p - lr * dropped[id(p)] if sgd and id(p) in dropped else p, param_bound)
     return _report(tally, plan, vcfg["optimizer"], loss, ref["loss"], ctx, skipped)
+
+
+def _mean_residuals(stage, ctx: RankContext, runner: StepRunner) -> dict:
+    """Top-K: ``{id(parameter): mean over the reducing ranks of what they did not send}``
+    (a DTensor under FSDP2, like ``.grad``), then summed over tied copies and kv-head copies
+    as the step sums the gradients. Collective over the compression's group."""
+    comp = ctx.compression
+    mine, out = comp.residuals(), {}
+    # FSDP2 under a schedule reduces (and runs the hook) on the sum over microbatches;
+    # the schedule divides the gradients by their number afterwards (scale_grads)
+    plan = runner.plan
+    scale = plan.microbatches if plan.mesh["pp"] > 1 and plan.zero_stage >= 2 else 1
+    for p in stage.parameters():
+        if p.grad is None:
+            continue
+        r = mine.get(id(p))
+        r = torch.zeros_like(p.grad) if r is None else r.detach().clone()
+        dist.all_reduce(local_tensor(r), group=comp.group)
+        local_tensor(r).div_(dist.get_world_size(comp.group) * scale)
+        out[id(p)] = r
+    runner._sync_tied_grads(lambda p: out.get(id(p)))
+    runner._sum_shared_grads(lambda p: out.get(id(p)))
+    return out
 
 
 def _output_share(want: torch.Tensor, rows: int, plan: ParallelPlan, dp_rank: int):
@@ -97,7 +145,7 @@ def _output_share(want: torch.Tensor, rows: int, plan: ParallelPlan, dp_rank: in
     return want if dp == 1 and plan.mesh["pp"] == 1 else None
 
 
-def _compare_tensors(tally, cat, key, stage, plan, ctx, ref, pick):
+def _compare_tensors(tally, cat, key, stage, plan, ctx, ref, pick, bound=None):
     tp = plan.mesh["tp"]
     for name, param in stage.named_parameters():
         fqn = plan.aliases.get(name, name)
@@ -107,7 +155,7 @@ def _compare_tensors(tally, cat, key, stage, plan, ctx, ref, pick):
                 tally.add(cat, name, torch.full((1,), float("nan")), torch.zeros(1))
             continue
         full = full_tensor(t, plan.tensors[fqn], ctx, tp)
-        tally.add(cat, name, full, want)
+        tally.add(cat, name, full, want, bound(fqn, want) if bound else None)
         if plan.tensors[fqn].layout and plan.tensors[fqn].layout["kind"] == "replicated_heads":
             # tp ranks holding one kv head must hold the same gradient and weights
             spread = copies_max_diff(t, plan.tensors[fqn], ctx, tp)
@@ -124,8 +172,12 @@ def _report(tally: _Tally, plan, opt_name, loss, ref_loss, ctx, skipped=()) -> i
         m = plan.mesh
         dtypes = "fp32" if plan.param_dtype == "fp32" else \
             f"param_dtype {plan.param_dtype}, reduce_dtype {plan.reduce_dtype}"
+        method = plan.compression.get("method", "none")
+        which = plan.param_dtype + (f", {method} gradient compression" if method != "none" else "")
         print(f"verify: mesh pp={m['pp']} x dp={m['dp']} x tp={m['tp']}, {dtypes}, "
-              f"atol={tally.atol:g} rtol={tally.rtol:g} (tolerances for {plan.param_dtype})")
+              f"atol={tally.atol:g} rtol={tally.rtol:g} (tolerances for {which})")
+        if compression_rule(plan):
+            print(f"verify: {compression_rule(plan)}")
         print(f"verify: loss {loss.item():.6f} (reference {ref_loss.item():.6f}) max abs err {errs[0]:.3g}")
         print(f"verify: outputs max abs err {errs[1]:.3g}" + (
             f" (not compared, no batch dim to split over dp/microbatches: {', '.join(skipped)})"

@@ -35,6 +35,8 @@ def test_defaults_for_empty_file(tmp_path):
         "activation_checkpointing": {"mode": "none", "every": 2},
         "fsdp": {"prefetch": {"forward": None, "backward": None}, "offload": False},
         "mixed_precision": {"param_dtype": "fp32", "reduce_dtype": None},
+        "data_parallel": {"compression": "none", "error_feedback": True,
+                          "powersgd": {"rank": None, "start_iter": None}, "topk": {"ratio": None}},
     }
     assert spec == Spec()
 
