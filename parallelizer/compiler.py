@@ -17,7 +17,8 @@ import torch
 from . import emit
 from .checkpoint.hf import load_hf_state_dict, match_to_model
 from .errors import CheckpointError, PlanError
-from .frontend import build_model, capture, example_batch, load_model_file
+from .frontend import MODEL_MODULE, build_model, capture, example_batch, load_model_file
+from .needed_imports import modules_needed
 from .passes.aliases import apply_untie
 from .passes.cleanup import apply_cleanup
 from .passes.manager import PassManager
@@ -122,7 +123,8 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
         block_notes += notes
 
     plan = build_plan(spec, captured, gm, model, groups, tp_decision, stages, block_graphs)
-    plan = dataclasses.replace(plan, structure=structure)
+    plan = dataclasses.replace(plan, structure=structure,
+                               imports=modules_needed(gm.graph, captured.out_spec, MODEL_MODULE))
     pipeline = summarize(pp_decision, costs, pipe.schedule, mesh.pp, pipe.microbatches, virtual)
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     pp_warnings += check_placement(pipeline, [st.fqns for st in plan.stages], params, canonical)

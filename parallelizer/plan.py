@@ -113,6 +113,9 @@ class ParallelPlan:
     # {"blocks", "block_costs", "pre_cost", "post_cost", "uses": {fqn: [cost-model unit]},
     #  "state_dict_keys": [...]} (planning/tensors.py:pipeline_structure); empty if absent.
     structure: dict = field(default_factory=dict)
+    # modules run.py imports before building stages: custom-op libraries the graph calls and
+    # the modules of the output pytree's types (parallelizer/needed_imports.py)
+    imports: tuple[str, ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -140,6 +143,7 @@ class ParallelPlan:
                        for s in d.pop("stages"))
         d["input_names"] = tuple(d.get("input_names", ()))
         d["tp_report"] = tuple(d.get("tp_report", ()))
+        d["imports"] = tuple(d.get("imports", ()))
         return ParallelPlan(tensors=tensors, stages=stages, **d)
 
     def hash(self) -> str:
