@@ -116,6 +116,9 @@ class ParallelPlan:
     # modules run.py imports before building stages: custom-op libraries the graph calls and
     # the modules of the output pytree's types (parallelizer/needed_imports.py)
     imports: tuple[str, ...] = ()
+    # flat output indices of 0-dim floating-point outputs (a loss computed in forward):
+    # averaged over microbatches and dp ranks, never concatenated (parallelizer/outputs.py)
+    scalar_outputs: tuple[int, ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -144,6 +147,7 @@ class ParallelPlan:
         d["input_names"] = tuple(d.get("input_names", ()))
         d["tp_report"] = tuple(d.get("tp_report", ()))
         d["imports"] = tuple(d.get("imports", ()))
+        d["scalar_outputs"] = tuple(d.get("scalar_outputs", ()))
         return ParallelPlan(tensors=tensors, stages=stages, **d)
 
     def hash(self) -> str:

@@ -41,7 +41,9 @@ def _candidates(model: torch.nn.Module) -> tuple[list, list]:
     """(container candidates, sibling-run candidates): lists of (parent FQN, child names)."""
     containers, siblings = [], []
     for name, mod in model.named_modules():
-        children = list(mod.named_children())
+        # _modules, not named_children(): a module repeated in a list (ALBERT-style shared
+        # block) is one block per position, and later refused by name
+        children = [(c, m) for c, m in mod._modules.items() if m is not None]
         if isinstance(mod, torch.nn.ModuleList):
             if children:
                 containers.append((name, [c for c, _ in children]))
