@@ -12,6 +12,7 @@ modules here (``ParallelPlan.imports``) and ``run.py`` imports them before anyth
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import sys
 
@@ -28,6 +29,7 @@ def _provided(module: str, model_module: str) -> bool:
     return module == model_module or module.split(".")[0] in _PROVIDED
 
 
+@functools.lru_cache(maxsize=None)  # the scan of sys.modules runs once per operator
 def op_module(op: torch._ops.OpOverload) -> str | None:
     """The module whose import registers ``op``: the module of a ``torch.library.custom_op``'s
     function, else a loaded module holding a ``torch.library.Library`` of the op's namespace;

@@ -1,6 +1,6 @@
-"""A tiny Mixtral built as users often do, through AutoModelForCausalLM.from_config: this
-file imports neither the model's output types nor transformers' MoE custom ops, which the
-program must import itself."""
+"""A tiny Mixtral built as users often do, through AutoModelForCausalLM.from_config, and
+called with labels= (the loss is computed in forward): this file imports neither the
+model's output types nor transformers' MoE custom ops, which the program must import itself."""
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -18,4 +18,5 @@ def build_model():
 
 def example_inputs():
     g = torch.Generator().manual_seed(1)
-    return {"input_ids": torch.randint(0, VOCAB, (4, 8), generator=g)}
+    ids = torch.randint(0, VOCAB, (4, 8), generator=g)
+    return {"input_ids": ids, "labels": ids.clone()}

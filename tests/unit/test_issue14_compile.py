@@ -4,6 +4,7 @@ custom operators. The multi-process runs are tests/distributed/test_user_models.
 import importlib
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from parallelizer.needed_imports import import_modules, modules_needed
 from parallelizer.planning.tp import plan_tp
 from parallelizer.spec import load_spec
 
-from tests.distributed.test_user_models import MODELS
+MODELS = Path(__file__).resolve().parents[1] / "distributed" / "user_models"
 
 # a library that registers a custom op when imported (as transformers.integrations.moe
 # registers transformers::grouped_mm_fallback), and a model whose forward calls it
