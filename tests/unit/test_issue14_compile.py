@@ -133,3 +133,16 @@ def test_stage_outputs_not_known_contiguous_are_sent_contiguous(tmp_path):
     # on the last block's output, in the stage's own forward (block classes unchanged)
     assert "torch.ops.aten.contiguous.default(_1)" in stage_body
     assert "contiguous" not in program.sources["program/stage1.py"]  # last stage: outputs as they are
+
+
+def test_default_loss_is_the_loss_the_model_computed():
+    """A model called with labels= returns outputs.loss: that is the training loss (before,
+    the default took the mean square of the first float output, the loss itself)."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from parallelizer.runtime.loss import default_loss
+    logits = torch.randn(2, 3, 5)
+    loss = torch.tensor(1.5)
+    assert default_loss(CausalLMOutputWithPast(loss=loss, logits=logits), None) is loss
+    assert default_loss((logits, loss), None) is loss  # a 0-dim float output
+    assert torch.equal(default_loss(CausalLMOutputWithPast(logits=logits), None), logits.pow(2).mean())
