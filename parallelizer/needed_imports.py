@@ -21,8 +21,9 @@ import torch.fx as fx
 from torch.utils._pytree import TreeSpec
 
 # modules that need no import by the program: torch registers its own ops and containers,
-# and run.py loads model.py under MODEL_MODULE itself (frontend.py)
-_PROVIDED = ("builtins", "collections", "torch", "parallelizer")
+# run.py loads model.py under MODEL_MODULE itself (frontend.py), and a type defined in the
+# script that called the Python API (__main__) cannot be imported by name
+_PROVIDED = ("builtins", "collections", "torch", "parallelizer", "__main__")
 
 
 def _provided(module: str, model_module: str) -> bool:
