@@ -103,6 +103,12 @@ def test_pp_exceeding_blocks_is_a_plan_error():
                             "(model.layers); use mesh.pp <= 4")
 
 
+def test_pp_exceeding_sibling_blocks_names_them():
+    with pytest.raises(PlanError) as e:
+        plan_pipeline([10] * 2, 0, 0, 3, ("block1", "block2"))
+    assert "exceeds the number of blocks (2) found in the model (block1, block2)" in str(e.value)
+
+
 def test_pp_without_blocks_is_a_plan_error():
     with pytest.raises(PlanError) as e:
         plan_pipeline([], 10, 10, 2, ())
