@@ -6,6 +6,7 @@ data) or a pass (reads a plan, rewrites the graph).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import sys
 from operator import attrgetter
 from pathlib import Path
@@ -17,11 +18,14 @@ from . import emit
 from .checkpoint.hf import load_hf_state_dict, match_to_model
 from .errors import CheckpointError, PlanError
 from .frontend import build_model, capture, example_batch, load_model_file
+from .needed_imports import modules_needed
+from .analysis.outputs import check_outputs_have_batch_dim, scalar_outputs
 from .passes.aliases import apply_untie
 from .passes.cleanup import apply_cleanup
 from .passes.manager import PassManager
 from .passes.split_blocks import split_blocks
 from .passes.split_check import check_split
+from .plan import MODEL_MODULE
 from .passes.split_stages import split_stages
 from .passes.tensor_parallel import apply_tensor_parallel
 from .analysis.graph_costs import collect_costs
@@ -98,7 +102,7 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
 
     _check_no_dropout(gm)
     if mesh.pp > 1:
-        _check_outputs_have_batch_dim(gm, captured.input_names)
+        check_outputs_have_batch_dim(gm, captured.input_names)
     # facts and plan first, from the captured graph (global shapes); then the passes
     tp_decision = plan_tp(gm.graph, mesh.tp)  # raises before anything is rewritten
     passes = PassManager(dump_passes)
@@ -111,6 +115,8 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
     pp_decision = plan_from_costs(costs, num_stages, blocks, pipe, stages_key=stages_key)
     structure = pipeline_structure(gm.graph, model, blocks, costs, canonical)
     plan = build_plan(spec, captured, gm, model, groups, tp_decision, pp_decision, structure)
+    plan = dataclasses.replace(plan, imports=modules_needed(gm.graph, captured.out_spec, MODEL_MODULE),
+                               scalar_outputs=scalar_outputs(gm))
     pipeline = summarize(pp_decision, costs, pipe.schedule, mesh.pp, pipe.microbatches, virtual)
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     pp_warnings += check_placement(pipeline, [st.fqns for st in plan.stages], params, canonical)
@@ -205,29 +211,6 @@ def _check_no_dropout(gm: torch.fx.GraphModule) -> None:
                         f"needs a deterministic model (verified against the original, the same on "
                         f"every tensor-parallel rank): set the probabilities to 0 in build_model() "
                         f"(Hugging Face: *_pdrop / *dropout* = 0.0 in the config)")
-
-
-def _check_outputs_have_batch_dim(gm: torch.fx.GraphModule, input_names) -> None:
-    """Under pp > 1 torch.distributed.pipelining concatenates each output of the last stage
-    over microbatches along dim 0 (``merge_chunks``), which fails on a run for an output
-    without the batch dim (a 0-dim mean, HF ``outputs.loss``).
-
-    Raises:
-        PlanError: names the output, its shape and the fix.
-    """
-    first = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == input_names[0])
-    batch = first.meta["val"].shape[0]
-    out = next(n for n in gm.graph.nodes if n.op == "output")
-    for i, node in enumerate(torch.fx.node.map_arg(out.args[0], lambda n: n) or ()):
-        val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-        if isinstance(val, torch.Tensor) and (val.dim() == 0 or str(val.shape[0]) != str(batch)):
-            shape = "()" if val.dim() == 0 else str(list(val.shape))
-            raise PlanError(
-                f"output {i} of the model has shape {shape}, without the batch dim of the inputs "
-                f"first; under mesh.pp > 1 each output is concatenated over "
-                f"microbatches along dim 0, so return per-sample values and reduce them in "
-                f"loss_fn (for Hugging Face, leave labels out of example_inputs() so the "
-                f"model returns no outputs.loss), or use mesh.pp=1")
 
 
 def _to_meta(batch):

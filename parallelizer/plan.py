@@ -128,6 +128,12 @@ class ParallelPlan:
     # "key": stage indices | kv head count, "ranks": [[global ranks], ...]}]; the runtime
     # creates each process group once, in this order, on every rank.
     grad_sync: tuple = ()
+    # modules run.py imports before building stages: custom-op libraries the graph calls and
+    # the modules of the output pytree's types (parallelizer/needed_imports.py)
+    imports: tuple[str, ...] = ()
+    # flat output indices of 0-dim floating-point outputs (a loss computed in forward):
+    # averaged over microbatches and dp ranks, never concatenated (parallelizer/analysis/outputs.py)
+    scalar_outputs: tuple[int, ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -164,6 +170,8 @@ class ParallelPlan:
         d["tp_report"] = tuple(d.get("tp_report", ()))
         d["checkpointed"] = tuple(d.get("checkpointed", ()))
         d["grad_sync"] = tuple(d.get("grad_sync", ()))
+        d["imports"] = tuple(d.get("imports", ()))
+        d["scalar_outputs"] = tuple(d.get("scalar_outputs", ()))
         return ParallelPlan(tensors=tensors, stages=stages, **d)
 
     def hash(self) -> str:

@@ -8,7 +8,7 @@ of buffers, constants and sizes only, such as Llama's causal mask and rotary cos
 stage that uses one copies its producers), and returns what stage ``s+1`` takes, so values
 needed further down (MiniLM's extended attention mask) pass through the stages in between;
 that is what ``torch.distributed.pipelining.PipelineStage`` needs (stage s's outputs are
-stage s+1's inputs). Parameters are read with get_attr in every stage that uses them
+stage s+1's inputs); an output not known to be contiguous is sent as ``contiguous(x)``. Parameters are read with get_attr in every stage that uses them
 (tied weights appear in two stages), and non-tensor values (SymInt sizes) are recomputed
 from a local tensor carrying the same symbol, since only tensors cross stages.
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..decisions import PipelineDecision
 from ..analysis.graph_costs import assign_parts, assign_units
@@ -102,10 +103,25 @@ def _extract(graph, stage_of, s, inputs, outputs, recompute) -> StageGraph:
         result = graph.output_node().args[0]
         new.output(tuple(get(a) if isinstance(a, fx.Node) else a for a in result))
     else:
-        new.output(tuple(get(a) for a in outputs))
+        new.output(tuple(_contiguous(new, get(a)) for a in outputs))
     new.lint()
     return StageGraph(s, new, [n.name for n in inputs],
                       [n.name for n in outputs] if outputs else [], targets)
+
+
+def _contiguous(new: fx.Graph, node: fx.Node) -> fx.Node:
+    """``node``, or ``aten.contiguous(node)`` when its value is not known to be contiguous:
+    gloo and NCCL send only contiguous tensors (``isend``: "input tensor has to be
+    contiguous"; T5's stage outputs are transposed views), and torch's PipelineStage sends
+    stage outputs as they are. ``contiguous`` returns its input when it already is."""
+    v = node.meta.get("val")
+    if v is None or statically_known_true(v.is_contiguous()):
+        return node
+    out = new.call_function(aten.contiguous.default, (node,))
+    # at the stage's top level, so the block before keeps its emitted class
+    out.meta = {k: x for k, x in node.meta.items() if k != "nn_module_stack"}
+    out.meta["val"] = v.contiguous()
+    return out
 
 
 def _rematerialize(new: fx.Graph, node: fx.Node, env: dict, get) -> fx.Node:

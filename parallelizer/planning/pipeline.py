@@ -1,10 +1,11 @@
 """Pipeline planner: which blocks (or parts of blocks) go to which stage, and what each
 stage costs.
 
-Blocks are the children of the model's largest ``nn.ModuleList`` (``model.layers``,
-``encoder.layer``, ``blocks``). Stages are contiguous runs of blocks; stage 0 also holds
-what runs before the first block (embeddings) and the last stage what runs after the last
-(final norm, LM head); the last stage may hold only that when it is heavy enough.
+Blocks are the model's repeated layers (``planning/blocks.py``: the children of an
+``nn.ModuleList``, a run in an ``nn.Sequential``, or of sibling modules of one class).
+Stages are contiguous runs of blocks; stage 0 also holds what runs before the first block
+(embeddings) and the last stage what runs after the last (final norm, LM head); the last
+stage may hold only that when it is heavy enough.
 The split minimises the largest stage's cost, forward + backward
 FLOPs from the cost model (``analysis/costs.py``): a contiguous min-max partition by
 dynamic programming, as in PipeDream's planner (Narayanan et al. 2019, §3.1), so a heavy
@@ -28,11 +29,11 @@ from __future__ import annotations
 import difflib
 from typing import Optional, Sequence
 
-import torch
 
 from ..errors import PlanError
 from ..analysis.costs import PipelineCosts
 from ..decisions import PipelineDecision
+from .blocks import SEARCHED, find_blocks  # noqa: F401  (find_blocks: public here too)
 
 
 FINER_GAIN = 0.01  # cut inside blocks only when that lowers the largest stage cost by more
@@ -42,17 +43,15 @@ FINER_GAIN = 0.01  # cut inside blocks only when that lowers the largest stage c
 BlockParts = Sequence[tuple[str, int, bool]]
 
 
-def find_blocks(model: torch.nn.Module) -> tuple[str, ...]:
-    """FQNs of the children of the ModuleList holding the most parameters ('' if none)."""
-    best, best_n = None, 0
-    for name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.ModuleList) and len(mod) > 0:
-            n = sum(p.numel() for p in mod.parameters())
-            if n > best_n:
-                best, best_n = name, n
-    if best is None:
-        return ()
-    return tuple(f"{best}.{i}" if best else str(i) for i in range(len(model.get_submodule(best))))
+def _container(blocks: tuple[str, ...]) -> str:
+    """Where the blocks sit, for messages: ``model.layers``, or the blocks when they are
+    top-level siblings."""
+    if not blocks:
+        return "no blocks"
+    parent = blocks[0].rpartition(".")[0]
+    return parent or ", ".join(blocks[:3]) + (", ..." if len(blocks) > 3 else "")
+
+
 
 
 def plan_pipeline(block_costs: Sequence[int], pre_cost: int, post_cost: int, num_stages: int,
@@ -82,14 +81,14 @@ def plan_pipeline(block_costs: Sequence[int], pre_cost: int, post_cost: int, num
     parts = [list(p) for p in parts] if parts else [[] for _ in range(n)]
     offered = sum(f for p in parts for _, _, f in p[1:])
     if num_stages > 1 and not blocks:
-        raise PlanError(f"{stages_key} ({num_stages}): pipeline stages are cut between the blocks "
-                        f"of the model's largest nn.ModuleList (model.layers, encoder.layer, ...), "
-                        f"and this model has none; hold its repeated layers in an nn.ModuleList, "
-                        f"or use {stages_key}=1")
+        raise PlanError(f"{stages_key} ({num_stages}): pipeline stages are cut between the "
+                        f"model's repeated blocks, and none were found (searched: {SEARCHED}, "
+                        f"holding parameters); hold the repeated layers in an nn.ModuleList or "
+                        f"nn.Sequential, or use {stages_key}=1")
     if num_stages > 1 and n + offered < num_stages:
         inside = f" and {offered} cut(s) inside blocks" if offered else ""
         raise PlanError(f"{stages_key} ({num_stages}) exceeds the number of blocks ({n}){inside} found in "
-                        f"the model ({blocks[0].rsplit('.', 1)[0] if blocks else 'no nn.ModuleList'}); "
+                        f"the model ({_container(blocks)}); "
                         f"use {stages_key} <= {max(n + offered, 1)}")
     if split_points is not None:
         grid = _Grid(block_costs, pre_cost, post_cost, blocks, parts, every_child=True)

@@ -24,6 +24,11 @@ from ..analysis.graph_facts import aten, linear_sites
 from ..analysis.sharding import Propagation, propagate
 
 _STOP = {aten.embedding.default, aten.native_layer_norm.default, aten.layer_norm.default}
+# A mixture-of-experts router (Mixtral's and Qwen2-MoE's ``mlp.gate``) picks experts with
+# top-k over all its logits, so it stays replicated: a walk reaching top-k pairs nothing
+# (else it went on through the combine and the residual into the next block's q/k/v and
+# took them as its rows, leaving that attention replicated).
+_ROUTING = {aten.topk.default}
 _WALK_LIMIT = 400
 
 
@@ -73,7 +78,28 @@ def plan_tp(graph: fx.Graph, tp: int) -> TPDecision:
     for site in sites:
         if site.weight not in paired:
             decision.report.append(f"replicated linear: {site.weight} (no column/row pair found)")
+    decision.report += custom_op_weights(graph)
     return decision
+
+
+def custom_op_weights(graph: fx.Graph) -> list[str]:
+    """Report lines for parameters read by operators outside ATen (Mixtral's experts through
+    ``transformers::grouped_mm_fallback``): no sharding rule covers them, so they stay
+    replicated on every tp rank."""
+    found: dict = {}
+    for node in graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "namespace", "aten") not in (
+                "aten", "prims"):
+            for a in node.all_input_nodes:
+                src = a
+                while src.op == "call_function" and src.target in (
+                        aten.transpose.int, aten.t.default, aten.permute.default,
+                        aten._to_copy.default, aten.view.default, aten.reshape.default):
+                    src = src.args[0]
+                if src.op == "get_attr":
+                    found.setdefault(str(node.target).rsplit(".", 1)[0], []).append(src.target)
+    return [f"kept replicated: {', '.join(sorted(set(ws)))} (read by {op}, an operator with no "
+            f"tensor-parallel sharding rule)" for op, ws in found.items()]
 
 
 def _layout_text(layout: dict) -> str:
@@ -120,10 +146,16 @@ def _seed_pairs(sites: list) -> dict:
         if w in taken:
             pairs[w] = set()
             continue
-        reached = _walk(site.node, is_linear)
+        # one output feature (Qwen2-MoE's shared_expert_gate): nothing to shard
+        reached = _walk(site.node, is_linear) if _out_features(site) != 1 else set()
         pairs[w] = reached
         taken |= reached
     return pairs
+
+
+def _out_features(site) -> int | None:
+    val = site.node.meta.get("val")
+    return int(val.shape[-1]) if val is not None and val.dim() else None
 
 
 def _walk(start: fx.Node, is_linear: dict) -> set:
@@ -133,6 +165,8 @@ def _walk(start: fx.Node, is_linear: dict) -> set:
         for user in node.users:
             if user in seen or user.op != "call_function":
                 continue
+            if user.target in _ROUTING:
+                return set()
             seen.add(user)
             if user in is_linear:
                 if is_linear[user].x is node:

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import UserError
+from ..needed_imports import import_modules
 from ..pipeline_schedules import with_schedule
 from ..plan import MODEL_MODULE, ParallelPlan
 from .loss import default_loss
@@ -90,6 +91,9 @@ def _main(out_dir: Path, argv=None) -> int:
         return _fail_before_init(error)
     spec = plan.settings  # the spec's run-time sections, recorded at compile time
     model_module = _load_model_module(out_dir)  # registers the output types (e.g. ModelOutput)
+    missing = import_modules(plan.imports)  # lazily imported custom ops and output types
+    if missing:
+        return _fail_before_init(f"run.py: error: {missing}")
     loss_fn = getattr(model_module, "loss_fn", None) or default_loss
     if args.device == "cuda" and not torch.cuda.is_available():
         print("run.py: error: --device cuda but CUDA is not available here; use --device cpu", file=sys.stderr)

@@ -27,6 +27,10 @@ the metadata it received (``_forward_metadata_inference`` -> ``_to_tensor`` ->
 there and the inference forward fails (``IndexError: Target 140070266805680 is out of
 bounds``). Zero-filled inputs are valid indices for any non-empty dim, and the inference
 result does not depend on the values.
+
+Contiguous sends. gloo and NCCL send only contiguous tensors; torch sends the gradients of a
+stage's inputs as autograd returns them, which may be strided views (the compiler makes
+forward outputs contiguous in the emitted stage, ``passes/split_stages.py``).
 """
 from __future__ import annotations
 
@@ -65,6 +69,13 @@ class SplitBackwardPipelineStage(PipelineStage):
             unshard_fsdp_modules(self.submod)
         return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
                                           last_backward=last_backward)
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int):
+        grads = self.bwd_cache.get(bwd_chunk_id)
+        if grads is not None:  # see "Contiguous sends" in the module docstring
+            self.bwd_cache[bwd_chunk_id] = tuple(
+                g.contiguous() if isinstance(g, torch.Tensor) else g for g in grads)
+        return super().get_bwd_send_ops(bwd_chunk_id)
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False):
         unshard_fsdp_modules(self.submod)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.pipelining.microbatch import TensorChunkSpec, _CustomReducer
 from torch.utils._pytree import tree_unflatten, treespec_loads
 
 from ..errors import BatchError
@@ -94,7 +95,8 @@ class StepRunner:
             cls = schedule_class(self.schedule_name)
             self._schedules[key] = (cls(stages[0] if self.schedule_name in SINGLE_STAGE else stages,
                                         n_microbatches=self.plan.microbatches,
-                                        loss_fn=self._pipeline_loss, scale_grads=True), stages)
+                                        loss_fn=self._pipeline_loss, scale_grads=True,
+                                        output_merge_spec=_merge_spec(self.plan)), stages)
         schedule, self.pipeline_stages = self._schedules[key]
         return schedule
 
@@ -160,6 +162,19 @@ def _replicated_head_params(stage, plan: ParallelPlan, ctx: RankContext) -> list
         if layout and layout["kind"] == "replicated_heads":
             out.append((param, mine[layout["heads"]]))
     return out
+
+
+def _merge_spec(plan: ParallelPlan):
+    """How the last stage's outputs merge over microbatches: concatenated along dim 0, but a
+    0-dim output (a loss the model computed, ``plan.scalar_outputs``) is the mean of the
+    microbatches' values, detached (parallelizer/analysis/outputs.py); None: torch's default (all
+    concatenated)."""
+    if not plan.scalar_outputs:
+        return None
+    m = plan.microbatches
+    n = treespec_loads(plan.out_spec).num_leaves
+    mean = _CustomReducer(torch.zeros(()), lambda acc, x: acc + x.detach() / m)
+    return tuple(mean if i in plan.scalar_outputs else TensorChunkSpec(0) for i in range(n))
 
 
 def _as_tuple(x):

@@ -94,6 +94,9 @@ def run_verify(out_dir: Path, plan: ParallelPlan, spec: dict, stage, ctx: RankCo
     if outputs is not None:
         rows = ref[f"input.{plan.input_names[0]}"].shape[0]
         for i, out in enumerate(outputs):
+            if i in plan.scalar_outputs:  # a loss: the mean over microbatches and dp ranks
+                tally.add("outputs", f"output.{i}", _dp_mean(out, plan, ctx), ref[f"output.{i}"])
+                continue
             want = _output_share(ref[f"output.{i}"], rows, plan, ctx.dp_rank)
             if want is None:
                 skipped.append(f"output.{i} {tuple(ref[f'output.{i}'].shape)}")
@@ -136,13 +139,23 @@ def _mean_residuals(stage, ctx: RankContext, runner: StepRunner) -> dict:
 def _output_share(want: torch.Tensor, rows: int, plan: ParallelPlan, dp_rank: int):
     """This rank's part of a reference output: its data-parallel rows when dim 0 is the batch;
     the whole output when the step runs the batch in one piece (dp = pp = 1); None for an
-    output without a batch dim (``outputs.loss``, a mean) otherwise, since each rank and
-    microbatch then reduces over its own rows only (the loss and gradients still cover it)."""
+    output without a batch dim otherwise, since each rank and microbatch then reduces over its
+    own rows only (a 0-dim loss, ``plan.scalar_outputs``, is compared as a dp mean instead)."""
     dp = plan.mesh["dp"]
     if want.dim() and want.shape[0] == rows:
         n = rows // dp
         return want[dp_rank * n:(dp_rank + 1) * n]
     return want if dp == 1 and plan.mesh["pp"] == 1 else None
+
+
+def _dp_mean(value: torch.Tensor, plan: ParallelPlan, ctx: RankContext) -> torch.Tensor:
+    """The mean of a 0-dim output over the data-parallel ranks (all hold the last stage
+    together, so all reach this collective)."""
+    value = value.detach().float().clone()
+    if plan.mesh["dp"] > 1:
+        dist.all_reduce(value, group=ctx.group("dp"))
+        value /= plan.mesh["dp"]
+    return value
 
 
 def _compare_tensors(tally, cat, key, stage, plan, ctx, ref, pick, bound=None):

@@ -103,13 +103,21 @@ def test_pp_exceeding_blocks_is_a_plan_error():
                             "(model.layers); use mesh.pp <= 4")
 
 
+def test_pp_exceeding_sibling_blocks_names_them():
+    with pytest.raises(PlanError) as e:
+        plan_pipeline([10] * 2, 0, 0, 3, ("block1", "block2"))
+    assert "exceeds the number of blocks (2) found in the model (block1, block2)" in str(e.value)
+
+
 def test_pp_without_blocks_is_a_plan_error():
     with pytest.raises(PlanError) as e:
         plan_pipeline([], 10, 10, 2, ())
-    assert str(e.value) == ("mesh.pp (2): pipeline stages are cut between the blocks of the "
-                            "model's largest nn.ModuleList (model.layers, encoder.layer, ...), and "
-                            "this model has none; hold its repeated layers in an nn.ModuleList, or "
-                            "use mesh.pp=1")
+    assert str(e.value) == (
+        "mesh.pp (2): pipeline stages are cut between the model's repeated blocks, and none "
+        "were found (searched: the children of an nn.ModuleList, a run of >= 2 consecutive "
+        "children of one class in an nn.Sequential, or a run of >= 2 sibling submodules of one "
+        "class, holding parameters); hold the repeated layers in an nn.ModuleList or "
+        "nn.Sequential, or use mesh.pp=1")
 
 
 # --- find_blocks -----------------------------------------------------------------------------
@@ -146,8 +154,43 @@ def test_find_blocks_on_meta_device():
     assert find_blocks(model) == ("encoder.layer.0", "encoder.layer.1", "encoder.layer.2")
 
 
-def test_find_blocks_without_module_list():
+def test_find_blocks_without_repeated_modules():
     assert find_blocks(nn.Sequential(nn.Linear(4, 4), nn.ReLU())) == ()
+    assert find_blocks(Layer(4)) == ()  # one child: no run
+
+
+def test_find_blocks_in_a_sequential_takes_the_run_of_one_class():
+    stem, head = nn.Linear(4, 16), nn.Linear(16, 2)
+    model = nn.Sequential(stem, Layer(16), Layer(16), Layer(16), nn.ReLU(), head)
+    assert find_blocks(model) == ("1", "2", "3")
+    outer = nn.Module()
+    outer.trunk = model
+    assert find_blocks(outer) == ("trunk.1", "trunk.2", "trunk.3")
+
+
+def test_find_blocks_of_sibling_attributes_skips_leaves():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+            self.block1, self.block2 = Layer(16), Layer(16)
+    assert find_blocks(Net()) == ("block1", "block2")
+    two_linears = nn.Module()
+    two_linears.a, two_linears.b = nn.Linear(4, 4), nn.Linear(4, 4)
+    assert find_blocks(two_linears) == ()
+
+
+def test_find_blocks_prefers_a_container_to_sibling_stacks():
+    class Stack(nn.Module):  # T5: encoder and decoder are two siblings of one class
+        def __init__(self):
+            super().__init__()
+            self.block = nn.ModuleList(Layer(16) for _ in range(2))
+
+    class EncDec(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder, self.decoder = Stack(), Stack()
+    assert find_blocks(EncDec()) == ("encoder.block.0", "encoder.block.1")
 
 
 def test_find_blocks_nested_lists_take_the_outer():

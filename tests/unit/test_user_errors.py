@@ -225,15 +225,20 @@ def test_loss_that_is_an_output_and_a_0_dim_output(tmp_path):
 
 
 def test_output_without_batch_dim_is_refused_under_pp(tmp_path):
-    """torch.distributed.pipelining concatenates outputs over microbatches on dim 0: a 0-dim
-    output failed in the first step on every rank; now a compile error naming it."""
-    path = _model(tmp_path, _LOSS_IS_AN_OUTPUT)
+    """torch.distributed.pipelining concatenates outputs over microbatches on dim 0: an
+    output without the batch dim failed in the first step on every rank; now a compile
+    error naming it. A 0-dim floating-point output (a loss) is averaged instead, so the
+    model with one compiles."""
+    path = _model(tmp_path, _LOSS_IS_AN_OUTPUT.replace("x.pow(2).mean()", "x.pow(2).mean((0, 1))"))
     spec = load_spec(GPT / "spec.yaml", ["mesh.tp=1", "mesh.pp=2", "pipeline.microbatches=2"])
     with pytest.raises(PlanError) as e:
         compile_model(path, spec, weights=False)
     msg = str(e.value)
-    assert msg.startswith("output 1 of the model has shape (), without the batch dim"), msg
+    assert msg.startswith("output 1 of the model has shape [8] (torch.float32), without the "
+                          "batch dim"), msg
     assert "return per-sample values and reduce them in loss_fn" in msg and "mesh.pp=1" in msg
+    plan = compile_model(_model(tmp_path, _LOSS_IS_AN_OUTPUT), spec, weights=False).plan
+    assert plan.scalar_outputs == (1,)
 
 
 def test_dropout_is_refused_naming_the_modules(tmp_path):
