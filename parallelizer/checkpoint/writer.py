@@ -370,7 +370,7 @@ def build_manifest(layout: Layout, files: dict) -> dict:
             for t in range(tp):
                 segs = None if d is None else [
                     list(s) for s in segments(tplan.shape[d], tplan.layout, tp, t) if s.length]
-                pieces.append({"file": shard_file_name(p, t), "name": name, "tp_rank": t,
+                pieces.append({"file": shard_file_name(p, t), "name": name, "tp_rank": t, "stage": p,
                                "shape": list(tplan.local_shape(tp)), "segments": segs})
         entry = {"shape": list(tplan.shape), "dtype": tplan.dtype, "is_buffer": tplan.is_buffer,
                  "role": tplan.role, "tp_dim": d, "layout": tplan.layout,
