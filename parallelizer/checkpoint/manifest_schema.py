@@ -137,6 +137,14 @@ def validate_manifest(ckpt_dir, manifest: Any, path: Path) -> None:
     stages = m.num_stages or m.mesh.pp
     for fqn, entry in m.tensors.items():
         _check_entry(ckpt_dir, path, fqn, entry, m.files, stages, m.mesh.tp)
+        target = m.tensors.get(entry.param) if entry.kind == "optim" else entry
+        if target is None or target.kind != "model":
+            raise CheckpointError(f"{path}: optimizer state {fqn!r} belongs to parameter "
+                                  f"{entry.param!r}, which is not a model tensor of the manifest; {_FIX}")
+    for alias, fqn in m.aliases.items():
+        if fqn not in m.tensors:
+            raise CheckpointError(f"{path}: alias {alias!r} names {fqn!r}, which is not in "
+                                  f"'tensors'; {_FIX}")
 
 
 def _check_entry(ckpt_dir, path: Path, fqn: str, e: Entry, files: dict, stages: int, tp: int) -> None:
@@ -227,6 +235,6 @@ def check_file_entry(ckpt_dir, name: Any, path: Path, where: str) -> None:
             "folder instead of linking it")
 
 
-def _short(v: Any, n: int = 80) -> str:
+def _short(v: Any, n: int = 300) -> str:
     s = repr(v)
     return s if len(s) <= n else s[:n] + "..."
