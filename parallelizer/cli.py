@@ -88,6 +88,12 @@ def _compile_parser() -> argparse.ArgumentParser:
                    help="do not materialize weights: build on the meta device, write no checkpoint")
     p.add_argument("--dump-passes", metavar="DIR", type=Path, default=None,
                    help="write the graph code after each pass that changed it into DIR")
+    p.add_argument("--nodes", type=int, metavar="N", help="nodes the program runs on (with "
+                   "--gpus-per-node): OUT/launch.sh and launch.sbatch use them, and a tp group "
+                   "crossing nodes is refused")
+    p.add_argument("--gpus-per-node", type=int, metavar="G", help="processes (GPUs) per node")
+    p.add_argument("--cluster", type=Path, metavar="FILE",
+                   help="cluster description (nodes, gpus_per_node) instead of --nodes/--gpus-per-node")
     return p
 
 
@@ -107,6 +113,10 @@ def _compile(argv: list[str]) -> int:
                              f"pass the path to a model.py defining build_model() and example_inputs()")
     spec = load_spec(ns.spec, ns.overrides)
     from parallelizer.compiler import compile_to_dir
+    from parallelizer.topology import resolve
 
-    compile_to_dir(ns.model, spec, ns.out, weights=not ns.no_weights, dump_passes=ns.dump_passes)
+    # before the compile: a layout the cluster cannot run fails in a second
+    topology = resolve(dict(spec.mesh.model_dump()), ns.nodes, ns.gpus_per_node, ns.cluster)
+    compile_to_dir(ns.model, spec, ns.out, weights=not ns.no_weights, dump_passes=ns.dump_passes,
+                   topology=topology)
     return 0
