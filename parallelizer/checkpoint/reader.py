@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import re
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Optional
@@ -103,6 +104,10 @@ def _what_it_is(folder: Path) -> str:
     """The likely mix-up behind a folder without a manifest, and its fix."""
     if not folder.exists():
         return " (no such folder)"
+    if folder.name.endswith(".partial") or re.fullmatch(r"step-\d{8}", folder.name):
+        return (": an incomplete checkpoint (a save interrupted by a failure never wrote its "
+                "manifest); resume from an earlier complete one, or pass --resume auto to pick "
+                "the newest complete checkpoint of the folder")
     if (folder / "checkpoint" / MANIFEST).is_file():
         return f" but a compiled program's folder; its checkpoint is {folder / 'checkpoint'}"
     if folder.is_dir() and any(folder.glob("*.safetensors")) or folder.suffix == ".safetensors":

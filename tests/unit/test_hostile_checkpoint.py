@@ -41,14 +41,45 @@ def _sha(p: Path) -> dict:
     return {"sha256": hashlib.sha256(p.read_bytes()).hexdigest(), "bytes": p.stat().st_size}
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
+@pytest.fixture(scope="module", params=["file per (stage, tp)", "chunks per rank"])
+def base(tmp_path_factory, request):
+    """A (tp=2, pp=2) checkpoint as the compiler writes it, or with every piece split in
+    two row chunks in per-rank files, as ``run.py --save`` writes one at dp=2."""
     root = tmp_path_factory.mktemp("hostile")
     plan = make_plan(2, 2)
     sd = state_dict(plan)
     write_checkpoint(sd, plan, root / "src", optim_state=optim_state(sd),
                      train={"step": 2, "optimizer": "adamw"})
-    return root / "src", sd
+    if request.param == "file per (stage, tp)":
+        return root / "src", sd
+    _rechunk(root / "src", root / "chunked")
+    assert _equal(load_full(root / "chunked"), sd) and _equal(sd, load_full(root / "chunked"))
+    return root / "chunked", sd
+
+
+def _rechunk(src: Path, dst: Path) -> None:
+    """``src`` with each file's tensors split by rows over two 'dp ranks' (0-d ones on the
+    first), pieces listing their ``chunks`` (the format of runtime/sharded_save.py)."""
+    from safetensors.torch import load_file
+    dst.mkdir()
+    m = json.loads((src / "manifest.json").read_text())
+    where = {}
+    for name in sorted(m["files"]):
+        tensors, parts = load_file(str(src / name)), ({}, {})
+        for k, t in tensors.items():
+            cut = -(-t.shape[0] // 2) if t.dim() else 0
+            for d, (lo, hi) in enumerate([(0, cut), (cut, t.shape[0] if t.dim() else 0)]):
+                if hi > lo or (d == 0 and t.dim() == 0):
+                    parts[d][k] = t[lo:hi].clone() if t.dim() else t
+                    where.setdefault((name, k), []).append({"file": name.replace(".safe", f"-dp{d}.safe"),
+                                                           "rows": [lo, hi]})
+        for d, part in enumerate(parts):
+            save_file(part, str(dst / name.replace(".safe", f"-dp{d}.safe")))
+    for entry in m["tensors"].values():
+        for pc in entry["pieces"]:
+            pc["chunks"] = where[(pc.pop("file"), pc["name"])]
+    m["files"] = {p.name: _sha(p) for p in sorted(dst.iterdir())}
+    (dst / "manifest.json").write_text(json.dumps(m))
 
 
 def _with_secret(tmp: Path) -> Path:
@@ -162,7 +193,7 @@ def _equal(a: dict, b: dict) -> bool:
         a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
 
 
-@settings(max_examples=int(os.environ.get("HOSTILE_EXAMPLES", 150)), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+@settings(max_examples=int(os.environ.get("HOSTILE_EXAMPLES", 100)), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                     HealthCheck.too_slow])
 @given(data=st.data())
 def test_mutated_checkpoints_fail_clearly(base, data):

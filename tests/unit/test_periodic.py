@@ -72,3 +72,12 @@ def test_rng_state_round_trip():
     torch.manual_seed(99)
     set_rng_state(saved, torch.device("cpu"))
     assert torch.equal(torch.rand(7), want)
+
+
+def test_incomplete_checkpoint_named_with_the_fix(tmp_path):
+    from parallelizer.checkpoint import read_manifest
+    from parallelizer.errors import CheckpointError
+    half = _ckpt(tmp_path, 4, complete=False)
+    with pytest.raises(CheckpointError, match=r"\.step-00000004\.partial/manifest.json does not exist.*"
+                                              r"an incomplete checkpoint.*--resume auto"):
+        read_manifest(half)
