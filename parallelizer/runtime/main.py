@@ -175,10 +175,8 @@ def _run(args, out_dir: Path, plan: ParallelPlan, spec: dict, ctx, loss_fn, mode
 
     def periodic(step: int, opt) -> None:
         if args.save_every and step % args.save_every == 0:
-            save_checkpoint(stage, plan, ctx, step_dir(args.save, step), opt, step, name)
+            _save_step(args, stage, plan, ctx, opt, step, name, log)
             saved[0] = step
-            if ctx.rank == 0:
-                prune(args.save, args.keep, log)
 
     _, opt, step = run_train(plan, spec, stage, ctx, loss_fn, model_module, args.steps, resume,
                              total=auto, after_step=periodic)
@@ -187,14 +185,19 @@ def _run(args, out_dir: Path, plan: ParallelPlan, spec: dict, ctx, loss_fn, mode
         print_memory(stage, opt, ctx)
     if args.save and not args.save_every:
         save_checkpoint(stage, plan, ctx, args.save, opt, step, name, profile=args.profile)
-    elif args.save_every and saved[0] != step and step > 0:
-        _final(args, stage, plan, ctx, opt, step, name, log)
+    elif args.save_every and saved[0] != step and step > 0 and not _complete(args.save, step):
+        _save_step(args, stage, plan, ctx, opt, step, name, log)  # the last step's
     _profile(args, out_dir, plan, spec, stage, ctx, loss_fn, model_module)
     return 0
 
 
-def _final(args, stage, plan, ctx, opt, step: int, name: str, log) -> None:
-    """The last step's checkpoint when it is not a multiple of --save-every."""
+def _complete(folder: Path, step: int) -> bool:
+    """A complete checkpoint of ``step`` is already there (a resumed job with nothing left)."""
+    return (step_dir(folder, step) / "manifest.json").is_file()
+
+
+def _save_step(args, stage, plan, ctx, opt, step: int, name: str, log) -> None:
+    """``--save DIR/step-NNNNNNNN``, then (rank 0) prune the folder to ``--keep``."""
     save_checkpoint(stage, plan, ctx, step_dir(args.save, step), opt, step, name)
     if ctx.rank == 0:
         prune(args.save, args.keep, log)
