@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from parallelizer.checkpoint import load_full, read_manifest
-from parallelizer.checkpoint.export import export_hf
+from parallelizer.checkpoint.cli import load_plan
+from parallelizer.checkpoint.export import export_hf, import_hf
 from parallelizer.checkpoint.hf import load_hf_state_dict
 from parallelizer.checkpoint.reshard import reshard
 
@@ -81,6 +82,10 @@ def test_sharded_save_memory_and_round_trip(bench, tools, tmp_path, mesh):
     one = load_full(tmp_path / "one")
     assert saved.keys() == one.keys() and all(torch.equal(saved[k], one[k]) for k in saved)
     assert _bytes(tmp_path / "hf_s") == _bytes(tmp_path / "hf_one")
+    # and back from Hugging Face into the program's own layout: the saved tensors again
+    import_hf(tmp_path / "hf_s", tmp_path / "back", load_plan(out), buffers_from=tmp_path / "s")
+    back = load_full(tmp_path / "back")
+    assert back.keys() == saved.keys() and all(torch.equal(back[k], saved[k]) for k in saved)
 
 
 def _bytes(folder):
