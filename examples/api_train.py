@@ -5,6 +5,8 @@
 
 Arguments are spec overrides. Prints `step i loss x lr y` on rank 0. With `--single` it
 trains the unmodified model on one process instead (the reference the tests compare with).
+`--save DIR` then writes a checkpoint from every rank (`pm.save_checkpoint`) and checks it
+against the explicit gather `pm.full_state_dict()` on rank 0.
 """
 import importlib.util
 import sys
@@ -40,7 +42,8 @@ def optimizer_and_scheduler(params):
 
 def main(argv: list[str]) -> None:
     single = "--single" in argv
-    overrides = [a for a in argv if a != "--single"]
+    save = Path(argv[argv.index("--save") + 1]) if "--save" in argv else None
+    overrides = [a for a in argv if a != "--single" and a != "--save" and Path(a) != save]
     spec = pz.load_spec(HERE / "llama" / "spec.yaml", overrides=overrides)
     example = load_example()
     model = example.build_model()
@@ -63,6 +66,14 @@ def main(argv: list[str]) -> None:
         opt.step(); sched.step(); opt.zero_grad()
         if torch.distributed.get_rank() == 0:
             print(f"step {step + 1} loss {loss.item():.6f} lr {lr:.6f}", flush=True)
+    if save is not None:
+        pm.save_checkpoint(save)  # every rank writes its own shards
+        full = pm.full_state_dict()  # an explicit gather to rank 0, for comparison
+        if full is not None:
+            from parallelizer.checkpoint import load_full
+            saved = load_full(save)
+            same = all(torch.equal(t, full[k]) for k, t in saved.items())
+            print(f"saved checkpoint equals full_state_dict: {same and len(saved) > 0}", flush=True)
     torch.distributed.destroy_process_group()
 
 

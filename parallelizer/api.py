@@ -183,8 +183,13 @@ class ParallelModule:
         return self._runner.step(inputs, target)[0]
 
     def save_checkpoint(self, path: str | Path) -> None:
-        """Write the weights in the plan's sharded layout (``pp{p}-tp{t}.safetensors`` and
-        ``manifest.json``), atomically. Collective: call on every rank."""
+        """Write the weights in the plan's sharded layout, atomically: every rank writes its
+        own shards (``pp{s}-tp{t}-dp{d}.safetensors``; no gather, no pickle) and rank 0 the
+        ``manifest.json``, last (runtime/sharded_save.py). ``reshard``, ``export`` and
+        :meth:`load_checkpoint` read it. Collective: call on every rank.
+
+        Raises:
+            UserError: ``path`` is a file, a compiled program, or a folder of other files."""
         save_checkpoint(self.stages, self.plan, self.ctx, Path(path))
 
     def load_checkpoint(self, path: str | Path) -> None:
@@ -199,7 +204,9 @@ class ParallelModule:
 
     def full_state_dict(self) -> Optional[dict]:
         """Full tensors under the original (canonical) FQNs on global rank 0; None on the
-        other ranks. Collective: call on every rank."""
+        other ranks. Collective: call on every rank. An explicit gather for small models:
+        rank 0 receives the whole model (pickled through ``gather_object``); to write a
+        checkpoint use :meth:`save_checkpoint`, which gathers nothing."""
         state = gather_full_state(self.stages, self.plan, self.ctx)
         if state is not None:  # tied names too, so model.load_state_dict(state) is strict-clean
             state.update({a: state[c] for a, c in self.plan.aliases.items() if c in state})

@@ -95,9 +95,15 @@ def _compile_parser() -> argparse.ArgumentParser:
     p.add_argument("--dump-passes", metavar="DIR", type=Path, default=None,
                    help="write the graph code after each pass that changed it into DIR")
     p.add_argument("--cluster", metavar="C.yaml", type=Path, default=None,
-                   help="check the spec against this cluster first (parallelize check); stop on an error")
+                   help="cluster file (see specs/clusters/): the spec is checked against it first "
+                        "(parallelize check; stop on an error), its nodes x gpus_per_node give "
+                        "OUT/launch.sh and launch.sbatch, and a tp group crossing nodes is refused")
     p.add_argument("--global-batch", type=int, metavar="B", default=None,
                    help="with --cluster: sequences per step, checked for divisibility")
+    p.add_argument("--nodes", type=int, metavar="N", help="nodes the program runs on (with "
+                   "--gpus-per-node; instead of --cluster): OUT/launch.sh and launch.sbatch use "
+                   "them, and a tp group crossing nodes is refused")
+    p.add_argument("--gpus-per-node", type=int, metavar="G", help="processes (GPUs) per node")
     return p
 
 
@@ -122,6 +128,10 @@ def _compile(argv: list[str]) -> int:
             print("error: the cluster check found errors (above); nothing compiled", file=sys.stderr)
             return 1
     from parallelizer.compiler import compile_to_dir
+    from parallelizer.topology import resolve
 
-    compile_to_dir(ns.model, spec, ns.out, weights=not ns.no_weights, dump_passes=ns.dump_passes)
+    # before the compile: a layout the cluster cannot run fails in a second
+    topology = resolve(dict(spec.mesh.model_dump()), ns.nodes, ns.gpus_per_node, ns.cluster)
+    compile_to_dir(ns.model, spec, ns.out, weights=not ns.no_weights, dump_passes=ns.dump_passes,
+                   topology=topology)
     return 0

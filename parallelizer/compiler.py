@@ -42,10 +42,15 @@ from .spec import Spec
 
 
 def compile_to_dir(model_path: Path, spec: Spec, out_dir: Path, weights: bool = True,
-                   dump_passes: Optional[Path] = None) -> None:
+                   dump_passes: Optional[Path] = None, topology=None) -> None:
     """CLI entry: compile and write OUT/ atomically (nothing is written on error);
-    the compiler's warnings go to stderr."""
+    the compiler's warnings go to stderr. ``topology`` (:class:`parallelizer.topology.Topology`,
+    default one node) gives OUT/launch.sh, OUT/launch.sbatch and report.md's placement table."""
+    from .topology import launch_files, placement_lines, resolve
     program = compile_model(Path(model_path), spec, weights, dump_passes)
+    topology = topology or resolve(program.plan.mesh)
+    program.sources.update(launch_files(topology))
+    program.report += "\n".join(placement_lines(program.plan.mesh, topology)) + "\n"
     program.save(Path(out_dir))
     for line in program.warnings:
         print(f"warning: {line}", file=sys.stderr)

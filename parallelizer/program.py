@@ -56,6 +56,8 @@ class Program:
             path = tmp / rel
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)
+            if rel.endswith(".sh"):
+                path.chmod(0o755)
         (tmp / "plan.json").write_text(self.plan.to_json())
         (tmp / "report.md").write_text(self.report)
         if self.pipeline is not None:
@@ -83,7 +85,7 @@ def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-EMITTED = {"run.py", "program", "checkpoint", "plan.json", "report.md", "spec.yaml", "model.py",
+EMITTED = {"run.py", "launch.sh", "launch.sbatch", "program", "checkpoint", "plan.json", "report.md", "spec.yaml", "model.py",
            "reference.safetensors", "__pycache__", "pipeline.json", "pipeline_costs.png",
            "pipeline_schedule.png"}
 

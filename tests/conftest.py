@@ -68,14 +68,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(out: Path, nproc: int, *args: str, timeout: float = 240) -> Result:
-    """``torchrun --nproc-per-node NPROC OUT/run.py --device cpu ARGS...`` (gloo, fp32) on a
-    fresh port, so consecutive or parallel runs never share a rendezvous."""
+def torchrun(out: Path, nproc: int, *args: str, timeout: float = 240, launcher=(),
+             env=None) -> Result:
+    """``torchrun --nproc-per-node NPROC [LAUNCHER...] OUT/run.py --device cpu ARGS...``
+    (gloo, fp32) on a fresh port, so consecutive or parallel runs never share a
+    rendezvous; ``env`` adds environment variables."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *launcher,
            str(out / "run.py"), "--device", "cpu", *args]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=_ENV, cwd=out.parent,
-                       timeout=timeout)
+    p = subprocess.run(cmd, capture_output=True, text=True, env={**_ENV, **(env or {})},
+                       cwd=out.parent, timeout=timeout)
     return Result(p.returncode, p.stdout, p.stderr)
 
 

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import re
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Optional
@@ -19,6 +20,8 @@ from safetensors import safe_open
 
 from parallelizer.checkpoint.writer import (FORMAT_VERSION, MANIFEST, OPTIM_PREFIX, layout_hash,
                                             sha256_file, shard_file_name)
+from parallelizer.checkpoint.manifest_schema import validate_manifest
+from parallelizer.checkpoint.pieces import piece_files, piece_stage, read_region
 from parallelizer.errors import CheckpointError
 from parallelizer.plan import ParallelPlan
 
@@ -27,8 +30,10 @@ def read_manifest(ckpt_dir) -> dict:
     """The parsed ``manifest.json`` of ``ckpt_dir`` (schema in the writer's docstring).
 
     Raises:
-        CheckpointError: the folder or its manifest is missing, not JSON, or of another
-            ``format_version``.
+        CheckpointError: the folder or its manifest is missing, not JSON, of another
+            ``format_version``, malformed, or names a file outside the folder
+            (:func:`parallelizer.checkpoint.manifest_schema.validate_manifest`; nothing
+            else is read first).
     """
     path = Path(ckpt_dir) / MANIFEST
     if not path.is_file():
@@ -42,6 +47,7 @@ def read_manifest(ckpt_dir) -> dict:
     if version != FORMAT_VERSION:
         raise CheckpointError(f"{path} has format_version {version!r}; this parallelizer reads "
                               f"version {FORMAT_VERSION} (rewrite the checkpoint with this version)")
+    validate_manifest(ckpt_dir, manifest, path)
     return manifest
 
 
@@ -98,6 +104,10 @@ def _what_it_is(folder: Path) -> str:
     """The likely mix-up behind a folder without a manifest, and its fix."""
     if not folder.exists():
         return " (no such folder)"
+    if folder.name.endswith(".partial") or re.fullmatch(r"step-\d{8}", folder.name):
+        return (": an incomplete checkpoint (a save interrupted by a failure never wrote its "
+                "manifest); resume from an earlier complete one, or pass --resume auto to pick "
+                "the newest complete checkpoint of the folder")
     if (folder / "checkpoint" / MANIFEST).is_file():
         return f" but a compiled program's folder; its checkpoint is {folder / 'checkpoint'}"
     if folder.is_dir() and any(folder.glob("*.safetensors")) or folder.suffix == ".safetensors":
@@ -174,28 +184,24 @@ def load_shard(ckpt_dir, stage: int, tp_rank: int, plan: Optional[ParallelPlan] 
     if not (0 <= stage < num_stages and 0 <= tp_rank < mesh["tp"]):
         raise CheckpointError(f"(stage {stage}, tp {tp_rank}) is outside the checkpoint's "
                               f"{num_stages} stages x mesh {mesh}")
-    name = shard_file_name(stage, tp_rank)
-    path = verify_file(ckpt_dir, name, manifest) if verify else Path(ckpt_dir) / name
-    want = {pc["name"]: pc for k, t in manifest["tensors"].items() for pc in t["pieces"]
-            if pc["file"] == name and k.startswith(OPTIM_PREFIX) == optim}
-    out = {}
-    with _open(path) as f:
-        found = set(f.keys())
-        absent = sorted(set(want) - found)
-        if absent:
-            raise CheckpointError(f"{path} lacks tensor(s) {absent[:5]} that {MANIFEST} lists in it")
-        for k, pc in sorted(want.items()):
-            _check_piece_shape(f, pc, path)
-            out[k] = f.get_tensor(k)
-    return out
+    want = {pc["name"]: (pc, t["dtype"]) for k, t in manifest["tensors"].items()
+            for pc in t["pieces"] if piece_stage(pc) == stage and pc["tp_rank"] == tp_rank
+            and k.startswith(OPTIM_PREFIX) == optim}
+    files = sorted({n for pc, _ in want.values() for n in piece_files(pc)}
+                   or ({shard_file_name(stage, tp_rank)} & set(manifest["files"])))
+    for name in files:
+        if verify:
+            verify_file(ckpt_dir, name, manifest)
+    with ExitStack() as stack:
+        opened: dict = {}
 
+        def open_file(name: str):
+            if name not in opened:
+                opened[name] = stack.enter_context(_open(Path(ckpt_dir) / name))
+            return opened[name]
 
-def _check_piece_shape(f, piece: dict, path: Path) -> None:
-    shape = list(f.get_slice(piece["name"]).get_shape())
-    if shape != list(piece["shape"]):
-        raise CheckpointError(f"{path}: tensor {piece['name']} has shape {tuple(shape)}, "
-                              f"{MANIFEST} says {tuple(piece['shape'])}; the file does not belong "
-                              "to this checkpoint (copy the folder again or rewrite it)")
+        return {k: read_region(pc, tuple(slice(0, n) for n in pc["shape"]), open_file, ckpt_dir, dt)
+                for k, (pc, dt) in sorted(want.items())}
 
 
 def load_tensor(ckpt_dir, fqn: str, index: Optional[tuple[slice, ...]] = None,
@@ -232,13 +238,14 @@ def load_tensor(ckpt_dir, fqn: str, index: Optional[tuple[slice, ...]] = None,
     with ExitStack() as stack:
         opened: dict = {}  # files this call opened: closed (mappings released) on return
 
-        def read(piece, src):
-            path = Path(ckpt_dir) / piece["file"]
-            f = handles.get(piece["file"]) or opened.get(piece["file"])
+        def open_file(name: str):
+            f = handles.get(name) or opened.get(name)
             if f is None:
-                f = opened[piece["file"]] = stack.enter_context(_open(path))
-            _check_piece_shape(f, piece, path)
-            return _read_piece(f, piece, src, bool(shape), ckpt_dir)
+                f = opened[name] = stack.enter_context(_open(Path(ckpt_dir) / name))
+            return f
+
+        def read(piece, src):
+            return read_region(piece, src, open_file, ckpt_dir, entry["dtype"])
 
         parts = []
         for (full_lo, length), copies in _runs(fqn, entry):
@@ -252,8 +259,8 @@ def load_tensor(ckpt_dir, fqn: str, index: Optional[tuple[slice, ...]] = None,
                 if not torch.equal(other.view(torch.uint8), part.contiguous().view(torch.uint8)):
                     raise CheckpointError(
                         f"replicas of {fqn} differ: rows [{full_lo}, {full_lo + length}) along "
-                        f"dim {d} in {Path(ckpt_dir) / copies[0][0]['file']} and "
-                        f"{Path(ckpt_dir) / piece['file']}; the replicated kv heads must be "
+                        f"dim {d} in {Path(ckpt_dir) / piece_files(copies[0][0])[0]} and "
+                        f"{Path(ckpt_dir) / piece_files(piece)[0]}; the replicated kv heads must be "
                         "identical (was the checkpoint edited, or trained without syncing them?)")
         if len(parts) == 1 and list(parts[0][1].shape) == size:
             return parts[0][1]  # one run covers the region: no second copy
@@ -287,7 +294,7 @@ def _runs(fqn: str, entry: dict) -> list:
     """``[((full_offset, length), [(piece, piece_offset), ...]), ...]``: the runs of the tp
     dim in order, each with every stored copy (first file first); checked to tile the dim.
     A replicated tensor is one run ``(0, 0)`` whose copies are its pieces."""
-    pieces = sorted(entry["pieces"], key=lambda pc: pc["file"])
+    pieces = sorted(entry["pieces"], key=lambda pc: piece_files(pc)[0])
     if not pieces:
         raise CheckpointError(f"{fqn} has no pieces in the manifest")
     d = entry["tp_dim"]
@@ -324,15 +331,6 @@ def _overlap(d, full_lo: int, length: int, p_lo: int, shape: tuple, want: list) 
         src.append(slice(a - shift, max(a, b) - shift))
         dst.append(slice(a - lo, max(a, b) - lo))
     return tuple(src), tuple(dst)
-
-
-def _read_piece(f, piece: dict, src: tuple, sliced: bool, ckpt_dir) -> torch.Tensor:
-    """Region ``src`` of ``piece`` from the open file ``f`` (whole tensor for 0-d ones)."""
-    try:
-        return f.get_slice(piece["name"])[src] if sliced else f.get_tensor(piece["name"])
-    except Exception as e:  # SafetensorError: name absent or data unreadable
-        raise CheckpointError(f"cannot read tensor {piece['name']} from {Path(ckpt_dir) / piece['file']}: "
-                              f"{e}") from e
 
 
 def _open(path: Path):

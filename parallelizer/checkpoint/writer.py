@@ -19,12 +19,20 @@ manifest (format_version 2)::
      "num_stages": pp x virtual_stages (pp when absent),
      "tensors": {name: {"shape", "dtype", "is_buffer", "role", "tp_dim", "layout", "stages",
                         "kind": "model" | "optim", "param": fqn (optim only),
-                        "pieces": [{"file", "name", "tp_rank", "shape",
+                        "pieces": [{"file" | "chunks", "name", "tp_rank", "stage", "shape",
                                     "segments": [[full_offset, piece_offset, length], ...]
                                                 | null (replicated)}, ...]}},
      "aliases": {alias fqn: canonical fqn}, "structure": ParallelPlan.structure,
      "train": {"step": int, "optimizer": str} (training checkpoints only),
      "files": {file name: {"sha256": hex, "bytes": int}}}
+
+A piece is stored whole in ``file``, or, in checkpoints that ``run.py --save`` writes from
+every rank (runtime/sharded_save.py), as ``"chunks": [{"file", "rows": [lo, hi]}, ...]``:
+rows ``[lo, hi)`` along dim 0 of the piece (a dp rank's FSDP shard) in that rank's file
+``pp{s}-tp{t}-dp{d}.safetensors``, under the same tensor name; chunks tile dim 0 in order
+(a 0-d piece has one chunk with rows ``[0, 0]``). Pieces carry their ``stage``. Every file
+name must be a plain name inside the folder (manifest_schema.py checks the whole manifest
+before anything is read).
 
 A piece's ``segments`` say which runs of the full tensor's ``tp_dim`` it holds and where:
 ``full[full_offset : full_offset + length] == piece[piece_offset : ... + length]`` along
@@ -370,7 +378,7 @@ def build_manifest(layout: Layout, files: dict) -> dict:
             for t in range(tp):
                 segs = None if d is None else [
                     list(s) for s in segments(tplan.shape[d], tplan.layout, tp, t) if s.length]
-                pieces.append({"file": shard_file_name(p, t), "name": name, "tp_rank": t,
+                pieces.append({"file": shard_file_name(p, t), "name": name, "tp_rank": t, "stage": p,
                                "shape": list(tplan.local_shape(tp)), "segments": segs})
         entry = {"shape": list(tplan.shape), "dtype": tplan.dtype, "is_buffer": tplan.is_buffer,
                  "role": tplan.role, "tp_dim": d, "layout": tplan.layout,

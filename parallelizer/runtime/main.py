@@ -18,6 +18,7 @@ from ..plan import MODEL_MODULE, ParallelPlan
 from .loss import default_loss
 from .setup import init, world_size_error
 from .stage_builder import build_stages
+from .periodic import check_periodic_folder, prune, resolve_auto, step_dir
 from .train import check_save_target, run_train, save_checkpoint, training_state_error
 from .verify import run_verify
 
@@ -30,6 +31,13 @@ def _steps(text: str) -> int:
         n = -1
     if n < 0:
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return n
+
+
+def _positive(text: str) -> int:
+    n = _steps(text)
+    if n == 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
     return n
 
 
@@ -50,7 +58,14 @@ def _parser() -> argparse.ArgumentParser:
                                       "one (same stages; e.g. compare zbv with interleaved_1f1b)")
     p.add_argument("--resume", type=Path,
                    help="continue training from a --save checkpoint: weights, optimizer state, step "
-                        "counter and data position (reshard it to this program's layout first)")
+                        "counter, data position and RNG state (reshard it to this program's layout "
+                        "first); 'auto': the newest complete checkpoint of the --save folder (none: "
+                        "start from the weights), and --steps counts all steps, so a job restarted "
+                        "by torchrun --max-restarts reruns the same command line")
+    p.add_argument("--save-every", type=_positive, metavar="N",
+                   help="with --train --save DIR: write DIR/step-NNNNNNNN every N steps and at the end")
+    p.add_argument("--keep", type=_positive, metavar="K",
+                   help="with --save-every: keep only the K newest complete checkpoints")
     p.add_argument("--device", choices=("cpu", "cuda"),
                    help="default: cuda (NCCL) when available, else cpu (gloo)")
     return p
@@ -98,14 +113,9 @@ def _main(out_dir: Path, argv=None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("run.py: error: --device cuda but CUDA is not available here; use --device cpu", file=sys.stderr)
         return 2
-    if args.save:
-        try:
-            check_save_target(args.save)
-        except UserError as e:
-            print(f"run.py: error: {e}", file=sys.stderr)
-            return 2
-    if args.resume and (args.load or not args.train):
-        return _fail_before_init("run.py: error: --resume goes with --train and replaces --load")
+    error = _periodic_args_error(args)
+    if error:
+        return _fail_before_init(f"run.py: error: {error}")
     state_error = training_state_error(plan) if (args.save or args.resume) and args.train else None
     if state_error:
         return _fail_before_init(f"run.py: error: {state_error}")
@@ -130,20 +140,69 @@ def _main(out_dir: Path, argv=None) -> int:
             _shutdown()
 
 
+def _periodic_args_error(args) -> str | None:
+    """The --save / --save-every / --keep / --resume combination's error, checked before
+    any process group exists."""
+    auto = args.resume is not None and str(args.resume) == "auto"
+    if args.resume and (args.load or not args.train):
+        return "--resume goes with --train and replaces --load"
+    if (args.save_every or args.keep) and not (args.train and args.save):
+        return "--save-every and --keep go with --train --save DIR (the checkpoint folder)"
+    if args.keep and not args.save_every:
+        return "--keep needs --save-every N (it prunes the periodic checkpoints)"
+    if auto and not args.save_every:
+        return ("--resume auto needs --save DIR --save-every N: it resumes from the newest "
+                "complete checkpoint of DIR")
+    try:
+        if args.save and args.save_every:
+            check_periodic_folder(args.save)
+        elif args.save:
+            check_save_target(args.save)
+    except UserError as e:
+        return str(e)
+    return None
+
+
 def _run(args, out_dir: Path, plan: ParallelPlan, spec: dict, ctx, loss_fn, model_module) -> int:
-    stage = build_stages(out_dir, plan, ctx, args.resume or args.load)
+    auto = args.resume is not None and str(args.resume) == "auto"
+    log = (lambda text: print(text, flush=True)) if ctx.rank == 0 else (lambda text: None)
+    resume = resolve_auto(args.save, log) if auto else args.resume
+    stage = build_stages(out_dir, plan, ctx, resume or args.load)
     if args.verify:
         code = run_verify(out_dir, plan, spec, stage, ctx, loss_fn)
         _profile(args, out_dir, plan, spec, stage, ctx, loss_fn, model_module)
         return code
-    _, opt, step = run_train(plan, spec, stage, ctx, loss_fn, model_module, args.steps, args.resume)
+    name = spec["optimizer"]["name"]
+    saved = [None]
+
+    def periodic(step: int, opt) -> None:
+        if args.save_every and step % args.save_every == 0:
+            _save_step(args, stage, plan, ctx, opt, step, name, log)
+            saved[0] = step
+
+    _, opt, step = run_train(plan, spec, stage, ctx, loss_fn, model_module, args.steps, resume,
+                             total=auto, after_step=periodic)
     if args.profile:  # MEMORY line per rank (runtime/memory.py)
         from .memory import print_memory
         print_memory(stage, opt, ctx)
-    if args.save:
-        save_checkpoint(stage, plan, ctx, args.save, opt, step, spec["optimizer"]["name"])
+    if args.save and not args.save_every:
+        save_checkpoint(stage, plan, ctx, args.save, opt, step, name, profile=args.profile)
+    elif args.save_every and saved[0] != step and step > 0 and not _complete(args.save, step):
+        _save_step(args, stage, plan, ctx, opt, step, name, log)  # the last step's
     _profile(args, out_dir, plan, spec, stage, ctx, loss_fn, model_module)
     return 0
+
+
+def _complete(folder: Path, step: int) -> bool:
+    """A complete checkpoint of ``step`` is already there (a resumed job with nothing left)."""
+    return (step_dir(folder, step) / "manifest.json").is_file()
+
+
+def _save_step(args, stage, plan, ctx, opt, step: int, name: str, log) -> None:
+    """``--save DIR/step-NNNNNNNN``, then (rank 0) prune the folder to ``--keep``."""
+    save_checkpoint(stage, plan, ctx, step_dir(args.save, step), opt, step, name)
+    if ctx.rank == 0:
+        prune(args.save, args.keep, log)
 
 
 def _fail_before_init(message: str) -> int:

@@ -61,3 +61,34 @@ def print_memory(stage: torch.nn.Module, opt: torch.optim.Optimizer, ctx: RankCo
     ``print`` writes the text and the newline separately, so two ranks' lines could merge."""
     sys.stdout.write("MEMORY " + json.dumps(measure(stage, opt, ctx), sort_keys=True) + "\n")
     sys.stdout.flush()
+
+
+def _proc_kib(field: str) -> int:
+    import re
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M).group(1))
+
+
+def start_save_measure(ctx: RankContext) -> int:
+    """Before a save: reset the peak counter (Linux ``/proc/self/clear_refs`` 5 resets VmHWM;
+    CUDA: ``reset_peak_memory_stats``) and return the bytes held now (VmRSS; CUDA allocated)."""
+    if ctx.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+        return torch.cuda.memory_allocated(ctx.device)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _proc_kib("VmRSS") * 1024
+
+
+def print_save_memory(ctx: RankContext, before: int, written: int, largest: int) -> None:
+    """``SAVE_MEMORY {json}``: this rank's peak during a save above what it held before
+    (``rise``), beside the bytes it wrote (its own shards) and the largest tensor's bytes."""
+    if ctx.device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(ctx.device)
+    else:
+        peak = _proc_kib("VmHWM") * 1024
+    line = {"rank": ctx.rank, "pp": ctx.pp_rank, "dp": ctx.dp_rank, "tp": ctx.tp_rank,
+            "before": before, "peak": peak, "rise": max(0, peak - before),
+            "own_shards": written, "largest_tensor": largest}
+    sys.stdout.write("SAVE_MEMORY " + json.dumps(line, sort_keys=True) + "\n")
+    sys.stdout.flush()

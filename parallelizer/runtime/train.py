@@ -3,18 +3,21 @@ model.py (seeded synthetic batches shaped like the example inputs when it has no
 the trained weights, the AdamW state (``exp_avg``, ``exp_avg_sq``, ``step``, in the
 parameters' layout) and the step counter in the same sharded layout. ``--resume`` restores
 all three (the data stream skips the batches already seen), so training continues as if
-uninterrupted, on the program's own layout (reshard the checkpoint to it first)."""
+uninterrupted, on the program's own layout (reshard the checkpoint to it first). Every rank
+writes its own shards (runtime/sharded_save.py); nothing is gathered."""
 from __future__ import annotations
 
 import itertools
+import math
 import sys
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from torch.distributed.tensor import distribute_tensor
 
 from ..checkpoint.reader import load_shard, read_manifest
-from ..checkpoint.writer import OPTIM_STATES, optim_name, write_checkpoint
+from ..checkpoint.writer import OPTIM_STATES, optim_name
 from ..errors import CheckpointError, UserError
 from ..plan import ParallelPlan
 from .batching import dp_slice, synthetic_batches
@@ -22,13 +25,17 @@ from .gather import full_tensor
 from .compression import load_state as load_compression_state, save_state as save_compression_state
 from .data_parallel import make_stage_optimizer
 from .setup import RankContext
+from .periodic import set_rng_state
+from .sharded_save import save_sharded
 from .step import StepRunner
 
 
 def run_train(plan: ParallelPlan, spec: dict, stage, ctx: RankContext, loss_fn, model_module,
-              steps: int, resume: Path | None = None):
-    """Train ``steps`` steps (after the ``resume`` checkpoint's, when given); returns
-    ``(losses, optimizer, last step number)``, losses being global means, on every rank."""
+              steps: int, resume: Path | None = None, total: bool = False, after_step=None):
+    """Train ``steps`` steps (after the ``resume`` checkpoint's, when given; with ``total``,
+    up to step ``steps`` in all, as a restarted job reruns the same command line); returns
+    ``(losses, optimizer, last step number)``, losses being global means, on every rank.
+    ``after_step(step, opt)`` runs after each step (periodic checkpoints)."""
     ocfg = spec["optimizer"]
     runner = StepRunner(stage, plan, ctx, loss_fn)
     opt = make_stage_optimizer(stage.parameters(), ocfg["name"], ocfg["lr"], ocfg["weight_decay"],
@@ -40,7 +47,8 @@ def run_train(plan: ParallelPlan, spec: dict, stage, ctx: RankContext, loss_fn, 
             load_compression_state(ctx.compression, plan, Path(resume), ctx.rank, ctx.device)
     source = itertools.islice(batch_source(plan, model_module, spec), start, None)
     losses = []
-    for step, batch in zip(range(start, start + steps), source):
+    end = max(start, steps) if total else start + steps
+    for step, batch in zip(range(start, end), source):
         opt.zero_grad(set_to_none=True)
         loss, _ = runner.step(dp_slice(plan, batch, ctx.dp_rank, ctx.device))
         opt.step()
@@ -50,6 +58,8 @@ def run_train(plan: ParallelPlan, spec: dict, stage, ctx: RankContext, loss_fn, 
             # could land between the two
             sys.stdout.write(f"step {step + 1} loss {loss.item():.6f}\n")
             sys.stdout.flush()
+        if after_step is not None:
+            after_step(step + 1, opt)
     return losses, opt, start + len(losses)
 
 
@@ -87,6 +97,9 @@ def load_optimizer_state(opt, stages, plan: ParallelPlan, ctx: RankContext, ckpt
                 state[index[id(p)]] = _param_state(shard, fqn, p, ctx)
     sd["state"] = state
     opt.load_state_dict(sd)
+    rng = manifest["train"].get("rng")
+    if rng and len(rng) == dist.get_world_size():  # same world: each rank's own RNG stream
+        set_rng_state(rng[ctx.rank], ctx.device)
     return int(manifest["train"]["step"])
 
 
@@ -114,8 +127,9 @@ def batch_source(plan: ParallelPlan, model_module, spec: dict):
 
 def gather_full_state(stage, plan: ParallelPlan, ctx: RankContext) -> dict | None:
     """Every tensor of the model at full shape under its canonical FQN, on global rank 0
-    (None elsewhere). Collective over all ranks. Memory on rank 0 is the whole model; the
-    streaming per-rank writer comes with the checkpoint issue."""
+    (None elsewhere). Collective over all ranks. An explicit gather for small models (the
+    API's ``full_state_dict``): rank 0 holds the whole model, sent through a pickled
+    ``gather_object``; checkpoints never take this path (:func:`save_checkpoint`)."""
     tp = plan.mesh["tp"]
     mine = {}
     for name, t in list(stage.named_parameters()) + list(stage.named_buffers()):
@@ -158,36 +172,25 @@ def check_save_target(out: Path) -> None:
                         f"checkpoint; save into a new or empty folder")
 
 
-def gather_optimizer_state(opt, stage, plan: ParallelPlan, ctx: RankContext) -> dict | None:
-    """``{fqn: {"exp_avg", "exp_avg_sq", "step"}}`` at full shape on global rank 0 (None
-    elsewhere); parameters without state (never given a gradient) are left out. Collective."""
-    tp = plan.mesh["tp"]
-    mine = {}
-    for name, p in stage.named_parameters():
-        fqn = plan.aliases.get(name, name)
-        st = opt.state.get(p)
-        if not st:
-            continue
-        full = {k: full_tensor(st[k], plan.tensors[fqn], ctx, tp).cpu() for k in ("exp_avg", "exp_avg_sq")
-                if k in st}
-        if ctx.dp_rank == 0 and ctx.tp_rank == 0 and full:
-            mine[fqn] = {**full, "step": st["step"].detach().cpu().float()}
-    return _merge_on_rank0(mine, ctx)
-
-
 def save_checkpoint(stage, plan: ParallelPlan, ctx: RankContext, out: Path, opt=None,
-                    step: int | None = None, optimizer: str = "") -> None:
-    """Write the model (and, with ``opt``, its optimizer state and the step counter) to
-    ``out`` in the plan's sharded layout, atomically (temporary folder, then rename) from
-    global rank 0. Collective."""
+                    step: int | None = None, optimizer: str = "", profile: bool = False) -> None:
+    """Write the model (and, with ``opt``, its optimizer state, the step counter = data
+    position and each rank's RNG state) to ``out`` in the plan's sharded layout: every rank
+    writes its own shards, no gather (:mod:`parallelizer.runtime.sharded_save`), published
+    atomically. Collective. ``profile``: print a ``SAVE_MEMORY`` line per rank."""
     check_save_target(Path(out))  # on every rank, before any collective: all raise alike
-    state = gather_full_state(stage, plan, ctx)
-    optim = gather_optimizer_state(opt, stage, plan, ctx) if opt is not None else None
-    if state is not None:
-        train = {"step": step, "optimizer": optimizer} if opt is not None else None
-        write_checkpoint(state, plan, Path(out), overwrite=True, optim_state=optim, train=train)
-        print(f"saved {len(state)} tensors to {out}", flush=True)
-    dist.barrier()
+    train = ({"step": step, "optimizer": optimizer, "data_position": step}
+             if opt is not None else None)
+    if profile:
+        from .memory import print_save_memory, start_save_measure
+        before = start_save_measure(ctx)
+    written = save_sharded(stage, plan, ctx, Path(out), opt, train)
     if opt is not None and ctx.compression is not None:  # per rank: error feedback differs
+        # beside the published checkpoint, not in its manifest (a later step: into .partial)
         save_compression_state(ctx.compression, plan, Path(out), ctx.rank)
         dist.barrier()
+    if profile:
+        largest = max(math.prod(t.shape) * getattr(torch, t.dtype).itemsize for t in plan.tensors.values())
+        print_save_memory(ctx, before, written, largest)
+    if ctx.rank == 0:
+        print(f"saved checkpoint {out}" + (f" at step {step}" if step is not None else ""), flush=True)

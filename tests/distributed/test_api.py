@@ -54,9 +54,14 @@ def single_device() -> list[tuple[float, float]]:
 @pytest.mark.parametrize("mesh", [("mesh.tp=2", "mesh.pp=2", "mesh.dp=1", "pipeline.schedule=zbv",
                                    "pipeline.virtual_stages=2"),
                                   ("mesh.dp=2", "mesh.tp=2", "mesh.pp=1")])
-def test_api_training_equals_single_device(mesh, single_device):
-    p = _run(4, *mesh)
+def test_api_training_equals_single_device(mesh, single_device, tmp_path):
+    save = ("--save", str(tmp_path / "ckpt")) if "mesh.dp=2" in mesh else ()
+    p = _run(4, *mesh, *save)
     got = _losses(p)
+    if save:  # pm.save_checkpoint: one file per rank, equal to the explicit gather
+        assert "saved checkpoint equals full_state_dict: True" in p.stdout, p.stdout
+        assert sorted(f.name for f in (tmp_path / "ckpt").glob("*.safetensors")) == [
+            f"pp0-tp{t}-dp{d}.safetensors" for t in (0, 1) for d in (0, 1)]
     assert "ParallelModule(mesh" in p.stdout
     assert len(got) == 3
     for step, ((loss, lr), (ref_loss, ref_lr)) in enumerate(zip(got, single_device), 1):

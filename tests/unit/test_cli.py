@@ -80,7 +80,9 @@ def test_compile_gets_spec_with_overrides(capsys, files, fake_compiler):
     (args, kwargs), = fake_compiler
     assert args[0] == model and args[2] == out
     assert (args[1].mesh.dp, args[1].mesh.tp, args[1].seed) == (2, 2, 7)
-    assert kwargs == {"weights": False, "dump_passes": out / "passes"}
+    from parallelizer.topology import Topology  # no --nodes: one node of the mesh's world
+    assert kwargs == {"weights": False, "dump_passes": out / "passes",
+                      "topology": Topology(1, 4, None)}
 
 
 def test_user_error_from_compiler_exits_2(capsys, files, monkeypatch):
