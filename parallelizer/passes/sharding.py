@@ -65,14 +65,21 @@ def propagate(graph: fx.Graph, column: set, row: set, tp: int, layouts: Optional
             the replicated value reaching an op other than repeat_kv).
     """
     prop = Propagation(layouts=dict(layouts or {}), no_replication=frozenset(no_replication))
-    weight_dims = {}
+    weight_dims, weight_views = {}, set()
     for node in graph.nodes:
         site = as_linear(node)
         if site and site.weight in column:
             weight_dims[site.weight] = site.out_dim
+            if site.bias_add is not None:  # a separate bias add: the bias is Shard(0), raw
+                prop.column_biases[site.bias] = site.weight
         elif site and site.weight in row:
             weight_dims[site.weight] = site.in_dim
+        if site and site.w_node is not None and site.w_node.op == "call_function":
+            weight_views.add(site.w_node.name)  # W.T read by the product: the linear rule's
     for node in graph.nodes:
+        if node.name in weight_views:
+            prop.placements[node.name], prop.groups[node.name] = None, frozenset()
+            continue
         placement, groups = _rule(node, prop, column, row, weight_dims, tp)
         prop.placements[node.name] = placement
         # a replicated value (e.g. after g) carries no shard: a conflict further down the
@@ -102,6 +109,10 @@ def _rule(node: fx.Node, prop: Propagation, column, row, weight_dims, tp):
             return weight_dims[node.target], frozenset({node.target})
         if node.target in row:
             return weight_dims[node.target], frozenset()
+        if node.target in prop.column_biases:
+            w = prop.column_biases[node.target]
+            prop.raw[node.name] = frozenset({w})
+            return 0, frozenset({w})
         return None, frozenset()
     if node.op != "call_function":
         return None, groups
@@ -184,7 +195,7 @@ def _linear(node, site, prop, column, row, groups):
             return _conflict(prop, node, groups, "replicated linear got a sharded input")
         return None, groups
     x, wt = site.x, site.weight
-    w = next(a for a in inputs_of(node) if a.op == "get_attr" and a.target == wt)
+    w = site.w_node if site.w_node.op == "get_attr" else site.w_node.args[0]
     px = placement(prop, x)
     mod = module_path(node)
     if x.name in prop.raw:

@@ -57,6 +57,7 @@ class Propagation:
     kv_weights: set = field(default_factory=set)     # column weights whose heads reach repeat_kv
     slices: dict = field(default_factory=dict)       # column weight -> [(lo, hi, node, module)]
     head_shapes: dict = field(default_factory=dict)  # column weight -> (heads, head_dim)
+    column_biases: dict = field(default_factory=dict)  # separately added bias -> its weight
 
     def found_layouts(self) -> dict:
         """weight fqn -> its one non-even layout (weights used in several ways excluded:

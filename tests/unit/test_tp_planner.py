@@ -449,15 +449,54 @@ def test_conv1d_addmm_pair_is_column_then_row_on_transposed_dims():
     assert d.dims == {"w1": 1, "b1": 0, "w2": 0} and d.layouts == {}
 
 
+class AlgebraMLP(torch.nn.Module):
+    """Linears written as algebra: ``x @ W.T + b`` (Falcon's FalconLinear), ``x @ W`` with W
+    (in, out), ``torch.mm`` of a ``W.t()``; no aten.linear in the graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1, self.b1 = nn.Parameter(torch.randn(32, 16)), nn.Parameter(torch.randn(32))
+        self.w2, self.b2 = nn.Parameter(torch.randn(32, 24)), nn.Parameter(torch.randn(24))
+        self.w3 = nn.Parameter(torch.randn(16, 24))
+
+    def forward(self, x):
+        h = F.gelu(x @ self.w1.T + self.b1)
+        h = h @ self.w2 + self.b2                       # row: its bias is added after g
+        h = torch.mm(h.reshape(-1, 24), self.w3.t())    # a lone linear: no pair, replicated
+        return h
+
+
+def test_linears_found_by_algebra_pair_and_match():
+    torch.manual_seed(0)
+    model = AlgebraMLP()
+    cap = captured(model, (torch.randn(2, 5, 16),))
+    d = plan_tp(cap.gm.graph, 2)
+    assert d.column == {"w1"} and d.row == {"w2"}
+    assert d.dims == {"w1": 0, "b1": 0, "w2": 0} and d.biases == {"w1": "b1", "w2": "b2"}
+    assert "replicated linear: w3 (no column/row pair found)" in d.report
+    apply_tensor_parallel(cap.gm, d)
+    g = next(n for n in cap.gm.graph.nodes if n.target is reduce_from_tp_region)
+    assert g.args[0].target is aten.matmul.default and [u.target for u in g.users] == [aten.add.Tensor]
+    x = (torch.randn(3, 7, 16, generator=torch.Generator().manual_seed(1)),)
+    with torch.no_grad():
+        ref = model(*x)
+    for out in run_tp_lockstep(cap.gm, d, 2, x):
+        torch.testing.assert_close(out[0], ref, rtol=1e-5, atol=1e-5)
+
+
 def test_tp_that_shards_nothing_warns():
-    """A model whose only matmuls are neither aten.linear nor a Conv1D addmm (here plain
-    ``x @ W``) gets nothing sharded; the planner says so instead of silently running
-    replicated."""
-    cap = captured(Conv1DMLP(bias=False), (torch.randn(4, 16),))
+    """A pair kept replicated (cumsum over the sharded features) leaves nothing sharded;
+    the planner says so instead of silently running replicated."""
+    cap = captured(nn.Sequential(nn.Linear(H, 64), _Cumsum(), nn.Linear(64, H)), x_batch())
     decision = plan_tp(cap.gm.graph, 2)
     assert not decision.column and not decision.row
     assert len(decision.warnings) == 1 and "mesh.tp=2 but no linear layer could be sharded" in decision.warnings[0]
     assert not plan_tp(cap.gm.graph, 1).warnings
+
+
+class _Cumsum(nn.Module):
+    def forward(self, h):
+        return torch.cumsum(h, dim=-1)
 
 
 # --- GPT-2 (transformers' GPT2LMHeadModel: Conv1D, fused q|k|v in c_attn) --------------------
