@@ -1,6 +1,8 @@
 """Read-only facts about a captured graph: shapes, module paths, parameter uses."""
 from __future__ import annotations
 
+import os
+import re
 from typing import NamedTuple, Optional
 
 import sympy
@@ -191,3 +193,14 @@ def attr_targets(graph: fx.Graph) -> list[str]:
         if n.op == "get_attr" and n.target != RUNTIME_DEVICE and n.target not in out:
             out.append(n.target)
     return out
+
+
+def source_line(node: fx.Node) -> str:
+    """``file.py:line`` of the innermost frame of ``node``'s stack trace outside torch
+    (the model code that produced it), or '' when export recorded none."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = re.findall(r'File "([^"]+)", line (\d+)', trace)
+    for path, line in reversed(frames):
+        if f"{os.sep}torch{os.sep}" not in path:
+            return f"{os.path.basename(path)}:{line}"
+    return ""
