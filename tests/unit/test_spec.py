@@ -35,6 +35,7 @@ def test_defaults_for_empty_file(tmp_path):
         "activation_checkpointing": {"mode": "none", "every": 2},
         "fsdp": {"prefetch": {"forward": None, "backward": None}, "offload": False},
         "mixed_precision": {"param_dtype": "fp32", "reduce_dtype": None},
+        "tensor_parallel": {"allow_replicated": False},
     }
     assert spec == Spec()
 
