@@ -98,6 +98,8 @@ def _sdpa(node, prop, tp):
     heads = len(shape(q)) - 3
     if {placement(prop, q), placement(prop, k), placement(prop, v)} != {heads}:
         return INVALID
+    if node.kwargs.get("enable_gqa"):
+        _gqa_kv(node, prop, k, v)
     mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
     if is_tensor(mask) and placement(prop, mask) is None:
         m = shape(mask)
@@ -105,6 +107,16 @@ def _sdpa(node, prop, tp):
         if k_ >= 0 and not same(m[k_], 1):
             return INVALID
     return heads
+
+
+def _gqa_kv(node, prop, k, v) -> None:
+    """SDPA with ``enable_gqa``: query head ``h`` reads kv head ``h // (H / K)``, so a rank's
+    even block of query heads reads exactly its block of kv heads, or its copy of one kv
+    head when tp > K (replicated_heads): the kv heads behave as after repeat_kv."""
+    marks = [prop.heads[a.name] for a in (k, v) if a.name in prop.heads]
+    for m in marks:
+        prop.kv_weights |= m.weights
+    prop.claimed.add(node.name)
 
 
 def _matmul(node, prop, tp):
