@@ -42,6 +42,7 @@ import torch
 import torch.fx as fx
 
 from .graph_facts import as_linear, aten, module_path, same, shape
+from .sharding_heads import factory_rule
 from .sharding_layouts import fuse_slices, view_rule
 from .sharding_rules import KEEP_HEADS, KEEP_RAW, RULES, pointwise_rule
 from .sharding_state import (INVALID, Propagation, add_constraint, inputs_of, mark_not_replicable,
@@ -51,7 +52,7 @@ __all__ = ["INVALID", "Propagation", "propagate"]
 
 
 def propagate(graph: fx.Graph, column: set, row: set, tp: int, layouts: Optional[dict] = None,
-              no_replication=frozenset()) -> Propagation:
+              no_replication=frozenset(), per_head: Optional[dict] = None) -> Propagation:
     """Placements for every node of ``graph`` under the given column/row weight sets.
 
     Args:
@@ -63,8 +64,13 @@ def propagate(graph: fx.Graph, column: set, row: set, tp: int, layouts: Optional
             of the previous run); missing means the even split.
         no_replication: weights whose kv heads must not be replicated (a previous run found
             the replicated value reaching an op other than repeat_kv).
+        per_head: ``("param", fqn)`` / ``("factory", node name)`` -> (dim, column groups):
+            per-head tensors to shard along their heads dim (the ``head_requests`` of
+            previous runs, :mod:`.sharding_heads`).
     """
     prop = Propagation(layouts=dict(layouts or {}), no_replication=frozenset(no_replication))
+    for (kind, name), v in (per_head or {}).items():
+        (prop.per_head if kind == "param" else prop.per_head_factories)[name] = v
     weight_dims, weight_views = {}, set()
     for node in graph.nodes:
         site = as_linear(node)
@@ -109,6 +115,11 @@ def _rule(node: fx.Node, prop: Propagation, column, row, weight_dims, tp):
             return weight_dims[node.target], frozenset({node.target})
         if node.target in row:
             return weight_dims[node.target], frozenset()
+        if node.target in prop.per_head:
+            d, g = prop.per_head[node.target]
+            add_constraint(prop, shape(node)[d], "heads", module_path(node),
+                           f"dim {d} of the per-head {node.target}")
+            return d, g
         if node.target in prop.column_biases:
             w = prop.column_biases[node.target]
             prop.raw[node.name] = frozenset({w})
@@ -122,6 +133,8 @@ def _rule(node: fx.Node, prop: Propagation, column, row, weight_dims, tp):
     site = as_linear(node)
     if site is not None or node.target is aten.linear.default:
         return _linear(node, site, prop, column, row, groups)
+    if node.name in prop.per_head_factories:
+        return factory_rule(node, prop, tp), prop.per_head_factories[node.name][1]
     if not ins:
         return None, groups
     if not _holds_tensors(node):  # sizes (SymInt) and other non-tensor values

@@ -44,6 +44,7 @@ class TPDecision:
     report: list = field(default_factory=list)
     warnings: list = field(default_factory=list)  # also printed by the CLI
     blockers: list = field(default_factory=list)  # "op at file:line in module: reason", in order
+    per_head: dict = field(default_factory=dict)  # per-head parameter fqn -> its heads dim
 
 
 def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False) -> TPDecision:
@@ -79,6 +80,9 @@ def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False) -> TPDecis
             decision.layouts[w] = layouts[w]
             if site.bias:
                 decision.layouts[site.bias] = layouts[w]
+    for fqn, (d, _groups) in sorted(prop.per_head.items()):
+        decision.per_head[fqn] = decision.dims[fqn] = d
+        decision.report.append(f"sharded along heads (dim {d}): {fqn}")
     decision.report.insert(0, f"column_parallel: {len(column)} linears; row_parallel: "
                               f"{len(row)} linears; replicated: "
                               f"{len(sites) - len(column) - len(row)} linears")
@@ -150,12 +154,18 @@ def _layout_text(layout: dict) -> str:
 def _settle(graph, pairs: dict, column: set, row: set, tp: int, decision) -> Propagation:
     """Propagate until the layouts found are the layouts assumed (the rewrites follow them)
     and no conflict is left; groups in conflict are removed from ``column``/``row``."""
-    layouts, no_replication = {}, frozenset()
+    layouts, no_replication, per_head = {}, frozenset(), {}
     by_name = {n.name: n for n in graph.nodes}
     for _ in range(4 * (len(column) + len(row)) + 8):
-        prop = propagate(graph, column, row, tp, layouts, no_replication)
+        # a per-head tensor whose attention was kept replicated stays replicated too
+        per_head = {k: v for k, v in per_head.items() if v[1] & column}
+        prop = propagate(graph, column, row, tp, layouts, no_replication, per_head)
         if prop.not_replicable - no_replication:
             no_replication |= prop.not_replicable
+            continue
+        new = {k: v for k, v in prop.head_requests.items() if k not in per_head and v[1] & column}
+        if new:
+            per_head.update(new)
             continue
         found = prop.found_layouts()
         if found != layouts:

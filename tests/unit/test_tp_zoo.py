@@ -28,7 +28,7 @@ LR = 0.1
 # family -> (weight matrices inside the blocks that tp shards, all of them)
 SHARDED = {
     "gpt_neox": (8, 8), "falcon": (4, 8), "phi": (12, 12), "gemma": (14, 14), "opt": (12, 12),
-    "bloom": (4, 8), "mistral": (14, 14), "qwen2": (14, 14), "gpt2": (8, 8), "t5": (8, 34),
+    "bloom": (4, 8), "mistral": (14, 14), "qwen2": (14, 14), "gpt2": (8, 8), "t5": (34, 34),
     "vit": (12, 12), "roberta": (12, 12), "mixtral_attention": (8, 8),
 }
 
