@@ -42,6 +42,7 @@ import torch
 import torch.fx as fx
 
 from .graph_facts import as_linear, aten, module_path, same, shape
+from .sharding_dtensor import NO_RULE, dtensor_rule
 from .sharding_heads import factory_rule
 from .sharding_layouts import fuse_slices, view_rule
 from .sharding_rules import KEEP_HEADS, KEEP_RAW, RULES, pointwise_rule
@@ -142,14 +143,17 @@ def _rule(node: fx.Node, prop: Propagation, column, row, weight_dims, tp):
     fn = RULES.get(node.target)
     if fn is None:
         tags = getattr(node.target, "tags", ())
-        fn = pointwise_rule if torch.Tag.pointwise in tags else None
-    if fn is None:
-        _consume_markers(node, prop, None, INVALID)
-        return _conflict(prop, node, groups, f"no sharding rule for {node.target}")
+        fn = pointwise_rule if torch.Tag.pointwise in tags else dtensor_rule
     out = fn(node, prop, tp)
+    if out is NO_RULE:
+        _consume_markers(node, prop, None, INVALID)
+        return _conflict(prop, node, groups, f"no sharding rule for {node.target} (ours or "
+                                             f"DTensor's)")
     if out == INVALID:
         _consume_markers(node, prop, None, INVALID)
-        return _conflict(prop, node, groups, f"{node.target} cannot take a sharded input here")
+        return _conflict(prop, node, groups, f"{node.target} cannot take a sharded input here"
+                         + (" (DTensor's strategy would redistribute it)"
+                            if fn is dtensor_rule else ""))
     _consume_markers(node, prop, fn, out)
     return out, groups
 

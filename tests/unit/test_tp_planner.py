@@ -315,8 +315,27 @@ def test_cumsum_between_pair_keeps_it_replicated_and_reports_why():
     kept = [line for line in d.report if line.startswith("kept replicated:")]
     line = _line_of("h = self.first.fc2(self.op(self.first.fc1(x)))")
     assert kept == ["kept replicated: first.fc1.weight, first.fc2.weight (at cumsum = "
-                    f"aten.cumsum.default at test_tp_planner.py:{line} in the root module: no "
-                    "sharding rule for aten.cumsum.default)"]
+                    f"aten.cumsum.default at test_tp_planner.py:{line} in the root module: "
+                    "aten.cumsum.default cannot take a sharded input here (DTensor's strategy "
+                    "would redistribute it))"]
+
+
+def test_dtensor_strategy_shards_an_op_our_table_lacks():
+    """cumsum over the sequence (dim 1) keeps the feature shard: our table has no cumsum
+    rule, DTensor's scan strategy says Shard(2) in, Shard(2) out; both pairs shard and the
+    ranks equal the unmodified model."""
+    torch.manual_seed(0)
+    model = TwoMLPs(lambda h: torch.cumsum(h, dim=1)).eval()
+    cap = captured(model, x_batch())
+    d = plan_tp(cap.gm.graph, 2)
+    assert d.column == {"first.fc1.weight", "second.fc1.weight"}
+    assert d.row == {"first.fc2.weight", "second.fc2.weight"}
+    apply_tensor_parallel(cap.gm, d)
+    x = x_batch(3, 7, seed=1)
+    with torch.no_grad():
+        ref = model(*x)
+    for out in run_tp_lockstep(cap.gm, d, 2, x):
+        torch.testing.assert_close(out[0], ref, rtol=1e-5, atol=1e-5)
 
 
 def test_sort_between_pair_keeps_it_replicated():
@@ -508,7 +527,8 @@ def test_tp_that_shards_nothing_is_a_plan_error_naming_the_op():
     line = _line_of("torch.cumsum(h, dim=-1)  # the blocking op")
     assert msg.startswith("mesh.tp=2 but no weight matrix could be sharded; the first op that "
                           f"stopped it: aten.cumsum.default at test_tp_planner.py:{line} in 1: "
-                          "no sharding rule for aten.cumsum.default."), msg
+                          "aten.cumsum.default cannot take a sharded input here (DTensor's "
+                          "strategy would redistribute it)."), msg
     assert "tensor_parallel.allow_replicated=true" in msg and "mesh.tp=1" in msg
 
 
@@ -697,7 +717,8 @@ def test_compile_with_nothing_sharded_exits_2_naming_the_op(tmp_path, capsys):
     assert code == 2
     assert io.err.startswith("error: mesh.tp=2 but no weight matrix could be sharded; the first "
                              "op that stopped it: aten.cumsum.default at model.py:12 in "
-                             "blocks.0: no sharding rule for aten.cumsum.default."), io.err
+                             "blocks.0: aten.cumsum.default cannot take a sharded input here "
+                             "(DTensor's strategy would redistribute it)."), io.err
     assert "tensor_parallel.allow_replicated=true" in io.err
     assert not (tmp_path / "out").exists()
     code, io = _compile_cli(tmp_path, capsys, "(lambda h: torch.cumsum(h, -1))",
