@@ -1,5 +1,5 @@
-"""Tensor-parallel model zoo: tiny seeded Hugging Face families at tp=2 and tp=4, ranks in
-lockstep in one process (tests/unit/tp_lockstep.py). For each: how many weight matrices
+"""Tensor-parallel model zoo: tiny seeded Hugging Face families and the examples at tp=2 and
+tp=4, ranks in lockstep in one process (tests/unit/tp_lockstep.py). For each: how many weight matrices
 inside the blocks the planner shards, and outputs, every parameter's gradient and the
 parameters after one SGD step equal to the unmodified model (fp32, 1e-5).
 """
@@ -20,7 +20,9 @@ from parallelizer.passes.tensor_parallel import apply_tensor_parallel  # noqa: E
 from parallelizer.planning.tp import plan_tp, tp_summary  # noqa: E402
 
 from tp_lockstep import local, run_ranks  # noqa: E402
-from tp_zoo_models import ZOO  # noqa: E402
+from tp_zoo_models import EXAMPLES, ZOO  # noqa: E402
+
+FAMILIES = {**ZOO, **EXAMPLES}
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 LR = 0.1
@@ -33,6 +35,8 @@ SHARDED = {
     "gpt_neox": (8, 8), "falcon": (4, 8), "phi": (12, 12), "gemma": (14, 14), "opt": (12, 12),
     "bloom": (4, 8), "mistral": (14, 14), "qwen2": (14, 14), "gpt2": (8, 8), "t5": (34, 34),
     "vit": (12, 12), "roberta": (12, 12), "mixtral_attention": (8, 8),
+    "example_gpt": (24, 24), "example_gpt2": (16, 16), "example_llama": (28, 28),
+    "example_minilm": (36, 36),
 }
 
 
@@ -51,17 +55,21 @@ def _loss(outs):
     return sum((o * torch.randn(o.shape, generator=g)).mean() for o in tensors)
 
 
-@pytest.fixture(scope="module", params=list(ZOO))
+@pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request):
-    model, batch_of, _pick = ZOO[request.param]()
+    model, batch_of, _pick = FAMILIES[request.param]()
     model.train()
     cap = capture(model, batch_of(), Path(request.param))
     return request.param, model, batch_of, cap
 
 
+def _call(model, batch):
+    return model(**batch) if isinstance(batch, dict) else model(*batch)
+
+
 def _reference(model, batch):
     model = copy.deepcopy(model)
-    outs, _ = tree_flatten(model(**batch))
+    outs, _ = tree_flatten(_call(model, batch))
     _loss(outs).backward()
     named = list(model.named_parameters(remove_duplicate=False))  # tied: under every name
     grads = {n: p.grad.detach().clone() for n, p in named}
@@ -73,6 +81,9 @@ def _reference(model, batch):
 @pytest.mark.parametrize("tp", [2, 4])  # every family has 4 query heads
 def test_zoo_tp_matches_unmodified_model(family, tp):
     name, model, batch_of, cap = family
+    if tp == 4 and name == "example_minilm":
+        pytest.skip("MiniLM has real weights (22M parameters, ~9 s per run): tp=2 only here; "
+                    "tests/distributed runs it under torchrun")
     gm = copy.deepcopy(cap.gm)
     d = plan_tp(gm.graph, tp)
     mats = block_matrices(model)
@@ -84,7 +95,7 @@ def test_zoo_tp_matches_unmodified_model(family, tp):
     apply_tensor_parallel(gm, d)
     batch = batch_of(3, 8, seed=1)
     ref_outs, ref_grads, ref_stepped = _reference(model, batch)
-    flat = [batch[n] for n in cap.input_names]
+    flat = [batch[n] for n in cap.input_names] if isinstance(batch, dict) else list(batch)
     ranks = run_ranks(gm, d, tp, flat, _loss, LR)
     for r, res in enumerate(ranks):
         for out, ref in zip(res.outputs, ref_outs):

@@ -181,3 +181,24 @@ def mixtral_attention():
 
 ZOO = {f.__name__: f for f in (gpt_neox, falcon, phi, gemma, opt, bloom, mistral, qwen2, gpt2,
                                t5, vit, roberta, mixtral_attention)}
+
+
+def _example(name):
+    """An example of examples/ with its own example_inputs (every batch is that one)."""
+    from pathlib import Path
+    from parallelizer.frontend import build_model, load_model_file
+
+    def make():
+        module = load_model_file(Path(__file__).parents[2] / "examples" / name / "model.py")
+        torch.manual_seed(0)
+        model = build_model(module, on_meta=False)
+        inputs = module.example_inputs()
+
+        def batch(b=None, t=None, seed=0):
+            return dict(inputs) if isinstance(inputs, dict) else inputs
+        return model, batch, None
+    make.__name__ = f"example_{name}"
+    return make
+
+
+EXAMPLES = {f"example_{n}": _example(n) for n in ("gpt", "gpt2", "llama", "minilm")}
