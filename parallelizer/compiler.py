@@ -33,7 +33,7 @@ from .planning.pipeline import find_blocks, plan_from_costs
 from .planning.pipeline_summary import (check_microbatches, check_placement, summarize,
                                         virtual_stages_of)
 from .planning.tensors import build_plan, pipeline_structure, tied_groups
-from .planning.tp import plan_tp
+from .planning.tp import plan_tp, tp_summary
 from .program import Program
 from .reference import compute_reference
 from .report import render_report
@@ -52,6 +52,8 @@ def compile_to_dir(model_path: Path, spec: Spec, out_dir: Path, weights: bool = 
     program.sources.update(launch_files(topology))
     program.report += "\n".join(placement_lines(program.plan.mesh, topology)) + "\n"
     program.save(Path(out_dir))
+    for line in program.notes:
+        print(line)
     for line in program.warnings:
         print(f"warning: {line}", file=sys.stderr)
 
@@ -109,7 +111,8 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
     if mesh.pp > 1:
         check_outputs_have_batch_dim(gm, captured.input_names)
     # facts and plan first, from the captured graph (global shapes); then the passes
-    tp_decision = plan_tp(gm.graph, mesh.tp)  # raises before anything is rewritten
+    tp_decision = plan_tp(gm.graph, mesh.tp, spec.tensor_parallel.allow_replicated)  # raises early
+    tp_notes = [tp_summary(tp_decision, model)] if mesh.tp > 1 else []
     passes = PassManager(dump_passes)
     passes.run("cleanup", apply_cleanup, gm)
     blocks = find_blocks(model)
@@ -144,10 +147,10 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
             ref = compute_reference(stepped, batch, loss_fn or default_loss,
                                     captured.input_names, spec)
     warnings = list(tp_decision.warnings) + pp_warnings
-    report = render_report(plan, captured.route, tp_decision.warnings + tp_decision.report,
-                           pipeline, block_notes, pp_warnings)
+    tp_lines = tp_notes + tp_decision.warnings + tp_decision.report
+    report = render_report(plan, captured.route, tp_lines, pipeline, block_notes, pp_warnings)
     return Program(plan, sources, report, model_file, spec.to_dict(), state, ref,
-                   warnings=warnings, pipeline=pipeline)
+                   warnings=warnings, pipeline=pipeline, notes=tp_notes)
 
 
 def _num_stages(spec: Spec, blocks: tuple[str, ...], parts=()) -> int:

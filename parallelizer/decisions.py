@@ -25,6 +25,8 @@ class TPDecision:
     rewrites: dict = field(default_factory=dict)
     report: list = field(default_factory=list)
     warnings: list = field(default_factory=list)  # also printed by the CLI
+    blockers: list = field(default_factory=list)  # "op at file:line in module: reason", in order
+    per_head: dict = field(default_factory=dict)  # per-head parameter fqn -> its heads dim
 
 
 @dataclass(frozen=True)

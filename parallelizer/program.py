@@ -29,6 +29,7 @@ class Program:
     reference: Optional[dict] = None  # see parallelizer.reference
     warnings: list = field(default_factory=list)  # one line each, also in report.md
     pipeline: Optional[dict] = None   # planning.pipeline_summary.summarize: stage costs, bubble
+    notes: list = field(default_factory=list)  # printed by the CLI (the tp summary line)
 
     def save(self, out_dir: Path) -> Path:
         """Write OUT/ atomically: into a temporary sibling folder, then rename.

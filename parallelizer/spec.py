@@ -123,6 +123,13 @@ class Verify(BaseModel):
         "sgd", description="one of 'sgd', 'adamw' (optimizer of the --verify step; lr from optimizer.lr)")
 
 
+class TensorParallel(BaseModel):
+    model_config = _STRICT
+    allow_replicated: bool = Field(
+        False, description="true or false (at mesh.tp > 1, run even when no weight matrix "
+                           "could be sharded, instead of failing the compile)")
+
+
 class ActivationCheckpointing(BaseModel):
     model_config = _STRICT
     mode: Literal["none", "full", "selective"] = Field(
@@ -202,6 +209,7 @@ class Spec(BaseModel):
     activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing()
     fsdp: Fsdp = Fsdp()
     mixed_precision: MixedPrecision = MixedPrecision()
+    tensor_parallel: TensorParallel = TensorParallel()
     data_parallel: DataParallel = DataParallel()
 
     @model_validator(mode="after")

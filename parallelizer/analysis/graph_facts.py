@@ -1,6 +1,8 @@
 """Read-only facts about a captured graph: shapes, module paths, parameter uses."""
 from __future__ import annotations
 
+import os
+import re
 from typing import NamedTuple, Optional
 
 import sympy
@@ -76,15 +78,21 @@ def weight_fqn(node: fx.Node) -> Optional[str]:
 
 
 class Linear(NamedTuple):
-    """One linear layer of the graph: ``aten.linear(x, W, b)`` (nn.Linear, W of shape
-    (out, in)) or ``aten.addmm(b, x, W)`` (GPT-2's Conv1D, W of shape (in, out)).
+    """One linear layer of the graph, found by its algebra: ``y = x W^T (+ b)`` or
+    ``y = x W (+ b)`` with W a 2-D parameter (a get_attr), whichever op spells it:
+    ``aten.linear(x, W, b)`` (nn.Linear, W (out, in)), ``aten.addmm(b, x, W)`` (GPT-2's
+    Conv1D, W (in, out)), ``matmul`` / ``mm`` / ``bmm`` / ``addmm`` with W or a transpose of W
+    (``W.T``, ``W.t()``, ``W.transpose(0, 1)``, ``W.permute(1, 0)``) as the right operand, and
+    a bias added by a separate ``add`` of a 1-D parameter (Falcon's ``x @ W.T + b``).
 
     Attributes:
-        node: the call_function node.
+        node: the call_function node of the product.
         x: its input activation.
         weight, bias: get_attr targets (bias None when absent).
-        out_dim: the weight dim of the output features (0 for linear, 1 for Conv1D);
+        out_dim: the weight dim of the output features (0 for W (out, in), 1 for W (in, out));
             ``1 - out_dim`` is the input-features dim.
+        w_node: the node the product reads the weight through (the get_attr or its transpose).
+        bias_add: the separate ``add`` of the bias, or None (bias inside the op or absent).
     """
 
     node: fx.Node
@@ -92,31 +100,80 @@ class Linear(NamedTuple):
     weight: str
     bias: Optional[str]
     out_dim: int
+    w_node: Optional[fx.Node] = None
+    bias_add: Optional[fx.Node] = None
 
     @property
     def in_dim(self) -> int:
         return 1 - self.out_dim
 
 
+_TRANSPOSES = {aten.t.default, aten.numpy_T.default, aten.transpose.int, aten.permute.default,
+               aten.mT.default}
+_PRODUCTS = {aten.matmul.default, aten.mm.default, aten.bmm.default}
+
+
+def _param_2d(n) -> bool:
+    return bool(weight_fqn(n)) and is_tensor(n) and len(shape(n)) == 2
+
+
+def _weight_operand(w) -> tuple[Optional[fx.Node], bool]:
+    """(get_attr node, transposed) when ``w`` is a 2-D parameter or a transpose of one."""
+    if _param_2d(w):
+        return w, False
+    if isinstance(w, fx.Node) and w.op == "call_function" and w.target in _TRANSPOSES \
+            and _param_2d(w.args[0]):
+        if w.target is aten.transpose.int and sorted(a % 2 for a in w.args[1:3]) != [0, 1]:
+            return None, False
+        if w.target is aten.permute.default and [a % 2 for a in w.args[1]] != [1, 0]:
+            return None, False
+        return w.args[0], True
+    return None, False
+
+
+def _bias_add(n: fx.Node, out_features) -> tuple[Optional[str], Optional[fx.Node]]:
+    """A separate ``add(y, b)`` of a 1-D parameter of ``out_features`` as ``n``'s only use."""
+    users = list(n.users)
+    if len(users) != 1 or users[0].target is not aten.add.Tensor or len(users[0].args) != 2:
+        return None, None
+    add = users[0]
+    other = add.args[1] if add.args[0] is n else add.args[0]
+    if weight_fqn(other) and is_tensor(other) and len(shape(other)) == 1 \
+            and same(shape(other)[0], out_features) and not add.kwargs:
+        return other.target, add
+    return None, None
+
+
 def as_linear(n: fx.Node) -> Optional[Linear]:
-    """``n`` as a :class:`Linear`, or None: aten.linear on a 2-D get_attr weight, or
-    aten.addmm(bias, x, weight) on a get_attr bias and 2-D weight (transformers' Conv1D)."""
+    """``n`` as a :class:`Linear`, or None."""
     if n.op != "call_function":
         return None
+    bias = None
     if n.target is aten.linear.default:
         x, w = n.args[0], n.args[1]
-        b = n.args[2] if len(n.args) > 2 else None
-        out_dim = 0
-    elif n.target is aten.addmm.default and len(n.args) == 3 and not n.kwargs:
+        bias = weight_fqn(n.args[2]) if len(n.args) > 2 else None
+        if len(n.args) > 2 and n.args[2] is not None and not bias:
+            return None
+        if not _param_2d(w):
+            return None
+        return Linear(n, x, w.target, bias, 0, w)
+    if n.target is aten.addmm.default and len(n.args) == 3 and not n.kwargs:
         b, x, w = n.args
         if not weight_fqn(b):
             return None
-        out_dim = 1
+        bias = b.target
+    elif n.target in _PRODUCTS and len(n.args) == 2:
+        x, w = n.args
     else:
         return None
-    if not (weight_fqn(w) and is_tensor(w) and len(shape(w)) == 2):
+    param, transposed = _weight_operand(w)
+    if param is None or not is_tensor(x) or len(shape(x)) < 2:
         return None
-    return Linear(n, x, w.target, weight_fqn(b), out_dim)
+    out_dim = 0 if transposed else 1
+    bias_add = None
+    if bias is None:
+        bias, bias_add = _bias_add(n, shape(param)[out_dim])
+    return Linear(n, x, param.target, bias, out_dim, w, bias_add)
 
 
 def linear_sites(graph: fx.Graph) -> list[Linear]:
@@ -136,3 +193,14 @@ def attr_targets(graph: fx.Graph) -> list[str]:
         if n.op == "get_attr" and n.target != RUNTIME_DEVICE and n.target not in out:
             out.append(n.target)
     return out
+
+
+def source_line(node: fx.Node) -> str:
+    """``file.py:line`` of the innermost frame of ``node``'s stack trace outside torch
+    (the model code that produced it), or '' when export recorded none."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = re.findall(r'File "([^"]+)", line (\d+)', trace)
+    for path, line in reversed(frames):
+        if f"{os.sep}torch{os.sep}" not in path:
+            return f"{os.path.basename(path)}:{line}"
+    return ""

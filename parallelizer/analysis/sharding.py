@@ -42,6 +42,8 @@ import torch
 import torch.fx as fx
 
 from .graph_facts import as_linear, aten, module_path, same, shape
+from .sharding_dtensor import NO_RULE, dtensor_rule
+from .sharding_heads import factory_rule
 from .sharding_layouts import fuse_slices, view_rule
 from .sharding_rules import KEEP_HEADS, KEEP_RAW, RULES, pointwise_rule
 from .sharding_state import (INVALID, Propagation, add_constraint, inputs_of, mark_not_replicable,
@@ -51,7 +53,7 @@ __all__ = ["INVALID", "Propagation", "propagate"]
 
 
 def propagate(graph: fx.Graph, column: set, row: set, tp: int, layouts: Optional[dict] = None,
-              no_replication=frozenset()) -> Propagation:
+              no_replication=frozenset(), per_head: Optional[dict] = None) -> Propagation:
     """Placements for every node of ``graph`` under the given column/row weight sets.
 
     Args:
@@ -63,16 +65,28 @@ def propagate(graph: fx.Graph, column: set, row: set, tp: int, layouts: Optional
             of the previous run); missing means the even split.
         no_replication: weights whose kv heads must not be replicated (a previous run found
             the replicated value reaching an op other than repeat_kv).
+        per_head: ``("param", fqn)`` / ``("factory", node name)`` -> (dim, column groups):
+            per-head tensors to shard along their heads dim (the ``head_requests`` of
+            previous runs, :mod:`.sharding_heads`).
     """
     prop = Propagation(layouts=dict(layouts or {}), no_replication=frozenset(no_replication))
-    weight_dims = {}
+    for (kind, name), v in (per_head or {}).items():
+        (prop.per_head if kind == "param" else prop.per_head_factories)[name] = v
+    weight_dims, weight_views = {}, set()
     for node in graph.nodes:
         site = as_linear(node)
         if site and site.weight in column:
             weight_dims[site.weight] = site.out_dim
+            if site.bias_add is not None:  # a separate bias add: the bias is Shard(0), raw
+                prop.column_biases[site.bias] = site.weight
         elif site and site.weight in row:
             weight_dims[site.weight] = site.in_dim
+        if site and site.w_node is not None and site.w_node.op == "call_function":
+            weight_views.add(site.w_node.name)  # W.T read by the product: the linear rule's
     for node in graph.nodes:
+        if node.name in weight_views:
+            prop.placements[node.name], prop.groups[node.name] = None, frozenset()
+            continue
         placement, groups = _rule(node, prop, column, row, weight_dims, tp)
         prop.placements[node.name] = placement
         # a replicated value (e.g. after g) carries no shard: a conflict further down the
@@ -102,6 +116,15 @@ def _rule(node: fx.Node, prop: Propagation, column, row, weight_dims, tp):
             return weight_dims[node.target], frozenset({node.target})
         if node.target in row:
             return weight_dims[node.target], frozenset()
+        if node.target in prop.per_head:
+            d, g = prop.per_head[node.target]
+            add_constraint(prop, shape(node)[d], "heads", module_path(node),
+                           f"dim {d} of the per-head {node.target}")
+            return d, g
+        if node.target in prop.column_biases:
+            w = prop.column_biases[node.target]
+            prop.raw[node.name] = frozenset({w})
+            return 0, frozenset({w})
         return None, frozenset()
     if node.op != "call_function":
         return None, groups
@@ -111,6 +134,8 @@ def _rule(node: fx.Node, prop: Propagation, column, row, weight_dims, tp):
     site = as_linear(node)
     if site is not None or node.target is aten.linear.default:
         return _linear(node, site, prop, column, row, groups)
+    if node.name in prop.per_head_factories:
+        return factory_rule(node, prop, tp), prop.per_head_factories[node.name][1]
     if not ins:
         return None, groups
     if not _holds_tensors(node):  # sizes (SymInt) and other non-tensor values
@@ -118,14 +143,17 @@ def _rule(node: fx.Node, prop: Propagation, column, row, weight_dims, tp):
     fn = RULES.get(node.target)
     if fn is None:
         tags = getattr(node.target, "tags", ())
-        fn = pointwise_rule if torch.Tag.pointwise in tags else None
-    if fn is None:
-        _consume_markers(node, prop, None, INVALID)
-        return _conflict(prop, node, groups, f"no sharding rule for {node.target}")
+        fn = pointwise_rule if torch.Tag.pointwise in tags else dtensor_rule
     out = fn(node, prop, tp)
+    if out is NO_RULE:
+        _consume_markers(node, prop, None, INVALID)
+        return _conflict(prop, node, groups, f"no sharding rule for {node.target} (ours or "
+                                             f"DTensor's)")
     if out == INVALID:
         _consume_markers(node, prop, None, INVALID)
-        return _conflict(prop, node, groups, f"{node.target} cannot take a sharded input here")
+        return _conflict(prop, node, groups, f"{node.target} cannot take a sharded input here"
+                         + (" (DTensor's strategy would redistribute it)"
+                            if fn is dtensor_rule else ""))
     _consume_markers(node, prop, fn, out)
     return out, groups
 
@@ -184,7 +212,7 @@ def _linear(node, site, prop, column, row, groups):
             return _conflict(prop, node, groups, "replicated linear got a sharded input")
         return None, groups
     x, wt = site.x, site.weight
-    w = next(a for a in inputs_of(node) if a.op == "get_attr" and a.target == wt)
+    w = site.w_node if site.w_node.op == "get_attr" else site.w_node.args[0]
     px = placement(prop, x)
     mod = module_path(node)
     if x.name in prop.raw:

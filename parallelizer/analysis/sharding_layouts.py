@@ -25,6 +25,11 @@ def view_rule(node, prop, tp):
         return _merge_repeated_heads(node, prop, tp, d, mark)
     before = prod(ins[:d])
     e = next((e for e in range(len(outs)) if same(prod(outs[:e]), before)), None)
+    raw = prop.raw.get(src.name)
+    if e is not None and raw and _one_head(ins[d], outs, e) and not (raw & prop.no_replication):
+        # (.., kv * head_dim) -> (.., 1, head_dim): one kv head (multi-query), copied to
+        # every rank; the planner retries without copies if it reaches anything but repeat_kv
+        return _split_heads(node, prop, tp, e, raw, f"dim {e} of the view (one head)")
     while e is not None and e < len(outs) - 1 and same(outs[e], 1) and not same(ins[d], 1):
         e += 1
     if e is None:
@@ -33,7 +38,6 @@ def view_rule(node, prop, tp):
     if not (same(ins[d], outs[e]) or ratio_split.is_integer or (1 / ratio_split).is_integer):
         return INVALID
     sizes = sizes_arg(node)
-    raw = prop.raw.get(src.name)
     detail = (f"dim {e} of the {node.target.__name__.split('.')[0]} to "
               f"[{', '.join(str(o) if isinstance(o, int) else '*' for o in outs)}]")
     if same(ins[d], outs[e]):
@@ -47,6 +51,11 @@ def view_rule(node, prop, tp):
     if e < len(sizes) and isinstance(sizes[e], int) and sizes[e] != -1:
         add_rewrite(prop, node, 1, e, local)
     return e
+
+
+def _one_head(features, outs, e) -> bool:
+    return e + 1 < len(outs) and same(outs[e], 1) and same(outs[e + 1], features) \
+        and not same(features, 1)
 
 
 def _local_features(prop, raw, n, tp) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import operator
 
 from .graph_facts import aten, is_tensor, same, shape
+from .sharding_heads import embedding_rule, request_heads
 from .sharding_layouts import expand_rule, slice_rule, split_rule, view_rule
 from .sharding_state import INVALID, dim_arg, inputs_of, placement
 
@@ -98,13 +99,31 @@ def _sdpa(node, prop, tp):
     heads = len(shape(q)) - 3
     if {placement(prop, q), placement(prop, k), placement(prop, v)} != {heads}:
         return INVALID
+    if node.kwargs.get("enable_gqa"):
+        _gqa_kv(node, prop, k, v)
     mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
-    if is_tensor(mask) and placement(prop, mask) is None:
+    if is_tensor(mask):
         m = shape(mask)
         k_ = heads - (len(shape(q)) - len(m))
-        if k_ >= 0 and not same(m[k_], 1):
+        pm = placement(prop, mask)
+        if pm is not None and pm != k_:
+            return INVALID
+        if pm is None and k_ >= 0 and not same(m[k_], 1):
+            # a per-head bias (T5): shard its source along heads in the next run
+            groups = frozenset().union(*[prop.groups.get(a.name, frozenset()) for a in (q, k, v)])
+            request_heads(prop, mask, k_, groups)
             return INVALID
     return heads
+
+
+def _gqa_kv(node, prop, k, v) -> None:
+    """SDPA with ``enable_gqa``: query head ``h`` reads kv head ``h // (H / K)``, so a rank's
+    even block of query heads reads exactly its block of kv heads, or its copy of one kv
+    head when tp > K (replicated_heads): the kv heads behave as after repeat_kv."""
+    marks = [prop.heads[a.name] for a in (k, v) if a.name in prop.heads]
+    for m in marks:
+        prop.kv_weights |= m.weights
+    prop.claimed.add(node.name)
 
 
 def _matmul(node, prop, tp):
@@ -160,7 +179,8 @@ RULES = {
     aten.scaled_dot_product_attention.default: _sdpa,
     aten.matmul.default: _matmul, aten.bmm.default: _matmul,
     aten.masked_fill.Scalar: _masked_fill, aten.masked_fill.Tensor: _masked_fill,
-    aten.where.self: pointwise_rule,
+    aten.where.self: pointwise_rule, aten.where.ScalarOther: pointwise_rule,
+    aten.embedding.default: embedding_rule,
     operator.getitem: _getitem,
 }
 

@@ -57,6 +57,11 @@ class Propagation:
     kv_weights: set = field(default_factory=set)     # column weights whose heads reach repeat_kv
     slices: dict = field(default_factory=dict)       # column weight -> [(lo, hi, node, module)]
     head_shapes: dict = field(default_factory=dict)  # column weight -> (heads, head_dim)
+    column_biases: dict = field(default_factory=dict)  # separately added bias -> its weight
+    # per-head tensors (sharding_heads): fqn / factory node name -> (dim, column groups)
+    per_head: dict = field(default_factory=dict)
+    per_head_factories: dict = field(default_factory=dict)
+    head_requests: dict = field(default_factory=dict)  # ("param"|"factory", name) -> (dim, groups)
 
     def found_layouts(self) -> dict:
         """weight fqn -> its one non-even layout (weights used in several ways excluded:

@@ -3,7 +3,8 @@
 - ``f`` (copy_to_tp_region) before column_parallel linears, one per distinct input, so
   q/k/v (or gate/up) share one all-reduce of their input gradient in backward.
 - row_parallel ``linear(x, W, b)`` becomes ``reduce_from_tp_region(linear(x, W)) + b`` (and
-  GPT-2's Conv1D ``addmm(b, x, W)`` becomes ``reduce_from_tp_region(mm(x, W)) + b``): the
+  GPT-2's Conv1D ``addmm(b, x, W)`` becomes ``reduce_from_tp_region(mm(x, W)) + b``; a
+  ``matmul(x, W.T)`` is followed by g and its separate bias add then reads g's output): the
   bias is added once, after the all-reduce, not once per rank.
 - int shape constants on sharded dims (heads, hidden, split sizes of a fused q|k|v, the kv
   heads and ``n_rep`` of repeat_kv) become the local sizes the planner computed.

@@ -34,6 +34,8 @@ def _placement(name: str, tp: TPDecision) -> tuple:
         return tp.dims[name], "column_parallel", layout
     if name in tp.row:
         return tp.dims[name], "row_parallel", layout
+    if name in tp.per_head:
+        return tp.dims[name], "per-head (sharded along heads)", None
     for w, b in tp.biases.items():
         if b == name and w in tp.column:
             return tp.dims[name], "column_parallel", layout

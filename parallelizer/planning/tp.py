@@ -20,7 +20,7 @@ import torch.fx as fx
 
 from ..decisions import TPDecision
 from ..errors import PlanError
-from ..analysis.graph_facts import aten, linear_sites
+from ..analysis.graph_facts import aten, linear_sites, source_line
 from ..analysis.sharding import Propagation, propagate
 
 _STOP = {aten.embedding.default, aten.native_layer_norm.default, aten.layer_norm.default}
@@ -32,12 +32,14 @@ _ROUTING = {aten.topk.default}
 _WALK_LIMIT = 400
 
 
-def plan_tp(graph: fx.Graph, tp: int) -> TPDecision:
+def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False) -> TPDecision:
     """Decide the Megatron column/row pairs for ``graph`` at tp degree ``tp``.
 
     Raises:
         PlanError: tp does not divide a sharded size (heads, kv heads, features); the
-            message names ``mesh.tp``, the module and the tp degrees that would work.
+            message names ``mesh.tp``, the module and the tp degrees that would work. Or
+            tp > 1 shards nothing and ``allow_replicated`` (the spec's
+            ``tensor_parallel.allow_replicated``) is false: names the first op that stopped it.
     """
     decision = TPDecision()
     sites = linear_sites(graph)
@@ -49,7 +51,7 @@ def plan_tp(graph: fx.Graph, tp: int) -> TPDecision:
     pairs = _seed_pairs(sites)
     column = {c for c, rows in pairs.items() if rows}
     row = {r for rows in pairs.values() for r in rows}
-    prop = _settle(graph, pairs, column, row, tp, decision.report)
+    prop = _settle(graph, pairs, column, row, tp, decision)
     _check_divisible(prop, tp)
     layouts = prop.found_layouts()
     decision.column, decision.row, decision.rewrites = column, row, prop.rewrites
@@ -63,22 +65,23 @@ def plan_tp(graph: fx.Graph, tp: int) -> TPDecision:
             decision.layouts[w] = layouts[w]
             if site.bias:
                 decision.layouts[site.bias] = layouts[w]
+    for fqn, (d, _groups) in sorted(prop.per_head.items()):
+        decision.per_head[fqn] = decision.dims[fqn] = d
+        decision.report.append(f"sharded along heads (dim {d}): {fqn}")
     decision.report.insert(0, f"column_parallel: {len(column)} linears; row_parallel: "
                               f"{len(row)} linears; replicated: "
                               f"{len(sites) - len(column) - len(row)} linears")
     for w, layout in sorted(decision.layouts.items()):
         if w in column:
             decision.report.append(f"layout {_layout_text(layout)}: {w}")
-    if not column:
-        decision.warnings.append(
-            f"mesh.tp={tp} but no linear layer could be sharded (no column/row pair of "
-            f"aten.linear or Conv1D addmm layers was found): every rank holds the whole "
-            f"model; see report.md")
     paired = {w for c, rows in pairs.items() if rows for w in {c} | rows}
     for site in sites:
         if site.weight not in paired:
-            decision.report.append(f"replicated linear: {site.weight} (no column/row pair found)")
+            decision.report.append(f"replicated linear: {site.weight} (no column/row pair "
+                                   f"found; {_op_text(site.node)})")
     decision.report += custom_op_weights(graph)
+    if not column:
+        _nothing_sharded(decision, tp, allow_replicated)
     return decision
 
 
@@ -102,6 +105,49 @@ def custom_op_weights(graph: fx.Graph) -> list[str]:
             f"tensor-parallel sharding rule)" for op, ws in found.items()]
 
 
+def _op_text(node: fx.Node) -> str:
+    where = source_line(node)
+    return f"{node.target} at {where}" if where else str(node.target)
+
+
+def _nothing_sharded(decision: TPDecision, tp: int, allow_replicated: bool) -> None:
+    """tp > 1 with nothing sharded: every rank would hold the whole model and only add
+    all-reduces. An error unless the spec allows it (then a warning)."""
+    why = (f"the first op that stopped it: {decision.blockers[0]}" if decision.blockers else
+           "no linear layer feeds another (a matmul with a 2-D parameter operand whose output "
+           "reaches a second one)")
+    if not allow_replicated:
+        raise PlanError(
+            f"mesh.tp={tp} but no weight matrix could be sharded; {why}. Every rank would "
+            f"hold the whole model; set mesh.tp=1, or tensor_parallel.allow_replicated=true to "
+            f"run replicated anyway (report.md lists every matrix kept replicated)")
+    decision.warnings.append(
+        f"mesh.tp={tp} but no weight matrix could be sharded ({why}): every rank holds the "
+        f"whole model (tensor_parallel.allow_replicated); see report.md")
+
+
+def block_matrices(model) -> dict:
+    """fqn -> numel of the 2-D parameters under an item of an ``nn.ModuleList`` (the
+    repeated blocks: decoder layers, T5's encoder and decoder blocks)."""
+    import torch.nn as nn
+    prefixes = tuple(f"{name}.{i}." for name, m in model.named_modules()
+                     if isinstance(m, nn.ModuleList) for i in range(len(m)))
+    return {n: p.numel() for n, p in model.named_parameters()
+            if p.dim() == 2 and n.startswith(prefixes)}
+
+
+def tp_summary(decision: TPDecision, model) -> str:
+    """``tensor parallel: N of M weight matrices in blocks sharded (P % of parameters)``:
+    P counts the elements of every parameter (embeddings and norms too) that tp shards."""
+    mats = block_matrices(model)
+    sharded = [n for n in mats if n in decision.dims]
+    params = dict(model.named_parameters())
+    total = sum(p.numel() for p in params.values()) or 1
+    split = sum(p.numel() for n, p in params.items() if n in decision.dims)
+    return (f"tensor parallel: {len(sharded)} of {len(mats)} weight matrices in blocks sharded "
+            f"({100 * split / total:.0f} % of parameters)")
+
+
 def _layout_text(layout: dict) -> str:
     if layout["kind"] == "fused":
         return f"fused {layout['parts']}"
@@ -111,14 +157,21 @@ def _layout_text(layout: dict) -> str:
     return layout["kind"]
 
 
-def _settle(graph, pairs: dict, column: set, row: set, tp: int, report: list) -> Propagation:
+def _settle(graph, pairs: dict, column: set, row: set, tp: int, decision) -> Propagation:
     """Propagate until the layouts found are the layouts assumed (the rewrites follow them)
     and no conflict is left; groups in conflict are removed from ``column``/``row``."""
-    layouts, no_replication = {}, frozenset()
+    layouts, no_replication, per_head = {}, frozenset(), {}
+    by_name = {n.name: n for n in graph.nodes}
     for _ in range(4 * (len(column) + len(row)) + 8):
-        prop = propagate(graph, column, row, tp, layouts, no_replication)
+        # a per-head tensor whose attention was kept replicated stays replicated too
+        per_head = {k: v for k, v in per_head.items() if v[1] & column}
+        prop = propagate(graph, column, row, tp, layouts, no_replication, per_head)
         if prop.not_replicable - no_replication:
             no_replication |= prop.not_replicable
+            continue
+        new = {k: v for k, v in prop.head_requests.items() if k not in per_head and v[1] & column}
+        if new:
+            per_head.update(new)
             continue
         found = prop.found_layouts()
         if found != layouts:
@@ -130,8 +183,10 @@ def _settle(graph, pairs: dict, column: set, row: set, tp: int, report: list) ->
             return prop
         node, module, groups, reason = conflicts[0]
         bad = _component(pairs, groups or column)
-        report.append(f"kept replicated: {', '.join(sorted(bad))} "
-                      f"(at {node} in {module or 'the root module'}: {reason})")
+        op = _op_text(by_name[node]) if node in by_name else node
+        decision.blockers.append(f"{op} in {module or 'the root module'}: {reason}")
+        decision.report.append(f"kept replicated: {', '.join(sorted(bad))} (at {node} = "
+                               f"{decision.blockers[-1]})")
         column -= bad
         row -= bad
     raise AssertionError("tp planning did not settle")  # each round removes or fixes something

@@ -241,19 +241,38 @@ def test_row_linear_needs_shard_minus_one():
     assert prop.conflicts[0][1] == "fc2"
 
 
-def test_op_without_rule_is_a_conflict_naming_the_op():
-    class Cumsum(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.col = nn.Linear(H, H, bias=False)
-            self.row = nn.Linear(H, H, bias=False)
+class _Between(nn.Module):
+    def __init__(self, op):
+        super().__init__()
+        self.op = op
+        self.col = nn.Linear(H, H, bias=False)
+        self.row = nn.Linear(H, H, bias=False)
 
-        def forward(self, x):
-            return self.row(torch.cumsum(self.col(x), dim=-1))
+    def forward(self, x):
+        return self.row(self.op(self.col(x)))
 
-    graph = graph_of(Cumsum(), (2, 5, H))
+
+@pytest.mark.parametrize("op, reason", [
+    # DTensor's scan strategy would all-gather the sharded dim (dim -1 normalised to 2 first)
+    (lambda h: torch.cumsum(h, dim=-1), "aten.cumsum.default cannot take a sharded input "
+                                        "here (DTensor's strategy would redistribute it)"),
+    # neither our table nor DTensor (torch 2.13) has a strategy for renorm
+    (lambda h: torch.renorm(h, 2, 0, 1.0), "no sharding rule for aten.renorm.default (ours "
+                                           "or DTensor's)"),
+], ids=["cumsum-dtensor-redistributes", "renorm-no-rule"])
+def test_op_without_rule_is_a_conflict_naming_the_op(op, reason):
+    graph = graph_of(_Between(op), (2, 5, H))
     prop = propagate(graph, {"col.weight"}, {"row.weight"}, tp=2)
-    assert [c[3] for c in prop.conflicts] == ["no sharding rule for aten.cumsum.default"]
+    assert [c[3] for c in prop.conflicts] == [reason]
+
+
+def test_dtensor_strategy_keeps_a_shard_our_table_has_no_rule_for():
+    """cumsum over the sequence: DTensor's scan strategy takes Shard(2) as it is."""
+    graph = graph_of(_Between(lambda h: torch.cumsum(h, dim=1)), (2, 5, H))
+    prop = propagate(graph, {"col.weight"}, {"row.weight"}, tp=2)
+    assert prop.conflicts == []
+    cumsum = next(n for n in graph.nodes if n.target is torch.ops.aten.cumsum.default)
+    assert prop.placements[cumsum.name] == 2
 
 
 class MaxOverHidden(nn.Module):

@@ -215,7 +215,8 @@ def test_gqa_tp2_rewrites_repeat_kv_constants(llama):
                {p + f"mlp.{x}_proj.weight" for x in ("gate", "up")} <= d.column
         assert {p + "self_attn.o_proj.weight", p + "mlp.down_proj.weight"} <= d.row
     assert "lm_head.weight" not in d.column | d.row
-    assert "replicated linear: lm_head.weight (no column/row pair found)" in d.report
+    assert "replicated linear: lm_head.weight (no column/row pair found; aten.linear.default at " \
+           "modeling_llama.py:" in "\n".join(d.report)
     # kv projections split evenly are marked as heads (a converter may copy them for tp > 2)
     kv = {"kind": "interleaved_heads", "heads": 2, "head_dim": 8}
     assert d.layouts == {f"model.layers.{i}.self_attn.{x}_proj.weight": kv
@@ -297,6 +298,12 @@ class TwoMLPs(nn.Module):
         return self.second(h)
 
 
+def _line_of(code: str) -> int:
+    """Line number of ``code`` in this file (the source line a report names)."""
+    return next(i for i, text in enumerate(Path(__file__).read_text().splitlines(), 1)
+                if code in text and "_line_of(" not in text)
+
+
 def _conflict_plan(op):
     cap = captured(TwoMLPs(op), x_batch())
     return plan_tp(cap.gm.graph, 2)
@@ -306,8 +313,29 @@ def test_cumsum_between_pair_keeps_it_replicated_and_reports_why():
     d = _conflict_plan(lambda h: torch.cumsum(h, dim=-1))
     assert d.column == {"second.fc1.weight"} and d.row == {"second.fc2.weight"}
     kept = [line for line in d.report if line.startswith("kept replicated:")]
-    assert kept == ["kept replicated: first.fc1.weight, first.fc2.weight (at cumsum in the root "
-                    "module: no sharding rule for aten.cumsum.default)"]
+    line = _line_of("h = self.first.fc2(self.op(self.first.fc1(x)))")
+    assert kept == ["kept replicated: first.fc1.weight, first.fc2.weight (at cumsum = "
+                    f"aten.cumsum.default at test_tp_planner.py:{line} in the root module: "
+                    "aten.cumsum.default cannot take a sharded input here (DTensor's strategy "
+                    "would redistribute it))"]
+
+
+def test_dtensor_strategy_shards_an_op_our_table_lacks():
+    """cumsum over the sequence (dim 1) keeps the feature shard: our table has no cumsum
+    rule, DTensor's scan strategy says Shard(2) in, Shard(2) out; both pairs shard and the
+    ranks equal the unmodified model."""
+    torch.manual_seed(0)
+    model = TwoMLPs(lambda h: torch.cumsum(h, dim=1)).eval()
+    cap = captured(model, x_batch())
+    d = plan_tp(cap.gm.graph, 2)
+    assert d.column == {"first.fc1.weight", "second.fc1.weight"}
+    assert d.row == {"first.fc2.weight", "second.fc2.weight"}
+    apply_tensor_parallel(cap.gm, d)
+    x = x_batch(3, 7, seed=1)
+    with torch.no_grad():
+        ref = model(*x)
+    for out in run_tp_lockstep(cap.gm, d, 2, x):
+        torch.testing.assert_close(out[0], ref, rtol=1e-5, atol=1e-5)
 
 
 def test_sort_between_pair_keeps_it_replicated():
@@ -336,7 +364,7 @@ def test_max_over_sharded_hidden_is_not_silently_sharded():
     torch.manual_seed(0)
     model = MaxSideBranch().eval()
     cap = captured(model, x_batch())
-    d = plan_tp(cap.gm.graph, 2)
+    d = plan_tp(cap.gm.graph, 2, allow_replicated=True)
     apply_tensor_parallel(cap.gm, d)
     x = x_batch(3, 7, seed=1)
     with torch.no_grad():
@@ -449,15 +477,74 @@ def test_conv1d_addmm_pair_is_column_then_row_on_transposed_dims():
     assert d.dims == {"w1": 1, "b1": 0, "w2": 0} and d.layouts == {}
 
 
-def test_tp_that_shards_nothing_warns():
-    """A model whose only matmuls are neither aten.linear nor a Conv1D addmm (here plain
-    ``x @ W``) gets nothing sharded; the planner says so instead of silently running
-    replicated."""
-    cap = captured(Conv1DMLP(bias=False), (torch.randn(4, 16),))
-    decision = plan_tp(cap.gm.graph, 2)
+class AlgebraMLP(torch.nn.Module):
+    """Linears written as algebra: ``x @ W.T + b`` (Falcon's FalconLinear), ``x @ W`` with W
+    (in, out), ``torch.mm`` of a ``W.t()``; no aten.linear in the graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1, self.b1 = nn.Parameter(torch.randn(32, 16)), nn.Parameter(torch.randn(32))
+        self.w2, self.b2 = nn.Parameter(torch.randn(32, 24)), nn.Parameter(torch.randn(24))
+        self.w3 = nn.Parameter(torch.randn(16, 24))
+
+    def forward(self, x):
+        h = F.gelu(x @ self.w1.T + self.b1)
+        h = h @ self.w2 + self.b2                       # row: its bias is added after g
+        h = torch.mm(h.reshape(-1, 24), self.w3.t())    # a lone linear: no pair, replicated
+        return h
+
+
+def test_linears_found_by_algebra_pair_and_match():
+    torch.manual_seed(0)
+    model = AlgebraMLP()
+    cap = captured(model, (torch.randn(2, 5, 16),))
+    d = plan_tp(cap.gm.graph, 2)
+    assert d.column == {"w1"} and d.row == {"w2"}
+    assert d.dims == {"w1": 0, "b1": 0, "w2": 0} and d.biases == {"w1": "b1", "w2": "b2"}
+    assert any(line.startswith("replicated linear: w3 (no column/row pair found; aten.mm.default "
+                               "at test_tp_planner.py:") for line in d.report), d.report
+    apply_tensor_parallel(cap.gm, d)
+    g = next(n for n in cap.gm.graph.nodes if n.target is reduce_from_tp_region)
+    assert g.args[0].target is aten.matmul.default and [u.target for u in g.users] == [aten.add.Tensor]
+    x = (torch.randn(3, 7, 16, generator=torch.Generator().manual_seed(1)),)
+    with torch.no_grad():
+        ref = model(*x)
+    for out in run_tp_lockstep(cap.gm, d, 2, x):
+        torch.testing.assert_close(out[0], ref, rtol=1e-5, atol=1e-5)
+
+
+def _nothing_shardable():
+    return captured(nn.Sequential(nn.Linear(H, 64), _Cumsum(), nn.Linear(64, H)), x_batch())
+
+
+def test_tp_that_shards_nothing_is_a_plan_error_naming_the_op():
+    """The only pair has a cumsum over the sharded features: nothing could be sharded, so
+    tp=2 would only add all-reduces; the error names the op, its source line and the key."""
+    cap = _nothing_shardable()
+    with pytest.raises(PlanError) as e:
+        plan_tp(cap.gm.graph, 2)
+    msg = str(e.value)
+    line = _line_of("torch.cumsum(h, dim=-1)  # the blocking op")
+    assert msg.startswith("mesh.tp=2 but no weight matrix could be sharded; the first op that "
+                          f"stopped it: aten.cumsum.default at test_tp_planner.py:{line} in 1: "
+                          "aten.cumsum.default cannot take a sharded input here (DTensor's "
+                          "strategy would redistribute it)."), msg
+    assert "tensor_parallel.allow_replicated=true" in msg and "mesh.tp=1" in msg
+
+
+def test_tp_that_shards_nothing_allowed_warns():
+    cap = _nothing_shardable()
+    decision = plan_tp(cap.gm.graph, 2, allow_replicated=True)
     assert not decision.column and not decision.row
-    assert len(decision.warnings) == 1 and "mesh.tp=2 but no linear layer could be sharded" in decision.warnings[0]
+    assert len(decision.warnings) == 1
+    assert decision.warnings[0].startswith("mesh.tp=2 but no weight matrix could be sharded "
+                                           "(the first op that stopped it: aten.cumsum.default")
     assert not plan_tp(cap.gm.graph, 1).warnings
+
+
+class _Cumsum(nn.Module):
+    def forward(self, h):
+        return torch.cumsum(h, dim=-1)  # the blocking op
 
 
 # --- GPT-2 (transformers' GPT2LMHeadModel: Conv1D, fused q|k|v in c_attn) --------------------
@@ -562,3 +649,80 @@ def test_gpt_neox_interleaved_qkv_tp2():
     for i in range(2):
         p = f"gpt_neox.layers.{i}.attention.query_key_value."
         assert d.layouts[p + "weight"] == d.layouts[p + "bias"] == layout
+
+
+# --- the compile's tp summary line and the nothing-sharded error (the real CLI, in process) --
+
+_BLOCKS_MODEL = '''
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln, self.fc1, self.fc2 = nn.LayerNorm(32), nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x):
+        return x + self.fc2(BETWEEN(self.fc1(self.ln(x))))
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(8, 32)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+
+    def forward(self, x):
+        x = self.embed(x)
+        for b in self.blocks:
+            x = b(x)
+        return x.mean()
+
+
+def build_model():
+    return Model()
+
+
+def example_inputs():
+    return (torch.randn(2, 4, 8),)
+'''
+
+
+def _compile_cli(tmp_path, capsys, between, *overrides):
+    from parallelizer import cli
+    model = tmp_path / "model.py"
+    model.write_text(_BLOCKS_MODEL.replace("BETWEEN", between))
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("mesh: {tp: 2}\n")
+    code = cli.main([str(model), str(spec), "-o", str(tmp_path / "out"), "--no-weights",
+                     *overrides])
+    return code, capsys.readouterr()
+
+
+def test_compile_prints_tp_summary_line(tmp_path, capsys):
+    code, io = _compile_cli(tmp_path, capsys, "torch.relu")
+    assert code == 0, io.err
+    # sharded: 4 block matrices of 2048 and the two fc1 biases
+    sharded = 4 * 2048 + 2 * 64
+    total = sharded + 2 * 32 + 8 * 32 + 32 + 2 * 64  # + 2 LayerNorms
+    assert f"tensor parallel: 4 of 4 weight matrices in blocks sharded " \
+           f"({100 * sharded / total:.0f} % of parameters)" in io.out.splitlines()
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "- tensor parallel: 4 of 4 weight matrices in blocks sharded" in report
+
+
+def test_compile_with_nothing_sharded_exits_2_naming_the_op(tmp_path, capsys):
+    code, io = _compile_cli(tmp_path, capsys, "(lambda h: torch.cumsum(h, -1))")
+    assert code == 2
+    assert io.err.startswith("error: mesh.tp=2 but no weight matrix could be sharded; the first "
+                             "op that stopped it: aten.cumsum.default at model.py:12 in "
+                             "blocks.0: aten.cumsum.default cannot take a sharded input here "
+                             "(DTensor's strategy would redistribute it)."), io.err
+    assert "tensor_parallel.allow_replicated=true" in io.err
+    assert not (tmp_path / "out").exists()
+    code, io = _compile_cli(tmp_path, capsys, "(lambda h: torch.cumsum(h, -1))",
+                            "tensor_parallel.allow_replicated=true")
+    assert code == 0, io.err
+    assert "tensor parallel: 0 of 4 weight matrices in blocks sharded (0 % of parameters)" in io.out
+    assert "warning: mesh.tp=2 but no weight matrix could be sharded" in io.err

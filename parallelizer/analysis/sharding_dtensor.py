@@ -1,0 +1,121 @@
+"""Sharding rules from torch's DTensor op strategies (torch.distributed.tensor._ops), asked
+at compile time for ops our table (:mod:`.sharding_rules`) has no rule for.
+
+DTensor's ``ShardingPropagator`` holds a strategy for nearly every ATen op, maintained with
+torch. We ask it the question our propagation asks: given these input placements on a 1-D
+tp mesh, is there a strategy that takes them as they are, and what is the output placement?
+An answer that needs a redistribution of an input, or gives a Partial output, is a conflict
+(Partial never flows here: only a row_parallel linear's g resolves one). No DTensor is ever
+created and nothing runs: the mesh is a ``DeviceMesh`` built without a process group
+(``_init_backend=False``), and the specs carry the example's concrete sizes.
+
+Argument dims are normalised before asking: torch 2.13's ``scan_strategy`` (cumsum) reads a
+negative ``dim`` as is and answers Shard(-1) without a redistribution for a cumsum over the
+sharded last dim (seen here; with ``dim=2`` it asks for Replicate).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.fx as fx
+
+from .graph_facts import is_tensor
+from .sharding_state import INVALID, placement
+
+NO_RULE = object()
+_DIM_ARGS = {"dim", "dims", "dim0", "dim1", "start_dim", "end_dim"}
+
+
+@functools.lru_cache(maxsize=None)
+def _mesh(tp: int):
+    from torch.distributed.device_mesh import DeviceMesh
+    return DeviceMesh("cpu", torch.arange(tp), _init_backend=False, _rank=0)
+
+
+def _propagator():
+    from torch.distributed.tensor import DTensor
+    return DTensor._op_dispatcher.sharding_propagator
+
+
+def _concrete(size):
+    if isinstance(size, torch.SymInt):
+        hint = size.node.hint
+        if hint is None:
+            raise ValueError("a size without a hint")
+        return int(hint)
+    return size
+
+
+def _spec(node: fx.Node, prop, mesh):
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    val = node.meta["val"]
+    shape = torch.Size([_concrete(s) for s in val.shape])
+    stride = torch.empty(shape, device="meta").stride()
+    p = placement(prop, node)
+    return DTensorSpec(mesh, (Replicate() if p is None else Shard(p),),
+                       TensorMeta(shape, stride, val.dtype))
+
+
+def _arg(a, prop, mesh):
+    if isinstance(a, (list, tuple)):
+        return type(a)(_arg(x, prop, mesh) for x in a)
+    if isinstance(a, fx.Node):
+        if is_tensor(a):
+            return _spec(a, prop, mesh)
+        return _concrete(a.meta.get("val"))
+    return _concrete(a)
+
+
+def _normalise_dims(op, args: list, kwargs: dict, rank: int) -> None:
+    def norm(v):
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v % rank if rank else v
+        if isinstance(v, (list, tuple)) and all(isinstance(x, int) for x in v):
+            return type(v)(x % rank if rank else x for x in v)
+        return v
+    for i, arg in enumerate(op._schema.arguments):
+        if arg.name not in _DIM_ARGS:
+            continue
+        if i < len(args):
+            args[i] = norm(args[i])
+        elif arg.name in kwargs:
+            kwargs[arg.name] = norm(kwargs[arg.name])
+
+
+def _out(spec):
+    from torch.distributed.tensor import Replicate, Shard
+    if spec is None:
+        return None
+    p = spec.placements[0]
+    if isinstance(p, Shard):
+        return p.dim
+    return None if isinstance(p, Replicate) else INVALID
+
+
+def dtensor_rule(node: fx.Node, prop, tp: int):
+    """Output placement DTensor's strategy gives ``node`` for its inputs' placements
+    (``None`` | dim | tuple of them), INVALID when it would redistribute an input or yield a
+    Partial, or NO_RULE when DTensor has no strategy for the op (or cannot be asked)."""
+    op = node.target
+    if not isinstance(op, torch._ops.OpOverload):
+        return NO_RULE
+    from torch.distributed.tensor._op_schema import OpSchema
+    mesh = _mesh(tp)
+    try:
+        args = [_arg(a, prop, mesh) for a in node.args]
+        kwargs = {k: _arg(v, prop, mesh) for k, v in node.kwargs.items()}
+        first = next((a for a in node.all_input_nodes if is_tensor(a)), None)
+        _normalise_dims(op, args, kwargs, first.meta["val"].dim() if first is not None else 0)
+        result = _propagator().propagate_op_sharding_non_cached(
+            OpSchema(op, tuple(args), kwargs))
+    except Exception:  # noqa: BLE001 - no strategy, or one that cannot take these args
+        return NO_RULE
+    if result.redistribute_schema is not None or getattr(result, "needs_redistribute", False):
+        return INVALID
+    spec = result.output_spec
+    if isinstance(spec, (list, tuple)):
+        outs = tuple(_out(s) for s in spec)
+        return INVALID if INVALID in outs else outs
+    return _out(spec)

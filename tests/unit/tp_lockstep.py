@@ -1,0 +1,154 @@
+"""Tensor-parallel ranks in one process, for tests: forward, backward and an SGD step of a
+tp-rewritten GraphModule, each rank in its own thread holding only its pieces of the sharded
+parameters (cut by the checkpoint writer's ``local_piece`` from the planner's dims and
+layouts). Megatron's ``f`` and ``g`` (Shoeybi et al. 2019, §3) keep their autograd meaning:
+``g`` sums the ranks' partial outputs in forward, ``f`` sums the ranks' input gradients in
+backward; the sum is taken over a barrier, in rank order, so every rank gets the same bits.
+The only thing replaced is the transport (``dist.all_reduce`` -> a sum between threads).
+Replicated kv heads then sum their gradients over the ranks holding one head, as
+``runtime/step.py`` does.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from parallelizer.checkpoint.layout import local_piece
+from parallelizer.plan import TensorPlan
+from parallelizer.runtime.tp import copy_to_tp_region, reduce_from_tp_region
+
+
+class _AllReduce:
+    def __init__(self, tp: int):
+        self.tp, self.slots = tp, [None] * tp
+        self.barrier = threading.Barrier(tp, timeout=120)
+
+    def __call__(self, rank: int, t: torch.Tensor) -> torch.Tensor:
+        self.slots[rank] = t.detach()
+        self.barrier.wait()
+        total = self.slots[0].clone()
+        for s in self.slots[1:]:
+            total += s
+        self.barrier.wait()
+        return total
+
+
+class _F(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, rank):
+        ctx.comm, ctx.rank = comm, rank
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.comm(ctx.rank, grad.contiguous()), None, None
+
+
+class _G(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, rank):
+        return comm(rank, x.contiguous())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class _Rank(fx.Interpreter):
+    def __init__(self, gm, rank, comm, leaves):
+        super().__init__(gm)
+        self.rank, self.comm, self.leaves = rank, comm, leaves
+
+    def get_attr(self, target, args, kwargs):
+        return self.leaves.get(target, None) if target in self.leaves else \
+            super().get_attr(target, args, kwargs)
+
+    def call_function(self, target, args, kwargs):
+        if target is copy_to_tp_region:
+            return _F.apply(args[0], self.comm, self.rank)
+        if target is reduce_from_tp_region:
+            return _G.apply(args[0], self.comm, self.rank)
+        return super().call_function(target, args, kwargs)
+
+
+@dataclass
+class RankResult:
+    outputs: list        # flat outputs of the graph
+    params: dict         # get_attr target -> local leaf after the SGD step
+    grads: dict          # get_attr target -> local gradient (kv copies summed)
+
+
+def local(t: torch.Tensor, target: str, decision, tp: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s piece of ``t`` under the decision (the whole tensor if not sharded)."""
+    d = decision.dims.get(target)
+    if d is None:
+        return t.detach().clone()
+    plan = TensorPlan(target, tuple(t.shape), "float32", d, (0,),
+                      layout=decision.layouts.get(target))
+    return local_piece(t.detach(), plan, tp, rank).clone()
+
+
+def run_ranks(gm: fx.GraphModule, decision, tp: int, flat_inputs: list, loss_of, lr: float):
+    """Each rank: forward, ``loss_of(outputs).backward()``, SGD step. Returns RankResults."""
+    comm = _AllReduce(tp)
+    targets = sorted({n.target for n in gm.graph.nodes if n.op == "get_attr"})
+    leaves = []
+    for r in range(tp):
+        mine, by_id = {}, {}  # tied tensors read under two names share one leaf
+        for t in targets:
+            full = _attr(gm, t)
+            if isinstance(full, torch.Tensor):
+                if id(full) not in by_id:
+                    by_id[id(full)] = local(full, t, decision, tp, r).requires_grad_(
+                        full.requires_grad)
+                mine[t] = by_id[id(full)]
+        leaves.append(mine)
+    results, errors = [None] * tp, []
+
+    def work(r):
+        try:
+            outs = _Rank(gm, r, comm, leaves[r]).run(*flat_inputs)
+            loss_of(outs).backward()
+            results[r] = outs
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+            comm.barrier.abort()
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(tp)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if errors:
+        raise errors[0]
+    _sum_replicated_head_grads(leaves, decision, tp)
+    out = []
+    for r in range(tp):
+        grads = {t: p.grad for t, p in leaves[r].items() if p.requires_grad}
+        with torch.no_grad():
+            stepped = {t: (p - lr * p.grad if p.grad is not None else p.detach())
+                       for t, p in leaves[r].items()}
+        out.append(RankResult(list(results[r]), stepped, grads))
+    return out
+
+
+def _attr(gm, target):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _sum_replicated_head_grads(leaves, decision, tp):
+    for target, layout in decision.layouts.items():
+        if layout.get("kind") != "replicated_heads" or target not in leaves[0]:
+            continue
+        copies = tp // layout["heads"]
+        for head in range(layout["heads"]):
+            group = [leaves[r][target] for r in range(head * copies, (head + 1) * copies)]
+            total = sum(p.grad for p in group)
+            for p in group:
+                p.grad = total.clone()
