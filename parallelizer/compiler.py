@@ -20,11 +20,13 @@ from .errors import CheckpointError, PlanError
 from .frontend import build_model, capture, example_batch, load_model_file
 from .passes.aliases import apply_untie
 from .passes.cleanup import apply_cleanup
+from .passes.dropout import apply_rng_streams
 from .passes.manager import PassManager
 from .passes.split_blocks import split_blocks
 from .passes.split_stages import split_stages
 from .passes.tensor_parallel import apply_tensor_parallel
 from .passes.graph_costs import collect_costs
+from .planning.dropout import describe as describe_dropout, plan_dropout
 from .planning.pipeline import find_blocks, plan_from_costs
 from .planning.pipeline_summary import (check_microbatches, check_placement, summarize,
                                         virtual_stages_of)
@@ -96,10 +98,10 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
     gm, mesh = captured.gm, spec.mesh
     groups = tied_groups(model)
 
-    _check_no_dropout(gm)
     if mesh.pp > 1:
         _check_outputs_have_batch_dim(gm, captured.input_names)
     tp_decision = plan_tp(gm.graph, mesh.tp)  # raises before anything is rewritten
+    dropout = plan_dropout(gm.graph, tp_decision.placements)
     passes = PassManager(dump_passes)
     passes.run("cleanup", apply_cleanup, gm)
     # costed before tensor_parallel, whose local head counts no longer match the global
@@ -109,6 +111,7 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
     costs = collect_costs(gm, blocks, canonical)
     passes.run("tensor_parallel", apply_tensor_parallel, gm, tp_decision)
     passes.run("untie", apply_untie, gm, groups)
+    passes.run("rng_streams", apply_rng_streams, gm, dropout)  # after costs: they see the ATen ops
 
     num_stages = _num_stages(spec, blocks, costs.block_parts())
     stages_key = "mesh.pp" if pipe.virtual_stages == 1 else "mesh.pp x pipeline.virtual_stages"
@@ -122,7 +125,8 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
         block_notes += notes
 
     plan = build_plan(spec, captured, gm, model, groups, tp_decision, stages, block_graphs)
-    plan = dataclasses.replace(plan, structure=structure)
+    plan = dataclasses.replace(plan, structure=structure,
+                               dropout=tuple(dataclasses.asdict(d) for d in dropout))
     pipeline = summarize(pp_decision, costs, pipe.schedule, mesh.pp, pipe.microbatches, virtual)
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     pp_warnings += check_placement(pipeline, [st.fqns for st in plan.stages], params, canonical)
@@ -136,7 +140,7 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
                                     captured.input_names, spec)
     warnings = list(tp_decision.warnings) + pp_warnings
     report = render_report(plan, captured.route, tp_decision.warnings + tp_decision.report,
-                           pipeline, block_notes, pp_warnings)
+                           pipeline, block_notes + describe_dropout(dropout), pp_warnings)
     return Program(plan, sources, report, model_file, spec.to_dict(), state, ref,
                    warnings=warnings, pipeline=pipeline)
 
@@ -172,41 +176,6 @@ def _check_batch(batch, spec: Spec) -> None:
         raise PlanError(f"the example batch size ({first.shape[0]}) is not divisible by mesh.dp "
                         f"({spec.mesh.dp}) x pipeline.microbatches ({m}) = {need}; change "
                         f"example_inputs() or those keys so it divides")
-
-
-_DROPOUT = {"aten.dropout.default", "aten.native_dropout.default", "aten.feature_dropout.default",
-            "aten.alpha_dropout.default", "aten.feature_alpha_dropout.default"}
-
-
-def _check_no_dropout(gm: torch.fx.GraphModule) -> None:
-    """The program is checked against the model and split over ranks as a deterministic
-    function: a dropout with p > 0 makes ``--verify`` fail with no hint, and tp ranks would
-    draw different masks for the same replicated activation.
-
-    Raises:
-        PlanError: names the module FQNs holding a dropout (or SDPA ``dropout_p``) and p.
-    """
-    found = []
-    for node in gm.graph.nodes:
-        target = str(node.target)
-        if node.op != "call_function":
-            continue
-        if target in _DROPOUT:
-            p, train = (list(node.args[1:3]) + [True, True])[:2]
-            p, train = node.kwargs.get("p", p), node.kwargs.get("train", train)
-        elif "scaled_dot_product" in target:
-            p, train = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0), True
-        else:
-            continue
-        if isinstance(p, (int, float)) and p > 0 and train is not False:
-            stack = list(node.meta.get("nn_module_stack", {}).values())
-            found.append(f"{stack[-1][0] if stack else node.name} (p={p:g})")
-    if found:
-        more = f", ... ({len(found) - 5} more)" if len(found) > 5 else ""
-        raise PlanError(f"the model uses dropout: {', '.join(found[:5])}{more}; parallelizer "
-                        f"needs a deterministic model (verified against the original, the same on "
-                        f"every tensor-parallel rank): set the probabilities to 0 in build_model() "
-                        f"(Hugging Face: *_pdrop / *dropout* = 0.0 in the config)")
 
 
 def _check_outputs_have_batch_dim(gm: torch.fx.GraphModule, input_names) -> None:

@@ -113,6 +113,9 @@ class ParallelPlan:
     # {"blocks", "block_costs", "pre_cost", "post_cost", "uses": {fqn: [cost-model unit]},
     #  "state_dict_keys": [...]} (planning/tensors.py:pipeline_structure); empty if absent.
     structure: dict = field(default_factory=dict)
+    # Dropouts of the program and their random streams (planning/dropout.py, runtime/rng.py):
+    # {"node", "module", "op", "p", "stream": "replicated" | "tp"} each; read by --verify
+    dropout: tuple = ()
 
     @property
     def world_size(self) -> int:
@@ -140,6 +143,7 @@ class ParallelPlan:
                        for s in d.pop("stages"))
         d["input_names"] = tuple(d.get("input_names", ()))
         d["tp_report"] = tuple(d.get("tp_report", ()))
+        d["dropout"] = tuple(d.get("dropout", ()))
         return ParallelPlan(tensors=tensors, stages=stages, **d)
 
     def hash(self) -> str:

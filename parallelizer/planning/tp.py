@@ -43,6 +43,8 @@ class TPDecision:
     rewrites: dict = field(default_factory=dict)
     report: list = field(default_factory=list)
     warnings: list = field(default_factory=list)  # also printed by the CLI
+    # node name -> None (Replicate) | sharded dim, of the settled propagation; empty at tp=1
+    placements: dict = field(default_factory=dict)
 
 
 def plan_tp(graph: fx.Graph, tp: int) -> TPDecision:
@@ -66,6 +68,7 @@ def plan_tp(graph: fx.Graph, tp: int) -> TPDecision:
     _check_divisible(prop, tp)
     layouts = prop.found_layouts()
     decision.column, decision.row, decision.rewrites = column, row, prop.rewrites
+    decision.placements = dict(prop.placements)
     for site in sites:
         w = site.weight
         if w in column or w in row:

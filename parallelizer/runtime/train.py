@@ -3,11 +3,16 @@ model.py (seeded synthetic batches shaped like the example inputs when it has no
 the trained weights, the AdamW state (``exp_avg``, ``exp_avg_sq``, ``step``, in the
 parameters' layout) and the step counter in the same sharded layout. ``--resume`` restores
 all three (the data stream skips the batches already seen), so training continues as if
-uninterrupted, on the program's own layout (reshard the checkpoint to it first)."""
+uninterrupted, on the program's own layout (reshard the checkpoint to it first). A model with
+dropout also saves every rank's dropout stream states (``runtime/rng.py``) in the manifest's
+``train.rng``, and ``--resume`` restores them on the same mesh."""
 from __future__ import annotations
 
+import base64
 import itertools
 from pathlib import Path
+
+import torch
 
 import torch.distributed as dist
 from torch.distributed.tensor import distribute_tensor
@@ -17,6 +22,7 @@ from ..checkpoint.writer import OPTIM_STATES, optim_name, write_checkpoint
 from ..errors import CheckpointError, UserError
 from ..plan import ParallelPlan
 from .batching import dp_slice, synthetic_batches
+from . import rng
 from .gather import full_tensor
 from .data_parallel import make_stage_optimizer
 from .setup import RankContext
@@ -34,6 +40,7 @@ def run_train(plan: ParallelPlan, spec: dict, stage, ctx: RankContext, loss_fn, 
     start = 0
     if resume is not None:
         start = load_optimizer_state(opt, stage, plan, ctx, Path(resume))
+        restore_rng_state(read_manifest(Path(resume)), plan, ctx, start)
     source = itertools.islice(batch_source(plan, model_module, spec), start, None)
     losses = []
     for step, batch in zip(range(start, start + steps), source):
@@ -176,8 +183,49 @@ def save_checkpoint(stage, plan: ParallelPlan, ctx: RankContext, out: Path, opt=
     check_save_target(Path(out))  # on every rank, before any collective: all raise alike
     state = gather_full_state(stage, plan, ctx)
     optim = gather_optimizer_state(opt, stage, plan, ctx) if opt is not None else None
+    rng_entry = rng_state_entry(plan, ctx) if opt is not None else None
     if state is not None:
         train = {"step": step, "optimizer": optimizer} if opt is not None else None
+        if rng_entry is not None:
+            train["rng"] = rng_entry
         write_checkpoint(state, plan, Path(out), overwrite=True, optim_state=optim, train=train)
         print(f"saved {len(state)} tensors to {out}", flush=True)
     dist.barrier()
+
+
+def _coordinate(ctx: RankContext) -> str:
+    return f"pp{ctx.pp_rank}.dp{ctx.dp_rank}.tp{ctx.tp_rank}"
+
+
+def rng_state_entry(plan: ParallelPlan, ctx: RankContext) -> dict | None:
+    """The ``train.rng`` manifest entry on global rank 0: ``{"mesh": plan mesh, "states":
+    {"pp{p}.dp{d}.tp{t}": {"<stream>.<device>": base64 generator state}}}`` (a few KiB per
+    rank); None elsewhere and for a model without dropout. Collective."""
+    if not plan.dropout:
+        return None
+    mine = {_coordinate(ctx): {k: base64.b64encode(v.numpy().tobytes()).decode()
+                               for k, v in rng.state_dict().items()}}
+    states = _merge_on_rank0(mine, ctx)
+    return None if states is None else {"mesh": dict(plan.mesh), "states": states}
+
+
+def restore_rng_state(manifest: dict, plan: ParallelPlan, ctx: RankContext, step: int) -> None:
+    """Put this rank's dropout streams where the saved run left them. A checkpoint saved on
+    another mesh (resharded) or device type has no states for this rank: the streams are
+    reseeded from the seed and ``step`` instead (fresh masks, not those of steps 1..step);
+    rank 0 says so."""
+    if not plan.dropout:
+        return
+    entry = manifest.get("train", {}).get("rng") or {}
+    states = entry.get("states", {}).get(_coordinate(ctx))
+    device = ctx.device.type
+    if entry.get("mesh") == dict(plan.mesh) and states and \
+            all(k.endswith("." + device) for k in states):
+        rng.load_state_dict({k: torch.frombuffer(bytearray(base64.b64decode(v)), dtype=torch.uint8)
+                             for k, v in states.items()})
+        return
+    rng.seed_streams(plan.seed, ctx.pp_rank, ctx.dp_rank, ctx.tp_rank, plan.mesh["tp"], step)
+    if ctx.rank == 0:
+        print(f"note: the checkpoint holds no dropout RNG state for this mesh {dict(plan.mesh)} "
+              f"on {device} (saved for {entry.get('mesh', 'no mesh')}); dropout streams "
+              f"reseeded from seed {plan.seed} and step {step}", flush=True)
