@@ -197,15 +197,18 @@ def _coordinate(ctx: RankContext) -> str:
     return f"pp{ctx.pp_rank}.dp{ctx.dp_rank}.tp{ctx.tp_rank}"
 
 
+def encode_rng_states(states: dict) -> dict:
+    """``rng.state_dict()`` as JSON data: base64 of each state's bytes."""
+    return {k: base64.b64encode(v.numpy().tobytes()).decode() for k, v in states.items()}
+
+
 def rng_state_entry(plan: ParallelPlan, ctx: RankContext) -> dict | None:
     """The ``train.rng`` manifest entry on global rank 0: ``{"mesh": plan mesh, "states":
     {"pp{p}.dp{d}.tp{t}": {"<stream>.<device>": base64 generator state}}}`` (a few KiB per
     rank); None elsewhere and for a model without dropout. Collective."""
     if not plan.dropout:
         return None
-    mine = {_coordinate(ctx): {k: base64.b64encode(v.numpy().tobytes()).decode()
-                               for k, v in rng.state_dict().items()}}
-    states = _merge_on_rank0(mine, ctx)
+    states = _merge_on_rank0({_coordinate(ctx): encode_rng_states(rng.state_dict())}, ctx)
     return None if states is None else {"mesh": dict(plan.mesh), "states": states}
 
 
@@ -226,6 +229,11 @@ def restore_rng_state(manifest: dict, plan: ParallelPlan, ctx: RankContext, step
         return
     rng.seed_streams(plan.seed, ctx.pp_rank, ctx.dp_rank, ctx.tp_rank, plan.mesh["tp"], step)
     if ctx.rank == 0:
-        print(f"note: the checkpoint holds no dropout RNG state for this mesh {dict(plan.mesh)} "
-              f"on {device} (saved for {entry.get('mesh', 'no mesh')}); dropout streams "
+        saved = entry.get("mesh")
+        print(f"note: the checkpoint holds no dropout RNG state for this mesh ({_mesh(plan.mesh)}, "
+              f"{device}; saved for {_mesh(saved) if saved else 'none'}): dropout streams "
               f"reseeded from seed {plan.seed} and step {step}", flush=True)
+
+
+def _mesh(m: dict) -> str:
+    return f"pp={m['pp']} x dp={m['dp']} x tp={m['tp']}"

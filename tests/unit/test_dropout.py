@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import textwrap
+import types
 from pathlib import Path
 
 import pytest
@@ -17,9 +18,11 @@ from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_loads
 
 from parallelizer.api import compile as pz_compile
 from parallelizer.compiler import compile_model
+from parallelizer.plan import ParallelPlan
 from parallelizer.reference import compute_reference
 from parallelizer.runtime import rng
 from parallelizer.runtime.batching import flatten
+from parallelizer.runtime.train import encode_rng_states, restore_rng_state
 from parallelizer.runtime.stage_builder import apply_activation_checkpointing, stage_class_from_source
 from parallelizer.spec import load_spec
 
@@ -227,3 +230,38 @@ def test_stream_seeds_and_saved_states():
     got = [rng.random_op(s, "aten.dropout.default", x, 0.5, True) for s in ("tp", "replicated")]
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert not torch.equal(want[0], want[1])
+
+
+def test_resume_restores_the_streams_on_the_same_mesh_only(capsys):
+    """``--resume``: the saved states of this rank's coordinate continue its draws exactly;
+    a checkpoint saved on another mesh (resharded) has none for it: the streams are
+    reseeded from the seed and the step (not the masks of steps 1..k again), and rank 0
+    says so."""
+    plan = _example_plan()
+    ctx = types.SimpleNamespace(pp_rank=1, dp_rank=0, tp_rank=1, rank=0, device=torch.device("cpu"))
+    x = torch.ones(256)
+    draw = lambda: [rng.random_op(s, "aten.dropout.default", x, 0.5, True) for s in ("replicated", "tp")]
+    rng.seed_streams(plan.seed, 1, 0, 1, 2)
+    draw()
+    saved = {"mesh": dict(plan.mesh), "states": {"pp1.dp0.tp1": encode_rng_states(rng.state_dict())}}
+    want = draw()
+    rng.seed_streams(plan.seed, 1, 0, 1, 2)
+    restore_rng_state({"train": {"step": 3, "rng": saved}}, plan, ctx, 3)
+    assert all(torch.equal(a, b) for a, b in zip(draw(), want))
+    assert capsys.readouterr().out == ""
+
+    other = {**saved, "mesh": {**plan.mesh, "tp": 1}}
+    rng.seed_streams(plan.seed, 1, 0, 1, 2)
+    restore_rng_state({"train": {"step": 3, "rng": other}}, plan, ctx, 3)
+    assert rng._seeds == rng.stream_seeds(plan.seed, 1, 0, 1, 2, restart=3)
+    out = capsys.readouterr().out
+    assert out == ("note: the checkpoint holds no dropout RNG state for this mesh (pp=2 x dp=1 "
+                   "x tp=2, cpu; saved for pp=2 x dp=1 x tp=1): dropout streams reseeded from "
+                   "seed 0 and step 3\n"), out
+
+
+def _example_plan() -> ParallelPlan:
+    site = {"node": "dropout", "module": "drop", "op": "aten.dropout.default", "p": 0.1,
+            "stream": "replicated"}
+    return ParallelPlan(mesh={"pp": 2, "dp": 1, "tp": 2}, zero_stage=0, schedule="1f1b",
+                        microbatches=4, seed=0, tensors={}, aliases={}, stages=(), dropout=(site,))
