@@ -97,7 +97,7 @@ def _default_generator(device: torch.device):
     return None
 
 
-def _device(args, kwargs):
+def _first_tensor(args, kwargs):
     for a in list(args) + list(kwargs.values()):
         if isinstance(a, torch.Tensor):
             return a
@@ -117,8 +117,9 @@ def random_op(stream: str, op: str, *args, **kwargs):
     if fn is None:
         fn = _ops[op] = _resolve(op)
     if not _active:
-        return fn(*_without_dropout(op, args, kwargs), **_without_dropout_kw(op, args, kwargs))
-    x = _device(args, kwargs)
+        args, kwargs = _without_dropout(op, args, kwargs)
+        return fn(*args, **kwargs)
+    x = _first_tensor(args, kwargs)
     if x is None or x.is_meta or isinstance(x, torch._subclasses.FakeTensor):
         return fn(*args, **kwargs)
     gen, default = _generator(stream, x.device), _default_generator(x.device)
@@ -138,17 +139,15 @@ def _resolve(op: str):
     return getattr(getattr(getattr(torch.ops, namespace), name), overload)
 
 
-def _without_dropout(op, args, kwargs):
+def _without_dropout(op: str, args, kwargs) -> tuple[list, dict]:
+    """``op``'s arguments with its dropout probability set to 0."""
     pos, kw = DROPOUT_OPS[op]
     args = list(args)
-    if kw not in kwargs and len(args) > pos:
+    if kw in kwargs:
+        kwargs = {**kwargs, kw: 0.0}
+    elif len(args) > pos:
         args[pos] = 0.0
-    return args
-
-
-def _without_dropout_kw(op, args, kwargs):
-    pos, kw = DROPOUT_OPS[op]
-    return {**kwargs, kw: 0.0} if kw in kwargs else kwargs
+    return args, kwargs
 
 
 @contextlib.contextmanager
@@ -239,6 +238,5 @@ class EagerDropoutOff(TorchFunctionMode):
         if func in _eager_dropout_fns():
             return args[0] if args else kwargs["input"]
         if func is torch.nn.functional.scaled_dot_product_attention:
-            op = "aten.scaled_dot_product_attention.default"
-            args, kwargs = _without_dropout(op, args, kwargs), _without_dropout_kw(op, args, kwargs)
+            args, kwargs = _without_dropout("aten.scaled_dot_product_attention.default", args, kwargs)
         return func(*args, **kwargs)
