@@ -4,7 +4,7 @@ pdrop 0.1), trained on sequences it can learn, so dropout shows in the loss.
 The same architecture as examples/gpt2 (Conv1D projections, fused q|k|v, tied embeddings).
 Each training sequence is an arithmetic progression modulo the vocabulary (random start,
 step 1-3): the next token follows from the previous two, and with dropout the training loss
-falls visibly slower than without (tests/distributed/test_dropout.py relies on that).
+falls visibly slower than without (tests/distributed/test_dropout_training.py relies on that).
 
 Contract: build_model(), example_inputs(), loss_fn(outputs, batch), batches().
 """

@@ -1,4 +1,4 @@
-"""torchrun driver of test_dropout.py: dropout on the model-parallel streams of a compiled
+"""torchrun driver of test_dropout_training.py: dropout on the model-parallel streams of a compiled
 program with tp > 1, in one launch, with the functions run.py calls (build_stages,
 run_train, save_checkpoint, run_verify).
 

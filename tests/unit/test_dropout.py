@@ -3,7 +3,7 @@ passes/dropout.py): which stream each dropout draws from, the one-rank program d
 exactly the eager model's masks, activation checkpointing recomputing the same masks, and
 --verify's reference with dropout inactive. The tp=2 x pp=2 runs (replicated activations
 bit-identical over tp, losses in the band of single-device runs, save/resume) are in
-tests/distributed/test_dropout.py."""
+tests/distributed/test_dropout_training.py."""
 from __future__ import annotations
 
 import copy
