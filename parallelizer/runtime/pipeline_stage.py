@@ -26,9 +26,10 @@ the metadata it received (``_forward_metadata_inference`` -> ``_to_tensor`` ->
 (per-token ``labels`` of a cross-entropy, a gather index) then holds whatever memory was
 there and the inference forward fails (``IndexError: Target 140070266805680 is out of
 bounds``). Zero-filled inputs are valid indices for any non-empty dim, and the inference
-result does not depend on the values. That forward runs with dropout inactive: it would
-otherwise draw from the dropout streams (``runtime/rng.py``) once more on the first step of
-each new schedule, so a run resumed at step k drew other masks than the uninterrupted one.
+result does not depend on the values. That forward and its backward run with dropout
+inactive: they would otherwise draw from the dropout streams (``runtime/rng.py``) once more
+on the first step of each new schedule, so a run resumed at step k drew other masks than
+the uninterrupted one.
 """
 from __future__ import annotations
 
@@ -64,6 +65,11 @@ class SplitBackwardPipelineStage(PipelineStage):
     def _forward_metadata_inference(self, *args, **kwargs):
         with dropout_active(False):  # shapes only: no draws (see the module docstring)
             return super()._forward_metadata_inference(*args, **kwargs)
+
+    def _backward_metadata_inference(self, *args, **kwargs):
+        # its backward may recompute checkpointed blocks of that forward: same mode
+        with dropout_active(False):
+            return super()._backward_metadata_inference(*args, **kwargs)
 
     def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True,
                            last_backward: bool = False):

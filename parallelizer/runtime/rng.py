@@ -184,31 +184,39 @@ def load_state_dict(states: dict[str, torch.Tensor]) -> None:
 
 def checkpoint_contexts():
     """``context_fn`` for ``torch.utils.checkpoint``: its recompute draws the masks the
-    forward drew. checkpoint restores the default generators itself but not these streams
-    (Megatron's ``CheckpointFunction`` restores its tracker for the same reason)."""
+    forward drew, and runs dropout active or not as the forward did. checkpoint restores the
+    default generators itself but not these streams (Megatron's ``CheckpointFunction``
+    restores its tracker for the same reason)."""
     at_forward: dict = {}
 
     @contextlib.contextmanager
     def forward():
         at_forward.update(state_dict())
+        at_forward[_ACTIVE] = _active
         yield
 
     @contextlib.contextmanager
     def recompute():
-        now = state_dict()
+        global _active
+        now, active = state_dict(), _active
         _restore(at_forward)
+        _active = at_forward[_ACTIVE]
         try:
             yield
         finally:
             _restore(now)
+            _active = active
 
     return forward(), recompute()
+
+
+_ACTIVE = "active"  # a key of checkpoint_contexts' record beside the stream states
 
 
 def _restore(states: dict) -> None:
     """Every generator to its state in ``states``; one created since then to its seed."""
     for (stream, device), gen in _generators.items():
-        state = states.get(f"{stream}.{device}")
+        state = states.get(f"{stream}.{device}")  # not _ACTIVE: no stream has that name
         if state is None:
             gen.manual_seed(_seeds[stream])
         else:

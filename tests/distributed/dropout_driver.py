@@ -10,13 +10,15 @@ run_train, save_checkpoint, run_verify).
 2. Control: the replicated stream seeded per tp rank for one more step must break that.
 3. Fresh streams (as a new process's ``init``) and stages: 2 steps, ``save_checkpoint``;
    again fresh, ``run_train(resume=CKPT)`` for 2 steps: their losses are those of steps
-   3 and 4 of run 1.
+   3 and 4 of run 1. These stages checkpoint every block's activations: the recompute in
+   backward (and in torch's shape inference) must draw the forward's masks again.
 4. ``run_verify`` on fresh stages (dropout inactive in the program and the reference).
 
 Rank 0 prints ``RESULT {json}``.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -88,12 +90,13 @@ def main(out: Path, steps: int, ckpt: Path) -> None:
     result["control_mismatches"] = _total(_tp_mismatches(seen, ctx))
 
     _fresh_streams(plan, ctx)
-    half = build_stages(out, plan, ctx)
-    first, opt, step = run_train(plan, spec, half, ctx, module.loss_fn, module, 2)
-    save_checkpoint(half, plan, ctx, ckpt, opt, step, spec["optimizer"]["name"])
+    ac = dataclasses.replace(plan, activation_checkpointing="full")
+    half = build_stages(out, ac, ctx)
+    first, opt, step = run_train(ac, spec, half, ctx, module.loss_fn, module, 2)
+    save_checkpoint(half, ac, ctx, ckpt, opt, step, spec["optimizer"]["name"])
     _fresh_streams(plan, ctx)
-    resumed = build_stages(out, plan, ctx, ckpt)
-    second, _, _ = run_train(plan, spec, resumed, ctx, module.loss_fn, module, 2, resume=ckpt)
+    resumed = build_stages(out, ac, ctx, ckpt)
+    second, _, _ = run_train(ac, spec, resumed, ctx, module.loss_fn, module, 2, resume=ckpt)
     result["save_resume_losses"] = first + second
 
     _fresh_streams(plan, ctx)

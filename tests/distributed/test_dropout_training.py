@@ -7,7 +7,8 @@ unmodified model's single-device runs computed meanwhile in this process.
   control step with the replicated stream seeded per tp rank breaks that;
 - the 20 per-step losses inside the band of 5 single-device runs with other seeds;
 - 2 steps + save + resume for 2 (fresh streams and stages, as a new process) give the losses
-  of steps 1-4 of the uninterrupted run, bit for bit;
+  of steps 1-4 of the uninterrupted run, bit for bit, with every block's activations
+  checkpointed in these two runs (the recompute must draw the forward's masks);
 - run_verify PASSes with dropout inactive in the program and the reference.
 (tp=pp=dp=1 against the eager model's own masks: tests/unit/test_dropout.py.)
 """
