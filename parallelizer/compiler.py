@@ -22,6 +22,7 @@ from .needed_imports import modules_needed
 from .analysis.outputs import check_outputs_have_batch_dim, scalar_outputs
 from .passes.aliases import apply_untie
 from .passes.cleanup import apply_cleanup
+from .passes.dropout import apply_rng_streams
 from .passes.manager import PassManager
 from .passes.split_blocks import split_blocks
 from .passes.split_check import check_split
@@ -29,6 +30,7 @@ from .plan import MODEL_MODULE
 from .passes.split_stages import split_stages
 from .passes.tensor_parallel import apply_tensor_parallel
 from .analysis.graph_costs import collect_costs
+from .planning.dropout import describe as describe_dropout, plan_dropout
 from .planning.pipeline import find_blocks, plan_from_costs
 from .planning.pipeline_summary import (check_microbatches, check_placement, summarize,
                                         virtual_stages_of)
@@ -107,12 +109,12 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
     gm, mesh = captured.gm, spec.mesh
     groups = tied_groups(model)
 
-    _check_no_dropout(gm)
     if mesh.pp > 1:
         check_outputs_have_batch_dim(gm, captured.input_names)
     # facts and plan first, from the captured graph (global shapes); then the passes
     tp_decision = plan_tp(gm.graph, mesh.tp, spec.tensor_parallel.allow_replicated)  # raises early
     tp_notes = [tp_summary(tp_decision, model)] if mesh.tp > 1 else []
+    dropout = plan_dropout(gm.graph, tp_decision.placements)
     passes = PassManager(dump_passes)
     passes.run("cleanup", apply_cleanup, gm)
     blocks = find_blocks(model)
@@ -124,13 +126,15 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
     structure = pipeline_structure(gm.graph, model, blocks, costs, canonical)
     plan = build_plan(spec, captured, gm, model, groups, tp_decision, pp_decision, structure)
     plan = dataclasses.replace(plan, imports=modules_needed(gm.graph, captured.out_spec, MODEL_MODULE),
-                               scalar_outputs=scalar_outputs(gm))
+                               scalar_outputs=scalar_outputs(gm),
+                               dropout=tuple(dataclasses.asdict(d) for d in dropout))
     pipeline = summarize(pp_decision, costs, pipe.schedule, mesh.pp, pipe.microbatches, virtual)
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     pp_warnings += check_placement(pipeline, [st.fqns for st in plan.stages], params, canonical)
 
     passes.run("tensor_parallel", apply_tensor_parallel, gm, tp_decision)
     passes.run("untie", apply_untie, gm, groups)
+    passes.run("rng_streams", apply_rng_streams, gm, dropout)  # after costs: they see the ATen ops
     stages = passes.run_split("split_stages", split_stages, gm, pp_decision, num_stages)
     block_graphs, block_notes = [], []
     for st in stages:
@@ -148,7 +152,8 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
                                     captured.input_names, spec)
     warnings = list(tp_decision.warnings) + pp_warnings
     tp_lines = tp_notes + tp_decision.warnings + tp_decision.report
-    report = render_report(plan, captured.route, tp_lines, pipeline, block_notes, pp_warnings)
+    report = render_report(plan, captured.route, tp_lines, pipeline,
+                           block_notes + describe_dropout(dropout), pp_warnings)
     return Program(plan, sources, report, model_file, spec.to_dict(), state, ref,
                    warnings=warnings, pipeline=pipeline, notes=tp_notes)
 
@@ -186,39 +191,6 @@ def _check_batch(batch, spec: Spec) -> None:
                         f"example_inputs() or those keys so it divides")
 
 
-_DROPOUT = {"aten.dropout.default", "aten.native_dropout.default", "aten.feature_dropout.default",
-            "aten.alpha_dropout.default", "aten.feature_alpha_dropout.default"}
-
-
-def _check_no_dropout(gm: torch.fx.GraphModule) -> None:
-    """The program is checked against the model and split over ranks as a deterministic
-    function: a dropout with p > 0 makes ``--verify`` fail with no hint, and tp ranks would
-    draw different masks for the same replicated activation.
-
-    Raises:
-        PlanError: names the module FQNs holding a dropout (or SDPA ``dropout_p``) and p.
-    """
-    found = []
-    for node in gm.graph.nodes:
-        target = str(node.target)
-        if node.op != "call_function":
-            continue
-        if target in _DROPOUT:
-            p, train = (list(node.args[1:3]) + [True, True])[:2]
-            p, train = node.kwargs.get("p", p), node.kwargs.get("train", train)
-        elif "scaled_dot_product" in target:
-            p, train = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0), True
-        else:
-            continue
-        if isinstance(p, (int, float)) and p > 0 and train is not False:
-            stack = list(node.meta.get("nn_module_stack", {}).values())
-            found.append(f"{stack[-1][0] if stack else node.name} (p={p:g})")
-    if found:
-        more = f", ... ({len(found) - 5} more)" if len(found) > 5 else ""
-        raise PlanError(f"the model uses dropout: {', '.join(found[:5])}{more}; parallelizer "
-                        f"needs a deterministic model (verified against the original, the same on "
-                        f"every tensor-parallel rank): set the probabilities to 0 in build_model() "
-                        f"(Hugging Face: *_pdrop / *dropout* = 0.0 in the config)")
 
 
 def _to_meta(batch):

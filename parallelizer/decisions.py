@@ -27,6 +27,8 @@ class TPDecision:
     warnings: list = field(default_factory=list)  # also printed by the CLI
     blockers: list = field(default_factory=list)  # "op at file:line in module: reason", in order
     per_head: dict = field(default_factory=dict)  # per-head parameter fqn -> its heads dim
+    # node name -> None (Replicate) | sharded dim, of the settled propagation; empty at tp=1
+    placements: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,21 @@ MESH_DIMS = ("pp", "dp", "tp")
 # it defines (a ModelOutput subclass) get the same pytree name in both processes
 MODEL_MODULE = "parallelizer_model"
 
+# Dropout random streams (Megatron-LM's model-parallel RNG, Shoeybi et al. 2019 §3): one
+# shared by the tp ranks for replicated regions, one per tp rank for sharded ones
+# (planning/dropout.py picks, runtime/rng.py draws).
+REPLICATED, TP_LOCAL = "replicated", "tp"
+
+# op name -> (position, keyword) of its dropout probability
+DROPOUT_OPS = {
+    "aten.dropout.default": (1, "p"),
+    "aten.native_dropout.default": (1, "p"),
+    "aten.feature_dropout.default": (1, "p"),
+    "aten.alpha_dropout.default": (1, "p"),
+    "aten.feature_alpha_dropout.default": (1, "p"),
+    "aten.scaled_dot_product_attention.default": (4, "dropout_p"),
+}
+
 
 @dataclass(frozen=True)
 class TensorPlan:
@@ -134,6 +149,9 @@ class ParallelPlan:
     # flat output indices of 0-dim floating-point outputs (a loss computed in forward):
     # averaged over microbatches and dp ranks, never concatenated (parallelizer/analysis/outputs.py)
     scalar_outputs: tuple[int, ...] = ()
+    # Dropouts of the program and their random streams (planning/dropout.py, runtime/rng.py):
+    # {"node", "module", "op", "p", "stream": "replicated" | "tp"} each; read by --verify
+    dropout: tuple = ()
 
     @property
     def world_size(self) -> int:
@@ -172,6 +190,7 @@ class ParallelPlan:
         d["grad_sync"] = tuple(d.get("grad_sync", ()))
         d["imports"] = tuple(d.get("imports", ()))
         d["scalar_outputs"] = tuple(d.get("scalar_outputs", ()))
+        d["dropout"] = tuple(d.get("dropout", ()))
         return ParallelPlan(tensors=tensors, stages=stages, **d)
 
     def hash(self) -> str:

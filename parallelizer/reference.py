@@ -1,6 +1,7 @@
 """Reference results of the unmodified model on its example inputs, for ``run.py --verify``:
 inputs, flat outputs, loss, gradients and parameters after one optimizer step, all fp32 on
-CPU, keyed ``input.NAME``, ``output.I``, ``loss``, ``grad.FQN``, ``param.FQN``."""
+CPU, keyed ``input.NAME``, ``output.I``, ``loss``, ``grad.FQN``, ``param.FQN``. Dropout is
+inactive (the model stays in training mode), as in the program under ``--verify``."""
 from __future__ import annotations
 
 import torch
@@ -8,6 +9,7 @@ from torch.utils._pytree import tree_flatten
 
 from .frontend import split_args
 from .runtime.optim import make_optimizer
+from .runtime.rng import EagerDropoutOff
 
 
 def compute_reference(model: torch.nn.Module, batch, loss_fn, input_names, spec) -> dict:
@@ -17,7 +19,8 @@ def compute_reference(model: torch.nn.Module, batch, loss_fn, input_names, spec)
     flat_in, _ = tree_flatten((args, kwargs))
     ref = {f"input.{n}": t.detach().clone().contiguous() for n, t in zip(input_names, flat_in)}
     model.zero_grad(set_to_none=True)
-    outputs = model(*args, **kwargs)
+    with EagerDropoutOff():
+        outputs = model(*args, **kwargs)
     loss = loss_fn(outputs, batch)
     loss.backward()
     flat_out, _ = tree_flatten(outputs)

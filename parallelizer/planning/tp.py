@@ -55,6 +55,7 @@ def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False) -> TPDecis
     _check_divisible(prop, tp)
     layouts = prop.found_layouts()
     decision.column, decision.row, decision.rewrites = column, row, prop.rewrites
+    decision.placements = dict(prop.placements)
     for site in sites:
         w = site.weight
         if w in column or w in row:

@@ -25,7 +25,7 @@ SHAPE_KEYS = ("layers", "hidden", "heads", "vocab", "seq", "ffn", "kv_heads", "g
 @dataclass(frozen=True)
 class Workload:
     """Costs of one sequence. ``units`` are (before, block 0..L-1, after) as in
-    ``planning.costs.PipelineCosts``; FLOPs per unit are forward and backward separately."""
+    ``analysis.costs.PipelineCosts``; FLOPs per unit are forward and backward separately."""
     name: str
     seq: int
     hidden: int

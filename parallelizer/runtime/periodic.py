@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from . import rng
+
 from ..checkpoint.writer import MANIFEST
 from ..errors import UserError
 
@@ -105,22 +107,37 @@ def prune(folder: Path, keep: int | None, log) -> None:
         log(f"removed {'incomplete ' if p in incomplete else ''}checkpoint {p}")
 
 
-def rng_state(device: torch.device) -> str:
-    """This rank's RNG state (CPU, and the current GPU's on CUDA) as base64 text, for the
-    manifest's ``train.rng`` (no pickle)."""
+def rng_state(device: torch.device, mesh: dict) -> dict:
+    """This rank's RNG states as JSON data for the manifest's ``train.rng`` (no pickle):
+    ``{"torch": base64 of the CPU (and current GPU) default generator, "dropout": {"<stream>.<device>":
+    base64} of the dropout streams (``runtime/rng.py``), "mesh": the plan's mesh}``."""
     parts = [torch.get_rng_state()]
     if device.type == "cuda":
         parts.append(torch.cuda.get_rng_state(device))
-    return ";".join(base64.b64encode(bytes(p.numpy())).decode() for p in parts)
+    return {"torch": ";".join(_b64(p) for p in parts), "mesh": dict(mesh),
+            "dropout": {k: _b64(v) for k, v in rng.state_dict().items()}}
 
 
-def set_rng_state(text: str, device: torch.device) -> None:
-    """Restore a :func:`rng_state` string."""
-    parts = [torch.frombuffer(bytearray(base64.b64decode(t)), dtype=torch.uint8).clone()
-             for t in text.split(";")]
+def set_rng_state(entry: dict, device: torch.device, mesh: dict) -> bool:
+    """Restore a :func:`rng_state` entry saved on the same mesh; returns whether it did (a
+    checkpoint resharded to another mesh holds no state for this rank's streams)."""
+    if entry.get("mesh") != dict(mesh):
+        return False
+    parts = [_unb64(t) for t in entry["torch"].split(";")]
     torch.set_rng_state(parts[0])
     if device.type == "cuda" and len(parts) > 1:
         torch.cuda.set_rng_state(parts[1], device)
+    rng.load_state_dict({k: _unb64(v) for k, v in entry.get("dropout", {}).items()
+                         if k.endswith("." + device.type)})
+    return True
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(bytes(t.numpy())).decode()
+
+
+def _unb64(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8).clone()
 
 
 def fault_after_rank_files(step: int, rank: int) -> None:

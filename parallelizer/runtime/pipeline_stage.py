@@ -26,7 +26,10 @@ the metadata it received (``_forward_metadata_inference`` -> ``_to_tensor`` ->
 (per-token ``labels`` of a cross-entropy, a gather index) then holds whatever memory was
 there and the inference forward fails (``IndexError: Target 140070266805680 is out of
 bounds``). Zero-filled inputs are valid indices for any non-empty dim, and the inference
-result does not depend on the values.
+result does not depend on the values. That forward and its backward run with dropout
+inactive: they would otherwise draw from the dropout streams (``runtime/rng.py``) once more
+on the first step of each new schedule, so a run resumed at step k drew other masks than
+the uninterrupted one.
 
 Contiguous sends. gloo and NCCL send only contiguous tensors; torch sends the gradients of a
 stage's inputs as autograd returns them, which may be strided views (the compiler makes
@@ -40,6 +43,8 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining._utils import TensorMeta
+
+from .rng import dropout_active
 
 
 def unshard_fsdp_modules(module: torch.nn.Module) -> None:
@@ -62,6 +67,15 @@ class SplitBackwardPipelineStage(PipelineStage):
             with torch.no_grad():
                 t.zero_()
         return t
+
+    def _forward_metadata_inference(self, *args, **kwargs):
+        with dropout_active(False):  # shapes only: no draws (see the module docstring)
+            return super()._forward_metadata_inference(*args, **kwargs)
+
+    def _backward_metadata_inference(self, *args, **kwargs):
+        # its backward may recompute checkpointed blocks of that forward: same mode
+        with dropout_active(False):
+            return super()._backward_metadata_inference(*args, **kwargs)
 
     def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True,
                            last_backward: bool = False):

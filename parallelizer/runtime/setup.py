@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..plan import MESH_DIMS, ParallelPlan
+from . import rng
 from .tp import set_tp_group
 
 
@@ -57,7 +58,8 @@ def world_size_error(plan: ParallelPlan, run_py: str) -> str | None:
 
 def init(plan: ParallelPlan, device_type: str | None) -> RankContext:
     """Init the process group (NCCL + one GPU per rank on CUDA, else gloo) and the mesh
-    ``(pp, dp, tp)``; set the tp group used by the Megatron f/g operators."""
+    ``(pp, dp, tp)``; set the tp group used by the Megatron f/g operators and seed this
+    rank's dropout streams from ``plan.seed`` (runtime/rng.py)."""
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if "RANK" not in os.environ:  # plain `python run.py` on a one-rank mesh
@@ -76,9 +78,11 @@ def init(plan: ParallelPlan, device_type: str | None) -> RankContext:
                             mesh_dim_names=MESH_DIMS)
     if plan.mesh["tp"] > 1:
         set_tp_group(mesh["tp"].get_group())
-    return RankContext(mesh, device, mesh.get_local_rank("pp"), mesh.get_local_rank("dp"),
-                       mesh.get_local_rank("tp"), _fsdp_mesh(plan, mesh, device_type),
-                       _sync_groups(plan))
+    ctx = RankContext(mesh, device, mesh.get_local_rank("pp"), mesh.get_local_rank("dp"),
+                      mesh.get_local_rank("tp"), _fsdp_mesh(plan, mesh, device_type),
+                      _sync_groups(plan))
+    rng.seed_streams(plan.seed, ctx.pp_rank, ctx.dp_rank, ctx.tp_rank, plan.mesh["tp"])
+    return ctx
 
 
 def _sync_groups(plan: ParallelPlan) -> dict:

@@ -68,7 +68,7 @@ def save_sharded(stages, plan: ParallelPlan, ctx: RankContext, out: Path, opt=No
             mine[entry[0]] = entry[1]
     if train is not None:
         fault_after_rank_files(train.get("step"), ctx.rank)
-    rng = rng_state(ctx.device) if train is not None else None
+    rng = rng_state(ctx.device, plan.mesh) if train is not None else None
     reports = _gather_json({"files": mine, "rng": rng}, ctx)
     if ctx.rank == 0:
         files = {k: v for r in reports for k, v in r["files"].items()}

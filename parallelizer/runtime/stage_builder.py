@@ -19,6 +19,7 @@ from ..checkpoint.reader import load_shard
 from ..errors import CheckpointError
 from ..plan import ParallelPlan
 from .data_parallel import apply_data_parallel
+from . import rng
 from .modules import EmittedModule
 from .setup import RankContext
 
@@ -136,10 +137,12 @@ def load_into(stage: torch.nn.Module, plan: ParallelPlan, shard: dict, ctx: Rank
 def apply_activation_checkpointing(stage: EmittedModule, plan: ParallelPlan) -> None:
     """Recompute checkpointed blocks in backward instead of saving their activations
     (Chen et al. 2016; ``torch.utils.checkpoint``, non-reentrant). The block's forward is
-    wrapped in place, so FQNs stay the original ones and FSDP2 hooks still fire."""
+    wrapped in place, so FQNs stay the original ones and FSDP2 hooks still fire. The
+    recompute draws the dropout masks the forward drew (``rng.checkpoint_contexts``)."""
     for name, block in stage.emitted_blocks():
         if name in plan.checkpointed:  # decided by the planner (planning/tensors.py)
-            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False,
+                                              context_fn=rng.checkpoint_contexts)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

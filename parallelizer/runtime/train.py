@@ -4,7 +4,8 @@ the trained weights, the AdamW state (``exp_avg``, ``exp_avg_sq``, ``step``, in 
 parameters' layout) and the step counter in the same sharded layout. ``--resume`` restores
 all three (the data stream skips the batches already seen), so training continues as if
 uninterrupted, on the program's own layout (reshard the checkpoint to it first). Every rank
-writes its own shards (runtime/sharded_save.py); nothing is gathered."""
+writes its own shards (runtime/sharded_save.py); nothing is gathered. A model with
+dropout restores every rank's dropout streams too (``runtime/rng.py``), on the same mesh."""
 from __future__ import annotations
 
 import itertools
@@ -13,6 +14,7 @@ import sys
 from pathlib import Path
 
 import torch
+
 import torch.distributed as dist
 from torch.distributed.tensor import distribute_tensor
 
@@ -21,6 +23,7 @@ from ..checkpoint.writer import OPTIM_STATES, optim_name
 from ..errors import CheckpointError, UserError
 from ..plan import ParallelPlan
 from .batching import dp_slice, synthetic_batches
+from . import rng
 from .gather import full_tensor
 from .compression import load_state as load_compression_state, save_state as save_compression_state
 from .data_parallel import make_stage_optimizer
@@ -97,10 +100,25 @@ def load_optimizer_state(opt, stages, plan: ParallelPlan, ctx: RankContext, ckpt
                 state[index[id(p)]] = _param_state(shard, fqn, p, ctx)
     sd["state"] = state
     opt.load_state_dict(sd)
-    rng = manifest["train"].get("rng")
-    if rng and len(rng) == dist.get_world_size():  # same world: each rank's own RNG stream
-        set_rng_state(rng[ctx.rank], ctx.device)
-    return int(manifest["train"]["step"])
+    step = int(manifest["train"]["step"])
+    states = manifest["train"].get("rng") or []
+    restored = len(states) == dist.get_world_size() and isinstance(states[ctx.rank], dict) and \
+        set_rng_state(states[ctx.rank], ctx.device, plan.mesh)
+    if not restored and plan.dropout:
+        reseed_dropout(plan, ctx, step)
+    return step
+
+
+def reseed_dropout(plan: ParallelPlan, ctx: RankContext, step: int) -> None:
+    """No saved dropout-stream state for this rank (a checkpoint resharded to another mesh):
+    reseed the streams from the seed and ``step`` (fresh masks, not those of steps 1..step);
+    rank 0 says so."""
+    rng.seed_streams(plan.seed, ctx.pp_rank, ctx.dp_rank, ctx.tp_rank, plan.mesh["tp"], step)
+    if ctx.rank == 0:
+        m = plan.mesh
+        print(f"note: the checkpoint holds no dropout RNG state for this mesh (pp={m['pp']} x "
+              f"dp={m['dp']} x tp={m['tp']}): dropout streams reseeded from seed {plan.seed} "
+              f"and step {step}", flush=True)
 
 
 def _param_state(shard: dict, fqn: str, p, ctx: RankContext) -> dict:

@@ -6,6 +6,8 @@ and updated parameters (each gathered back to full shape) are compared with
 directly: AdamW's first step is nearly invariant to a uniform gradient scale, so checking
 only the updated parameters would miss a wrongly scaled gradient. The tp ranks' copies of a
 replicated kv head (layout ``replicated_heads``) must agree, in gradients and parameters.
+Dropout is inactive in the step, as it was in the reference (``reference.py``), so the
+comparison stays exact; the report says so when the model has dropout.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from ..plan import ParallelPlan
 from .batching import dp_slice, to_batch
 from .gather import copies_max_diff, full_tensor
 from .data_parallel import make_stage_optimizer
+from .rng import dropout_active
 from .setup import RankContext
 from .stage_builder import local_tensor
 from .step import StepRunner
@@ -88,7 +91,8 @@ def run_verify(out_dir: Path, plan: ParallelPlan, spec: dict, stage, ctx: RankCo
     opt = make_stage_optimizer(stage.parameters(), vcfg["optimizer"], ocfg["lr"], ocfg["weight_decay"],
                                plan.zero_stage, ctx)
     opt.zero_grad(set_to_none=True)
-    loss, outputs = runner.step(local)
+    with dropout_active(False):
+        loss, outputs = runner.step(local)
     tally.add("loss", "loss", loss, ref["loss"])
     skipped = []
     if outputs is not None:
@@ -191,6 +195,11 @@ def _report(tally: _Tally, plan, opt_name, loss, ref_loss, ctx, skipped=()) -> i
               f"atol={tally.atol:g} rtol={tally.rtol:g} (tolerances for {which})")
         if compression_rule(plan):
             print(f"verify: {compression_rule(plan)}")
+        if plan.dropout:
+            streams = sorted({d["stream"] for d in plan.dropout})
+            print(f"verify: dropout inactive in the reference and the program ({len(plan.dropout)} "
+                  f"dropout sites; --train draws them from the {' and '.join(streams)} "
+                  f"stream(s))")
         print(f"verify: loss {loss.item():.6f} (reference {ref_loss.item():.6f}) max abs err {errs[0]:.3g}")
         print(f"verify: outputs max abs err {errs[1]:.3g}" + (
             f" (not compared, no batch dim to split over dp/microbatches: {', '.join(skipped)})"

@@ -67,11 +67,15 @@ def test_scan_resolve_and_prune(tmp_path, capsys):
 def test_rng_state_round_trip():
     torch.manual_seed(3)
     torch.rand(5)
-    saved = rng_state(torch.device("cpu"))
+    mesh = {"pp": 1, "dp": 2, "tp": 1}
+    saved = rng_state(torch.device("cpu"), mesh)
     want = torch.rand(7)
     torch.manual_seed(99)
-    set_rng_state(saved, torch.device("cpu"))
+    assert set_rng_state(saved, torch.device("cpu"), mesh)
     assert torch.equal(torch.rand(7), want)
+    torch.manual_seed(99)
+    assert not set_rng_state(saved, torch.device("cpu"), {**mesh, "dp": 1})  # another mesh
+    assert not torch.equal(torch.rand(7), want)
 
 
 def test_incomplete_checkpoint_named_with_the_fix(tmp_path):

@@ -241,38 +241,3 @@ def test_output_without_batch_dim_is_refused_under_pp(tmp_path):
     assert plan.scalar_outputs == (1,)
 
 
-def test_dropout_is_refused_naming_the_modules(tmp_path):
-    """Dropout compiled fine and --verify then failed with no hint (and tp ranks would draw
-    different masks); now a compile error naming the modules, the probability and the fix."""
-    path = _model(tmp_path, """
-        import torch
-        from torch import nn
-        import torch.nn.functional as F
-        class Block(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.fc = nn.Linear(8, 8)
-                self.drop = nn.Dropout(0.1)
-            def forward(self, x):
-                q = x.view(x.shape[0], x.shape[1], 2, 4).transpose(1, 2)
-                a = F.scaled_dot_product_attention(q, q, q, dropout_p=0.2).transpose(1, 2)
-                return x + self.drop(self.fc(a.reshape(x.shape)))
-        class Net(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.layers = nn.ModuleList([Block(), Block()])
-            def forward(self, x):
-                for layer in self.layers:
-                    x = layer(x)
-                return x
-        def build_model():
-            return Net()
-        def example_inputs():
-            return (torch.randn(4, 3, 8),)
-    """)
-    with pytest.raises(PlanError) as e:
-        compile_model(path, load_spec(GPT / "spec.yaml", ["mesh.tp=1"]), weights=False)
-    msg = str(e.value)
-    assert msg.startswith("the model uses dropout: layers.0 (p=0.2), layers.0.drop (p=0.1), "
-                          "layers.1 (p=0.2), layers.1.drop (p=0.1); "), msg
-    assert "set the probabilities to 0 in build_model()" in msg
