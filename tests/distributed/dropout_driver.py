@@ -18,7 +18,6 @@ Rank 0 prints ``RESULT {json}``.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -26,7 +25,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from omegaconf import OmegaConf
 
 from parallelizer.plan import ParallelPlan
 from parallelizer.runtime import rng
@@ -67,7 +65,7 @@ def _fresh_streams(plan, ctx, salt: int = 0) -> None:
 
 def main(out: Path, steps: int, ckpt: Path) -> None:
     plan = ParallelPlan.from_json((out / "plan.json").read_text())
-    spec = OmegaConf.to_container(OmegaConf.load(out / "spec.yaml"))
+    spec = plan.settings
     module = _load_model_module(out)
     ctx = init(plan, "cpu")
     result = {}
@@ -90,7 +88,7 @@ def main(out: Path, steps: int, ckpt: Path) -> None:
     result["control_mismatches"] = _total(_tp_mismatches(seen, ctx))
 
     _fresh_streams(plan, ctx)
-    ac = dataclasses.replace(plan, activation_checkpointing="full")
+    ac = plan.with_activation_checkpointing("full")
     half = build_stages(out, ac, ctx)
     first, opt, step = run_train(ac, spec, half, ctx, module.loss_fn, module, 2)
     save_checkpoint(half, ac, ctx, ckpt, opt, step, spec["optimizer"]["name"])
