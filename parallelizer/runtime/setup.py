@@ -35,6 +35,7 @@ class RankContext:
     def my_sync_groups(self, plan: ParallelPlan, kind: str) -> dict:
         """key -> the process group of ``plan.grad_sync`` entries of ``kind`` this rank is in
         (tied: stage tuple; replicated_heads: kv head count)."""
+        self.sync_groups.update(_sync_groups(plan, self.sync_groups))  # a re-placed plan's new ones
         out = {}
         for entry in plan.grad_sync:
             key = tuple(entry["key"]) if isinstance(entry["key"], list) else entry["key"]
@@ -85,14 +86,16 @@ def init(plan: ParallelPlan, device_type: str | None) -> RankContext:
     return ctx
 
 
-def _sync_groups(plan: ParallelPlan) -> dict:
-    """One process group per rank list of ``plan.grad_sync``, created once per process by
-    every rank in the same order (``new_group`` is collective)."""
+def _sync_groups(plan: ParallelPlan, made: dict | None = None) -> dict:
+    """One process group per rank list of ``plan.grad_sync`` not in ``made``, created once
+    per process by every rank in the same order (``new_group`` is collective; a plan
+    re-placed by ``with_schedule`` may need groups the first one did not)."""
     groups: dict = {}
     for entry in plan.grad_sync:
         for ranks in entry["ranks"]:
-            if tuple(ranks) not in groups:
-                groups[tuple(ranks)] = dist.new_group(ranks)
+            key = tuple(ranks)
+            if key not in groups and key not in (made or {}):
+                groups[key] = dist.new_group(ranks)
     return groups
 
 
