@@ -30,6 +30,7 @@ from .plan import MODEL_MODULE
 from .passes.split_stages import split_stages
 from .passes.tensor_parallel import apply_tensor_parallel
 from .analysis.graph_costs import collect_costs
+from .analysis.partition import GraphPartition
 from .planning.dropout import describe as describe_dropout, plan_dropout
 from .planning.pipeline import find_blocks, plan_from_costs
 from .planning.pipeline_summary import (check_microbatches, check_placement, summarize,
@@ -119,11 +120,12 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
     passes.run("cleanup", apply_cleanup, gm)
     blocks = find_blocks(model)
     canonical = {n: g[0] for g in groups for n in g}
-    costs = collect_costs(gm, blocks, canonical)  # FLOPs of whole stages (all tp ranks)
+    partition = GraphPartition.of(gm.graph, blocks)  # one partition of the captured graph
+    costs = collect_costs(gm, blocks, canonical, partition)  # FLOPs of whole stages (all tp ranks)
     num_stages = _num_stages(spec, blocks, costs.block_parts())
     stages_key = "mesh.pp" if pipe.virtual_stages == 1 else "mesh.pp x pipeline.virtual_stages"
     pp_decision = plan_from_costs(costs, num_stages, blocks, pipe, stages_key=stages_key)
-    structure = pipeline_structure(gm.graph, model, blocks, costs, canonical)
+    structure = pipeline_structure(gm.graph, model, blocks, costs, canonical, partition)
     plan = build_plan(spec, captured, gm, model, groups, tp_decision, pp_decision, structure)
     plan = dataclasses.replace(plan, imports=modules_needed(gm.graph, captured.out_spec, MODEL_MODULE),
                                scalar_outputs=scalar_outputs(gm),

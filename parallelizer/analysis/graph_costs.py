@@ -22,7 +22,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_backward_flop, sdpa_flop
 
 from .costs import PipelineCosts, UnitCost
-from .graph_facts import RUNTIME_DEVICE, aten, is_tensor, module_path
+from .graph_facts import RUNTIME_DEVICE, aten, is_tensor
+from .partition import GraphPartition
 from .recompute import Recompute
 
 # the module-level names are already shape-wrapped; custom_mapping wraps again
@@ -31,15 +32,18 @@ _CPU_SDPA = {aten._scaled_dot_product_flash_attention_for_cpu: sdpa_flop.__wrapp
 _COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
 
 
-def collect_costs(gm: fx.GraphModule, blocks: tuple[str, ...], canonical: dict) -> PipelineCosts:
+def collect_costs(gm: fx.GraphModule, blocks: tuple[str, ...], canonical: dict,
+                  partition=None) -> PipelineCosts:
     """Per-unit FLOPs, parameters and cut bytes of ``gm`` (units: before, blocks, after).
 
     Args:
         blocks: block FQNs in execution order (``planning.pipeline.find_blocks``).
         canonical: tied-weight name -> canonical FQN (names not in it are canonical).
+        partition: ``gm``'s :class:`~parallelizer.analysis.partition.GraphPartition`
+            (computed here when None).
     """
-    unit_of = assign_units(gm.graph, blocks)
-    child_of = assign_parts(gm.graph, blocks, unit_of)
+    partition = partition or GraphPartition.of(gm.graph, blocks)
+    unit_of, child_of = partition.unit_of, partition.child_of
     atom_of, runs = _atoms(gm.graph, unit_of, child_of)
     n_units, n_atoms = len(blocks) + 2, len(runs)
     counter = _FlopCounter(_requires_grad(gm.graph))
@@ -70,7 +74,7 @@ def collect_costs(gm: fx.GraphModule, blocks: tuple[str, ...], canonical: dict) 
     names = ([f"<before {blocks[0]}>" if blocks else "<before>"] + list(blocks)
              + [f"<after {blocks[-1]}>" if blocks else "<after>"])
     units = tuple(UnitCost(n, fwd[i], bwd[i], tuple(params[i])) for i, n in enumerate(names))
-    atom_cuts = _cut_bytes(gm.graph, atom_of, n_atoms)
+    atom_cuts = _cut_bytes(gm.graph, atom_of, n_atoms, partition.recompute)
     parts, part_cuts = [], []
     for u in range(1, len(blocks) + 1):
         mine = [a for a, (au, _) in enumerate(runs) if au == u]
@@ -78,64 +82,9 @@ def collect_costs(gm: fx.GraphModule, blocks: tuple[str, ...], canonical: dict) 
         parts.append(tuple(UnitCost(runs[a][1], afwd[a], abwd[a], tuple(aparams[a]))
                            for a in mine) if split else ())
         part_cuts.append(tuple(atom_cuts[a - 1] for a in mine[1:]) if split else ())
-    return PipelineCosts(units, _cut_bytes(gm.graph, unit_of, n_units), param_bytes,
+    return PipelineCosts(units, _cut_bytes(gm.graph, unit_of, n_units, partition.recompute), param_bytes,
                          _batch_shape(gm.graph), tuple(counter.notes), tuple(parts),
                          tuple(part_cuts))
-
-
-def assign_units(graph: fx.Graph, blocks: tuple[str, ...]) -> dict:
-    """node -> unit index (0 before the blocks, 1 + i for block i, len(blocks) + 1 after).
-
-    ``split_stages.assign_stages`` maps these units to stages, so what is costed is what
-    is split. A node outside every block goes with the most recent block before it;
-    placeholders are unit 0; nodes after the last block's last node form the last unit.
-    """
-    index = {b: i + 1 for i, b in enumerate(blocks)}
-    found: dict = {}
-    for node in graph.nodes:
-        if node.op not in ("get_attr", "output"):
-            path = module_path(node)
-            found[node] = next((i for b, i in index.items() if path == b or path.startswith(b + ".")), None)
-    last_block_node = max((i for i, n in enumerate(graph.nodes) if found.get(n)), default=-1)
-    out, current = {}, 0
-    for i, node in enumerate(graph.nodes):
-        if node not in found:
-            continue
-        if node.op == "placeholder":
-            out[node] = 0
-            continue
-        if found[node]:
-            current = max(current, found[node])
-        out[node] = current if found[node] or i < last_block_node else len(blocks) + 1
-    return out
-
-
-def assign_parts(graph: fx.Graph, blocks: tuple[str, ...], unit_of: dict = None) -> dict:
-    """node -> the FQN of its block's direct child whose run it belongs to, for the nodes of
-    block units (``assign_units``) of blocks that may be cut inside.
-
-    A block may be cut inside when its nodes (in graph order) go through two or more direct
-    children, each in one contiguous run. Nodes with the block's own path (residual adds)
-    and nodes after the block outside every block go with the most recent child, those
-    before the first child with the first child, as ``assign_units`` places nodes outside
-    blocks with the most recent block. ``split_stages`` and the cost model both use this.
-    """
-    unit_of = assign_units(graph, blocks) if unit_of is None else unit_of
-    current, order, child = {}, {}, {}
-    for node in graph.nodes:
-        u = unit_of.get(node)
-        if u is None or not 1 <= u <= len(blocks):
-            continue
-        block = blocks[u - 1]
-        path = module_path(node)
-        if path.startswith(block + "."):
-            current[u] = block + "." + path[len(block) + 1:].split(".", 1)[0]
-            seq = order.setdefault(u, [])
-            if not seq or seq[-1] != current[u]:
-                seq.append(current[u])
-        child[node] = current.get(u)
-    cuttable = {u for u, seq in order.items() if 1 < len(seq) == len(set(seq))}
-    return {n: c or order[unit_of[n]][0] for n, c in child.items() if unit_of[n] in cuttable}
 
 
 def _atoms(graph: fx.Graph, unit_of: dict, child_of: dict) -> tuple[dict, list]:
@@ -149,7 +98,7 @@ def _atoms(graph: fx.Graph, unit_of: dict, child_of: dict) -> tuple[dict, list]:
     return out, list(index)
 
 
-def _cut_bytes(graph: fx.Graph, unit_of: dict, n_units: int) -> tuple[int, ...]:
+def _cut_bytes(graph: fx.Graph, unit_of: dict, n_units: int, recompute: Recompute) -> tuple[int, ...]:
     """Bytes sent across each cut: tensors defined at or before unit i and used after it,
     less those the next stage recomputes (``recompute.Recompute.sent``, as
     ``split_stages`` decides)."""
@@ -161,7 +110,6 @@ def _cut_bytes(graph: fx.Graph, unit_of: dict, n_units: int) -> tuple[int, ...]:
         last = min(max(uses, default=-1), n_units - 1)
         for cut in range(unit_of[n], last):
             crossing[cut].append(n)
-    recompute = Recompute(graph)
     return tuple(sum(_bytes(n.meta["val"]) for n in recompute.sent(c)) for c in crossing)
 
 

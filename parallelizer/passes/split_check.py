@@ -19,7 +19,9 @@ class SplitMismatch(AssertionError):
 
 
 def check_split(plan: ParallelPlan, stages: list, block_graphs: list, canonical: dict) -> ParallelPlan:
-    """``plan`` with each stage's boundary input/output names from the split graphs.
+    """``plan`` with each stage's boundary input/output names and its emitted blocks (the
+    planned ones, plus pieces of earlier blocks that only recompute values) from the split
+    graphs.
 
     Args:
         stages: ``split_stages`` output (``StageGraph`` per stage, in stage order).
@@ -29,7 +31,7 @@ def check_split(plan: ParallelPlan, stages: list, block_graphs: list, canonical:
     Raises:
         PlanError: a tensor is read by two emitted modules of one stage (ALBERT-style
             weight sharing), which would split its gradient.
-        SplitMismatch: a stage reads other tensors or holds other blocks than planned.
+        SplitMismatch: a stage reads other tensors than planned, or lacks a planned block.
     """
     out = []
     for st, blocks, sp in zip(stages, block_graphs, plan.stages):
@@ -38,12 +40,15 @@ def check_split(plan: ParallelPlan, stages: list, block_graphs: list, canonical:
         _check_sharing(owned, canonical, st.index)
         held = {canonical.get(name, name) for _, name in owned}
         found = tuple(b.fqn for b in blocks)
-        if held != set(sp.fqns) or found != sp.blocks:
+        # a stage may also hold an outlined piece of an earlier block that only recomputes
+        # values (T5's relative-position buckets): it reads no tensor beyond the planned ones
+        if held != set(sp.fqns) or not set(sp.blocks) <= set(found):
             raise SplitMismatch(
                 f"internal error: stage {st.index} after split_stages/split_blocks reads "
                 f"{sorted(held - set(sp.fqns))} beyond the plan and lacks "
                 f"{sorted(set(sp.fqns) - held)}; blocks {found} vs planned {sp.blocks}")
-        out.append(dataclasses.replace(sp, inputs=tuple(st.inputs), outputs=tuple(st.outputs)))
+        out.append(dataclasses.replace(sp, inputs=tuple(st.inputs), outputs=tuple(st.outputs),
+                                       blocks=found))
     return dataclasses.replace(plan, stages=tuple(out))
 
 

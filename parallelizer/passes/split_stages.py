@@ -20,9 +20,8 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..decisions import PipelineDecision
-from ..analysis.graph_costs import assign_parts, assign_units
+from ..analysis.partition import GraphPartition
 from ..analysis.graph_facts import aten, expr, is_tensor
-from ..analysis.recompute import Recompute
 
 
 @dataclass
@@ -34,20 +33,21 @@ class StageGraph:
     targets: list = field(default_factory=list)   # get_attr targets read here
 
 
-def assign_stages(graph: fx.Graph, decision: PipelineDecision) -> dict:
+def assign_stages(partition: GraphPartition, decision: PipelineDecision) -> dict:
     """node -> stage index for every placeholder and call_function node: the stage of its
-    cost-model unit (``graph_costs.assign_units``), or of its part (``assign_parts``) in a
-    block cut across stages, so the split is the one the partitioner costed; what follows
-    the last block goes to the last stage."""
-    unit_of = assign_units(graph, decision.blocks)
-    child_of = assign_parts(graph, decision.blocks, unit_of) if decision.part_stages else {}
-    return {n: decision.stage_of_unit(u, child_of.get(n)) for n, u in unit_of.items()}
+    cost-model unit, or of its part in a block cut across stages
+    (``PipelineDecision.stage_of_unit``), so the split is the one the partitioner costed;
+    what follows the last block goes to the last stage."""
+    return {n: decision.stage_of_unit(u, partition.child_of.get(n))
+            for n, u in partition.unit_of.items()}
 
 
 def split_stages(gm: fx.GraphModule, decision: PipelineDecision, pp: int) -> list[StageGraph]:
     graph = gm.graph
-    stage_of = assign_stages(graph, decision)
-    recompute = Recompute(graph)
+    # the rewritten graph's own partition: the passes inserted nodes (f/g, untied reads)
+    partition = GraphPartition.of(graph, decision.blocks)
+    stage_of = assign_stages(partition, decision)
+    recompute = partition.recompute
     boundary = [_boundary(graph, stage_of, s, recompute) for s in range(pp)]
     out = []
     for s in range(pp):

@@ -10,7 +10,8 @@ import torch.fx as fx
 
 from torch.utils._pytree import treespec_dumps
 
-from ..analysis.graph_facts import attr_targets
+from ..analysis.graph_facts import RUNTIME_DEVICE, attr_targets
+from ..analysis.partition import GraphPartition
 from ..compression import plan_settings, reduce_dtype as compression_reduce_dtype
 from ..pipeline_schedules import stage_ranks
 from ..plan import ParallelPlan, StagePlan, TensorPlan, checkpointed_blocks, grad_sync_groups
@@ -107,27 +108,24 @@ def _default(value, default):
     return default if value is None else value
 
 
-def pipeline_structure(graph: fx.Graph, model, blocks, costs, canonical: dict) -> dict:
+def pipeline_structure(graph: fx.Graph, model, blocks, costs, canonical: dict,
+                       partition=None) -> dict:
     """What re-partitioning a checkpoint for another pp degree needs, without the model
     (ParallelPlan.structure, read by checkpoint/target.py).
 
     ``uses[fqn]`` lists the cost-model units of the tensor's readers, direct or through
     values each stage recomputes (``analysis.recompute``: Llama's ``inv_freq`` is read by every
     stage that uses the rotary tables) (0 before the blocks,
-    1 + i for block i, len(blocks) + 1 after; ``graph_costs.assign_units``, the mapping
+    1 + i for block i, len(blocks) + 1 after; ``analysis/partition.assign_units``, the mapping
     split_stages uses), and ``part_uses[fqn]`` the block parts (direct child FQNs,
-    ``graph_costs.assign_parts``) of its readers inside blocks that may be cut, so a
+    ``assign_parts``) of its readers inside blocks that may be cut, so a
     tensor's stages under any partition are the stages of its units, or of its parts in a
     block cut across stages. ``block_costs``/``pre_cost``/``post_cost``/``block_parts`` are
     what ``plan_from_costs`` gives the partitioner; ``state_dict_keys`` are the model's own
     names, for export.
     """
-    from ..analysis.graph_costs import assign_parts, assign_units
-    from ..analysis.graph_facts import RUNTIME_DEVICE
-    from ..analysis.recompute import Recompute
-    unit_of = assign_units(graph, tuple(blocks))
-    child_of = assign_parts(graph, tuple(blocks), unit_of)
-    recompute = Recompute(graph)
+    partition = partition or GraphPartition.of(graph, tuple(blocks))
+    unit_of, child_of, recompute = partition.unit_of, partition.child_of, partition.recompute
     uses: dict = {}
     part_uses: dict = {}
     for node in graph.nodes:
