@@ -186,19 +186,28 @@ def checkpoint_contexts():
         at_forward[_ACTIVE] = _active
         yield
 
-    @contextlib.contextmanager
-    def recompute():
-        global _active
-        now, active = state_dict(), _active
-        _restore(at_forward)
-        _active = at_forward[_ACTIVE]
-        try:
-            yield
-        finally:
-            _restore(now)
-            _active = active
+    return forward(), _Recompute(at_forward)
 
-    return forward(), recompute()
+
+class _Recompute:
+    """The recompute side of :func:`checkpoint_contexts`. Re-enterable: a split backward
+    (zero-bubble schedules' input- then weight-gradient passes) recomputes a checkpointed
+    block twice, and a generator-based context manager can be entered only once."""
+
+    def __init__(self, at_forward: dict):
+        self.at_forward, self.saved = at_forward, []
+
+    def __enter__(self):
+        global _active
+        self.saved.append((state_dict(), _active))
+        _restore(self.at_forward)
+        _active = self.at_forward[_ACTIVE]
+
+    def __exit__(self, *exc):
+        global _active
+        now, _active = self.saved.pop()
+        _restore(now)
+        return False
 
 
 _ACTIVE = "active"  # a key of checkpoint_contexts' record beside the stream states
