@@ -65,7 +65,7 @@ def test_program_imports_custom_op_library_and_output_type(custom_op_lib, tmp_pa
     needed = modules_needed(captured.gm.graph, out_spec, MODEL_MODULE)
     assert needed == ("i14_custom_op_lib", "transformers.modeling_outputs")
     # the parameter the custom op reads has no sharding rule: replicated, and reported
-    report = plan_tp(captured.gm.graph, 2).report
+    report = plan_tp(captured.gm.graph, 2, allow_replicated=True).report
     assert "kept replicated: w (read by i14test.scale_rows, an operator with no " \
            "tensor-parallel sharding rule)" in report
 
@@ -100,7 +100,8 @@ def test_router_and_scalar_gate_stay_replicated_and_leave_the_next_block_sharded
     d = plan_tp(captured.gm.graph, 2)
     assert d.column == {"0.up.weight", "1.up.weight"}
     assert d.row == {"0.down.weight", "1.down.weight"}
-    assert "replicated linear: 1.router.weight (no column/row pair found)" in d.report
+    assert any(line.startswith("replicated linear: 1.router.weight (no column/row pair found")
+               for line in d.report), d.report
     assert "replicated linear: 0.shared_gate.weight (no column/row pair found)" in d.report
 
 

@@ -183,6 +183,19 @@ ZOO = {f.__name__: f for f in (gpt_neox, falcon, phi, gemma, opt, bloom, mistral
                                t5, vit, roberta, mixtral_attention)}
 
 
+def _without_dropout(model):
+    """The zoo compares one step with dropout 0 (tests/unit/test_dropout.py covers dropout):
+    nn.Dropout modules and float dropout attributes of attention modules (MiniLM keeps its
+    checkpoint's 0.1) set to 0."""
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.Dropout):
+            mod.p = 0.0
+        for attr, value in list(vars(mod).items()):
+            if "dropout" in attr and isinstance(value, float):
+                setattr(mod, attr, 0.0)
+    return model
+
+
 def _example(name):
     """An example of examples/ with its own example_inputs (every batch is that one)."""
     from pathlib import Path
@@ -191,7 +204,7 @@ def _example(name):
     def make():
         module = load_model_file(Path(__file__).parents[2] / "examples" / name / "model.py")
         torch.manual_seed(0)
-        model = build_model(module, on_meta=False)
+        model = _without_dropout(build_model(module, on_meta=False))
         inputs = module.example_inputs()
 
         def batch(b=None, t=None, seed=0):
