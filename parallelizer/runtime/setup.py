@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import socket
+from datetime import timedelta
 from dataclasses import dataclass, field
 
 import torch
@@ -74,7 +75,8 @@ def init(plan: ParallelPlan, device_type: str | None) -> RankContext:
         device = torch.device("cpu")
         backend = "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend, device_id=device if device_type == "cuda" else None)
+        dist.init_process_group(backend, device_id=device if device_type == "cuda" else None,
+                                **_restart_rendezvous())
     mesh = init_device_mesh(device_type, tuple(plan.mesh[d] for d in MESH_DIMS),
                             mesh_dim_names=MESH_DIMS)
     if plan.mesh["tp"] > 1:
@@ -117,3 +119,21 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _restart_rendezvous() -> dict:
+    """Under ``torchrun --max-restarts``, a restarted attempt's process group gets a store
+    prefix of its own: with the default keys a restarted rank could read the address a rank
+    of the killed attempt published and fail to connect (gloo ``connectFullMesh``:
+    connection refused, seen under load in tests/distributed/test_restart.py). Empty (torch's
+    default env:// rendezvous) on the first attempt and outside torchrun."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if attempt == 0:
+        return {}
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # the agent hosts it
+    tcp = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                        is_master=not agent and rank == 0, timeout=timedelta(minutes=10))
+    return {"store": dist.PrefixStore(f"parallelizer/attempt{attempt}", tcp),
+            "rank": rank, "world_size": world}
+
