@@ -153,6 +153,14 @@ def test_mlp_first_column_second_row():
     assert d.rewrites == {}
     assert d.report == ["column_parallel: 1 linears; row_parallel: 1 linears; replicated: 0 linears"]
 
+def assert_lockstep_matches(model, gm, decision, x, tp: int = 2):
+    """Each simulated tp rank's first output equals the unmodified model's (1e-5)."""
+    with torch.no_grad():
+        ref = model(*x)
+    for out in run_tp_lockstep(gm, decision, tp, x):
+        torch.testing.assert_close(out[0], ref, rtol=1e-5, atol=1e-5)
+
+
 
 def test_swiglu_gate_and_up_column_down_row():
     cap = captured(SwiGLU(), x_batch())
@@ -332,10 +340,7 @@ def test_dtensor_strategy_shards_an_op_our_table_lacks():
     assert d.row == {"first.fc2.weight", "second.fc2.weight"}
     apply_tensor_parallel(cap.gm, d)
     x = x_batch(3, 7, seed=1)
-    with torch.no_grad():
-        ref = model(*x)
-    for out in run_tp_lockstep(cap.gm, d, 2, x):
-        torch.testing.assert_close(out[0], ref, rtol=1e-5, atol=1e-5)
+    assert_lockstep_matches(model, cap.gm, d, x)
 
 
 def test_sort_between_pair_keeps_it_replicated():
@@ -507,10 +512,7 @@ def test_linears_found_by_algebra_pair_and_match():
     g = next(n for n in cap.gm.graph.nodes if n.target is reduce_from_tp_region)
     assert g.args[0].target is aten.matmul.default and [u.target for u in g.users] == [aten.add.Tensor]
     x = (torch.randn(3, 7, 16, generator=torch.Generator().manual_seed(1)),)
-    with torch.no_grad():
-        ref = model(*x)
-    for out in run_tp_lockstep(cap.gm, d, 2, x):
-        torch.testing.assert_close(out[0], ref, rtol=1e-5, atol=1e-5)
+    assert_lockstep_matches(model, cap.gm, d, x)
 
 
 def _nothing_shardable():
