@@ -169,7 +169,9 @@ class ParallelPlan:
     def with_activation_checkpointing(self, mode: str, every: int = 1) -> "ParallelPlan":
         """This plan under another ``activation_checkpointing`` mode (same program and
         checkpoint; only which emitted blocks recompute their forward changes)."""
-        blocks = list(dict.fromkeys(b for st in self.stages for b in st.blocks))
+        # the model's blocks as planned (structure), else those the stages emit, in order
+        blocks = self.structure.get("blocks") or list(dict.fromkeys(
+            b for st in self.stages for b in st.blocks))
         return replace(self, activation_checkpointing=mode, checkpoint_every=every,
                        checkpointed=checkpointed_blocks(blocks, mode, every))
 
