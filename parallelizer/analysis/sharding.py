@@ -92,7 +92,7 @@ def propagate(graph: fx.Graph, column: set, row: set, tp: int, layouts: Optional
         # a replicated value (e.g. after g) carries no shard: a conflict further down the
         # residual stream must not blame the pairs upstream of it
         prop.groups[node.name] = frozenset() if placement is None else groups
-    fuse_slices(prop)
+    fuse_slices(prop, tp)
     _mark_kv_heads(prop)
     return prop
 

@@ -151,7 +151,9 @@ def tp_summary(decision: TPDecision, model) -> str:
 
 def _layout_text(layout: dict) -> str:
     if layout["kind"] == "fused":
-        return f"fused {layout['parts']}"
+        copied = [f"part {i} {_layout_text(pl)}" for i, pl in
+                  enumerate(layout.get("part_layouts") or []) if pl]
+        return f"fused {layout['parts']}" + (f" ({'; '.join(copied)})" if copied else "")
     if layout["kind"] == "replicated_heads":
         return (f"replicated_heads ({layout['heads']} heads of {layout['head_dim']}, each held "
                 f"by tp / {layout['heads']} ranks; their gradients are summed)")
