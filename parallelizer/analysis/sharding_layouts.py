@@ -11,6 +11,7 @@ import torch
 
 from .graph_facts import aten, expr, module_path, prod, same, shape
 from .sharding_dtensor import dtensor_rule
+from .sharding_strided import merge_view, strided_view
 from .sharding_state import (INVALID, HeadsMark, add_constraint, add_rewrite, dim_arg, placement,
                              record_use, sizes_arg)
 
@@ -28,6 +29,8 @@ def view_rule(node, prop, tp):
         if not mark.expanded and _keeps_dim(ins, outs, d):
             return _keep_copied_heads(node, prop, d, mark)
         return _merge_repeated_heads(node, prop, tp, d, mark)
+    if src.name in prop.strided:
+        return strided_view(node, prop, tp, d)
     before = prod(ins[:d])
     e = next((e for e in range(len(outs)) if same(prod(outs[:e]), before)), None)
     raw = prop.raw.get(src.name)
@@ -37,8 +40,8 @@ def view_rule(node, prop, tp):
         return _split_heads(node, prop, tp, e, raw, f"dim {e} of the view (one head)")
     while e is not None and e < len(outs) - 1 and same(outs[e], 1) and not same(ins[d], 1):
         e += 1
-    if e is None:
-        return INVALID
+    if e is None:  # merged with the dims before it: (batch, heads) -> batch * heads
+        return merge_view(node, prop, tp, d)
     ratio_split = expr(ins[d]) / expr(outs[e])
     if not (same(ins[d], outs[e]) or ratio_split.is_integer or (1 / ratio_split).is_integer):
         return INVALID

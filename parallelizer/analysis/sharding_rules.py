@@ -9,6 +9,7 @@ from .graph_facts import aten, is_tensor, same, shape
 from .sharding_heads import embedding_rule, request_heads
 from .sharding_layouts import expand_rule, index_rule, slice_rule, split_rule, view_rule
 from .sharding_state import INVALID, dim_arg, inputs_of, placement
+from .sharding_strided import repeat_rule
 
 
 _SAME_AS_INPUT = {
@@ -190,6 +191,7 @@ RULES = {
     aten.where.self: pointwise_rule, aten.where.ScalarOther: pointwise_rule,
     aten.embedding.default: embedding_rule,
     aten.index.Tensor: index_rule,
+    aten.repeat.default: repeat_rule,
     operator.getitem: _getitem,
 }
 

@@ -27,12 +27,10 @@ FAMILIES = {**ZOO, **EXAMPLES}
 TOL = dict(rtol=1e-5, atol=1e-5)
 LR = 0.1
 
-# family -> (weight matrices inside the blocks that tp shards, all of them). Not yet: BLOOM's
-# attention (heads merged into the batch dim for baddbmm + ALiBi) stays replicated; its MLP
-# shards.
+# family -> (weight matrices inside the blocks that tp shards, all of them).
 SHARDED = {
     "gpt_neox": (8, 8), "falcon": (8, 8), "phi": (12, 12), "gemma": (14, 14), "opt": (12, 12),
-    "bloom": (4, 8), "mistral": (14, 14), "qwen2": (14, 14), "gpt2": (8, 8), "t5": (34, 34),
+    "bloom": (8, 8), "mistral": (14, 14), "qwen2": (14, 14), "gpt2": (8, 8), "t5": (34, 34),
     "vit": (12, 12), "roberta": (12, 12), "mixtral_attention": (8, 8),
     "example_gpt": (24, 24), "example_gpt2": (16, 16), "example_llama": (28, 28),
     "example_minilm": (36, 36),

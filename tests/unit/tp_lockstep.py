@@ -19,7 +19,7 @@ import torch.fx as fx
 from parallelizer.checkpoint.layout import local_piece
 from parallelizer.layouts import copied_heads, copied_runs
 from parallelizer.plan import TensorPlan
-from parallelizer.runtime.tp import copy_to_tp_region, reduce_from_tp_region
+from parallelizer.runtime.tp import copy_to_tp_region, reduce_from_tp_region, scatter_to_tp_region
 
 
 class _AllReduce:
@@ -58,6 +58,26 @@ class _G(torch.autograd.Function):
         return grad, None, None
 
 
+class _Scatter(torch.autograd.Function):
+    """The rank's block along ``dim``; backward: the blocks of all ranks' gradients placed
+    side by side (an all-gather, as a sum of zero-padded blocks)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, comm, rank):
+        ctx.dim, ctx.comm, ctx.rank, ctx.n = dim, comm, rank, x.shape[dim]
+        k = x.shape[dim] // comm.tp
+        return x.narrow(dim, rank * k, k).clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape = list(grad.shape)
+        shape[ctx.dim] = ctx.n
+        full = grad.new_zeros(shape)
+        k = grad.shape[ctx.dim]
+        full.narrow(ctx.dim, ctx.rank * k, k).copy_(grad)
+        return ctx.comm(ctx.rank, full), None, None, None
+
+
 class _Rank(fx.Interpreter):
     def __init__(self, gm, rank, comm, leaves):
         super().__init__(gm)
@@ -72,6 +92,8 @@ class _Rank(fx.Interpreter):
             return _F.apply(args[0], self.comm, self.rank)
         if target is reduce_from_tp_region:
             return _G.apply(args[0], self.comm, self.rank)
+        if target is scatter_to_tp_region:
+            return _Scatter.apply(args[0], args[1], self.comm, self.rank)
         return super().call_function(target, args, kwargs)
 
 
