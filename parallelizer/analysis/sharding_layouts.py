@@ -11,7 +11,7 @@ import torch
 
 from .graph_facts import aten, expr, module_path, prod, same, shape
 from .sharding_dtensor import dtensor_rule
-from .sharding_strided import merge_view, strided_view
+from .sharding_strided import local_merged_size, merge_view, strided_view
 from .sharding_state import (INVALID, HeadsMark, add_constraint, add_rewrite, dim_arg, placement,
                              record_use, sizes_arg)
 
@@ -53,6 +53,11 @@ def view_rule(node, prop, tp):
         local = _local_features(prop, raw, int(expr(outs[e])), tp)
     elif raw and ratio_split.is_integer:
         return _split_heads(node, prop, tp, e, raw, detail)
+    elif not isinstance(expr(outs[e]), int) and not expr(outs[e]).is_number:
+        # the sharded dim merged with a symbolic inner one ((heads, batch) -> heads * batch):
+        # the even split of the merged dim, its size constant made local
+        add_constraint(prop, int(expr(ins[d])), "heads", module_path(node), detail)
+        return e if local_merged_size(node, prop, e, int(expr(ins[d])), tp) else INVALID
     else:
         add_constraint(prop, int(expr(outs[e])), "heads", module_path(node), detail)
         local = int(expr(outs[e])) // tp
@@ -109,6 +114,8 @@ def _only_cut_on(node, e) -> bool:
     def cuts(u):
         if u.op != "call_function" or u.args[0] is not node:
             return False
+        if u.target is aten.slice.Tensor and _full_slice(u):  # x[:, :, ...]: no-op slices
+            return _only_cut_on(u, e)
         if u.target is aten.slice.Tensor:
             return dim_arg(u, 1) == e
         if u.target is aten.index.Tensor:
@@ -252,16 +259,25 @@ def _repeat_replicated_kv(node, prop, tp, e, mark):
     return e
 
 
+def _full_slice(node) -> bool:
+    start = node.args[2] if len(node.args) > 2 else 0
+    end = node.args[3] if len(node.args) > 3 else None
+    step = node.args[4] if len(node.args) > 4 else 1
+    return start in (0, None) and step == 1 and \
+        (end is None or (isinstance(end, int) and end >= 2 ** 62))
+
+
 def slice_rule(node, prop, tp):
     d = placement(prop, node.args[0])
     dim = dim_arg(node, 1)
+    if _full_slice(node):
+        if node.args[0].name in prop.head_raw:  # x[:, :, cut]: the heads view's cuts follow
+            prop.head_raw[node.name] = prop.head_raw[node.args[0].name]
+        return d
     if dim != d:
         return d
     start = node.args[2] if len(node.args) > 2 else 0
     end = node.args[3] if len(node.args) > 3 else None
-    full = start in (0, None) and (end is None or (isinstance(end, int) and end >= 2 ** 62))
-    if full:
-        return d
     return _slice_part(node, prop, tp, d, start, end)
 
 

@@ -43,7 +43,7 @@ def merge_view(node, prop, tp, d):
     heads = int(expr(ins[d]))
     add_constraint(prop, heads, "heads", module_path(node),
                    f"dim {e} of the {_op(node)} (batch and heads merged)")
-    if not _local_merged_size(node, prop, e, heads, tp):
+    if not local_merged_size(node, prop, e, heads, tp):
         return INVALID
     prop.strided[node.name] = heads
     return e
@@ -60,7 +60,7 @@ def strided_view(node, prop, tp, d):
     if e is None:
         return INVALID
     if same(prod(outs[:e]), prod(ins[:d])):  # the merged dim kept as it is
-        if not _local_merged_size(node, prop, e, heads, tp):
+        if not local_merged_size(node, prop, e, heads, tp):
             return INVALID
         prop.strided[node.name] = heads
         return e
@@ -74,7 +74,9 @@ def strided_view(node, prop, tp, d):
     return e
 
 
-def _local_merged_size(node, prop, e, heads, tp) -> bool:
+def local_merged_size(node, prop, e, heads, tp) -> bool:
+    """Rewrite the size at dim ``e`` of a view merging ``heads`` (sharded) with other dims
+    to its local value; False when it is neither an int nor ``sym_size * heads``."""
     sizes = sizes_arg(node)
     size = sizes[e] if e < len(sizes) else None
     if isinstance(size, int):
