@@ -45,7 +45,7 @@ from .graph_facts import as_linear, aten, module_path, same, shape
 from .sharding_dtensor import NO_RULE, dtensor_rule
 from .sharding_heads import factory_rule
 from .sharding_layouts import fuse_slices, view_rule
-from .sharding_rules import KEEP_HEADS, KEEP_RAW, RULES, pointwise_rule
+from .sharding_rules import DTENSOR_FIRST, KEEP_HEADS, KEEP_RAW, RULES, pointwise_rule
 from .sharding_strided import carry_strided, check_sizes, narrowed, request_narrow
 from .sharding_state import (INVALID, Propagation, add_constraint, inputs_of, mark_not_replicable,
                              placement, record_use)
@@ -155,7 +155,10 @@ def _rule(node: fx.Node, prop: Propagation, column, row, weight_dims, tp):
     if fn is None:
         tags = getattr(node.target, "tags", ())
         fn = pointwise_rule if torch.Tag.pointwise in tags else dtensor_rule
-    out = fn(node, prop, tp)
+    source = dtensor_rule if fn in DTENSOR_FIRST and not _copied_heads_in(node, prop) else fn
+    out = source(node, prop, tp)
+    if out is NO_RULE and source is not fn:  # DTensor has no strategy: our rule
+        source, out = fn, fn(node, prop, tp)
     if out is NO_RULE or out == INVALID:
         request_narrow(node, prop, groups)
     elif fn is not view_rule and not carry_strided(node, prop, out):
@@ -169,9 +172,15 @@ def _rule(node: fx.Node, prop: Propagation, column, row, weight_dims, tp):
         _consume_markers(node, prop, None, INVALID)
         return _conflict(prop, node, groups, f"{node.target} cannot take a sharded input here"
                          + (" (DTensor's strategy would redistribute it)"
-                            if fn is dtensor_rule else ""))
+                            if source is dtensor_rule else ""))
     _consume_markers(node, prop, fn, out)
     return out, groups
+
+
+def _copied_heads_in(node, prop) -> bool:
+    """An input holds copied kv heads: a "Shard" whose every rank holds the whole dim (or one
+    of K heads), which DTensor's placements do not express; our rule answers."""
+    return any(prop.heads[a.name].replicated for a in inputs_of(node) if a.name in prop.heads)
 
 
 def _sharded_inputs(node, prop):

@@ -195,6 +195,13 @@ RULES = {
     operator.getitem: _getitem,
 }
 
+# Rules that are nothing but a placement map: DTensor's strategy answers these ops first
+# (sharding.py), the rule only where DTensor has none (``where.ScalarOther``,
+# ``lift_fresh_copy``, ...). The others decide layouts, rewrite constants or request
+# per-head tensors, which DTensor does not express.
+DTENSOR_FIRST = frozenset({_same, pointwise_rule, _masked_fill, _transpose, _permute, _unsqueeze,
+                           _squeeze, _select, _cat, _matmul, _softmax, _reduce})
+
 # rules through which a raw value stays raw, and replicated kv heads stay replicated
 KEEP_RAW = frozenset({_same, pointwise_rule, _masked_fill, view_rule, _transpose, _permute,
                       _unsqueeze, _squeeze, slice_rule, _select})
