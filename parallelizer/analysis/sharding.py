@@ -29,9 +29,11 @@ again with the layouts found until they are stable, so the rewritten constants (
 views) follow the layouts.
 
 This module is the driver (``propagate``) and the linear rule; the per-op rules are in
-:mod:`.sharding_rules`, those deciding layouts in :mod:`.sharding_layouts`, the recorded
-state in :mod:`.sharding_state`. Rules follow DTensor's op strategies
-(torch/distributed/tensor/_ops) restricted to one mesh dim.
+:mod:`.sharding_rules`, those deciding layouts in :mod:`.sharding_layouts`, (batch, heads)
+merges in :mod:`.sharding_strided`, the recorded state in :mod:`.sharding_state`. DTensor's
+op strategies (torch/distributed/tensor/_ops, :mod:`.sharding_dtensor`) answer first for the
+ops whose rule is only a placement map and for the ops the table lacks; the table keeps
+what DTensor does not express (layouts, shape constants, copied kv heads, per-head tensors).
 """
 from __future__ import annotations
 

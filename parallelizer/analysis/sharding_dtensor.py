@@ -1,5 +1,6 @@
 """Sharding rules from torch's DTensor op strategies (torch.distributed.tensor._ops), asked
-at compile time for ops our table (:mod:`.sharding_rules`) has no rule for.
+at compile time first for every op whose table rule is only a placement map
+(``DTENSOR_FIRST`` in :mod:`.sharding_rules`) and for every op the table has no rule for.
 
 DTensor's ``ShardingPropagator`` holds a strategy for nearly every ATen op, maintained with
 torch. We ask it the question our propagation asks: given these input placements on a 1-D
