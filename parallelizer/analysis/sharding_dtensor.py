@@ -26,6 +26,7 @@ from .sharding_state import INVALID, placement
 
 NO_RULE = object()
 _DIM_ARGS = {"dim", "dims", "dim0", "dim1", "start_dim", "end_dim"}
+_OUTPUT_DIM_OPS = {torch.ops.aten.unsqueeze.default, torch.ops.aten.stack.default}
 
 
 @functools.lru_cache(maxsize=None)
@@ -108,7 +109,9 @@ def dtensor_rule(node: fx.Node, prop, tp: int):
         args = [_arg(a, prop, mesh) for a in node.args]
         kwargs = {k: _arg(v, prop, mesh) for k, v in node.kwargs.items()}
         first = next((a for a in node.all_input_nodes if is_tensor(a)), None)
-        _normalise_dims(op, args, kwargs, first.meta["val"].dim() if first is not None else 0)
+        rank = first.meta["val"].dim() if first is not None else 0
+        # unsqueeze's and stack's dim counts the output's dims: -1 is the new last one
+        _normalise_dims(op, args, kwargs, rank + (op in _OUTPUT_DIM_OPS))
     except Exception:  # noqa: BLE001 - an argument that cannot be made concrete
         return NO_RULE
     key = (op, tp, _key(args), _key(kwargs))
