@@ -137,7 +137,8 @@ def check_sizes(graph, prop) -> list:
 def request_narrow(node, prop, groups) -> None:
     """``node`` could not take a merged operand with a replicated one of the full merged
     size: ask the next run to cut the per-head value the replicated one was tiled from."""
-    merged = [a for a in inputs_of(node) if a.name in prop.strided and placement(prop, a) is not None]
+    merged = [a for a in inputs_of(node)
+              if a.name in prop.strided and placement(prop, a) is not None]
     if not merged:
         return
     a = merged[0]

@@ -215,8 +215,8 @@ def load_tensor(ckpt_dir, fqn: str, index: Optional[tuple[slice, ...]] = None,
     (file name -> open ``safe_open``) lets a caller reuse open files across calls; without
     it, files are opened for this call and closed (their mappings released) on return.
 
-    With ``check_replicas`` and a ``replicated_heads`` layout (or part), every other copy of each head
-    in the region is read too and compared byte for byte.
+    With ``check_replicas`` and a ``replicated_heads`` layout (or fused part), every other copy
+    of each head in the region is read too and compared byte for byte.
 
     Returns:
         tensor of the region's shape and the manifest's dtype.
