@@ -1,0 +1,60 @@
+"""vocab_parallel pass: apply a TPDecision's vocabulary sharding to the graph (Megatron-LM §3).
+
+- ``aten.embedding(W, ids, padding_idx)`` of a vocabulary table becomes
+  ``vocab.vocab_parallel_embedding(W, ids, padding_idx)`` (local lookup, all-reduce over tp).
+- an LM head ``aten.linear(x, W)`` becomes ``linear(copy_to_tp_region(x), W)`` (Megatron ``f``:
+  the gradient of x is summed over tp) with logits ``Shard(-1)``; the model outputs listed in
+  ``vocab_outputs`` keep them sharded (run time hands them to loss_fn under loss_parallel),
+  every other use reads ``vocab.gather_from_tp_region(logits, vocabulary)``.
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from ..decisions import TPDecision
+from ..runtime.tp import copy_to_tp_region
+from ..runtime.vocab import gather_from_tp_region, vocab_parallel_embedding
+from ..analysis.graph_facts import aten
+
+
+def apply_vocab_parallel(gm: fx.GraphModule, decision: TPDecision) -> bool:
+    """Rewrite ``gm`` in place; returns whether anything changed."""
+    if not decision.vocab:
+        return False
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is aten.embedding.default and node.args[0].target in decision.vocab:
+            pad = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
+            node.target, node.args, node.kwargs = vocab_parallel_embedding, (*node.args[:2], pad), {}
+        elif node.target is aten.linear.default and node.args[1].target in decision.vocab_heads:
+            _shard_head(graph, node, decision)
+    graph.lint()
+    gm.recompile()
+    return True
+
+
+def _shard_head(graph: fx.Graph, head: fx.Node, decision: TPDecision) -> None:
+    vocab = decision.vocab[head.args[1].target]
+    x = head.args[0]
+    with graph.inserting_before(head):
+        f = graph.call_function(copy_to_tp_region, (x,))
+        f.meta = dict(x.meta)
+    head.replace_input_with(x, f)
+    users = [u for u in head.users if u.op != "output"]
+    out = graph.output_node()
+    flat = out.args[0] if isinstance(out.args[0], (tuple, list)) else None
+    if flat is None or any(a is head for i, a in enumerate(flat) if i not in decision.vocab_outputs):
+        users.append(out)  # an output not handed over sharded reads the gathered logits
+    if not users:
+        return
+    with graph.inserting_after(head):
+        whole = graph.call_function(gather_from_tp_region, (head, vocab))
+        whole.meta = dict(head.meta)
+    for u in users:
+        if u.op == "output" and flat is not None:
+            u.args = (type(flat)(whole if a is head and i not in decision.vocab_outputs else a
+                                 for i, a in enumerate(flat)),)
+        else:
+            u.replace_input_with(head, whole)
