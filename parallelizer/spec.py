@@ -34,12 +34,12 @@ import importlib.util
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional, Sequence, Union
+from typing import Annotated, Any, Literal, Optional, Sequence
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from parallelizer.errors import SpecError
 from parallelizer.pipeline_schedules import check as check_schedule
@@ -128,7 +128,7 @@ class TensorParallel(BaseModel):
     allow_replicated: bool = Field(
         False, description="true or false (at mesh.tp > 1, run even when no weight matrix "
                            "could be sharded, instead of failing the compile)")
-    vocab_parallel: Union[Literal["auto"], StrictBool] = Field(
+    vocab_parallel: Literal["auto", True, False] = Field(
         "auto", description="'auto', true or false (shard the vocabulary embedding and LM head "
                             "over tp, Megatron-LM §3: 'auto' whenever tp > 1 and the graph "
                             "allows, report.md says why not; true: an error naming the blocker "

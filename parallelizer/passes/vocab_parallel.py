@@ -5,7 +5,9 @@
 - an LM head ``aten.linear(x, W)`` becomes ``linear(copy_to_tp_region(x), W)`` (Megatron ``f``:
   the gradient of x is summed over tp) with logits ``Shard(-1)``; the model outputs listed in
   ``vocab_outputs`` keep them sharded (run time hands them to loss_fn under loss_parallel),
-  every other use reads ``vocab.gather_from_tp_region(logits, vocabulary)``.
+  every other use reads ``vocab.gather_from_tp_region(logits, vocabulary)``; ops that keep
+  the logits column for column (``analysis.graph_facts.logits_region``: casts, a scalar
+  scale or softcap) run on the shard first.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import torch.fx as fx
 from ..decisions import TPDecision
 from ..runtime.tp import copy_to_tp_region
 from ..runtime.vocab import gather_from_tp_region, vocab_parallel_embedding
-from ..analysis.graph_facts import aten
+from ..analysis.graph_facts import aten, logits_region
 
 
 def apply_vocab_parallel(gm: fx.GraphModule, decision: TPDecision) -> bool:
@@ -42,19 +44,22 @@ def _shard_head(graph: fx.Graph, head: fx.Node, decision: TPDecision) -> None:
         f = graph.call_function(copy_to_tp_region, (x,))
         f.meta = dict(x.meta)
     head.replace_input_with(x, f)
-    users = [u for u in head.users if u.op != "output"]
     out = graph.output_node()
     flat = out.args[0] if isinstance(out.args[0], (tuple, list)) else None
-    if flat is None or any(a is head for i, a in enumerate(flat) if i not in decision.vocab_outputs):
-        users.append(out)  # an output not handed over sharded reads the gathered logits
-    if not users:
-        return
-    with graph.inserting_after(head):
-        whole = graph.call_function(gather_from_tp_region, (head, vocab))
-        whole.meta = dict(head.meta)
-    for u in users:
-        if u.op == "output" and flat is not None:
-            u.args = (type(flat)(whole if a is head and i not in decision.vocab_outputs else a
-                                 for i, a in enumerate(flat)),)
-        else:
-            u.replace_input_with(head, whole)
+    region = logits_region(head)
+    for node in region:  # sharded logits: every use outside the region reads them gathered
+        users = [u for u in node.users if u not in region and u.op != "output"]
+        kept = {i for i in decision.vocab_outputs} if flat is not None else set()
+        to_output = [i for i, a in enumerate(flat or [out.args[0]]) if a is node and i not in kept]
+        if not users and not to_output:
+            continue
+        with graph.inserting_after(node):
+            whole = graph.call_function(gather_from_tp_region, (node, vocab))
+            whole.meta = dict(node.meta)
+        for u in users:
+            u.replace_input_with(node, whole)
+        if to_output and flat is None:
+            out.args = (whole,)
+        elif to_output:
+            out.args = (type(flat)(whole if i in to_output else a for i, a in enumerate(flat)),)
+            flat = out.args[0]

@@ -5,10 +5,11 @@ dimension (column-wise)", the output embedding likewise, tied weights sharded th
 
 Reads the graph, never changes it (passes/vocab_parallel.py applies the decision):
 
-- the vocabulary tables are the ``aten.embedding`` weights with the most rows (position and
-  token-type tables are smaller and stay replicated); each is ``Shard(0)``, padded to a
-  multiple of tp (layout ``padded``) when tp does not divide it;
-- a head is an ``nn.Linear`` (``aten.linear``, no bias) whose weight is a vocabulary table
+- the vocabulary tables are the ``aten.embedding`` weights an LM head reads (tied) or has the
+  shape of, else (no head: an encoder) those with the most rows; position and token-type
+  tables stay replicated. Each is ``Shard(0)``, padded to a multiple of tp (layout
+  ``padded``) when tp does not divide it;
+- a head is an ``nn.Linear`` (``aten.linear``; a bias is sharded with it) whose weight is a vocabulary table
   (tied) or has its shape (untied): it becomes column_parallel over the vocabulary, its logits
   ``Shard(-1)``. Logits the model returns are handed to ``loss_fn`` sharded (flat output
   index in ``vocab_outputs``); any other use reads them gathered over tp.
@@ -23,7 +24,7 @@ import torch.fx as fx
 
 from ..decisions import TPDecision
 from ..errors import PlanError
-from ..analysis.graph_facts import aten, as_linear, shape, source_line, weight_fqn
+from ..analysis.graph_facts import aten, logits_region, shape, source_line, weight_fqn
 
 KEY = "tensor_parallel.vocab_parallel"
 
@@ -51,13 +52,21 @@ def plan_vocab(graph: fx.Graph, tp: int, mode, canonical: dict, decision: TPDeci
                and n.target is aten.embedding.default and _table(n)]
     if not lookups:
         return _off(decision, mode, "the graph has no aten.embedding of a 2-D parameter")
-    rows = {canon(n.args[0].target): shape(n.args[0]) for n in lookups}
-    vocab = max(r for r, _ in rows.values())
-    tables = sorted(f for f, (r, _) in rows.items() if r == vocab)
-    for f, (r, _) in sorted(rows.items()):
-        if r < vocab:
-            decision.report.append(f"replicated embedding: {f} ({r} rows; the vocabulary "
-                                   f"tables have {vocab})")
+    rows = {canon(n.args[0].target): tuple(shape(n.args[0])) for n in lookups}
+    untied = [n for n in graph.nodes if n.op == "call_function" and n.target is aten.linear.default
+              and weight_fqn(n.args[1]) and canon(n.args[1].target) not in rows
+              and n.args[1].target not in decision.dims]
+    # the vocabulary: the tables an LM head reads (tied) or has the shape of; else the largest
+    headed = {f for f in rows if any(u.target is aten.linear.default for a in reads[f]
+                                     for u in a.users)}
+    headed |= {f for f in rows for n in untied if tuple(shape(n.args[1])) == rows[f]}
+    pool = headed or set(rows)
+    vocab = max(rows[f][0] for f in pool)
+    tables = sorted(f for f in pool if rows[f][0] == vocab)
+    for f in sorted(set(rows) - set(tables)):
+        decision.report.append(f"replicated embedding: {f} ({rows[f][0]} rows; not the "
+                               f"vocabulary table{'s' if len(tables) > 1 else ''} "
+                               f"{', '.join(tables)})")
     heads, blockers = [], []
     for f in tables:
         for user in (u for a in reads[f] for u in a.users):
@@ -68,15 +77,11 @@ def plan_vocab(graph: fx.Graph, tp: int, mode, canonical: dict, decision: TPDeci
                 heads.append(user)
     if blockers:
         return _off(decision, mode, blockers[0])
-    table_shapes = {tuple(rows[f]) for f in tables}
-    for n in graph.nodes:
-        site = as_linear(n)
-        if site is None or canon(site.weight) in tables or site.weight in decision.dims:
-            continue
-        if tuple(shape(site.w)) in table_shapes and site.out_dim == 0:
-            why = _untied_blocker(n, reads[canon(site.weight)])
+    for n in untied:
+        if tuple(shape(n.args[1])) in {rows[f] for f in tables}:
+            why = _untied_blocker(n, reads[canon(n.args[1].target)])
             if why:
-                decision.report.append(f"replicated LM head: {site.weight} ({why})")
+                decision.report.append(f"replicated LM head: {n.args[1].target} ({why})")
             else:
                 heads.append(n)
     _decide(graph, decision, tp, vocab, tables, heads, canonical)
@@ -101,15 +106,21 @@ def _blocker(user: fx.Node, attr: fx.Node) -> str:
                     "and sparse rows are per rank)")
         return ""
     if user.op == "call_function" and user.target is aten.linear.default \
-            and len(user.args) == 2 and user.args[1] is attr and user.args[0] is not attr:
+            and user.args[1] is attr and user.args[0] is not attr and _bias_ok(user):
         return ""
     return (f"vocab_parallel needs the table read only by aten.embedding and as the weight of "
-            f"an nn.Linear head without bias (here: {user.target})")
+            f"an nn.Linear head (here: {user.target})")
+
+
+def _bias_ok(n: fx.Node) -> bool:
+    """No bias, or a 1-D parameter (sharded with the head's rows)."""
+    b = n.args[2] if len(n.args) > 2 else None
+    return b is None or (bool(weight_fqn(b)) and len(shape(b)) == 1 and len(b.users) == 1)
 
 
 def _untied_blocker(n: fx.Node, attrs: list) -> str:
-    if len(n.args) > 2 and n.args[2] is not None:
-        return "a head with a bias is not sharded over the vocabulary"
+    if not _bias_ok(n):
+        return "its bias is not a parameter read by the head alone"
     others = [u for a in attrs for u in a.users if u is not n]
     return f"its weight is also read by {others[0].target}" if others else ""
 
@@ -119,6 +130,7 @@ def _decide(graph, decision: TPDecision, tp: int, vocab: int, tables: list, head
     padded = -(-vocab // tp) * tp
     layout = {"kind": "padded", "padded_size": padded} if padded != vocab else None
     names = set(tables) | {n.args[1].target for n in heads}
+    names |= {n.args[2].target for n in heads if len(n.args) > 2 and n.args[2] is not None}
     names |= {a for a, c in canonical.items() if c in names}
     for f in names:
         decision.dims[f] = 0
@@ -131,8 +143,9 @@ def _decide(graph, decision: TPDecision, tp: int, vocab: int, tables: list, head
         r.startswith(f"replicated linear: {w} ") for w in decision.vocab_heads)]
     out = graph.output_node()
     flat = list(out.args[0]) if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
+    region = {n for h in heads for n in logits_region(h)}
     for i, a in enumerate(flat):
-        if a in heads:
+        if a in region:
             decision.vocab_outputs[i] = vocab
     pad = (f", padded to {padded} rows (zero, never in the loss or the logits returned)"
            if layout else "")
@@ -149,7 +162,7 @@ def _decide(graph, decision: TPDecision, tp: int, vocab: int, tables: list, head
             f"vocab_parallel logits: model output {i} is handed to loss_fn as a DTensor "
             f"Shard(-1) under torch loss_parallel (cross-entropy without gathering the logits); "
             f"gathered over tp where returned whole (--verify) or where loss_fn fails on a DTensor")
-    others = [u for n in heads for u in n.users if u.op != "output"]
+    others = [u for n in region for u in n.users if u.op != "output" and u not in region]
     if others:
         decision.report.append(
             f"vocab_parallel logits gathered over tp in the graph for "

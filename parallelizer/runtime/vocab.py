@@ -54,43 +54,58 @@ def vocab_parallel_embedding(weight: torch.Tensor, ids: torch.Tensor,
     size, rank = _tp()
     if size == 1:
         return torch.ops.aten.embedding.default(weight, ids, padding_idx)
+    return reduce_embedding(local_lookup(weight, ids, padding_idx, rank))
+
+
+def local_lookup(weight: torch.Tensor, ids: torch.Tensor, padding_idx: int,
+                 tp_rank: int) -> torch.Tensor:
+    """Tp rank ``tp_rank``'s partial embedding ``ids.shape + (H,)``: its rows of ``weight``
+    (``(n, H)``, global rows ``[tp_rank * n, (tp_rank + 1) * n)``) for the ids in that range,
+    zero rows (and zero gradient) for the others."""
     n = weight.shape[0]
-    lo = rank * n
+    lo = tp_rank * n
     outside = (ids < lo) | (ids >= lo + n)
     local = (ids - lo).masked_fill(outside, 0)
     pad = padding_idx - lo if lo <= padding_idx < lo + n else -1
     rows = torch.ops.aten.embedding.default(weight, local, pad)
     # the masked positions read row 0: zero their output (and so their gradient)
-    rows = rows.masked_fill(outside.unsqueeze(-1), 0.0)
-    return reduce_embedding(rows)
+    return rows.masked_fill(outside.unsqueeze(-1), 0.0)
 
 
-class _GatherLastDim(torch.autograd.Function):
+def _all_gather(x: torch.Tensor) -> list:
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(tp_group()))]
+    dist.all_gather(parts, x, group=tp_group())
+    return parts
+
+
+class GatherLastDim(torch.autograd.Function):
+    """``apply(x, vocab, tp_rank, all_gather)``: the tp ranks' ``(..., n)`` pieces of ``x``
+    (``all_gather(x) -> [piece of rank 0, ...]``) concatenated along the last dim, cut to
+    ``vocab``; backward: rank ``tp_rank``'s columns of the gradient, zero on padding."""
+
     @staticmethod
-    def forward(ctx, x, vocab):
-        size, rank = _tp()
-        ctx.rank, ctx.width = rank, x.shape[-1]
-        parts = [torch.empty_like(x) for _ in range(size)]
-        dist.all_gather(parts, x.contiguous(), group=tp_group())
-        return torch.cat(parts, dim=-1).narrow(-1, 0, vocab).contiguous()
+    def forward(ctx, x, vocab, tp_rank, all_gather):
+        ctx.rank, ctx.width = tp_rank, x.shape[-1]
+        return torch.cat(all_gather(x.contiguous()), dim=-1).narrow(-1, 0, vocab).contiguous()
 
     @staticmethod
     def backward(ctx, grad):
         lo = ctx.rank * ctx.width
-        mine = grad.narrow(-1, lo, max(0, min(ctx.width, grad.shape[-1] - lo)))
+        mine = grad.narrow(-1, min(lo, grad.shape[-1]), max(0, min(ctx.width, grad.shape[-1] - lo)))
         if mine.shape[-1] < ctx.width:  # padding columns: no gradient
             pad = grad.new_zeros(*grad.shape[:-1], ctx.width - mine.shape[-1])
             mine = torch.cat([mine, pad], dim=-1)
-        return mine.contiguous(), None
+        return mine.contiguous(), None, None, None
 
 
 def gather_from_tp_region(x: torch.Tensor, vocab: int) -> torch.Tensor:
     """Logits ``(..., n)`` sharded over tp (this rank's vocabulary columns) -> ``(..., vocab)``
     whole on every rank, padding columns dropped. Backward: this rank's columns of the
     gradient (Megatron ``gather_from_tensor_model_parallel_region``)."""
-    if _tp()[0] == 1:
+    size, rank = _tp()
+    if size == 1:
         return x
-    return _GatherLastDim.apply(x, vocab)
+    return GatherLastDim.apply(x, vocab, rank, _all_gather)
 
 
 def sharded_logits(x: torch.Tensor, vocab: int, mesh):

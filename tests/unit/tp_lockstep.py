@@ -6,7 +6,8 @@ layouts). Megatron's ``f`` and ``g`` (Shoeybi et al. 2019, §3) keep their autog
 backward; the sum is taken over a barrier, in rank order, so every rank gets the same bits.
 The only thing replaced is the transport (``dist.all_reduce`` -> a sum between threads).
 Replicated kv heads then sum their gradients over the ranks holding one head, as
-``runtime/step.py`` does.
+``runtime/step.py`` does. The vocab_parallel operators run the runtime's own local lookup
+and gather (runtime/vocab.py) with the transport swapped likewise.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ import torch.fx as fx
 from parallelizer.checkpoint.layout import local_piece
 from parallelizer.plan import TensorPlan
 from parallelizer.runtime.tp import copy_to_tp_region, reduce_from_tp_region
+from parallelizer.runtime.vocab import (GatherLastDim, gather_from_tp_region, local_lookup,
+                                        vocab_parallel_embedding)
 
 
 class _AllReduce:
@@ -34,6 +37,14 @@ class _AllReduce:
             total += s
         self.barrier.wait()
         return total
+
+    def gather(self, rank: int, t: torch.Tensor) -> list:
+        """Every rank's ``t``, in rank order (the all-gather of ``gather_from_tp_region``)."""
+        self.slots[rank] = t.detach()
+        self.barrier.wait()
+        parts = [s.clone() for s in self.slots]
+        self.barrier.wait()
+        return parts
 
 
 class _F(torch.autograd.Function):
@@ -71,6 +82,11 @@ class _Rank(fx.Interpreter):
             return _F.apply(args[0], self.comm, self.rank)
         if target is reduce_from_tp_region:
             return _G.apply(args[0], self.comm, self.rank)
+        if target is vocab_parallel_embedding:  # the runtime's lookup, then g over threads
+            return _G.apply(local_lookup(*args, self.rank), self.comm, self.rank)
+        if target is gather_from_tp_region:
+            return GatherLastDim.apply(args[0], args[1], self.rank,
+                                       lambda t: self.comm.gather(self.rank, t))
         return super().call_function(target, args, kwargs)
 
 
