@@ -35,6 +35,9 @@ class TPDecision:
     vocab: dict = field(default_factory=dict)
     vocab_heads: set = field(default_factory=set)
     vocab_outputs: dict = field(default_factory=dict)
+    # node name of an aten.cross_entropy_loss over the head's logits -> vocabulary: computed
+    # vocab-parallel (runtime/vocab.py), the logits never gathered for it
+    vocab_losses: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,8 @@
   every other use reads ``vocab.gather_from_tp_region(logits, vocabulary)``; ops that keep
   the logits column for column (``analysis.graph_facts.logits_region``: casts, a scalar
   scale or softcap) run on the shard first.
+- an ``aten.cross_entropy_loss`` over those logits (``vocab_losses``: Hugging Face's in-graph
+  loss) becomes ``vocab.vocab_parallel_cross_entropy`` on the shards.
 """
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ import torch.fx as fx
 
 from ..decisions import TPDecision
 from ..runtime.tp import copy_to_tp_region
-from ..runtime.vocab import gather_from_tp_region, vocab_parallel_embedding
+from ..runtime.vocab import (gather_from_tp_region, vocab_parallel_cross_entropy,
+                             vocab_parallel_embedding)
 from ..analysis.graph_facts import aten, logits_region
 
 
@@ -24,6 +27,7 @@ def apply_vocab_parallel(gm: fx.GraphModule, decision: TPDecision) -> bool:
     if not decision.vocab:
         return False
     graph = gm.graph
+    _rewrite_cross_entropies(graph, decision.vocab_losses)
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
@@ -48,7 +52,8 @@ def _shard_head(graph: fx.Graph, head: fx.Node, decision: TPDecision) -> None:
     flat = out.args[0] if isinstance(out.args[0], (tuple, list)) else None
     region = logits_region(head)
     for node in region:  # sharded logits: every use outside the region reads them gathered
-        users = [u for u in node.users if u not in region and u.op != "output"]
+        users = [u for u in node.users if u not in region and u.op != "output"
+                 and u.target is not vocab_parallel_cross_entropy]  # reads the shards
         kept = {i for i in decision.vocab_outputs} if flat is not None else set()
         to_output = [i for i, a in enumerate(flat or [out.args[0]]) if a is node and i not in kept]
         if not users and not to_output:
@@ -63,3 +68,17 @@ def _shard_head(graph: fx.Graph, head: fx.Node, decision: TPDecision) -> None:
         elif to_output:
             out.args = (type(flat)(whole if i in to_output else a for i, a in enumerate(flat)),)
             flat = out.args[0]
+
+
+def _rewrite_cross_entropies(graph: fx.Graph, losses: dict) -> None:
+    """``cross_entropy_loss(view(logits, [-1, V]), t, None, reduction, ignore_index)`` ->
+    ``vocab_parallel_cross_entropy(logits, t, V, reduction, ignore_index)`` on the shards."""
+    for node in [n for n in graph.nodes if n.name in losses]:
+        args = list(node.args) + [None, 1, -100, 0.0][len(node.args) - 2:]
+        logits, view = args[0], None
+        if logits.target in (aten.view.default, aten.reshape.default):
+            view, logits = logits, logits.args[0]
+        node.target = vocab_parallel_cross_entropy
+        node.args, node.kwargs = (logits, args[1], losses[node.name], args[3], args[4]), {}
+        if view is not None and not view.users:
+            graph.erase_node(view)

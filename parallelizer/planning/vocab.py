@@ -162,12 +162,51 @@ def _decide(graph, decision: TPDecision, tp: int, vocab: int, tables: list, head
             f"vocab_parallel logits: model output {i} is handed to loss_fn as a DTensor "
             f"Shard(-1) under torch loss_parallel (cross-entropy without gathering the logits); "
             f"gathered over tp where returned whole (--verify) or where loss_fn fails on a DTensor")
-    others = [u for n in region for u in n.users if u.op != "output" and u not in region]
+    for ce, view in _cross_entropies(region, vocab):
+        decision.vocab_losses[ce.name] = vocab
+        decision.report.append(
+            f"vocab_parallel cross-entropy: {_op_text(ce)} computed on the logits' tp shards "
+            f"(max, target logit and sum of exponentials all-reduced; Megatron-LM "
+            f"vocab_parallel_cross_entropy), the logits never gathered for it")
+    done = {u for ce, view in _cross_entropies(region, vocab) for u in (ce, view)}
+    others = [u for n in region for u in n.users
+              if u.op != "output" and u not in region and u not in done
+              and u.target is not aten._assert_tensor_metadata.default]  # cleanup drops these
     if others:
         decision.report.append(
             f"vocab_parallel logits gathered over tp in the graph for "
             f"{', '.join(sorted({str(u.target) for u in others}))} (the in-graph loss or other "
             f"uses read them whole)")
+
+
+def _cross_entropies(region, vocab: int) -> list:
+    """(cross_entropy_loss node, the view it reads or None) for each unweighted, unsmoothed
+    cross-entropy over ``logits.view(-1, vocab)`` (or 2-D logits) of a region node."""
+    found = []
+    for n in region:
+        for u in n.users:
+            view = None
+            if u.target in (aten.view.default, aten.reshape.default) and u.args[0] is n \
+                    and _two_d(u, vocab) and all(_plain_ce(c, u) for c in u.users):
+                view, ces = u, list(u.users)
+            elif _plain_ce(u, n) and _two_d(n, vocab):
+                ces = [u]
+            else:
+                continue
+            found += [(c, view) for c in ces]
+    return found
+
+
+def _two_d(n: fx.Node, vocab: int) -> bool:
+    v = n.meta.get("val")
+    return v is not None and v.dim() == 2 and v.shape[-1] == vocab
+
+
+def _plain_ce(c: fx.Node, logits: fx.Node) -> bool:
+    if c.op != "call_function" or c.target is not aten.cross_entropy_loss.default or c.kwargs:
+        return False
+    args = list(c.args) + [None, 1, -100, 0.0][len(c.args) - 2:]
+    return args[0] is logits and args[1] is not logits and args[2] is None and args[5] == 0.0
 
 
 def _off(decision: TPDecision, mode, why: str) -> None:

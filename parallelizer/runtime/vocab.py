@@ -170,3 +170,72 @@ class VocabOutputs:
         Collective over tp."""
         return [gather_from_tp_region(t, self.vocab[i]) if i in self.vocab else t
                 for i, t in enumerate(flat)]
+
+
+def _reduce(t: torch.Tensor, op: str) -> torch.Tensor:
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM,
+                    group=tp_group())
+    return t
+
+
+_REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}  # at::Reduction
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """``apply(logits, target, vocab, ignore_index, reduction, tp_rank, all_reduce)``:
+    cross-entropy of logits sharded along the vocabulary (Megatron-LM's
+    ``vocab_parallel_cross_entropy``): ``all_reduce(t, "max" | "sum")`` of the row max, of
+    the target logit and of the sum of exponentials, never the logits. ``logits``: ``(N, n)``
+    this rank's columns ``[tp_rank * n, ...)`` (columns past ``vocab`` are padding and left
+    out of the softmax); ``target``: ``(N,)``."""
+
+    @staticmethod
+    def forward(ctx, logits, target, vocab, ignore_index, reduction, tp_rank, all_reduce):
+        n = logits.shape[-1]
+        lo = tp_rank * n
+        x = logits.float()
+        if lo + n > vocab:  # padding columns: exp() = 0
+            x = x.clone()
+            x[:, max(0, vocab - lo):] = float("-inf")
+        m = all_reduce(x.max(dim=-1).values.clone(), "max")
+        shifted = x - m.unsqueeze(-1)
+        valid = target != ignore_index
+        mine = valid & (target >= lo) & (target < lo + n)
+        t_local = (target - lo).masked_fill(~mine, 0)
+        picked = shifted.gather(1, t_local.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
+        picked = all_reduce(picked, "sum")
+        exp = shifted.exp()
+        sum_exp = all_reduce(exp.sum(dim=-1), "sum")
+        loss = (sum_exp.log() - picked).masked_fill(~valid, 0.0)
+        ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), t_local, mine, valid)
+        ctx.reduction, ctx.dtype = _REDUCTIONS[reduction], logits.dtype
+        ctx.count = valid.sum()
+        if ctx.reduction == "mean":
+            return (loss.sum() / ctx.count).to(logits.dtype)
+        return (loss.sum() if ctx.reduction == "sum" else loss).to(logits.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, t_local, mine, valid = ctx.saved_tensors
+        g = softmax.clone()
+        rows = torch.arange(g.shape[0], device=g.device)
+        g[rows, t_local] -= mine.to(g.dtype)
+        per_row = grad.float() / ctx.count if ctx.reduction == "mean" else grad.float()
+        g = g * (per_row.unsqueeze(-1) if per_row.dim() else per_row)
+        g = g.masked_fill(~valid.unsqueeze(-1), 0.0)
+        return g.to(ctx.dtype), None, None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab: int,
+                                 reduction: int = 1, ignore_index: int = -100) -> torch.Tensor:
+    """``aten.cross_entropy_loss(logits.reshape(-1, vocab), target)`` for logits sharded over
+    tp along the last dim (``(..., n)``, this rank's vocabulary columns), without gathering
+    them: Megatron-LM's vocab-parallel cross-entropy (Shoeybi et al. 2019, §3), the one
+    torch's ``loss_parallel`` computes on a DTensor. ``reduction``: at::Reduction (0 none,
+    1 mean over non-ignored targets, 2 sum). Returns a 0-dim tensor (mean, sum) or ``(N,)``."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    size, rank = _tp()
+    if size == 1:
+        return torch.ops.aten.cross_entropy_loss.default(flat, target, None, reduction, ignore_index)
+    return VocabParallelCrossEntropy.apply(flat, target, vocab, ignore_index, reduction, rank,
+                                           _reduce)

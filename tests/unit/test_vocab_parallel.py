@@ -130,24 +130,62 @@ def test_sharded_logits_output_is_this_ranks_columns():
     torch.testing.assert_close(torch.cat(pieces, -1)[..., :V], want, **TOL)
 
 
-def test_in_graph_loss_with_labels_matches_at_tp2():
-    """Hugging Face's ForCausalLMLoss in the graph (``labels=``, shift, ignore_index -100):
-    it reads the logits gathered over tp; loss, gradients and SGD step equal the model's."""
+@pytest.mark.parametrize("tp", [2, 4])
+def test_in_graph_loss_with_labels_is_vocab_parallel_and_matches(tp):
+    """Hugging Face's ForCausalLMLoss in the graph (``labels=``: upcast, shift, view(-1, V),
+    ignore_index -100, mean): rewritten into the vocab-parallel cross-entropy, no gather of
+    the logits anywhere in the graph; loss, gradients and SGD step equal the model's."""
     model = tied_llama()
     labels = ids(seed=1)
     labels[0, :3] = -100
     batch = {"input_ids": ids(), "labels": labels}
-    cap, gm, d = planned(model, batch, 2)
+    cap, gm, d = planned(model, batch, tp)
     assert d.vocab_outputs == {1: V}  # (loss, logits): the logits output is handed over sharded
-    assert any("gathered over tp in the graph" in r for r in d.report), d.report
-    d.vocab_outputs.clear()
+    assert len(d.vocab_losses) == 1 and list(d.vocab_losses.values()) == [V]
+    assert not any("gathered over tp in the graph" in r for r in d.report), d.report
     rewrite(gm, d)
+    assert not any(n.target is gather_from_tp_region for n in gm.graph.nodes)
+    assert not any(n.target is torch.ops.aten.cross_entropy_loss.default for n in gm.graph.nodes)
     ref, grads, stepped = reference(model, batch, lambda o: o.loss)
     flat = [batch[n] for n in cap.input_names]
-    ranks = run_ranks(gm, d, 2, flat, lambda outs: outs[0], LR)
+    ranks = run_ranks(gm, d, tp, flat, lambda outs: outs[0], LR)
     for res in ranks:
         torch.testing.assert_close(res.outputs[0], ref.loss, **TOL)
-    assert_ranks_match(ranks, d, 2, grads, stepped)
+    assert_ranks_match(ranks, d, tp, grads, stepped)
+
+
+@pytest.mark.parametrize("reduction", [0, 2])
+def test_vocab_parallel_cross_entropy_none_and_sum(reduction):
+    """The rewritten loss under reduction none and sum (Hugging Face with num_items_in_batch
+    sums, then divides), padded vocabulary, ignored targets: values and logit gradients."""
+    import threading
+    from tp_lockstep import _AllReduce
+    from parallelizer.runtime.vocab import VocabParallelCrossEntropy
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, V, generator=g, requires_grad=True)
+    target = torch.randint(0, V, (6,), generator=g)
+    target[2] = -100
+    ref = F.cross_entropy(logits, target, reduction=["none", "mean", "sum"][reduction])
+    w = torch.randn(ref.shape, generator=g)
+    (ref * w).sum().backward()
+    tp, comm, out = 4, _AllReduce(4), [None] * 4
+    pieces = list(torch.nn.functional.pad(logits.detach(), (0, 64 - V)).chunk(tp, -1))
+
+    def work(r):
+        x = pieces[r].clone().requires_grad_()
+        y = VocabParallelCrossEntropy.apply(x, target, V, -100, reduction, r,
+                                            lambda t, op: comm.reduce(r, t, op))
+        (y * w).sum().backward()
+        out[r] = (y.detach(), x.grad)
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(tp)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    for y, _ in out:
+        torch.testing.assert_close(y, ref.detach(), **TOL)
+    grad = torch.cat([gr for _, gr in out], -1)
+    torch.testing.assert_close(grad[:, :V], logits.grad, **TOL)
+    assert grad[:, V:].abs().sum() == 0
 
 
 def test_summary_counts_the_vocabulary():

@@ -20,8 +20,9 @@ import torch.fx as fx
 from parallelizer.checkpoint.layout import local_piece
 from parallelizer.plan import TensorPlan
 from parallelizer.runtime.tp import copy_to_tp_region, reduce_from_tp_region
-from parallelizer.runtime.vocab import (GatherLastDim, gather_from_tp_region, local_lookup,
-                                        vocab_parallel_embedding)
+from parallelizer.runtime.vocab import (GatherLastDim, VocabParallelCrossEntropy,
+                                        gather_from_tp_region, local_lookup,
+                                        vocab_parallel_cross_entropy, vocab_parallel_embedding)
 
 
 class _AllReduce:
@@ -37,6 +38,12 @@ class _AllReduce:
             total += s
         self.barrier.wait()
         return total
+
+    def reduce(self, rank: int, t: torch.Tensor, op: str) -> torch.Tensor:
+        """``t`` summed (``op`` "sum") or maxed ("max") over the ranks, into ``t``."""
+        parts = self.gather(rank, t)
+        t.copy_(torch.stack(parts).amax(0) if op == "max" else sum(parts[1:], parts[0].clone()))
+        return t
 
     def gather(self, rank: int, t: torch.Tensor) -> list:
         """Every rank's ``t``, in rank order (the all-gather of ``gather_from_tp_region``)."""
@@ -84,6 +91,11 @@ class _Rank(fx.Interpreter):
             return _G.apply(args[0], self.comm, self.rank)
         if target is vocab_parallel_embedding:  # the runtime's lookup, then g over threads
             return _G.apply(local_lookup(*args, self.rank), self.comm, self.rank)
+        if target is vocab_parallel_cross_entropy:
+            logits, t, vocab, reduction, ignore = args
+            return VocabParallelCrossEntropy.apply(
+                logits.reshape(-1, logits.shape[-1]), t, vocab, ignore, reduction, self.rank,
+                lambda x, op: self.comm.reduce(self.rank, x, op))
         if target is gather_from_tp_region:
             return GatherLastDim.apply(args[0], args[1], self.rank,
                                        lambda t: self.comm.gather(self.rank, t))
