@@ -38,7 +38,7 @@ from .planning.pipeline_summary import (check_microbatches, check_placement, sum
                                         virtual_stages_of)
 from .planning.tensors import build_plan, pipeline_structure, tied_groups
 from .planning.tp import plan_tp, tp_summary
-from .planning.vocab import plan_vocab
+from .planning.vocab import plan_vocab, vocab_summary
 from .program import Program
 from .reference import compute_reference
 from .report import render_report
@@ -118,7 +118,7 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
     tp_decision = plan_tp(gm.graph, mesh.tp, spec.tensor_parallel.allow_replicated)  # raises early
     plan_vocab(gm.graph, mesh.tp, spec.tensor_parallel.vocab_parallel,
                {n: g[0] for g in groups for n in g}, tp_decision)
-    tp_notes = [tp_summary(tp_decision, model)] if mesh.tp > 1 else []
+    tp_notes = [tp_summary(tp_decision, model), vocab_summary(tp_decision)] if mesh.tp > 1 else []
     dropout = plan_dropout(gm.graph, tp_decision.placements)
     passes = PassManager(dump_passes)
     passes.run("cleanup", apply_cleanup, gm)

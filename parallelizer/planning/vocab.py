@@ -219,3 +219,18 @@ def _off(decision: TPDecision, mode, why: str) -> None:
 def _op_text(node: fx.Node) -> str:
     where = source_line(node)
     return f"{node.target} at {where}" if where else str(node.target)
+
+
+def vocab_summary(decision: TPDecision) -> str:
+    """The compile's one line on vocab_parallel: what is sharded, or why not."""
+    if not decision.vocab:
+        off = next((r for r in decision.report if r.startswith("vocab_parallel: off")), None)
+        return off or "vocab_parallel: off (no vocabulary table)"
+    tables = sorted(f for f in decision.vocab if f not in decision.vocab_heads
+                    and not f.endswith(".bias") and f in decision.dims)
+    heads = sorted(decision.vocab_heads)
+    loss = ", cross-entropy on the shards" if decision.vocab_losses else ""
+    logits = ", logits to loss_fn as DTensor Shard(-1)" if decision.vocab_outputs else ""
+    return (f"vocab parallel: embedding {', '.join(tables)}"
+            f"{' and LM head ' + ', '.join(heads) if heads else ''} sharded over the vocabulary "
+            f"({next(iter(decision.vocab.values()))} rows){loss}{logits}")

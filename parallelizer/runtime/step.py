@@ -61,7 +61,8 @@ class StepRunner:
         Returns:
             (loss, outputs): the mean loss over the whole global batch (a 0-dim tensor on
             every rank) and, on the rank of the last stage, the flat outputs for ``batch``
-            (else None).
+            (else None); vocab_parallel logits are this tp rank's columns
+            (:meth:`whole_outputs` gathers them).
 
         Raises:
             BatchError: under pp > 1, the batch size is not divisible by the microbatches.
@@ -76,9 +77,6 @@ class StepRunner:
                 loss, outputs = loss.detach(), list(flat_out)
             else:
                 loss, outputs = self._pipeline_step(batch, target)
-        if outputs is not None and self.vocab.vocab:
-            with torch.no_grad():
-                outputs = self.vocab.whole(outputs)
         if self.manual_dp:
             all_reduce_grads(self.stage.parameters(), self.ctx)
         if self.ctx.compression is not None:
@@ -86,6 +84,12 @@ class StepRunner:
         self._sync_tied_grads()
         self._sum_shared_grads()
         return self._global_loss(loss), outputs
+
+    def whole_outputs(self, outputs: list) -> list:
+        """``outputs`` of :meth:`step` with the vocab_parallel logits gathered over tp
+        (padding dropped), detached. Collective over tp on the last stage's ranks."""
+        with torch.no_grad():
+            return self.vocab.whole(outputs)
 
     def _unflatten(self, flat):
         return tree_unflatten(list(flat), self.out_spec)
