@@ -36,7 +36,7 @@ class TPDecision:
     vocab_heads: set = field(default_factory=set)
     vocab_outputs: dict = field(default_factory=dict)
     # node name of an aten.cross_entropy_loss over the head's logits -> vocabulary: computed
-    # vocab-parallel (runtime/vocab.py), the logits never gathered for it
+    # vocab-parallel (runtime/vocab_loss.py), the logits never gathered for it
     vocab_losses: dict = field(default_factory=dict)
 
 

@@ -17,8 +17,8 @@ import torch.fx as fx
 
 from ..decisions import TPDecision
 from ..runtime.tp import copy_to_tp_region
-from ..runtime.vocab import (gather_from_tp_region, vocab_parallel_cross_entropy,
-                             vocab_parallel_embedding)
+from ..runtime.vocab import gather_from_tp_region, vocab_parallel_embedding
+from ..runtime.vocab_loss import vocab_parallel_cross_entropy
 from ..analysis.graph_facts import aten, logits_region
 
 
@@ -33,7 +33,8 @@ def apply_vocab_parallel(gm: fx.GraphModule, decision: TPDecision) -> bool:
             continue
         if node.target is aten.embedding.default and node.args[0].target in decision.vocab:
             pad = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
-            node.target, node.args, node.kwargs = vocab_parallel_embedding, (*node.args[:2], pad), {}
+            node.target, node.kwargs = vocab_parallel_embedding, {}
+            node.args = (*node.args[:2], pad)
         elif node.target is aten.linear.default and node.args[1].target in decision.vocab_heads:
             _shard_head(graph, node, decision)
     graph.lint()

@@ -9,8 +9,8 @@ Reads the graph, never changes it (passes/vocab_parallel.py applies the decision
   shape of, else (no head: an encoder) those with the most rows; position and token-type
   tables stay replicated. Each is ``Shard(0)``, padded to a multiple of tp (layout
   ``padded``) when tp does not divide it;
-- a head is an ``nn.Linear`` (``aten.linear``; a bias is sharded with it) whose weight is a vocabulary table
-  (tied) or has its shape (untied): it becomes column_parallel over the vocabulary, its logits
+- a head is an ``nn.Linear`` (``aten.linear``; a bias is sharded with it) whose weight is a
+  vocabulary table (tied) or has its shape (untied): it becomes column_parallel over the vocabulary, its logits
   ``Shard(-1)``. Logits the model returns are handed to ``loss_fn`` sharded (flat output
   index in ``vocab_outputs``); any other use reads them gathered over tp.
 

@@ -28,7 +28,7 @@ from .data_parallel import all_reduce_grads
 from .pipeline_stage import TimedPipelineStage
 from .setup import RankContext
 from .stage_builder import LocalStages, local_tensor
-from .vocab import VocabOutputs
+from .vocab_loss import VocabOutputs
 
 
 class StepRunner:
@@ -50,7 +50,7 @@ class StepRunner:
         self.summed = _replicated_head_params(stages, plan, ctx)
         # DDP cannot follow a pipeline schedule's interleaved forwards (data_parallel.py)
         self.manual_dp = plan.zero_stage in (0, 1) and plan.mesh["dp"] > 1 and self.pp > 1
-        # vocab_parallel logits: loss_fn sees them Shard(-1) under loss_parallel (runtime/vocab.py)
+        # vocab_parallel logits: loss_fn sees them Shard(-1) under loss_parallel (runtime/vocab_loss.py)
         self.vocab = VocabOutputs(plan, ctx.mesh["tp"] if plan.vocab_outputs and self.is_last else None)
 
     def step(self, batch, target=None) -> tuple[torch.Tensor, list | None]:

@@ -160,7 +160,7 @@ def test_vocab_parallel_cross_entropy_none_and_sum(reduction):
     sums, then divides), padded vocabulary, ignored targets: values and logit gradients."""
     import threading
     from tp_lockstep import _AllReduce
-    from parallelizer.runtime.vocab import VocabParallelCrossEntropy
+    from parallelizer.runtime.vocab_loss import VocabParallelCrossEntropy
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(6, V, generator=g, requires_grad=True)
     target = torch.randint(0, V, (6,), generator=g)

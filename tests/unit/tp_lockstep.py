@@ -20,9 +20,9 @@ import torch.fx as fx
 from parallelizer.checkpoint.layout import local_piece
 from parallelizer.plan import TensorPlan
 from parallelizer.runtime.tp import copy_to_tp_region, reduce_from_tp_region
-from parallelizer.runtime.vocab import (GatherLastDim, VocabParallelCrossEntropy,
-                                        gather_from_tp_region, local_lookup,
-                                        vocab_parallel_cross_entropy, vocab_parallel_embedding)
+from parallelizer.runtime.vocab import (GatherLastDim, gather_from_tp_region, local_lookup,
+                                        vocab_parallel_embedding)
+from parallelizer.runtime.vocab_loss import VocabParallelCrossEntropy, vocab_parallel_cross_entropy
 
 
 class _AllReduce:
