@@ -268,3 +268,15 @@ def test_padded_checkpoint_reshards_and_exports_bit_exact(tmp_path):
     assert got["model.embed_tokens.weight"].shape == (1001, 32)
     for k, t in got.items():
         assert torch.equal(t, want[k]), k
+
+
+def test_spec_value_other_than_auto_true_false_is_a_spec_error(tmp_path):
+    from parallelizer.errors import SpecError
+    from parallelizer.spec import load_spec
+    path = tmp_path / "spec.yaml"
+    path.write_text("tensor_parallel: {vocab_parallel: maybe}\n")
+    with pytest.raises(SpecError, match=r"tensor_parallel.vocab_parallel must be 'auto', true or "
+                                        r"false .* got 'maybe'"):
+        load_spec(path)
+    assert load_spec(path, ["tensor_parallel.vocab_parallel=false"]).tensor_parallel.vocab_parallel \
+        is False
