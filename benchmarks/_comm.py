@@ -82,10 +82,39 @@ class CollectiveRecorder(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.records: list[dict] = []
+        self._in_funcol = 0
+        self._saved = None
+
+    # A collective issued inside a tensor subclass's op (DTensor's loss_parallel: the max,
+    # sum of exponentials and target logit all-reduced inside cross-entropy) runs while this
+    # mode is off, so the functional all_reduce DTensor calls is wrapped as well, counted once.
+    def __enter__(self):
+        import torch.distributed._functional_collectives as funcol
+        orig = funcol.all_reduce
+
+        def all_reduce(t, reduceOp, group, tag=""):
+            self._in_funcol += 1
+            try:
+                out = orig(t, reduceOp, group, tag)
+            finally:
+                self._in_funcol -= 1
+            pg = _resolve_process_group(funcol._resolve_group_name(group, tag))
+            self._add("allreduce_", dist.get_process_group_ranks(pg), t, _nbytes(t), 0)
+            return out
+
+        self._saved = (funcol, orig)
+        funcol.all_reduce = all_reduce
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        funcol, orig = self._saved
+        funcol.all_reduce = orig
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         ns, name = getattr(func, "namespace", None), getattr(func, "_overloadpacket", func).__name__
-        if (ns == "c10d" and name not in _SKIP) or (ns == "_c10d_functional" and name in _FUNCTIONAL):
+        if (ns == "c10d" and name not in _SKIP) or (
+                ns == "_c10d_functional" and name in _FUNCTIONAL and not self._in_funcol):
             self._record(func, args)
         return func(*args, **(kwargs or {}))
 
@@ -104,6 +133,9 @@ class CollectiveRecorder(TorchDispatchMode):
         in_bytes, out_bytes = _nbytes(ins), _nbytes(outs)
         if "group_size" in named and "gather" in op:  # functional: the output is not an argument
             out_bytes = in_bytes * named["group_size"]
+        self._add(op, ranks, ins or outs, in_bytes, out_bytes)
+
+    def _add(self, op: str, ranks: list, tensors, in_bytes: int, out_bytes: int) -> None:
         buf = buffer_bytes(op, in_bytes, out_bytes)
-        self.records.append({"op": op, "ranks": ranks, "dtype": _dtype(ins or outs), "bytes": buf,
+        self.records.append({"op": op, "ranks": ranks, "dtype": _dtype(tensors), "bytes": buf,
                              "wire_bytes": wire_bytes(op, buf, len(ranks) if op != "send" else 2)})

@@ -8,7 +8,12 @@ Analytical minimum per step (no sequence parallelism; fp32):
 
 - tensor parallelism, Megatron-LM (Shoeybi et al. 2019) §3: per transformer layer and
   microbatch, two all-reduces of b*s*h elements in forward (g after attention and after
-  the MLP) and two in backward (f before q/k/v and before gate/up); ``b`` the microbatch;
+  the MLP) and two in backward (f before q/k/v and before gate/up); ``b`` the microbatch.
+  The vocabulary sharded over tp (vocab_parallel, §3 "input embedding"): per microbatch one
+  all-reduce of b*s*h after the embedding lookup, one of b*s*h in backward (f before the LM
+  head), and the cross-entropy's three all-reduces of one fp32 per loss position
+  (b*(s-1) for next-token loss: the row max, the sum of exponentials, the target logit;
+  torch's loss_parallel and ours alike);
 - data parallelism, ZeRO-3 / FSDP (Rajbhandari et al. 2020, §7): all-gather of the
   parameters in forward, again in backward, reduce-scatter of the gradients: 1.5x DDP's
   all-reduce. FSDP2 keeps the root module (embedding, final norm, LM head) gathered from
@@ -82,8 +87,12 @@ def minimum(module, mesh: dict, micro: int) -> dict:
     act = (b // dp // m) * s * h * 4  # one microbatch's activation, bytes
     out = {}
     if tp > 1:
-        calls = 4 * cfg.num_hidden_layers * m * dp * tp
-        out[("allreduce_", "tp")] = {"calls": calls, "wire_bytes": calls * wire_bytes("allreduce_", act, tp)}
+        calls = (4 * cfg.num_hidden_layers + 2) * m * dp * tp  # + embedding, head's f
+        loss = 3 * m * dp * tp  # max, sum-exp, target logit over b*(s-1) positions
+        positions = (b // dp // m) * (s - 1) * 4
+        out[("allreduce_", "tp")] = {"calls": calls + loss,
+                                     "wire_bytes": calls * wire_bytes("allreduce_", act, tp)
+                                     + loss * wire_bytes("allreduce_", positions, tp)}
     if pp > 1:
         calls = 2 * m * (pp - 1) * dp * tp
         out[("send", "pp")] = {"calls": calls, "wire_bytes": calls * act}
@@ -92,7 +101,8 @@ def minimum(module, mesh: dict, micro: int) -> dict:
             raise NotImplementedError("FSDP under pipelining: not a configuration of this benchmark")
         with torch.device("meta"):
             model = module.build_model()
-        sharded = tuple(f"{k}.weight" for k in LAYER_TP_PLAN)
+        sharded = tuple(f"{k}.weight" for k in LAYER_TP_PLAN) + ("embed_tokens.weight",
+                                                                   "lm_head.weight")
         total = layers = 0
         for name, p in model.named_parameters():
             n = p.numel() * 4 // (tp if name.endswith(sharded) else 1)

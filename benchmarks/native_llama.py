@@ -8,21 +8,27 @@ APIs, the way torch's TP/FSDP2/pipelining tutorials and torchtitan
    schedule of ``torch.distributed.pipelining``;
 2. tensor parallelism: ``parallelize_module`` with the Megatron plan (q/k/v and gate/up
    ``ColwiseParallel``, o and down ``RowwiseParallel``), heads then counted from the local
-   shapes (HF views with ``-1`` heads). Embedding and LM head stay replicated, as in the
-   emitted program (vocab parallelism is not built there yet), so both shard the same
-   tensors and the comparison is of the runtimes, not of the plans;
+   shapes (HF views with ``-1`` heads). The vocabulary is sharded as torchtitan does and as
+   the emitted program does (vocab_parallel): the embedding ``RowwiseParallel`` (rows over
+   tp, output all-reduced), the LM head ``ColwiseParallel`` (logits ``Shard(-1)``) and the
+   loss computed on a DTensor under ``loss_parallel``, so both shard the same tensors and
+   the comparison is of the runtimes, not of the plans;
 3. data parallelism: FSDP2 ``fully_shard`` per decoder layer, then the stage root.
 
 Mesh ``(pp, dp, tp)``, tp innermost, the same rank layout as the emitted program.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, loss_parallel,
+                                               parallelize_module)
 from transformers.masking_utils import create_causal_mask
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -99,6 +105,10 @@ class NativeLlama:
         if tp > 1:
             for layer in self.module.layers.values():
                 parallelize_module(layer, self.mesh["tp"], LAYER_TP_PLAN)
+            vocab = {"embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+                     "lm_head": ColwiseParallel()}  # local logits: the loss wraps them
+            parallelize_module(self.module, self.mesh["tp"],
+                               {k: v for k, v in vocab.items() if getattr(self.module, k) is not None})
         if dp > 1:
             for layer in self.module.layers.values():
                 fully_shard(layer, mesh=self.mesh["dp"])
@@ -106,14 +116,26 @@ class NativeLlama:
         self.schedule = None
         if pp > 1:
             stage = PipelineStage(self.module, self.pp_rank, pp, device, group=self.mesh["pp"].get_group())
-            self.schedule = SCHEDULES[schedule](stage, n_microbatches=microbatches, loss_fn=loss_fn)
+            self.schedule = SCHEDULES[schedule](stage, n_microbatches=microbatches,
+                                                loss_fn=self._loss)
+
+    def _loss(self, logits, ids):
+        """``loss_fn`` on the logits as a DTensor ``Shard(-1)`` (torch's loss_parallel)."""
+        if self.tp > 1:
+            logits = DTensor.from_local(logits, self.mesh["tp"], [Shard(-1)], run_check=False)
+        loss = self.loss_fn(logits, ids)
+        return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
     def parameters(self):
         return self.module.parameters()
 
     def step(self, ids: torch.Tensor) -> torch.Tensor:
+        with loss_parallel() if self.tp > 1 else contextlib.nullcontext():
+            return self._step(ids)
+
+    def _step(self, ids: torch.Tensor) -> torch.Tensor:
         if self.schedule is None:
-            loss = self.loss_fn(self.module(ids), ids)
+            loss = self._loss(self.module(ids), ids)
             loss.backward()
         elif self.pp_rank == 0:
             self.schedule.step(ids)

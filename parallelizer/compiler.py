@@ -29,6 +29,7 @@ from .passes.split_check import check_split
 from .plan import MODEL_MODULE
 from .passes.split_stages import split_stages
 from .passes.tensor_parallel import apply_tensor_parallel
+from .passes.vocab_parallel import apply_vocab_parallel
 from .analysis.graph_costs import collect_costs
 from .analysis.partition import GraphPartition
 from .planning.dropout import describe as describe_dropout, plan_dropout
@@ -37,6 +38,7 @@ from .planning.pipeline_summary import (check_microbatches, check_placement, sum
                                         virtual_stages_of)
 from .planning.tensors import build_plan, pipeline_structure, tied_groups
 from .planning.tp import plan_tp, tp_summary
+from .planning.vocab import plan_vocab, vocab_summary
 from .program import Program
 from .reference import compute_reference
 from .report import render_report
@@ -114,7 +116,9 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
         check_outputs_have_batch_dim(gm, captured.input_names)
     # facts and plan first, from the captured graph (global shapes); then the passes
     tp_decision = plan_tp(gm.graph, mesh.tp, spec.tensor_parallel.allow_replicated)  # raises early
-    tp_notes = [tp_summary(tp_decision, model)] if mesh.tp > 1 else []
+    plan_vocab(gm.graph, mesh.tp, spec.tensor_parallel.vocab_parallel,
+               {n: g[0] for g in groups for n in g}, tp_decision)
+    tp_notes = [tp_summary(tp_decision, model), vocab_summary(tp_decision)] if mesh.tp > 1 else []
     dropout = plan_dropout(gm.graph, tp_decision.placements)
     passes = PassManager(dump_passes)
     passes.run("cleanup", apply_cleanup, gm)
@@ -129,12 +133,14 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
     plan = build_plan(spec, captured, gm, model, groups, tp_decision, pp_decision, structure)
     plan = dataclasses.replace(plan, imports=modules_needed(gm.graph, captured.out_spec, MODEL_MODULE),
                                scalar_outputs=scalar_outputs(gm),
+                               vocab_outputs=tuple(sorted(tp_decision.vocab_outputs.items())),
                                dropout=tuple(dataclasses.asdict(d) for d in dropout))
     pipeline = summarize(pp_decision, costs, pipe.schedule, mesh.pp, pipe.microbatches, virtual)
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     pp_warnings += check_placement(pipeline, [st.fqns for st in plan.stages], params, canonical)
 
     passes.run("tensor_parallel", apply_tensor_parallel, gm, tp_decision)
+    passes.run("vocab_parallel", apply_vocab_parallel, gm, tp_decision)
     passes.run("untie", apply_untie, gm, groups)
     passes.run("rng_streams", apply_rng_streams, gm, dropout)  # after costs: they see the ATen ops
     stages = passes.run_split("split_stages", split_stages, gm, pp_decision, num_stages)

@@ -32,6 +32,15 @@ class TPDecision:
     narrows: dict = field(default_factory=dict)
     # node name -> None (Replicate) | sharded dim, of the settled propagation; empty at tp=1
     placements: dict = field(default_factory=dict)
+    # vocab_parallel (planning/vocab.py): embedding/head weight fqn (every name of a tied
+    # group) -> vocabulary rows; head weight fqns; flat model-output index -> vocabulary of
+    # the logits handed to loss_fn sharded (Shard(-1)) instead of gathered in the graph
+    vocab: dict = field(default_factory=dict)
+    vocab_heads: set = field(default_factory=set)
+    vocab_outputs: dict = field(default_factory=dict)
+    # node name of an aten.cross_entropy_loss over the head's logits -> vocabulary: computed
+    # vocab-parallel (runtime/vocab_loss.py), the logits never gathered for it
+    vocab_losses: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -152,6 +152,9 @@ class ParallelPlan:
     # Dropouts of the program and their random streams (planning/dropout.py, runtime/rng.py):
     # {"node", "module", "op", "p", "stream": "replicated" | "tp"} each; read by --verify
     dropout: tuple = ()
+    # vocab_parallel logits handed to loss_fn sharded (planning/vocab.py): (flat output index,
+    # vocabulary size) pairs; the last stage returns this rank's Shard(-1) columns for them
+    vocab_outputs: tuple = ()
 
     @property
     def world_size(self) -> int:
@@ -193,6 +196,7 @@ class ParallelPlan:
         d["imports"] = tuple(d.get("imports", ()))
         d["scalar_outputs"] = tuple(d.get("scalar_outputs", ()))
         d["dropout"] = tuple(d.get("dropout", ()))
+        d["vocab_outputs"] = tuple(tuple(p) for p in d.get("vocab_outputs", ()))
         return ParallelPlan(tensors=tensors, stages=stages, **d)
 
     def hash(self) -> str:

@@ -128,6 +128,11 @@ class TensorParallel(BaseModel):
     allow_replicated: bool = Field(
         False, description="true or false (at mesh.tp > 1, run even when no weight matrix "
                            "could be sharded, instead of failing the compile)")
+    vocab_parallel: Literal["auto", True, False] = Field(
+        "auto", description="'auto', true or false (shard the vocabulary embedding and LM head "
+                            "over tp, Megatron-LM §3: 'auto' whenever tp > 1 and the graph "
+                            "allows, report.md says why not; true: an error naming the blocker "
+                            "when it cannot apply; false: keep them replicated)")
 
 
 class ActivationCheckpointing(BaseModel):

@@ -31,6 +31,8 @@ def tied_groups(model: torch.nn.Module) -> list[list[str]]:
 def _placement(name: str, tp: TPDecision) -> tuple:
     """(tp_dim, role, layout) of one tensor under the TP decision."""
     layout = tp.layouts.get(name)
+    if name in tp.vocab:
+        return tp.dims[name], "vocab_parallel", layout
     if name in tp.column:
         return tp.dims[name], "column_parallel", layout
     if name in tp.row:

@@ -29,6 +29,7 @@ from .data_parallel import all_reduce_grads
 from .pipeline_stage import TimedPipelineStage
 from .setup import RankContext
 from .stage_builder import LocalStages, local_tensor
+from .vocab_loss import VocabOutputs
 
 
 class StepRunner:
@@ -50,6 +51,8 @@ class StepRunner:
         self.summed = _replicated_head_params(stages, plan, ctx)
         # DDP cannot follow a pipeline schedule's interleaved forwards (data_parallel.py)
         self.manual_dp = plan.zero_stage in (0, 1) and plan.mesh["dp"] > 1 and self.pp > 1
+        # vocab_parallel logits: loss_fn sees them Shard(-1) under loss_parallel (runtime/vocab_loss.py)
+        self.vocab = VocabOutputs(plan, ctx.mesh["tp"] if plan.vocab_outputs and self.is_last else None)
 
     def step(self, batch, target=None) -> tuple[torch.Tensor, list | None]:
         """Forward and backward of this rank's share ``batch`` (already on device); the
@@ -59,20 +62,22 @@ class StepRunner:
         Returns:
             (loss, outputs): the mean loss over the whole global batch (a 0-dim tensor on
             every rank) and, on the rank of the last stage, the flat outputs for ``batch``
-            (else None).
+            (else None); vocab_parallel logits are this tp rank's columns
+            (:meth:`whole_outputs` gathers them).
 
         Raises:
             BatchError: under pp > 1, the batch size is not divisible by the microbatches.
         """
         target = batch if target is None else target
-        if self.pp == 1:
-            module = self.stage.modules[0]
-            flat_out = _as_tuple(module(*flatten(self.plan, batch)))
-            loss = self.loss_fn(self._unflatten(flat_out), target)
-            loss.backward()
-            loss, outputs = loss.detach(), list(flat_out)
-        else:
-            loss, outputs = self._pipeline_step(batch, target)
+        with self.vocab.context():
+            if self.pp == 1:
+                module = self.stage.modules[0]
+                flat_out = _as_tuple(module(*flatten(self.plan, batch)))
+                loss = self.vocab.loss(self.loss_fn, flat_out, self._unflatten, target)
+                loss.backward()
+                loss, outputs = loss.detach(), list(flat_out)
+            else:
+                loss, outputs = self._pipeline_step(batch, target)
         if self.manual_dp:
             all_reduce_grads(self.stage.parameters(), self.ctx)
         if self.ctx.compression is not None:
@@ -81,11 +86,18 @@ class StepRunner:
         self._sum_shared_grads()
         return self._global_loss(loss), outputs
 
+    def whole_outputs(self, outputs: list) -> list:
+        """``outputs`` of :meth:`step` with the vocab_parallel logits gathered over tp
+        (padding dropped), detached. Collective over tp on the last stage's ranks."""
+        with torch.no_grad():
+            return self.vocab.whole(outputs)
+
     def _unflatten(self, flat):
         return tree_unflatten(list(flat), self.out_spec)
 
     def _pipeline_loss(self, output, rows):
-        return self.loss_fn(self._unflatten(_as_tuple(output)), index_rows(self._target, rows))
+        return self.vocab.loss(self.loss_fn, _as_tuple(output), self._unflatten,
+                               index_rows(self._target, rows))
 
     def _schedule(self, flat):
         key = tuple(tuple(t.shape) for t in flat)  # stages infer activation shapes once

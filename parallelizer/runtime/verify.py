@@ -94,6 +94,8 @@ def run_verify(out_dir: Path, plan: ParallelPlan, spec: dict, stage, ctx: RankCo
     opt.zero_grad(set_to_none=True)
     with dropout_active(False):
         loss, outputs = runner.step(local)
+        if outputs is not None:
+            outputs = runner.whole_outputs(outputs)
     tally.add("loss", "loss", loss, ref["loss"])
     skipped = []
     if outputs is not None:

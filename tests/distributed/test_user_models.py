@@ -11,6 +11,9 @@ atol = rtol = 1e-5.
   its ``outputs.loss`` is compared as the mean over the dp ranks. (MoE tensor-parallel
   planning: tests/unit/test_user_models.py.)
 - Blocks in an ``nn.Sequential`` at pp=2.
+- A tied Llama called with ``labels=`` at tp=2 with a vocabulary of 1001 (vocab_parallel: the
+  table padded to 1002 rows, the in-graph cross-entropy computed on the logits' shards, the
+  logits output gathered for --verify).
 
 Two ranks, not four, to stay within the suite's budget on a 2-core CI machine; the products
 (tp=2, pp2 x dp2, tp2 x pp2) of the same models were verified by hand (see the issue 14 report).
@@ -35,6 +38,7 @@ CASES = {  # folder name -> (model file, overrides)
     "t5-labels-pp2": ("t5_labels.py", ("mesh.pp=2",)),
     "mixtral-labels-dp2": ("mixtral_auto.py", ("mesh.dp=2",)),
     "sequential-pp2": ("sequential.py", ("mesh.pp=2",)),
+    "llama-labels-vocab1001-tp2": ("llama_labels_v1001.py", ("mesh.tp=2",)),
 }
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 _PROGRAM = re.compile(r"^PROGRAM (\S+) (\d+)$", re.M)
@@ -54,6 +58,11 @@ def test_user_models_verify(tmp_path):
                                                  "transformers.modeling_outputs"}
         if "labels" in name:
             assert program.plan.scalar_outputs == (0,)  # outputs.loss
+        if name.startswith("llama"):  # vocab_parallel: padded table, loss on the shards
+            assert program.plan.tensors["model.embed_tokens.weight"].layout == {
+                "kind": "padded", "padded_size": 1002}
+            assert program.plan.vocab_outputs == ((1, 1001),)
+            assert "vocab_parallel cross-entropy" in program.report
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(ENTRY),
            *map(str, outs)]

@@ -151,9 +151,12 @@ def llama_tp2():
 def test_llama_tp2_source_has_megatron_f_and_g(llama_tp2):
     src = llama_tp2.sources["program/stage0.py"]
     assert "from parallelizer.runtime import tp" in src
-    # one block class for the 4 layers: f before q/k/v and gate/up, g after o_proj and down_proj
-    assert src.count("tp.copy_to_tp_region(") == 2
+    # one block class for the 4 layers: f before q/k/v and gate/up, g after o_proj and down_proj;
+    # vocab_parallel: f before the LM head, the lookup summed over tp inside vocab's embedding
+    assert src.count("tp.copy_to_tp_region(") == 3
     assert src.count("tp.reduce_from_tp_region(") == 2
+    assert src.count("vocab.vocab_parallel_embedding(") == 1
+    assert "vocab.gather_from_tp_region(" not in src  # the logits go to loss_fn sharded
     assert src.count("class LlamaDecoderLayer(EmittedModule)") == 1
     assert src.count(", LlamaDecoderLayer),") == 4
     # local shapes for tp=2: q 4 heads x 16 -> 2 heads; k/v 2 kv heads -> 1; MLP 128 -> 64
@@ -163,6 +166,7 @@ def test_llama_tp2_source_has_megatron_f_and_g(llama_tp2):
                   "('mlp.down_proj.weight', (64, 64), 'float32')"]:
         assert entry in src
     assert "TIED" in src and "('lm_head.weight', 'model.embed_tokens.weight')" in src
+    assert "('model.embed_tokens.weight', (64, 64), 'float32')" in src  # 128 rows / 2
 
 
 def test_llama_tp2_plan_placements(llama_tp2):
@@ -171,7 +175,9 @@ def test_llama_tp2_plan_placements(llama_tp2):
     o = tensors["model.layers.0.self_attn.o_proj.weight"]
     assert (q.tp_dim, q.role) == (0, "column_parallel") and q.local_shape(2) == (32, 64)
     assert (o.tp_dim, o.role) == (1, "row_parallel") and o.local_shape(2) == (64, 32)
-    assert tensors["model.embed_tokens.weight"].tp_dim is None
+    e = tensors["model.embed_tokens.weight"]
+    assert (e.tp_dim, e.role, e.layout) == (0, "vocab_parallel", None) and e.local_shape(2) == (64, 64)
+    assert llama_tp2.plan.vocab_outputs == ((0, 128),)
     assert llama_tp2.plan.aliases == {"lm_head.weight": "model.embed_tokens.weight"}
 
 
@@ -188,5 +194,6 @@ def test_llama_no_weights_program_runs_on_cpu(llama_tp2, tmp_path):
     with torch.no_grad():
         for t in itertools.chain(stage.parameters(), stage.buffers()):
             t.normal_()
-        out = stage(torch.randint(0, 128, (2, 5)))
-    assert out[0].shape == (2, 5, 128)
+        # vocab_parallel: the lookup reads rank 0's 64 rows, the logits are its 64 columns
+        out = stage(torch.randint(0, 64, (2, 5)))
+    assert out[0].shape == (2, 5, 64)

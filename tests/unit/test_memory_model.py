@@ -164,3 +164,24 @@ def test_activations_held_follow_the_schedules_own_order(schedule, pp, v, m, wan
     from parallelizer.memory_model import held_activations
     plan = _plan_of(schedule, pp, v, m)
     assert held_activations(plan, {s: 10 ** s for s in range(pp * v)}) == want
+
+
+@pytest.mark.parametrize("vocab_parallel", [True, False])
+def test_estimate_divides_the_vocabulary_by_tp(tools, vocab_parallel):
+    """Per-rank parameter bytes at tp=2, pp=2 (zero_stage 0) from the formula: block matrices
+    / tp, norms whole; the tied embedding / LM head (128 x 64) / tp under vocab_parallel (both
+    stages hold a copy), whole otherwise."""
+    module = load_model_file(tools.examples / "llama" / "model.py")
+    spec = load_spec(tools.examples / "llama" / "spec.yaml",
+                     ["mesh.tp=2", "mesh.pp=2", "mesh.dp=1", "zero_stage=0",
+                      f"tensor_parallel.vocab_parallel={str(vocab_parallel).lower()}"])
+    program = compile_module(build_model(module, on_meta=True), example_batch(module), spec,
+                             module.loss_fn, reference=False)
+    ranks = estimate_program(program.plan, program.sources, example_batch(module), module.loss_fn,
+                             "adamw")
+    h, i, kv, vocab, tp = 64, 128, 32, 128, 2
+    block = (2 * h * h + 2 * kv * h + 3 * h * i) // tp + 2 * h
+    table = vocab * h // (tp if vocab_parallel else 1)
+    want = [(2 * block + table) * 4, (2 * block + table + h) * 4]  # + the final norm
+    assert [r.parameters for r in ranks[::tp]] == want
+    assert all(r.parameters == want[r.pp] for r in ranks)

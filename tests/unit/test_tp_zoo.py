@@ -1,6 +1,6 @@
 """Tensor-parallel model zoo: tiny seeded Hugging Face families and the examples at tp=2 and
 tp=4, ranks in lockstep in one process (tests/unit/tp_lockstep.py). For each: how many weight matrices
-inside the blocks the planner shards, and outputs, every parameter's gradient and the
+inside the blocks the planner shards, which embeddings and heads are vocab_parallel, and outputs, every parameter's gradient and the
 parameters after one SGD step equal to the unmodified model (fp32, 1e-5).
 """
 from __future__ import annotations
@@ -17,7 +17,10 @@ pytest.importorskip("transformers")
 from parallelizer.frontend import capture  # noqa: E402
 from parallelizer.passes.cleanup import apply_cleanup  # noqa: E402
 from parallelizer.passes.tensor_parallel import apply_tensor_parallel  # noqa: E402
+from parallelizer.passes.vocab_parallel import apply_vocab_parallel  # noqa: E402
+from parallelizer.planning.tensors import tied_groups  # noqa: E402
 from parallelizer.planning.tp import plan_tp, tp_summary  # noqa: E402
+from parallelizer.planning.vocab import plan_vocab  # noqa: E402
 
 from tp_lockstep import local, run_ranks  # noqa: E402
 from tp_zoo_models import EXAMPLES, ZOO  # noqa: E402
@@ -34,6 +37,31 @@ SHARDED = {
     "vit": (12, 12), "roberta": (12, 12), "mixtral_attention": (8, 8),
     "example_gpt": (24, 24), "example_gpt2": (16, 16), "example_llama": (28, 28),
     "example_minilm": (36, 36),
+}
+
+# family -> (vocab_parallel tables and heads under every name, the heads): the embeddings
+# with the most rows, and the nn.Linear heads reading them (tied) or of their shape
+VOCAB = {
+    "bloom": (["lm_head.weight", "transformer.word_embeddings.weight"], ["lm_head.weight"]),
+    "example_gpt": (["lm_head.weight", "wte.weight"], ["lm_head.weight"]),
+    "example_gpt2": (["lm_head.weight", "transformer.wte.weight"], ["lm_head.weight"]),
+    "example_llama": (["lm_head.weight", "model.embed_tokens.weight"], ["lm_head.weight"]),
+    "example_minilm": (["embeddings.word_embeddings.weight"], []),  # no head: an encoder
+    "falcon": (["lm_head.weight", "transformer.word_embeddings.weight"], ["lm_head.weight"]),
+    "gemma": (["lm_head.weight", "model.embed_tokens.weight"], ["lm_head.weight"]),
+    "gpt2": (["lm_head.weight", "transformer.wte.weight"], ["lm_head.weight"]),
+    "gpt_neox": (["gpt_neox.embed_in.weight", "lm_head.weight"], ["lm_head.weight"]),
+    "mistral": (["lm_head.weight", "model.embed_tokens.weight"], ["lm_head.weight"]),
+    "mixtral_attention": ([], []),  # no embedding
+    # OPT's position table (66 rows) is larger than this tiny vocabulary: the head decides
+    "opt": (["lm_head.weight", "model.decoder.embed_tokens.weight"], ["lm_head.weight"]),
+    "phi": (["lm_head.bias", "lm_head.weight", "model.embed_tokens.weight"], ["lm_head.weight"]),
+    "qwen2": (["lm_head.weight", "model.embed_tokens.weight"], ["lm_head.weight"]),
+    # no head; the tiny config's position table has the vocabulary's 64 rows: both sharded
+    "roberta": (["embeddings.position_embeddings.weight", "embeddings.word_embeddings.weight"], []),
+    "t5": (["decoder.embed_tokens.weight", "encoder.embed_tokens.weight", "lm_head.weight",
+            "shared.weight"], ["lm_head.weight"]),
+    "vit": ([], []),  # no embedding
 }
 
 
@@ -88,8 +116,14 @@ def test_zoo_tp_matches_unmodified_model(family, tp):
     assert (len(sharded), len(mats)) == SHARDED[name], d.report
     assert tp_summary(d, model).startswith(f"tensor parallel: {len(sharded)} of {len(mats)} "
                                            f"weight matrices in blocks sharded (")
+    plan_vocab(gm.graph, tp, "auto", {n: g[0] for g in tied_groups(model) for n in g}, d)
+    assert (sorted(d.vocab), sorted(d.vocab_heads)) == VOCAB[name], d.report
+    # run.py hands logits the model returns to loss_fn sharded (loss_parallel, checked under
+    # torchrun by the examples' --verify); here every use reads them gathered in the graph
+    d.vocab_outputs.clear()
     apply_cleanup(gm)
     apply_tensor_parallel(gm, d)
+    apply_vocab_parallel(gm, d)
     batch = batch_of(3, 8, seed=1)
     ref_outs, ref_grads, ref_stepped = _reference(model, batch)
     flat = [batch[n] for n in cap.input_names] if isinstance(batch, dict) else list(batch)

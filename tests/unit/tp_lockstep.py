@@ -6,7 +6,9 @@ layouts). Megatron's ``f`` and ``g`` (Shoeybi et al. 2019, §3) keep their autog
 backward; the sum is taken over a barrier, in rank order, so every rank gets the same bits.
 The only thing replaced is the transport (``dist.all_reduce`` -> a sum between threads).
 Replicated kv heads (whole tensors, or the copied parts of a fused q|k|v) then sum their
-gradients over the ranks holding one head, as ``runtime/step.py`` does.
+gradients over the ranks holding one head, as ``runtime/step.py`` does. The vocab_parallel
+operators run the runtime's own local lookup and gather (runtime/vocab.py) with the
+transport swapped likewise.
 """
 from __future__ import annotations
 
@@ -20,6 +22,9 @@ from parallelizer.checkpoint.layout import local_piece
 from parallelizer.layouts import copied_heads, copied_runs
 from parallelizer.plan import TensorPlan
 from parallelizer.runtime.tp import copy_to_tp_region, reduce_from_tp_region, scatter_to_tp_region
+from parallelizer.runtime.vocab import (GatherLastDim, gather_from_tp_region, local_lookup,
+                                        vocab_parallel_embedding)
+from parallelizer.runtime.vocab_loss import VocabParallelCrossEntropy, vocab_parallel_cross_entropy
 
 
 class _AllReduce:
@@ -35,6 +40,20 @@ class _AllReduce:
             total += s
         self.barrier.wait()
         return total
+
+    def reduce(self, rank: int, t: torch.Tensor, op: str) -> torch.Tensor:
+        """``t`` summed (``op`` "sum") or maxed ("max") over the ranks, into ``t``."""
+        parts = self.gather(rank, t)
+        t.copy_(torch.stack(parts).amax(0) if op == "max" else sum(parts[1:], parts[0].clone()))
+        return t
+
+    def gather(self, rank: int, t: torch.Tensor) -> list:
+        """Every rank's ``t``, in rank order (the all-gather of ``gather_from_tp_region``)."""
+        self.slots[rank] = t.detach()
+        self.barrier.wait()
+        parts = [s.clone() for s in self.slots]
+        self.barrier.wait()
+        return parts
 
 
 class _F(torch.autograd.Function):
@@ -94,6 +113,16 @@ class _Rank(fx.Interpreter):
             return _G.apply(args[0], self.comm, self.rank)
         if target is scatter_to_tp_region:
             return _Scatter.apply(args[0], args[1], self.comm, self.rank)
+        if target is vocab_parallel_embedding:  # the runtime's lookup, then g over threads
+            return _G.apply(local_lookup(*args, self.rank), self.comm, self.rank)
+        if target is vocab_parallel_cross_entropy:
+            logits, t, vocab, reduction, ignore = args
+            return VocabParallelCrossEntropy.apply(
+                logits.reshape(-1, logits.shape[-1]), t, vocab, ignore, reduction, self.rank,
+                lambda x, op: self.comm.reduce(self.rank, x, op))
+        if target is gather_from_tp_region:
+            return GatherLastDim.apply(args[0], args[1], self.rank,
+                                       lambda t: self.comm.gather(self.rank, t))
         return super().call_function(target, args, kwargs)
 
 

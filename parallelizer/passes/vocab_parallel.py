@@ -1,0 +1,85 @@
+"""vocab_parallel pass: apply a TPDecision's vocabulary sharding to the graph (Megatron-LM §3).
+
+- ``aten.embedding(W, ids, padding_idx)`` of a vocabulary table becomes
+  ``vocab.vocab_parallel_embedding(W, ids, padding_idx)`` (local lookup, all-reduce over tp).
+- an LM head ``aten.linear(x, W)`` becomes ``linear(copy_to_tp_region(x), W)`` (Megatron ``f``:
+  the gradient of x is summed over tp) with logits ``Shard(-1)``; the model outputs listed in
+  ``vocab_outputs`` keep them sharded (run time hands them to loss_fn under loss_parallel),
+  every other use reads ``vocab.gather_from_tp_region(logits, vocabulary)``; ops that keep
+  the logits column for column (``analysis.graph_facts.logits_region``: casts, a scalar
+  scale or softcap) run on the shard first.
+- an ``aten.cross_entropy_loss`` over those logits (``vocab_losses``: Hugging Face's in-graph
+  loss) becomes ``vocab.vocab_parallel_cross_entropy`` on the shards.
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from ..decisions import TPDecision
+from ..runtime.tp import copy_to_tp_region
+from ..runtime.vocab import gather_from_tp_region, vocab_parallel_embedding
+from ..runtime.vocab_loss import vocab_parallel_cross_entropy
+from ..analysis.graph_facts import aten, logits_region
+
+
+def apply_vocab_parallel(gm: fx.GraphModule, decision: TPDecision) -> bool:
+    """Rewrite ``gm`` in place; returns whether anything changed."""
+    if not decision.vocab:
+        return False
+    graph = gm.graph
+    _rewrite_cross_entropies(graph, decision.vocab_losses)
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is aten.embedding.default and node.args[0].target in decision.vocab:
+            pad = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
+            node.target, node.kwargs = vocab_parallel_embedding, {}
+            node.args = (*node.args[:2], pad)
+        elif node.target is aten.linear.default and node.args[1].target in decision.vocab_heads:
+            _shard_head(graph, node, decision)
+    graph.lint()
+    gm.recompile()
+    return True
+
+
+def _shard_head(graph: fx.Graph, head: fx.Node, decision: TPDecision) -> None:
+    vocab = decision.vocab[head.args[1].target]
+    x = head.args[0]
+    with graph.inserting_before(head):
+        f = graph.call_function(copy_to_tp_region, (x,))
+        f.meta = dict(x.meta)
+    head.replace_input_with(x, f)
+    out = graph.output_node()
+    flat = out.args[0] if isinstance(out.args[0], (tuple, list)) else None
+    region = logits_region(head)
+    for node in region:  # sharded logits: every use outside the region reads them gathered
+        users = [u for u in node.users if u not in region and u.op != "output"
+                 and u.target is not vocab_parallel_cross_entropy]  # reads the shards
+        kept = {i for i in decision.vocab_outputs} if flat is not None else set()
+        to_output = [i for i, a in enumerate(flat or [out.args[0]]) if a is node and i not in kept]
+        if not users and not to_output:
+            continue
+        with graph.inserting_after(node):
+            whole = graph.call_function(gather_from_tp_region, (node, vocab))
+            whole.meta = dict(node.meta)
+        for u in users:
+            u.replace_input_with(node, whole)
+        if to_output and flat is None:
+            out.args = (whole,)
+        elif to_output:
+            out.args = (type(flat)(whole if i in to_output else a for i, a in enumerate(flat)),)
+            flat = out.args[0]
+
+
+def _rewrite_cross_entropies(graph: fx.Graph, losses: dict) -> None:
+    """``cross_entropy_loss(view(logits, [-1, V]), t, None, reduction, ignore_index)`` ->
+    ``vocab_parallel_cross_entropy(logits, t, V, reduction, ignore_index)`` on the shards."""
+    for node in [n for n in graph.nodes if n.name in losses]:
+        args = list(node.args) + [None, 1, -100, 0.0][len(node.args) - 2:]
+        logits, view = args[0], None
+        if logits.target in (aten.view.default, aten.reshape.default):
+            view, logits = logits, logits.args[0]
+        node.target = vocab_parallel_cross_entropy
+        node.args, node.kwargs = (logits, args[1], losses[node.name], args[3], args[4]), {}
+        if view is not None and not view.users:
+            graph.erase_node(view)

@@ -1,0 +1,236 @@
+"""Vocab-parallel planner: shard the vocabulary embedding and the LM head over tp.
+
+Shoeybi et al. 2019 (Megatron-LM), §3 "input embedding ... parallelized along the vocabulary
+dimension (column-wise)", the output embedding likewise, tied weights sharded the same way.
+
+Reads the graph, never changes it (passes/vocab_parallel.py applies the decision):
+
+- the vocabulary tables are the ``aten.embedding`` weights an LM head reads (tied) or has the
+  shape of, else (no head: an encoder) those with the most rows; position and token-type
+  tables stay replicated. Each is ``Shard(0)``, padded to a multiple of tp (layout
+  ``padded``) when tp does not divide it;
+- a head is an ``nn.Linear`` (``aten.linear``; a bias is sharded with it) whose weight is a
+  vocabulary table (tied) or has its shape (untied): it becomes column_parallel over the vocabulary, its logits
+  ``Shard(-1)``. Logits the model returns are handed to ``loss_fn`` sharded (flat output
+  index in ``vocab_outputs``); any other use reads them gathered over tp.
+
+A table read by anything else (a matmul of its transpose, a norm, ``embedding_renorm_``) or an
+embedding with ``scale_grad_by_freq``/``sparse`` blocks vocab_parallel: off under ``auto``
+(report.md says why), a PlanError under ``true``.
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from ..decisions import TPDecision
+from ..errors import PlanError
+from ..analysis.graph_facts import aten, logits_region, shape, source_line, weight_fqn
+
+KEY = "tensor_parallel.vocab_parallel"
+
+
+def plan_vocab(graph: fx.Graph, tp: int, mode, canonical: dict, decision: TPDecision) -> None:
+    """Add the vocab_parallel placements to ``decision`` (``dims``, ``layouts``, ``vocab``,
+    ``vocab_heads``, ``vocab_outputs``, report lines). ``mode``: the spec's ``auto`` | True |
+    False; ``canonical``: every name of a tied group -> its first name.
+
+    Raises:
+        PlanError: ``mode`` is True and vocab_parallel cannot apply; names the spec key, the
+            blocking op (file:line) and the fix.
+    """
+    if tp == 1 or mode is False:
+        if tp > 1:
+            decision.report.append(f"vocab_parallel: off ({KEY}=false); embedding and LM head "
+                                   f"replicated")
+        return
+    canon = lambda n: canonical.get(n, n)  # noqa: E731
+    reads: dict = {}  # canonical fqn -> get_attr nodes reading it
+    for n in graph.nodes:
+        if n.op == "get_attr":
+            reads.setdefault(canon(n.target), []).append(n)
+    lookups = [n for n in graph.nodes if n.op == "call_function"
+               and n.target is aten.embedding.default and _table(n)]
+    if not lookups:
+        return _off(decision, mode, "the graph has no aten.embedding of a 2-D parameter")
+    rows = {canon(n.args[0].target): tuple(shape(n.args[0])) for n in lookups}
+    untied = [n for n in graph.nodes if n.op == "call_function" and n.target is aten.linear.default
+              and weight_fqn(n.args[1]) and canon(n.args[1].target) not in rows
+              and n.args[1].target not in decision.dims]
+    # the vocabulary: the tables an LM head reads (tied) or has the shape of; else the largest
+    headed = {f for f in rows if any(u.target is aten.linear.default for a in reads[f]
+                                     for u in a.users)}
+    headed |= {f for f in rows for n in untied if tuple(shape(n.args[1])) == rows[f]}
+    pool = headed or set(rows)
+    vocab = max(rows[f][0] for f in pool)
+    tables = sorted(f for f in pool if rows[f][0] == vocab)
+    for f in sorted(set(rows) - set(tables)):
+        decision.report.append(f"replicated embedding: {f} ({rows[f][0]} rows; not the "
+                               f"vocabulary table{'s' if len(tables) > 1 else ''} "
+                               f"{', '.join(tables)})")
+    heads, blockers = [], []
+    for f in tables:
+        for user in (u for a in reads[f] for u in a.users):
+            why = _blocker(user, a_of(user, reads[f]))
+            if why:
+                blockers.append(f"{_op_text(user)} reads {f}: {why}")
+            elif user.target is aten.linear.default:
+                heads.append(user)
+    if blockers:
+        return _off(decision, mode, blockers[0])
+    for n in untied:
+        if tuple(shape(n.args[1])) in {rows[f] for f in tables}:
+            why = _untied_blocker(n, reads[canon(n.args[1].target)])
+            if why:
+                decision.report.append(f"replicated LM head: {n.args[1].target} ({why})")
+            else:
+                heads.append(n)
+    _decide(graph, decision, tp, vocab, tables, heads, canonical)
+
+
+def a_of(user: fx.Node, attrs: list) -> fx.Node:
+    return next(a for a in attrs if a in user.all_input_nodes)
+
+
+def _table(n: fx.Node) -> bool:
+    w = n.args[0]
+    return bool(weight_fqn(w)) and w.meta.get("val") is not None and len(shape(w)) == 2
+
+
+def _blocker(user: fx.Node, attr: fx.Node) -> str:
+    """Why ``user`` reading table ``attr`` prevents vocab_parallel ('' if it does not)."""
+    if user.op == "call_function" and user.target is aten.embedding.default \
+            and user.args[0] is attr and attr not in user.args[1:]:
+        extra = list(user.args[3:]) + [user.kwargs.get(k) for k in ("scale_grad_by_freq", "sparse")]
+        if any(extra):
+            return ("an embedding with scale_grad_by_freq or sparse gradients (their counts "
+                    "and sparse rows are per rank)")
+        return ""
+    if user.op == "call_function" and user.target is aten.linear.default \
+            and user.args[1] is attr and user.args[0] is not attr and _bias_ok(user):
+        return ""
+    return (f"vocab_parallel needs the table read only by aten.embedding and as the weight of "
+            f"an nn.Linear head (here: {user.target})")
+
+
+def _bias_ok(n: fx.Node) -> bool:
+    """No bias, or a 1-D parameter (sharded with the head's rows)."""
+    b = n.args[2] if len(n.args) > 2 else None
+    return b is None or (bool(weight_fqn(b)) and len(shape(b)) == 1 and len(b.users) == 1)
+
+
+def _untied_blocker(n: fx.Node, attrs: list) -> str:
+    if not _bias_ok(n):
+        return "its bias is not a parameter read by the head alone"
+    others = [u for a in attrs for u in a.users if u is not n]
+    return f"its weight is also read by {others[0].target}" if others else ""
+
+
+def _decide(graph, decision: TPDecision, tp: int, vocab: int, tables: list, heads: list,
+            canonical: dict) -> None:
+    padded = -(-vocab // tp) * tp
+    layout = {"kind": "padded", "padded_size": padded} if padded != vocab else None
+    names = set(tables) | {n.args[1].target for n in heads}
+    names |= {n.args[2].target for n in heads if len(n.args) > 2 and n.args[2] is not None}
+    names |= {a for a, c in canonical.items() if c in names}
+    for f in names:
+        decision.dims[f] = 0
+        decision.vocab[f] = vocab
+        if layout:
+            decision.layouts[f] = dict(layout)
+    decision.vocab_heads = {n.args[1].target for n in heads}
+    # plan_tp listed the heads as replicated linears: they are not any more
+    decision.report[:] = [r for r in decision.report if not any(
+        r.startswith(f"replicated linear: {w} ") for w in decision.vocab_heads)]
+    out = graph.output_node()
+    flat = list(out.args[0]) if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
+    region = {n for h in heads for n in logits_region(h)}
+    for i, a in enumerate(flat):
+        if a in region:
+            decision.vocab_outputs[i] = vocab
+    pad = (f", padded to {padded} rows (zero, never in the loss or the logits returned)"
+           if layout else "")
+    decision.report.append(
+        f"vocab_parallel: {', '.join(sorted(tables))} Shard(0) over tp, {padded // tp} of "
+        f"{vocab} vocabulary rows per rank{pad}; lookups outside a rank's rows give zero, "
+        f"summed over tp (all-reduce)")
+    for n in heads:
+        decision.report.append(
+            f"vocab_parallel LM head: {n.args[1].target} column_parallel over the vocabulary "
+            f"(logits Shard(-1))")
+    for i in sorted(decision.vocab_outputs):
+        decision.report.append(
+            f"vocab_parallel logits: model output {i} is handed to loss_fn as a DTensor "
+            f"Shard(-1) under torch loss_parallel (cross-entropy without gathering the logits); "
+            f"gathered over tp where returned whole (--verify) or where loss_fn fails on a DTensor")
+    for ce, view in _cross_entropies(region, vocab):
+        decision.vocab_losses[ce.name] = vocab
+        decision.report.append(
+            f"vocab_parallel cross-entropy: {_op_text(ce)} computed on the logits' tp shards "
+            f"(max, target logit and sum of exponentials all-reduced; Megatron-LM "
+            f"vocab_parallel_cross_entropy), the logits never gathered for it")
+    done = {u for ce, view in _cross_entropies(region, vocab) for u in (ce, view)}
+    others = [u for n in region for u in n.users
+              if u.op != "output" and u not in region and u not in done
+              and u.target is not aten._assert_tensor_metadata.default]  # cleanup drops these
+    if others:
+        decision.report.append(
+            f"vocab_parallel logits gathered over tp in the graph for "
+            f"{', '.join(sorted({str(u.target) for u in others}))} (the in-graph loss or other "
+            f"uses read them whole)")
+
+
+def _cross_entropies(region, vocab: int) -> list:
+    """(cross_entropy_loss node, the view it reads or None) for each unweighted, unsmoothed
+    cross-entropy over ``logits.view(-1, vocab)`` (or 2-D logits) of a region node."""
+    found = []
+    for n in region:
+        for u in n.users:
+            view = None
+            if u.target in (aten.view.default, aten.reshape.default) and u.args[0] is n \
+                    and _two_d(u, vocab) and all(_plain_ce(c, u) for c in u.users):
+                view, ces = u, list(u.users)
+            elif _plain_ce(u, n) and _two_d(n, vocab):
+                ces = [u]
+            else:
+                continue
+            found += [(c, view) for c in ces]
+    return found
+
+
+def _two_d(n: fx.Node, vocab: int) -> bool:
+    v = n.meta.get("val")
+    return v is not None and v.dim() == 2 and v.shape[-1] == vocab
+
+
+def _plain_ce(c: fx.Node, logits: fx.Node) -> bool:
+    if c.op != "call_function" or c.target is not aten.cross_entropy_loss.default or c.kwargs:
+        return False
+    args = list(c.args) + [None, 1, -100, 0.0][len(c.args) - 2:]
+    return args[0] is logits and args[1] is not logits and args[2] is None and args[5] == 0.0
+
+
+def _off(decision: TPDecision, mode, why: str) -> None:
+    if mode is True:
+        raise PlanError(f"{KEY}=true but the vocabulary cannot be sharded over tp: {why}; set "
+                        f"{KEY}=auto (or false) to keep the embedding and LM head replicated")
+    decision.report.append(f"vocab_parallel: off ({why}); embedding and LM head replicated")
+
+
+def _op_text(node: fx.Node) -> str:
+    where = source_line(node)
+    return f"{node.target} at {where}" if where else str(node.target)
+
+
+def vocab_summary(decision: TPDecision) -> str:
+    """The compile's one line on vocab_parallel: what is sharded, or why not."""
+    if not decision.vocab:
+        off = next((r for r in decision.report if r.startswith("vocab_parallel: off")), None)
+        return off or "vocab_parallel: off (no vocabulary table)"
+    tables = sorted(f for f in decision.vocab if f not in decision.vocab_heads
+                    and not f.endswith(".bias") and f in decision.dims)
+    heads = sorted(decision.vocab_heads)
+    loss = ", cross-entropy on the shards" if decision.vocab_losses else ""
+    logits = ", logits to loss_fn as DTensor Shard(-1)" if decision.vocab_outputs else ""
+    return (f"vocab parallel: embedding {', '.join(tables)}"
+            f"{' and LM head ' + ', '.join(heads) if heads else ''} sharded over the vocabulary "
+            f"({next(iter(decision.vocab.values()))} rows){loss}{logits}")

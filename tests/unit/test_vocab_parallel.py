@@ -1,0 +1,282 @@
+"""vocab_parallel (Megatron-LM §3): the embedding Shard(0) with a local lookup summed over tp,
+the LM head column_parallel over the vocabulary, a vocabulary tp does not divide padded.
+
+Numerics run the tp ranks in lockstep in one process (tests/unit/tp_lockstep.py) against the
+unmodified model: outputs, every gradient and the parameters after an SGD step (fp32, 1e-5),
+for a tied Llama whose vocabulary (61) neither 2 nor 4 divides, with the logits returned and
+with Hugging Face's in-graph loss (``labels=``). Then the padded checkpoint round trip
+(reshard, export: bit-exact) and the spec's errors.
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parallelizer.errors import PlanError
+from parallelizer.frontend import capture
+from parallelizer.passes.cleanup import apply_cleanup
+from parallelizer.passes.tensor_parallel import apply_tensor_parallel
+from parallelizer.passes.vocab_parallel import apply_vocab_parallel
+from parallelizer.planning.tensors import tied_groups
+from parallelizer.planning.tp import plan_tp, tp_summary
+from parallelizer.planning.vocab import plan_vocab
+from parallelizer.runtime.vocab import gather_from_tp_region
+
+from tp_lockstep import local, run_ranks
+
+transformers = pytest.importorskip("transformers")
+
+V = 61  # neither 2 nor 4 divides it
+TOL = dict(rtol=1e-5, atol=1e-5)
+LR = 0.1
+
+
+def tied_llama(vocab=V):
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=True, use_cache=False, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).train()
+
+
+def ids(b=2, t=8, seed=0):
+    return torch.randint(0, V, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+def planned(model, batch, tp, mode="auto"):
+    cap = capture(model, batch, Path(__file__))
+    gm = copy.deepcopy(cap.gm)
+    d = plan_tp(gm.graph, tp)
+    plan_vocab(gm.graph, tp, mode, {n: g[0] for g in tied_groups(model) for n in g}, d)
+    return cap, gm, d
+
+
+def rewrite(gm, d):
+    apply_cleanup(gm)
+    apply_tensor_parallel(gm, d)
+    apply_vocab_parallel(gm, d)
+
+
+def reference(model, batch, loss_of):
+    model = copy.deepcopy(model)
+    out = model(**batch)
+    loss_of(out).backward()
+    named = list(model.named_parameters(remove_duplicate=False))
+    grads = {n: p.grad.detach().clone() for n, p in named}
+    with torch.no_grad():
+        stepped = {n: p - LR * p.grad for n, p in named}
+    return out, grads, stepped
+
+
+def assert_ranks_match(ranks, d, tp, grads, stepped):
+    for r, res in enumerate(ranks):
+        for fqn, got in res.grads.items():
+            torch.testing.assert_close(got, local(grads[fqn], fqn, d, tp, r), **TOL,
+                                       msg=lambda m: f"rank {r} {fqn}: {m}")
+            torch.testing.assert_close(res.params[fqn], local(stepped[fqn], fqn, d, tp, r),
+                                       **TOL, msg=lambda m: f"rank {r} {fqn}: {m}")
+
+
+def _ce(logits, input_ids):
+    return F.cross_entropy(logits[:, :-1, :].reshape(-1, logits.size(-1)),
+                           input_ids[:, 1:].reshape(-1))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_padded_tied_vocab_matches_unmodified_model(tp):
+    """Vocabulary 61 padded to 62 / 64: the tied table Shard(0) on every rank, logits
+    gathered with the padding columns dropped; loss, outputs, gradients, SGD step equal."""
+    model = tied_llama()
+    batch = {"input_ids": ids()}
+    cap, gm, d = planned(model, batch, tp)
+    padded = -(-V // tp) * tp
+    assert d.layouts["model.embed_tokens.weight"] == {"kind": "padded", "padded_size": padded}
+    assert d.vocab == {"model.embed_tokens.weight": V, "lm_head.weight": V}
+    assert d.vocab_heads == {"lm_head.weight"} and d.vocab_outputs == {0: V}
+    d.vocab_outputs.clear()  # gathered in the graph, as run.py's VocabOutputs.whole does
+    rewrite(gm, d)
+    ref, grads, stepped = reference(model, batch, lambda o: _ce(o.logits, batch["input_ids"]))
+    ranks = run_ranks(gm, d, tp, [batch["input_ids"]],
+                      lambda outs: _ce(outs[0], batch["input_ids"]), LR)
+    for res in ranks:
+        assert res.outputs[0].shape == (2, 8, V)
+        torch.testing.assert_close(res.outputs[0], ref.logits, **TOL)
+    # one Parameter per rank for the tied pair, its padding row zero, gradient zero there
+    assert ranks[-1].grads["model.embed_tokens.weight"].shape == (padded // tp, 32)
+    assert ranks[-1].grads["model.embed_tokens.weight"][V - padded:].abs().sum() == 0
+    assert_ranks_match(ranks, d, tp, grads, stepped)
+
+
+def test_sharded_logits_output_is_this_ranks_columns():
+    """A model output handed to loss_fn sharded: each rank returns its padded vocabulary
+    columns (padding zero); concatenated and cut to 61 they are the model's logits."""
+    model = tied_llama()
+    batch = {"input_ids": ids()}
+    _, gm, d = planned(model, batch, 4)
+    rewrite(gm, d)
+    assert not any(n.target is gather_from_tp_region for n in gm.graph.nodes)
+    ranks = run_ranks(gm, d, 4, [batch["input_ids"]], lambda outs: outs[0].sum(), LR)
+    pieces = [r.outputs[0] for r in ranks]
+    assert [p.shape[-1] for p in pieces] == [16, 16, 16, 16]
+    assert pieces[-1][..., V - 64:].abs().sum() == 0
+    with torch.no_grad():
+        want = model(**batch).logits
+    torch.testing.assert_close(torch.cat(pieces, -1)[..., :V], want, **TOL)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_in_graph_loss_with_labels_is_vocab_parallel_and_matches(tp):
+    """Hugging Face's ForCausalLMLoss in the graph (``labels=``: upcast, shift, view(-1, V),
+    ignore_index -100, mean): rewritten into the vocab-parallel cross-entropy, no gather of
+    the logits anywhere in the graph; loss, gradients and SGD step equal the model's."""
+    model = tied_llama()
+    labels = ids(seed=1)
+    labels[0, :3] = -100
+    batch = {"input_ids": ids(), "labels": labels}
+    cap, gm, d = planned(model, batch, tp)
+    assert d.vocab_outputs == {1: V}  # (loss, logits): the logits output is handed over sharded
+    assert len(d.vocab_losses) == 1 and list(d.vocab_losses.values()) == [V]
+    assert not any("gathered over tp in the graph" in r for r in d.report), d.report
+    rewrite(gm, d)
+    assert not any(n.target is gather_from_tp_region for n in gm.graph.nodes)
+    assert not any(n.target is torch.ops.aten.cross_entropy_loss.default for n in gm.graph.nodes)
+    ref, grads, stepped = reference(model, batch, lambda o: o.loss)
+    flat = [batch[n] for n in cap.input_names]
+    ranks = run_ranks(gm, d, tp, flat, lambda outs: outs[0], LR)
+    for res in ranks:
+        torch.testing.assert_close(res.outputs[0], ref.loss, **TOL)
+    assert_ranks_match(ranks, d, tp, grads, stepped)
+
+
+@pytest.mark.parametrize("reduction", [0, 2])
+def test_vocab_parallel_cross_entropy_none_and_sum(reduction):
+    """The rewritten loss under reduction none and sum (Hugging Face with num_items_in_batch
+    sums, then divides), padded vocabulary, ignored targets: values and logit gradients."""
+    import threading
+    from tp_lockstep import _AllReduce
+    from parallelizer.runtime.vocab_loss import VocabParallelCrossEntropy
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, V, generator=g, requires_grad=True)
+    target = torch.randint(0, V, (6,), generator=g)
+    target[2] = -100
+    ref = F.cross_entropy(logits, target, reduction=["none", "mean", "sum"][reduction])
+    w = torch.randn(ref.shape, generator=g)
+    (ref * w).sum().backward()
+    tp, comm, out = 4, _AllReduce(4), [None] * 4
+    pieces = list(torch.nn.functional.pad(logits.detach(), (0, 64 - V)).chunk(tp, -1))
+
+    def work(r):
+        x = pieces[r].clone().requires_grad_()
+        y = VocabParallelCrossEntropy.apply(x, target, V, -100, reduction, r,
+                                            lambda t, op: comm.reduce(r, t, op))
+        (y * w).sum().backward()
+        out[r] = (y.detach(), x.grad)
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(tp)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    for y, _ in out:
+        torch.testing.assert_close(y, ref.detach(), **TOL)
+    grad = torch.cat([gr for _, gr in out], -1)
+    torch.testing.assert_close(grad[:, :V], logits.grad, **TOL)
+    assert grad[:, V:].abs().sum() == 0
+
+
+def test_summary_counts_the_vocabulary():
+    """The summary's share of sharded parameters includes the vocabulary table."""
+    model = tied_llama()
+    batch = {"input_ids": ids()}
+    _, gm, d = planned(model, batch, 2)
+    _, _, off = planned(model, batch, 2, mode=False)
+    pct = lambda dec: int(tp_summary(dec, model).split("(")[1].split(" %")[0])  # noqa: E731
+    assert pct(off) < pct(d)
+    assert "model.embed_tokens.weight" in d.dims and "model.embed_tokens.weight" not in off.dims
+    assert any("vocab_parallel: off (tensor_parallel.vocab_parallel=false)" in r for r in off.report)
+
+
+class TransposedHead(nn.Module):
+    """Reads the embedding table through ``x @ W.T`` (no nn.Linear head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, 16)
+        self.up = nn.Linear(16, 32)
+        self.down = nn.Linear(32, 16)
+
+    def forward(self, input_ids):
+        h = self.down(torch.relu(self.up(self.emb(input_ids))))
+        return h @ self.emb.weight.T
+
+
+def test_true_with_a_blocker_is_a_plan_error_naming_key_and_op():
+    with pytest.raises(PlanError) as info:
+        planned(TransposedHead(), {"input_ids": ids()}, 2, mode=True)
+    msg = str(info.value)
+    assert "tensor_parallel.vocab_parallel=true" in msg and "emb.weight" in msg, msg
+    assert "test_vocab_parallel.py:" in msg and "vocab_parallel=auto" in msg, msg
+
+
+def test_auto_with_a_blocker_reports_why_and_stays_replicated():
+    _, _, d = planned(TransposedHead(), {"input_ids": ids()}, 2)
+    assert not d.vocab and "emb.weight" not in d.dims
+    assert any(r.startswith("vocab_parallel: off (") and "emb.weight" in r for r in d.report)
+
+
+class NoEmbedding(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.down(self.up(x))
+
+
+def test_true_without_an_embedding_is_a_plan_error():
+    with pytest.raises(PlanError, match="tensor_parallel.vocab_parallel=true .* no aten.embedding"):
+        planned(NoEmbedding(), (torch.randn(2, 4, 16),), 2, mode=True)
+
+
+def test_padded_checkpoint_reshards_and_exports_bit_exact(tmp_path):
+    """Vocabulary 1001 at tp=2: the table is written padded to 1002; reshard to tp=4 (1004),
+    then tp=1, and export give back the model's tensors bit for bit."""
+    from parallelizer.api import compile as compile_model
+    from parallelizer.checkpoint.export import export_hf
+    from parallelizer.checkpoint.hf import load_hf_state_dict
+    from parallelizer.checkpoint.reader import read_manifest
+    from parallelizer.checkpoint.reshard import reshard
+    from parallelizer.spec import Spec
+
+    model = tied_llama(vocab=1001)
+    spec = Spec.model_validate({"mesh": {"tp": 2}})
+    batch = {"input_ids": torch.randint(0, 1001, (2, 8), generator=torch.Generator().manual_seed(0))}
+    compile_model(model, spec, batch, reference=False).save(tmp_path / "out")
+    entry = read_manifest(tmp_path / "out" / "checkpoint")["tensors"]["model.embed_tokens.weight"]
+    assert entry["layout"] == {"kind": "padded", "padded_size": 1002}
+    reshard(tmp_path / "out" / "checkpoint", tmp_path / "tp4", tp=4)
+    entry = read_manifest(tmp_path / "tp4")["tensors"]["model.embed_tokens.weight"]
+    assert entry["layout"] == {"kind": "padded", "padded_size": 1004}
+    reshard(tmp_path / "tp4", tmp_path / "tp1", tp=1)
+    export_hf(tmp_path / "tp1", tmp_path / "hf")
+    got = load_hf_state_dict(tmp_path / "hf")
+    want = model.state_dict()
+    assert got["model.embed_tokens.weight"].shape == (1001, 32)
+    for k, t in got.items():
+        assert torch.equal(t, want[k]), k
+
+
+def test_spec_value_other_than_auto_true_false_is_a_spec_error(tmp_path):
+    from parallelizer.errors import SpecError
+    from parallelizer.spec import load_spec
+    path = tmp_path / "spec.yaml"
+    path.write_text("tensor_parallel: {vocab_parallel: maybe}\n")
+    with pytest.raises(SpecError, match=r"tensor_parallel.vocab_parallel must be 'auto', true or "
+                                        r"false .* got 'maybe'"):
+        load_spec(path)
+    assert load_spec(path, ["tensor_parallel.vocab_parallel=false"]).tensor_parallel.vocab_parallel \
+        is False
