@@ -76,11 +76,18 @@ def _eval(node, memo) -> Formula:
     if len(memo) > MAX_NODES or node.op != "call_function" or node.target not in _OPS:
         raise _Unknown(node)
     shape = _shape(node)
-    if shape is None:
-        raise _Unknown(node)
+    if shape is None or _dtype(node) not in _EXACT:
+        raise _Unknown(node)  # float values round: only bools and integers are exact formulas
+    if node.target in _LOGICAL and any(_dtype(a) is not torch.bool for a in node.all_input_nodes):
+        raise _Unknown(node)  # on integers these ops are bitwise
     out = Formula(_OPS[node.target](node, shape, lambda n: _eval(n, memo)), shape)
     memo[node] = out
     return out
+
+
+def _dtype(node):
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return val.dtype if isinstance(val, torch.Tensor) else None
 
 
 def _arg(node, i, name, default=None):
@@ -107,10 +114,10 @@ def _arange(node, shape, ev):
 
 def _constant(value_index):
     def rule(node, shape, ev):
-        v = True if value_index is None else _arg(node, value_index, "fill_value")
+        v = 1 if value_index is None else _arg(node, value_index, "fill_value")
         if not isinstance(v, (bool, int)):
             raise _Unknown(node)
-        return sympy.sympify(v)
+        return sympy.sympify(bool(v)) if _dtype(node) is torch.bool else sympy.Integer(v)
     return rule
 
 
@@ -160,11 +167,13 @@ def _index(node, shape, ev):
     """``x[t0, .., tk]``: index tensors for the leading dims, broadcast to one shape ``B``;
     result dims are ``B`` then x's remaining dims."""
     x, indices = ev(node.args[0]), node.args[1]
-    if any(t is None for t in indices):
-        raise _Unknown(node)
+    if any(t is None or _dtype(t) not in (torch.int64, torch.int32) for t in indices):
+        raise _Unknown(node)  # None skips a dim; a bool index selects, it does not gather
     rest = len(x.shape) - len(indices)
     b = len(shape) - rest
     sub = {idx(j): ev(t).at(b, shape[:b]) for j, t in enumerate(indices)}
+    if not all(v.is_nonnegative for v in sub.values()):
+        raise _Unknown(node)  # a negative index counts from the end
     sub.update({idx(len(indices) + j): idx(b + j) for j in range(rest)})
     return x.expr.xreplace(sub)
 
@@ -229,8 +238,8 @@ def _diff(node, shape, ev):
     x = ev(node.args[0])
     n, dim = _arg(node, 1, "n", 1), _arg(node, 2, "dim", -1) % len(shape)
     pre, app = _arg(node, 3, "prepend"), _arg(node, 4, "append")
-    if n != 1 or app is not None:
-        raise _Unknown(node)
+    if n != 1 or app is not None or _dtype(node) is torch.bool:
+        raise _Unknown(node)  # diff of bools is xor
     j = idx(dim)
     if pre is None:
         cat = x.expr
@@ -243,6 +252,8 @@ def _diff(node, shape, ev):
         cat = sympy.Piecewise((p.expr, j < width), (x.expr.xreplace({j: j - width}), True))
     return sympy.expand(cat.xreplace({j: j + 1}) - cat)
 
+
+_EXACT = (torch.bool, torch.int64, torch.int32)  # narrower integers wrap around
 
 _OPS = {
     aten.arange.default: _arange, aten.arange.start: _arange, aten.arange.start_step: _arange,
@@ -292,3 +303,7 @@ def is_causal_formula(f: Formula) -> bool:
         gap = lhs - rhs + (1 if isinstance(e, (sympy.Lt, sympy.Gt)) else 0)  # gap <= 0
         return sympy.expand(gap - (k - q)) == 0
     return False
+
+
+_LOGICAL = {aten.__and__.Tensor, aten.bitwise_and.Tensor, aten.__or__.Tensor,
+            aten.bitwise_or.Tensor}

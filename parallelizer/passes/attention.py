@@ -58,7 +58,8 @@ def _rewrite(graph: fx.Graph, node: fx.Node) -> bool:
         a["attn_mask"], a["is_causal"] = None, True
         dropped.append(mask)
     rk, rv = _repeated_kv(a["key"]), _repeated_kv(a["value"])
-    if rk and rv and rk[1] == rv[1] and not a.get("enable_gqa") and _heads(a["query"]) == _heads(rk[0]) * rk[1]:
+    if (rk and rv and rk[1] == rv[1] and _heads(rk[0]) == _heads(rv[0]) and not a.get("enable_gqa")
+            and _heads(a["query"]) == _heads(rk[0]) * rk[1]):
         dropped += [a["key"], a["value"]]
         a["key"], a["value"], a["enable_gqa"] = rk[0], rv[0], True
     if not dropped:
