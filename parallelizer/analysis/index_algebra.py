@@ -9,7 +9,7 @@ below, or a value read from an input, parameter or buffer, makes the formula unk
 (``None``): the caller then keeps the graph as it is.
 
 Semantics follow the ATen ops (broadcasting from the right, ``index.Tensor`` with the index
-tensors covering the leading dims, ``diff`` with ``prepend``, ``cumsum``).
+tensors covering the leading dims, ``diff`` with ``prepend``, ``cumsum``, ``tril``/``triu``).
 """
 from __future__ import annotations
 
@@ -221,6 +221,21 @@ def _where(node, shape, ev):
     return sympy.Piecewise((a, _bool(c)), (b, True))
 
 
+def _triangle(lower: bool):
+    """tril / triu: elements off the kept triangle of the last two dims become 0 / False."""
+    def rule(node, shape, ev):
+        x = ev(node.args[0])
+        d = _arg(node, 1, "diagonal", 0)
+        if len(shape) < 2 or not isinstance(d, int):
+            raise _Unknown(node)
+        gap = idx(len(shape) - 1) - idx(len(shape) - 2)
+        keep = sympy.Le(gap, d) if lower else sympy.Ge(gap, d)
+        if _dtype(node) is torch.bool:
+            return sympy.And(_bool(x.expr), keep)
+        return sympy.Piecewise((x.expr, keep), (0, True))
+    return rule
+
+
 # --- scans --------------------------------------------------------------------------------
 
 def _cumsum(node, shape, ev):
@@ -282,6 +297,8 @@ _OPS = {
     aten.bitwise_or.Tensor: _elementwise(lambda a, b: sympy.Or(_bool(a), _bool(b))),
     aten.logical_or.default: _elementwise(lambda a, b: sympy.Or(_bool(a), _bool(b))),
     aten.logical_not.default: _elementwise(lambda a: sympy.Not(_bool(a)), 1),
+    aten.bitwise_not.default: _elementwise(lambda a: sympy.Not(_bool(a)), 1),
+    aten.tril.default: _triangle(True), aten.triu.default: _triangle(False),
     aten.where.self: _where,
     aten.cumsum.default: _cumsum,
     aten.diff.default: _diff,
@@ -306,4 +323,4 @@ def is_causal_formula(f: Formula) -> bool:
 
 
 _LOGICAL = {aten.__and__.Tensor, aten.bitwise_and.Tensor, aten.__or__.Tensor,
-            aten.bitwise_or.Tensor}
+            aten.bitwise_or.Tensor, aten.bitwise_not.default}

@@ -99,6 +99,43 @@ def test_sliding_window_mask_is_not_causal():
     _assert_same_outputs(model, cap, batch)
 
 
+class HandWrittenAttention(torch.nn.Module):
+    """Attention as a user writes it: 4 query heads, 2 kv heads repeated by indexing +
+    expand + reshape, a boolean mask built one of several ways."""
+
+    def __init__(self, mask: str):
+        super().__init__()
+        self.mask = mask
+        self.q, self.k, self.v = (torch.nn.Linear(16, n) for n in (16, 8, 8))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, 4, 4).transpose(1, 2)
+        k, v = (p(x).view(b, t, 2, 4).transpose(1, 2)[:, :, None].expand(b, 2, 2, t, 4)
+                .reshape(b, 4, t, 4) for p in (self.k, self.v))
+        i, ones = torch.arange(t), torch.ones(t, t, dtype=torch.bool)
+        mask = {"le": i[None, :] <= i[:, None], "tril": ones.tril(), "not_triu": ~ones.triu(1),
+                "anti": i[None, :] >= i[:, None], "window": (i[None, :] <= i[:, None]) &
+                (i[None, :] > i[:, None] - 2), "tril_shifted": ones.tril(1)}[self.mask]
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("how,causal", [("le", True), ("tril", True), ("not_triu", True),
+                                        ("anti", False), ("window", False),
+                                        ("tril_shifted", False)])
+def test_hand_written_masks(how, causal):
+    """The proof reads the ops, whatever builds the mask; only k <= q for every size passes."""
+    torch.manual_seed(0)
+    model = HandWrittenAttention(how)
+    batch = {"x": torch.randn(2, 6, 16)}
+    cap = capture(model, batch, Path(how))
+    assert apply_eager_attention(cap.gm)  # the kv repeat at least
+    (n,) = _sdpas(cap.gm)
+    assert n.kwargs["enable_gqa"] and (_mask(n) is None) == causal, n.format_node()
+    assert bool(n.kwargs.get("is_causal")) == causal
+    _assert_same_outputs(model, cap, batch)
+
+
 @pytest.mark.parametrize("name,tp", [("example_llama", 2), ("example_llama", 4), ("gemma", 2)])
 def test_rewritten_attention_shards_and_matches_under_tp(name, tp):
     """The planner reads SDPA's enable_gqa as it reads repeat_kv: kv heads split at tp=2, a kv
