@@ -39,22 +39,25 @@ def apply_eager_attention(gm: fx.GraphModule) -> bool:
     Returns:
         True if the graph changed.
     """
-    changed = False
+    changed, causal = False, {}  # mask node -> proven causal (all layers share one mask)
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is SDPA:
-            changed |= _rewrite(gm.graph, node)
+            changed |= _rewrite(gm.graph, node, causal)
     if changed:
         gm.graph.lint()
         gm.recompile()
     return changed
 
 
-def _rewrite(graph: fx.Graph, node: fx.Node) -> bool:
+def _rewrite(graph: fx.Graph, node: fx.Node, causal: dict) -> bool:
     a = dict(zip(_PARAMS, node.args))
     a.update(node.kwargs)
     dropped = []
     mask = a.get("attn_mask")
-    if isinstance(mask, fx.Node) and not a.get("is_causal") and _is_causal_mask(mask, a["query"], a["key"]):
+    if isinstance(mask, fx.Node) and mask not in causal:
+        causal[mask] = _is_causal_formula_of(mask)
+    if (isinstance(mask, fx.Node) and not a.get("is_causal") and causal[mask]
+            and _mask_fits(mask, a["query"], a["key"])):
         a["attn_mask"], a["is_causal"] = None, True
         dropped.append(mask)
     rk, rv = _repeated_kv(a["key"]), _repeated_kv(a["value"])
@@ -83,19 +86,25 @@ def _heads(node):
     return s[-3] if len(s) >= 3 else None
 
 
-def _is_causal_mask(mask: fx.Node, q: fx.Node, k: fx.Node) -> bool:
-    """A boolean mask of shape (..., L, S) that broadcasts against the scores (..., H, L, S)
-    without enlarging them, and whose elements are ``k <= q``."""
+def _is_causal_formula_of(mask: fx.Node) -> bool:
+    """A boolean mask whose elements are ``k <= q`` on its last two dims."""
+    val = mask.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dtype != torch.bool:
+        return False
+    f = element_formula(mask)
+    return f is not None and is_causal_formula(f)
+
+
+def _mask_fits(mask: fx.Node, q: fx.Node, k: fx.Node) -> bool:
+    """The mask's shape (..., L, S) broadcasts against the scores (..., H, L, S) without
+    enlarging them, so dropping it leaves the output's shape as it is."""
     m, qs, ks = _shape(mask), _shape(q), _shape(k)
-    if not m or len(qs) < 3 or len(m) > len(qs) or mask.meta["val"].dtype != torch.bool:
+    if not m or len(qs) < 3 or len(m) > len(qs):
         return False
     scores = qs[:-1] + ks[-2:-1]
     if any(d != 1 and d != s for d, s in zip(m, scores[len(scores) - len(m):])):
         return False
-    if m[-2:] != scores[-2:]:
-        return False
-    f = element_formula(mask)
-    return f is not None and is_causal_formula(f)
+    return m[-2:] == scores[-2:]
 
 
 def _repeated_kv(node):
