@@ -5,6 +5,7 @@ the graph computes the same values, alone and under tensor parallelism (ranks in
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -35,11 +36,19 @@ def _mask(n):
     return n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask")
 
 
+_CAPTURED = {}  # name -> (model, batch, Captured): one capture per family in this module
+
+
 def _captured(name, batch=None):
-    model, batch_of, _ = {**ZOO, **EXAMPLES}[name]()
-    model.train()
-    batch = batch or batch_of()
-    return model, batch, capture(model, batch, Path(name))
+    """The family's model, batch and capture; the graph is a fresh copy for each caller."""
+    key = (name, batch is None)
+    if key not in _CAPTURED:
+        model, batch_of, _ = {**ZOO, **EXAMPLES}[name]()
+        model.train()
+        b = batch or batch_of()
+        _CAPTURED[key] = model, b, capture(model, b, Path(name))
+    model, b, cap = _CAPTURED[key]
+    return model, b, dataclasses.replace(cap, gm=copy.deepcopy(cap.gm))
 
 
 def _assert_same_outputs(model, cap, batch):
@@ -141,7 +150,7 @@ def test_rewritten_attention_shards_and_matches_under_tp(name, tp):
     """The planner reads SDPA's enable_gqa as it reads repeat_kv: kv heads split at tp=2, a kv
     copy per rank when tp > kv heads (Llama tp=4: 2 kv heads; Gemma: 1)."""
     model, batch, cap = _captured(name)
-    gm = copy.deepcopy(cap.gm)
+    gm = cap.gm
     apply_eager_attention(gm)
     d = plan_tp(gm.graph, tp)
     mats = block_matrices(model)
