@@ -10,6 +10,7 @@ backward ``sum``, a copy of k and v per layer). This pass rewrites, per SDPA nod
 - a mask whose elements are *proven* ``k <= q`` for every size (``analysis.index_algebra``:
   the mask's producer chain evaluated symbolically; any data-dependent input such as a
   padding ``attention_mask``, or a sliding window, fails the proof) -> ``is_causal=True``;
+  one proven True everywhere (an encoder's mask without padding) -> no mask;
 - k and v both repeated ``R`` times along the heads dim by unsqueeze + expand + reshape
   (query head ``h`` reads kv head ``h // R``) -> the unrepeated k, v and ``enable_gqa=True``
   (SDPA's own definition: query head ``h`` reads kv head ``h // (H / K)``).
@@ -22,6 +23,7 @@ scaled_dot_product_attention`` (the reference implementation in its docstring).
 """
 from __future__ import annotations
 
+import sympy
 import torch
 import torch.fx as fx
 
@@ -34,7 +36,8 @@ _INT_MAX = 2 ** 63 - 1
 
 
 def apply_eager_attention(gm: fx.GraphModule) -> bool:
-    """Rewrite every SDPA node whose mask is causal or whose k/v are repeated kv heads.
+    """Rewrite every SDPA node whose mask is causal or all True, or whose k/v are repeated
+    kv heads.
 
     Returns:
         True if the graph changed.
@@ -55,11 +58,15 @@ def _rewrite(graph: fx.Graph, node: fx.Node, causal: dict) -> bool:
     dropped = []
     mask = a.get("attn_mask")
     if isinstance(mask, fx.Node) and mask not in causal:
-        causal[mask] = _is_causal_formula_of(mask)
-    if (isinstance(mask, fx.Node) and not a.get("is_causal") and causal[mask]
-            and _mask_fits(mask, a["query"], a["key"])):
-        a["attn_mask"], a["is_causal"] = None, True
-        dropped.append(mask)
+        causal[mask] = _mask_kind(mask)
+    kind = causal.get(mask) if isinstance(mask, fx.Node) else None
+    if kind and _mask_fits(mask, a["query"], a["key"], whole=kind == "causal"):
+        if kind == "causal" and not a.get("is_causal"):
+            a["attn_mask"], a["is_causal"] = None, True
+            dropped.append(mask)
+        elif kind == "all":
+            a["attn_mask"] = None
+            dropped.append(mask)
     rk, rv = _repeated_kv(a["key"]), _repeated_kv(a["value"])
     if (rk and rv and rk[1] == rv[1] and _heads(rk[0]) == _heads(rv[0]) and not a.get("enable_gqa")
             and _heads(a["query"]) == _heads(rk[0]) * rk[1]):
@@ -86,25 +93,29 @@ def _heads(node):
     return s[-3] if len(s) >= 3 else None
 
 
-def _is_causal_formula_of(mask: fx.Node) -> bool:
-    """A boolean mask whose elements are ``k <= q`` on its last two dims."""
+def _mask_kind(mask: fx.Node):
+    """"causal" for a boolean mask whose elements are ``k <= q`` on its last two dims, "all"
+    for one that is True everywhere (bidirectional, no padding: no mask at all), else None."""
     val = mask.meta.get("val")
     if not isinstance(val, torch.Tensor) or val.dtype != torch.bool:
-        return False
+        return None
     f = element_formula(mask)
-    return f is not None and is_causal_formula(f)
+    if f is None:
+        return None
+    return "all" if f.expr is sympy.true else "causal" if is_causal_formula(f) else None
 
 
-def _mask_fits(mask: fx.Node, q: fx.Node, k: fx.Node) -> bool:
-    """The mask's shape (..., L, S) broadcasts against the scores (..., H, L, S) without
-    enlarging them, so dropping it leaves the output's shape as it is."""
+def _mask_fits(mask: fx.Node, q: fx.Node, k: fx.Node, whole: bool) -> bool:
+    """The mask broadcasts against the scores (..., H, L, S) without enlarging them, so
+    dropping it leaves the output's shape as it is; ``whole``: its last dims are (L, S)
+    (its formula's last two indices are the query and key positions)."""
     m, qs, ks = _shape(mask), _shape(q), _shape(k)
-    if not m or len(qs) < 3 or len(m) > len(qs):
+    if len(qs) < 3 or len(m) > len(qs):
         return False
     scores = qs[:-1] + ks[-2:-1]
     if any(d != 1 and d != s for d, s in zip(m, scores[len(scores) - len(m):])):
         return False
-    return m[-2:] == scores[-2:]
+    return not whole or m[-2:] == scores[-2:]
 
 
 def _repeated_kv(node):

@@ -1,5 +1,6 @@
 """The eager_attention pass (parallelizer/passes/attention.py): a mask proven causal becomes
-SDPA's ``is_causal``, kv heads repeated by unsqueeze + expand + reshape become ``enable_gqa``;
+SDPA's ``is_causal`` (one proven True everywhere goes), kv heads repeated by unsqueeze +
+expand + reshape become ``enable_gqa``;
 the graph computes the same values, alone and under tensor parallelism (ranks in lockstep).
 """
 from __future__ import annotations
@@ -125,23 +126,34 @@ class HandWrittenAttention(torch.nn.Module):
         i, ones = torch.arange(t), torch.ones(t, t, dtype=torch.bool)
         mask = {"le": i[None, :] <= i[:, None], "tril": ones.tril(), "not_triu": ~ones.triu(1),
                 "anti": i[None, :] >= i[:, None], "window": (i[None, :] <= i[:, None]) &
-                (i[None, :] > i[:, None] - 2), "tril_shifted": ones.tril(1)}[self.mask]
+                (i[None, :] > i[:, None] - 2), "tril_shifted": ones.tril(1),
+                "everywhere": i[None, :] >= 0}[self.mask]
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-@pytest.mark.parametrize("how,causal", [("le", True), ("tril", True), ("not_triu", True),
-                                        ("anti", False), ("window", False),
-                                        ("tril_shifted", False)])
-def test_hand_written_masks(how, causal):
-    """The proof reads the ops, whatever builds the mask; only k <= q for every size passes."""
+@pytest.mark.parametrize("how,kind", [("le", "causal"), ("tril", "causal"), ("not_triu", "causal"),
+                                      ("everywhere", "all"), ("anti", None), ("window", None),
+                                      ("tril_shifted", None)])
+def test_hand_written_masks(how, kind):
+    """The proof reads the ops, whatever builds the mask: k <= q for every size becomes
+    is_causal, True everywhere becomes no mask, anything else stays."""
     torch.manual_seed(0)
     model = HandWrittenAttention(how)
     batch = {"x": torch.randn(2, 6, 16)}
     cap = capture(model, batch, Path(how))
     assert apply_eager_attention(cap.gm)  # the kv repeat at least
     (n,) = _sdpas(cap.gm)
-    assert n.kwargs["enable_gqa"] and (_mask(n) is None) == causal, n.format_node()
-    assert bool(n.kwargs.get("is_causal")) == causal
+    assert n.kwargs["enable_gqa"] and (_mask(n) is None) == (kind is not None), n.format_node()
+    assert bool(n.kwargs.get("is_causal")) == (kind == "causal")
+    _assert_same_outputs(model, cap, batch)
+
+
+def test_encoder_mask_without_padding_is_dropped():
+    """RoBERTa without an attention_mask input: its bidirectional mask is True everywhere."""
+    model, batch, cap = _captured("roberta")
+    assert all(_mask(n) is not None for n in _sdpas(cap.gm))
+    assert apply_eager_attention(cap.gm)
+    assert all(_mask(n) is None and not n.kwargs.get("is_causal") for n in _sdpas(cap.gm))
     _assert_same_outputs(model, cap, batch)
 
 
