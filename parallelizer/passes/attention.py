@@ -42,24 +42,24 @@ def apply_eager_attention(gm: fx.GraphModule) -> bool:
     Returns:
         True if the graph changed.
     """
-    changed, causal = False, {}  # mask node -> proven causal (all layers share one mask)
+    changed, kinds = False, {}  # mask node -> its kind, proven once (layers share one mask)
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is SDPA:
-            changed |= _rewrite(gm.graph, node, causal)
+            changed |= _rewrite(gm.graph, node, kinds)
     if changed:
         gm.graph.lint()
         gm.recompile()
     return changed
 
 
-def _rewrite(graph: fx.Graph, node: fx.Node, causal: dict) -> bool:
+def _rewrite(graph: fx.Graph, node: fx.Node, kinds: dict) -> bool:
     a = dict(zip(_PARAMS, node.args))
     a.update(node.kwargs)
     dropped = []
     mask = a.get("attn_mask")
-    if isinstance(mask, fx.Node) and mask not in causal:
-        causal[mask] = _mask_kind(mask)
-    kind = causal.get(mask) if isinstance(mask, fx.Node) else None
+    if isinstance(mask, fx.Node) and mask not in kinds:
+        kinds[mask] = _mask_kind(mask)
+    kind = kinds.get(mask) if isinstance(mask, fx.Node) else None
     if kind and _mask_fits(mask, a["query"], a["key"], whole=kind == "causal"):
         if kind == "causal" and not a.get("is_causal"):
             a["attn_mask"], a["is_causal"] = None, True
@@ -76,7 +76,7 @@ def _rewrite(graph: fx.Graph, node: fx.Node, causal: dict) -> bool:
         return False
     node.args = (a.pop("query"), a.pop("key"), a.pop("value"))
     node.kwargs = {k: v for k, v in a.items() if v is not None}
-    for old in dropped:
+    for old in dict.fromkeys(dropped):  # k and v may be one node
         _erase_dead(graph, old)
     return True
 
@@ -94,8 +94,8 @@ def _heads(node):
 
 
 def _mask_kind(mask: fx.Node):
-    """"causal" for a boolean mask whose elements are ``k <= q`` on its last two dims, "all"
-    for one that is True everywhere (bidirectional, no padding: no mask at all), else None."""
+    """``"causal"``: a boolean mask whose elements are ``k <= q`` on its last two dims;
+    ``"all"``: True everywhere (bidirectional, no padding: no mask at all); else None."""
     val = mask.meta.get("val")
     if not isinstance(val, torch.Tensor) or val.dtype != torch.bool:
         return None
