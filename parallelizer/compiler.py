@@ -21,6 +21,7 @@ from .frontend import build_model, capture, example_batch, load_model_file
 from .needed_imports import modules_needed
 from .analysis.outputs import check_outputs_have_batch_dim, scalar_outputs
 from .passes.aliases import apply_untie
+from .passes.attention import apply_eager_attention
 from .passes.cleanup import apply_cleanup
 from .passes.dropout import apply_rng_streams
 from .passes.manager import PassManager
@@ -114,13 +115,16 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
 
     if mesh.pp > 1:
         check_outputs_have_batch_dim(gm, captured.input_names)
+    passes = PassManager(dump_passes)
+    # a pure rewrite of the captured graph (SDPA's is_causal / enable_gqa for the mask and the
+    # repeated kv heads export materialised): every planner below sees attention as eager runs it
+    passes.run("eager_attention", apply_eager_attention, gm)
     # facts and plan first, from the captured graph (global shapes); then the passes
     tp_decision = plan_tp(gm.graph, mesh.tp, spec.tensor_parallel.allow_replicated)  # raises early
     plan_vocab(gm.graph, mesh.tp, spec.tensor_parallel.vocab_parallel,
                {n: g[0] for g in groups for n in g}, tp_decision)
     tp_notes = [tp_summary(tp_decision, model), vocab_summary(tp_decision)] if mesh.tp > 1 else []
     dropout = plan_dropout(gm.graph, tp_decision.placements)
-    passes = PassManager(dump_passes)
     passes.run("cleanup", apply_cleanup, gm)
     blocks = find_blocks(model)
     canonical = {n: g[0] for g in groups for n in g}
