@@ -57,14 +57,17 @@ def _check_sharing(owned: list, canonical: dict, stage: int) -> None:
     ALBERT) would become two parameters with split gradients: refuse it at compile time.
 
     Raises:
-        PlanError: names the tensor and the modules sharing it.
+        PlanError: names the shared tensors (sorted, the first six) and the modules sharing
+            the first.
     """
     owners: dict = {}
     for owner, name in owned:
         owners.setdefault(canonical.get(name, name), {})[owner or "<stage root>"] = name
-    for fqn, by in owners.items():
-        if len(by) > 1:
-            raise PlanError(
-                f"{fqn} is shared by {', '.join(sorted(by))} (stage {stage}); weights shared "
-                f"across blocks (ALBERT-style) are not supported yet: give each block its own "
-                f"weights, or share only between the embedding and the LM head")
+    shared = sorted(fqn for fqn, by in owners.items() if len(by) > 1)
+    if shared:
+        more = f" and {len(shared) - 6} more" if len(shared) > 6 else ""
+        raise PlanError(
+            f"{', '.join(shared[:6])}{more} {'is' if len(shared) == 1 else 'are'} shared by "
+            f"{', '.join(sorted(owners[shared[0]]))} (stage {stage}); weights shared "
+            f"across blocks (ALBERT-style) are not supported yet: give each block its own "
+            f"weights, or share only between the embedding and the LM head")
