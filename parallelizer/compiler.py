@@ -28,6 +28,7 @@ from .passes.split_blocks import split_blocks
 from .passes.split_check import check_split
 from .plan import MODEL_MODULE
 from .passes.split_stages import split_stages
+from .passes.sequence_parallel import apply_sequence_parallel
 from .passes.tensor_parallel import apply_tensor_parallel
 from .analysis.graph_costs import collect_costs
 from .analysis.partition import GraphPartition
@@ -36,6 +37,7 @@ from .planning.pipeline import find_blocks, plan_from_costs
 from .planning.pipeline_summary import (check_microbatches, check_placement, summarize,
                                         virtual_stages_of)
 from .planning.tensors import build_plan, pipeline_structure, tied_groups
+from .planning.sequence import plan_sequence_parallel
 from .planning.tp import plan_tp, tp_summary
 from .program import Program
 from .reference import compute_reference
@@ -137,6 +139,10 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
     passes.run("tensor_parallel", apply_tensor_parallel, gm, tp_decision)
     passes.run("untie", apply_untie, gm, groups)
     passes.run("rng_streams", apply_rng_streams, gm, dropout)  # after costs: they see the ATen ops
+    # on the tp-rewritten graph (it finds the f and g operators); raises for "true"
+    sp_decision = plan_sequence_parallel(gm.graph, mesh.tp, spec.tensor_parallel.sequence_parallel_mode,
+                                         tp_decision.placements, dropout)
+    passes.run("sequence_parallel", apply_sequence_parallel, gm, sp_decision)
     stages = passes.run_split("split_stages", split_stages, gm, pp_decision, num_stages)
     block_graphs, block_notes = [], []
     for st in stages:
@@ -153,7 +159,7 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
             ref = compute_reference(stepped, batch, loss_fn or default_loss,
                                     captured.input_names, spec)
     warnings = list(tp_decision.warnings) + pp_warnings
-    tp_lines = tp_notes + tp_decision.warnings + tp_decision.report
+    tp_lines = tp_notes + tp_decision.warnings + tp_decision.report + sp_decision.report
     report = render_report(plan, captured.route, tp_lines, pipeline,
                            block_notes + describe_dropout(dropout), pp_warnings)
     return Program(plan, sources, report, model_file, spec.to_dict(), state, ref,

@@ -1,0 +1,138 @@
+"""sequence_parallel pass: apply a SequenceParallelDecision (Korthikanti et al. 2022, §4.2.2).
+
+- g (``reduce_from_tp_region``) on a region value -> ``reduce_scatter_to_sequence_parallel_region``;
+  f (``copy_to_tp_region``) reading a region value -> ``all_gather_from_sequence_parallel_region``.
+- a replicated value read by the region -> ``split_to_sequence_parallel_region`` (its local
+  slice), once per value, read by the region's nodes only (:func:`enter_region`: the one
+  place a vocab-parallel embedding's Partial output would be reduce-scattered instead).
+- a region value read outside -> ``gather_from_sequence_parallel_region`` for those readers.
+- a parameter broadcast into the region -> f on that edge (its gradient is partial over tp).
+- view sizes holding the global sequence length -> the local one
+  (``sequence_shard_length``, which also checks divisibility at run time).
+- region dropouts -> ``random_op_on_sequence_shard`` (their slice of the full mask).
+
+Region values get ``node.meta["sequence_shard"] = (dim, flat, tp)``: their local value is
+1/tp of the recorded (global) shape along ``dim`` (split_stages reads it when it recomputes
+a size from a stage input).
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from ..decisions import SequenceParallelDecision
+from ..analysis.graph_facts import aten
+from ..runtime.rng import random_op
+from ..runtime.sequence import (all_gather_from_sequence_parallel_region,
+                                gather_from_sequence_parallel_region,
+                                random_op_on_sequence_shard,
+                                reduce_scatter_to_sequence_parallel_region,
+                                sequence_shard_length, split_to_sequence_parallel_region)
+from ..runtime.tp import copy_to_tp_region
+
+SEQUENCE_SHARD = "sequence_shard"
+
+
+def apply_sequence_parallel(gm: fx.GraphModule, d: SequenceParallelDecision) -> bool:
+    """Rewrite ``gm`` in place; returns whether anything changed."""
+    if not d.enabled:
+        return False
+    graph = gm.graph
+    by_name = {n.name: n for n in graph.nodes}
+    seq = _global_seq(graph, by_name, d.seq)
+    local = _local_seq(graph, seq, d.tp)
+    region = {by_name[k] for k in d.region}
+
+    def seq_arg(place):
+        return seq if place[1] else None
+
+    for name, place in d.reduce_scatter.items():
+        n = by_name[name]
+        n.target, n.args = reduce_scatter_to_sequence_parallel_region, (n.args[0], place[0], seq_arg(place))
+    for name, place in d.all_gather.items():
+        n = by_name[name]
+        n.target, n.args = all_gather_from_sequence_parallel_region, (n.args[0], place[0], seq_arg(place))
+    for name, place in d.splits.items():
+        enter_region(graph, by_name[name], place, seq_arg(place), region, d.tp)
+    for name, readers in d.exits.items():
+        _exit(graph, by_name[name], d.region[name], seq_arg(d.region[name]),
+              [by_name[r] for r in readers])
+    for name, a in d.param_inputs:
+        n, x = by_name[name], by_name[a]
+        with graph.inserting_before(n):
+            f = graph.call_function(copy_to_tp_region, (x,))
+        f.meta = dict(x.meta)
+        n.replace_input_with(x, f)
+    for name, positions in d.views.items():
+        n = by_name[name]
+        args = list(n.args)
+        for arg, index in positions:
+            sizes = list(args[arg])
+            sizes[index] = local
+            args[arg] = sizes
+        n.args = tuple(args)
+    for name, place in d.dropouts.items():
+        n = by_name[name]
+        if n.target is random_op:
+            stream, op, *rest = n.args
+            n.target, n.args = random_op_on_sequence_shard, (stream, op, place[0], seq_arg(place), *rest)
+    for n in region:
+        n.meta[SEQUENCE_SHARD] = (*d.region[n.name], d.tp)
+    _sizes_from_region(graph, region, seq)
+    graph.lint()
+    gm.recompile()
+    return True
+
+
+def enter_region(graph: fx.Graph, x: fx.Node, place, seq, region: set, tp: int) -> fx.Node:
+    """``x`` (replicated on every tp rank) enters the sequence-parallel region as this rank's
+    slice for the region's readers. A vocab-parallel embedding (Partial output) would
+    enter through a reduce-scatter here instead of an all-reduce and this slice."""
+    with graph.inserting_after(x):
+        s = graph.call_function(split_to_sequence_parallel_region, (x, place[0], seq))
+    s.meta = dict(x.meta)
+    s.meta[SEQUENCE_SHARD] = (*place, tp)
+    for u in list(x.users):
+        if u in region:
+            u.replace_input_with(x, s)
+    return s
+
+
+def _exit(graph, x, place, seq, readers) -> None:
+    with graph.inserting_after(x):
+        g = graph.call_function(gather_from_sequence_parallel_region, (x, place[0], seq))
+    g.meta = {k: v for k, v in x.meta.items() if k != SEQUENCE_SHARD}
+    for u in readers:
+        u.replace_input_with(x, g)
+
+
+def _global_seq(graph, by_name, source):
+    """A node holding the global sequence length (``sym_size`` of the input it was read
+    from, after the placeholders), or the int of a static one."""
+    if isinstance(source, int):
+        return source
+    name, dim = source
+    ph = by_name[name]
+    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    with graph.inserting_after(last):
+        n = graph.call_function(aten.sym_size.int, (ph, dim))
+    n.meta["val"] = ph.meta["val"].shape[dim]
+    return n
+
+
+def _local_seq(graph, seq, tp):
+    if isinstance(seq, int):
+        return sequence_shard_length(seq, tp)  # static: checked now
+    with graph.inserting_after(seq):
+        n = graph.call_function(sequence_shard_length, (seq, tp))
+    n.meta["val"] = seq.meta["val"] // tp
+    return n
+
+
+def _sizes_from_region(graph, region, seq) -> None:
+    """A ``sym_size`` read of a region value's sequence dim gives the local length: the
+    graph's readers meant the global one."""
+    for n in list(graph.nodes):
+        if n.target is aten.sym_size.int and n.args[0] in region and n is not seq:
+            dim, flat, _tp = n.args[0].meta[SEQUENCE_SHARD]
+            if n.args[1] == dim and not flat and not isinstance(seq, int):
+                n.replace_all_uses_with(seq)

@@ -1,0 +1,194 @@
+"""Sequence-parallel operators (Korthikanti et al. 2022, "Reducing Activation Recomputation
+in Large Transformer Models", §4.2.2, Fig. 5).
+
+Between the tensor-parallel regions (norms, dropout, residual adds) each tp rank holds only
+its shard of the sequence: ``Shard(dim)`` of a (batch, seq, ...) value, rank ``r`` holding
+positions ``[r * s / tp, (r + 1) * s / tp)``. A value whose batch and sequence dims were
+flattened into one (GPT-2's Conv1D reads (batch * seq, hidden)) is handled by giving the
+operators the global sequence length ``seq``: they unflatten ``dim`` into (batch, seq), work
+on the sequence and flatten back, so the local rows are (batch, seq / tp) flattened.
+
+- :func:`reduce_scatter_to_sequence_parallel_region` is Megatron's g under sequence
+  parallelism: the Partial outputs of a row_parallel linear are summed and scattered along the
+  sequence (backward: all-gather).
+- :func:`all_gather_from_sequence_parallel_region` is f: the sequence shards are gathered
+  before column_parallel linears (backward: reduce-scatter of the ranks' partial gradients).
+- :func:`split_to_sequence_parallel_region`: a replicated value (the embedding's output,
+  GPT-2's position embedding) enters a sequence-parallel region as this rank's slice, no
+  communication; backward all-gathers, since every rank computed the same full value and
+  needs the gradient of all of it.
+- :func:`gather_from_sequence_parallel_region`: a sequence-parallel value leaves to
+  replicated compute (the LM head, the model's outputs): all-gather; backward keeps this
+  rank's slice, since every rank then computes the same full gradient.
+
+Sequence lengths are dynamic; one not divisible by the tp degree fails at the first
+operator with :class:`SequenceLengthError` (no padding: padded positions would enter the
+norms' and residuals' results and the attention of the next layer).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import rng
+from .tp import tp_group
+
+
+class SequenceLengthError(ValueError):
+    """A sequence length not divisible by the tp degree under sequence parallelism."""
+
+
+def _size() -> int:
+    group = tp_group()
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _rank() -> int:
+    group = tp_group()
+    return 0 if group is None else dist.get_rank(group)
+
+
+def _check(length: int, tp: int) -> None:
+    if length % tp:
+        raise SequenceLengthError(
+            f"sequence parallelism: the sequence length ({length}) is not divisible by mesh.tp "
+            f"({tp}); feed sequences whose length is a multiple of {tp} (pad them in the data "
+            f"pipeline), or compile with tensor_parallel.sequence_parallel=false")
+
+
+def sequence_shard_length(seq: int, tp: int) -> int:
+    """This rank's sequence length ``seq / tp`` (the shape constants of views in a
+    sequence-parallel region). Raises SequenceLengthError when ``tp`` does not divide ``seq``."""
+    _check(int(seq), tp)
+    return seq // tp
+
+
+def _unflat(x: torch.Tensor, dim: int, seq):
+    """(tensor with the sequence on its own dim, that dim, how to undo it)."""
+    if seq is None:
+        return x, dim, lambda t: t
+    return x.unflatten(dim, (-1, seq)), dim + 1, lambda t: t.flatten(dim, dim + 1)
+
+
+def _all_gather(x: torch.Tensor, dim: int, seq_local) -> torch.Tensor:
+    tp = _size()
+    u, d, back = _unflat(x, dim, seq_local)
+    moved = u.movedim(d, 0).contiguous()
+    out = moved.new_empty((moved.shape[0] * tp,) + tuple(moved.shape[1:]))
+    dist.all_gather_into_tensor(out, moved, group=tp_group())
+    return back(out.movedim(0, d))
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, seq) -> torch.Tensor:
+    tp = _size()
+    u, d, back = _unflat(x, dim, seq)
+    _check(u.shape[d], tp)
+    moved = u.movedim(d, 0).contiguous()
+    out = moved.new_empty((moved.shape[0] // tp,) + tuple(moved.shape[1:]))
+    dist.reduce_scatter_tensor(out, moved, group=tp_group())
+    return back(out.movedim(0, d).contiguous())
+
+
+def _split(x: torch.Tensor, dim: int, seq) -> torch.Tensor:
+    tp = _size()
+    u, d, back = _unflat(x, dim, seq)
+    _check(u.shape[d], tp)
+    n = u.shape[d] // tp
+    return back(u.narrow(d, _rank() * n, n).contiguous())
+
+
+def _local(seq, tp):
+    return None if seq is None else seq // tp
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, seq):
+        ctx.dim, ctx.seq = dim, seq
+        return _reduce_scatter(x, dim, seq)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.dim, _local(ctx.seq, _size())), None, None
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, seq):
+        ctx.dim, ctx.seq = dim, seq
+        return _all_gather(x, dim, _local(seq, _size()))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.dim, ctx.seq), None, None
+
+
+class _Split(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, seq):
+        ctx.dim, ctx.seq = dim, seq
+        return _split(x, dim, seq)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.dim, _local(ctx.seq, _size())), None, None
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, seq):
+        ctx.dim, ctx.seq = dim, seq
+        return _all_gather(x, dim, _local(seq, _size()))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(grad, ctx.dim, ctx.seq), None, None
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, dim: int, seq=None):
+    """g under sequence parallelism: (..., s, ...) Partial -> (..., s / tp, ...) summed over
+    tp. ``seq``: the global sequence length when ``dim`` is batch and sequence flattened."""
+    return x if _size() == 1 else _ReduceScatter.apply(x, dim, seq)
+
+
+def all_gather_from_sequence_parallel_region(x: torch.Tensor, dim: int, seq=None):
+    """f under sequence parallelism: (..., s / tp, ...) -> (..., s, ...) before
+    column_parallel linears; the gradient is reduce-scattered."""
+    return x if _size() == 1 else _AllGather.apply(x, dim, seq)
+
+
+def split_to_sequence_parallel_region(x: torch.Tensor, dim: int, seq=None):
+    """A replicated value entering a sequence-parallel region: this rank's slice (no
+    communication); the gradient is all-gathered. The seam where a vocab-parallel
+    embedding's all-reduce + split becomes one reduce-scatter."""
+    return x if _size() == 1 else _Split.apply(x, dim, seq)
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor, dim: int, seq=None):
+    """A sequence-parallel value leaving to replicated compute: all-gather; backward keeps
+    this rank's slice of the (identical on every rank) gradient."""
+    return x if _size() == 1 else _Gather.apply(x, dim, seq)
+
+
+def random_op_on_sequence_shard(stream: str, op: str, dim: int, seq, *args, **kwargs):
+    """A dropout (``rng.random_op``) on this rank's sequence shard ``args[0]`` that applies
+    this rank's slice of the mask the unsharded program draws: the mask of the full shape is
+    drawn from ``stream`` (on ones, so it holds the scale too) and sliced. Same outputs as
+    the op (dropout: the tensor; native_dropout: (tensor, mask)). Costs one full-shape
+    mask per call (transient)."""
+    x, rest = args[0], args[1:]
+    tp = _size()
+    if tp == 1:
+        return rng.random_op(stream, op, *args, **kwargs)
+    u, d, back = _unflat(x, dim, _local(seq, tp))
+    full = list(u.shape)
+    full[d] *= tp
+    drawn = rng.random_op(stream, op, u.new_ones(full), *rest, **kwargs)
+    n = u.shape[d]
+
+    def mine(t):
+        return back(t.narrow(d, _rank() * n, n))
+
+    if isinstance(drawn, tuple):  # native_dropout: (ones * mask * scale, mask)
+        return x * mine(drawn[0]), mine(drawn[1])
+    return x * mine(drawn)
