@@ -39,7 +39,7 @@ def apply_sequence_parallel(gm: fx.GraphModule, d: SequenceParallelDecision) -> 
     graph = gm.graph
     by_name = {n.name: n for n in graph.nodes}
     seq = _global_seq(graph, by_name, d.seq)
-    local = _local_seq(graph, seq, d.tp)
+    local = _local_seq(graph, seq, d.tp) if d.views else None
     region = {by_name[k] for k in d.region}
 
     def seq_arg(place):

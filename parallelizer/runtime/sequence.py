@@ -38,14 +38,33 @@ class SequenceLengthError(ValueError):
     """A sequence length not divisible by the tp degree under sequence parallelism."""
 
 
-def _size() -> int:
-    group = tp_group()
-    return 1 if group is None else dist.get_world_size(group)
+class ProcessGroupComm:
+    """The transport of the operators: torch.distributed collectives over the tp group
+    (``runtime/tp.py``'s). Tests simulating tp ranks in one process give their own object
+    with the same four members."""
+
+    def size(self) -> int:
+        group = tp_group()
+        return 1 if group is None else dist.get_world_size(group)
+
+    def rank(self) -> int:
+        group = tp_group()
+        return 0 if group is None else dist.get_rank(group)
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Concatenate the ranks' contiguous ``t`` along dim 0, in rank order."""
+        out = t.new_empty((t.shape[0] * self.size(),) + tuple(t.shape[1:]))
+        dist.all_gather_single(out, t, group=tp_group())
+        return out
+
+    def reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum the ranks' contiguous ``t`` and keep this rank's 1/tp of dim 0."""
+        out = t.new_empty((t.shape[0] // self.size(),) + tuple(t.shape[1:]))
+        dist.reduce_scatter_single(out, t, group=tp_group())
+        return out
 
 
-def _rank() -> int:
-    group = tp_group()
-    return 0 if group is None else dist.get_rank(group)
+COMM = ProcessGroupComm()
 
 
 def _check(length: int, tp: int) -> None:
@@ -70,114 +89,89 @@ def _unflat(x: torch.Tensor, dim: int, seq):
     return x.unflatten(dim, (-1, seq)), dim + 1, lambda t: t.flatten(dim, dim + 1)
 
 
-def _all_gather(x: torch.Tensor, dim: int, seq_local) -> torch.Tensor:
-    tp = _size()
-    u, d, back = _unflat(x, dim, seq_local)
-    moved = u.movedim(d, 0).contiguous()
-    out = moved.new_empty((moved.shape[0] * tp,) + tuple(moved.shape[1:]))
-    dist.all_gather_into_tensor(out, moved, group=tp_group())
-    return back(out.movedim(0, d))
-
-
-def _reduce_scatter(x: torch.Tensor, dim: int, seq) -> torch.Tensor:
-    tp = _size()
-    u, d, back = _unflat(x, dim, seq)
-    _check(u.shape[d], tp)
-    moved = u.movedim(d, 0).contiguous()
-    out = moved.new_empty((moved.shape[0] // tp,) + tuple(moved.shape[1:]))
-    dist.reduce_scatter_tensor(out, moved, group=tp_group())
-    return back(out.movedim(0, d).contiguous())
-
-
-def _split(x: torch.Tensor, dim: int, seq) -> torch.Tensor:
-    tp = _size()
-    u, d, back = _unflat(x, dim, seq)
-    _check(u.shape[d], tp)
-    n = u.shape[d] // tp
-    return back(u.narrow(d, _rank() * n, n).contiguous())
-
-
 def _local(seq, tp):
     return None if seq is None else seq // tp
 
 
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, seq):
-        ctx.dim, ctx.seq = dim, seq
-        return _reduce_scatter(x, dim, seq)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim, _local(ctx.seq, _size())), None, None
+def _all_gather(comm, x: torch.Tensor, dim: int, seq) -> torch.Tensor:
+    """``seq``: the global length when ``dim`` is flattened (batch, seq), else None."""
+    u, d, back = _unflat(x, dim, _local(seq, comm.size()))
+    out = comm.all_gather(u.movedim(d, 0).contiguous())
+    return back(out.movedim(0, d))
 
 
-class _AllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, seq):
-        ctx.dim, ctx.seq = dim, seq
-        return _all_gather(x, dim, _local(seq, _size()))
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.dim, ctx.seq), None, None
+def _reduce_scatter(comm, x: torch.Tensor, dim: int, seq) -> torch.Tensor:
+    u, d, back = _unflat(x, dim, seq)
+    _check(u.shape[d], comm.size())
+    out = comm.reduce_scatter(u.movedim(d, 0).contiguous())
+    return back(out.movedim(0, d).contiguous())
 
 
-class _Split(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, seq):
-        ctx.dim, ctx.seq = dim, seq
-        return _split(x, dim, seq)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim, _local(ctx.seq, _size())), None, None
+def _split(comm, x: torch.Tensor, dim: int, seq) -> torch.Tensor:
+    tp = comm.size()
+    u, d, back = _unflat(x, dim, seq)
+    _check(u.shape[d], tp)
+    n = u.shape[d] // tp
+    return back(u.narrow(d, comm.rank() * n, n).contiguous())
 
 
-class _Gather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, seq):
-        ctx.dim, ctx.seq = dim, seq
-        return _all_gather(x, dim, _local(seq, _size()))
+def _operator(forward, backward):
+    """An autograd Function ``apply(x, dim, seq, comm)`` running ``forward`` / ``backward``."""
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _split(grad, ctx.dim, ctx.seq), None, None
+    class Op(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, dim, seq, comm):
+            ctx.args = (dim, seq, comm)
+            return forward(comm, x, dim, seq)
+
+        @staticmethod
+        def backward(ctx, grad):
+            dim, seq, comm = ctx.args
+            return backward(comm, grad, dim, seq), None, None, None
+
+    return Op
+
+
+ReduceScatter = _operator(_reduce_scatter, _all_gather)
+AllGather = _operator(_all_gather, _reduce_scatter)
+Split = _operator(_split, _all_gather)
+Gather = _operator(_all_gather, _split)
 
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, dim: int, seq=None):
     """g under sequence parallelism: (..., s, ...) Partial -> (..., s / tp, ...) summed over
     tp. ``seq``: the global sequence length when ``dim`` is batch and sequence flattened."""
-    return x if _size() == 1 else _ReduceScatter.apply(x, dim, seq)
+    return x if COMM.size() == 1 else ReduceScatter.apply(x, dim, seq, COMM)
 
 
 def all_gather_from_sequence_parallel_region(x: torch.Tensor, dim: int, seq=None):
     """f under sequence parallelism: (..., s / tp, ...) -> (..., s, ...) before
     column_parallel linears; the gradient is reduce-scattered."""
-    return x if _size() == 1 else _AllGather.apply(x, dim, seq)
+    return x if COMM.size() == 1 else AllGather.apply(x, dim, seq, COMM)
 
 
 def split_to_sequence_parallel_region(x: torch.Tensor, dim: int, seq=None):
     """A replicated value entering a sequence-parallel region: this rank's slice (no
     communication); the gradient is all-gathered. The seam where a vocab-parallel
     embedding's all-reduce + split becomes one reduce-scatter."""
-    return x if _size() == 1 else _Split.apply(x, dim, seq)
+    return x if COMM.size() == 1 else Split.apply(x, dim, seq, COMM)
 
 
 def gather_from_sequence_parallel_region(x: torch.Tensor, dim: int, seq=None):
     """A sequence-parallel value leaving to replicated compute: all-gather; backward keeps
     this rank's slice of the (identical on every rank) gradient."""
-    return x if _size() == 1 else _Gather.apply(x, dim, seq)
+    return x if COMM.size() == 1 else Gather.apply(x, dim, seq, COMM)
 
 
-def random_op_on_sequence_shard(stream: str, op: str, dim: int, seq, *args, **kwargs):
+def random_op_on_sequence_shard(stream: str, op: str, dim: int, seq, *args, comm=None, **kwargs):
     """A dropout (``rng.random_op``) on this rank's sequence shard ``args[0]`` that applies
     this rank's slice of the mask the unsharded program draws: the mask of the full shape is
     drawn from ``stream`` (on ones, so it holds the scale too) and sliced. Same outputs as
     the op (dropout: the tensor; native_dropout: (tensor, mask)). Costs one full-shape
     mask per call (transient)."""
     x, rest = args[0], args[1:]
-    tp = _size()
+    comm = comm or COMM
+    tp = comm.size()
     if tp == 1:
         return rng.random_op(stream, op, *args, **kwargs)
     u, d, back = _unflat(x, dim, _local(seq, tp))
@@ -187,7 +181,7 @@ def random_op_on_sequence_shard(stream: str, op: str, dim: int, seq, *args, **kw
     n = u.shape[d]
 
     def mine(t):
-        return back(t.narrow(d, _rank() * n, n))
+        return back(t.narrow(d, comm.rank() * n, n))
 
     if isinstance(drawn, tuple):  # native_dropout: (ones * mask * scale, mask)
         return x * mine(drawn[0]), mine(drawn[1])
