@@ -7,7 +7,8 @@ on the emitted blocks attribute the bytes to the block that saved them, so activ
 checkpointing can be applied afterwards: a checkpointed block keeps only its inputs and
 recomputes its saved tensors in backward, one block at a time (Korthikanti et al. 2022,
 §4.1; ``torch.utils.checkpoint`` non-reentrant). The tp collectives are identities here (no
-process group), and the emitted stages hold tp-local shapes, so the sizes are per tp rank.
+process group), and the emitted stages hold tp-local shapes, so the sizes are per tp rank;
+sequence-parallel operators give a tp rank's shapes (``runtime.sequence.ShapeComm``).
 Under ``mixed_precision`` the saved floating-point bytes are scaled by the ``param_dtype``
 size (an approximation: normalisations that upcast save some fp32 tensors).
 """
@@ -65,11 +66,14 @@ def _microbatch(plan: ParallelPlan, batch, mode) -> list:
 
 def stage_activations(stages: list, plan: ParallelPlan, batch, loss_fn, mode) -> list[tuple[int, int]]:
     """Per stage: (bytes kept per microbatch, transient bytes of one block's recompute)."""
-    from .runtime import tp
+    from .runtime import sequence, tp
     group = tp.tp_group()
     tp.set_tp_group(None)  # f and g as identities: no collective on FakeTensors
     try:
-        return _stage_activations(stages, plan, batch, loss_fn, mode)
+        # sequence-parallel regions hold 1/tp of the sequence: their operators give the
+        # shapes a tp rank has (Korthikanti et al. 2022, Table 2: sbh/t (34 + 5as/h))
+        with sequence.using_comm(sequence.ShapeComm(plan.mesh["tp"])):
+            return _stage_activations(stages, plan, batch, loss_fn, mode)
     finally:
         tp.set_tp_group(group)
 

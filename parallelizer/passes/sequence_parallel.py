@@ -60,7 +60,7 @@ def apply_sequence_parallel(gm: fx.GraphModule, d: SequenceParallelDecision) -> 
         n, x = by_name[name], by_name[a]
         with graph.inserting_before(n):
             f = graph.call_function(copy_to_tp_region, (x,))
-        f.meta = dict(x.meta)
+        f.meta = _reader_meta(x, n)
         n.replace_input_with(x, f)
     for name, positions in d.views.items():
         n = by_name[name]
@@ -98,11 +98,28 @@ def enter_region(graph: fx.Graph, x: fx.Node, place, seq, region: set, tp: int) 
 
 
 def _exit(graph, x, place, seq, readers) -> None:
-    with graph.inserting_after(x):
+    """Gather ``x`` before its first reader outside, in that reader's module (a pipeline
+    boundary between them then carries the shard)."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    first = min(readers, key=lambda u: order[u])
+    with graph.inserting_before(first):
         g = graph.call_function(gather_from_sequence_parallel_region, (x, place[0], seq))
-    g.meta = {k: v for k, v in x.meta.items() if k != SEQUENCE_SHARD}
+    g.meta = _reader_meta(x, first)
+    g.meta.pop(SEQUENCE_SHARD, None)
     for u in readers:
         u.replace_input_with(x, g)
+
+
+def _reader_meta(x: fx.Node, reader: fx.Node) -> dict:
+    """``x``'s value metadata in ``reader``'s module: an inserted node belongs to the block
+    (and pipeline stage) of the node that reads it."""
+    meta = dict(x.meta)
+    for key in ("nn_module_stack", "stack_trace"):
+        if key in reader.meta:
+            meta[key] = reader.meta[key]
+        else:
+            meta.pop(key, None)
+    return meta
 
 
 def _global_seq(graph, by_name, source):

@@ -27,6 +27,8 @@ norms' and residuals' results and the attention of the next layer).
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -67,6 +69,38 @@ class ProcessGroupComm:
 COMM = ProcessGroupComm()
 
 
+class ShapeComm:
+    """Rank 0 of ``tp`` ranks without communicating: the collectives give the shapes they
+    would (gathered rows are this rank's repeated), for FakeTensor tracing of a stage's
+    per-rank activations (``memory_activations.py``)."""
+
+    def __init__(self, tp: int):
+        self.tp = tp
+
+    def size(self) -> int:
+        return self.tp
+
+    def rank(self) -> int:
+        return 0
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t] * self.tp, 0)
+
+    def reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
+        return t.narrow(0, 0, t.shape[0] // self.tp).clone()
+
+
+@contextlib.contextmanager
+def using_comm(comm):
+    """Within the block, the sequence-parallel operators use ``comm`` as their transport."""
+    global COMM
+    before, COMM = COMM, comm
+    try:
+        yield
+    finally:
+        COMM = before
+
+
 def _check(length: int, tp: int) -> None:
     if length % tp:
         raise SequenceLengthError(
@@ -97,7 +131,8 @@ def _all_gather(comm, x: torch.Tensor, dim: int, seq) -> torch.Tensor:
     """``seq``: the global length when ``dim`` is flattened (batch, seq), else None."""
     u, d, back = _unflat(x, dim, _local(seq, comm.size()))
     out = comm.all_gather(u.movedim(d, 0).contiguous())
-    return back(out.movedim(0, d))
+    # contiguous: q, k and v (gate and up) then share one saved input, not a copy each
+    return back(out.movedim(0, d).contiguous())
 
 
 def _reduce_scatter(comm, x: torch.Tensor, dim: int, seq) -> torch.Tensor:
