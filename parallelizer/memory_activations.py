@@ -64,8 +64,10 @@ def _microbatch(plan: ParallelPlan, batch, mode) -> list:
     return [mode.from_tensor(t[:rows]) for t in flat]
 
 
-def stage_activations(stages: list, plan: ParallelPlan, batch, loss_fn, mode) -> list[tuple[int, int]]:
-    """Per stage: (bytes kept per microbatch, transient bytes of one block's recompute)."""
+def stage_activations(stages: list, plan: ParallelPlan, batch, loss_fn, mode,
+                      per_block: dict | None = None) -> list[tuple[int, int]]:
+    """Per stage: (bytes kept per microbatch, transient bytes of one block's recompute).
+    ``per_block``, if given, gets block FQN -> bytes its forward saved (not checkpointed)."""
     from .runtime import sequence, tp
     group = tp.tp_group()
     tp.set_tp_group(None)  # f and g as identities: no collective on FakeTensors
@@ -73,12 +75,13 @@ def stage_activations(stages: list, plan: ParallelPlan, batch, loss_fn, mode) ->
         # sequence-parallel regions hold 1/tp of the sequence: their operators give the
         # shapes a tp rank has (Korthikanti et al. 2022, Table 2: sbh/t (34 + 5as/h))
         with sequence.using_comm(sequence.ShapeComm(plan.mesh["tp"])):
-            return _stage_activations(stages, plan, batch, loss_fn, mode)
+            return _stage_activations(stages, plan, batch, loss_fn, mode, per_block)
     finally:
         tp.set_tp_group(group)
 
 
-def _stage_activations(stages: list, plan: ParallelPlan, batch, loss_fn, mode) -> list[tuple[int, int]]:
+def _stage_activations(stages: list, plan: ParallelPlan, batch, loss_fn, mode,
+                       per_block: dict | None) -> list[tuple[int, int]]:
     scale = DTYPE_BYTES[plan.param_dtype] / 4
     inputs = _microbatch(plan, batch, mode)
     target = None
@@ -104,6 +107,8 @@ def _stage_activations(stages: list, plan: ParallelPlan, batch, loss_fn, mode) -
         kept, recompute = rec.saved.get(None, 0), 0
         for name, _ in stage.emitted_blocks():
             saved = rec.saved.get(name, 0)
+            if per_block is not None:
+                per_block[name] = saved
             if name in plan.checkpointed:
                 kept += block_inputs.get(name, 0)
                 recompute = max(recompute, saved)

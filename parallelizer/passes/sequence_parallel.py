@@ -17,12 +17,14 @@ a size from a stage input).
 """
 from __future__ import annotations
 
+import operator
+
 import torch.fx as fx
 
 from ..decisions import SequenceParallelDecision
 from ..analysis.graph_facts import aten
 from ..runtime.rng import random_op
-from ..runtime.sequence import (all_gather_from_sequence_parallel_region,
+from ..runtime.sequence import (all_gather_from_sequence_parallel_region, gathered_linears,
                                 gather_from_sequence_parallel_region,
                                 random_op_on_sequence_shard,
                                 reduce_scatter_to_sequence_parallel_region,
@@ -51,6 +53,8 @@ def apply_sequence_parallel(gm: fx.GraphModule, d: SequenceParallelDecision) -> 
     for name, place in d.all_gather.items():
         n = by_name[name]
         n.target, n.args = all_gather_from_sequence_parallel_region, (n.args[0], place[0], seq_arg(place))
+    for name in d.all_gather:
+        _fuse_linears(graph, by_name[name])
     for name, place in d.splits.items():
         enter_region(graph, by_name[name], place, seq_arg(place), region, d.tp)
     for name, readers in d.exits.items():
@@ -81,6 +85,56 @@ def apply_sequence_parallel(gm: fx.GraphModule, d: SequenceParallelDecision) -> 
     graph.lint()
     gm.recompile()
     return True
+
+
+def _linear_kind(u: fx.Node, x: fx.Node):
+    """("linear" | "addmm" | "mm", weight, bias) when ``u`` is a linear reading ``x`` as
+    its input, else None."""
+    if u.kwargs:
+        return None
+    if u.target is aten.linear.default and u.args[0] is x and x not in u.args[1:]:
+        return "linear", u.args[1], (u.args[2] if len(u.args) > 2 else None)
+    if u.target is aten.addmm.default and len(u.args) == 3 and u.args[1] is x \
+            and x not in (u.args[0], u.args[2]):
+        return "addmm", u.args[2], u.args[0]
+    if u.target is aten.mm.default and u.args[0] is x and u.args[1] is not x:
+        return "mm", u.args[1], None
+    return None
+
+
+def _fuse_linears(graph: fx.Graph, ag: fx.Node) -> None:
+    """All-gather + the column_parallel linears reading it -> one ``gathered_linears`` (it
+    keeps the shard for backward, not the gathered input; runtime/sequence.py), when every
+    reader of ``ag`` is such a linear whose weight and bias exist before the first one."""
+    users = sorted(ag.users, key=_position(graph))
+    kinds = [_linear_kind(u, ag) for u in users]
+    if not users or None in kinds:
+        return
+    order = _position(graph)
+    first = users[0]
+    params = [p for _k, w, b in kinds for p in (w, b)]
+    if any(isinstance(p, fx.Node) and order(p) > order(first) for p in params):
+        return
+    shard, dim, seq = ag.args
+    with graph.inserting_before(first):
+        fused = graph.call_function(gathered_linears, (shard, dim, seq, tuple(k for k, _w, _b in kinds),
+                                                       *params))
+    fused.meta = dict(first.meta)
+    fused.meta["val"] = tuple(u.meta.get("val") for u in users)
+    items = []
+    with graph.inserting_before(first):
+        for i, u in enumerate(users):
+            items.append(graph.call_function(operator.getitem, (fused, i)))
+            items[-1].meta = dict(u.meta)
+    for u, item in zip(users, items):
+        u.replace_all_uses_with(item)
+        graph.erase_node(u)
+    graph.erase_node(ag)
+
+
+def _position(graph):
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return lambda n: order[n]
 
 
 def enter_region(graph: fx.Graph, x: fx.Node, place, seq, region: set, tp: int) -> fx.Node:

@@ -198,6 +198,74 @@ def gather_from_sequence_parallel_region(x: torch.Tensor, dim: int, seq=None):
     return x if COMM.size() == 1 else Gather.apply(x, dim, seq, COMM)
 
 
+def _linear_forward(kind: str, x, w, b):
+    if kind == "linear":  # nn.Linear: x (..., in) @ w (out, in).T + b
+        return torch.ops.aten.linear.default(x, w, b) if b is not None else \
+            torch.ops.aten.linear.default(x, w)
+    if kind == "addmm":  # GPT-2's Conv1D: b + x (n, in) @ w (in, out)
+        return torch.ops.aten.addmm.default(b, x, w)
+    return torch.ops.aten.mm.default(x, w)  # "mm": a row of Conv1D without its bias
+
+
+def _linear_backward(kind: str, x, g, w, b, need_w: bool, need_b: bool):
+    """(grad of x, of w, of b) of :func:`_linear_forward`."""
+    x2, g2 = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
+    if kind == "linear":
+        gx = (g2 @ w).view(*g.shape[:-1], w.shape[1])
+        gw = g2.t() @ x2 if need_w else None
+    else:
+        gx = g2 @ w.t()
+        gw = x2.t() @ g2 if need_w else None
+    gb = g2.sum(0) if need_b and b is not None else None
+    return gx, gw, gb
+
+
+class GatheredLinears(torch.autograd.Function):
+    """f under sequence parallelism fused with the column_parallel linears reading its output
+    (q|k|v, gate|up): all-gather the sequence shard, run each linear on the gathered input;
+    save only the shard and all-gather it again in backward for the weight gradients
+    (Korthikanti et al. 2022, §4.2.2: the activations kept are sbh/t; Megatron-LM's
+    ``LinearWithGradAccumulationAndAsyncCommunication``), then reduce-scatter the summed
+    input gradient. ``apply(shard, dim, seq, comm, kinds, w0, b0, w1, b1, ...)`` -> a tuple of
+    the linears' outputs."""
+
+    @staticmethod
+    def forward(ctx, shard, dim, seq, comm, kinds, *params):
+        full = _all_gather(comm, shard, dim, seq)
+        ctx.args = (dim, seq, comm, kinds)
+        ctx.save_for_backward(shard, *params)
+        return tuple(_linear_forward(k, full, params[2 * i], params[2 * i + 1])
+                     for i, k in enumerate(kinds))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        dim, seq, comm, kinds = ctx.args
+        shard, *params = ctx.saved_tensors
+        full = _all_gather(comm, shard, dim, seq)
+        gx, out = None, []
+        for i, (kind, g) in enumerate(zip(kinds, grads)):
+            w, b = params[2 * i], params[2 * i + 1]
+            if g is None:
+                out += [None, None]
+                continue
+            gxi, gw, gb = _linear_backward(kind, full, g, w, b, ctx.needs_input_grad[5 + 2 * i],
+                                           ctx.needs_input_grad[6 + 2 * i])
+            gx = gxi if gx is None else gx + gxi
+            out += [gw, gb]
+        gshard = None if gx is None else _reduce_scatter(comm, gx, dim, seq)
+        return (gshard, None, None, None, None, *out)
+
+
+def gathered_linears(shard: torch.Tensor, dim: int, seq, kinds: tuple, *params):
+    """:class:`GatheredLinears` over the tp group; ``kinds``: "linear" | "addmm" | "mm" per
+    linear, ``params``: its weight and bias (None) in turn. Outputs: one per linear, as the
+    unfused ops give them."""
+    if COMM.size() == 1:
+        return tuple(_linear_forward(k, shard, params[2 * i], params[2 * i + 1])
+                     for i, k in enumerate(kinds))
+    return GatheredLinears.apply(shard, dim, seq, COMM, tuple(kinds), *params)
+
+
 def random_op_on_sequence_shard(stream: str, op: str, dim: int, seq, *args, comm=None, **kwargs):
     """A dropout (``rng.random_op``) on this rank's sequence shard ``args[0]`` that applies
     this rank's slice of the mask the unsharded program draws: the mask of the full shape is

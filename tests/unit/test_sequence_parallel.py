@@ -75,7 +75,7 @@ def test_sequence_parallel_matches_unmodified_model(name, tp):
     cap, gm, d, s = _rewrite(model, batch_of(), tp)
     assert s.enabled, s.report
     assert _calls(gm, sp.reduce_scatter_to_sequence_parallel_region)
-    assert _calls(gm, sp.all_gather_from_sequence_parallel_region)
+    assert _calls(gm, sp.gathered_linears)
     batch = batch_of(3, 8, seed=1)
     ref = copy.deepcopy(model)
     ref_outs, _ = tree_flatten(_call(ref, batch))
@@ -210,3 +210,58 @@ def test_dropout_on_a_shard_applies_its_slice_of_the_full_mask(op, flat):
         pieces.append(out)
     assert torch.equal(torch.cat(pieces, 1), full)
     assert (full == 0).any()
+
+
+# --- estimate: activation bytes per layer (Korthikanti et al. 2022, Table 2) ----------------
+
+def _layer_bytes(tp: int, sequence_parallel: bool) -> tuple[int, dict]:
+    """Bytes block ``h.1`` of examples/gpt saves per microbatch on one tp rank, counted by
+    ``parallelize estimate``'s FakeTensor trace of the emitted stage; and the batch shape."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from parallelizer.compiler import compile_module
+    from parallelizer.frontend import build_model, example_batch, load_model_file
+    from parallelizer.memory_activations import stage_activations
+    from parallelizer.memory_model import load_stage
+    from parallelizer.runtime.loss import default_loss
+    from parallelizer.spec import Spec
+
+    module = load_model_file(Path(__file__).parents[2] / "examples/gpt/model.py")
+    batch = example_batch(module)
+    spec = Spec.model_validate({"mesh": {"tp": tp}, "tensor_parallel": {
+        "sequence_parallel": sequence_parallel}})
+    program = compile_module(build_model(module, on_meta=True), batch, spec, default_loss)
+    per_block: dict = {}
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        stages = [load_stage(program.sources[f"program/{st.module}.py"], st.index)
+                  for st in program.plan.stages]
+        stage_activations(stages, program.plan, batch, default_loss, mode, per_block)
+    block = next(b for b in per_block if b.endswith(".1"))
+    return per_block[block], batch
+
+
+def test_estimate_activations_shrink_as_korthikanti_table_2():
+    """Per layer, TP alone keeps sbh(10 + 24/t + 5as/(ht)) and TP+SP sbh/t (34 + 5as/h)
+    (2-byte activations with 1-byte dropout masks): with SP *everything* the layer saves is
+    divided by t, i.e. S(t) = P(1) / t; with TP alone a replicated part X stays whole,
+    A(t) = X + (P(1) - X) / t. Here fp32 and no dropout, so X is the layer's LayerNorm
+    inputs and the inputs of the q|k|v and c_fc linears, 4 sbh elements (Korthikanti's 8 of
+    the 10 sbh bytes: LN 4 + linears 4, less the 2 of the masks), plus each LayerNorm's
+    (b, s, 1) mean and rstd (4 sb elements, below the paper's resolution)."""
+    p1, batch = _layer_bytes(1, False)
+    a2, _ = _layer_bytes(2, False)
+    s2, _ = _layer_bytes(2, True)
+    s4, _ = _layer_bytes(4, True)
+    b, s = batch[0].shape if isinstance(batch, (tuple, list)) else next(iter(batch.values())).shape
+    h = _hidden_of_gpt_example()
+    assert s2 * 2 == p1 and s4 * 4 == p1  # sbh/t (34 + 5as/h): the t = 1 count over t
+    x = 2 * a2 - p1  # A(2) = X + (P(1) - X) / 2
+    assert x == 4 * (4 * b * s * h + 4 * b * s)  # fp32: LN and linear inputs, LN mean/rstd
+    assert a2 - s2 == x // 2  # what SP saves beyond TP: X (1 - 1/t)
+
+
+def _hidden_of_gpt_example() -> int:
+    from parallelizer.frontend import build_model, load_model_file
+    module = load_model_file(Path(__file__).parents[2] / "examples/gpt/model.py")
+    model = build_model(module, on_meta=True)
+    return model.wte.weight.shape[1]

@@ -113,6 +113,10 @@ class _Rank(fx.Interpreter):
         if target in _SEQUENCE_OPS:  # the runtime's own operators, over threads
             x, dim, seq = (list(args) + [None])[:3]
             return _SEQUENCE_OPS[target].apply(x, dim, seq, _RankComm(self.comm, self.rank))
+        if target is sp.gathered_linears:
+            shard, dim, seq, kinds, *params = args
+            return sp.GatheredLinears.apply(shard, dim, seq, _RankComm(self.comm, self.rank),
+                                            kinds, *params)
         if target is sp.random_op_on_sequence_shard:
             return target(*args, comm=_RankComm(self.comm, self.rank), **kwargs)
         return super().call_function(target, args, kwargs)
