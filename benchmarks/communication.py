@@ -11,9 +11,10 @@ with ``tensor_parallel.sequence_parallel=false``, as the native baseline):
   microbatch, two all-reduces of b*s*h elements in forward (g after attention and after
   the MLP) and two in backward (f before q/k/v and before gate/up); ``b`` the microbatch;
 - sequence parallelism (Korthikanti et al. 2022, §4.2.2): each of those all-reduces is a
-  reduce-scatter plus an all-gather of the same buffer (same bytes); one all-gather more per
-  microbatch for the LM head's input, and one all-reduce over tp of the norm weights'
-  gradients (each rank saw its sequence shard);
+  reduce-scatter plus an all-gather of the same buffer (same bytes); the inputs of the
+  column_parallel linears all-gathered again in backward (2 per layer: only the shard is
+  kept); one all-gather per microbatch for the LM head's input, and one all-reduce over tp
+  of the norm weights' gradients (each rank saw its sequence shard);
 - data parallelism, ZeRO-3 / FSDP (Rajbhandari et al. 2020, §7): all-gather of the
   parameters in forward, again in backward, reduce-scatter of the gradients: 1.5x DDP's
   all-reduce. FSDP2 keeps the root module (embedding, final norm, LM head) gathered from
@@ -118,12 +119,14 @@ def minimum(module, mesh: dict, micro: int, sequence_parallel: bool = False) -> 
 def _sequence_parallel_minimum(cfg, act: int, m: int, dp: int, tp: int) -> dict:
     """Korthikanti et al. 2022, §4.2.2: each of TP's all-reduces becomes a reduce-scatter and
     an all-gather of the same buffer (g: reduce-scatter forward, all-gather backward; f the
-    reverse), so the same bytes; plus the all-gather of the last norm's output for the
+    reverse), so the same bytes; plus, per layer, the all-gather again in backward of the
+    inputs of q|k|v and gate|up (only their sequence shards are kept, as Megatron-LM does, for
+    the sbh/t activations of Table 2), the all-gather of the last norm's output for the
     (replicated) LM head, and one all-reduce over tp of the gradients of the parameters
     the sequence shards read (Llama: the 2 RMSNorm weights per layer and the final one)."""
     layers = cfg.num_hidden_layers
     rs = 4 * layers * m * dp * tp
-    ag = (4 * layers + 1) * m * dp * tp
+    ag = (6 * layers + 1) * m * dp * tp
     norms = (2 * layers + 1) * cfg.hidden_size * 4
     return {("_reduce_scatter_base_", "tp"): {"calls": rs, "wire_bytes": rs * wire_bytes("_reduce_scatter_base_", act, tp)},
             ("_allgather_base_", "tp"): {"calls": ag, "wire_bytes": ag * wire_bytes("_allgather_base_", act, tp)},
