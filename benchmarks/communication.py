@@ -13,8 +13,9 @@ with ``tensor_parallel.sequence_parallel=false``, as the native baseline):
 - sequence parallelism (Korthikanti et al. 2022, §4.2.2): each of those all-reduces is a
   reduce-scatter plus an all-gather of the same buffer (same bytes); the inputs of the
   column_parallel linears all-gathered again in backward (2 per layer: only the shard is
-  kept); one all-gather per microbatch for the LM head's input, and one all-reduce over tp
-  of the norm weights' gradients (each rank saw its sequence shard);
+  kept); per microbatch one all-gather of the LM head's input and one of the embedding
+  output's gradient (replicated embedding and head), and one all-reduce over tp of the norm
+  weights' gradients (each rank saw its sequence shard);
 - data parallelism, ZeRO-3 / FSDP (Rajbhandari et al. 2020, §7): all-gather of the
   parameters in forward, again in backward, reduce-scatter of the gradients: 1.5x DDP's
   all-reduce. FSDP2 keeps the root module (embedding, final norm, LM head) gathered from
@@ -122,11 +123,13 @@ def _sequence_parallel_minimum(cfg, act: int, m: int, dp: int, tp: int) -> dict:
     reverse), so the same bytes; plus, per layer, the all-gather again in backward of the
     inputs of q|k|v and gate|up (only their sequence shards are kept, as Megatron-LM does, for
     the sbh/t activations of Table 2), the all-gather of the last norm's output for the
-    (replicated) LM head, and one all-reduce over tp of the gradients of the parameters
-    the sequence shards read (Llama: the 2 RMSNorm weights per layer and the final one)."""
+    (replicated) LM head, the all-gather of the embedding output's gradient (it entered the
+    region as a local slice; the replicated embedding needs all of it), and one all-reduce
+    over tp of the gradients of the parameters the sequence shards read (Llama: the 2
+    RMSNorm weights per layer and the final one)."""
     layers = cfg.num_hidden_layers
     rs = 4 * layers * m * dp * tp
-    ag = (6 * layers + 1) * m * dp * tp
+    ag = (6 * layers + 2) * m * dp * tp
     norms = (2 * layers + 1) * cfg.hidden_size * 4
     return {("_reduce_scatter_base_", "tp"): {"calls": rs, "wire_bytes": rs * wire_bytes("_reduce_scatter_base_", act, tp)},
             ("_allgather_base_", "tp"): {"calls": ag, "wire_bytes": ag * wire_bytes("_allgather_base_", act, tp)},
