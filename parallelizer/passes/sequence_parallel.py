@@ -205,5 +205,8 @@ def _sizes_from_region(graph, region, seq) -> None:
     for n in list(graph.nodes):
         if n.target is aten.sym_size.int and n.args[0] in region and n is not seq:
             dim, flat, _tp = n.args[0].meta[SEQUENCE_SHARD]
-            if n.args[1] == dim and not flat and not isinstance(seq, int):
-                n.replace_all_uses_with(seq)
+            if n.args[1] == dim and not flat:
+                for u in list(n.users):
+                    u.args = fx.node.map_arg(u.args, lambda a: seq if a is n else a)
+                    u.kwargs = fx.node.map_arg(u.kwargs, lambda a: seq if a is n else a)
+                graph.erase_node(n)

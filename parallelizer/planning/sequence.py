@@ -264,13 +264,17 @@ def _grow(facts) -> Optional[str]:
 
 
 def _connected(back: set, region: set) -> set:
-    """Nodes of ``back`` linked to ``region`` through edges among ``back`` and ``region``."""
+    """Nodes of ``back`` linked to ``region`` through edges among ``back`` and ``region``, or
+    through a value outside both that they read."""
     found, frontier = set(), [n for n in region]
     allowed = back | region
     seen = set(region)
     while frontier:
         n = frontier.pop()
-        for m in list(n.users) + n.all_input_nodes:
+        # siblings too: readers of one replicated value (the embedding's output feeds the
+        # first norm and the first residual add) enter the region together
+        siblings = [u for a in n.all_input_nodes if a not in allowed for u in a.users]
+        for m in list(n.users) + n.all_input_nodes + siblings:
             if m in allowed and m not in seen:
                 seen.add(m)
                 frontier.append(m)
@@ -291,6 +295,8 @@ def _decide(facts, out: SequenceParallelDecision) -> None:
         for u in n.users:
             if facts.operator(u) == "f":
                 out.all_gather[u.name] = place
+            elif u.target is aten.sym_size.int and not place[1]:
+                continue  # a size read: the pass gives it the global length, no gather
             elif u.name not in facts.region:
                 out.exits.setdefault(name, []).append(u.name)
         if facts.operator(n) == "g" or n.target is _getitem():

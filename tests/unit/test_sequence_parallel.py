@@ -265,3 +265,30 @@ def _hidden_of_gpt_example() -> int:
     module = load_model_file(Path(__file__).parents[2] / "examples/gpt/model.py")
     model = build_model(module, on_meta=True)
     return model.wte.weight.shape[1]
+
+
+class _SizesAndViews(torch.nn.Module):
+    """A block read straight from the model input (the first norm and the residual add both
+    read it), a view into (b, s, 2, 4) and a size read of the sequence inside the region."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln, self.ln2 = torch.nn.LayerNorm(8), torch.nn.LayerNorm(8)
+        self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = self.ln2(x + self.b(torch.relu(self.a(self.ln(x)))))
+        return h.reshape(h.shape[0], h.shape[1], 2, 4).sum(-1) * h.shape[1]
+
+
+def test_region_takes_input_siblings_views_and_size_reads():
+    model, x = _SizesAndViews(), torch.randn(3, 6, 8)
+    _cap, gm, d, s = _rewrite(model, (x,), 2)
+    assert list(s.splits) == ["x"] and len(s.all_gather) == 1 and len(s.exits) == 1
+    assert len(s.views) == 1 and _calls(gm, sp.sequence_shard_length)
+    ref = copy.deepcopy(model)
+    ref(x).square().sum().backward()
+    for r, res in enumerate(run_ranks(gm, d, 2, [x], lambda o: o[0].square().sum(), LR)):
+        torch.testing.assert_close(res.outputs[0], ref(x), **TOL)
+        for fqn in ("ln.weight", "ln2.bias", "b.bias"):
+            torch.testing.assert_close(res.grads[fqn], ref.get_parameter(fqn).grad, **TOL)
