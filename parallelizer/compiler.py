@@ -141,7 +141,7 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
     passes.run("rng_streams", apply_rng_streams, gm, dropout)  # after costs: they see the ATen ops
     # on the tp-rewritten graph (it finds the f and g operators); raises for "true"
     sp_decision = plan_sequence_parallel(gm.graph, mesh.tp, spec.tensor_parallel.sequence_parallel_mode,
-                                         tp_decision.placements, dropout)
+                                         tp_decision.placements, dropout, _example_seq(batch))
     passes.run("sequence_parallel", apply_sequence_parallel, gm, sp_decision)
     stages = passes.run_split("split_stages", split_stages, gm, pp_decision, num_stages)
     block_graphs, block_notes = [], []
@@ -199,6 +199,12 @@ def _check_batch(batch, spec: Spec) -> None:
                         f"example_inputs() or those keys so it divides")
 
 
+
+
+def _example_seq(batch):
+    """Dim 1 (the sequence) of the example batch's first input, if it has one."""
+    first = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
+    return int(first.shape[1]) if isinstance(first, torch.Tensor) and first.dim() >= 2 else None
 
 
 def _to_meta(batch):

@@ -31,7 +31,7 @@ import torch.fx as fx
 
 from ..decisions import TP_OPERATOR, SequenceParallelDecision
 from ..errors import PlanError
-from ..analysis.graph_facts import aten, expr, prod, same, shape
+from ..analysis.graph_facts import aten, expr, module_path, prod, same, shape
 
 _COPIES = {aten.clone.default, aten.contiguous.default, aten._to_copy.default,
            aten.alias.default, aten.detach.default}
@@ -46,7 +46,8 @@ _MULTIPLICATIVE = {"aten.dropout.default", "aten.native_dropout.default",
 
 
 def plan_sequence_parallel(graph: fx.Graph, tp: int, mode: str, placements: dict,
-                           dropout_sites=()) -> SequenceParallelDecision:
+                           dropout_sites=(), example_seq: Optional[int] = None
+                           ) -> SequenceParallelDecision:
     """Decide the sequence-parallel regions of the tp-rewritten ``graph``.
 
     Args:
@@ -54,6 +55,8 @@ def plan_sequence_parallel(graph: fx.Graph, tp: int, mode: str, placements: dict
         placements: node name -> None | tp shard dim (TPDecision.placements): values
             sharded by tensor parallelism are never sequence-sharded.
         dropout_sites: the DropoutSite records of the program (their nodes drew masks).
+        example_seq: the example batch's sequence length (``--verify`` runs it): one not
+            divisible by tp turns "auto" off (and fails "true").
 
     Raises:
         PlanError: ``mode`` is "true" and no region can be formed (names the blocker).
@@ -64,7 +67,7 @@ def plan_sequence_parallel(graph: fx.Graph, tp: int, mode: str, placements: dict
             out.report.append("sequence parallel: off (tensor_parallel.sequence_parallel=false)")
         return out
     facts = _Facts(graph, placements, {s.node: s.op for s in dropout_sites})
-    blocker = facts.blocker or _grow(facts)
+    blocker = facts.blocker or _indivisible(example_seq, tp) or _grow(facts)
     if blocker:
         if mode == "true":
             raise PlanError(f"tensor_parallel.sequence_parallel=true cannot apply: {blocker}; "
@@ -74,6 +77,13 @@ def plan_sequence_parallel(graph: fx.Graph, tp: int, mode: str, placements: dict
         return out
     _decide(facts, out)
     return out
+
+
+def _indivisible(example_seq: Optional[int], tp: int) -> Optional[str]:
+    if example_seq is not None and example_seq % tp:
+        return (f"the example batch's sequence length ({example_seq}) is not divisible by "
+                f"mesh.tp ({tp}); make example_inputs() a multiple of {tp} long")
+    return None
 
 
 class _Facts:
@@ -230,8 +240,8 @@ def _grow(facts) -> Optional[str]:
         gs = [n for n in facts.graph.nodes if facts.operator(n) == "g"]
         if not gs:
             return "no row_parallel linear (no g operator) to start a region from"
-        return (f"the output of the row_parallel linear at {gs[0].name} has no sequence dim "
-                f"(dim 1 of the model's inputs) it could be scattered along")
+        return (f"the output of the row_parallel linear in {module_path(gs[0]) or 'the root module'} "
+                f"has no sequence dim (dim 1 of the model's first input) to scatter along")
     region = set(seeds)
     frontier = list(seeds)
     while frontier:  # forward from the g operators

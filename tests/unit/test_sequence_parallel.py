@@ -292,3 +292,15 @@ def test_region_takes_input_siblings_views_and_size_reads():
         torch.testing.assert_close(res.outputs[0], ref(x), **TOL)
         for fqn in ("ln.weight", "ln2.bias", "b.bias"):
             torch.testing.assert_close(res.grads[fqn], ref.get_parameter(fqn).grad, **TOL)
+
+
+def test_example_batch_not_divisible_by_tp_turns_auto_off_and_fails_true():
+    model, x = _SizesAndViews(), torch.randn(3, 6, 8)
+    cap = capture(model, (x,), Path("sv"))
+    d = plan_tp(cap.gm.graph, 4)
+    apply_tensor_parallel(cap.gm, d)
+    s = plan_sequence_parallel(cap.gm.graph, 4, "auto", d.placements, example_seq=6)
+    assert not s.enabled and "sequence length (6) is not divisible by mesh.tp (4)" in s.report[0]
+    with pytest.raises(PlanError, match=r"sequence_parallel=true cannot apply: the example "
+                                        r"batch's sequence length \(6\)"):
+        plan_sequence_parallel(cap.gm.graph, 4, "true", d.placements, example_seq=6)
