@@ -151,9 +151,13 @@ def llama_tp2():
 def test_llama_tp2_source_has_megatron_f_and_g(llama_tp2):
     src = llama_tp2.sources["program/stage0.py"]
     assert "from parallelizer.runtime import tp" in src
-    # one block class for the 4 layers: f before q/k/v and gate/up, g after o_proj and down_proj
-    assert src.count("tp.copy_to_tp_region(") == 2
-    assert src.count("tp.reduce_from_tp_region(") == 2
+    # one block class for the 4 layers; sequence parallel (the default): f before q/k/v and
+    # gate/up is an all-gather fused with them, g after o_proj and down_proj a reduce-scatter,
+    # and each RMSNorm weight the sequence shard reads passes an f (gradient summed over tp)
+    assert src.count("sequence.gathered_linears(") == 2
+    assert src.count("sequence.reduce_scatter_to_sequence_parallel_region(") == 2
+    assert src.count("tp.copy_to_tp_region(") == 3  # 2 per layer (block class) + final norm
+    assert "tp.reduce_from_tp_region(" not in src
     assert src.count("class LlamaDecoderLayer(EmittedModule)") == 1
     assert src.count(", LlamaDecoderLayer),") == 4
     # local shapes for tp=2: q 4 heads x 16 -> 2 heads; k/v 2 kv heads -> 1; MLP 128 -> 64
