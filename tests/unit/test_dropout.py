@@ -114,9 +114,14 @@ def test_dropout_streams_follow_the_sharding_placements(tmp_path):
     assert "rng.random_op('replicated', 'aten.dropout.default', x, 0.5, True)" in source
     assert "rng.random_op('tp', 'aten.scaled_dot_product_attention.default'" in source
     assert "tp stream, each tp rank its own mask (sharded over tp): 6 site(s)" in program.report
-    # sequence parallel: the replicated-stream dropouts of the residual stream run on the
-    # sequence shard, each rank applying its slice of the mask (Korthikanti et al. §4.2.2)
+    # sequence parallel (auto): off for this example batch of 3 positions, said in the report
     spec = load_spec(EXAMPLE / "spec.yaml", ["mesh.tp=2", "mesh.pp=1"])
+    program = compile_model(path, spec, weights=False)
+    assert "sequence parallel: off (the example batch's sequence length (3) is not " \
+           "divisible by mesh.tp (2)" in program.report
+    # with 4 positions, the replicated-stream dropouts of the residual stream run on the
+    # sequence shard, each rank applying its slice of the mask (Korthikanti et al. §4.2.2)
+    path.write_text(textwrap.dedent(_BLOCKS).replace("randn(4, 3, 8)", "randn(4, 4, 8)"))
     program = compile_model(path, spec, weights=False)
     assert {d["module"]: (d["stream"], d["p"]) for d in program.plan.dropout} == want
     source = program.sources["program/stage0.py"]
