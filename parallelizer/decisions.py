@@ -32,6 +32,9 @@ class TPDecision:
     warnings: list = field(default_factory=list)  # also printed by the CLI
     blockers: list = field(default_factory=list)  # "op at file:line in module: reason", in order
     per_head: dict = field(default_factory=dict)  # per-head parameter fqn -> its heads dim
+    # node name -> dim: a replicated per-head value (ALiBi slopes) each rank cuts to its block
+    # of heads (runtime/tp.py scatter_to_tp_region), inserted after that node
+    narrows: dict = field(default_factory=dict)
     # node name -> None (Replicate) | sharded dim, of the settled propagation; empty at tp=1
     placements: dict = field(default_factory=dict)
 

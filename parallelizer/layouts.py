@@ -8,7 +8,11 @@ JSON data (``TensorPlan.layout``), one of:
 - ``{"kind": "fused", "parts": [n0, n1, ...]}``: the dim is a concatenation of parts that are
   each split evenly, e.g. GPT-2's ``c_attn`` (q|k|v, ``[h, h, h]``) or a fused gate_up
   (``[i, i]``). Rank ``r`` holds ``concat(part_i block r)``, so a local ``split``/``chunk`` of
-  the fused output still yields its own q, k and v.
+  the fused output still yields its own q, k and v. An optional ``"part_layouts"`` (one per
+  part, ``None`` = the even split) lays a part out as ``replicated_heads``: Falcon's
+  multi-query ``query_key_value`` (q heads | one k head | one v head, ``[h, D, D]``) is
+  ``part_layouts [None, rh(1, D), rh(1, D)]``, so every rank holds its block of q heads and
+  a copy of the k and v head.
 - ``{"kind": "interleaved_heads", "heads": H}``: GPT-NeoX's per-head ``[q_h k_h v_h]``
   interleaving. Heads are contiguous, so the even split is already head-aligned; recorded so
   converters know the dim is not q|k|v. The compiler also records GQA kv projections split
@@ -63,7 +67,7 @@ def local_length(n: int, layout: Optional[dict], tp: int) -> int:
     if kind == "fused":
         if sum(layout["parts"]) != n:
             raise ValueError(f"fused parts {layout['parts']} do not sum to the dim size {n}")
-        return sum(_even(p, tp, "a fused part") for p in layout["parts"])
+        return sum(part_length(p, pl, tp) for p, pl in fused_parts(layout))
     if kind not in (None, "interleaved_heads"):
         raise ValueError(f"unknown layout kind {kind!r}; known: {', '.join(KINDS)}")
     return _even(n, tp, "the sharded dim")
@@ -82,10 +86,10 @@ def segments(n: int, layout: Optional[dict], tp: int, tp_rank: int) -> list[Segm
     kind = (layout or {}).get("kind")
     if kind == "fused":
         out, start, at = [], 0, 0
-        for part in layout["parts"]:
-            step = part // tp
-            out.append(Segment(start + tp_rank * step, at, step))
-            start, at = start + part, at + step
+        for part, pl in fused_parts(layout):
+            out += [Segment(start + s.full_offset, at + s.piece_offset, s.length)
+                    for s in segments(part, pl, tp, tp_rank)]
+            start, at = start + part, at + local_length(part, pl, tp)
         return out
     if kind == "replicated_heads":
         head = tp_rank // (tp // layout["heads"])
@@ -94,3 +98,48 @@ def segments(n: int, layout: Optional[dict], tp: int, tp_rank: int) -> list[Segm
         lo = tp_rank * length
         return [Segment(lo, 0, max(0, min(length, n - lo)))]
     return [Segment(tp_rank * length, 0, length)]
+
+
+def fused_parts(layout: dict) -> list:
+    """(part size, part layout) pairs of a fused layout."""
+    pls = layout.get("part_layouts") or [None] * len(layout["parts"])
+    if len(pls) != len(layout["parts"]) or any(
+            pl is not None and pl.get("kind") not in ("replicated_heads", "interleaved_heads")
+            for pl in pls):
+        raise ValueError(f"part_layouts {pls} must give each of the parts {layout['parts']} "
+                         f"None, replicated_heads or interleaved_heads")
+    return list(zip(layout["parts"], pls))
+
+
+def part_length(part: int, pl: Optional[dict], tp: int) -> int:
+    return _even(part, tp, "a fused part") if pl is None else local_length(part, pl, tp)
+
+
+def copied_runs(n: int, layout: Optional[dict], tp: int) -> list[tuple[int, int, int]]:
+    """``(piece_offset, length, heads)`` for each run of a rank's piece that holds a copied
+    head (``replicated_heads``, alone or as a fused part): ranks ``r`` with the same
+    ``r // (tp / heads)`` hold the same bytes there, and their gradients must be summed.
+    Empty when nothing is copied. Same offsets on every rank."""
+    kind = (layout or {}).get("kind")
+    if kind == "replicated_heads":
+        return [(0, local_length(n, layout, tp), layout["heads"])]
+    if kind != "fused":
+        return []
+    out, at = [], 0
+    for part, pl in fused_parts(layout):
+        length = part_length(part, pl, tp)
+        if (pl or {}).get("kind") == "replicated_heads":
+            out.append((at, length, pl["heads"]))
+        at += length
+    return out
+
+
+def copied_heads(layout: Optional[dict]) -> set[int]:
+    """Head counts of the ``replicated_heads`` parts of ``layout`` (empty: no copies)."""
+    kind = (layout or {}).get("kind")
+    if kind == "replicated_heads":
+        return {layout["heads"]}
+    if kind == "fused":
+        return {pl["heads"] for pl in layout.get("part_layouts") or []
+                if (pl or {}).get("kind") == "replicated_heads"}
+    return set()

@@ -14,7 +14,7 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
-from .layouts import local_length
+from .layouts import copied_heads, local_length
 
 PLAN_VERSION = 1
 MESH_DIMS = ("pp", "dp", "tp")
@@ -241,8 +241,7 @@ def grad_sync_groups(plan: ParallelPlan) -> tuple[dict, ...]:
             out.append({"kind": "tied", "key": list(stages), "ranks": [
                 [global_rank(m, p, d, t) for p in pp_ranks]
                 for d in range(m["dp"]) for t in range(m["tp"])]})
-    for k in sorted({t.layout["heads"] for t in plan.tensors.values()
-                     if t.layout and t.layout["kind"] == "replicated_heads"}):
+    for k in sorted({k for t in plan.tensors.values() for k in copied_heads(t.layout)}):
         copies = m["tp"] // k
         out.append({"kind": "replicated_heads", "key": k, "ranks": [
             [global_rank(m, p, d, t) for t in range(h * copies, (h + 1) * copies)]

@@ -29,9 +29,11 @@ again with the layouts found until they are stable, so the rewritten constants (
 views) follow the layouts.
 
 This module is the driver (``propagate``) and the linear rule; the per-op rules are in
-:mod:`.sharding_rules`, those deciding layouts in :mod:`.sharding_layouts`, the recorded
-state in :mod:`.sharding_state`. Rules follow DTensor's op strategies
-(torch/distributed/tensor/_ops) restricted to one mesh dim.
+:mod:`.sharding_rules`, those deciding layouts in :mod:`.sharding_layouts`, (batch, heads)
+merges in :mod:`.sharding_strided`, the recorded state in :mod:`.sharding_state`. DTensor's
+op strategies (torch/distributed/tensor/_ops, :mod:`.sharding_dtensor`) answer first for the
+ops whose rule is only a placement map and for the ops the table lacks; the table keeps
+what DTensor does not express (layouts, shape constants, copied kv heads, per-head tensors).
 """
 from __future__ import annotations
 
@@ -45,7 +47,8 @@ from .graph_facts import as_linear, aten, module_path, same, shape
 from .sharding_dtensor import NO_RULE, dtensor_rule
 from .sharding_heads import factory_rule
 from .sharding_layouts import fuse_slices, view_rule
-from .sharding_rules import KEEP_HEADS, KEEP_RAW, RULES, pointwise_rule
+from .sharding_rules import DTENSOR_FIRST, KEEP_HEADS, KEEP_RAW, RULES, pointwise_rule
+from .sharding_strided import carry_strided, check_sizes, narrowed, request_narrow
 from .sharding_state import (INVALID, Propagation, add_constraint, inputs_of, mark_not_replicable,
                              placement, record_use)
 
@@ -53,7 +56,8 @@ __all__ = ["INVALID", "Propagation", "propagate"]
 
 
 def propagate(graph: fx.Graph, column: set, row: set, tp: int, layouts: Optional[dict] = None,
-              no_replication=frozenset(), per_head: Optional[dict] = None) -> Propagation:
+              no_replication=frozenset(), per_head: Optional[dict] = None,
+              narrow: Optional[dict] = None) -> Propagation:
     """Placements for every node of ``graph`` under the given column/row weight sets.
 
     Args:
@@ -68,8 +72,12 @@ def propagate(graph: fx.Graph, column: set, row: set, tp: int, layouts: Optional
         per_head: ``("param", fqn)`` / ``("factory", node name)`` -> (dim, column groups):
             per-head tensors to shard along their heads dim (the ``head_requests`` of
             previous runs, :mod:`.sharding_heads`).
+        narrow: node name -> (dim, column groups): replicated per-head values each rank cuts
+            to its block of heads (the ``narrow_requests`` of previous runs,
+            :mod:`.sharding_strided`).
     """
-    prop = Propagation(layouts=dict(layouts or {}), no_replication=frozenset(no_replication))
+    prop = Propagation(layouts=dict(layouts or {}), no_replication=frozenset(no_replication),
+                       narrow=dict(narrow or {}))
     for (kind, name), v in (per_head or {}).items():
         (prop.per_head if kind == "param" else prop.per_head_factories)[name] = v
     weight_dims, weight_views = {}, set()
@@ -92,8 +100,11 @@ def propagate(graph: fx.Graph, column: set, row: set, tp: int, layouts: Optional
         # a replicated value (e.g. after g) carries no shard: a conflict further down the
         # residual stream must not blame the pairs upstream of it
         prop.groups[node.name] = frozenset() if placement is None else groups
-    fuse_slices(prop)
+    fuse_slices(prop, tp)
     _mark_kv_heads(prop)
+    for name, views, reason in check_sizes(graph, prop):
+        groups = frozenset().union(*[prop.groups.get(v, frozenset()) for v in views])
+        prop.conflicts.append((name, "", groups, reason))
     return prop
 
 
@@ -136,6 +147,8 @@ def _rule(node: fx.Node, prop: Propagation, column, row, weight_dims, tp):
         return _linear(node, site, prop, column, row, groups)
     if node.name in prop.per_head_factories:
         return factory_rule(node, prop, tp), prop.per_head_factories[node.name][1]
+    if node.name in prop.narrow:
+        return narrowed(node, prop)
     if not ins:
         return None, groups
     if not _holds_tensors(node):  # sizes (SymInt) and other non-tensor values
@@ -144,7 +157,15 @@ def _rule(node: fx.Node, prop: Propagation, column, row, weight_dims, tp):
     if fn is None:
         tags = getattr(node.target, "tags", ())
         fn = pointwise_rule if torch.Tag.pointwise in tags else dtensor_rule
-    out = fn(node, prop, tp)
+    source = dtensor_rule if fn in DTENSOR_FIRST and not _copied_heads_in(node, prop) else fn
+    out = source(node, prop, tp)
+    if out is NO_RULE and source is not fn:  # DTensor has no strategy: our rule
+        source, out = fn, fn(node, prop, tp)
+    if out is NO_RULE or out == INVALID:
+        request_narrow(node, prop, groups)
+    elif fn is not view_rule and not carry_strided(node, prop, out):
+        return _conflict(prop, node, groups, "a (batch, heads) merged dim meets a dim sharded "
+                                             "another way")
     if out is NO_RULE:
         _consume_markers(node, prop, None, INVALID)
         return _conflict(prop, node, groups, f"no sharding rule for {node.target} (ours or "
@@ -153,9 +174,15 @@ def _rule(node: fx.Node, prop: Propagation, column, row, weight_dims, tp):
         _consume_markers(node, prop, None, INVALID)
         return _conflict(prop, node, groups, f"{node.target} cannot take a sharded input here"
                          + (" (DTensor's strategy would redistribute it)"
-                            if fn is dtensor_rule else ""))
+                            if source is dtensor_rule else ""))
     _consume_markers(node, prop, fn, out)
     return out, groups
+
+
+def _copied_heads_in(node, prop) -> bool:
+    """An input holds copied kv heads: a "Shard" whose every rank holds the whole dim (or one
+    of K heads), which DTensor's placements do not express; our rule answers."""
+    return any(prop.heads[a.name].replicated for a in inputs_of(node) if a.name in prop.heads)
 
 
 def _sharded_inputs(node, prop):
@@ -219,6 +246,8 @@ def _linear(node, site, prop, column, row, groups):
         record_use(prop, prop.raw[x.name], None, node)
     if x.name in prop.heads:
         mark_not_replicable(prop, [prop.heads[x.name]])
+    if x.name in prop.strided:
+        return _conflict(prop, node, groups, "a linear got a (batch, heads) merged input")
     if wt in column:
         prop.features[wt] = int(shape(w)[site.out_dim])
         if wt not in prop.layouts:

@@ -1,5 +1,6 @@
 """Sharding rules from torch's DTensor op strategies (torch.distributed.tensor._ops), asked
-at compile time for ops our table (:mod:`.sharding_rules`) has no rule for.
+at compile time first for every op whose table rule is only a placement map
+(``DTENSOR_FIRST`` in :mod:`.sharding_rules`) and for every op the table has no rule for.
 
 DTensor's ``ShardingPropagator`` holds a strategy for nearly every ATen op, maintained with
 torch. We ask it the question our propagation asks: given these input placements on a 1-D
@@ -25,6 +26,7 @@ from .sharding_state import INVALID, placement
 
 NO_RULE = object()
 _DIM_ARGS = {"dim", "dims", "dim0", "dim1", "start_dim", "end_dim"}
+_OUTPUT_DIM_OPS = {torch.ops.aten.unsqueeze.default, torch.ops.aten.stack.default}
 
 
 @functools.lru_cache(maxsize=None)
@@ -107,11 +109,45 @@ def dtensor_rule(node: fx.Node, prop, tp: int):
         args = [_arg(a, prop, mesh) for a in node.args]
         kwargs = {k: _arg(v, prop, mesh) for k, v in node.kwargs.items()}
         first = next((a for a in node.all_input_nodes if is_tensor(a)), None)
-        _normalise_dims(op, args, kwargs, first.meta["val"].dim() if first is not None else 0)
-        result = _propagator().propagate_op_sharding_non_cached(
-            OpSchema(op, tuple(args), kwargs))
-    except Exception:  # noqa: BLE001 - no strategy, or one that cannot take these args
+        rank = first.meta["val"].dim() if first is not None else 0
+        # unsqueeze's and stack's dim counts the output's dims: -1 is the new last one
+        _normalise_dims(op, args, kwargs, rank + (op in _OUTPUT_DIM_OPS))
+    except Exception:  # noqa: BLE001 - an argument that cannot be made concrete
         return NO_RULE
+    key = (op, tp, _key(args), _key(kwargs))
+    if key not in _ANSWERS:
+        if len(_ANSWERS) > _MAX_ANSWERS:
+            _ANSWERS.clear()
+        try:
+            _ANSWERS[key] = _answer(_propagator().propagate_op_sharding_non_cached(
+                OpSchema(op, tuple(args), kwargs)))
+        except Exception:  # noqa: BLE001 - no strategy, or one that cannot take these args
+            _ANSWERS[key] = NO_RULE
+    return _ANSWERS[key]
+
+
+# Answers by (op, tp, argument specs): the repeated blocks of a model ask the same questions
+# (one strategy search costs ~9 ms on this CPU; a 2-layer zoo model asks ~100, Llama-70B's 80
+# blocks ~10k), so each distinct question is searched once per process.
+_ANSWERS: dict = {}
+_MAX_ANSWERS = 100_000
+
+
+def _key(x):
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    if isinstance(x, DTensorSpec):
+        m = x.tensor_meta
+        return ("spec", tuple(m.shape), tuple(m.stride), m.dtype, str(x.placements[0]))
+    if isinstance(x, dict):
+        return tuple(sorted((k, _key(v)) for k, v in x.items()))
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__,) + tuple(_key(v) for v in x)
+    if isinstance(x, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+        return str(x)
+    return x if isinstance(x, (int, float, bool, str, type(None))) else repr(x)
+
+
+def _answer(result):
     if result.redistribute_schema is not None or getattr(result, "needs_redistribute", False):
         return INVALID
     spec = result.output_spec

@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import json
 
-from ..layouts import local_length
+from ..layouts import fused_parts, local_length, part_length
+import torch
+
 from .graph_facts import aten, expr, module_path, prod, same, shape
+from .sharding_dtensor import dtensor_rule
+from .sharding_strided import local_merged_size, merge_view, strided_view
 from .sharding_state import (INVALID, HeadsMark, add_constraint, add_rewrite, dim_arg, placement,
                              record_use, sizes_arg)
 
@@ -22,7 +26,11 @@ def view_rule(node, prop, tp):
     ins, outs = shape(src), shape(node)
     mark = prop.heads.get(src.name)
     if mark is not None and mark.replicated:
+        if not mark.expanded and _keeps_dim(ins, outs, d):
+            return _keep_copied_heads(node, prop, d, mark)
         return _merge_repeated_heads(node, prop, tp, d, mark)
+    if src.name in prop.strided:
+        return strided_view(node, prop, tp, d)
     before = prod(ins[:d])
     e = next((e for e in range(len(outs)) if same(prod(outs[:e]), before)), None)
     raw = prop.raw.get(src.name)
@@ -32,8 +40,8 @@ def view_rule(node, prop, tp):
         return _split_heads(node, prop, tp, e, raw, f"dim {e} of the view (one head)")
     while e is not None and e < len(outs) - 1 and same(outs[e], 1) and not same(ins[d], 1):
         e += 1
-    if e is None:
-        return INVALID
+    if e is None:  # merged with the dims before it: (batch, heads) -> batch * heads
+        return merge_view(node, prop, tp, d)
     ratio_split = expr(ins[d]) / expr(outs[e])
     if not (same(ins[d], outs[e]) or ratio_split.is_integer or (1 / ratio_split).is_integer):
         return INVALID
@@ -45,6 +53,11 @@ def view_rule(node, prop, tp):
         local = _local_features(prop, raw, int(expr(outs[e])), tp)
     elif raw and ratio_split.is_integer:
         return _split_heads(node, prop, tp, e, raw, detail)
+    elif not isinstance(expr(outs[e]), int) and not expr(outs[e]).is_number:
+        # the sharded dim merged with a symbolic inner one ((heads, batch) -> heads * batch):
+        # the even split of the merged dim, its size constant made local
+        add_constraint(prop, int(expr(ins[d])), "heads", module_path(node), detail)
+        return e if local_merged_size(node, prop, e, int(expr(ins[d])), tp) else INVALID
     else:
         add_constraint(prop, int(expr(outs[e])), "heads", module_path(node), detail)
         local = int(expr(outs[e])) // tp
@@ -73,7 +86,10 @@ def _split_heads(node, prop, tp, e, raw, detail):
     """A column output's features split into (heads, head_dim): Megatron's heads split,
     or, for fewer heads than tp (GQA kv heads), one head copied to ``tp / heads`` ranks."""
     heads = int(expr(shape(node)[e]))
-    head_dim = int(expr(shape(node.args[0])[placement(prop, node.args[0])])) // heads
+    features = int(expr(shape(node.args[0])[placement(prop, node.args[0])]))
+    head_dim = features // heads
+    if _only_cut_on(node, e):
+        return _fused_heads_view(node, prop, tp, e, raw, heads, head_dim)
     replicate = heads % tp != 0 and tp % heads == 0 and not (raw & prop.no_replication)
     add_constraint(prop, heads, "heads", module_path(node), detail, raw)
     prop.claimed.add(node.name)
@@ -90,6 +106,100 @@ def _split_heads(node, prop, tp, e, raw, detail):
     if e < len(sizes) and isinstance(sizes[e], int) and sizes[e] != -1:
         add_rewrite(prop, node, 1, e, local)
     return e
+
+
+def _only_cut_on(node, e) -> bool:
+    """Every user of ``node`` cuts dim ``e`` (a slice, or an index with one tensor at ``e``):
+    Falcon's ``view(B, T, H + 2, D)`` whose q heads, k head and v head are cut out."""
+    def cuts(u):
+        if u.op != "call_function" or u.args[0] is not node:
+            return False
+        if u.target is aten.slice.Tensor and _full_slice(u):  # x[:, :, ...]: no-op slices
+            return _only_cut_on(u, e)
+        if u.target is aten.slice.Tensor:
+            return dim_arg(u, 1) == e
+        if u.target is aten.index.Tensor:
+            idx = list(u.args[1])
+            return [i for i, x in enumerate(idx) if x is not None] == [e]
+        return False
+    return bool(node.users) and all(cuts(u) for u in node.users)
+
+
+def _fused_heads_view(node, prop, tp, e, raw, heads, head_dim):
+    """A column output viewed as (heads, head_dim) and then only cut along the heads: the
+    cuts are the parts of a ``fused`` layout counted in heads (:func:`cut_heads`), so the
+    view's heads constant is the local length of the fused layout assumed."""
+    prop.claimed.add(node.name)
+    prop.head_raw[node.name] = (raw, head_dim)
+    prop.heads[node.name] = HeadsMark(raw, heads, False)
+    local = _local_heads(prop, raw, heads, head_dim, tp)
+    sizes = sizes_arg(node)
+    if e < len(sizes) and isinstance(sizes[e], int) and sizes[e] != -1:
+        add_rewrite(prop, node, 1, e, local)
+    return e
+
+
+def _common_layout(prop, weights):
+    layouts = [prop.layouts.get(w) for w in weights]
+    return layouts[0] if layouts and all(x == layouts[0] for x in layouts) else None
+
+
+def _local_heads(prop, weights, heads, head_dim, tp) -> int:
+    layout = _common_layout(prop, weights)
+    if (layout or {}).get("kind") == "fused":
+        try:
+            return local_length(heads * head_dim, layout, tp) // head_dim
+        except ValueError:
+            pass  # a layout of another size: the constraints report it
+    return max(heads // tp, 1)
+
+
+def cut_heads(node, prop, tp, d, lo, hi):
+    """Heads ``[lo, hi)`` of a :func:`_fused_heads_view` value: recorded as a cut of the
+    weight's features (``head_dim`` units), marked as heads of their own: copied heads
+    (``replicated``) when the fused layout assumed lays that part out ``replicated_heads``.
+    Returns (placement, local lo, local hi) in heads, or (INVALID, None, None)."""
+    weights, unit = prop.head_raw[node.args[0].name]
+    n = int(expr(shape(node.args[0])[d]))
+    if not 0 <= lo < hi <= n or any(prop.features.get(w) != n * unit for w in weights):
+        return INVALID, None, None
+    prop.claimed.add(node.name)
+    for w in weights:
+        prop.slices.setdefault(w, []).append((lo * unit, hi * unit, node.name, module_path(node)))
+        prop.slice_units[w] = unit
+    layout = _common_layout(prop, weights)
+    part = _part_layout(layout, lo * unit, hi * unit)
+    copied = (part or {}).get("kind") == "replicated_heads"
+    prop.heads[node.name] = HeadsMark(frozenset(weights), hi - lo, copied)
+    return (d, _local_offset(lo * unit, layout, tp) // unit,
+            _local_offset(hi * unit, layout, tp) // unit)
+
+
+def _part_layout(layout, lo, hi):
+    """The part layout of the fused part that is exactly ``[lo, hi)`` (None otherwise)."""
+    if (layout or {}).get("kind") != "fused":
+        return None
+    start = 0
+    for part, pl in fused_parts(layout):
+        if (start, start + part) == (lo, hi):
+            return pl
+        start += part
+    return None
+
+
+def _keeps_dim(ins, outs, d) -> bool:
+    return d < len(outs) and same(prod(ins[:d]), prod(outs[:d])) and same(ins[d], outs[d])
+
+
+def _keep_copied_heads(node, prop, d, mark):
+    """A view that leaves the dim of copied kv heads as it is (Falcon's k ``reshape(B, 1, T,
+    D)``): each rank still holds its one copied head there."""
+    prop.claimed.add(node.name)
+    prop.heads[node.name] = mark
+    sizes = sizes_arg(node)
+    if d < len(sizes) and isinstance(sizes[d], int) and sizes[d] not in (-1, 1):
+        add_rewrite(prop, node, 1, d, 1)
+    return d
 
 
 def _merge_repeated_heads(node, prop, tp, d, mark):
@@ -149,16 +259,25 @@ def _repeat_replicated_kv(node, prop, tp, e, mark):
     return e
 
 
+def _full_slice(node) -> bool:
+    start = node.args[2] if len(node.args) > 2 else 0
+    end = node.args[3] if len(node.args) > 3 else None
+    step = node.args[4] if len(node.args) > 4 else 1
+    return start in (0, None) and step == 1 and \
+        (end is None or (isinstance(end, int) and end >= 2 ** 62))
+
+
 def slice_rule(node, prop, tp):
     d = placement(prop, node.args[0])
     dim = dim_arg(node, 1)
+    if _full_slice(node):
+        if node.args[0].name in prop.head_raw:  # x[:, :, cut]: the heads view's cuts follow
+            prop.head_raw[node.name] = prop.head_raw[node.args[0].name]
+        return d
     if dim != d:
         return d
     start = node.args[2] if len(node.args) > 2 else 0
     end = node.args[3] if len(node.args) > 3 else None
-    full = start in (0, None) and (end is None or (isinstance(end, int) and end >= 2 ** 62))
-    if full:
-        return d
     return _slice_part(node, prop, tp, d, start, end)
 
 
@@ -170,10 +289,19 @@ def _slice_part(node, prop, tp, d, start, end):
     raw = prop.raw.get(src.name)
     n = shape(src)[d]
     step = node.args[4] if len(node.args) > 4 else 1
-    if not raw or step != 1 or not isinstance(n, int) or not isinstance(start or 0, int) \
+    if not (raw or src.name in prop.head_raw) or step != 1 or not isinstance(n, int) \
+            or not isinstance(start or 0, int) \
             or not isinstance(end if end is not None else n, int):
         return INVALID
-    lo, hi = max(0, min(start or 0, n)), max(0, min(n if end is None else end, n))
+    lo, hi = _bound(start or 0, n), _bound(n if end is None else end, n)
+    if src.name in prop.head_raw:
+        out, local_lo, local_hi = cut_heads(node, prop, tp, d, lo, hi)
+        if out != INVALID:
+            if lo:
+                add_rewrite(prop, node, 2, None, local_lo)
+            if hi < n and end is not None:
+                add_rewrite(prop, node, 3, None, local_hi)
+        return out
     if hi <= lo or any(prop.features.get(w) != n for w in raw):
         return INVALID
     prop.claimed.add(node.name)
@@ -188,20 +316,29 @@ def _slice_part(node, prop, tp, d, start, end):
     return d
 
 
+def _bound(b: int, n: int) -> int:
+    """A slice bound as Python reads it (negative from the end), clamped to ``[0, n]``."""
+    return max(0, min(b + n if b < 0 else b, n))
+
+
 def _local_offset(at: int, layout, tp: int) -> int:
     """Where full offset ``at`` (a part boundary) lands in a rank's fused piece."""
     if not layout or layout.get("kind") != "fused":
         return at // tp
     full = local = 0
-    for part in layout["parts"]:
+    for part, pl in fused_parts(layout):
         if full >= at:
             break
-        full, local = full + part, local + part // tp
+        full, local = full + part, local + part_length(part, pl, tp)
     return local
 
 
-def fuse_slices(prop) -> None:
-    """Turn the cuts recorded by :func:`_slice_part` into one fused layout per weight."""
+def fuse_slices(prop, tp: int) -> None:
+    """Turn the cuts recorded by :func:`_slice_part` and :func:`cut_heads` into one fused
+    layout per weight. A part cut in heads (``head_dim`` units) with fewer heads than tp, tp a
+    multiple of them, is laid out ``replicated_heads`` (Falcon's one k and one v head: every
+    rank holds a copy), valid while its value reaches attention only as kv heads (else the
+    planner retries without copies); other parts split evenly, tp dividing their heads."""
     for w, cuts in prop.slices.items():
         n = prop.features[w]
         bounds = sorted({0, n} | {b for lo, hi, _n, _m in cuts for b in (lo, hi)})
@@ -209,10 +346,26 @@ def fuse_slices(prop) -> None:
         for lo, hi, name, _m in cuts:
             if bounds.index(hi) - bounds.index(lo) != 1:  # a slice spanning two parts
                 record_use(prop, {w}, None, name)
-        for p in parts:
-            add_constraint(prop, p, "features", cuts[0][3], f"a part of the fused output of {w} "
-                        f"(sliced into {parts})")
-        record_use(prop, {w}, {"kind": "fused", "parts": parts}, cuts[0][2])
+        unit = prop.slice_units.get(w)
+        part_layouts = [_part_in_heads(prop, w, p, unit, parts, cuts[0][3], tp) for p in parts]
+        layout = {"kind": "fused", "parts": parts}
+        if any(part_layouts):
+            layout["part_layouts"] = part_layouts
+        record_use(prop, {w}, layout, cuts[0][2])
+
+
+def _part_in_heads(prop, w, p, unit, parts, module, tp):
+    """Constraints of one fused part, and its layout (None: the even split)."""
+    detail = f"a part of the fused output of {w} (sliced into {parts})"
+    if not unit or p % unit:
+        add_constraint(prop, p, "features", module, detail)
+        return None
+    heads = p // unit
+    if heads % tp and tp % heads == 0 and w not in prop.no_replication:
+        add_constraint(prop, heads, "heads", module, f"the heads of {detail}", {w})
+        return {"kind": "replicated_heads", "heads": heads, "head_dim": unit}
+    add_constraint(prop, heads, "heads", module, f"the heads of {detail}")
+    return None
 
 
 def split_rule(node, prop, tp):
@@ -256,3 +409,50 @@ def _split_fused(node, prop, tp, d, n):
             if isinstance(p, int):
                 add_rewrite(prop, node, 1, i, p // tp)
     return tuple(d for _ in range(n))
+
+
+def index_rule(node, prop, tp):
+    """``x[..., idx]`` with a constant index tensor on the heads dim of a
+    :func:`_fused_heads_view` value (Falcon's ``qkv[..., [-2], :]``, its k head): a cut of
+    consecutive heads. The constant is not rewritten, so its values must already pick the
+    rank's own heads of its piece (negative indices counted from the end do, when the parts
+    after the cut are laid out alike on every rank). Any other index: DTensor's strategy."""
+    src, indices = node.args[0], list(node.args[1])
+    d = placement(prop, src)
+    hits = [i for i, x in enumerate(indices) if x is not None]
+    if src.name not in prop.head_raw or hits != [d]:
+        return dtensor_rule(node, prop, tp)
+    values = _constant_ints(indices[d])
+    n = int(expr(shape(src)[d]))
+    if not values or any(not -n <= v < n for v in values):
+        return INVALID
+    full = [v % n for v in values]
+    if full != list(range(full[0], full[0] + len(full))):
+        return INVALID
+    out, lo, hi = cut_heads(node, prop, tp, d, full[0], full[-1] + 1)
+    if out == INVALID:
+        return INVALID
+    weights, unit = prop.head_raw[src.name]
+    local_n = _local_heads(prop, weights, n, unit, tp)
+    if [v % local_n for v in values] != list(range(lo, hi)):
+        return INVALID
+    return d
+
+
+def _constant_ints(node):
+    """The values of a 1-D integer tensor constant (a lifted ``get_attr``, possibly through
+    ``lift_fresh_copy``), read from the graph's module; None otherwise."""
+    while node.op == "call_function" and node.target in (
+            aten.lift_fresh_copy.default, aten.clone.default, aten.detach.default,
+            aten._to_copy.default, aten.alias.default):
+        node = node.args[0]
+    if node.op != "get_attr" or node.graph.owning_module is None:
+        return None
+    obj = node.graph.owning_module
+    for part in node.target.split("."):
+        obj = getattr(obj, part, None)
+    from torch._subclasses.fake_tensor import FakeTensor
+    if not isinstance(obj, torch.Tensor) or isinstance(obj, FakeTensor) or obj.dim() != 1 \
+            or obj.dtype not in (torch.int64, torch.int32) or obj.device.type == "meta":
+        return None
+    return [int(v) for v in obj.tolist()]

@@ -7,8 +7,9 @@ import operator
 
 from .graph_facts import aten, is_tensor, same, shape
 from .sharding_heads import embedding_rule, request_heads
-from .sharding_layouts import expand_rule, slice_rule, split_rule, view_rule
+from .sharding_layouts import expand_rule, index_rule, slice_rule, split_rule, view_rule
 from .sharding_state import INVALID, dim_arg, inputs_of, placement
+from .sharding_strided import repeat_rule
 
 
 _SAME_AS_INPUT = {
@@ -99,7 +100,15 @@ def _sdpa(node, prop, tp):
     heads = len(shape(q)) - 3
     if {placement(prop, q), placement(prop, k), placement(prop, v)} != {heads}:
         return INVALID
+    copied = [prop.heads[a.name] for a in (k, v) if a.name in prop.heads
+              and prop.heads[a.name].replicated]
     if node.kwargs.get("enable_gqa"):
+        _gqa_kv(node, prop, k, v)
+    elif copied:
+        # one copied kv head (Falcon multi-query) broadcast over the rank's query heads
+        if any(not same(shape(a)[heads], 1) for a in (k, v)) or q.name in prop.heads \
+                and prop.heads[q.name].replicated:
+            return INVALID
         _gqa_kv(node, prop, k, v)
     mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
     if is_tensor(mask):
@@ -181,8 +190,17 @@ RULES = {
     aten.masked_fill.Scalar: _masked_fill, aten.masked_fill.Tensor: _masked_fill,
     aten.where.self: pointwise_rule, aten.where.ScalarOther: pointwise_rule,
     aten.embedding.default: embedding_rule,
+    aten.index.Tensor: index_rule,
+    aten.repeat.default: repeat_rule,
     operator.getitem: _getitem,
 }
+
+# Rules that are nothing but a placement map: DTensor's strategy answers these ops first
+# (sharding.py), the rule only where DTensor has none (``where.ScalarOther``,
+# ``lift_fresh_copy``, ...). The others decide layouts, rewrite constants or request
+# per-head tensors, which DTensor does not express.
+DTENSOR_FIRST = frozenset({_same, pointwise_rule, _masked_fill, _transpose, _permute, _unsqueeze,
+                           _squeeze, _select, _cat, _matmul, _softmax, _reduce})
 
 # rules through which a raw value stays raw, and replicated kv heads stay replicated
 KEEP_RAW = frozenset({_same, pointwise_rule, _masked_fill, view_rule, _transpose, _permute,

@@ -58,6 +58,18 @@ class Propagation:
     slices: dict = field(default_factory=dict)       # column weight -> [(lo, hi, node, module)]
     head_shapes: dict = field(default_factory=dict)  # column weight -> (heads, head_dim)
     column_biases: dict = field(default_factory=dict)  # separately added bias -> its weight
+    # a view of a raw value into (heads, head_dim) whose users all cut the heads dim (Falcon's
+    # q heads | k | v): node name -> (weights, head_dim); the cuts are fused parts in heads
+    head_raw: dict = field(default_factory=dict)
+    slice_units: dict = field(default_factory=dict)  # column weight -> head_dim of its cuts
+    # (batch, heads) merged into one dim with the heads inner and sharded (BLOOM's baddbmm
+    # operands; DTensor's _StridedShard): node name -> global heads; the placement is that dim
+    strided: dict = field(default_factory=dict)
+    strided_sizes: dict = field(default_factory=dict)  # size node -> views whose dim it sizes
+    # replicated values each rank cuts to its block along a dim (ALiBi slopes before the
+    # repeat that merges them with the batch): node name -> (dim, column groups)
+    narrow: dict = field(default_factory=dict)
+    narrow_requests: dict = field(default_factory=dict)
     # per-head tensors (sharding_heads): fqn / factory node name -> (dim, column groups)
     per_head: dict = field(default_factory=dict)
     per_head_factories: dict = field(default_factory=dict)

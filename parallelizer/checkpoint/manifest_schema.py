@@ -36,15 +36,16 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
-class _Fused(_Model):
-    kind: Literal["fused"]
-    parts: list[Pos] = Field(min_length=1)
-
-
 class _Heads(_Model):
     kind: Literal["interleaved_heads", "replicated_heads"]
     heads: Pos
     head_dim: Optional[Pos] = None
+
+
+class _Fused(_Model):
+    kind: Literal["fused"]
+    parts: list[Pos] = Field(min_length=1)
+    part_layouts: Optional[list[Optional[_Heads]]] = None
 
 
 class _Padded(_Model):

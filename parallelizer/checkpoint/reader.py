@@ -23,6 +23,7 @@ from parallelizer.checkpoint.writer import (FORMAT_VERSION, MANIFEST, OPTIM_PREF
 from parallelizer.checkpoint.manifest_schema import validate_manifest
 from parallelizer.checkpoint.pieces import piece_files, piece_stage, read_region
 from parallelizer.errors import CheckpointError
+from parallelizer.layouts import copied_heads
 from parallelizer.plan import ParallelPlan
 
 
@@ -214,8 +215,8 @@ def load_tensor(ckpt_dir, fqn: str, index: Optional[tuple[slice, ...]] = None,
     (file name -> open ``safe_open``) lets a caller reuse open files across calls; without
     it, files are opened for this call and closed (their mappings released) on return.
 
-    With ``check_replicas`` and a ``replicated_heads`` layout, every other copy of each head
-    in the region is read too and compared byte for byte.
+    With ``check_replicas`` and a ``replicated_heads`` layout (or fused part), every other copy
+    of each head in the region is read too and compared byte for byte.
 
     Returns:
         tensor of the region's shape and the manifest's dtype.
@@ -233,7 +234,7 @@ def load_tensor(ckpt_dir, fqn: str, index: Optional[tuple[slice, ...]] = None,
     want = [s.indices(n)[:2] for s, n in zip(index, shape)] if index else [(0, n) for n in shape]
     size = [hi - lo for lo, hi in want]
     d = entry["tp_dim"]
-    replicas = check_replicas and (entry.get("layout") or {}).get("kind") == "replicated_heads"
+    replicas = check_replicas and bool(copied_heads(entry.get("layout")))
     handles = handles if handles is not None else {}
     with ExitStack() as stack:
         opened: dict = {}  # files this call opened: closed (mappings released) on return

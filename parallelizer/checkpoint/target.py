@@ -79,6 +79,9 @@ def _adapt(layout: Optional[dict], n: int, tp: int) -> Optional[dict]:
     if kind == "padded":
         unit = layout.get("multiple", 1) * tp
         return {**layout, "padded_size": -(-n // unit) * unit}
+    if kind == "fused" and layout.get("part_layouts"):  # Falcon's copied k / v heads
+        return {**layout, "part_layouts": [_adapt(pl, p, tp) for p, pl in
+                                           zip(layout["parts"], layout["part_layouts"])]}
     return layout
 
 
@@ -87,6 +90,9 @@ def _check(layout: Optional[dict], n: int, tp: int) -> None:
     local_length(n, layout, tp)
     if (layout or {}).get("kind") == "interleaved_heads" and layout["heads"] % tp:
         raise ValueError(f"tp degree {tp} does not divide the {layout['heads']} heads")
+    if (layout or {}).get("kind") == "fused":
+        for p, pl in zip(layout["parts"], layout.get("part_layouts") or []):
+            _check(pl, p, tp)
 
 
 def _fits(tplan: TensorPlan, tp: int) -> bool:

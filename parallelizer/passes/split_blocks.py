@@ -27,6 +27,7 @@ class BlockGraph:
 
 def split_blocks(graph: fx.Graph, blocks: tuple[str, ...]) -> tuple[list[BlockGraph], list[str]]:
     """Outline ``blocks`` found in ``graph`` in place. Returns the block graphs and report lines."""
+    _sink_block_reads(graph, blocks)
     runs = _runs(graph, blocks)
     spans = sorted(runs.values(), key=lambda r: r[0])
     if any(a[1] >= b[0] for a, b in zip(spans, spans[1:])):
@@ -37,6 +38,20 @@ def split_blocks(graph: fx.Graph, blocks: tuple[str, ...]) -> tuple[list[BlockGr
         out.append(_outline(graph, nodes[lo:hi + 1], fqn))
     graph.lint()
     return out, []
+
+
+def _sink_block_reads(graph: fx.Graph, blocks) -> None:
+    """Move a block's get_attr that sits above its first user to just before it: export
+    lifts tensor constants (Falcon's index tensors ``lifted_tensor_0``) and their reads land
+    at the stage's top, where they would start the block's run before the previous block's."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for n in list(graph.nodes):
+        if n.op != "get_attr" or not n.users or \
+                not any(n.target.startswith(b + ".") for b in blocks):
+            continue
+        first = min(n.users, key=lambda u: order[u])
+        if order[first] > order[n] + 1:
+            first.prepend(n)
 
 
 def _runs(graph: fx.Graph, blocks) -> dict:

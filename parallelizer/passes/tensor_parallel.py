@@ -8,6 +8,9 @@
   bias is added once, after the all-reduce, not once per rank.
 - int shape constants on sharded dims (heads, hidden, split sizes of a fused q|k|v, the kv
   heads and ``n_rep`` of repeat_kv) become the local sizes the planner computed.
+- a replicated per-head value the planner marked (``decision.narrows``: BLOOM's ALiBi slopes
+  before their repeat over the batch) is followed by ``scatter_to_tp_region``, each rank
+  keeping its block of heads.
 Parameter shapes themselves are the checkpoint's business (plan ``tp_dim``); the graph only
 reads them with get_attr.
 """
@@ -16,7 +19,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ..decisions import TP_OPERATOR, TPDecision
-from ..runtime.tp import copy_to_tp_region, reduce_from_tp_region
+from ..runtime.tp import copy_to_tp_region, reduce_from_tp_region, scatter_to_tp_region
 from ..analysis.graph_facts import Linear, aten, linear_sites
 
 
@@ -26,6 +29,7 @@ def apply_tensor_parallel(gm: fx.GraphModule, decision: TPDecision) -> bool:
         return False
     graph = gm.graph
     _rewrite_constants(graph, decision.rewrites)
+    _insert_narrows(graph, decision.narrows)
     copies: dict = {}
     for site in linear_sites(graph):
         if site.weight in decision.column:
@@ -50,6 +54,16 @@ def _rewrite_constants(graph: fx.Graph, rewrites: dict) -> None:
             sizes[list_index] = new
             args[arg_index] = sizes
         node.args = tuple(args)
+
+
+def _insert_narrows(graph: fx.Graph, narrows: dict) -> None:
+    by_name = {n.name: n for n in graph.nodes}
+    for name, dim in narrows.items():
+        node = by_name[name]
+        with graph.inserting_after(node):
+            cut = graph.call_function(scatter_to_tp_region, (node, dim))
+        cut.meta = dict(node.meta)
+        node.replace_all_uses_with(cut, delete_user_cb=lambda u, c=cut: u is not c)
 
 
 def _insert_f(graph: fx.Graph, site: Linear, copies: dict) -> None:

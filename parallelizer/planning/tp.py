@@ -55,6 +55,7 @@ def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False) -> TPDecis
     _check_divisible(prop, tp)
     layouts = prop.found_layouts()
     decision.column, decision.row, decision.rewrites = column, row, prop.rewrites
+    by_name = {n.name: n for n in graph.nodes}
     decision.placements = dict(prop.placements)
     for site in sites:
         w = site.weight
@@ -69,6 +70,10 @@ def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False) -> TPDecis
     for fqn, (d, _groups) in sorted(prop.per_head.items()):
         decision.per_head[fqn] = decision.dims[fqn] = d
         decision.report.append(f"sharded along heads (dim {d}): {fqn}")
+    for name, (d, _groups) in sorted(prop.narrow.items()):
+        decision.narrows[name] = d
+        decision.report.append(f"cut to each rank's heads (dim {d}): {_op_text(by_name[name])} "
+                               f"(a per-head value tiled over the batch)")
     decision.report.insert(0, f"column_parallel: {len(column)} linears; row_parallel: "
                               f"{len(row)} linears; replicated: "
                               f"{len(sites) - len(column) - len(row)} linears")
@@ -151,7 +156,9 @@ def tp_summary(decision: TPDecision, model) -> str:
 
 def _layout_text(layout: dict) -> str:
     if layout["kind"] == "fused":
-        return f"fused {layout['parts']}"
+        copied = [f"part {i} {_layout_text(pl)}" for i, pl in
+                  enumerate(layout.get("part_layouts") or []) if pl]
+        return f"fused {layout['parts']}" + (f" ({'; '.join(copied)})" if copied else "")
     if layout["kind"] == "replicated_heads":
         return (f"replicated_heads ({layout['heads']} heads of {layout['head_dim']}, each held "
                 f"by tp / {layout['heads']} ranks; their gradients are summed)")
@@ -161,18 +168,23 @@ def _layout_text(layout: dict) -> str:
 def _settle(graph, pairs: dict, column: set, row: set, tp: int, decision) -> Propagation:
     """Propagate until the layouts found are the layouts assumed (the rewrites follow them)
     and no conflict is left; groups in conflict are removed from ``column``/``row``."""
-    layouts, no_replication, per_head = {}, frozenset(), {}
+    layouts, no_replication, per_head, narrow = {}, frozenset(), {}, {}
     by_name = {n.name: n for n in graph.nodes}
     for _ in range(4 * (len(column) + len(row)) + 8):
         # a per-head tensor whose attention was kept replicated stays replicated too
         per_head = {k: v for k, v in per_head.items() if v[1] & column}
-        prop = propagate(graph, column, row, tp, layouts, no_replication, per_head)
+        narrow = {k: v for k, v in narrow.items() if v[1] & column}
+        prop = propagate(graph, column, row, tp, layouts, no_replication, per_head, narrow)
         if prop.not_replicable - no_replication:
             no_replication |= prop.not_replicable
             continue
         new = {k: v for k, v in prop.head_requests.items() if k not in per_head and v[1] & column}
         if new:
             per_head.update(new)
+            continue
+        new = {k: v for k, v in prop.narrow_requests.items() if k not in narrow and v[1] & column}
+        if new:
+            narrow.update(new)
             continue
         found = prop.found_layouts()
         if found != layouts:

@@ -18,6 +18,7 @@ The hooks take any object with ``index() buffer() gradients() is_last() paramete
 Error-feedback state is per rank (each rank's residual differs): :meth:`state_dict`.
 (No ``from __future__ import annotations``: DDP checks the hook's return annotation object.)
 """
+import json
 from pathlib import Path
 
 import torch
@@ -274,42 +275,81 @@ class GradCompression:
             s.error_dict = {int(k): v.to(device) for k, v in sd["error_dict"].items()}
 
 
-STATE_DIR = "compression"  # inside a --save checkpoint: one file per global rank
+def state_file(rank: int) -> str:
+    """The file holding global rank ``rank``'s compression state inside a checkpoint."""
+    return f"compression-rank{rank}.safetensors"
 
 
-def save_state(comp: "GradCompression", plan, out: Path, rank: int) -> None:
-    """Write this rank's compression state to ``out/compression/rank{rank}.pt`` (after the
-    checkpoint folder exists). Per rank: each rank's error feedback differs, so it belongs
-    to this mesh; it is not part of the sharded layout (reshard leaves it behind)."""
-    folder = Path(out) / STATE_DIR
-    folder.mkdir(parents=True, exist_ok=True)
-    payload = {"settings": plan.compression, "mesh": plan.mesh, "dp_replicate": plan.dp_replicate,
-               "zero_stage": plan.zero_stage, "state": comp.state_dict()}
-    tmp = folder / f".rank{rank}.pt.tmp"
-    torch.save(payload, tmp)
-    tmp.replace(folder / f"rank{rank}.pt")
+def _identity(plan) -> dict:
+    """What a saved state must match to be resumed (error feedback is per rank of one mesh)."""
+    return {"settings": plan.compression, "mesh": plan.mesh, "dp_replicate": plan.dp_replicate,
+            "zero_stage": plan.zero_stage}
 
 
-def load_state(comp: "GradCompression", plan, ckpt: Path, rank: int, device) -> None:
-    """Restore what :func:`save_state` wrote for this rank.
+def write_state(comp: "GradCompression", plan, folder: Path, rank: int) -> tuple[str, dict]:
+    """Write this rank's compression state into ``folder`` (a checkpoint's ``.partial``
+    folder: it is published with the checkpoint, listed in its manifest) as safetensors:
+    each residual / PowerSGD memory tensor as ``{dict}.{bucket}``, the PowerSGD generator's
+    key as ``rng.key``, the rest as JSON metadata. No pickle: a checkpoint may come from
+    anyone. Returns ``(file name, {"sha256", "bytes"})`` for the manifest's ``files``."""
+    from ..checkpoint.stream import write_streamed
+    sd = comp.state_dict()
+    tensors = {f"{d}.{k}": t.contiguous() for d in _DICTS if d in sd for k, t in sd[d].items()}
+    meta = {"identity": _identity(plan), "iter": sd.get("iter")}
+    if "rng" in sd:  # numpy RandomState: ('MT19937', key[624] uint32, pos, has_gauss, gauss)
+        name, key, *rest = sd["rng"]
+        tensors["rng.key"] = torch.from_numpy(key.astype("int64"))
+        meta["rng"] = [name, *(v.item() if hasattr(v, "item") else v for v in rest)]
+    specs = [(k, tuple(t.shape), t.dtype) for k, t in sorted(tensors.items())]
+    name = state_file(rank)
+    digest, size = write_streamed(Path(folder) / name, specs, tensors.__getitem__,
+                                  {"format": "pt", "compression": json.dumps(meta)}, fsync=True)
+    return name, {"sha256": digest, "bytes": size}
+
+
+_DICTS = ("error_dict", "p_memory_dict", "q_memory_dict")
+
+
+def load_state(comp: "GradCompression", plan, ckpt: Path, rank: int, device,
+               files: dict | None = None) -> None:
+    """Restore what :func:`write_state` wrote for this rank into checkpoint ``ckpt``, after
+    checking its sha256 against ``files`` (the manifest's ``files``; read from ``ckpt``'s
+    manifest when None).
 
     Raises:
-        CheckpointError: no state for this rank, or it was saved under other compression
-            settings or another mesh (error feedback is per rank of one mesh).
+        CheckpointError: no state for this rank (a checkpoint saved without compression, or
+            resharded), a corrupt file, or one saved under other compression settings or
+            another mesh (error feedback is per rank of one mesh).
     """
-    path = Path(ckpt) / STATE_DIR / f"rank{rank}.pt"
-    if not path.exists():
+    import numpy as np
+    from safetensors import safe_open
+    from ..checkpoint.reader import check_file_sha256, read_manifest
+    name = state_file(rank)
+    manifest = {"files": files} if files is not None else read_manifest(ckpt)
+    if name not in manifest["files"]:
         raise CheckpointError(
-            f"--resume {ckpt}: no {STATE_DIR}/rank{rank}.pt, the error-feedback state of "
+            f"--resume {ckpt}: no {name}, the error-feedback state of "
             f"data_parallel.compression={comp.method} (saved by run.py --train --save of a program "
             f"with that compression, on this mesh; a resharded checkpoint has none); resume with "
             f"the program that saved it, or recompile with data_parallel.compression=none")
-    saved = torch.load(path, map_location="cpu", weights_only=False)  # our own file: numpy RNG state
-    mine = {"settings": plan.compression, "mesh": plan.mesh, "dp_replicate": plan.dp_replicate,
-            "zero_stage": plan.zero_stage}
-    diff = {k: (saved[k], v) for k, v in mine.items() if saved[k] != v}
+    check_file_sha256(ckpt, name, manifest)
+    with safe_open(str(Path(ckpt) / name), "pt") as f:
+        meta = json.loads(f.metadata()["compression"])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    mine = json.loads(json.dumps(_identity(plan)))  # as JSON reads it back (tuples -> lists)
+    diff = {k: (meta["identity"][k], v) for k, v in mine.items() if meta["identity"][k] != v}
     if diff:
         shown = "; ".join(f"{k}: saved {a}, this program {b}" for k, (a, b) in diff.items())
-        raise CheckpointError(f"--resume {ckpt}: {path.name} holds compression state of another "
+        raise CheckpointError(f"--resume {ckpt}: {name} holds compression state of another "
                               f"program ({shown}); resume with the program that saved it")
-    comp.load_state_dict(saved["state"], device)
+    sd: dict = {"iter": meta["iter"]}
+    for k, t in tensors.items():
+        d, _, bucket = k.rpartition(".")
+        if d in _DICTS:
+            sd.setdefault(d, {})[int(bucket)] = t
+    if "rng" in meta:
+        rng_name, *rest = meta["rng"]
+        sd["rng"] = (rng_name, tensors["rng.key"].numpy().astype(np.uint32), *rest)
+    for d in _DICTS:
+        sd.setdefault(d, {})
+    comp.load_state_dict(sd, device)

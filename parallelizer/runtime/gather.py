@@ -4,23 +4,31 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..layouts import segments
+from ..layouts import copied_heads, copied_runs, segments
 from ..plan import TensorPlan
 from .setup import RankContext
 
 
 def copies_max_diff(t: torch.Tensor, tplan: TensorPlan, ctx: RankContext, tp: int) -> float:
-    """Max abs difference between the tp ranks' copies of a ``replicated_heads`` tensor and
-    the first copy of the same head (0.0 for other layouts). Collective over tp."""
+    """Max abs difference between the tp ranks' copies of a ``replicated_heads`` tensor (or
+    of a fused tensor's copied parts) and the first copy of the same head (0.0 for other
+    layouts). Collective over tp."""
     layout = tplan.layout or {}
-    if layout.get("kind") != "replicated_heads" or tp == 1:
+    if not copied_heads(layout) or tp == 1:
         return 0.0
     t = (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().contiguous()
     parts = [torch.empty_like(t) for _ in range(tp)]
     dist.all_gather(parts, t, group=ctx.group("tp"))
-    copies = tp // layout["heads"]
-    return max((parts[r] - parts[r - r % copies]).abs().max().item() if t.numel() else 0.0
-               for r in range(tp))
+    d = tplan.tp_dim % t.dim()
+    spread = 0.0
+    for offset, length, heads in copied_runs(tplan.shape[d], layout, tp):
+        copies = tp // heads
+        for r in range(tp):
+            a = parts[r].narrow(d, offset, length)
+            b = parts[r - r % copies].narrow(d, offset, length)
+            if a.numel():
+                spread = max(spread, (a - b).abs().max().item())
+    return spread
 
 
 def full_tensor(t: torch.Tensor, tplan: TensorPlan, ctx: RankContext, tp: int) -> torch.Tensor:

@@ -49,10 +49,13 @@ def rank_file_name(stage: int, tp_rank: int, dp_rank: int) -> str:
 
 
 def save_sharded(stages, plan: ParallelPlan, ctx: RankContext, out: Path, opt=None,
-                 train: dict | None = None) -> int:
+                 train: dict | None = None, extra=None) -> int:
     """Write this rank's shards of ``stages`` (:class:`LocalStages`; with ``opt``, their
     AdamW state) into ``out`` and publish it atomically (module docstring). Collective
     over all ranks. ``train``: ``{"step", "optimizer", ...}`` recorded in the manifest.
+    ``extra(folder) -> (name, {"sha256", "bytes"})``: writes one more file of this rank
+    (compression state) into the unpublished folder; it is listed in the manifest's
+    ``files`` (sha256-checked on read) and published with the rest.
     Returns the bytes this rank wrote."""
     out = Path(out)
     tmp = partial_dir(out)
@@ -66,21 +69,23 @@ def save_sharded(stages, plan: ParallelPlan, ctx: RankContext, out: Path, opt=No
         entry = _write_rank_file(tmp, s, ctx, plan, items) if items else None
         if entry is not None:
             mine[entry[0]] = entry[1]
+    extras = dict([extra(tmp)]) if extra is not None else {}
     if train is not None:
         fault_after_rank_files(train.get("step"), ctx.rank)
     rng = rng_state(ctx.device, plan.mesh) if train is not None else None
-    reports = _gather_json({"files": mine, "rng": rng}, ctx)
+    reports = _gather_json({"files": mine, "extra": extras, "rng": rng}, ctx)
     if ctx.rank == 0:
         files = {k: v for r in reports for k, v in r["files"].items()}
         if train is not None:  # one RNG state per global rank, restored on the same world
             train = {**train, "world_size": len(reports), "rng": [r["rng"] for r in reports]}
         manifest = _manifest(plan, files, train)
+        manifest["files"].update((k, v) for r in reports for k, v in r["extra"].items())
         validate_manifest(tmp, manifest, tmp / MANIFEST)  # our own output: a bug if it fails
         _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
         _fsync_dir(tmp)
         _publish(tmp, out, overwrite=True)
     dist.barrier()
-    return sum(f["bytes"] for f in mine.values())
+    return sum(f["bytes"] for f in mine.values()) + sum(f["bytes"] for f in extras.values())
 
 
 def _items(module, plan: ParallelPlan, opt) -> dict:

@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_unflatten, treespec_loads
 
 from ..errors import BatchError
 from ..pipeline_schedules import SINGLE_STAGE, schedule_class
+from ..layouts import copied_heads, copied_runs
 from ..plan import ParallelPlan
 from .batching import flatten, index_rows
 from .data_parallel import all_reduce_grads
@@ -146,10 +147,20 @@ class StepRunner:
                     g.copy_(total)
 
     def _sum_shared_grads(self, pick=lambda p: p.grad) -> None:
-        """Sum each replicated kv head's gradient over the tp ranks holding a copy."""
-        for param, group in self.summed:
-            if pick(param) is not None:
-                dist.all_reduce(local_tensor(pick(param)), group=group)
+        """Sum each replicated kv head's gradient over the tp ranks holding a copy (the
+        whole tensor, or the rows of a fused tensor's copied parts)."""
+        for param, group, run in self.summed:
+            grad = pick(param)
+            if grad is None:
+                continue
+            if run is None:
+                dist.all_reduce(local_tensor(grad), group=group)
+                continue
+            rows = _local_run(grad, *run)
+            if rows is not None and rows.numel():
+                buf = rows.contiguous()
+                dist.all_reduce(buf, group=group)
+                rows.copy_(buf)
 
 
 def _replicated_head_params(stage, plan: ParallelPlan, ctx: RankContext) -> list:
@@ -158,10 +169,31 @@ def _replicated_head_params(stage, plan: ParallelPlan, ctx: RankContext) -> list
     mine = ctx.my_sync_groups(plan, "replicated_heads")
     out = []
     for name, param in stage.named_parameters():
-        layout = plan.tensors[plan.aliases.get(name, name)].layout
+        tplan = plan.tensors[plan.aliases.get(name, name)]
+        layout = tplan.layout
         if layout and layout["kind"] == "replicated_heads":
-            out.append((param, mine[layout["heads"]]))
+            out.append((param, mine[layout["heads"]], None))
+        elif copied_heads(layout):  # a fused q|k|v with copied k / v parts (Falcon)
+            d = tplan.tp_dim
+            for offset, length, heads in copied_runs(tplan.shape[d], layout, plan.mesh["tp"]):
+                out.append((param, mine[heads], (d, offset, length)))
     return out
+
+
+def _local_run(grad, dim: int, offset: int, length: int):
+    """The rows ``[offset, offset + length)`` along ``dim`` of this rank's tp piece, as a
+    view of the local gradient; under FSDP2 (a DTensor sharded on dim 0) only the part inside
+    this rank's chunk (None when the chunk holds none of them)."""
+    local = local_tensor(grad)
+    lo = 0
+    if hasattr(grad, "to_local") and dim == 0:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        lo = compute_local_shape_and_global_offset(grad.shape, grad.device_mesh,
+                                                   grad.placements)[1][0]
+    start, end = max(offset, lo), min(offset + length, lo + local.shape[dim])
+    if dim == 0 and end <= start:
+        return None
+    return local.narrow(dim, start - lo, end - start)
 
 
 def _merge_spec(plan: ParallelPlan):

@@ -4,6 +4,9 @@
 placed before column_parallel linears, whose replicated input feeds every rank.
 ``g`` = reduce_from_tp_region: all-reduce in forward, identity in backward; placed after
 row_parallel linears, whose outputs are Partial sums.
+``scatter_to_tp_region``: each rank keeps its block of a replicated value along a dim
+(Megatron's scatter-to-model-parallel-region; all-gather of the gradient in backward);
+placed after a per-head value that must meet the rank's heads (BLOOM's ALiBi slopes).
 
 The tp process group is set once per process by the emitted program (``set_tp_group``), so
 the generated stage source reads like the paper: ``reduce_from_tp_region(linear(x, w))``.
@@ -64,3 +67,23 @@ def copy_to_tp_region(x: torch.Tensor) -> torch.Tensor:
 def reduce_from_tp_region(x: torch.Tensor) -> torch.Tensor:
     """Megatron ``g``: sums the Partial outputs of a row_parallel linear over tp."""
     return x if _tp_size() == 1 else _ReduceFromTPRegion.apply(x)
+
+
+class _ScatterToTPRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim):
+        ctx.dim = dim
+        n = x.shape[dim] // _tp_size()
+        return x.narrow(dim, dist.get_rank(_TP_GROUP) * n, n).clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        parts = [torch.empty_like(grad) for _ in range(_tp_size())]
+        dist.all_gather(parts, grad.contiguous(), group=_TP_GROUP)
+        return torch.cat(parts, dim=ctx.dim), None
+
+
+def scatter_to_tp_region(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """This tp rank's block ``[r * n / tp, (r + 1) * n / tp)`` of ``x`` along ``dim`` (size
+    ``n``, divisible by tp): Replicate -> Shard(dim), no communication in forward."""
+    return x if _tp_size() == 1 else _ScatterToTPRegion.apply(x, dim)

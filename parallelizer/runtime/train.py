@@ -8,6 +8,7 @@ writes its own shards (runtime/sharded_save.py); nothing is gathered. A model wi
 dropout restores every rank's dropout streams too (``runtime/rng.py``), on the same mesh."""
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import sys
@@ -25,7 +26,7 @@ from ..plan import ParallelPlan
 from .batching import dp_slice, synthetic_batches
 from . import rng
 from .gather import full_tensor
-from .compression import load_state as load_compression_state, save_state as save_compression_state
+from .compression import load_state as load_compression_state, write_state as write_compression_state
 from .data_parallel import make_stage_optimizer
 from .setup import RankContext
 from .periodic import set_rng_state
@@ -202,11 +203,10 @@ def save_checkpoint(stage, plan: ParallelPlan, ctx: RankContext, out: Path, opt=
     if profile:
         from .memory import print_save_memory, start_save_measure
         before = start_save_measure(ctx)
-    written = save_sharded(stage, plan, ctx, Path(out), opt, train)
+    extra = None
     if opt is not None and ctx.compression is not None:  # per rank: error feedback differs
-        # beside the published checkpoint, not in its manifest (a later step: into .partial)
-        save_compression_state(ctx.compression, plan, Path(out), ctx.rank)
-        dist.barrier()
+        extra = functools.partial(write_compression_state, ctx.compression, plan, rank=ctx.rank)
+    written = save_sharded(stage, plan, ctx, Path(out), opt, train, extra)
     if profile:
         largest = max(math.prod(t.shape) * getattr(torch, t.dtype).itemsize for t in plan.tensors.values())
         print_save_memory(ctx, before, written, largest)

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from ..plan import ParallelPlan
 from .batching import dp_slice, to_batch
+from ..layouts import copied_heads
 from .gather import copies_max_diff, full_tensor
 from .data_parallel import make_stage_optimizer
 from .rng import dropout_active
@@ -173,7 +174,7 @@ def _compare_tensors(tally, cat, key, stage, plan, ctx, ref, pick, bound=None):
             continue
         full = full_tensor(t, plan.tensors[fqn], ctx, tp)
         tally.add(cat, name, full, want, bound(fqn, want) if bound else None)
-        if plan.tensors[fqn].layout and plan.tensors[fqn].layout["kind"] == "replicated_heads":
+        if copied_heads(plan.tensors[fqn].layout):
             # tp ranks holding one kv head must hold the same gradient and weights
             spread = copies_max_diff(t, plan.tensors[fqn], ctx, tp)
             tally.add(cat, f"{name} (kv head copies)", torch.tensor([spread]), torch.zeros(1))

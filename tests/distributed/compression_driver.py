@@ -7,7 +7,7 @@ plan gets ``compression`` (and zero_stage / dp_replicate) replaced, as the compi
 Prints ``RESULT {json}`` lines: ``train`` (per step global losses of STEPS AdamW steps),
 ``eager`` (the unmodified model, same steps, rank 0), ``verify`` (run_verify's exit code),
 ``resume`` (losses and final parameters of an uninterrupted run and of a run saved and
-restored half-way, compression state through runtime/compression.save_state/load_state).
+restored half-way, compression state through runtime/compression.write_state/load_state).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 
 from parallelizer.plan import ParallelPlan
 from parallelizer.runtime.batching import dp_slice, synthetic_batches
-from parallelizer.runtime.compression import load_state, save_state
+from parallelizer.runtime.compression import load_state, write_state
 from parallelizer.runtime.data_parallel import make_stage_optimizer
 from parallelizer.runtime.main import _load_model_module
 from parallelizer.runtime.optim import make_optimizer
@@ -103,7 +103,8 @@ def resume_case(out, plan, module, batches, tmp: Path):
     first, ctx, stages, opt = train(out, plan, module, batches[:half])
     weights = {n: p.detach().clone() for n, p in stages.named_parameters()}
     opt_sd = opt.state_dict()
-    save_state(ctx.compression, plan, tmp, ctx.rank)
+    tmp.mkdir(parents=True, exist_ok=True)
+    name, entry = write_state(ctx.compression, plan, tmp, ctx.rank)
     dist.barrier()
     ctx, stages, runner = build(out, plan, module)
     with torch.no_grad():
@@ -111,7 +112,7 @@ def resume_case(out, plan, module, batches, tmp: Path):
             p.copy_(weights[n])
     opt = make_stage_optimizer(stages.parameters(), "adamw", LR, 0.0, plan.zero_stage, ctx)
     opt.load_state_dict(opt_sd)
-    load_state(ctx.compression, plan, tmp, ctx.rank, ctx.device)
+    load_state(ctx.compression, plan, tmp, ctx.rank, ctx.device, files={name: entry})
     rest = []
     for batch in batches[half:]:
         opt.zero_grad(set_to_none=True)

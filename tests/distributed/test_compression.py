@@ -12,7 +12,7 @@
   reference at 1e-5; fp16 under HSDP (FSDP2's reduce dtype) at fp16 tolerances;
 - PowerSGD on the flat-bucket path and on HSDP's replicate all-reduce trains near ``none``;
 - resume: PowerSGD and Top-K (DDP) and PowerSGD (HSDP) saved half-way (compression state
-  through runtime/compression.save_state / load_state, per rank) and restored into freshly
+  through runtime/compression.write_state / load_state, per rank) and restored into freshly
   built stages equal the uninterrupted run exactly (losses and parameters).
 """
 import json
@@ -100,8 +100,8 @@ TOPK_DP2 = ("mesh.dp=2", "mesh.tp=1", "mesh.pp=1", "zero_stage=0", "data_paralle
 @pytest.mark.timeout(300)
 @pytest.mark.precompile("gpt", *TOPK_DP2)
 def test_run_py_saves_and_resumes_error_feedback(compiled, tools, tmp_path):
-    """The user's path: run.py --train --save writes each rank's Top-K residual beside the
-    checkpoint and --resume restores it: 2 + 2 steps equal 4 uninterrupted (losses as printed,
+    """The user's path: run.py --train --save writes each rank's Top-K residual into the
+    checkpoint (listed in its manifest, published with it) and --resume restores it: 2 + 2 steps equal 4 uninterrupted (losses as printed,
     weights bit for bit). report.md shows the dp bytes with and without compression."""
     import re
     import torch
@@ -114,7 +114,9 @@ def test_run_py_saves_and_resumes_error_feedback(compiled, tools, tmp_path):
     tools.check_exit(full)
     half = tools.torchrun(out, 2, "--train", "--steps", "2", "--save", str(tmp_path / "s2"))
     tools.check_exit(half)
-    assert sorted(p.name for p in (tmp_path / "s2" / "compression").iterdir()) == ["rank0.pt", "rank1.pt"]
+    saved = json.loads((tmp_path / "s2" / "manifest.json").read_text())["files"]
+    assert {"compression-rank0.safetensors", "compression-rank1.safetensors"} <= saved.keys()
+    assert not list(tmp_path.glob(".*partial")), "the save left its unpublished folder behind"
     rest = tools.torchrun(out, 2, "--train", "--steps", "2", "--resume", str(tmp_path / "s2"),
                           "--save", str(tmp_path / "r4"))
     tools.check_exit(rest)

@@ -135,13 +135,14 @@ def test_estimate_json_counts_dp_bytes_from_the_model(capsys):
 
 
 def test_compression_state_files_refuse_another_program(tmp_path, monkeypatch):
-    """save_state / load_state: a round trip restores the residuals; a missing file and a
-    file of other settings are CheckpointErrors naming the file and the fix."""
+    """write_state / load_state: a round trip restores the residuals (Top-K) and PowerSGD's
+    memories, counter and generator exactly; a missing file, a corrupt one and one of other
+    settings are CheckpointErrors naming the file and the fix."""
     import dataclasses
     import torch.distributed as dist
     from parallelizer.errors import CheckpointError
     from parallelizer.plan import ParallelPlan
-    from parallelizer.runtime.compression import GradCompression, load_state, save_state
+    from parallelizer.runtime.compression import GradCompression, load_state, write_state
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29614")
     dist.init_process_group("gloo", rank=0, world_size=1)
@@ -150,17 +151,42 @@ def test_compression_state_files_refuse_another_program(tmp_path, monkeypatch):
         plan = ParallelPlan(mesh={"pp": 1, "dp": 2, "tp": 1}, zero_stage=0, schedule="1f1b", microbatches=1,
                             seed=0, tensors={}, aliases={}, stages=(), compression=settings)
         comp = GradCompression(settings, dist.group.WORLD)
-        comp.state.error_dict = {0: torch.arange(4.0)}
-        save_state(comp, plan, tmp_path, rank=0)
+        comp.state.error_dict = {0: torch.arange(4.0), 3: torch.ones(2, 3)}
+        name, entry = write_state(comp, plan, tmp_path, rank=0)
+        files = {name: entry}
         fresh = GradCompression(settings, dist.group.WORLD)
-        load_state(fresh, plan, tmp_path, 0, torch.device("cpu"))
+        load_state(fresh, plan, tmp_path, 0, torch.device("cpu"), files=files)
+        assert fresh.state.error_dict.keys() == {0, 3}
         assert torch.equal(fresh.state.error_dict[0], torch.arange(4.0))
-        with pytest.raises(CheckpointError, match=r"no compression/rank1.pt, the error-feedback state of "
-                                                  r"data_parallel.compression=topk .* resume with the program"):
-            load_state(fresh, plan, tmp_path, 1, torch.device("cpu"))
+        assert torch.equal(fresh.state.error_dict[3], torch.ones(2, 3))
+        with pytest.raises(CheckpointError, match=r"no compression-rank1.safetensors, the error-feedback "
+                                                  r"state of data_parallel.compression=topk .* resume with"):
+            load_state(fresh, plan, tmp_path, 1, torch.device("cpu"), files=files)
         other = dataclasses.replace(plan, compression={**settings, "ratio": 0.1})
-        with pytest.raises(CheckpointError, match=r"rank0.pt holds compression state of another program "
-                                                  r"\(settings: saved .*'ratio': 0.5.*this program .*'ratio': 0.1"):
-            load_state(fresh, other, tmp_path, 0, torch.device("cpu"))
+        with pytest.raises(CheckpointError, match=r"rank0.safetensors holds compression state of another "
+                                                  r"program \(settings: saved .*'ratio': 0.5.*this program "
+                                                  r".*'ratio': 0.1"):
+            load_state(fresh, other, tmp_path, 0, torch.device("cpu"), files=files)
+
+        psgd = {"method": "powersgd", "rank": 2, "start_iter": 2, "error_feedback": True}
+        plan = dataclasses.replace(plan, compression=psgd)
+        comp = GradCompression(psgd, dist.group.WORLD)
+        comp.state.iter = 7
+        comp.state.rng.standard_normal(5)  # move the generator off its seed
+        comp.state.error_dict = {1: torch.randn(6)}
+        comp.state.p_memory_dict = {1: torch.randn(3, 2)}
+        comp.state.q_memory_dict = {1: torch.randn(2, 2)}
+        name, entry = write_state(comp, plan, tmp_path, rank=0)
+        fresh = GradCompression(psgd, dist.group.WORLD)
+        load_state(fresh, plan, tmp_path, 0, torch.device("cpu"), files={name: entry})
+        assert fresh.state.iter == 7
+        assert fresh.state.rng.standard_normal(3).tolist() == comp.state.rng.standard_normal(3).tolist()
+        for d in ("error_dict", "p_memory_dict", "q_memory_dict"):
+            assert torch.equal(getattr(fresh.state, d)[1], getattr(comp.state, d)[1]), d
+        data = bytearray((tmp_path / name).read_bytes())
+        data[-5] ^= 0xFF  # one bit pattern of the generator's last key word
+        (tmp_path / name).write_bytes(bytes(data))
+        with pytest.raises(CheckpointError, match=r"compression-rank0.safetensors is corrupt: sha256"):
+            load_state(fresh, plan, tmp_path, 0, torch.device("cpu"), files={name: entry})
     finally:
         dist.destroy_process_group()

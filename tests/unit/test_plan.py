@@ -51,6 +51,14 @@ def test_kv_head_copies_summed_over_the_tp_ranks_holding_them():
                        "ranks": [[0, 1], [2, 3], [4, 5], [6, 7]]},)
     one_head = grad_sync_groups(_plan(pp=1, dp=1, tp=4, ranks=(0,), kv_heads=1))
     assert one_head[0]["ranks"] == [[0, 1, 2, 3]]
+    # Falcon's fused q|k|v with its one k and v head copied: the same group as one kv head
+    plan = _plan(pp=1, dp=2, tp=2, ranks=(0,))
+    rh = {"kind": "replicated_heads", "heads": 1, "head_dim": 2}
+    plan.tensors["layers.0.k.weight"] = TensorPlan(
+        "layers.0.k.weight", (8, 8), "float32", 0, (0,),
+        layout={"kind": "fused", "parts": [4, 2, 2], "part_layouts": [None, rh, rh]})
+    assert grad_sync_groups(plan) == ({"kind": "replicated_heads", "key": 1,
+                                       "ranks": [[0, 1], [2, 3]]},)
 
 
 def test_v_placement_keeps_a_tied_pair_on_one_rank_without_a_group():

@@ -233,6 +233,30 @@ def test_replicas_must_be_identical(tmp_path):
     assert not (tmp_path / "dst").exists()
 
 
+def test_copied_parts_of_a_fused_tensor_must_be_identical(tmp_path):
+    """Falcon's multi-query query_key_value at tp=2: q heads split, the k and v head copied
+    on both ranks; the copies are compared like replicated_heads tensors."""
+    rh = {"kind": "replicated_heads", "heads": 1, "head_dim": 2}
+    layout = {"kind": "fused", "parts": [4, 2, 2], "part_layouts": [None, rh, rh]}
+    plan = ParallelPlan(mesh={"pp": 1, "dp": 1, "tp": 2}, zero_stage=0, schedule="1f1b",
+                        microbatches=1, seed=0, stages=(), aliases={}, tensors={
+                            "qkv.weight": TensorPlan("qkv.weight", (8, 3), "float32", 0, (0,),
+                                                     False, "column_parallel", layout)})
+    sd = {"qkv.weight": torch.arange(24.).reshape(8, 3)}
+    out = write_checkpoint(sd, plan, tmp_path / "ck")
+    assert torch.equal(load_full(out)["qkv.weight"], sd["qkv.weight"])
+    f = out / "pp0-tp1.safetensors"
+    tensors = load_file(f)
+    tensors["qkv.weight"][4, 0] += 1  # rank 1's piece: 2 rows of q | 2 of k | 2 of v
+    save_file(tensors, f)
+    m = json.loads((out / "manifest.json").read_text())
+    m["files"][f.name] = {"sha256": hashlib.sha256(f.read_bytes()).hexdigest(), "bytes": f.stat().st_size}
+    (out / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(CheckpointError, match=r"replicas of qkv\.weight differ: rows \[6, 8\) "
+                                              r"along dim 0"):
+        load_full(out)
+
+
 # ------------------------------------------------------------ bad checkpoints (via the CLI)
 
 

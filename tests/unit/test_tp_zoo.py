@@ -27,13 +27,10 @@ FAMILIES = {**ZOO, **EXAMPLES}
 TOL = dict(rtol=1e-5, atol=1e-5)
 LR = 0.1
 
-# family -> (weight matrices inside the blocks that tp shards, all of them). Not yet: Falcon's
-# fused multi-query query_key_value (its one kv head is cut out by a slice and an index of
-# the heads dim) and BLOOM's attention (heads merged into the batch dim for baddbmm + ALiBi)
-# stay replicated; their MLPs shard.
+# family -> (weight matrices inside the blocks that tp shards, all of them).
 SHARDED = {
-    "gpt_neox": (8, 8), "falcon": (4, 8), "phi": (12, 12), "gemma": (14, 14), "opt": (12, 12),
-    "bloom": (4, 8), "mistral": (14, 14), "qwen2": (14, 14), "gpt2": (8, 8), "t5": (34, 34),
+    "gpt_neox": (8, 8), "falcon": (8, 8), "phi": (12, 12), "gemma": (14, 14), "opt": (12, 12),
+    "bloom": (8, 8), "mistral": (14, 14), "qwen2": (14, 14), "gpt2": (8, 8), "t5": (34, 34),
     "vit": (12, 12), "roberta": (12, 12), "mixtral_attention": (8, 8),
     "example_gpt": (24, 24), "example_gpt2": (16, 16), "example_llama": (28, 28),
     "example_minilm": (36, 36),
@@ -110,10 +107,19 @@ def test_zoo_tp_matches_unmodified_model(family, tp):
         assert set(res.grads) <= set(ref_grads)
 
 
-def test_one_kv_head_checkpoint_round_trip_is_bit_exact(tmp_path):
-    """Gemma with one kv head at tp=2: k_proj/v_proj are written replicated_heads (heads 1,
-    each rank a copy); reshard to tp=4, then tp=1, and export to Hugging Face format give
-    back the model's tensors bit for bit."""
+_RH1 = {"kind": "replicated_heads", "heads": 1, "head_dim": 8}
+
+
+@pytest.mark.parametrize("name, fqn, layout", [
+    ("gemma", "model.layers.0.self_attn.k_proj.weight", _RH1),
+    ("falcon", "transformer.h.0.self_attention.query_key_value.weight",
+     {"kind": "fused", "parts": [32, 8, 8], "part_layouts": [None, _RH1, _RH1]}),
+])
+def test_one_kv_head_checkpoint_round_trip_is_bit_exact(tmp_path, name, fqn, layout):
+    """One kv head at tp=2, each rank a copy: Gemma's k_proj/v_proj are written
+    replicated_heads (heads 1); Falcon's fused multi-query query_key_value has its k and v
+    parts laid out so (its q heads split). Reshard to tp=4, then tp=1, and export to Hugging
+    Face format give back the model's tensors bit for bit."""
     from parallelizer.api import compile as compile_model
     from parallelizer.checkpoint.export import export_hf
     from parallelizer.checkpoint.hf import load_hf_state_dict
@@ -121,17 +127,16 @@ def test_one_kv_head_checkpoint_round_trip_is_bit_exact(tmp_path):
     from parallelizer.checkpoint.reshard import reshard
     from parallelizer.spec import Spec
 
-    model, batch_of, _ = ZOO["gemma"]()
+    model, batch_of, _ = ZOO[name]()
     spec = Spec.model_validate({"mesh": {"tp": 2}})
     compile_model(model, spec, batch_of(), reference=False).save(tmp_path / "out")
-    entry = read_manifest(tmp_path / "out" / "checkpoint")["tensors"][
-        "model.layers.0.self_attn.k_proj.weight"]
-    assert entry["layout"] == {"kind": "replicated_heads", "heads": 1, "head_dim": 8}
+    entry = read_manifest(tmp_path / "out" / "checkpoint")["tensors"][fqn]
+    assert entry["layout"] == layout
     reshard(tmp_path / "out" / "checkpoint", tmp_path / "tp4", tp=4)
     reshard(tmp_path / "tp4", tmp_path / "tp1", tp=1)
     export_hf(tmp_path / "tp1", tmp_path / "hf")
     got = load_hf_state_dict(tmp_path / "hf")
     want = model.state_dict()
-    assert set(got) <= set(want) and "model.layers.1.self_attn.v_proj.weight" in got
-    for name, t in got.items():
-        assert torch.equal(t, want[name]), name
+    assert set(got) <= set(want) and fqn.replace(".0.", ".1.") in got
+    for n, t in got.items():
+        assert torch.equal(t, want[n]), n

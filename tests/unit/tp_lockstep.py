@@ -5,8 +5,8 @@ layouts). Megatron's ``f`` and ``g`` (Shoeybi et al. 2019, §3) keep their autog
 ``g`` sums the ranks' partial outputs in forward, ``f`` sums the ranks' input gradients in
 backward; the sum is taken over a barrier, in rank order, so every rank gets the same bits.
 The only thing replaced is the transport (``dist.all_reduce`` -> a sum between threads).
-Replicated kv heads then sum their gradients over the ranks holding one head, as
-``runtime/step.py`` does.
+Replicated kv heads (whole tensors, or the copied parts of a fused q|k|v) then sum their
+gradients over the ranks holding one head, as ``runtime/step.py`` does.
 """
 from __future__ import annotations
 
@@ -17,9 +17,10 @@ import torch
 import torch.fx as fx
 
 from parallelizer.checkpoint.layout import local_piece
+from parallelizer.layouts import copied_heads, copied_runs
 from parallelizer.plan import TensorPlan
 from parallelizer.runtime import sequence as sp
-from parallelizer.runtime.tp import copy_to_tp_region, reduce_from_tp_region
+from parallelizer.runtime.tp import copy_to_tp_region, reduce_from_tp_region, scatter_to_tp_region
 
 
 class _AllReduce:
@@ -96,6 +97,26 @@ class _G(torch.autograd.Function):
         return grad, None, None
 
 
+class _Scatter(torch.autograd.Function):
+    """The rank's block along ``dim``; backward: the blocks of all ranks' gradients placed
+    side by side (an all-gather, as a sum of zero-padded blocks)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, comm, rank):
+        ctx.dim, ctx.comm, ctx.rank, ctx.n = dim, comm, rank, x.shape[dim]
+        k = x.shape[dim] // comm.tp
+        return x.narrow(dim, rank * k, k).clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape = list(grad.shape)
+        shape[ctx.dim] = ctx.n
+        full = grad.new_zeros(shape)
+        k = grad.shape[ctx.dim]
+        full.narrow(ctx.dim, ctx.rank * k, k).copy_(grad)
+        return ctx.comm(ctx.rank, full), None, None, None
+
+
 class _Rank(fx.Interpreter):
     def __init__(self, gm, rank, comm, leaves):
         super().__init__(gm)
@@ -119,6 +140,8 @@ class _Rank(fx.Interpreter):
                                             kinds, *params)
         if target is sp.random_op_on_sequence_shard:
             return target(*args, comm=_RankComm(self.comm, self.rank), **kwargs)
+        if target is scatter_to_tp_region:
+            return _Scatter.apply(args[0], args[1], self.comm, self.rank)
         return super().call_function(target, args, kwargs)
 
 
@@ -191,12 +214,23 @@ def _attr(gm, target):
 
 
 def _sum_replicated_head_grads(leaves, decision, tp):
+    """Sum the gradients of copied kv heads (a replicated_heads tensor, or the copied parts
+    of a fused one) over the ranks holding the same head."""
     for target, layout in decision.layouts.items():
-        if layout.get("kind") != "replicated_heads" or target not in leaves[0]:
+        if not copied_heads(layout) or target not in leaves[0]:
             continue
-        copies = tp // layout["heads"]
-        for head in range(layout["heads"]):
-            group = [leaves[r][target] for r in range(head * copies, (head + 1) * copies)]
-            total = sum(p.grad for p in group)
-            for p in group:
-                p.grad = total.clone()
+        d = decision.dims[target]
+        for offset, length, heads in copied_runs(_full_length(layout), layout, tp):
+            copies = tp // heads
+            for head in range(heads):
+                group = [leaves[r][target].grad.narrow(d, offset, length)
+                         for r in range(head * copies, (head + 1) * copies)]
+                total = sum(g.clone() for g in group)
+                for g in group:
+                    g.copy_(total)
+
+
+def _full_length(layout) -> int:
+    if layout["kind"] == "replicated_heads":
+        return layout["heads"] * layout["head_dim"]
+    return sum(layout["parts"])

@@ -1,0 +1,131 @@
+"""Attention written as Falcon and BLOOM write it, on small hand-written modules: a fused
+q|k|v whose heads view is cut by a slice and constant indices (one kv head copied to every
+rank), and heads merged into the batch dim for batched matmuls (a strided shard). Each
+either shards and equals the unmodified model (outputs, gradients, one SGD step; fp32,
+1e-5) or stays replicated with the op that stopped it in the report, never mis-sharded."""
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parallelizer.errors import PlanError
+from parallelizer.frontend import capture
+from parallelizer.passes.cleanup import apply_cleanup
+from parallelizer.passes.tensor_parallel import apply_tensor_parallel
+from parallelizer.planning.tp import plan_tp
+
+from tp_lockstep import local, run_ranks
+
+H, HEADS, D = 32, 4, 8
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+class MultiQuery(nn.Module):
+    """q heads | one k head | one v head in one linear, cut out of a (heads + 2) view."""
+
+    def __init__(self, k_at, v_at):
+        super().__init__()
+        self.qkv = nn.Linear(H, H + 2 * D)
+        self.o = nn.Linear(H, H)
+        self.k_at, self.v_at = k_at, v_at
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        qkv = self.qkv(x).view(b, t, HEADS + 2, D)
+        q, k, v = qkv[:, :, :-2], qkv[:, :, [self.k_at]], qkv[:, :, [self.v_at]]
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return x + self.o(y.transpose(1, 2).reshape(b, t, H))
+
+
+class MergedHeads(nn.Module):
+    """Scores by bmm over (batch * heads), with a per-head slope bias tiled over the batch
+    (ALiBi-like); ``heads_outer`` merges (heads, batch) instead, which has no strided rule."""
+
+    def __init__(self, heads_outer=False):
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(H, H) for _ in range(3))
+        self.o = nn.Linear(H, H)
+        self.heads_outer = heads_outer
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, t, HEADS, D).transpose(1, 2) for p in (self.q, self.k, self.v))
+        if self.heads_outer:
+            q, k, v = (a.transpose(0, 1) for a in (q, k, v))
+        q, k, v = (a.reshape(b * HEADS, t, D) for a in (q, k, v))
+        slopes = 0.5 ** torch.arange(1, HEADS + 1, dtype=torch.float32)
+        bias = (slopes[:, None, None] * torch.arange(t)).repeat(b, 1, 1)
+        scores = torch.baddbmm(bias, q, k.transpose(1, 2), alpha=D ** -0.5)
+        y = torch.bmm(scores.softmax(-1), v)
+        y = y.view(HEADS, b, t, D).transpose(0, 1) if self.heads_outer else y.view(b, HEADS, t, D)
+        return x + self.o(y.transpose(1, 2).reshape(b, t, H))
+
+
+def _batch(b=2, t=5, seed=0):
+    return (torch.randn(b, t, H, generator=torch.Generator().manual_seed(seed)),)
+
+
+def _loss(outs):
+    g = torch.Generator().manual_seed(7)
+    return sum((o * torch.randn(o.shape, generator=g)).mean() for o in outs)
+
+
+def _plan(model, tp):
+    torch.manual_seed(0)
+    cap = capture(model, _batch(), Path(__file__))
+    return cap, plan_tp(cap.gm.graph, tp)
+
+
+def _matches(model, cap, d, tp):
+    apply_cleanup(cap.gm)
+    apply_tensor_parallel(cap.gm, d)
+    x = _batch(3, 7, seed=1)
+    ref = model(*x)
+    _loss([ref]).backward()
+    for r, res in enumerate(run_ranks(cap.gm, d, tp, list(x), _loss, 0.1)):
+        torch.testing.assert_close(res.outputs[0], ref, **TOL)
+        for fqn, p in model.named_parameters():
+            torch.testing.assert_close(res.grads[fqn], local(p.grad, fqn, d, tp, r), **TOL)
+            stepped = local(p.detach() - 0.1 * p.grad, fqn, d, tp, r)
+            torch.testing.assert_close(res.params[fqn], stepped, **TOL)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_one_kv_head_cut_from_a_fused_qkv_is_copied_and_matches(tp):
+    torch.manual_seed(0)
+    model = MultiQuery(-2, -1)
+    cap, d = _plan(model, tp)
+    assert {"qkv.weight", "o.weight"} <= d.column | d.row
+    rh = {"kind": "replicated_heads", "heads": 1, "head_dim": D}
+    assert d.layouts["qkv.weight"] == {"kind": "fused", "parts": [H, D, D],
+                                       "part_layouts": [None, rh, rh]}
+    _matches(model, cap, d, tp)
+
+
+def test_positive_kv_index_that_would_need_a_rewrite_stays_replicated():
+    """qkv[:, :, [4]] picks the k head globally; on a rank's piece (2 q heads | k | v) the
+    k head is at 2, and index constants are not rewritten: kept replicated, reported."""
+    torch.manual_seed(0)
+    with pytest.raises(PlanError, match=r"no weight matrix could be sharded; the first op that "
+                                        r"stopped it: aten\.index\.Tensor at test_tp_heads_cuts"):
+        _plan(MultiQuery(HEADS, HEADS + 1), 2)
+
+
+def test_heads_merged_into_batch_shard_strided_with_slopes_cut_to_the_rank(tp=2):
+    torch.manual_seed(0)
+    model = MergedHeads()
+    cap, d = _plan(model, tp)
+    assert d.column == {"q.weight", "k.weight", "v.weight"} and d.row == {"o.weight"}
+    assert len(d.narrows) == 1 and any("cut to each rank's heads" in r for r in d.report)
+    _matches(model, cap, d, tp)
+
+
+def test_heads_merged_outside_the_batch_do_not_meet_slopes_tiled_inside_it():
+    """(heads, batch) -> heads * batch is the even split of the merged dim, but the slopes
+    are tiled batch-major (b * H + h): no rank holds matching rows, so it stays replicated."""
+    torch.manual_seed(0)
+    with pytest.raises(PlanError, match=r"no weight matrix could be sharded; the first op that "
+                                        r"stopped it: aten\.baddbmm\.default"):
+        _plan(MergedHeads(heads_outer=True), 2)
