@@ -321,7 +321,7 @@ def _decide(facts, out: SequenceParallelDecision) -> None:
             sizes = n.args[1]
             if not (isinstance(sizes[1], int) and sizes[1] == -1):
                 out.views[name] = [(1, 1)]
-    _report(facts, out)
+    _report(facts, out, by_name)
 
 
 def _carries_param(a: fx.Node) -> bool:
@@ -339,7 +339,11 @@ def _carries_param(a: fx.Node) -> bool:
     return False
 
 
-def _report(facts, out) -> None:
+def _named(names, by_name) -> str:
+    return ", ".join(f"{n} ({module_path(by_name[n]) or 'the root module'})" for n in sorted(names))
+
+
+def _report(facts, out, by_name) -> None:
     tp = out.tp
     out.report.append(
         f"sequence parallel: on ({len(out.region)} values held as sequence shards of 1/{tp}; "
@@ -350,9 +354,9 @@ def _report(facts, out) -> None:
         f"{len(out.dropouts)} dropout(s) applying their slice of the full mask)")
     if out.splits:
         out.report.append(f"enters the sequence-parallel region by a local slice: "
-                          f"{', '.join(sorted(out.splits))}")
+                          f"{_named(out.splits, by_name)}")
     if out.exits:
         out.report.append(f"gathered from the sequence shards for readers outside: "
-                          f"{', '.join(sorted(out.exits))}")
+                          f"{_named(out.exits, by_name)}")
     out.report.append(f"sequence parallel: the sequence length must be a multiple of "
                       f"mesh.tp ({tp}) at run time (checked; the program fails otherwise)")
