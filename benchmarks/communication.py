@@ -4,7 +4,8 @@ torch-native baseline (benchmarks/native_llama.py) and beside the analytical min
 tp=2 x dp=2 (FSDP2, ZeRO-3) and tp=2 x pp=2 (1F1B), world 4, after warm-up steps with
 equal losses asserted.
 
-Analytical minimum per step (no sequence parallelism; fp32):
+Analytical minimum per step (fp32; the ``-sp`` config with sequence parallelism, the others
+with ``tensor_parallel.sequence_parallel=false``, as the native baseline):
 
 - tensor parallelism, Megatron-LM (Shoeybi et al. 2019) §3: per transformer layer and
   microbatch, two all-reduces of b*s*h elements in forward (g after attention and after
@@ -14,6 +15,13 @@ Analytical minimum per step (no sequence parallelism; fp32):
   head), and the cross-entropy's three all-reduces of one fp32 per loss position
   (b*(s-1) for next-token loss: the row max, the sum of exponentials, the target logit;
   torch's loss_parallel and ours alike);
+- sequence parallelism (Korthikanti et al. 2022, §4.2.2): each of those all-reduces is a
+  reduce-scatter plus an all-gather of the same buffer (same bytes); the inputs of the
+  column_parallel linears all-gathered again in backward (2 per layer: only the shard is
+  kept); the vocab_parallel embedding's all-reduce becomes a reduce-scatter (all-gather in
+  backward) and the LM head's f an all-gather fused with it (gathered again in backward,
+  reduce-scatter of its input gradient), and one all-reduce over tp of the norm weights'
+  gradients (each rank saw its sequence shard);
 - data parallelism, ZeRO-3 / FSDP (Rajbhandari et al. 2020, §7): all-gather of the
   parameters in forward, again in backward, reduce-scatter of the gradients: 1.5x DDP's
   all-reduce. FSDP2 keeps the root module (embedding, final norm, LM head) gathered from
@@ -55,7 +63,9 @@ from ._common import (BENCH_MODEL, bench_env, base_parser, compile_program, main
                       print_table, run_worker, write_json)
 from .native_llama import LAYER_TP_PLAN
 
-CONFIGS = {"tp2-dp2-fsdp": dict(tp=2, dp=2, pp=1), "tp2-pp2": dict(tp=2, dp=1, pp=2)}
+CONFIGS = {"tp2-dp2-fsdp": dict(tp=2, dp=2, pp=1), "tp2-pp2": dict(tp=2, dp=1, pp=2),
+           "tp2-sp-dp2-fsdp": dict(tp=2, dp=2, pp=1)}
+SEQUENCE_PARALLEL = {"tp2-sp-dp2-fsdp"}  # the others: tensor_parallel.sequence_parallel=false
 MICROBATCHES = 4  # benchmarks/models/spec.yaml
 
 
@@ -77,7 +87,7 @@ def dim_of(ranks: list[int], mesh: dict) -> str:
     return "+".join(varying) or "self"
 
 
-def minimum(module, mesh: dict, micro: int) -> dict:
+def minimum(module, mesh: dict, micro: int, sequence_parallel: bool = False) -> dict:
     """(op, dim) -> {"calls", "wire_bytes"} summed over all ranks, from the model's config
     alone (not from our plan)."""
     cfg = module.make_config()
@@ -87,12 +97,16 @@ def minimum(module, mesh: dict, micro: int) -> dict:
     act = (b // dp // m) * s * h * 4  # one microbatch's activation, bytes
     out = {}
     if tp > 1:
-        calls = (4 * cfg.num_hidden_layers + 2) * m * dp * tp  # + embedding, head's f
-        loss = 3 * m * dp * tp  # max, sum-exp, target logit over b*(s-1) positions
-        positions = (b // dp // m) * (s - 1) * 4
-        out[("allreduce_", "tp")] = {"calls": calls + loss,
-                                     "wire_bytes": calls * wire_bytes("allreduce_", act, tp)
-                                     + loss * wire_bytes("allreduce_", positions, tp)}
+        loss = 3 * m * dp * tp  # vocab_parallel cross-entropy: max, sum-exp, target logit
+        loss_bytes = loss * wire_bytes("allreduce_", (b // dp // m) * (s - 1) * 4, tp)
+        if sequence_parallel:
+            out.update(_sequence_parallel_minimum(cfg, act, m, dp, tp))
+            norms = out[("allreduce_", "tp")]["wire_bytes"]
+            out[("allreduce_", "tp")] = {"calls": None, "wire_bytes": norms + loss_bytes}
+        else:
+            calls = (4 * cfg.num_hidden_layers + 2) * m * dp * tp  # + embedding's g, head's f
+            out[("allreduce_", "tp")] = {"calls": calls + loss,
+                                         "wire_bytes": calls * wire_bytes("allreduce_", act, tp) + loss_bytes}
     if pp > 1:
         calls = 2 * m * (pp - 1) * dp * tp
         out[("send", "pp")] = {"calls": calls, "wire_bytes": calls * act}
@@ -116,6 +130,26 @@ def minimum(module, mesh: dict, micro: int) -> dict:
     return out
 
 
+def _sequence_parallel_minimum(cfg, act: int, m: int, dp: int, tp: int) -> dict:
+    """Korthikanti et al. 2022, §4.2.2: each of TP's all-reduces becomes a reduce-scatter and
+    an all-gather of the same buffer (g: reduce-scatter forward, all-gather backward; f the
+    reverse), so the same bytes; plus, per layer, the all-gather again in backward of the
+    inputs of q|k|v and gate|up (only their sequence shards are kept, as Megatron-LM does, for
+    the sbh/t activations of Table 2); the vocab_parallel embedding's g is a reduce-scatter
+    (all-gather in backward), the LM head's f an all-gather fused with it (gathered again
+    in backward, input gradient reduce-scattered); and one all-reduce
+    over tp of the gradients of the parameters the sequence shards read (Llama: the 2
+    RMSNorm weights per layer and the final one)."""
+    layers = cfg.num_hidden_layers
+    rs = (4 * layers + 2) * m * dp * tp
+    ag = (6 * layers + 3) * m * dp * tp
+    norms = (2 * layers + 1) * cfg.hidden_size * 4
+    return {("_reduce_scatter_base_", "tp"): {"calls": rs, "wire_bytes": rs * wire_bytes("_reduce_scatter_base_", act, tp)},
+            ("_allgather_base_", "tp"): {"calls": ag, "wire_bytes": ag * wire_bytes("_allgather_base_", act, tp)},
+            ("allreduce_", "tp"): {"calls": None,
+                                   "wire_bytes": m * dp * tp * wire_bytes("allreduce_", norms, tp)}}
+
+
 def tally(per_rank: list[list[dict]], mesh: dict) -> dict:
     """(op, dim) -> {"calls", "wire_bytes"} summed over ranks."""
     out = defaultdict(lambda: {"calls": 0, "wire_bytes": 0.0})
@@ -131,12 +165,14 @@ def measure(name: str, quick: bool) -> dict:
     mesh = CONFIGS[name]
     env = bench_env(quick)
     with tempfile.TemporaryDirectory() as tmp:
-        out = compile_program(Path(tmp) / "out", mesh_overrides(**mesh), env=env)
+        sp = "true" if name in SEQUENCE_PARALLEL else "false"
+        out = compile_program(Path(tmp) / "out", mesh_overrides(**mesh) +
+                              [f"tensor_parallel.sequence_parallel={sp}"], env=env)
         r = run_worker(out, mesh["tp"] * mesh["dp"] * mesh["pp"],
                        ["--steps", "1", "--warmup", "1", "--comm"], env=env)
     full = {**mesh, "pp": mesh["pp"]}
     ours, native = tally(r["collectives"]["ours"], full), tally(r["collectives"]["native"], full)
-    low = minimum(_bench_model(quick), full, r["microbatches"])
+    low = minimum(_bench_model(quick), full, r["microbatches"], name in SEQUENCE_PARALLEL)
     ddp = low.pop("ddp_allreduce_wire_bytes", None)
     rows = []
     for key in sorted(set(ours) | set(native) | set(low)):

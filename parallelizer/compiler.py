@@ -29,6 +29,7 @@ from .passes.split_blocks import split_blocks
 from .passes.split_check import check_split
 from .plan import MODEL_MODULE
 from .passes.split_stages import split_stages
+from .passes.sequence_parallel import apply_sequence_parallel
 from .passes.tensor_parallel import apply_tensor_parallel
 from .passes.vocab_parallel import apply_vocab_parallel
 from .analysis.graph_costs import collect_costs
@@ -38,6 +39,7 @@ from .planning.pipeline import find_blocks, plan_from_costs
 from .planning.pipeline_summary import (check_microbatches, check_placement, summarize,
                                         virtual_stages_of)
 from .planning.tensors import build_plan, pipeline_structure, tied_groups
+from .planning.sequence import plan_sequence_parallel
 from .planning.tp import plan_tp, tp_summary
 from .planning.vocab import plan_vocab, vocab_summary
 from .program import Program
@@ -147,6 +149,10 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
     passes.run("vocab_parallel", apply_vocab_parallel, gm, tp_decision)
     passes.run("untie", apply_untie, gm, groups)
     passes.run("rng_streams", apply_rng_streams, gm, dropout)  # after costs: they see the ATen ops
+    # on the tp-rewritten graph (it finds the f and g operators); raises for "true"
+    sp_decision = plan_sequence_parallel(gm.graph, mesh.tp, spec.tensor_parallel.sequence_parallel_mode,
+                                         tp_decision.placements, dropout, _example_seq(batch))
+    passes.run("sequence_parallel", apply_sequence_parallel, gm, sp_decision)
     stages = passes.run_split("split_stages", split_stages, gm, pp_decision, num_stages)
     block_graphs, block_notes = [], []
     for st in stages:
@@ -163,7 +169,7 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
             ref = compute_reference(stepped, batch, loss_fn or default_loss,
                                     captured.input_names, spec)
     warnings = list(tp_decision.warnings) + pp_warnings
-    tp_lines = tp_notes + tp_decision.warnings + tp_decision.report
+    tp_lines = tp_notes + tp_decision.warnings + tp_decision.report + sp_decision.report
     report = render_report(plan, captured.route, tp_lines, pipeline,
                            block_notes + describe_dropout(dropout), pp_warnings)
     return Program(plan, sources, report, model_file, spec.to_dict(), state, ref,
@@ -203,6 +209,12 @@ def _check_batch(batch, spec: Spec) -> None:
                         f"example_inputs() or those keys so it divides")
 
 
+
+
+def _example_seq(batch):
+    """Dim 1 (the sequence) of the example batch's first input, if it has one."""
+    first = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
+    return int(first.shape[1]) if isinstance(first, torch.Tensor) and first.dim() >= 2 else None
 
 
 def _to_meta(batch):

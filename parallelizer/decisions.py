@@ -10,6 +10,11 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 
+# node.meta key the tensor_parallel pass sets on the Megatron operators it inserts: "f"
+# (copy_to_tp_region) or "g" (reduce_from_tp_region); later planners find them by it
+TP_OPERATOR = "tp_operator"
+
+
 @dataclass
 class TPDecision:
     """Column/row weight FQNs (get_attr targets), the shape-constant rewrites and the
@@ -101,3 +106,34 @@ class PipelineDecision:
 
 def _block_of_child(child: str) -> str:
     return child.rsplit(".", 1)[0]
+
+
+@dataclass
+class SequenceParallelDecision:
+    """Where the sequence-parallel regions are (Korthikanti et al. 2022, §4.2.2), by node
+    name of the graph the ``sequence_parallel`` pass rewrites (after tensor_parallel,
+    untie and rng_streams). A sequence placement is ``(dim, flat)``: the value holds its
+    sequence on ``dim``, or (``flat``) batch and sequence flattened into ``dim``.
+
+    ``region``: node -> placement of every value held as a sequence shard; ``reduce_scatter``
+    / ``all_gather``: the g / f nodes that become reduce-scatter / all-gather; ``splits``:
+    replicated value -> placement it enters the region with (local slice); ``exits``: region
+    value -> the outside nodes that read it (all-gathered for them); ``param_inputs``: (region
+    node, input) edges carrying a parameter broadcast over the sequence (its gradient is
+    partial over tp: an f sums it); ``views``: node -> positions ``(arg, index)`` of the
+    global sequence length in its sizes (replaced by the local one); ``seq``: (placeholder,
+    dim) holding the global sequence length, or an int when static."""
+
+    enabled: bool = False
+    tp: int = 1
+    region: dict = field(default_factory=dict)
+    reduce_scatter: dict = field(default_factory=dict)
+    all_gather: dict = field(default_factory=dict)
+    splits: dict = field(default_factory=dict)
+    exits: dict = field(default_factory=dict)
+    param_inputs: list = field(default_factory=list)
+    views: dict = field(default_factory=dict)
+    dropouts: dict = field(default_factory=dict)
+    seq: object = None
+    report: list = field(default_factory=list)
+    blocker: Optional[str] = None

@@ -7,7 +7,8 @@ on the emitted blocks attribute the bytes to the block that saved them, so activ
 checkpointing can be applied afterwards: a checkpointed block keeps only its inputs and
 recomputes its saved tensors in backward, one block at a time (Korthikanti et al. 2022,
 §4.1; ``torch.utils.checkpoint`` non-reentrant). The tp collectives are identities here (no
-process group), and the emitted stages hold tp-local shapes, so the sizes are per tp rank.
+process group), and the emitted stages hold tp-local shapes, so the sizes are per tp rank;
+sequence-parallel operators give a tp rank's shapes (``runtime.sequence.ShapeComm``).
 Under ``mixed_precision`` the saved floating-point bytes are scaled by the ``param_dtype``
 size (an approximation: normalisations that upcast save some fp32 tensors).
 """
@@ -63,18 +64,24 @@ def _microbatch(plan: ParallelPlan, batch, mode) -> list:
     return [mode.from_tensor(t[:rows]) for t in flat]
 
 
-def stage_activations(stages: list, plan: ParallelPlan, batch, loss_fn, mode) -> list[tuple[int, int]]:
-    """Per stage: (bytes kept per microbatch, transient bytes of one block's recompute)."""
-    from .runtime import tp
+def stage_activations(stages: list, plan: ParallelPlan, batch, loss_fn, mode,
+                      per_block: dict | None = None) -> list[tuple[int, int]]:
+    """Per stage: (bytes kept per microbatch, transient bytes of one block's recompute).
+    ``per_block``, if given, gets block FQN -> bytes its forward saved (not checkpointed)."""
+    from .runtime import sequence, tp
     group = tp.tp_group()
     tp.set_tp_group(None)  # f and g as identities: no collective on FakeTensors
     try:
-        return _stage_activations(stages, plan, batch, loss_fn, mode)
+        # sequence-parallel regions hold 1/tp of the sequence: their operators give the
+        # shapes a tp rank has (Korthikanti et al. 2022, Table 2: sbh/t (34 + 5as/h))
+        with sequence.using_comm(sequence.ShapeComm(plan.mesh["tp"])):
+            return _stage_activations(stages, plan, batch, loss_fn, mode, per_block)
     finally:
         tp.set_tp_group(group)
 
 
-def _stage_activations(stages: list, plan: ParallelPlan, batch, loss_fn, mode) -> list[tuple[int, int]]:
+def _stage_activations(stages: list, plan: ParallelPlan, batch, loss_fn, mode,
+                       per_block: dict | None) -> list[tuple[int, int]]:
     scale = DTYPE_BYTES[plan.param_dtype] / 4
     inputs = _microbatch(plan, batch, mode)
     target = None
@@ -100,6 +107,8 @@ def _stage_activations(stages: list, plan: ParallelPlan, batch, loss_fn, mode) -
         kept, recompute = rec.saved.get(None, 0), 0
         for name, _ in stage.emitted_blocks():
             saved = rec.saved.get(name, 0)
+            if per_block is not None:
+                per_block[name] = saved
             if name in plan.checkpointed:
                 kept += block_inputs.get(name, 0)
                 recompute = max(recompute, saved)

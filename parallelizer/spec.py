@@ -34,7 +34,7 @@ import importlib.util
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional, Sequence
+from typing import Annotated, Any, Literal, Optional, Sequence, Union
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -133,6 +133,19 @@ class TensorParallel(BaseModel):
                             "over tp, Megatron-LM §3: 'auto' whenever tp > 1 and the graph "
                             "allows, report.md says why not; true: an error naming the blocker "
                             "when it cannot apply; false: keep them replicated)")
+    sequence_parallel: Union[Literal["auto"], bool] = Field(
+        "auto", description="one of 'auto', true, false (sequence parallelism, Korthikanti et "
+                            "al. 2022 §4.2.2: norms, dropout and residual adds between the "
+                            "tensor-parallel regions run on 1/tp of the sequence; auto: on "
+                            "whenever mesh.tp > 1 and the graph allows, report.md says why "
+                            "not; true: a compile error naming the blocker when it cannot "
+                            "apply)")
+
+    @property
+    def sequence_parallel_mode(self) -> str:
+        """"auto", "true" or "false"."""
+        v = self.sequence_parallel
+        return v if isinstance(v, str) else ("true" if v else "false")
 
 
 class ActivationCheckpointing(BaseModel):

@@ -14,6 +14,7 @@ from a local tensor carrying the same symbol, since only tensors cross stages.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 import torch.fx as fx
@@ -124,18 +125,30 @@ def _contiguous(new: fx.Graph, node: fx.Node) -> fx.Node:
     return out
 
 
+def _sequence_sharded(orig: fx.Node, local: fx.Node, dim: int) -> bool:
+    shard = orig.meta.get("sequence_shard")
+    return shard is not None and shard[0] == dim
+
+
 def _rematerialize(new: fx.Graph, node: fx.Node, env: dict, get) -> fx.Node:
     """Recompute a non-tensor value (a SymInt size) or a recomputable tensor (``recompute``)
     from what this stage has, copying its producers."""
     if node.target is aten.sym_size.int:
         want = expr(node.meta["val"])
-        for orig, local in env.items():
-            if is_tensor(orig) and local.op != "get_attr":
-                for i, size in enumerate(orig.meta["val"].shape):
-                    if expr(size) == want:
-                        n = new.call_function(aten.sym_size.int, (local, i))
-                        n.meta = dict(node.meta)
-                        return n
+        found = [(orig, local, i) for orig, local in env.items()
+                 if is_tensor(orig) and local.op != "get_attr"
+                 for i, size in enumerate(orig.meta["val"].shape) if expr(size) == want]
+        # a sequence shard (passes/sequence_parallel.py) holds 1/tp of its recorded size
+        whole = [f for f in found if not _sequence_sharded(*f)]
+        if whole or found:
+            orig, local, i = (whole or found)[0]
+            n = new.call_function(aten.sym_size.int, (local, i))
+            n.meta = dict(node.meta)
+            if not whole:
+                n.meta = {k: v for k, v in node.meta.items() if k != "val"}
+                n = new.call_function(operator.mul, (n, orig.meta["sequence_shard"][2]))
+                n.meta = dict(node.meta)
+            return n
         raise AssertionError(f"no tensor in this stage carries size {want} for {node.name}")
     n = new.node_copy(node, lambda a: get(a))
     return n

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ..decisions import TPDecision
+from ..decisions import TP_OPERATOR, TPDecision
 from ..runtime.tp import copy_to_tp_region, reduce_from_tp_region, scatter_to_tp_region
 from ..analysis.graph_facts import Linear, aten, linear_sites
 
@@ -72,6 +72,7 @@ def _insert_f(graph: fx.Graph, site: Linear, copies: dict) -> None:
         with graph.inserting_before(site.node):
             copies[x] = graph.call_function(copy_to_tp_region, (x,))
             copies[x].meta = dict(x.meta)
+            copies[x].meta[TP_OPERATOR] = "f"
     site.node.replace_input_with(x, copies[x])
 
 
@@ -89,6 +90,7 @@ def _insert_g(graph: fx.Graph, site: Linear) -> None:
     with graph.inserting_after(partial):
         reduced = graph.call_function(reduce_from_tp_region, (partial,))
         reduced.meta = dict(lin.meta)
+        reduced.meta[TP_OPERATOR] = "g"
     last = reduced
     if bias is not None:
         with graph.inserting_after(reduced):

@@ -1,9 +1,12 @@
 """vocab_parallel pass: apply a TPDecision's vocabulary sharding to the graph (Megatron-LM §3).
 
 - ``aten.embedding(W, ids, padding_idx)`` of a vocabulary table becomes
-  ``vocab.vocab_parallel_embedding(W, ids, padding_idx)`` (local lookup, all-reduce over tp).
-- an LM head ``aten.linear(x, W)`` becomes ``linear(copy_to_tp_region(x), W)`` (Megatron ``f``:
-  the gradient of x is summed over tp) with logits ``Shard(-1)``; the model outputs listed in
+  ``reduce_from_tp_region(vocab.vocab_parallel_lookup(W, ids, padding_idx))`` (local lookup,
+  then Megatron's ``g``, tagged as the tp pass tags its own: sequence parallelism turns it
+  into a reduce-scatter, Korthikanti et al. 2022 §4.2.2).
+- an LM head ``aten.linear(x, W)`` becomes ``linear(copy_to_tp_region(x), W)`` (Megatron ``f``,
+  tagged likewise: the gradient of x is summed over tp, or under sequence parallelism f is
+  an all-gather fused with the head) with logits ``Shard(-1)``; the model outputs listed in
   ``vocab_outputs`` keep them sharded (run time hands them to loss_fn under loss_parallel),
   every other use reads ``vocab.gather_from_tp_region(logits, vocabulary)``; ops that keep
   the logits column for column (``analysis.graph_facts.logits_region``: casts, a scalar
@@ -15,9 +18,9 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ..decisions import TPDecision
-from ..runtime.tp import copy_to_tp_region
-from ..runtime.vocab import gather_from_tp_region, vocab_parallel_embedding
+from ..decisions import TP_OPERATOR, TPDecision
+from ..runtime.tp import copy_to_tp_region, reduce_from_tp_region
+from ..runtime.vocab import gather_from_tp_region, vocab_parallel_lookup
 from ..runtime.vocab_loss import vocab_parallel_cross_entropy
 from ..analysis.graph_facts import aten, logits_region
 
@@ -32,9 +35,7 @@ def apply_vocab_parallel(gm: fx.GraphModule, decision: TPDecision) -> bool:
         if node.op != "call_function":
             continue
         if node.target is aten.embedding.default and node.args[0].target in decision.vocab:
-            pad = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
-            node.target, node.kwargs = vocab_parallel_embedding, {}
-            node.args = (*node.args[:2], pad)
+            _shard_embedding(graph, node)
         elif node.target is aten.linear.default and node.args[1].target in decision.vocab_heads:
             _shard_head(graph, node, decision)
     graph.lint()
@@ -42,12 +43,24 @@ def apply_vocab_parallel(gm: fx.GraphModule, decision: TPDecision) -> bool:
     return True
 
 
+def _shard_embedding(graph: fx.Graph, node: fx.Node) -> None:
+    pad = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
+    node.target, node.kwargs = vocab_parallel_lookup, {}
+    node.args = (*node.args[:2], pad)
+    with graph.inserting_after(node):
+        g = graph.call_function(reduce_from_tp_region, (node,))
+    g.meta = {k: v for k, v in node.meta.items() if k != TP_OPERATOR}
+    g.meta[TP_OPERATOR] = "g"
+    node.replace_all_uses_with(g, delete_user_cb=lambda u: u is not g)
+
+
 def _shard_head(graph: fx.Graph, head: fx.Node, decision: TPDecision) -> None:
     vocab = decision.vocab[head.args[1].target]
     x = head.args[0]
     with graph.inserting_before(head):
         f = graph.call_function(copy_to_tp_region, (x,))
-        f.meta = dict(x.meta)
+    f.meta = {k: v for k, v in x.meta.items() if k != TP_OPERATOR}
+    f.meta[TP_OPERATOR] = "f"
     head.replace_input_with(x, f)
     out = graph.output_node()
     flat = out.args[0] if isinstance(out.args[0], (tuple, list)) else None

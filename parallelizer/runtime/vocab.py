@@ -6,8 +6,8 @@ Tp rank ``r`` holds rows ``[r * n, (r + 1) * n)`` of the (padded) vocabulary, ``
 row count: the layout ``padded`` of :mod:`parallelizer.layouts` (the even split when tp divides
 the vocabulary), so the vocabulary offset is ``tp_rank * n`` and needs no other data.
 
-- :func:`vocab_parallel_embedding`: looks up the ids in this rank's range (others give zero
-  rows), then :func:`reduce_embedding` sums the partial rows over tp.
+- :func:`vocab_parallel_lookup`: looks up the ids in this rank's range (others give zero
+  rows); the graph sums the partial rows over tp with ``g`` after it.
 - :func:`gather_from_tp_region`: all-gathers logits sharded along their last dim (the head's
   output, ``Shard(-1)``) and strips the padding columns; backward keeps this rank's slice.
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .tp import reduce_from_tp_region, tp_group
+from .tp import tp_group
 
 
 def tp_coords() -> tuple[int, int]:
@@ -32,17 +32,11 @@ def tp_coords() -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def reduce_embedding(x: torch.Tensor) -> torch.Tensor:
-    """Sum the tp ranks' partial embedding rows (Megatron's all-reduce after the lookup).
-
-    One function so that sequence parallelism (Korthikanti et al. 2022, §4.2.2) can make it a
-    reduce-scatter along the sequence instead."""
-    return reduce_from_tp_region(x)
-
-
-def vocab_parallel_embedding(weight: torch.Tensor, ids: torch.Tensor,
-                             padding_idx: int = -1) -> torch.Tensor:
-    """``aten.embedding`` over this rank's vocabulary rows, summed over tp.
+def vocab_parallel_lookup(weight: torch.Tensor, ids: torch.Tensor,
+                          padding_idx: int = -1) -> torch.Tensor:
+    """``aten.embedding`` over this rank's vocabulary rows: the Partial embedding, which the
+    graph then sums over tp with Megatron's ``g`` (an all-reduce, or under sequence
+    parallelism a reduce-scatter along the sequence: Korthikanti et al. 2022, §4.2.2).
 
     Args:
         weight: ``(n, H)``, this rank's rows ``[tp_rank * n, (tp_rank + 1) * n)``.
@@ -50,12 +44,13 @@ def vocab_parallel_embedding(weight: torch.Tensor, ids: torch.Tensor,
         padding_idx: global id whose row gets no gradient (``nn.Embedding``), -1 for none.
 
     Returns:
-        ``ids.shape + (H,)``: the full embedding, on every tp rank.
+        ``ids.shape + (H,)``: this rank's rows for the ids in its range, zero rows elsewhere
+        (the full embedding at tp = 1).
     """
     size, rank = tp_coords()
     if size == 1:
         return torch.ops.aten.embedding.default(weight, ids, padding_idx)
-    return reduce_embedding(local_lookup(weight, ids, padding_idx, rank))
+    return local_lookup(weight, ids, padding_idx, rank)
 
 
 def local_lookup(weight: torch.Tensor, ids: torch.Tensor, padding_idx: int,

@@ -104,7 +104,8 @@ def test_dropout_streams_follow_the_sharding_placements(tmp_path):
         want.update({f"layers.{i}": ("tp", 0.4), f"layers.{i}.probs_drop": ("tp", 0.1),
                      f"layers.{i}.hidden_drop": ("tp", 0.2),
                      f"layers.{i}.resid_drop": ("replicated", 0.3)})
-    spec = load_spec(EXAMPLE / "spec.yaml", ["mesh.tp=2", "mesh.pp=1"])
+    spec = load_spec(EXAMPLE / "spec.yaml", ["mesh.tp=2", "mesh.pp=1",
+                                             "tensor_parallel.sequence_parallel=false"])
     program = compile_model(path, spec, weights=False)
     got = {d["module"]: (d["stream"], d["p"]) for d in program.plan.dropout}
     assert got == want, got
@@ -113,6 +114,23 @@ def test_dropout_streams_follow_the_sharding_placements(tmp_path):
     assert "rng.random_op('replicated', 'aten.dropout.default', x, 0.5, True)" in source
     assert "rng.random_op('tp', 'aten.scaled_dot_product_attention.default'" in source
     assert "tp stream, each tp rank its own mask (sharded over tp): 6 site(s)" in program.report
+    # sequence parallel (auto): off for this example batch of 3 positions, said in the report
+    spec = load_spec(EXAMPLE / "spec.yaml", ["mesh.tp=2", "mesh.pp=1"])
+    program = compile_model(path, spec, weights=False)
+    assert "sequence parallel: off (the example batch's sequence length (3) is not " \
+           "divisible by mesh.tp (2)" in program.report
+    # with 4 positions, the replicated-stream dropouts of the residual stream run on the
+    # sequence shard, each rank applying its slice of the mask (Korthikanti et al. §4.2.2)
+    path.write_text(textwrap.dedent(_BLOCKS).replace("randn(4, 3, 8)", "randn(4, 4, 8)"))
+    program = compile_model(path, spec, weights=False)
+    assert {d["module"]: (d["stream"], d["p"]) for d in program.plan.dropout} == want
+    source = program.sources["program/stage0.py"]
+    assert ("random_op_on_sequence_shard('replicated', 'aten.dropout.default', 1, None, "
+            "split_to_sequence_parallel_region, 0.5, True)") in source  # embed_drop
+    assert "random_op_on_sequence_shard('replicated', 'aten.dropout.default', 1, None, " \
+           "add_tensor_1, 0.3, True)" in source  # resid_drop, in the (shared) block class
+    assert "3 dropout(s) applying their slice of the full mask" in program.report
+    assert "rng.random_op('tp', 'aten.scaled_dot_product_attention.default'" in source
 
 
 def _stage(program):

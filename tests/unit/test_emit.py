@@ -151,11 +151,15 @@ def llama_tp2():
 def test_llama_tp2_source_has_megatron_f_and_g(llama_tp2):
     src = llama_tp2.sources["program/stage0.py"]
     assert "from parallelizer.runtime import tp" in src
-    # one block class for the 4 layers: f before q/k/v and gate/up, g after o_proj and down_proj;
-    # vocab_parallel: f before the LM head, the lookup summed over tp inside vocab's embedding
-    assert src.count("tp.copy_to_tp_region(") == 3
-    assert src.count("tp.reduce_from_tp_region(") == 2
-    assert src.count("vocab.vocab_parallel_embedding(") == 1
+    # one block class for the 4 layers; sequence parallel and vocab_parallel (the defaults):
+    # f before q/k/v, gate/up and the LM head is an all-gather fused with them, g after
+    # o_proj, down_proj and the embedding lookup a reduce-scatter, and each RMSNorm weight
+    # the sequence shard reads passes an f (gradient summed over tp)
+    assert src.count("sequence.gathered_linears(") == 3
+    assert src.count("sequence.reduce_scatter_to_sequence_parallel_region(") == 3
+    assert src.count("tp.copy_to_tp_region(") == 3  # 2 per layer (block class) + final norm
+    assert "tp.reduce_from_tp_region(" not in src
+    assert src.count("vocab.vocab_parallel_lookup(") == 1
     assert "vocab.gather_from_tp_region(" not in src  # the logits go to loss_fn sharded
     assert src.count("class LlamaDecoderLayer(EmittedModule)") == 1
     assert src.count(", LlamaDecoderLayer),") == 4

@@ -37,7 +37,8 @@ def test_defaults_for_empty_file(tmp_path):
         "mixed_precision": {"param_dtype": "fp32", "reduce_dtype": None},
         "data_parallel": {"compression": "none", "error_feedback": True,
                           "powersgd": {"rank": None, "start_iter": None}, "topk": {"ratio": None}},
-        "tensor_parallel": {"allow_replicated": False, "vocab_parallel": "auto"},
+        "tensor_parallel": {"allow_replicated": False, "vocab_parallel": "auto",
+                            "sequence_parallel": "auto"},
     }
     assert spec == Spec()
 

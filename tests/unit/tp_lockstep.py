@@ -21,9 +21,10 @@ import torch.fx as fx
 from parallelizer.checkpoint.layout import local_piece
 from parallelizer.layouts import copied_heads, copied_runs
 from parallelizer.plan import TensorPlan
+from parallelizer.runtime import sequence as sp
 from parallelizer.runtime.tp import copy_to_tp_region, reduce_from_tp_region, scatter_to_tp_region
 from parallelizer.runtime.vocab import (GatherLastDim, gather_from_tp_region, local_lookup,
-                                        vocab_parallel_embedding)
+                                        vocab_parallel_lookup)
 from parallelizer.runtime.vocab_loss import VocabParallelCrossEntropy, vocab_parallel_cross_entropy
 
 
@@ -54,6 +55,44 @@ class _AllReduce:
         parts = [s.clone() for s in self.slots]
         self.barrier.wait()
         return parts
+
+
+class _RankComm:
+    """runtime/sequence.py's transport for one simulated rank: the ranks' tensors meet in
+    ``shared`` (an _AllReduce's slots and barrier) and are concatenated or summed in rank order."""
+
+    def __init__(self, shared: _AllReduce, rank: int):
+        self.shared, self._rank = shared, rank
+
+    def size(self) -> int:
+        return self.shared.tp
+
+    def rank(self) -> int:
+        return self._rank
+
+    def _exchange(self, t):
+        sh = self.shared
+        sh.slots[self._rank] = t.detach()
+        sh.barrier.wait()
+        got = list(sh.slots)
+        sh.barrier.wait()
+        return got
+
+    def all_gather(self, t):
+        return torch.cat(self._exchange(t), 0)
+
+    def reduce_scatter(self, t):
+        parts = self._exchange(t)
+        total = parts[0].clone()
+        for p in parts[1:]:
+            total += p
+        return total.chunk(self.shared.tp, 0)[self._rank].clone()
+
+
+_SEQUENCE_OPS = {sp.reduce_scatter_to_sequence_parallel_region: sp.ReduceScatter,
+                 sp.all_gather_from_sequence_parallel_region: sp.AllGather,
+                 sp.split_to_sequence_parallel_region: sp.Split,
+                 sp.gather_from_sequence_parallel_region: sp.Gather}
 
 
 class _F(torch.autograd.Function):
@@ -111,10 +150,19 @@ class _Rank(fx.Interpreter):
             return _F.apply(args[0], self.comm, self.rank)
         if target is reduce_from_tp_region:
             return _G.apply(args[0], self.comm, self.rank)
+        if target in _SEQUENCE_OPS:  # the runtime's own operators, over threads
+            x, dim, seq = (list(args) + [None])[:3]
+            return _SEQUENCE_OPS[target].apply(x, dim, seq, _RankComm(self.comm, self.rank))
+        if target is sp.gathered_linears:
+            shard, dim, seq, kinds, *params = args
+            return sp.GatheredLinears.apply(shard, dim, seq, _RankComm(self.comm, self.rank),
+                                            kinds, *params)
+        if target is sp.random_op_on_sequence_shard:
+            return target(*args, comm=_RankComm(self.comm, self.rank), **kwargs)
         if target is scatter_to_tp_region:
             return _Scatter.apply(args[0], args[1], self.comm, self.rank)
-        if target is vocab_parallel_embedding:  # the runtime's lookup, then g over threads
-            return _G.apply(local_lookup(*args, self.rank), self.comm, self.rank)
+        if target is vocab_parallel_lookup:  # the runtime's lookup at this rank
+            return local_lookup(*args, self.rank)
         if target is vocab_parallel_cross_entropy:
             logits, t, vocab, reduction, ignore = args
             return VocabParallelCrossEntropy.apply(
