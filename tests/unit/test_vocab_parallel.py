@@ -113,6 +113,34 @@ def test_padded_tied_vocab_matches_unmodified_model(tp):
     assert_ranks_match(ranks, d, tp, grads, stepped)
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_vocab_parallel_under_sequence_parallel_matches_unmodified_model(tp):
+    """Both on (the defaults): the lookup's g is a reduce-scatter along the sequence (no
+    all-reduce, no slice) and the head's f an all-gather fused with the head (Korthikanti et
+    al. 2022 §4.2.2); padded vocabulary 61, outputs, gradients and SGD step still equal."""
+    from parallelizer.passes.sequence_parallel import apply_sequence_parallel
+    from parallelizer.planning.sequence import plan_sequence_parallel
+    from parallelizer.runtime import sequence as sp
+    from parallelizer.runtime.tp import reduce_from_tp_region
+    model = tied_llama()
+    batch = {"input_ids": ids()}
+    cap, gm, d = planned(model, batch, tp)
+    d.vocab_outputs.clear()  # gathered in the graph, as run.py's VocabOutputs.whole does
+    rewrite(gm, d)
+    s = plan_sequence_parallel(gm.graph, tp, "auto", d.placements)
+    apply_sequence_parallel(gm, s)
+    calls = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert reduce_from_tp_region not in calls, "the embedding's g should be a reduce-scatter"
+    assert not s.splits and not s.exits, (s.splits, s.exits)
+    assert calls.count(sp.gathered_linears) == 2 * 2 + 1  # q|k|v and gate|up per layer, head
+    ref, grads, stepped = reference(model, batch, lambda o: _ce(o.logits, batch["input_ids"]))
+    ranks = run_ranks(gm, d, tp, [batch["input_ids"]],
+                      lambda outs: _ce(outs[0], batch["input_ids"]), LR)
+    for res in ranks:
+        torch.testing.assert_close(res.outputs[0], ref.logits, **TOL)
+    assert_ranks_match(ranks, d, tp, grads, stepped)
+
+
 def test_sharded_logits_output_is_this_ranks_columns():
     """A model output handed to loss_fn sharded: each rank returns its padded vocabulary
     columns (padding zero); concatenated and cut to 61 they are the model's logits."""
