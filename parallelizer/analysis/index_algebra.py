@@ -204,13 +204,43 @@ def _bool(e):
     return sympy.Ne(e, 0)
 
 
+def _compare(relation):
+    """A comparison as torch computes it: a bool operand counts as 0 / 1 (sympy alone
+    compares ``Ne(i <= j, 0)`` by structure and answers True). (In)equality of a bool with
+    the constant 0 or 1 is the bool or its negation, of two bools their equivalence."""
+    def compare(a, b):
+        if relation in (sympy.Eq, sympy.Ne) and (_is_bool(a) or _is_bool(b)):
+            eq = _bool_equality(a, b)
+            if eq is not None:
+                return eq if relation is sympy.Eq else sympy.Not(eq)
+        return relation(_int(a), _int(b))
+    return compare
+
+
+def _is_bool(e) -> bool:
+    """A truth value (a sympy Symbol is a Boolean too, but an index symbol is an integer)."""
+    return isinstance(e, sympy.logic.boolalg.Boolean) and not isinstance(e, sympy.Expr)
+
+
+def _bool_equality(a, b):
+    """``a == b`` as a Boolean when at least one side is a bool and the other a bool or an
+    integer constant; None otherwise (then compared as 0 / 1 integers)."""
+    if _is_bool(a) and _is_bool(b):
+        return sympy.Equivalent(a, b)
+    boolean, other = (a, b) if _is_bool(a) else (b, a)
+    other = sympy.sympify(other)
+    if not other.is_Integer:
+        return None
+    return {0: sympy.Not(boolean), 1: boolean}.get(int(other), sympy.false)
+
+
 def _int(e):
     """bool -> 0/1 (torch's promotion in sums and cumsums)."""
     if e is sympy.true:
         return sympy.Integer(1)
     if e is sympy.false:
         return sympy.Integer(0)
-    if isinstance(e, sympy.logic.boolalg.Boolean):
+    if _is_bool(e):
         return sympy.Piecewise((1, e), (0, True))
     return e
 
@@ -284,12 +314,12 @@ _OPS = {
     aten.sub.Tensor: _elementwise(lambda a, b: a - b),
     aten.mul.Tensor: _elementwise(lambda a, b: a * b),
     aten.neg.default: _elementwise(lambda a: -a, 1),
-    aten.le.Tensor: _elementwise(sympy.Le), aten.le.Scalar: _elementwise(sympy.Le),
-    aten.lt.Tensor: _elementwise(sympy.Lt), aten.lt.Scalar: _elementwise(sympy.Lt),
-    aten.ge.Tensor: _elementwise(sympy.Ge), aten.ge.Scalar: _elementwise(sympy.Ge),
-    aten.gt.Tensor: _elementwise(sympy.Gt), aten.gt.Scalar: _elementwise(sympy.Gt),
-    aten.eq.Tensor: _elementwise(sympy.Eq), aten.eq.Scalar: _elementwise(sympy.Eq),
-    aten.ne.Tensor: _elementwise(sympy.Ne), aten.ne.Scalar: _elementwise(sympy.Ne),
+    aten.le.Tensor: _elementwise(_compare(sympy.Le)), aten.le.Scalar: _elementwise(_compare(sympy.Le)),
+    aten.lt.Tensor: _elementwise(_compare(sympy.Lt)), aten.lt.Scalar: _elementwise(_compare(sympy.Lt)),
+    aten.ge.Tensor: _elementwise(_compare(sympy.Ge)), aten.ge.Scalar: _elementwise(_compare(sympy.Ge)),
+    aten.gt.Tensor: _elementwise(_compare(sympy.Gt)), aten.gt.Scalar: _elementwise(_compare(sympy.Gt)),
+    aten.eq.Tensor: _elementwise(_compare(sympy.Eq)), aten.eq.Scalar: _elementwise(_compare(sympy.Eq)),
+    aten.ne.Tensor: _elementwise(_compare(sympy.Ne)), aten.ne.Scalar: _elementwise(_compare(sympy.Ne)),
     aten.__and__.Tensor: _elementwise(lambda a, b: sympy.And(_bool(a), _bool(b))),
     aten.bitwise_and.Tensor: _elementwise(lambda a, b: sympy.And(_bool(a), _bool(b))),
     aten.logical_and.default: _elementwise(lambda a, b: sympy.And(_bool(a), _bool(b))),

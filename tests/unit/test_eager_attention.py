@@ -127,7 +127,11 @@ class HandWrittenAttention(torch.nn.Module):
         mask = {"le": i[None, :] <= i[:, None], "tril": ones.tril(), "not_triu": ~ones.triu(1),
                 "anti": i[None, :] >= i[:, None], "window": (i[None, :] <= i[:, None]) &
                 (i[None, :] > i[:, None] - 2), "tril_shifted": ones.tril(1),
-                "everywhere": i[None, :] >= 0}[self.mask]
+                "everywhere": i[None, :] >= 0,
+                # a bool compared with an int: torch reads True as 1 (still the causal mask)
+                "le_ne_0": (i[None, :] <= i[:, None]) != 0,
+                "le_eq_1": (i[None, :] <= i[:, None]) == 1,
+                "not_le_eq_0": ~((i[None, :] <= i[:, None]) == 0)}[self.mask]
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
@@ -145,6 +149,20 @@ def test_hand_written_masks(how, kind):
     (n,) = _sdpas(cap.gm)
     assert n.kwargs["enable_gqa"] and (_mask(n) is None) == (kind is not None), n.format_node()
     assert bool(n.kwargs.get("is_causal")) == (kind == "causal")
+    _assert_same_outputs(model, cap, batch)
+
+
+@pytest.mark.parametrize("how", ["le_ne_0", "le_eq_1", "not_le_eq_0"])
+def test_bool_compared_with_int_is_never_taken_for_all_true(how):
+    """``causal != 0`` is the causal mask (torch: True == 1): it may become is_causal or stay,
+    never be dropped as True everywhere (sympy alone answers Ne(i <= j, 0) = True)."""
+    torch.manual_seed(0)
+    model = HandWrittenAttention(how)
+    batch = {"x": torch.randn(2, 6, 16)}
+    cap = capture(model, batch, Path(how))
+    apply_eager_attention(cap.gm)
+    (n,) = _sdpas(cap.gm)
+    assert _mask(n) is not None or n.kwargs.get("is_causal"), n.format_node()
     _assert_same_outputs(model, cap, batch)
 
 
