@@ -111,7 +111,10 @@ class VocabOutputs:
     the backward, under torch's ``loss_parallel`` (:meth:`context`), so a cross-entropy never
     materialises the full logits. A ``loss_fn`` that fails on a DTensor (it mixes them with
     plain tensors, or calls an op DTensor has no rule for) gets them gathered from then on,
-    with one warning. A DTensor loss is returned as its full (replicated) value.
+    with one warning; such a failure is the same on every tp rank (same code, same ops), so
+    they all switch together. Out-of-memory and distributed errors are raised, not taken for
+    a DTensor limitation (they may hit one rank only, whose peers would then wait in other
+    collectives). A DTensor loss is returned as its full (replicated) value.
     """
 
     def __init__(self, plan, mesh):
@@ -135,6 +138,8 @@ class VocabOutputs:
                          for i, t in enumerate(flat)]
                 loss = loss_fn(unflatten(views), target)
                 return loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+            except (torch.OutOfMemoryError, dist.DistError):
+                raise  # not a DTensor limitation, and may differ between ranks
             except Exception as e:  # noqa: BLE001 - any failure of user code on a DTensor
                 self.sharded = False
                 if tp_coords()[1] == 0:

@@ -308,3 +308,40 @@ def test_spec_value_other_than_auto_true_false_is_a_spec_error(tmp_path):
         load_spec(path)
     assert load_spec(path, ["tensor_parallel.vocab_parallel=false"]).tensor_parallel.vocab_parallel \
         is False
+
+
+def test_loss_fn_failing_on_a_dtensor_gets_gathered_logits_once_warned(monkeypatch, capsys):
+    """run.py hands loss_fn the vocab-sharded logits as a DTensor; a loss_fn DTensor cannot
+    run (it mixes them with a plain tensor) gets them gathered from then on, with one
+    warning and the same loss; an out-of-memory error is raised, not taken for that."""
+    import types
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from parallelizer.runtime.vocab_loss import VocabOutputs
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29615")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        outs = VocabOutputs(types.SimpleNamespace(vocab_outputs=((0, 7),)),
+                            init_device_mesh("cpu", (1,)))
+        logits = torch.randn(2, 3, 7)
+        target = torch.randint(0, 7, (2, 3))
+
+        def mixing(out, t):  # DTensor * torch.Tensor: refused by DTensor
+            return F.cross_entropy((out[0] * torch.ones(out[0].shape)).reshape(-1, 7), t.reshape(-1))
+
+        want = F.cross_entropy(logits.reshape(-1, 7), target.reshape(-1))
+        with outs.context():
+            got = outs.loss(mixing, [logits], lambda flat: flat, target)
+        assert not outs.sharded and torch.equal(got, want)
+        assert capsys.readouterr().out.count("warning: loss_fn failed on the vocab_parallel logits") == 1
+
+        def oom(out, t):
+            raise torch.OutOfMemoryError("out of memory")
+
+        fresh = VocabOutputs(types.SimpleNamespace(vocab_outputs=((0, 7),)), outs.mesh)
+        with pytest.raises(torch.OutOfMemoryError):
+            fresh.loss(oom, [logits], lambda flat: flat, target)
+        assert fresh.sharded
+    finally:
+        dist.destroy_process_group()
