@@ -321,8 +321,7 @@ def load_state(comp: "GradCompression", plan, ckpt: Path, rank: int, device,
             resharded), a corrupt file, or one saved under other compression settings or
             another mesh (error feedback is per rank of one mesh).
     """
-    import numpy as np
-    from safetensors import safe_open
+    from safetensors import SafetensorError
     from ..checkpoint.reader import check_file_sha256, read_manifest
     name = state_file(rank)
     manifest = {"files": files} if files is not None else read_manifest(ckpt)
@@ -333,15 +332,31 @@ def load_state(comp: "GradCompression", plan, ckpt: Path, rank: int, device,
             f"with that compression, on this mesh; a resharded checkpoint has none); resume with "
             f"the program that saved it, or recompile with data_parallel.compression=none")
     check_file_sha256(ckpt, name, manifest)
-    with safe_open(str(Path(ckpt) / name), "pt") as f:
-        meta = json.loads(f.metadata()["compression"])
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    try:
+        meta, sd = _read_state(Path(ckpt) / name)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, SafetensorError) as e:
+        raise CheckpointError(f"--resume {ckpt}: {name} is not compression state this parallelizer "
+                              f"wrote ({type(e).__name__}: {e}); resume with the checkpoint the "
+                              f"program saved, or recompile with data_parallel.compression=none") from e
     mine = json.loads(json.dumps(_identity(plan)))  # as JSON reads it back (tuples -> lists)
-    diff = {k: (meta["identity"][k], v) for k, v in mine.items() if meta["identity"][k] != v}
+    diff = {k: (meta["identity"].get(k), v) for k, v in mine.items() if meta["identity"].get(k) != v}
     if diff:
         shown = "; ".join(f"{k}: saved {a}, this program {b}" for k, (a, b) in diff.items())
         raise CheckpointError(f"--resume {ckpt}: {name} holds compression state of another "
                               f"program ({shown}); resume with the program that saved it")
+    comp.load_state_dict(sd, device)
+
+
+def _read_state(path: Path) -> tuple[dict, dict]:
+    """(metadata, state dict) of a :func:`write_state` file. Raises KeyError, TypeError or
+    ValueError on a file of another shape (the caller names the file)."""
+    import numpy as np
+    from safetensors import safe_open
+    with safe_open(str(path), "pt") as f:
+        meta = json.loads((f.metadata() or {})["compression"])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    if not isinstance(meta, dict) or not isinstance(meta["identity"], dict):
+        raise TypeError("metadata 'compression' is not a JSON object with an 'identity'")
     sd: dict = {"iter": meta["iter"]}
     for k, t in tensors.items():
         d, _, bucket = k.rpartition(".")
@@ -352,4 +367,4 @@ def load_state(comp: "GradCompression", plan, ckpt: Path, rank: int, device,
         sd["rng"] = (rng_name, tensors["rng.key"].numpy().astype(np.uint32), *rest)
     for d in _DICTS:
         sd.setdefault(d, {})
-    comp.load_state_dict(sd, device)
+    return meta, sd
