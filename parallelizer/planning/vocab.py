@@ -152,7 +152,8 @@ def _decide(graph, decision: TPDecision, tp: int, vocab: int, tables: list, head
     decision.report.append(
         f"vocab_parallel: {', '.join(sorted(tables))} Shard(0) over tp, {padded // tp} of "
         f"{vocab} vocabulary rows per rank{pad}; lookups outside a rank's rows give zero, "
-        f"summed over tp (all-reduce)")
+        f"summed over tp (Megatron g: an all-reduce, a reduce-scatter along the sequence under "
+        f"sequence parallelism)")
     for n in heads:
         decision.report.append(
             f"vocab_parallel LM head: {n.args[1].target} column_parallel over the vocabulary "
@@ -162,13 +163,14 @@ def _decide(graph, decision: TPDecision, tp: int, vocab: int, tables: list, head
             f"vocab_parallel logits: model output {i} is handed to loss_fn as a DTensor "
             f"Shard(-1) under torch loss_parallel (cross-entropy without gathering the logits); "
             f"gathered over tp where returned whole (--verify) or where loss_fn fails on a DTensor")
-    for ce, view in _cross_entropies(region, vocab):
+    losses = _cross_entropies(region, vocab)
+    for ce, view in losses:
         decision.vocab_losses[ce.name] = vocab
         decision.report.append(
             f"vocab_parallel cross-entropy: {_op_text(ce)} computed on the logits' tp shards "
             f"(max, target logit and sum of exponentials all-reduced; Megatron-LM "
             f"vocab_parallel_cross_entropy), the logits never gathered for it")
-    done = {u for ce, view in _cross_entropies(region, vocab) for u in (ce, view)}
+    done = {u for ce, view in losses for u in (ce, view)}
     others = [u for n in region for u in n.users
               if u.op != "output" and u not in region and u not in done
               and u.target is not aten._assert_tensor_metadata.default]  # cleanup drops these
