@@ -7,8 +7,9 @@ Reads the graph, never changes it (passes/vocab_parallel.py applies the decision
 
 - the vocabulary tables are the ``aten.embedding`` weights an LM head reads (tied) or has the
   shape of, else (no head: an encoder) those with the most rows; position and token-type
-  tables stay replicated. Each is ``Shard(0)``, padded to a multiple of tp (layout
-  ``padded``) when tp does not divide it;
+  tables stay replicated. Each is ``Shard(0)`` with layout ``padded``: padded to a multiple
+  of tp when tp does not divide it (padded_size = the vocabulary when it does, so a reshard
+  to another tp pads it);
 - a head is an ``nn.Linear`` (``aten.linear``; a bias is sharded with it) whose weight is a
   vocabulary table (tied) or has its shape (untied): it becomes column_parallel over the vocabulary, its logits
   ``Shard(-1)``. Logits the model returns are handed to ``loss_fn`` sharded (flat output
@@ -128,15 +129,16 @@ def _untied_blocker(n: fx.Node, attrs: list) -> str:
 def _decide(graph, decision: TPDecision, tp: int, vocab: int, tables: list, heads: list,
             canonical: dict) -> None:
     padded = -(-vocab // tp) * tp
-    layout = {"kind": "padded", "padded_size": padded} if padded != vocab else None
+    # padded even when tp divides the vocabulary (padded_size = vocab): the checkpoint then
+    # knows the dim may be padded, so reshard to a tp that does not divide it pads it
+    layout = {"kind": "padded", "padded_size": padded}
     names = set(tables) | {n.args[1].target for n in heads}
     names |= {n.args[2].target for n in heads if len(n.args) > 2 and n.args[2] is not None}
     names |= {a for a, c in canonical.items() if c in names}
     for f in names:
         decision.dims[f] = 0
         decision.vocab[f] = vocab
-        if layout:
-            decision.layouts[f] = dict(layout)
+        decision.layouts[f] = dict(layout)
     decision.vocab_heads = {n.args[1].target for n in heads}
     # plan_tp listed the heads as replicated linears: they are not any more
     decision.report[:] = [r for r in decision.report if not any(
@@ -148,7 +150,7 @@ def _decide(graph, decision: TPDecision, tp: int, vocab: int, tables: list, head
         if a in region:
             decision.vocab_outputs[i] = vocab
     pad = (f", padded to {padded} rows (zero, never in the loss or the logits returned)"
-           if layout else "")
+           if padded != vocab else "")
     decision.report.append(
         f"vocab_parallel: {', '.join(sorted(tables))} Shard(0) over tp, {padded // tp} of "
         f"{vocab} vocabulary rows per rank{pad}; lookups outside a rank's rows give zero, "

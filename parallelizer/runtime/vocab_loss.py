@@ -137,7 +137,9 @@ class VocabOutputs:
                 views = [sharded_logits(t, self.vocab[i], self.mesh) if i in self.vocab else t
                          for i, t in enumerate(flat)]
                 loss = loss_fn(unflatten(views), target)
-                return loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+                if hasattr(loss, "full_tensor"):  # a view of the DTensor's local tensor: the
+                    loss = loss.full_tensor().clone()  # zero-bubble schedules detach_() it
+                return loss
             except (torch.OutOfMemoryError, dist.DistError):
                 raise  # not a DTensor limitation, and may differ between ranks
             except Exception as e:  # noqa: BLE001 - any failure of user code on a DTensor
