@@ -199,9 +199,7 @@ def _scalar(a, node):
 
 
 def _bool(e):
-    if e in (sympy.true, sympy.false) or isinstance(e, (sympy.logic.boolalg.Boolean,)):
-        return e
-    return sympy.Ne(e, 0)
+    return e if _is_bool(e) else sympy.Ne(e, 0)
 
 
 def _compare(relation):

@@ -49,8 +49,7 @@ def _shard_embedding(graph: fx.Graph, node: fx.Node) -> None:
     node.args = (*node.args[:2], pad)
     with graph.inserting_after(node):
         g = graph.call_function(reduce_from_tp_region, (node,))
-    g.meta = {k: v for k, v in node.meta.items() if k != TP_OPERATOR}
-    g.meta[TP_OPERATOR] = "g"
+    g.meta = {**node.meta, TP_OPERATOR: "g"}
     node.replace_all_uses_with(g, delete_user_cb=lambda u: u is not g)
 
 
@@ -59,8 +58,7 @@ def _shard_head(graph: fx.Graph, head: fx.Node, decision: TPDecision) -> None:
     x = head.args[0]
     with graph.inserting_before(head):
         f = graph.call_function(copy_to_tp_region, (x,))
-    f.meta = {k: v for k, v in x.meta.items() if k != TP_OPERATOR}
-    f.meta[TP_OPERATOR] = "f"
+    f.meta = {**x.meta, TP_OPERATOR: "f"}
     head.replace_input_with(x, f)
     out = graph.output_node()
     flat = out.args[0] if isinstance(out.args[0], (tuple, list)) else None

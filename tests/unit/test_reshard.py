@@ -217,16 +217,22 @@ def test_tp_that_does_not_fit_names_tensor_and_valid_values(src, tmp_path):
     assert cli(["reshard", str(out), "-o", str(tmp_path / "d"), "--pp", "4"]) == 2  # 3 blocks
 
 
-def test_replicas_must_be_identical(tmp_path):
-    plan = make_plan(4, 1)
-    out = write_checkpoint(state_dict(plan), plan, tmp_path / "ck")
-    f = out / "pp0-tp1.safetensors"
+def _edit_shard(out, name: str, edit) -> None:
+    """Change the tensors of shard file ``name`` with ``edit(tensors)`` and record the new
+    file's sha256 and size in the manifest: damage only the checks past the digest can see."""
+    f = out / name
     tensors = load_file(f)
-    tensors["layers.1.k_proj.weight"][0, 0] += 1
+    edit(tensors)
     save_file(tensors, f)
     m = json.loads((out / "manifest.json").read_text())
     m["files"][f.name] = {"sha256": hashlib.sha256(f.read_bytes()).hexdigest(), "bytes": f.stat().st_size}
     (out / "manifest.json").write_text(json.dumps(m))
+
+
+def test_replicas_must_be_identical(tmp_path):
+    plan = make_plan(4, 1)
+    out = write_checkpoint(state_dict(plan), plan, tmp_path / "ck")
+    _edit_shard(out, "pp0-tp1.safetensors", lambda t: t["layers.1.k_proj.weight"][0, 0].add_(1))
     with pytest.raises(CheckpointError, match=r"replicas of layers\.1\.k_proj\.weight differ: rows "
                                               r"\[0, 4\) along dim 0 in .*pp0-tp0\.safetensors and .*pp0-tp1"):
         reshard(out, tmp_path / "dst", tp=2)
@@ -245,13 +251,8 @@ def test_copied_parts_of_a_fused_tensor_must_be_identical(tmp_path):
     sd = {"qkv.weight": torch.arange(24.).reshape(8, 3)}
     out = write_checkpoint(sd, plan, tmp_path / "ck")
     assert torch.equal(load_full(out)["qkv.weight"], sd["qkv.weight"])
-    f = out / "pp0-tp1.safetensors"
-    tensors = load_file(f)
-    tensors["qkv.weight"][4, 0] += 1  # rank 1's piece: 2 rows of q | 2 of k | 2 of v
-    save_file(tensors, f)
-    m = json.loads((out / "manifest.json").read_text())
-    m["files"][f.name] = {"sha256": hashlib.sha256(f.read_bytes()).hexdigest(), "bytes": f.stat().st_size}
-    (out / "manifest.json").write_text(json.dumps(m))
+    # rank 1's piece: 2 rows of q | 2 of k | 2 of v
+    _edit_shard(out, "pp0-tp1.safetensors", lambda t: t["qkv.weight"][4, 0].add_(1))
     with pytest.raises(CheckpointError, match=r"replicas of qkv\.weight differ: rows \[6, 8\) "
                                               r"along dim 0"):
         load_full(out)
@@ -320,12 +321,7 @@ def test_bad_manifest_from_another_plan(src, tmp_path, capsys):
 def test_bad_tensor_of_wrong_shape(src, tmp_path, capsys):
     out, _, _ = src
     f = out / "pp0-tp0.safetensors"
-    tensors = load_file(f)
-    tensors["layers.0.c_attn.weight"] = torch.zeros(8, 10)
-    save_file(tensors, f)
-    m = json.loads((out / "manifest.json").read_text())
-    m["files"][f.name] = {"sha256": hashlib.sha256(f.read_bytes()).hexdigest(), "bytes": f.stat().st_size}
-    (out / "manifest.json").write_text(json.dumps(m))
+    _edit_shard(out, f.name, lambda t: t.update({"layers.0.c_attn.weight": torch.zeros(8, 10)}))
     err = run_cli(capsys, "reshard", out, "-o", tmp_path / "d", "--tp", "1")
     assert f"{f}: tensor layers.0.c_attn.weight has shape (8, 10), manifest.json says (8, 12)" in err
 
