@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from parallelizer.compression import powersgd_elements, topk_count
+from parallelizer.plan.compression import powersgd_elements, topk_count
 
 from ._comm import wire_bytes
 from ._common import bench_env, compile_program, mesh_overrides, print_table, run_worker, write_json

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from parallelizer.plan import ParallelPlan
+from parallelizer.plan.parallel_plan import ParallelPlan
 from parallelizer.runtime.batching import dp_slice
 from parallelizer.runtime.data_parallel import make_stage_optimizer
 from parallelizer.runtime.main import _load_model_module

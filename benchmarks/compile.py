@@ -31,7 +31,7 @@ def _child_export(model_dir: Path) -> None:
     import torch
     from torch.export import Dim
 
-    from parallelizer.frontend import load_model_file  # imports model.py, nothing else
+    from parallelizer.frontend.model_file import load_model_file  # imports model.py, nothing else
     module = load_model_file(model_dir / "model.py")
     with torch.device("meta"):
         model = module.build_model()
@@ -42,7 +42,7 @@ def _child_export(model_dir: Path) -> None:
 
 def _child_parallelize(model_dir: Path, overrides: list[str]) -> None:
     from parallelizer.compiler import compile_to_dir
-    from parallelizer.spec import load_spec
+    from parallelizer.frontend.spec import load_spec
     spec = load_spec(model_dir / "spec.yaml", overrides)
     with tempfile.TemporaryDirectory() as tmp:
         compile_to_dir(model_dir / "model.py", spec, Path(tmp) / "out", weights=False)

@@ -42,7 +42,7 @@ def unit_costs(name: str, seq: int):
     """Capture the config on the meta device; return (PipelineCosts, blocks, params per unit)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from parallelizer.frontend import capture
+    from parallelizer.frontend.capture import capture
     from parallelizer.passes.cleanup import apply_cleanup
     from parallelizer.analysis.graph_costs import collect_costs
     from parallelizer.planning.pipeline import find_blocks

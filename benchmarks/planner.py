@@ -4,7 +4,7 @@ For every row of the table (default ``benchmarks/data/megatron_sc21_table1.csv``
 Narayanan et al. 2021, Table 1, with its sources in the header; any CSV with the same
 columns works): the cluster is A100-80GB DGX nodes (8 GPUs, NVSwitch; 8 x 200 Gb/s HDR
 InfiniBand per node = 25 GB/s per GPU), with ONE efficiency figure for the A100
-(``planning.cluster.GPU_EFFICIENCY``), never fitted per row. Printed per row:
+(``advisor.cluster.GPU_EFFICIENCY``), never fitted per row. Printed per row:
 
 - the planner's top choice for the model shape, GPU count and global batch;
 - the predicted TFLOP/s per GPU of the *published* layout (its tp, pp, dp, micro-batch size,
@@ -26,10 +26,10 @@ import json
 import time
 from pathlib import Path
 
-from parallelizer.planning.cluster import cluster_from_dict
-from parallelizer.planning.layout_search import search
-from parallelizer.planning.step_time import Layout, predict
-from parallelizer.planning.workload import eq3_flops, from_shape
+from parallelizer.advisor.cluster import cluster_from_dict
+from parallelizer.advisor.search import search
+from parallelizer.advisor.step_time import Layout, predict
+from parallelizer.advisor.workload import eq3_flops, from_shape
 
 TABLE = Path(__file__).resolve().parent / "data" / "megatron_sc21_table1.csv"
 SELENE = dict(gpus_per_node=8, gpu="a100-80gb", dtype="fp16",

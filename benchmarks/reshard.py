@@ -40,8 +40,8 @@ HIDDEN, INTER, VOCAB, HEADS, KV_HEADS = 2048, 5632, 32000, 16, 4
 
 def llama_plan(layers: int, tp: int, pp: int):
     """A Llama-shaped ParallelPlan (Megatron placements, untied embedding and LM head)."""
-    from parallelizer.checkpoint.target import repartition
-    from parallelizer.plan import ParallelPlan, TensorPlan
+    from parallelizer.convert.target import repartition
+    from parallelizer.plan.parallel_plan import ParallelPlan, TensorPlan
     hd = HIDDEN // HEADS
     specs = [("model.embed_tokens.weight", (VOCAB, HIDDEN), 0, [0])]  # uses: cost-model units
     for i in range(layers):
@@ -72,7 +72,7 @@ def llama_plan(layers: int, tp: int, pp: int):
 
 def write_source(path: Path, size_gb: float) -> dict:
     """A synthetic (tp=2, pp=2) checkpoint of about ``size_gb`` GB, written piece by piece."""
-    from parallelizer.checkpoint.layout import local_piece
+    from parallelizer.checkpoint.slicing import local_piece
     from parallelizer.checkpoint.writer import Layout, write_layout
     per_layer = 4 * (2 * HIDDEN * HIDDEN + 2 * KV_HEADS * (HIDDEN // HEADS) * HIDDEN + 3 * HIDDEN * INTER)
     fixed = 4 * 2 * VOCAB * HIDDEN
@@ -95,7 +95,7 @@ def child(argv: list[str]) -> None:
     cost, reported as ``import_seconds``) and peak RSS as JSON."""
     kind, src = argv[0], Path(argv[1])
     t0 = time.perf_counter()
-    from parallelizer.checkpoint.reshard import reshard
+    from parallelizer.convert.reshard import reshard
     from parallelizer.checkpoint.writer import sha256_file
     from safetensors.torch import load_file
     t1, c1 = time.perf_counter(), time.process_time()

@@ -1,4 +1,4 @@
 """``python -m parallelizer`` is the ``parallelize`` command."""
-from parallelizer.cli import main
+from parallelizer.cli.parallelize import main
 
 raise SystemExit(main())

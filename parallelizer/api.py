@@ -23,18 +23,18 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .checkpoint.layout import local_piece
+from .checkpoint.slicing import local_piece
 from .checkpoint.reader import load_shard
 from .compiler import compile_module
 from .errors import UserError
-from .program import Program
+from .emit.program import Program
 from .runtime.batching import dp_slice
 from .runtime.loss import default_loss
 from .runtime.setup import RankContext, init
 from .runtime.stage_builder import LocalStages, instantiate, load_into, stage_class_from_source
 from .runtime.step import StepRunner
 from .runtime.train import gather_full_state, save_checkpoint
-from .spec import Spec, load_spec
+from .frontend.spec import Spec, load_spec
 
 __all__ = ["load_spec", "compile", "parallelize", "ParallelModule", "Program"]
 

@@ -14,11 +14,12 @@ from typing import Optional
 
 import torch
 
-from . import emit
+from .emit.stages import stage_sources
 from .checkpoint.hf import load_hf_state_dict, match_to_model
 from .errors import CheckpointError, PlanError
-from .frontend import build_model, capture, example_batch, load_model_file
-from .needed_imports import modules_needed
+from .frontend.model_file import build_model, example_batch, load_model_file
+from .frontend.capture import capture
+from .analysis.needed_imports import modules_needed
 from .analysis.outputs import check_outputs_have_batch_dim, scalar_outputs
 from .passes.aliases import apply_untie
 from .passes.attention import apply_eager_attention
@@ -27,7 +28,7 @@ from .passes.dropout import apply_rng_streams
 from .passes.manager import PassManager
 from .passes.split_blocks import split_blocks
 from .passes.split_check import check_split
-from .plan import MODEL_MODULE
+from .plan.parallel_plan import MODEL_MODULE
 from .passes.split_stages import split_stages
 from .passes.sequence_parallel import apply_sequence_parallel
 from .passes.tensor_parallel import apply_tensor_parallel
@@ -42,21 +43,21 @@ from .planning.tensors import build_plan, pipeline_structure, tied_groups
 from .planning.sequence import plan_sequence_parallel
 from .planning.tp import plan_tp, tp_summary
 from .planning.vocab import plan_vocab, vocab_summary
-from .program import Program
-from .reference import compute_reference
-from .report import render_report
+from .emit.program import Program
+from .emit.reference import compute_reference
+from .emit.report import render_report
 from .runtime.loss import default_loss
-from .spec import Spec
+from .frontend.spec import Spec
 
 
 def compile_to_dir(model_path: Path, spec: Spec, out_dir: Path, weights: bool = True,
                    dump_passes: Optional[Path] = None, topology=None) -> None:
     """CLI entry: compile and write OUT/ atomically (nothing is written on error);
-    the compiler's warnings go to stderr. ``topology`` (:class:`parallelizer.topology.Topology`,
+    the compiler's warnings go to stderr. ``topology`` (:class:`parallelizer.emit.launch.Topology`,
     default one node) gives OUT/launch.sh, OUT/launch.sbatch and report.md's placement table."""
-    from .topology import launch_files, placement_lines, resolve
+    from .emit.launch import launch_files, one_node, placement_lines
     program = compile_model(Path(model_path), spec, weights, dump_passes)
-    topology = topology or resolve(program.plan.mesh)
+    topology = topology or one_node(program.plan.mesh)
     program.sources.update(launch_files(topology))
     program.report += "\n".join(placement_lines(program.plan.mesh, topology)) + "\n"
     program.save(Path(out_dir))
@@ -160,7 +161,7 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
         block_graphs.append(found)
         block_notes += notes
     plan = check_split(plan, stages, block_graphs, canonical)
-    sources = emit.stage_sources(plan, stages, block_graphs, model, name)
+    sources = stage_sources(plan, stages, block_graphs, model, name)
     ref = state = None
     if weights:
         state = {fqn: attrgetter(fqn)(gm).detach().clone() for fqn in plan.tensors}

@@ -1,12 +1,13 @@
-"""Checkpoints: Hugging Face import, (pp, tp) layout math, safetensors writer and reader.
+"""Checkpoint I/O: Hugging Face safetensors reading, one tp rank's slice of a tensor, the
+sharded safetensors writer and reader, the manifest schema.
 
 Layout on disk (DESIGN.md §4, format in writer.py): ``pp{p}-tp{t}.safetensors`` per (pp, tp)
 coordinate plus ``manifest.json`` with every tensor's placement, layout and pieces, the
-pipeline structure and a sha256 per file. Conversions: reshard.py (any (tp, pp) to any),
-export.py (Hugging Face format out and in), target.py (the new layout without the model).
+pipeline structure and a sha256 per file. Conversions between layouts are in
+:mod:`parallelizer.convert`.
 """
 from parallelizer.checkpoint.hf import load_hf_state_dict, match_to_model
-from parallelizer.checkpoint.layout import local_piece, shard_slice
+from parallelizer.checkpoint.slicing import local_piece, shard_slice
 from parallelizer.checkpoint.reader import load_full, load_shard, load_tensor, read_manifest
 from parallelizer.checkpoint.writer import write_checkpoint
 

@@ -25,7 +25,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from parallelizer.errors import CheckpointError
-from parallelizer.layouts import local_length, segments
+from parallelizer.plan.layouts import local_length, segments
 
 NonNeg = Annotated[int, Field(ge=0, strict=True)]
 Pos = Annotated[int, Field(ge=1, strict=True)]

@@ -23,8 +23,8 @@ from parallelizer.checkpoint.writer import (FORMAT_VERSION, MANIFEST, OPTIM_PREF
 from parallelizer.checkpoint.manifest_schema import validate_manifest
 from parallelizer.checkpoint.pieces import piece_files, piece_stage, read_region
 from parallelizer.errors import CheckpointError
-from parallelizer.layouts import copied_heads
-from parallelizer.plan import ParallelPlan
+from parallelizer.plan.layouts import copied_heads
+from parallelizer.plan.parallel_plan import ParallelPlan
 
 
 def read_manifest(ckpt_dir) -> dict:

@@ -36,7 +36,7 @@ before anything is read).
 
 A piece's ``segments`` say which runs of the full tensor's ``tp_dim`` it holds and where:
 ``full[full_offset : full_offset + length] == piece[piece_offset : ... + length]`` along
-``tp_dim`` (:func:`parallelizer.layouts.segments`). Rows of a piece no segment covers are
+``tp_dim`` (:func:`parallelizer.plan.layouts.segments`). Rows of a piece no segment covers are
 vocabulary padding (zero). Two pieces with the same ``(full_offset, length)`` run are
 copies (other pp stages of a tied weight, replicated kv heads); readers read one and check
 replicated heads are identical. ``layout_hash`` covers pp, tp and every model tensor's
@@ -62,11 +62,11 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from parallelizer.checkpoint.layout import local_piece, normalize_dim
+from parallelizer.checkpoint.slicing import local_piece, normalize_dim
 from parallelizer.checkpoint.stream import write_streamed
 from parallelizer.errors import CheckpointError
-from parallelizer.layouts import segments
-from parallelizer.plan import ParallelPlan, TensorPlan
+from parallelizer.plan.layouts import segments
+from parallelizer.plan.parallel_plan import ParallelPlan, TensorPlan
 
 FORMAT_VERSION = 2
 MANIFEST = "manifest.json"

@@ -17,7 +17,7 @@ backward ``sum``, a copy of k and v per layer). This pass rewrites, per SDPA nod
 
 It is a pure, always-valid rewrite (the same values for every input), run on the captured
 graph before planning, so the tensor-parallel planner sees SDPA with ``enable_gqa`` (its rule
-``sharding_rules._gqa_kv``) and the pipeline stages no longer rebuild the mask. The
+``analysis.sharding.rules._gqa_kv``) and the pipeline stages no longer rebuild the mask. The
 orphaned mask and repeat ops are erased. Source: ``torch.nn.functional.
 scaled_dot_product_attention`` (the reference implementation in its docstring).
 """

@@ -21,7 +21,7 @@ import operator
 
 import torch.fx as fx
 
-from ..decisions import SequenceParallelDecision
+from ..plan.decisions import SequenceParallelDecision
 from ..analysis.graph_facts import aten
 from ..runtime.rng import random_op
 from ..runtime.sequence import (all_gather_from_sequence_parallel_region, gathered_linears,

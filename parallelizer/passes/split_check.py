@@ -11,7 +11,7 @@ import dataclasses
 
 from ..analysis.graph_facts import attr_targets
 from ..errors import PlanError
-from ..plan import ParallelPlan
+from ..plan.parallel_plan import ParallelPlan
 
 
 class SplitMismatch(AssertionError):

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..decisions import PipelineDecision
+from ..plan.decisions import PipelineDecision
 from ..analysis.partition import GraphPartition
 from ..analysis.graph_facts import aten, expr, is_tensor
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ..decisions import TP_OPERATOR, TPDecision
+from ..plan.decisions import TP_OPERATOR, TPDecision
 from ..runtime.tp import copy_to_tp_region, reduce_from_tp_region, scatter_to_tp_region
 from ..analysis.graph_facts import Linear, aten, linear_sites
 

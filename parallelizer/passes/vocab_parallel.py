@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ..decisions import TP_OPERATOR, TPDecision
+from ..plan.decisions import TP_OPERATOR, TPDecision
 from ..runtime.tp import copy_to_tp_region, reduce_from_tp_region
 from ..runtime.vocab import gather_from_tp_region, vocab_parallel_lookup
 from ..runtime.vocab_loss import vocab_parallel_cross_entropy

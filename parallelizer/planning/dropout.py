@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from ..plan import DROPOUT_OPS, REPLICATED, TP_LOCAL
+from ..plan.parallel_plan import DROPOUT_OPS, REPLICATED, TP_LOCAL
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from typing import Optional, Sequence
 
 from ..errors import PlanError
 from ..analysis.costs import PipelineCosts
-from ..decisions import PipelineDecision
+from ..plan.decisions import PipelineDecision
 from .blocks import SEARCHED, find_blocks  # noqa: F401  (find_blocks: public here too)
 
 

@@ -11,8 +11,8 @@ from typing import Optional
 
 from ..errors import PlanError
 from ..analysis.costs import PipelineCosts
-from ..decisions import PipelineDecision
-from ..pipeline_schedules import bubble
+from ..plan.decisions import PipelineDecision
+from ..plan.schedules import bubble
 
 def stage_units(decision: PipelineDecision, costs: PipelineCosts) -> list[tuple]:
     """(stage, UnitCost, bytes crossing the cut after it) of each cost-model unit in

@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from ..decisions import TP_OPERATOR, SequenceParallelDecision
+from ..plan.decisions import TP_OPERATOR, SequenceParallelDecision
 from ..errors import PlanError
 from ..analysis.graph_facts import aten, expr, module_path, prod, same, shape
 

@@ -1,12 +1,12 @@
 """Which pipeline stages hold each tensor: the stages of the cost-model units (or block
-parts) that read it, under a :class:`~parallelizer.decisions.PipelineDecision`.
+parts) that read it, under a :class:`~parallelizer.plan.decisions.PipelineDecision`.
 
 The compiler plans with it before any rewrite, and ``reshard --pp`` re-partitions a
 checkpoint with it from the recorded structure alone, so the two cannot disagree.
 """
 from __future__ import annotations
 
-from ..decisions import PipelineDecision
+from ..plan.decisions import PipelineDecision
 
 
 def tensor_stages(decision: PipelineDecision, uses: dict, part_uses: dict) -> dict[str, tuple[int, ...]]:

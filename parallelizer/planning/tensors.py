@@ -12,10 +12,11 @@ from torch.utils._pytree import treespec_dumps
 
 from ..analysis.graph_facts import RUNTIME_DEVICE, attr_targets
 from ..analysis.partition import GraphPartition
-from ..compression import plan_settings, reduce_dtype as compression_reduce_dtype
-from ..pipeline_schedules import stage_ranks
-from ..plan import ParallelPlan, StagePlan, TensorPlan, checkpointed_blocks, grad_sync_groups
-from ..decisions import PipelineDecision, TPDecision
+from ..plan.compression import plan_settings, reduce_dtype as compression_reduce_dtype
+from ..plan.schedules import stage_ranks
+from ..plan.parallel_plan import (ParallelPlan, StagePlan, TensorPlan, checkpointed_blocks,
+                                  grad_sync_groups)
+from ..plan.decisions import PipelineDecision, TPDecision
 from .stages import tensor_stages
 
 
@@ -113,7 +114,7 @@ def _default(value, default):
 def pipeline_structure(graph: fx.Graph, model, blocks, costs, canonical: dict,
                        partition=None) -> dict:
     """What re-partitioning a checkpoint for another pp degree needs, without the model
-    (ParallelPlan.structure, read by checkpoint/target.py).
+    (ParallelPlan.structure, read by convert/target.py).
 
     ``uses[fqn]`` lists the cost-model units of the tensor's readers, direct or through
     values each stage recomputes (``analysis.recompute``: Llama's ``inv_freq`` is read by every

@@ -11,17 +11,17 @@ reason in the report. Divisibility of every sharded size by tp is checked last.
 Linears are ``aten.linear`` (nn.Linear, weight (out, in)) and ``aten.addmm`` on a parameter
 (GPT-2's Conv1D, weight (in, out)): column_parallel shards the output-features dim of the
 weight, row_parallel the input-features dim, whichever that is. Propagation also decides
-each column weight's layout (:mod:`parallelizer.layouts`): ``fused`` when its output is
+each column weight's layout (:mod:`parallelizer.plan.layouts`): ``fused`` when its output is
 split into parts (q|k|v), ``replicated_heads`` for GQA kv heads when tp exceeds them.
 """
 from __future__ import annotations
 
 import torch.fx as fx
 
-from ..decisions import TPDecision
+from ..plan.decisions import TPDecision
 from ..errors import PlanError
 from ..analysis.graph_facts import aten, linear_sites, source_line
-from ..analysis.sharding import Propagation, propagate
+from ..analysis.sharding.propagate import Propagation, propagate
 
 _STOP = {aten.embedding.default, aten.native_layer_norm.default, aten.layer_norm.default}
 # A mixture-of-experts router (Mixtral's and Qwen2-MoE's ``mlp.gate``) picks experts with

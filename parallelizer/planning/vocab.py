@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ..decisions import TPDecision
+from ..plan.decisions import TPDecision
 from ..errors import PlanError
 from ..analysis.graph_facts import aten, logits_region, shape, source_line, weight_fqn
 

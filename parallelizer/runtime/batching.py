@@ -6,7 +6,7 @@ import itertools
 import torch
 from torch.utils._pytree import tree_map
 
-from ..plan import ParallelPlan
+from ..plan.parallel_plan import ParallelPlan
 
 
 def to_batch(plan: ParallelPlan, flat: list) -> tuple | dict:

@@ -15,7 +15,7 @@ last stage) counts as idle too; it is tiny next to a stage. On CUDA every call i
 synchronised so the intervals are device time.
 
 Rank 0 prints one line ``BUBBLE {json}`` per rank with the median over the profiled steps,
-next to the theoretical bubble of the schedule (:func:`parallelizer.pipeline_schedules.theoretical_bubble`).
+next to the theoretical bubble of the schedule (:func:`parallelizer.plan.schedules.theoretical_bubble`).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from ..pipeline_schedules import theoretical_bubble
+from ..plan.schedules import theoretical_bubble
 from .pipeline_stage import sync_device
 from .batching import dp_slice, to_batch
 from .step import StepRunner

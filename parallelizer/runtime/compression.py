@@ -1,5 +1,5 @@
 """Gradient compression of the data-parallel reduction (spec ``data_parallel.compression``;
-methods, sources and the combinations allowed: ``parallelizer/compression.py``).
+methods, sources and the combinations allowed: ``parallelizer/plan/compression.py``).
 
 One :class:`GradCompression` per rank drives a DDP communication hook ``hook(state, bucket)
 -> Future[Tensor]`` (torch's ``fp16_compress_hook``, ``bf16_compress_hook``,
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook as psgd
 
-from ..compression import topk_count
+from ..plan.compression import topk_count
 from ..errors import CheckpointError
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..layouts import copied_heads, copied_runs, segments
-from ..plan import TensorPlan
+from ..plan.layouts import copied_heads, copied_runs, segments
+from ..plan.parallel_plan import TensorPlan
 from .setup import RankContext
 
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 import time
@@ -12,9 +11,10 @@ import torch
 import torch.distributed as dist
 
 from ..errors import UserError
-from ..needed_imports import import_modules
-from ..pipeline_schedules import with_schedule
-from ..plan import MODEL_MODULE, ParallelPlan
+from ..frontend.model_file import load_model_file
+from .imports import import_modules
+from ..plan.schedules import with_schedule
+from ..plan.parallel_plan import ParallelPlan
 from .loss import default_loss
 from .setup import init, world_size_error
 from .stage_builder import build_stages
@@ -71,17 +71,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _load_model_module(out_dir: Path):
-    """OUT/model.py (absent for programs compiled from an in-memory model by the API)."""
-    if not (out_dir / "model.py").exists():
-        return None
-    spec = importlib.util.spec_from_file_location(MODEL_MODULE, out_dir / "model.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def main(out_dir: Path, argv=None) -> int:
     """Run the program; exits the process with the status (0 PASS/trained, 1 FAIL, 2 error)."""
     code = _main(out_dir, argv)
@@ -105,7 +94,10 @@ def _main(out_dir: Path, argv=None) -> int:
     if error:
         return _fail_before_init(error)
     spec = plan.settings  # the spec's run-time sections, recorded at compile time
-    model_module = _load_model_module(out_dir)  # registers the output types (e.g. ModelOutput)
+    try:  # OUT/model.py registers the output types (a ModelOutput); the API emits none
+        model_module = load_model_file(out_dir / "model.py") if (out_dir / "model.py").exists() else None
+    except UserError as e:
+        return _fail_before_init(f"run.py: error: {e}")
     missing = import_modules(plan.imports)  # lazily imported custom ops and output types
     if missing:
         return _fail_before_init(f"run.py: error: {missing}")

@@ -32,7 +32,7 @@ import hashlib
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..plan import DROPOUT_OPS, REPLICATED, TP_LOCAL  # noqa: F401  (re-exported)
+from ..plan.parallel_plan import DROPOUT_OPS, REPLICATED, TP_LOCAL  # noqa: F401  (re-exported)
 
 
 _seeds: dict[str, int] = {}          # stream -> seed

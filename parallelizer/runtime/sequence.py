@@ -72,7 +72,7 @@ COMM = ProcessGroupComm()
 class ShapeComm:
     """Rank 0 of ``tp`` ranks without communicating: the collectives give the shapes they
     would (gathered rows are this rank's repeated), for FakeTensor tracing of a stage's
-    per-rank activations (``memory_activations.py``)."""
+    per-rank activations (``advisor/activations.py``)."""
 
     def __init__(self, tp: int):
         self.tp = tp

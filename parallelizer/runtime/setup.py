@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ..plan import MESH_DIMS, ParallelPlan
+from ..plan.parallel_plan import MESH_DIMS, ParallelPlan
 from . import rng
 from .tp import set_tp_group
 

@@ -32,7 +32,7 @@ from ..checkpoint.manifest_schema import validate_manifest
 from ..checkpoint.stream import write_streamed
 from ..checkpoint.writer import (MANIFEST, OPTIM_STATES, Layout, _fsync_dir, _publish, _write_synced,
                                  build_manifest, dtype_name, optim_name)
-from ..plan import ParallelPlan
+from ..plan.parallel_plan import ParallelPlan
 from .periodic import fault_after_rank_files, rng_state
 from .setup import RankContext
 

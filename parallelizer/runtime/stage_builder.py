@@ -17,7 +17,7 @@ from torch.distributed.tensor import distribute_tensor
 
 from ..checkpoint.reader import load_shard
 from ..errors import CheckpointError
-from ..plan import ParallelPlan
+from ..plan.parallel_plan import ParallelPlan
 from .data_parallel import apply_data_parallel
 from . import rng
 from .modules import EmittedModule

@@ -1,7 +1,7 @@
 """One training step of this rank's stages: forward, loss, backward (no optimizer step).
 
 pp = 1: a plain forward and backward. pp > 1: ``torch.distributed.pipelining`` runs the
-spec's schedule (:mod:`parallelizer.pipeline_schedules`: gpipe, 1f1b, interleaved_1f1b,
+spec's schedule (:mod:`parallelizer.plan.schedules`: gpipe, 1f1b, interleaved_1f1b,
 looped_bfs, interleaved_zero_bubble, zbv, dualpipev) over ``microbatches`` microbatches
 with ``scale_grads=True``, so gradients are those of the mean loss over the whole batch.
 A rank runs one ``PipelineStage`` per local stage (several under interleaved and V
@@ -21,9 +21,9 @@ from torch.distributed.pipelining.microbatch import TensorChunkSpec, _CustomRedu
 from torch.utils._pytree import tree_unflatten, treespec_loads
 
 from ..errors import BatchError
-from ..pipeline_schedules import SINGLE_STAGE, schedule_class
-from ..layouts import copied_heads, copied_runs
-from ..plan import ParallelPlan
+from ..plan.schedules import SINGLE_STAGE, schedule_class
+from ..plan.layouts import copied_heads, copied_runs
+from ..plan.parallel_plan import ParallelPlan
 from .batching import flatten, index_rows
 from .data_parallel import all_reduce_grads
 from .pipeline_stage import TimedPipelineStage

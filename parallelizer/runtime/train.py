@@ -22,7 +22,7 @@ from torch.distributed.tensor import distribute_tensor
 from ..checkpoint.reader import load_shard, read_manifest
 from ..checkpoint.writer import OPTIM_STATES, optim_name
 from ..errors import CheckpointError, UserError
-from ..plan import ParallelPlan
+from ..plan.parallel_plan import ParallelPlan
 from .batching import dp_slice, synthetic_batches
 from . import rng
 from .gather import full_tensor

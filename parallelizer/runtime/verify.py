@@ -6,7 +6,7 @@ and updated parameters (each gathered back to full shape) are compared with
 directly: AdamW's first step is nearly invariant to a uniform gradient scale, so checking
 only the updated parameters would miss a wrongly scaled gradient. The tp ranks' copies of a
 replicated kv head (layout ``replicated_heads``) must agree, in gradients and parameters.
-Dropout is inactive in the step, as it was in the reference (``reference.py``), so the
+Dropout is inactive in the step, as it was in the reference (``emit/reference.py``), so the
 comparison stays exact; the report says so when the model has dropout.
 """
 from __future__ import annotations
@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from ..plan import ParallelPlan
+from ..plan.parallel_plan import ParallelPlan
 from .batching import dp_slice, to_batch
-from ..layouts import copied_heads
+from ..plan.layouts import copied_heads
 from .gather import copies_max_diff, full_tensor
 from .data_parallel import make_stage_optimizer
 from .rng import dropout_active

@@ -3,7 +3,7 @@
 ``gather_from_tensor_model_parallel_region``).
 
 Tp rank ``r`` holds rows ``[r * n, (r + 1) * n)`` of the (padded) vocabulary, ``n`` its local
-row count: the layout ``padded`` of :mod:`parallelizer.layouts` (the even split when tp divides
+row count: the layout ``padded`` of :mod:`parallelizer.plan.layouts` (the even split when tp divides
 the vocabulary), so the vocabulary offset is ``tp_rank * n`` and needs no other data.
 
 - :func:`vocab_parallel_lookup`: looks up the ids in this rank's range (others give zero

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from parallelizer.plan import ParallelPlan
+from parallelizer.plan.parallel_plan import ParallelPlan
 from parallelizer.runtime.batching import dp_slice, synthetic_batches
 from parallelizer.runtime.compression import load_state, write_state
 from parallelizer.runtime.data_parallel import make_stage_optimizer

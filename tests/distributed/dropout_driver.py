@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from parallelizer.plan import ParallelPlan
+from parallelizer.plan.parallel_plan import ParallelPlan
 from parallelizer.runtime import rng
 from parallelizer.runtime.main import _load_model_module
 from parallelizer.runtime.setup import init

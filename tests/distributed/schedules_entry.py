@@ -5,7 +5,7 @@ pipeline schedules in turn, in one process group (a torchrun launch costs second
         [--program OUT2 interleaved_1f1b ...]
 
 For each schedule: the stages are rebuilt from OUT/checkpoint (fresh weights), placed as the
-schedule needs (pipeline_schedules.with_schedule), and run_verify prints its report; rank 0
+schedule needs (plan.schedules.with_schedule), and run_verify prints its report; rank 0
 then prints ``SCHEDULE <name> <exit code>``. ``--profile``: then the ``BUBBLE`` line of every
 rank (runtime/bubble.py, what ``run.py --profile`` prints). ``--bad-batch``: then a step on a
 batch of microbatches + 1 rows, printing ``BATCHERROR <message>`` (rank 0). ``--program
@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from parallelizer.errors import BatchError
-from parallelizer.pipeline_schedules import with_schedule
-from parallelizer.plan import ParallelPlan
+from parallelizer.plan.schedules import with_schedule
+from parallelizer.plan.parallel_plan import ParallelPlan
 from parallelizer.runtime.main import _load_model_module
 from parallelizer.runtime.setup import init
 from parallelizer.runtime.batching import to_batch

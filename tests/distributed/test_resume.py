@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from parallelizer.checkpoint import load_full, read_manifest
-from parallelizer.checkpoint.cli import load_plan
-from parallelizer.checkpoint.reshard import reshard
+from parallelizer.cli.convert import load_plan
+from parallelizer.convert.reshard import reshard
 
 TP2PP2 = ("mesh.dp=1", "mesh.tp=2", "mesh.pp=2")
 PP2 = ("mesh.dp=1", "mesh.tp=1", "mesh.pp=2")

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from parallelizer.pipeline_schedules import theoretical_bubble
+from parallelizer.plan.schedules import theoretical_bubble
 from parallelizer.runtime.main import _main as run_main
 
 TOL = 1e-5

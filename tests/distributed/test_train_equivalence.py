@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from parallelizer.checkpoint.reader import load_shard
-from parallelizer.layouts import segments
-from parallelizer.plan import ParallelPlan
+from parallelizer.plan.layouts import segments
+from parallelizer.plan.parallel_plan import ParallelPlan
 from parallelizer.runtime.batching import synthetic_batches
 from parallelizer.runtime.optim import make_optimizer
 
@@ -114,7 +114,7 @@ def test_training_matches_eager(compiled, tools, tmp_path, case):
 
 def _load_full(ckpt_dir, plan: ParallelPlan) -> dict:
     """Every tensor of a checkpoint at full shape, each tp piece put where its layout says
-    (:mod:`parallelizer.layouts`); a region held by several files (copies of a kv head, a
+    (:mod:`parallelizer.plan.layouts`); a region held by several files (copies of a kv head, a
     weight tied across stages) must be identical in all of them."""
     tp, full, filled = plan.mesh["tp"], {}, {}
     for p in range(plan.num_stages):

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from parallelizer.compiler import compile_model
-from parallelizer.spec import load_spec
+from parallelizer.frontend.spec import load_spec
 
 HERE = Path(__file__).parent
 MODELS = HERE / "user_models"

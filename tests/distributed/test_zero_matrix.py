@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from parallelizer import cli
+from parallelizer.cli import parallelize as cli
 
 TOL = 1e-5          # fp32, absolute
 MEMORY_TOL = 0.05   # the bound; the bookkeeping is exact on these programs

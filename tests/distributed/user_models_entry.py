@@ -14,8 +14,8 @@ from pathlib import Path
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from parallelizer.needed_imports import import_modules
-from parallelizer.plan import ParallelPlan
+from parallelizer.runtime.imports import import_modules
+from parallelizer.plan.parallel_plan import ParallelPlan
 from parallelizer.runtime.loss import default_loss
 from parallelizer.runtime.main import _load_model_module
 from parallelizer.runtime.setup import init

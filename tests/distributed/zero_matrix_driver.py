@@ -8,7 +8,7 @@ the rank's stages with the real runtime (stage_builder.build_stages, StepRunner,
 make_stage_optimizer), train 3 steps, gather the last step's gradients and the final
 parameters to full shape, and compare them on rank 0 with 3 eager steps of the unmodified
 model; or ``run_verify`` under bf16 mixed precision; or one AdamW step, runtime/memory.measure on every rank
-against memory_model.estimate_program for that rank. Prints ``RESULT {json}`` lines.
+against advisor.memory.estimate_program for that rank. Prints ``RESULT {json}`` lines.
 """
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from parallelizer.memory_model import estimate_program
-from parallelizer.plan import ParallelPlan
+from parallelizer.advisor.memory import estimate_program
+from parallelizer.plan.parallel_plan import ParallelPlan
 from parallelizer.runtime.batching import dp_slice, synthetic_batches
 from parallelizer.runtime.data_parallel import make_stage_optimizer
 from parallelizer.runtime.gather import full_tensor
@@ -32,7 +32,7 @@ from parallelizer.runtime.main import _load_model_module
 from parallelizer.runtime.memory import measure
 from parallelizer.runtime.optim import make_optimizer
 from parallelizer.runtime.setup import init
-from parallelizer.pipeline_schedules import V_SHAPED, with_schedule
+from parallelizer.plan.schedules import V_SHAPED, with_schedule
 from parallelizer.runtime.stage_builder import build_stages
 from parallelizer.runtime.step import StepRunner
 from parallelizer.runtime.tp import set_tp_group

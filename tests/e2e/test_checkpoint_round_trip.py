@@ -11,12 +11,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from parallelizer.checkpoint.export import export_hf, import_hf
+from parallelizer.convert.export import export_hf, import_hf
 from parallelizer.checkpoint.hf import load_hf_state_dict
-from parallelizer.checkpoint.cli import load_plan
+from parallelizer.cli.convert import load_plan
 from parallelizer.checkpoint.reader import check_plan, read_manifest
-from parallelizer.checkpoint.reshard import reshard
-from parallelizer.checkpoint.target import target_layout
+from parallelizer.convert.reshard import reshard
+from parallelizer.convert.target import target_layout
 from parallelizer.checkpoint.writer import layout_hash
 
 TP2PP2 = ("mesh.dp=1", "mesh.tp=2", "mesh.pp=2")

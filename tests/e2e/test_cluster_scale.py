@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from parallelizer.checkpoint import load_full, read_manifest
-from parallelizer.checkpoint.cli import load_plan
-from parallelizer.checkpoint.export import export_hf, import_hf
+from parallelizer.cli.convert import load_plan
+from parallelizer.convert.export import export_hf, import_hf
 from parallelizer.checkpoint.hf import load_hf_state_dict
-from parallelizer.checkpoint.reshard import reshard
+from parallelizer.convert.reshard import reshard
 
 MESHES = {"dp2tp2": ("mesh.dp=2", "mesh.tp=2", "mesh.pp=1", "--nodes", "2", "--gpus-per-node", "2"),
           "tp2pp2": ("mesh.dp=1", "mesh.tp=2", "mesh.pp=2")}

@@ -10,7 +10,7 @@ import struct
 
 import pytest
 
-from parallelizer import cli
+from parallelizer.cli import parallelize as cli
 
 HEAD_ALONE = ("mesh.dp=1", "mesh.tp=1", "mesh.pp=2", "pipeline.layers_per_stage=[4,0]")
 TOL = 1e-5

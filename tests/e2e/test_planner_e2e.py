@@ -4,7 +4,7 @@ under torchrun (one launch, 4 gloo ranks)."""
 import pytest
 import yaml
 
-from parallelizer.plan_cli import plan_main
+from parallelizer.cli.plan import plan_main
 
 CLUSTER = "data/cluster_cpu4.yaml"
 

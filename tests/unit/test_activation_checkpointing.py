@@ -10,7 +10,7 @@ import torch
 from parallelizer.checkpoint.reader import load_full
 from parallelizer.compiler import compile_model
 from parallelizer.runtime.stage_builder import apply_activation_checkpointing, import_stage_class
-from parallelizer.spec import load_spec
+from parallelizer.frontend.spec import load_spec
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -45,7 +45,7 @@ def _run(out, plan, mode, every):
 
 
 def test_full_and_selective_recompute_the_chosen_blocks(gpt_out):
-    from parallelizer.plan import ParallelPlan
+    from parallelizer.plan.parallel_plan import ParallelPlan
     plan = ParallelPlan.from_json((gpt_out / "plan.json").read_text())
     calls, grads = _run(gpt_out, plan, "none", 1)
     assert set(calls.values()) == {1}

@@ -12,7 +12,7 @@ from parallelizer.checkpoint import (load_full, load_hf_state_dict, load_shard, 
                                      local_piece, match_to_model, read_manifest, shard_slice,
                                      write_checkpoint)
 from parallelizer.errors import CheckpointError
-from parallelizer.plan import ParallelPlan, TensorPlan
+from parallelizer.plan.parallel_plan import ParallelPlan, TensorPlan
 
 
 def make_plan(pp: int, tp: int, dp: int = 1) -> ParallelPlan:

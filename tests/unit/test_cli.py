@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from parallelizer import cli
+from parallelizer.cli import parallelize as cli
 from parallelizer.errors import PlanError
 
 
@@ -80,7 +80,7 @@ def test_compile_gets_spec_with_overrides(capsys, files, fake_compiler):
     (args, kwargs), = fake_compiler
     assert args[0] == model and args[2] == out
     assert (args[1].mesh.dp, args[1].mesh.tp, args[1].seed) == (2, 2, 7)
-    from parallelizer.topology import Topology  # no --nodes: one node of the mesh's world
+    from parallelizer.emit.launch import Topology  # no --nodes: one node of the mesh's world
     assert kwargs == {"weights": False, "dump_passes": out / "passes",
                       "topology": Topology(1, 4, None)}
 
@@ -109,7 +109,7 @@ def test_python_dash_m(tmp_path):
     import subprocess
     from pathlib import Path
 
-    root = str(Path(cli.__file__).resolve().parents[1])  # works without `pip install -e`
+    root = str(Path(cli.__file__).resolve().parents[2])  # works without `pip install -e`
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, "-m", "parallelizer", "m.py", "s.yaml", "-o", "out"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)

@@ -7,9 +7,10 @@ import math
 import pytest
 import torch
 
-from parallelizer.compression import payload_bytes, plan_settings, powersgd_elements, reduce_dtype
+from parallelizer.plan.compression import (payload_bytes, plan_settings, powersgd_elements,
+                                           reduce_dtype)
 from parallelizer.errors import SpecError
-from parallelizer.spec import load_spec
+from parallelizer.frontend.spec import load_spec
 
 DP2 = ["mesh.dp=2", "zero_stage=0"]
 
@@ -112,7 +113,7 @@ def test_estimate_json_counts_dp_bytes_from_the_model(capsys):
     import importlib.util
     import json
     from pathlib import Path
-    from parallelizer import cli
+    from parallelizer.cli import parallelize as cli
     repo = Path(__file__).resolve().parents[2]
     mod_spec = importlib.util.spec_from_file_location("gpt_for_bytes", repo / "examples/gpt/model.py")
     gpt = importlib.util.module_from_spec(mod_spec)
@@ -141,7 +142,7 @@ def test_compression_state_files_refuse_another_program(tmp_path, monkeypatch):
     import dataclasses
     import torch.distributed as dist
     from parallelizer.errors import CheckpointError
-    from parallelizer.plan import ParallelPlan
+    from parallelizer.plan.parallel_plan import ParallelPlan
     from parallelizer.runtime.compression import GradCompression, load_state, write_state
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29614")

@@ -18,14 +18,14 @@ from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_loads
 
 from parallelizer.api import compile as pz_compile
 from parallelizer.compiler import compile_model
-from parallelizer.plan import ParallelPlan
-from parallelizer.reference import compute_reference
+from parallelizer.plan.parallel_plan import ParallelPlan
+from parallelizer.emit.reference import compute_reference
 from parallelizer.runtime import rng
 from parallelizer.runtime.batching import flatten
 from parallelizer.runtime.periodic import rng_state, set_rng_state
 from parallelizer.runtime.train import reseed_dropout
 from parallelizer.runtime.stage_builder import apply_activation_checkpointing, stage_class_from_source
-from parallelizer.spec import load_spec
+from parallelizer.frontend.spec import load_spec
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "gpt2_dropout"

@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_flatten
 pytest.importorskip("transformers")
 
 from parallelizer.analysis.index_algebra import element_formula, is_causal_formula  # noqa: E402
-from parallelizer.frontend import capture  # noqa: E402
+from parallelizer.frontend.capture import capture  # noqa: E402
 from parallelizer.passes.attention import SDPA, apply_eager_attention  # noqa: E402
 from parallelizer.passes.cleanup import apply_cleanup  # noqa: E402
 from parallelizer.passes.tensor_parallel import apply_tensor_parallel  # noqa: E402

@@ -15,9 +15,9 @@ from safetensors.torch import load_file
 
 from parallelizer.checkpoint.reader import load_full
 from parallelizer.compiler import compile_model
-from parallelizer.frontend import load_model_file
-from parallelizer.plan import ParallelPlan
-from parallelizer.spec import load_spec
+from parallelizer.frontend.model_file import load_model_file
+from parallelizer.plan.parallel_plan import ParallelPlan
+from parallelizer.frontend.spec import load_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 GPT = ROOT / "examples" / "gpt"

@@ -14,7 +14,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from parallelizer.errors import CaptureError, ModelFileError, UserError
-from parallelizer.frontend import build_model, capture, example_batch, load_model_file
+from parallelizer.frontend.model_file import build_model, example_batch, load_model_file
+from parallelizer.frontend.capture import capture
 
 
 def write(tmp_path: Path, source: str, name: str = "model.py") -> Path:

@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from parallelizer.checkpoint import load_full, write_checkpoint
-from parallelizer.checkpoint.reshard import reshard
-from parallelizer.cli import main as cli
+from parallelizer.convert.reshard import reshard
+from parallelizer.cli.parallelize import main as cli
 from parallelizer.errors import CheckpointError
 from tests.unit.test_reshard import make_plan, optim_state, state_dict
 

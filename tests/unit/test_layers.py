@@ -1,6 +1,7 @@
 """The package layers of DESIGN.md §6 hold: import-linter's contracts in pyproject.toml
-(entry points -> compiler -> planning | passes | emit -> analysis -> plan; the runtime and
-checkpoint conversion independent of the compiler; no import cycles).
+(cli -> api | advisor | convert -> compiler -> planning | passes | emit -> analysis ->
+runtime -> frontend -> checkpoint -> plan -> errors; the runtime reads only the front end's
+model.py loader; checkpoint conversion imports no model code; no import cycles).
 
 The second test shows each kind of contract failing on a copy of the package with one
 violating import added, so the first cannot pass vacuously.
@@ -31,11 +32,13 @@ def test_package_layers_kept():
 
 
 @pytest.mark.parametrize("module, line, contract", [
-    ("runtime/setup.py", "from ..compiler import compile_model", "the runtime"),
-    ("planning/tp.py", "from ..passes import tensor_parallel", "compiler layers"),
-    ("analysis/graph_facts.py", "from ..planning import pipeline", "compiler layers"),
-    ("checkpoint/reader.py", "from ..runtime import setup", "checkpoint conversion"),
-    ("plan.py", "from .memory_model import DTYPE_BYTES", "compiler layers"),
+    ("runtime/setup.py", "from ..compiler import compile_model", "layers"),
+    ("runtime/setup.py", "from ..frontend import spec", "the runtime"),
+    ("planning/tp.py", "from ..passes import tensor_parallel", "layers"),
+    ("analysis/graph_facts.py", "from ..planning import pipeline", "layers"),
+    ("checkpoint/reader.py", "from ..runtime import setup", "layers"),
+    ("convert/target.py", "from ..frontend import capture", "checkpoint conversion"),
+    ("plan/parallel_plan.py", "from ..advisor.memory import DTYPE_BYTES", "layers"),
     ("runtime/batching.py", "from .step import StepRunner", "no import cycles"),
 ])
 def test_a_violating_import_breaks_its_contract(tmp_path, module, line, contract):

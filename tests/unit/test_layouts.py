@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from parallelizer.checkpoint.layout import local_piece
-from parallelizer.layouts import copied_heads, copied_runs, local_length, segments
-from parallelizer.plan import TensorPlan
+from parallelizer.checkpoint.slicing import local_piece
+from parallelizer.plan.layouts import copied_heads, copied_runs, local_length, segments
+from parallelizer.plan.parallel_plan import TensorPlan
 
 
 def _plan(shape, layout, tp_dim=0):

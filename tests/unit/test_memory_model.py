@@ -6,12 +6,12 @@ import dataclasses
 import pytest
 import torch
 
-from parallelizer import cli
+from parallelizer.cli import parallelize as cli
 from parallelizer.compiler import compile_module
 from parallelizer.errors import SpecError
-from parallelizer.frontend import build_model, example_batch, load_model_file
-from parallelizer.memory_model import estimate_program, fsdp_rows, zero_figures
-from parallelizer.spec import load_spec
+from parallelizer.frontend.model_file import build_model, example_batch, load_model_file
+from parallelizer.advisor.memory import estimate_program, fsdp_rows, zero_figures
+from parallelizer.frontend.spec import load_spec
 
 
 def run_cli(capsys, *argv):
@@ -118,8 +118,8 @@ def test_activations_follow_checkpointing_and_schedule(llama_pp2):
 def test_activation_bytes_match_a_real_forward(llama_pp2):
     """The FakeTensor count of saved tensors equals the count on real tensors of the same
     emitted stage (stage 0 of the pp=2 program, one microbatch): same hook, real storages."""
-    from parallelizer.memory_activations import _Recorder
-    from parallelizer.memory_model import load_stage
+    from parallelizer.advisor.activations import _Recorder
+    from parallelizer.advisor.memory import load_stage
     module, program = llama_pp2
     _, (est, _) = _estimate(llama_pp2)
     stage = load_stage(program.sources["program/stage0.py"], 0)  # real, uninitialised tensors
@@ -135,8 +135,8 @@ def test_activation_bytes_match_a_real_forward(llama_pp2):
 
 
 def _plan_of(schedule, pp, v, m):
-    from parallelizer.pipeline_schedules import stage_ranks
-    from parallelizer.plan import ParallelPlan, StagePlan
+    from parallelizer.plan.schedules import stage_ranks
+    from parallelizer.plan.parallel_plan import ParallelPlan, StagePlan
     stages = tuple(StagePlan(s, f"stage{s}", (), (), (), (), r)
                    for s, r in enumerate(stage_ranks(schedule, pp, v)))
     return ParallelPlan(mesh={"pp": pp, "dp": 1, "tp": 1}, zero_stage=0, schedule=schedule,
@@ -161,7 +161,7 @@ def _plan_of(schedule, pp, v, m):
 def test_activations_held_follow_the_schedules_own_order(schedule, pp, v, m, want):
     """Stage s saves 10**s bytes per microbatch, so the peak spells out how many
     microbatches of each local stage a rank holds."""
-    from parallelizer.memory_model import held_activations
+    from parallelizer.advisor.memory import held_activations
     plan = _plan_of(schedule, pp, v, m)
     assert held_activations(plan, {s: 10 ** s for s in range(pp * v)}) == want
 

@@ -17,12 +17,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallelizer.errors import PlanError, SpecError
-from parallelizer.frontend import capture
+from parallelizer.frontend.capture import capture
 from parallelizer.passes.cleanup import apply_cleanup
 from parallelizer.analysis.graph_costs import collect_costs
 from parallelizer.planning.pipeline import find_blocks, plan_from_costs, plan_pipeline
 from parallelizer.planning.pipeline_summary import bubble, check_microbatches, summarize
-from parallelizer.spec import load_spec
+from parallelizer.frontend.spec import load_spec
 
 B, S, D, H, IN, OUT = 2, 6, 16, 2, 12, 10
 
@@ -203,7 +203,7 @@ def test_virtual_stages_read_defensively():
 
 
 def test_report_section_shows_costs_warnings_and_pictures(costs):
-    from parallelizer.report import pipeline_section
+    from parallelizer.emit.report import pipeline_section
 
     d = plan_from_costs(costs, 2, ("blocks.0", "blocks.1", "blocks.2"),
                         SimpleNamespace(split_points=None, layers_per_stage=[2, 1]))

@@ -8,11 +8,11 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from parallelizer.checkpoint import load_shard, write_checkpoint
 from parallelizer.compiler import _num_stages
 from parallelizer.errors import CheckpointError, PlanError, SpecError
-from parallelizer.pipeline_schedules import (TORCH_NAMES, available, schedule_class, stage_ranks,
-                                             theoretical_bubble, with_schedule)
-from parallelizer.plan import ParallelPlan, StagePlan, TensorPlan
+from parallelizer.plan.schedules import (TORCH_NAMES, available, schedule_class, stage_ranks,
+                                         theoretical_bubble, with_schedule)
+from parallelizer.plan.parallel_plan import ParallelPlan, StagePlan, TensorPlan
 from parallelizer.runtime.bubble import busy_time
-from parallelizer.spec import load_spec
+from parallelizer.frontend.spec import load_spec
 
 EXPECTED = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
             "interleaved_1f1b": "ScheduleInterleaved1F1B", "looped_bfs": "ScheduleLoopedBFS",
@@ -165,7 +165,7 @@ def test_checkpoint_with_optimizer_state_per_stage_and_reshard(tmp_path):
     parameter is in (the tied embedding in stages 0 and 3); reshard to another tp keeps the
     4 stages bit-exactly; another pp without --plan is refused, naming the manifest."""
     from parallelizer.checkpoint.reader import check_plan, read_manifest
-    from parallelizer.checkpoint.reshard import reshard
+    from parallelizer.convert.reshard import reshard
     plan = _plan("zbv", 2, 2)
     g = torch.Generator().manual_seed(0)
     state = {fqn: torch.randn(t.shape, generator=g) for fqn, t in plan.tensors.items()}

@@ -10,10 +10,10 @@ import pytest
 
 from parallelizer.compiler import compile_model
 from parallelizer.passes.split_check import SplitMismatch, check_split
-from parallelizer.pipeline_schedules import with_schedule
-from parallelizer.plan import (ParallelPlan, StagePlan, TensorPlan, checkpointed_blocks, global_rank,
-                               grad_sync_groups)
-from parallelizer.spec import load_spec
+from parallelizer.plan.schedules import with_schedule
+from parallelizer.plan.parallel_plan import (ParallelPlan, StagePlan, TensorPlan,
+                                             checkpointed_blocks, global_rank, grad_sync_groups)
+from parallelizer.frontend.spec import load_spec
 
 REPO = Path(__file__).resolve().parents[2]
 

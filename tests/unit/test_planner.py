@@ -5,12 +5,12 @@ import time
 import pytest
 
 from parallelizer.errors import ClusterError, UserError
-from parallelizer.planning.check import check_spec
-from parallelizer.planning.cluster import GPUS, cluster_from_dict, load_cluster
-from parallelizer.planning.layout_search import search, why
-from parallelizer.planning.step_time import Layout, predict, ring_allreduce, ring_gather
-from parallelizer.planning.workload import eq3_flops, from_shape, parse_shape
-from parallelizer.spec import Spec
+from parallelizer.advisor.check import check_spec
+from parallelizer.advisor.cluster import GPUS, cluster_from_dict, load_cluster
+from parallelizer.advisor.search import search, why
+from parallelizer.advisor.step_time import Layout, predict, ring_allreduce, ring_gather
+from parallelizer.advisor.workload import eq3_flops, from_shape, parse_shape
+from parallelizer.frontend.spec import Spec
 
 A100 = dict(nodes=4, gpus_per_node=8, gpu="a100-80gb", inter_node={"bandwidth_gb_s": 25, "latency_us": 5})
 GPT3 = "layers=96,hidden=12288,heads=96,vocab=51200,seq=2048"

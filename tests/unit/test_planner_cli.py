@@ -2,7 +2,7 @@
 (in process; each call captures the tiny Llama example on the meta device)."""
 import json
 
-from parallelizer.cli import main
+from parallelizer.cli.parallelize import main
 
 CLUSTER = "tests/data/cluster_cpu4.yaml"
 LLAMA = ["examples/llama/model.py", "examples/llama/spec.yaml"]

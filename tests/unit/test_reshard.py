@@ -20,14 +20,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from parallelizer.checkpoint import load_full, load_shard, local_piece, read_manifest, write_checkpoint
-from parallelizer.checkpoint.export import export_hf, import_hf
+from parallelizer.convert.export import export_hf, import_hf
 from parallelizer.checkpoint.hf import load_hf_state_dict
-from parallelizer.checkpoint.reshard import reshard
-from parallelizer.checkpoint.target import repartition
+from parallelizer.convert.reshard import reshard
+from parallelizer.convert.target import repartition
 from parallelizer.checkpoint.writer import Layout, write_layout
-from parallelizer.cli import main as cli
+from parallelizer.cli.parallelize import main as cli
 from parallelizer.errors import CheckpointError
-from parallelizer.plan import ParallelPlan, TensorPlan
+from parallelizer.plan.parallel_plan import ParallelPlan, TensorPlan
 
 REPO = Path(__file__).resolve().parents[2]
 BLOCKS = ["layers.0", "layers.1", "layers.2"]
@@ -339,7 +339,7 @@ def test_existing_destination_needs_force(src, tmp_path, capsys):
 
 _KILLED = """
 import sys, time
-import parallelizer.checkpoint.reshard as r
+import parallelizer.convert.reshard as r
 slow = r.target_piece
 def target_piece(*a):
     time.sleep(0.05)

@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_flatten
 sys.path.insert(0, str(Path(__file__).parent))
 
 from parallelizer.errors import PlanError  # noqa: E402
-from parallelizer.frontend import capture  # noqa: E402
+from parallelizer.frontend.capture import capture  # noqa: E402
 from parallelizer.passes.cleanup import apply_cleanup  # noqa: E402
 from parallelizer.passes.sequence_parallel import apply_sequence_parallel  # noqa: E402
 from parallelizer.passes.tensor_parallel import apply_tensor_parallel  # noqa: E402
@@ -158,7 +158,7 @@ def test_sequence_parallel_auto_reports_why_off():
 
 
 def test_spec_key_values():
-    from parallelizer.spec import Spec
+    from parallelizer.frontend.spec import Spec
     assert Spec().tensor_parallel.sequence_parallel_mode == "auto"
     for v, mode in ((True, "true"), (False, "false"), ("auto", "auto")):
         spec = Spec.model_validate({"tensor_parallel": {"sequence_parallel": v}})
@@ -222,11 +222,11 @@ def _layer_bytes(tp: int, sequence_parallel: bool) -> tuple[int, dict]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from parallelizer.compiler import compile_module
-    from parallelizer.frontend import build_model, example_batch, load_model_file
-    from parallelizer.memory_activations import stage_activations
-    from parallelizer.memory_model import load_stage
+    from parallelizer.frontend.model_file import build_model, example_batch, load_model_file
+    from parallelizer.advisor.activations import stage_activations
+    from parallelizer.advisor.memory import load_stage
     from parallelizer.runtime.loss import default_loss
-    from parallelizer.spec import Spec
+    from parallelizer.frontend.spec import Spec
 
     module = load_model_file(Path(__file__).parents[2] / "examples/gpt/model.py")
     batch = example_batch(module)
@@ -262,7 +262,7 @@ def test_estimate_activations_shrink_as_korthikanti_table_2():
 
 
 def _hidden_of_gpt_example() -> int:
-    from parallelizer.frontend import build_model, load_model_file
+    from parallelizer.frontend.model_file import build_model, load_model_file
     module = load_model_file(Path(__file__).parents[2] / "examples/gpt/model.py")
     model = build_model(module, on_meta=True)
     return model.wte.weight.shape[1]

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallelizer.frontend import capture
-from parallelizer.analysis.sharding import INVALID, propagate
+from parallelizer.frontend.capture import capture
+from parallelizer.analysis.sharding.propagate import INVALID, propagate
 
 aten = torch.ops.aten
 H, HEADS, HD = 32, 4, 8

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from parallelizer.errors import SpecError
-from parallelizer.spec import Spec, load_spec
+from parallelizer.frontend.spec import Spec, load_spec
 
 
 def write(tmp_path: Path, text: str, name: str = "spec.yaml") -> Path:

@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.fx as fx
 
-from parallelizer import emit
-from parallelizer.frontend import capture
+from parallelizer.emit.stages import forward_source
+from parallelizer.frontend.capture import capture
 from parallelizer.passes.aliases import apply_untie
 from parallelizer.passes.cleanup import RUNTIME_DEVICE, apply_cleanup
 from parallelizer.analysis.graph_facts import is_tensor, module_path
@@ -248,7 +248,7 @@ def test_identical_layers_have_identical_source(outlined):
     _, found = outlined
     blocks = [b for bs, _ in found for b in bs]
     assert len(blocks) == 4
-    sources = {emit.forward_source(b.graph)[0] for b in blocks}
+    sources = {forward_source(b.graph)[0] for b in blocks}
     assert len(sources) == 1
     src = sources.pop()
     assert "model.layers" not in src and "self.self_attn.q_proj.weight" in src

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from parallelizer.cli import main as cli
+from parallelizer.cli.parallelize import main as cli
 from parallelizer.errors import PlanError, UserError
-from parallelizer.topology import Topology, launch_files, placement_lines, resolve, tp_crossing
+from parallelizer.cli.topology import resolve
+from parallelizer.emit.launch import Topology, launch_files, placement_lines, tp_crossing
 
 GPT = Path(__file__).resolve().parents[2] / "examples" / "gpt"
 REPO_EXAMPLE = [str(GPT / "model.py"), str(GPT / "spec.yaml")]

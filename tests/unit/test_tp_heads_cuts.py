@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallelizer.errors import PlanError
-from parallelizer.frontend import capture
+from parallelizer.frontend.capture import capture
 from parallelizer.passes.cleanup import apply_cleanup
 from parallelizer.passes.tensor_parallel import apply_tensor_parallel
 from parallelizer.planning.tp import plan_tp

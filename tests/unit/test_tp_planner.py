@@ -15,12 +15,12 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from parallelizer.checkpoint.layout import local_piece
+from parallelizer.checkpoint.slicing import local_piece
 from parallelizer.errors import PlanError
-from parallelizer.frontend import capture
+from parallelizer.frontend.capture import capture
 from parallelizer.passes.cleanup import apply_cleanup
 from parallelizer.passes.tensor_parallel import apply_tensor_parallel
-from parallelizer.plan import TensorPlan
+from parallelizer.plan.parallel_plan import TensorPlan
 from parallelizer.planning.tp import plan_tp
 from parallelizer.runtime.tp import copy_to_tp_region, reduce_from_tp_region
 
@@ -692,7 +692,7 @@ def example_inputs():
 
 
 def _compile_cli(tmp_path, capsys, between, *overrides):
-    from parallelizer import cli
+    from parallelizer.cli import parallelize as cli
     model = tmp_path / "model.py"
     model.write_text(_BLOCKS_MODEL.replace("BETWEEN", between))
     spec = tmp_path / "spec.yaml"

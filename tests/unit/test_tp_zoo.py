@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_flatten
 
 pytest.importorskip("transformers")
 
-from parallelizer.frontend import capture  # noqa: E402
+from parallelizer.frontend.capture import capture  # noqa: E402
 from parallelizer.passes.cleanup import apply_cleanup  # noqa: E402
 from parallelizer.passes.tensor_parallel import apply_tensor_parallel  # noqa: E402
 from parallelizer.passes.vocab_parallel import apply_vocab_parallel  # noqa: E402
@@ -155,11 +155,11 @@ def test_one_kv_head_checkpoint_round_trip_is_bit_exact(tmp_path, name, fqn, lay
     parts laid out so (its q heads split). Reshard to tp=4, then tp=1, and export to Hugging
     Face format give back the model's tensors bit for bit."""
     from parallelizer.api import compile as compile_model
-    from parallelizer.checkpoint.export import export_hf
+    from parallelizer.convert.export import export_hf
     from parallelizer.checkpoint.hf import load_hf_state_dict
     from parallelizer.checkpoint.reader import read_manifest
-    from parallelizer.checkpoint.reshard import reshard
-    from parallelizer.spec import Spec
+    from parallelizer.convert.reshard import reshard
+    from parallelizer.frontend.spec import Spec
 
     model, batch_of, _ = ZOO[name]()
     spec = Spec.model_validate({"mesh": {"tp": 2}})

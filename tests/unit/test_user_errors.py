@@ -13,9 +13,9 @@ import torch
 
 from parallelizer.compiler import compile_model
 from parallelizer.errors import CaptureError, CheckpointError, ModelFileError, PlanError, UserError
-from parallelizer.frontend import load_model_file
+from parallelizer.frontend.model_file import load_model_file
 from parallelizer.runtime.train import check_save_target
-from parallelizer.spec import load_spec
+from parallelizer.frontend.spec import load_spec
 
 REPO = Path(__file__).resolve().parents[2]
 GPT = REPO / "examples" / "gpt"
@@ -209,7 +209,7 @@ def test_loss_that_is_an_output_and_a_0_dim_output(tmp_path):
     --verify compares it only when the step runs the batch whole (dp = pp = 1)."""
     from safetensors.torch import load_file
 
-    from parallelizer.plan import ParallelPlan
+    from parallelizer.plan.parallel_plan import ParallelPlan
     from parallelizer.runtime.verify import _output_share
     path = _model(tmp_path, _LOSS_IS_AN_OUTPUT)
     out = tmp_path / "out"

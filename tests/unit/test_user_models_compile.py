@@ -13,10 +13,11 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from parallelizer.compiler import compile_model
-from parallelizer.frontend import MODEL_MODULE, capture
-from parallelizer.needed_imports import import_modules, modules_needed
+from parallelizer.frontend.capture import MODEL_MODULE, capture
+from parallelizer.runtime.imports import import_modules
+from parallelizer.analysis.needed_imports import modules_needed
 from parallelizer.planning.tp import plan_tp
-from parallelizer.spec import load_spec
+from parallelizer.frontend.spec import load_spec
 
 MODELS = Path(__file__).resolve().parents[1] / "distributed" / "user_models"
 

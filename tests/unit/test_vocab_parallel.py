@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallelizer.errors import PlanError
-from parallelizer.frontend import capture
+from parallelizer.frontend.capture import capture
 from parallelizer.passes.cleanup import apply_cleanup
 from parallelizer.passes.tensor_parallel import apply_tensor_parallel
 from parallelizer.passes.vocab_parallel import apply_vocab_parallel
@@ -274,11 +274,11 @@ def test_padded_checkpoint_reshards_and_exports_bit_exact(tmp_path):
     """Vocabulary 1001 at tp=2: the table is written padded to 1002; reshard to tp=4 (1004),
     then tp=1, and export give back the model's tensors bit for bit."""
     from parallelizer.api import compile as compile_model
-    from parallelizer.checkpoint.export import export_hf
+    from parallelizer.convert.export import export_hf
     from parallelizer.checkpoint.hf import load_hf_state_dict
     from parallelizer.checkpoint.reader import read_manifest
-    from parallelizer.checkpoint.reshard import reshard
-    from parallelizer.spec import Spec
+    from parallelizer.convert.reshard import reshard
+    from parallelizer.frontend.spec import Spec
 
     model = tied_llama(vocab=1001)
     spec = Spec.model_validate({"mesh": {"tp": 2}})
@@ -300,7 +300,7 @@ def test_padded_checkpoint_reshards_and_exports_bit_exact(tmp_path):
 
 def test_spec_value_other_than_auto_true_false_is_a_spec_error(tmp_path):
     from parallelizer.errors import SpecError
-    from parallelizer.spec import load_spec
+    from parallelizer.frontend.spec import load_spec
     path = tmp_path / "spec.yaml"
     path.write_text("tensor_parallel: {vocab_parallel: maybe}\n")
     with pytest.raises(SpecError, match=r"tensor_parallel.vocab_parallel must be 'auto', true or "

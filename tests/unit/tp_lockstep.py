@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from parallelizer.checkpoint.layout import local_piece
-from parallelizer.layouts import copied_heads, copied_runs
-from parallelizer.plan import TensorPlan
+from parallelizer.checkpoint.slicing import local_piece
+from parallelizer.plan.layouts import copied_heads, copied_runs
+from parallelizer.plan.parallel_plan import TensorPlan
 from parallelizer.runtime import sequence as sp
 from parallelizer.runtime.tp import copy_to_tp_region, reduce_from_tp_region, scatter_to_tp_region
 from parallelizer.runtime.vocab import (GatherLastDim, gather_from_tp_region, local_lookup,

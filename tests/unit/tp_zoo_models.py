@@ -199,7 +199,7 @@ def _without_dropout(model):
 def _example(name):
     """An example of examples/ with its own example_inputs (every batch is that one)."""
     from pathlib import Path
-    from parallelizer.frontend import build_model, load_model_file
+    from parallelizer.frontend.model_file import build_model, load_model_file
 
     def make():
         module = load_model_file(Path(__file__).parents[2] / "examples" / name / "model.py")

@@ -1,0 +1,125 @@
+"""Activation bytes per microbatch of each emitted stage, from a forward on FakeTensors.
+
+Every tensor autograd saves for backward passes through a ``saved_tensors_hooks`` pack
+hook; its storage's size is counted once (views share a storage) unless the storage is a
+parameter's (weights saved by a matmul are model states, counted elsewhere). Forward hooks
+on the emitted blocks attribute the bytes to the block that saved them, so activation
+checkpointing can be applied afterwards: a checkpointed block keeps only its inputs and
+recomputes its saved tensors in backward, one block at a time (Korthikanti et al. 2022,
+§4.1; ``torch.utils.checkpoint`` non-reentrant). The tp collectives are identities here (no
+process group), and the emitted stages hold tp-local shapes, so the sizes are per tp rank;
+sequence-parallel operators give a tp rank's shapes (``runtime.sequence.ShapeComm``).
+Under ``mixed_precision`` the saved floating-point bytes are scaled by the ``param_dtype``
+size (an approximation: normalisations that upcast save some fp32 tensors).
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_unflatten, treespec_loads
+
+from ..plan.parallel_plan import ParallelPlan
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def _key(t: torch.Tensor):
+    return t.untyped_storage()._cdata
+
+
+class _Recorder:
+    def __init__(self, stage: torch.nn.Module, scale: float):
+        self.exclude = {_key(p) for p in stage.parameters()} | {_key(b) for b in stage.buffers()}
+        self.seen: set = set()
+        self.current = None  # the block running now, None outside blocks
+        self.saved: dict = {}  # block fqn (None = stage level) -> bytes
+        self.scale = scale
+
+    def pack(self, t: torch.Tensor):
+        k = _key(t)
+        if k not in self.exclude and k not in self.seen:
+            self.seen.add(k)
+            n = t.untyped_storage().nbytes()
+            if t.is_floating_point():
+                n = int(n * self.scale)
+            self.saved[self.current] = self.saved.get(self.current, 0) + n
+        return t
+
+
+def _tensor_bytes(args, seen: set) -> int:
+    """Bytes of the tensors in ``args`` whose storage is not in ``seen`` (then added)."""
+    total = 0
+    for a in args:
+        if isinstance(a, torch.Tensor) and _key(a) not in seen:
+            seen.add(_key(a))
+            total += a.untyped_storage().nbytes()
+    return total
+
+
+def _microbatch(plan: ParallelPlan, batch, mode) -> list:
+    """The flat inputs (FakeTensors of ``mode``) of one microbatch on one data-parallel rank."""
+    from ..runtime.batching import flatten
+    flat = flatten(plan, batch)
+    m = plan.microbatches if plan.mesh["pp"] > 1 else 1
+    rows = max(1, flat[0].shape[0] // (plan.mesh["dp"] * m))
+    return [mode.from_tensor(t[:rows]) for t in flat]
+
+
+def stage_activations(stages: list, plan: ParallelPlan, batch, loss_fn, mode,
+                      per_block: dict | None = None) -> list[tuple[int, int]]:
+    """Per stage: (bytes kept per microbatch, transient bytes of one block's recompute).
+    ``per_block``, if given, gets block FQN -> bytes its forward saved (not checkpointed)."""
+    from ..runtime import sequence, tp
+    group = tp.tp_group()
+    tp.set_tp_group(None)  # f and g as identities: no collective on FakeTensors
+    try:
+        # sequence-parallel regions hold 1/tp of the sequence: their operators give the
+        # shapes a tp rank has (Korthikanti et al. 2022, Table 2: sbh/t (34 + 5as/h))
+        with sequence.using_comm(sequence.ShapeComm(plan.mesh["tp"])):
+            return _stage_activations(stages, plan, batch, loss_fn, mode, per_block)
+    finally:
+        tp.set_tp_group(group)
+
+
+def _stage_activations(stages: list, plan: ParallelPlan, batch, loss_fn, mode,
+                       per_block: dict | None) -> list[tuple[int, int]]:
+    scale = DTYPE_BYTES[plan.param_dtype] / 4
+    inputs = _microbatch(plan, batch, mode)
+    target = None
+    out = []
+    for index, stage in enumerate(stages):
+        rec = _Recorder(stage, scale)
+        block_inputs, input_seen = {}, set()
+        hooks = []
+        for name, block in stage.emitted_blocks():
+            def pre(mod, args, name=name):
+                rec.current = name
+                block_inputs[name] = int(_tensor_bytes(args, input_seen) * scale)
+            hooks.append(block.register_forward_pre_hook(pre))
+            hooks.append(block.register_forward_hook(lambda *a: setattr(rec, "current", None)))
+        with torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
+            flat = stage(*inputs)
+            flat = tuple(flat) if isinstance(flat, (tuple, list)) else (flat,)
+            if index == len(stages) - 1:
+                target = _loss_target(plan, batch, mode)
+                loss_fn(tree_unflatten(list(flat), treespec_loads(plan.out_spec)), target)
+        for h in hooks:
+            h.remove()
+        kept, recompute = rec.saved.get(None, 0), 0
+        for name, _ in stage.emitted_blocks():
+            saved = rec.saved.get(name, 0)
+            if per_block is not None:
+                per_block[name] = saved
+            if name in plan.checkpointed:
+                kept += block_inputs.get(name, 0)
+                recompute = max(recompute, saved)
+            else:
+                kept += saved
+        out.append((kept, recompute))
+        inputs = [t.detach().requires_grad_(t.is_floating_point()) for t in flat]
+    return out
+
+
+def _loss_target(plan: ParallelPlan, batch, mode):
+    """The loss target of one microbatch (the batch itself, as ``loss_fn`` expects)."""
+    from ..runtime.batching import to_batch
+    return to_batch(plan, _microbatch(plan, batch, mode))

@@ -1,0 +1,133 @@
+"""What one training sequence costs, per unit of a transformer: the planner's model input.
+
+Two sources fill :class:`Workload`: a shape (``layers=..,hidden=..``: Narayanan et al. 2021,
+SC'21, §3.5 / eq. 3 for FLOPs, the GPT parameter count ``12 l h^2 + 13 l h + (V + s) h``)
+or a captured graph (``analysis/graph_costs.collect_costs``' per-unit FLOPs and parameter
+bytes, through ``advisor.capture``). Everything here is per *one sequence* of ``seq`` tokens
+(micro-batch size 1); the step-time model scales by the micro-batch size.
+
+Activations per layer follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in
+Large Transformer Models", §4, Table 2), 16-bit activations: ``s b h (34 + 5 a s / h)``
+without tensor parallelism, ``s b h (10 + 24/t + 5 a s / (h t))`` with it (no sequence
+parallelism: LayerNorm and dropout inputs stay replicated), and ``2 s b h`` per layer under
+full recomputation (the block input). With fused attention (SDPA / flash) the ``5 a s / h``
+score term is not stored (``flash=True``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import UserError
+
+SHAPE_KEYS = ("layers", "hidden", "heads", "vocab", "seq", "ffn", "kv_heads", "glu")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Costs of one sequence. ``units`` are (before, block 0..L-1, after) as in
+    ``analysis.costs.PipelineCosts``; FLOPs per unit are forward and backward separately."""
+    name: str
+    seq: int
+    hidden: int
+    heads: int
+    vocab: int
+    fwd_flops: tuple[float, ...]      # per unit, one sequence
+    bwd_flops: tuple[float, ...]
+    params: tuple[float, ...]         # per unit, elements (a tied embedding counted in `before`)
+    tied_params: float = 0.0          # elements the last stage holds again when pp > 1 (tied head)
+    ends_tp_sharded: bool = True      # embedding / head split over tp (Megatron vocab-parallel)
+    flash: bool = False               # attention scores not stored (fused SDPA)
+    tp_allreduces_per_block: int = 2  # Megatron f/g: attention + MLP (forward; backward again)
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def layers(self) -> int:
+        return len(self.fwd_flops) - 2
+
+    @property
+    def param_count(self) -> float:
+        return sum(self.params)
+
+    def model_flops(self, sequences: int, recompute: bool) -> float:
+        """FLOPs of a step over ``sequences``; with ``recompute`` one more forward of every
+        block, as eq. 3 of Narayanan et al. 2021 counts (96 instead of 72 B s l h^2)."""
+        total = sum(self.fwd_flops) + sum(self.bwd_flops)
+        if recompute:
+            total += sum(self.fwd_flops[1:-1])
+        return total * sequences
+
+    def layer_activation_bytes(self, tp: int, recompute: bool, elem: int = 2) -> float:
+        """Saved activations of one block for one sequence on one tp rank (Korthikanti et
+        al. 2022, Table 2), scaled from their 16-bit activations to ``elem`` bytes."""
+        s, h, a = self.seq, self.hidden, self.heads
+        if recompute:
+            return 2 * s * h * elem / 2
+        scores = 0 if self.flash else 5 * a * s / (h * tp)
+        return s * h * (10 + 24 / tp + scores) * elem / 2
+
+    def logits_bytes(self, tp: int) -> float:
+        """The LM head's output kept for the loss: fp32 logits of one sequence."""
+        return self.seq * self.vocab * 4 / (tp if self.ends_tp_sharded else 1)
+
+
+def parse_shape(text: str) -> dict:
+    """``layers=96,hidden=12288,heads=96,vocab=51200,seq=2048[,ffn=..,kv_heads=..,glu=1]``.
+
+    Raises:
+        UserError: a malformed item, an unknown key, a missing key or a value < 1.
+    """
+    out = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or key.strip() not in SHAPE_KEYS:
+            raise UserError(f"--model-shape: '{item}' is not KEY=INTEGER with KEY one of "
+                            f"{', '.join(SHAPE_KEYS)}; e.g. layers=96,hidden=12288,heads=96,"
+                            f"vocab=51200,seq=2048")
+        try:
+            out[key.strip()] = int(float(value))
+        except ValueError:
+            raise UserError(f"--model-shape: {key} must be an integer, got '{value}'") from None
+    missing = [k for k in SHAPE_KEYS[:5] if k not in out]
+    if missing:
+        raise UserError(f"--model-shape needs {', '.join(missing)} (got {text!r}); e.g. "
+                        f"layers=96,hidden=12288,heads=96,vocab=51200,seq=2048")
+    bad = [f"{k}={v}" for k, v in out.items() if v < (0 if k == "glu" else 1)]
+    if bad:
+        raise UserError(f"--model-shape: values must be >= 1, got {', '.join(bad)}")
+    if out["hidden"] % out["heads"]:
+        raise UserError(f"--model-shape: heads ({out['heads']}) must divide hidden ({out['hidden']})")
+    return out
+
+
+def from_shape(shape: dict, name: str = "") -> Workload:
+    """A GPT/Llama-style decoder of ``shape`` (see :func:`parse_shape`); GPT by default
+    (ffn = 4 h, no gating, kv_heads = heads, learned positions, tied embedding).
+
+    Forward FLOPs per block and sequence: 2 x (matmul parameters) x s + 4 s^2 h (attention
+    scores and context), which for GPT is eq. 3's 24 s h^2 (1 + s / 6h); backward twice the
+    forward; the head 2 s h V forward. Parameters per GPT block 12 h^2 + 13 h.
+    """
+    L, h, a, V, s = (shape[k] for k in ("layers", "hidden", "heads", "vocab", "seq"))
+    ffn, kv, glu = shape.get("ffn", 4 * h), shape.get("kv_heads", a), shape.get("glu", 0)
+    attn_mm = 2 * h * h + 2 * h * (h * kv // a)
+    mlp_mm = (3 if glu else 2) * h * ffn
+    biases = 0 if glu else 3 * h + 2 * h * kv // a + ffn   # q, k, v, out, fc1, fc2
+    block_params = attn_mm + mlp_mm + (2 if glu else 4) * h + biases
+    block_fwd = 2 * (attn_mm + mlp_mm) * s + 4 * s * s * h
+    embed = V * h + (s * h if not glu else 0)   # learned positions for GPT, rotary for Llama
+    head_fwd = 2 * s * h * V
+    fwd = (0.0,) + (float(block_fwd),) * L + (float(head_fwd),)
+    bwd = (0.0,) + (2.0 * block_fwd,) * L + (2.0 * head_fwd,)
+    # GPT ties the LM head to the embedding (the last stage holds a copy when pp > 1);
+    # a gated (Llama-style) model has its own head
+    head = float(2 * h + (V * h if glu else 0))
+    params = (float(embed),) + (float(block_params),) * L + (head,)
+    label = name or f"shape {','.join(f'{k}={v}' for k, v in shape.items())}"
+    return Workload(label, s, h, a, V, fwd, bwd, params, tied_params=0.0 if glu else float(V * h))
+
+
+def eq3_flops(shape: dict, batch: int) -> float:
+    """Narayanan et al. 2021 eq. 3: FLOPs of one iteration with activation recomputation,
+    ``96 B s l h^2 (1 + s / 6h + V / 16 l h)`` (GPT: ffn = 4h, no gating)."""
+    L, h, V, s = shape["layers"], shape["hidden"], shape["vocab"], shape["seq"]
+    return 96 * batch * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))

@@ -1,0 +1,4 @@
+"""Sharding propagation over the captured graph (``propagate.py``): every node's
+placement under a tp degree, from DTensor's op strategies (``dtensor.py``) and our own rules
+where they do not express the answer (``rules.py``, ``layouts.py``, ``heads.py``,
+``strided.py``); the recorded state in ``state.py``."""

@@ -1,0 +1,157 @@
+"""Sharding rules from torch's DTensor op strategies (torch.distributed.tensor._ops), asked
+at compile time first for every op whose table rule is only a placement map
+(``DTENSOR_FIRST`` in :mod:`.rules`) and for every op the table has no rule for.
+
+DTensor's ``ShardingPropagator`` holds a strategy for nearly every ATen op, maintained with
+torch. We ask it the question our propagation asks: given these input placements on a 1-D
+tp mesh, is there a strategy that takes them as they are, and what is the output placement?
+An answer that needs a redistribution of an input, or gives a Partial output, is a conflict
+(Partial never flows here: only a row_parallel linear's g resolves one). No DTensor is ever
+created and nothing runs: the mesh is a ``DeviceMesh`` built without a process group
+(``_init_backend=False``), and the specs carry the example's concrete sizes.
+
+Argument dims are normalised before asking: torch 2.13's ``scan_strategy`` (cumsum) reads a
+negative ``dim`` as is and answers Shard(-1) without a redistribution for a cumsum over the
+sharded last dim (seen here; with ``dim=2`` it asks for Replicate).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.fx as fx
+
+from ..graph_facts import is_tensor
+from .state import INVALID, placement
+
+NO_RULE = object()
+_DIM_ARGS = {"dim", "dims", "dim0", "dim1", "start_dim", "end_dim"}
+_OUTPUT_DIM_OPS = {torch.ops.aten.unsqueeze.default, torch.ops.aten.stack.default}
+
+
+@functools.lru_cache(maxsize=None)
+def _mesh(tp: int):
+    from torch.distributed.device_mesh import DeviceMesh
+    return DeviceMesh("cpu", torch.arange(tp), _init_backend=False, _rank=0)
+
+
+def _propagator():
+    from torch.distributed.tensor import DTensor
+    return DTensor._op_dispatcher.sharding_propagator
+
+
+def _concrete(size):
+    if isinstance(size, torch.SymInt):
+        hint = size.node.hint
+        if hint is None:
+            raise ValueError("a size without a hint")
+        return int(hint)
+    return size
+
+
+def _spec(node: fx.Node, prop, mesh):
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    val = node.meta["val"]
+    shape = torch.Size([_concrete(s) for s in val.shape])
+    stride = torch.empty(shape, device="meta").stride()
+    p = placement(prop, node)
+    return DTensorSpec(mesh, (Replicate() if p is None else Shard(p),),
+                       TensorMeta(shape, stride, val.dtype))
+
+
+def _arg(a, prop, mesh):
+    if isinstance(a, (list, tuple)):
+        return type(a)(_arg(x, prop, mesh) for x in a)
+    if isinstance(a, fx.Node):
+        if is_tensor(a):
+            return _spec(a, prop, mesh)
+        return _concrete(a.meta.get("val"))
+    return _concrete(a)
+
+
+def _normalise_dims(op, args: list, kwargs: dict, rank: int) -> None:
+    def norm(v):
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v % rank if rank else v
+        if isinstance(v, (list, tuple)) and all(isinstance(x, int) for x in v):
+            return type(v)(x % rank if rank else x for x in v)
+        return v
+    for i, arg in enumerate(op._schema.arguments):
+        if arg.name not in _DIM_ARGS:
+            continue
+        if i < len(args):
+            args[i] = norm(args[i])
+        elif arg.name in kwargs:
+            kwargs[arg.name] = norm(kwargs[arg.name])
+
+
+def _out(spec):
+    from torch.distributed.tensor import Replicate, Shard
+    if spec is None:
+        return None
+    p = spec.placements[0]
+    if isinstance(p, Shard):
+        return p.dim
+    return None if isinstance(p, Replicate) else INVALID
+
+
+def dtensor_rule(node: fx.Node, prop, tp: int):
+    """Output placement DTensor's strategy gives ``node`` for its inputs' placements
+    (``None`` | dim | tuple of them), INVALID when it would redistribute an input or yield a
+    Partial, or NO_RULE when DTensor has no strategy for the op (or cannot be asked)."""
+    op = node.target
+    if not isinstance(op, torch._ops.OpOverload):
+        return NO_RULE
+    from torch.distributed.tensor._op_schema import OpSchema
+    mesh = _mesh(tp)
+    try:
+        args = [_arg(a, prop, mesh) for a in node.args]
+        kwargs = {k: _arg(v, prop, mesh) for k, v in node.kwargs.items()}
+        first = next((a for a in node.all_input_nodes if is_tensor(a)), None)
+        rank = first.meta["val"].dim() if first is not None else 0
+        # unsqueeze's and stack's dim counts the output's dims: -1 is the new last one
+        _normalise_dims(op, args, kwargs, rank + (op in _OUTPUT_DIM_OPS))
+    except Exception:  # noqa: BLE001 - an argument that cannot be made concrete
+        return NO_RULE
+    key = (op, tp, _key(args), _key(kwargs))
+    if key not in _ANSWERS:
+        if len(_ANSWERS) > _MAX_ANSWERS:
+            _ANSWERS.clear()
+        try:
+            _ANSWERS[key] = _answer(_propagator().propagate_op_sharding_non_cached(
+                OpSchema(op, tuple(args), kwargs)))
+        except Exception:  # noqa: BLE001 - no strategy, or one that cannot take these args
+            _ANSWERS[key] = NO_RULE
+    return _ANSWERS[key]
+
+
+# Answers by (op, tp, argument specs): the repeated blocks of a model ask the same questions
+# (one strategy search costs ~9 ms on this CPU; a 2-layer zoo model asks ~100, Llama-70B's 80
+# blocks ~10k), so each distinct question is searched once per process.
+_ANSWERS: dict = {}
+_MAX_ANSWERS = 100_000
+
+
+def _key(x):
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    if isinstance(x, DTensorSpec):
+        m = x.tensor_meta
+        return ("spec", tuple(m.shape), tuple(m.stride), m.dtype, str(x.placements[0]))
+    if isinstance(x, dict):
+        return tuple(sorted((k, _key(v)) for k, v in x.items()))
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__,) + tuple(_key(v) for v in x)
+    if isinstance(x, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+        return str(x)
+    return x if isinstance(x, (int, float, bool, str, type(None))) else repr(x)
+
+
+def _answer(result):
+    if result.redistribute_schema is not None or getattr(result, "needs_redistribute", False):
+        return INVALID
+    spec = result.output_spec
+    if isinstance(spec, (list, tuple)):
+        outs = tuple(_out(s) for s in spec)
+        return INVALID if INVALID in outs else outs
+    return _out(spec)

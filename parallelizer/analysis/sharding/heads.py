@@ -1,0 +1,109 @@
+"""Per-head tensors (DESIGN §3, "masks and position biases added to the scores"): a value
+that meets attention scores sharded over heads, but is itself replicated with a full heads
+dim, is traced back to the parameter it comes from (T5's ``relative_attention_bias``
+embedding, per-head scales or biases), which is then sharded along that dim; or to a
+factory op (``zeros`` / ``ones`` / ``full`` of a heads-sized shape: T5's cross-attention
+bias), whose heads constant becomes local. Propagation then carries the shard forward like
+any other, so the rank's piece of the bias meets the rank's heads.
+
+Only ops whose dim mapping is unambiguous are walked back: same-shape ops, broadcasting
+elementwise ops with exactly one input holding the dim at full size, unsqueeze, permute,
+transpose, expand and embedding (output last dim = weight dim 1).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.fx as fx
+
+from ..graph_facts import aten, is_tensor, module_path, same, shape, weight_fqn
+from .state import INVALID, add_constraint, add_rewrite, placement
+
+_SAME = {aten.contiguous.default, aten.clone.default, aten.to.dtype, aten._to_copy.default,
+         aten.alias.default, aten.detach.default, aten.dropout.default, aten.type_as.default}
+_FACTORIES = {aten.zeros.default, aten.ones.default, aten.full.default, aten.empty.memory_format}
+
+
+def trace_head_source(node: fx.Node, dim: int, limit: int = 32) -> Optional[tuple]:
+    """Where dim ``dim`` of ``node`` comes from: ``("param", fqn, dim)`` for a parameter or
+    buffer, ``("factory", node_name, dim)`` for a zeros/ones/full, or None (ambiguous)."""
+    for _ in range(limit):
+        if node.op == "get_attr":
+            return ("param", weight_fqn(node), dim) if is_tensor(node) else None
+        if node.op != "call_function":
+            return None
+        t = node.target
+        if t in _FACTORIES:
+            return ("factory", node.name, dim)
+        if t in _SAME:
+            node = node.args[0]
+        elif t is aten.unsqueeze.default:
+            u = node.args[1] % len(shape(node))
+            if u == dim:
+                return None
+            node, dim = node.args[0], dim - (1 if u < dim else 0)
+        elif t is aten.permute.default:
+            node, dim = node.args[0], node.args[1][dim] % len(shape(node))
+        elif t is aten.transpose.int:
+            a, b = (x % len(shape(node)) for x in node.args[1:3])
+            node, dim = node.args[0], b if dim == a else a if dim == b else dim
+        elif t is aten.embedding.default:
+            if dim != len(shape(node)) - 1:
+                return None
+            node, dim = node.args[0], 1
+        elif t is aten.expand.default or _elementwise(t):
+            found = _full_input(node, dim)
+            if found is None:
+                return None
+            node, dim = found
+        else:
+            return None
+    return None
+
+
+def _elementwise(t) -> bool:
+    return t is aten.where.ScalarOther or torch.Tag.pointwise in getattr(t, "tags", ())
+
+
+def _full_input(node: fx.Node, dim: int):
+    """The one tensor input that holds ``dim`` at its full size (others broadcast)."""
+    size, rank = shape(node)[dim], len(shape(node))
+    hits = []
+    for a in node.all_input_nodes:
+        if not is_tensor(a):
+            continue
+        k = dim - (rank - len(shape(a)))
+        if k >= 0 and not same(shape(a)[k], 1):
+            if not same(shape(a)[k], size):
+                return None
+            hits.append((a, k))
+    return hits[0] if len(hits) == 1 else None
+
+
+def embedding_rule(node, prop, tp):
+    """embedding(weight Shard(1), indices Replicate) -> Shard(last): a per-head table."""
+    w, idx = node.args[0], node.args[1]
+    if placement(prop, w) == 1 and placement(prop, idx) is None:
+        return len(shape(node)) - 1
+    return INVALID
+
+
+def factory_rule(node, prop, tp):
+    """A zeros/ones/full whose heads dim the planner shards: its size constant is local."""
+    dim = prop.per_head_factories[node.name][0]
+    sizes = list(node.args[0])
+    add_constraint(prop, int(sizes[dim]), "heads", module_path(node), f"dim {dim} of {node.target}")
+    add_rewrite(prop, node, 0, dim, int(sizes[dim]) // tp)
+    return dim
+
+
+def request_heads(prop, mask: fx.Node, dim: int, groups) -> bool:
+    """Ask the planner to shard the source of ``mask``'s heads dim (next propagation run).
+    Returns whether a source was found."""
+    src = trace_head_source(mask, dim)
+    if src is None:
+        return False
+    kind, name, d = src
+    prop.head_requests[(kind, name)] = (d, frozenset(groups))
+    return True

@@ -1,0 +1,458 @@
+"""Sharding rules that decide tp layouts (:mod:`parallelizer.plan.layouts`): views into heads
+(Megatron's heads split, GQA kv heads copied when tp exceeds them), repeat_kv's expand,
+and splits / slices of a column output's features (fused q|k|v, gate|up; GPT-NeoX's
+per-head interleaving). See :mod:`parallelizer.analysis.sharding.propagate` for the whole picture."""
+from __future__ import annotations
+
+import json
+
+from ...plan.layouts import fused_parts, local_length, part_length
+import torch
+
+from ..graph_facts import aten, expr, module_path, prod, same, shape
+from .dtensor import dtensor_rule
+from .strided import local_merged_size, merge_view, strided_view
+from .state import (INVALID, HeadsMark, add_constraint, add_rewrite, dim_arg, placement,
+                    record_use, sizes_arg)
+
+
+def view_rule(node, prop, tp):
+    """view/reshape: find the output dim that starts where the sharded input dim starts.
+    Same size: the shard stays; a split (hidden -> heads, head_dim): the shard goes to the
+    outer (heads) dim; a merge (heads, head_dim -> hidden): the shard goes to the merged dim.
+    An int size constant on that dim is divided by tp (or set to the layout's local length)."""
+    src = node.args[0]
+    d = placement(prop, src)
+    ins, outs = shape(src), shape(node)
+    mark = prop.heads.get(src.name)
+    if mark is not None and mark.replicated:
+        if not mark.expanded and _keeps_dim(ins, outs, d):
+            return _keep_copied_heads(node, prop, d, mark)
+        return _merge_repeated_heads(node, prop, tp, d, mark)
+    if src.name in prop.strided:
+        return strided_view(node, prop, tp, d)
+    before = prod(ins[:d])
+    e = next((e for e in range(len(outs)) if same(prod(outs[:e]), before)), None)
+    raw = prop.raw.get(src.name)
+    if e is not None and raw and _one_head(ins[d], outs, e) and not (raw & prop.no_replication):
+        # (.., kv * head_dim) -> (.., 1, head_dim): one kv head (multi-query), copied to
+        # every rank; the planner retries without copies if it reaches anything but repeat_kv
+        return _split_heads(node, prop, tp, e, raw, f"dim {e} of the view (one head)")
+    while e is not None and e < len(outs) - 1 and same(outs[e], 1) and not same(ins[d], 1):
+        e += 1
+    if e is None:  # merged with the dims before it: (batch, heads) -> batch * heads
+        return merge_view(node, prop, tp, d)
+    ratio_split = expr(ins[d]) / expr(outs[e])
+    if not (same(ins[d], outs[e]) or ratio_split.is_integer or (1 / ratio_split).is_integer):
+        return INVALID
+    sizes = sizes_arg(node)
+    detail = (f"dim {e} of the {node.target.__name__.split('.')[0]} to "
+              f"[{', '.join(str(o) if isinstance(o, int) else '*' for o in outs)}]")
+    if same(ins[d], outs[e]):
+        add_constraint(prop, int(expr(outs[e])), "features", module_path(node), detail)
+        local = _local_features(prop, raw, int(expr(outs[e])), tp)
+    elif raw and ratio_split.is_integer:
+        return _split_heads(node, prop, tp, e, raw, detail)
+    elif not isinstance(expr(outs[e]), int) and not expr(outs[e]).is_number:
+        # the sharded dim merged with a symbolic inner one ((heads, batch) -> heads * batch):
+        # the even split of the merged dim, its size constant made local
+        add_constraint(prop, int(expr(ins[d])), "heads", module_path(node), detail)
+        return e if local_merged_size(node, prop, e, int(expr(ins[d])), tp) else INVALID
+    else:
+        add_constraint(prop, int(expr(outs[e])), "heads", module_path(node), detail)
+        local = int(expr(outs[e])) // tp
+    if e < len(sizes) and isinstance(sizes[e], int) and sizes[e] != -1:
+        add_rewrite(prop, node, 1, e, local)
+    return e
+
+
+def _one_head(features, outs, e) -> bool:
+    return e + 1 < len(outs) and same(outs[e], 1) and same(outs[e + 1], features) \
+        and not same(features, 1)
+
+
+def _local_features(prop, raw, n, tp) -> int:
+    layouts = {json.dumps(prop.layouts.get(w), sort_keys=True) for w in raw or ()}
+    if len(layouts) == 1:
+        layout = json.loads(layouts.pop())
+        try:
+            return local_length(n, layout, tp)
+        except ValueError:
+            pass  # a layout of another size: the constraints report it
+    return n // tp
+
+
+def _split_heads(node, prop, tp, e, raw, detail):
+    """A column output's features split into (heads, head_dim): Megatron's heads split,
+    or, for fewer heads than tp (GQA kv heads), one head copied to ``tp / heads`` ranks."""
+    heads = int(expr(shape(node)[e]))
+    features = int(expr(shape(node.args[0])[placement(prop, node.args[0])]))
+    head_dim = features // heads
+    if _only_cut_on(node, e):
+        return _fused_heads_view(node, prop, tp, e, raw, heads, head_dim)
+    replicate = heads % tp != 0 and tp % heads == 0 and not (raw & prop.no_replication)
+    add_constraint(prop, heads, "heads", module_path(node), detail, raw)
+    prop.claimed.add(node.name)
+    prop.heads[node.name] = HeadsMark(raw, heads, replicate)
+    for w in raw:
+        prop.head_shapes[w] = (heads, head_dim)
+    sizes = sizes_arg(node)
+    if replicate:
+        record_use(prop, raw, {"kind": "replicated_heads", "heads": heads, "head_dim": head_dim}, node)
+        local = 1
+    else:
+        record_use(prop, raw, None, node)
+        local = heads // tp
+    if e < len(sizes) and isinstance(sizes[e], int) and sizes[e] != -1:
+        add_rewrite(prop, node, 1, e, local)
+    return e
+
+
+def _only_cut_on(node, e) -> bool:
+    """Every user of ``node`` cuts dim ``e`` (a slice, or an index with one tensor at ``e``):
+    Falcon's ``view(B, T, H + 2, D)`` whose q heads, k head and v head are cut out."""
+    def cuts(u):
+        if u.op != "call_function" or u.args[0] is not node:
+            return False
+        if u.target is aten.slice.Tensor and _full_slice(u):  # x[:, :, ...]: no-op slices
+            return _only_cut_on(u, e)
+        if u.target is aten.slice.Tensor:
+            return dim_arg(u, 1) == e
+        if u.target is aten.index.Tensor:
+            idx = list(u.args[1])
+            return [i for i, x in enumerate(idx) if x is not None] == [e]
+        return False
+    return bool(node.users) and all(cuts(u) for u in node.users)
+
+
+def _fused_heads_view(node, prop, tp, e, raw, heads, head_dim):
+    """A column output viewed as (heads, head_dim) and then only cut along the heads: the
+    cuts are the parts of a ``fused`` layout counted in heads (:func:`cut_heads`), so the
+    view's heads constant is the local length of the fused layout assumed."""
+    prop.claimed.add(node.name)
+    prop.head_raw[node.name] = (raw, head_dim)
+    prop.heads[node.name] = HeadsMark(raw, heads, False)
+    local = _local_heads(prop, raw, heads, head_dim, tp)
+    sizes = sizes_arg(node)
+    if e < len(sizes) and isinstance(sizes[e], int) and sizes[e] != -1:
+        add_rewrite(prop, node, 1, e, local)
+    return e
+
+
+def _common_layout(prop, weights):
+    layouts = [prop.layouts.get(w) for w in weights]
+    return layouts[0] if layouts and all(x == layouts[0] for x in layouts) else None
+
+
+def _local_heads(prop, weights, heads, head_dim, tp) -> int:
+    layout = _common_layout(prop, weights)
+    if (layout or {}).get("kind") == "fused":
+        try:
+            return local_length(heads * head_dim, layout, tp) // head_dim
+        except ValueError:
+            pass  # a layout of another size: the constraints report it
+    return max(heads // tp, 1)
+
+
+def cut_heads(node, prop, tp, d, lo, hi):
+    """Heads ``[lo, hi)`` of a :func:`_fused_heads_view` value: recorded as a cut of the
+    weight's features (``head_dim`` units), marked as heads of their own: copied heads
+    (``replicated``) when the fused layout assumed lays that part out ``replicated_heads``.
+    Returns (placement, local lo, local hi) in heads, or (INVALID, None, None)."""
+    weights, unit = prop.head_raw[node.args[0].name]
+    n = int(expr(shape(node.args[0])[d]))
+    if not 0 <= lo < hi <= n or any(prop.features.get(w) != n * unit for w in weights):
+        return INVALID, None, None
+    prop.claimed.add(node.name)
+    for w in weights:
+        prop.slices.setdefault(w, []).append((lo * unit, hi * unit, node.name, module_path(node)))
+        prop.slice_units[w] = unit
+    layout = _common_layout(prop, weights)
+    part = _part_layout(layout, lo * unit, hi * unit)
+    copied = (part or {}).get("kind") == "replicated_heads"
+    prop.heads[node.name] = HeadsMark(frozenset(weights), hi - lo, copied)
+    return (d, _local_offset(lo * unit, layout, tp) // unit,
+            _local_offset(hi * unit, layout, tp) // unit)
+
+
+def _part_layout(layout, lo, hi):
+    """The part layout of the fused part that is exactly ``[lo, hi)`` (None otherwise)."""
+    if (layout or {}).get("kind") != "fused":
+        return None
+    start = 0
+    for part, pl in fused_parts(layout):
+        if (start, start + part) == (lo, hi):
+            return pl
+        start += part
+    return None
+
+
+def _keeps_dim(ins, outs, d) -> bool:
+    return d < len(outs) and same(prod(ins[:d]), prod(outs[:d])) and same(ins[d], outs[d])
+
+
+def _keep_copied_heads(node, prop, d, mark):
+    """A view that leaves the dim of copied kv heads as it is (Falcon's k ``reshape(B, 1, T,
+    D)``): each rank still holds its one copied head there."""
+    prop.claimed.add(node.name)
+    prop.heads[node.name] = mark
+    sizes = sizes_arg(node)
+    if d < len(sizes) and isinstance(sizes[d], int) and sizes[d] not in (-1, 1):
+        add_rewrite(prop, node, 1, d, 1)
+    return d
+
+
+def _merge_repeated_heads(node, prop, tp, d, mark):
+    """repeat_kv's reshape (B, kv, n_rep, T, D) -> (B, heads, T, D) of replicated kv heads:
+    each rank's (1, heads / tp) piece is its even block of the query heads."""
+    ins, outs = shape(node.args[0]), shape(node)
+    merged = d + 1 < len(ins) and d < len(outs) and same(prod(outs[:d]), prod(ins[:d])) and \
+        same(outs[d], expr(ins[d]) * expr(ins[d + 1]))
+    if not (mark.expanded and merged):
+        return INVALID
+    prop.claimed.add(node.name)
+    heads = int(expr(outs[d]))
+    add_constraint(prop, heads, "heads", module_path(node), f"dim {d} of the repeat_kv reshape")
+    sizes = sizes_arg(node)
+    if isinstance(sizes[d], int) and sizes[d] != -1:
+        add_rewrite(prop, node, 1, d, heads // tp)
+    return d
+
+
+def expand_rule(node, prop, tp):
+    src = node.args[0]
+    d = placement(prop, src)
+    e = d + len(shape(node)) - len(shape(src))
+    sizes = sizes_arg(node)
+    mark = prop.heads.get(src.name)
+    if mark is not None and _is_repeat_kv(node, d, e):
+        prop.kv_weights |= mark.weights
+        if mark.replicated:
+            return _repeat_replicated_kv(node, prop, tp, e, mark)
+    if isinstance(sizes[e], int) and sizes[e] != -1:
+        add_constraint(prop, sizes[e], "heads", module_path(node), f"dim {e} of expand",
+                    mark.weights if mark is not None else ())
+        add_rewrite(prop, node, 1, e, sizes[e] // tp)
+    return e
+
+
+def _is_repeat_kv(node, d, e) -> bool:
+    """expand (B, kv, 1, T, D) -> (B, kv, n_rep, T, D): transformers' repeat_kv."""
+    ins, outs = shape(node.args[0]), shape(node)
+    return d + 1 < len(ins) and e + 1 < len(outs) and same(ins[d + 1], 1) \
+        and isinstance(outs[e + 1], int) and outs[e + 1] > 1
+
+
+def _repeat_replicated_kv(node, prop, tp, e, mark):
+    """Rank r holds kv head ``r // (tp / kv)`` and serves ``heads / tp`` query heads, so its
+    local expand is (B, 1, n_rep * kv / tp, T, D)."""
+    n_rep = int(shape(node)[e + 1])
+    prop.claimed.add(node.name)
+    prop.heads[node.name] = HeadsMark(mark.weights, mark.heads, True, expanded=True)
+    add_constraint(prop, n_rep * mark.heads, "heads", module_path(node),
+                f"dims {e}, {e + 1} of expand")
+    sizes = sizes_arg(node)
+    if isinstance(sizes[e], int) and sizes[e] != -1:
+        add_rewrite(prop, node, 1, e, 1)
+    if isinstance(sizes[e + 1], int) and sizes[e + 1] != -1:
+        add_rewrite(prop, node, 1, e + 1, n_rep * mark.heads // tp)
+    return e
+
+
+def _full_slice(node) -> bool:
+    start = node.args[2] if len(node.args) > 2 else 0
+    end = node.args[3] if len(node.args) > 3 else None
+    step = node.args[4] if len(node.args) > 4 else 1
+    return start in (0, None) and step == 1 and \
+        (end is None or (isinstance(end, int) and end >= 2 ** 62))
+
+
+def slice_rule(node, prop, tp):
+    d = placement(prop, node.args[0])
+    dim = dim_arg(node, 1)
+    if _full_slice(node):
+        if node.args[0].name in prop.head_raw:  # x[:, :, cut]: the heads view's cuts follow
+            prop.head_raw[node.name] = prop.head_raw[node.args[0].name]
+        return d
+    if dim != d:
+        return d
+    start = node.args[2] if len(node.args) > 2 else 0
+    end = node.args[3] if len(node.args) > 3 else None
+    return _slice_part(node, prop, tp, d, start, end)
+
+
+def _slice_part(node, prop, tp, d, start, end):
+    """Phi-3's ``qkv[..., a:b]``: slices of a column output's features cut it into parts.
+    The cuts of all slices of one weight's output give its ``fused`` parts (each slice must
+    be exactly one part, checked in :func:`fuse_slices`); the bounds become local offsets."""
+    src = node.args[0]
+    raw = prop.raw.get(src.name)
+    n = shape(src)[d]
+    step = node.args[4] if len(node.args) > 4 else 1
+    if not (raw or src.name in prop.head_raw) or step != 1 or not isinstance(n, int) \
+            or not isinstance(start or 0, int) \
+            or not isinstance(end if end is not None else n, int):
+        return INVALID
+    lo, hi = _bound(start or 0, n), _bound(n if end is None else end, n)
+    if src.name in prop.head_raw:
+        out, local_lo, local_hi = cut_heads(node, prop, tp, d, lo, hi)
+        if out != INVALID:
+            if lo:
+                add_rewrite(prop, node, 2, None, local_lo)
+            if hi < n and end is not None:
+                add_rewrite(prop, node, 3, None, local_hi)
+        return out
+    if hi <= lo or any(prop.features.get(w) != n for w in raw):
+        return INVALID
+    prop.claimed.add(node.name)
+    for w in raw:
+        prop.slices.setdefault(w, []).append((lo, hi, node.name, module_path(node)))
+    layouts = [prop.layouts.get(w) for w in raw]
+    layout = layouts[0] if all(x == layouts[0] for x in layouts) else None
+    if lo:
+        add_rewrite(prop, node, 2, None, _local_offset(lo, layout, tp))
+    if hi < n and end is not None:
+        add_rewrite(prop, node, 3, None, _local_offset(hi, layout, tp))
+    return d
+
+
+def _bound(b: int, n: int) -> int:
+    """A slice bound as Python reads it (negative from the end), clamped to ``[0, n]``."""
+    return max(0, min(b + n if b < 0 else b, n))
+
+
+def _local_offset(at: int, layout, tp: int) -> int:
+    """Where full offset ``at`` (a part boundary) lands in a rank's fused piece."""
+    if not layout or layout.get("kind") != "fused":
+        return at // tp
+    full = local = 0
+    for part, pl in fused_parts(layout):
+        if full >= at:
+            break
+        full, local = full + part, local + part_length(part, pl, tp)
+    return local
+
+
+def fuse_slices(prop, tp: int) -> None:
+    """Turn the cuts recorded by :func:`_slice_part` and :func:`cut_heads` into one fused
+    layout per weight. A part cut in heads (``head_dim`` units) with fewer heads than tp, tp a
+    multiple of them, is laid out ``replicated_heads`` (Falcon's one k and one v head: every
+    rank holds a copy), valid while its value reaches attention only as kv heads (else the
+    planner retries without copies); other parts split evenly, tp dividing their heads."""
+    for w, cuts in prop.slices.items():
+        n = prop.features[w]
+        bounds = sorted({0, n} | {b for lo, hi, _n, _m in cuts for b in (lo, hi)})
+        parts = [b - a for a, b in zip(bounds, bounds[1:])]
+        for lo, hi, name, _m in cuts:
+            if bounds.index(hi) - bounds.index(lo) != 1:  # a slice spanning two parts
+                record_use(prop, {w}, None, name)
+        unit = prop.slice_units.get(w)
+        part_layouts = [_part_in_heads(prop, w, p, unit, parts, cuts[0][3], tp) for p in parts]
+        layout = {"kind": "fused", "parts": parts}
+        if any(part_layouts):
+            layout["part_layouts"] = part_layouts
+        record_use(prop, {w}, layout, cuts[0][2])
+
+
+def _part_in_heads(prop, w, p, unit, parts, module, tp):
+    """Constraints of one fused part, and its layout (None: the even split)."""
+    detail = f"a part of the fused output of {w} (sliced into {parts})"
+    if not unit or p % unit:
+        add_constraint(prop, p, "features", module, detail)
+        return None
+    heads = p // unit
+    if heads % tp and tp % heads == 0 and w not in prop.no_replication:
+        add_constraint(prop, heads, "heads", module, f"the heads of {detail}", {w})
+        return {"kind": "replicated_heads", "heads": heads, "head_dim": unit}
+    add_constraint(prop, heads, "heads", module, f"the heads of {detail}")
+    return None
+
+
+def split_rule(node, prop, tp):
+    d = placement(prop, node.args[0])
+    dim = dim_arg(node, 2) if node.target is not aten.unbind.int else dim_arg(node, 1)
+    n = len(node.meta["val"])
+    if dim == d:
+        return _split_fused(node, prop, tp, d, n)
+    mark = prop.heads.get(node.args[0].name)
+    if mark is not None and not mark.replicated and not mark.expanded and n > 1 \
+            and dim == len(shape(node.args[0])) - 1 and node.target is not aten.unbind.int:
+        # GPT-NeoX: (B, T, heads, 3 * head_dim) per-head [q k v], split after the heads
+        record_use(prop, mark.weights, {"kind": "interleaved_heads", "heads": mark.heads}, node)
+    if node.target is aten.unbind.int:
+        return tuple((d - (1 if dim < d else 0)) for _ in range(n))
+    return tuple(d for _ in range(n))
+
+
+def _split_fused(node, prop, tp, d, n):
+    """Split of a column output's features into parts (GPT-2's q|k|v, a fused gate|up):
+    the weight becomes ``fused`` with these parts, so each rank splits its own piece into
+    its block of every part; the split sizes become local."""
+    src = node.args[0]
+    raw = prop.raw.get(src.name)
+    full = shape(src)[d]
+    if not raw or node.target is aten.unbind.int or not isinstance(full, int):
+        return INVALID
+    parts = [int(v.shape[d]) for v in node.meta["val"]]
+    if sum(parts) != full or any(prop.features.get(w) != full for w in raw):
+        return INVALID
+    for p in parts:
+        add_constraint(prop, p, "features", module_path(node),
+                    f"a part of the fused output of {', '.join(sorted(raw))} (split {parts})")
+    prop.claimed.add(node.name)
+    record_use(prop, raw, {"kind": "fused", "parts": parts}, node)
+    size = node.args[1]
+    if node.target is aten.split.Tensor and isinstance(size, int):
+        add_rewrite(prop, node, 1, None, size // tp)
+    elif node.target is aten.split_with_sizes.default:
+        for i, p in enumerate(size):
+            if isinstance(p, int):
+                add_rewrite(prop, node, 1, i, p // tp)
+    return tuple(d for _ in range(n))
+
+
+def index_rule(node, prop, tp):
+    """``x[..., idx]`` with a constant index tensor on the heads dim of a
+    :func:`_fused_heads_view` value (Falcon's ``qkv[..., [-2], :]``, its k head): a cut of
+    consecutive heads. The constant is not rewritten, so its values must already pick the
+    rank's own heads of its piece (negative indices counted from the end do, when the parts
+    after the cut are laid out alike on every rank). Any other index: DTensor's strategy."""
+    src, indices = node.args[0], list(node.args[1])
+    d = placement(prop, src)
+    hits = [i for i, x in enumerate(indices) if x is not None]
+    if src.name not in prop.head_raw or hits != [d]:
+        return dtensor_rule(node, prop, tp)
+    values = _constant_ints(indices[d])
+    n = int(expr(shape(src)[d]))
+    if not values or any(not -n <= v < n for v in values):
+        return INVALID
+    full = [v % n for v in values]
+    if full != list(range(full[0], full[0] + len(full))):
+        return INVALID
+    out, lo, hi = cut_heads(node, prop, tp, d, full[0], full[-1] + 1)
+    if out == INVALID:
+        return INVALID
+    weights, unit = prop.head_raw[src.name]
+    local_n = _local_heads(prop, weights, n, unit, tp)
+    if [v % local_n for v in values] != list(range(lo, hi)):
+        return INVALID
+    return d
+
+
+def _constant_ints(node):
+    """The values of a 1-D integer tensor constant (a lifted ``get_attr``, possibly through
+    ``lift_fresh_copy``), read from the graph's module; None otherwise."""
+    while node.op == "call_function" and node.target in (
+            aten.lift_fresh_copy.default, aten.clone.default, aten.detach.default,
+            aten._to_copy.default, aten.alias.default):
+        node = node.args[0]
+    if node.op != "get_attr" or node.graph.owning_module is None:
+        return None
+    obj = node.graph.owning_module
+    for part in node.target.split("."):
+        obj = getattr(obj, part, None)
+    from torch._subclasses.fake_tensor import FakeTensor
+    if not isinstance(obj, torch.Tensor) or isinstance(obj, FakeTensor) or obj.dim() != 1 \
+            or obj.dtype not in (torch.int64, torch.int32) or obj.device.type == "meta":
+        return None
+    return [int(v) for v in obj.tolist()]

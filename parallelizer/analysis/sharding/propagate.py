@@ -1,0 +1,267 @@
+"""Sharding propagation for tensor parallelism (DESIGN §3).
+
+Given which linear weights are column_parallel and which row_parallel, walk the graph in
+order and give every tensor value a placement over the tp mesh dim: ``None`` (Replicate) or
+an int ``d`` (Shard(d) of the *global* shape recorded by export). A row_parallel linear
+turns Shard(-1) into Partial, which the Megatron g operator resolves at once, so Partial
+never flows on. Ops without a rule accept only Replicate inputs; a sharded value reaching
+one is a *conflict*, never a silent mis-sharding: the planner then keeps that layer group
+replicated and says so in the report.
+
+Integer shape constants in view/reshape/expand that land on a sharded dim (the heads or the
+hidden size) are recorded for division by the tp degree, and every sharded size is recorded
+as a divisibility constraint, so a tp degree that does not divide the heads fails at compile
+time with the module named.
+
+Layouts (:mod:`parallelizer.plan.layouts`) are decided here too, from how a column linear's output
+is used. While its sharded dim is still exactly the weight's output features (a *raw*
+value: through elementwise ops and same-size views), a ``split`` of that dim makes the
+weight ``fused`` (GPT-2's q|k|v ``c_attn``, a fused gate|up: each rank splits its piece
+into its own q, k and v), as do static slices of it (Phi-3's ``qkv[..., a:b]``: the cuts of
+all slices give the parts), and a view into ``K < tp`` heads, K dividing tp, makes it
+``replicated_heads`` (GQA kv heads: rank ``r`` holds head ``r // (tp / K)``). Such a
+replicated value may only flow through head-preserving ops into ``repeat_kv``'s expand +
+reshape, which hand each rank the (even) block of query heads it serves; anything else
+marks the weight as not replicable. A split of the per-head dim after an even heads split records
+``interleaved_heads`` (GPT-NeoX's per-head [q k v]: already head-aligned, recorded for
+converters). Any other use of a raw value needs the even split. The planner runs propagation
+again with the layouts found until they are stable, so the rewritten constants (split sizes,
+views) follow the layouts.
+
+This module is the driver (``propagate``) and the linear rule; the per-op rules are in
+:mod:`.rules`, those deciding layouts in :mod:`.layouts`, (batch, heads)
+merges in :mod:`.strided`, the recorded state in :mod:`.state`. DTensor's
+op strategies (torch/distributed/tensor/_ops, :mod:`.dtensor`) answer first for the
+ops whose rule is only a placement map and for the ops the table lacks; the table keeps
+what DTensor does not express (layouts, shape constants, copied kv heads, per-head tensors).
+"""
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import torch
+import torch.fx as fx
+
+from ..graph_facts import as_linear, aten, module_path, same, shape
+from .dtensor import NO_RULE, dtensor_rule
+from .heads import factory_rule
+from .layouts import fuse_slices, view_rule
+from .rules import DTENSOR_FIRST, KEEP_HEADS, KEEP_RAW, RULES, pointwise_rule
+from .strided import carry_strided, check_sizes, narrowed, request_narrow
+from .state import (INVALID, Propagation, add_constraint, inputs_of, mark_not_replicable,
+                    placement, record_use)
+
+__all__ = ["INVALID", "Propagation", "propagate"]
+
+
+def propagate(graph: fx.Graph, column: set, row: set, tp: int, layouts: Optional[dict] = None,
+              no_replication=frozenset(), per_head: Optional[dict] = None,
+              narrow: Optional[dict] = None) -> Propagation:
+    """Placements for every node of ``graph`` under the given column/row weight sets.
+
+    Args:
+        column: weight FQNs (get_attr targets) of column_parallel linears; their weights are
+            sharded on the output-features dim (0 for nn.Linear, 1 for GPT-2's Conv1D).
+        row: weight FQNs of row_parallel linears, sharded on the input-features dim.
+        tp: tp degree (divides shape constants in the rewrites).
+        layouts: column weight fqn -> layout assumed for the rewrites (the ``found_layouts``
+            of the previous run); missing means the even split.
+        no_replication: weights whose kv heads must not be replicated (a previous run found
+            the replicated value reaching an op other than repeat_kv).
+        per_head: ``("param", fqn)`` / ``("factory", node name)`` -> (dim, column groups):
+            per-head tensors to shard along their heads dim (the ``head_requests`` of
+            previous runs, :mod:`.heads`).
+        narrow: node name -> (dim, column groups): replicated per-head values each rank cuts
+            to its block of heads (the ``narrow_requests`` of previous runs,
+            :mod:`.strided`).
+    """
+    prop = Propagation(layouts=dict(layouts or {}), no_replication=frozenset(no_replication),
+                       narrow=dict(narrow or {}))
+    for (kind, name), v in (per_head or {}).items():
+        (prop.per_head if kind == "param" else prop.per_head_factories)[name] = v
+    weight_dims, weight_views = {}, set()
+    for node in graph.nodes:
+        site = as_linear(node)
+        if site and site.weight in column:
+            weight_dims[site.weight] = site.out_dim
+            if site.bias_add is not None:  # a separate bias add: the bias is Shard(0), raw
+                prop.column_biases[site.bias] = site.weight
+        elif site and site.weight in row:
+            weight_dims[site.weight] = site.in_dim
+        if site and site.w_node is not None and site.w_node.op == "call_function":
+            weight_views.add(site.w_node.name)  # W.T read by the product: the linear rule's
+    for node in graph.nodes:
+        if node.name in weight_views:
+            prop.placements[node.name], prop.groups[node.name] = None, frozenset()
+            continue
+        placement, groups = _rule(node, prop, column, row, weight_dims, tp)
+        prop.placements[node.name] = placement
+        # a replicated value (e.g. after g) carries no shard: a conflict further down the
+        # residual stream must not blame the pairs upstream of it
+        prop.groups[node.name] = frozenset() if placement is None else groups
+    fuse_slices(prop, tp)
+    _mark_kv_heads(prop)
+    for name, views, reason in check_sizes(graph, prop):
+        groups = frozenset().union(*[prop.groups.get(v, frozenset()) for v in views])
+        prop.conflicts.append((name, "", groups, reason))
+    return prop
+
+
+def _mark_kv_heads(prop) -> None:
+    """GQA kv projections split evenly (tp divides their heads) are recorded as
+    ``interleaved_heads`` with their head_dim, so a converter knows which dim holds kv heads
+    and can copy them (``replicated_heads``) for a tp above their count."""
+    for w in prop.kv_weights:
+        uses = prop.uses.get(w, {})
+        if w in prop.head_shapes and set(uses) == {"null"}:
+            heads, head_dim = prop.head_shapes[w]
+            layout = {"kind": "interleaved_heads", "heads": heads, "head_dim": head_dim}
+            prop.uses[w] = {json.dumps(layout, sort_keys=True): uses["null"]}
+
+
+def _rule(node: fx.Node, prop: Propagation, column, row, weight_dims, tp):
+    groups = frozenset().union(*[prop.groups.get(a.name, frozenset()) for a in inputs_of(node)])
+    if node.op == "get_attr":
+        if node.target in column:
+            return weight_dims[node.target], frozenset({node.target})
+        if node.target in row:
+            return weight_dims[node.target], frozenset()
+        if node.target in prop.per_head:
+            d, g = prop.per_head[node.target]
+            add_constraint(prop, shape(node)[d], "heads", module_path(node),
+                           f"dim {d} of the per-head {node.target}")
+            return d, g
+        if node.target in prop.column_biases:
+            w = prop.column_biases[node.target]
+            prop.raw[node.name] = frozenset({w})
+            return 0, frozenset({w})
+        return None, frozenset()
+    if node.op != "call_function":
+        return None, groups
+    ins = [a for a in inputs_of(node) if placement(prop, a) is not None]
+    if any(placement(prop, a) == INVALID for a in ins):
+        return INVALID, groups
+    site = as_linear(node)
+    if site is not None or node.target is aten.linear.default:
+        return _linear(node, site, prop, column, row, groups)
+    if node.name in prop.per_head_factories:
+        return factory_rule(node, prop, tp), prop.per_head_factories[node.name][1]
+    if node.name in prop.narrow:
+        return narrowed(node, prop)
+    if not ins:
+        return None, groups
+    if not _holds_tensors(node):  # sizes (SymInt) and other non-tensor values
+        return None, groups
+    fn = RULES.get(node.target)
+    if fn is None:
+        tags = getattr(node.target, "tags", ())
+        fn = pointwise_rule if torch.Tag.pointwise in tags else dtensor_rule
+    source = dtensor_rule if fn in DTENSOR_FIRST and not _copied_heads_in(node, prop) else fn
+    out = source(node, prop, tp)
+    if out is NO_RULE and source is not fn:  # DTensor has no strategy: our rule
+        source, out = fn, fn(node, prop, tp)
+    if out is NO_RULE or out == INVALID:
+        request_narrow(node, prop, groups)
+    elif fn is not view_rule and not carry_strided(node, prop, out):
+        return _conflict(prop, node, groups, "a (batch, heads) merged dim meets a dim sharded "
+                                             "another way")
+    if out is NO_RULE:
+        _consume_markers(node, prop, None, INVALID)
+        return _conflict(prop, node, groups, f"no sharding rule for {node.target} (ours or "
+                                             f"DTensor's)")
+    if out == INVALID:
+        _consume_markers(node, prop, None, INVALID)
+        return _conflict(prop, node, groups, f"{node.target} cannot take a sharded input here"
+                         + (" (DTensor's strategy would redistribute it)"
+                            if source is dtensor_rule else ""))
+    _consume_markers(node, prop, fn, out)
+    return out, groups
+
+
+def _copied_heads_in(node, prop) -> bool:
+    """An input holds copied kv heads: a "Shard" whose every rank holds the whole dim (or one
+    of K heads), which DTensor's placements do not express; our rule answers."""
+    return any(prop.heads[a.name].replicated for a in inputs_of(node) if a.name in prop.heads)
+
+
+def _sharded_inputs(node, prop):
+    return [a for a in inputs_of(node) if placement(prop, a) is not None]
+
+
+def _consume_markers(node, prop, fn, out) -> None:
+    """Carry the raw / replicated-heads markers of ``node``'s inputs to its output, or
+    record what the use means for the weights behind them (see the module docstring).
+    Rules that decide a layout themselves (split, the heads view, repeat_kv) have already
+    marked ``node``."""
+    if node.name in prop.claimed:
+        return
+    sharded = _sharded_inputs(node, prop)
+    raw = [prop.raw[a.name] for a in sharded if a.name in prop.raw]
+    if raw:
+        weights = frozenset().union(*raw)
+        if fn in KEEP_RAW and len(raw) == len(sharded) and not _moves_dim(node, prop, fn, out):
+            prop.raw[node.name] = weights
+        else:
+            record_use(prop, weights, None, node)
+    marks = [prop.heads[a.name] for a in sharded if a.name in prop.heads]
+    if marks:
+        if fn in KEEP_HEADS and len(marks) == len(sharded) and len(set(marks)) == 1 \
+                and not marks[0].expanded:
+            prop.heads[node.name] = marks[0]
+        else:
+            mark_not_replicable(prop, marks)
+
+
+def _moves_dim(node, prop, fn, e) -> bool:
+    """A view that changes the sharded dim's size (it no longer holds whole output features)."""
+    if fn is not view_rule:
+        return False
+    d = placement(prop, node.args[0])
+    return e in (None, INVALID) or not same(shape(node.args[0])[d], shape(node)[e])
+
+
+def _holds_tensors(node) -> bool:
+    v = node.meta.get("val")
+    if isinstance(v, (tuple, list)):
+        return any(isinstance(x, torch.Tensor) for x in v)
+    return isinstance(v, torch.Tensor)
+
+
+def _conflict(prop, node, groups, reason):
+    prop.conflicts.append((node.name, module_path(node), groups, reason))
+    return INVALID, groups
+
+
+def _linear(node, site, prop, column, row, groups):
+    if site is None:  # aten.linear on a weight that is not a parameter
+        if placement(prop, node.args[0]) is not None:
+            return _conflict(prop, node, groups, "replicated linear got a sharded input")
+        return None, groups
+    x, wt = site.x, site.weight
+    w = site.w_node if site.w_node.op == "get_attr" else site.w_node.args[0]
+    px = placement(prop, x)
+    mod = module_path(node)
+    if x.name in prop.raw:
+        record_use(prop, prop.raw[x.name], None, node)
+    if x.name in prop.heads:
+        mark_not_replicable(prop, [prop.heads[x.name]])
+    if x.name in prop.strided:
+        return _conflict(prop, node, groups, "a linear got a (batch, heads) merged input")
+    if wt in column:
+        prop.features[wt] = int(shape(w)[site.out_dim])
+        if wt not in prop.layouts:
+            add_constraint(prop, shape(w)[site.out_dim], "features", mod, f"out_features of {wt}",
+                        {wt})
+        if px is not None:
+            return _conflict(prop, node, groups, "column_parallel linear needs a replicated input")
+        prop.raw[node.name] = frozenset({wt})
+        return len(shape(node)) - 1, groups | {wt}
+    if wt in row:
+        add_constraint(prop, shape(w)[site.in_dim], "features", mod, f"in_features of {wt}")
+        if px != len(shape(x)) - 1:
+            return _conflict(prop, node, groups, "row_parallel linear needs Shard(-1) input")
+        return None, groups
+    if px is not None:
+        return _conflict(prop, node, groups, "replicated linear got a sharded input")
+    return None, groups

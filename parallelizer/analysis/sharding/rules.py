@@ -1,0 +1,209 @@
+"""Per-op sharding rules over one tp mesh dim, after DTensor's op strategies
+(torch/distributed/tensor/_ops): each maps an op's input placements to its output placement,
+or INVALID. The rules that decide layouts live in :mod:`.layouts`."""
+from __future__ import annotations
+
+import operator
+
+from ..graph_facts import aten, is_tensor, same, shape
+from .heads import embedding_rule, request_heads
+from .layouts import expand_rule, index_rule, slice_rule, split_rule, view_rule
+from .state import INVALID, dim_arg, inputs_of, placement
+from .strided import repeat_rule
+
+
+_SAME_AS_INPUT = {
+    aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.clone.default,
+    aten.contiguous.default, aten.alias.default, aten.detach.default, aten.dropout.default,
+    aten.type_as.default, aten.lift_fresh_copy.default, aten.to.device,
+}
+_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+_SOFTMAX = {aten.softmax.int, aten._softmax.default, aten.log_softmax.int,
+            aten._log_softmax.default}
+_REDUCE = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default}
+_SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
+           aten.unbind.int}
+
+
+def _same(node, prop, tp):
+    return placement(prop, node.args[0])
+
+
+def pointwise_rule(node, prop, tp):
+    """Broadcasting elementwise op: every sharded input maps to one output dim; replicated
+    inputs must broadcast (size 1) along it."""
+    out_rank = len(shape(node))
+    dims = set()
+    for a in inputs_of(node):
+        p = placement(prop, a)
+        if p is not None and is_tensor(a):
+            dims.add(p + out_rank - len(shape(a)))
+    if len(dims) != 1:
+        return INVALID
+    d = dims.pop()
+    for a in inputs_of(node):
+        if is_tensor(a) and placement(prop, a) is None:
+            k = d - (out_rank - len(shape(a)))
+            if k >= 0 and not same(shape(a)[k], 1):
+                return INVALID
+    return d
+
+
+def _transpose(node, prop, tp):
+    d = placement(prop, node.args[0])
+    a, b = dim_arg(node, 1), dim_arg(node, 2)
+    return b if d == a else a if d == b else d
+
+
+def _permute(node, prop, tp):
+    d = placement(prop, node.args[0])
+    order = [p % len(node.args[1]) for p in node.args[1]]
+    return order.index(d)
+
+
+def _unsqueeze(node, prop, tp):
+    d = placement(prop, node.args[0])
+    u = node.args[1] % len(shape(node))
+    return d + 1 if u <= d else d
+
+
+def _squeeze(node, prop, tp):
+    d = placement(prop, node.args[0])
+    ins = shape(node.args[0])
+    dims = node.args[1] if len(node.args) > 1 else [i for i, s in enumerate(ins) if same(s, 1)]
+    dims = [x % len(ins) for x in ([dims] if isinstance(dims, int) else dims)]
+    dims = [x for x in dims if same(ins[x], 1)]
+    if d in dims:
+        return INVALID
+    return d - sum(1 for x in dims if x < d)
+
+
+def _select(node, prop, tp):
+    d = placement(prop, node.args[0])
+    dim = dim_arg(node, 1)
+    return INVALID if dim == d else d - (1 if dim < d else 0)
+
+
+def _cat(node, prop, tp):
+    tensors = node.args[0]
+    rank = len(shape(node))
+    dim = (node.args[1] if len(node.args) > 1 else 0) % rank
+    ps = {placement(prop, t) for t in tensors}
+    if len(ps) != 1 or None in ps or dim in ps:
+        return INVALID
+    return ps.pop()
+
+
+def _sdpa(node, prop, tp):
+    """Attention over a sharded heads dim (Megatron-LM §3: heads split across ranks)."""
+    q, k, v = node.args[:3]
+    heads = len(shape(q)) - 3
+    if {placement(prop, q), placement(prop, k), placement(prop, v)} != {heads}:
+        return INVALID
+    copied = [prop.heads[a.name] for a in (k, v) if a.name in prop.heads
+              and prop.heads[a.name].replicated]
+    if node.kwargs.get("enable_gqa"):
+        _gqa_kv(node, prop, k, v)
+    elif copied:
+        # one copied kv head (Falcon multi-query) broadcast over the rank's query heads
+        if any(not same(shape(a)[heads], 1) for a in (k, v)) or q.name in prop.heads \
+                and prop.heads[q.name].replicated:
+            return INVALID
+        _gqa_kv(node, prop, k, v)
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    if is_tensor(mask):
+        m = shape(mask)
+        k_ = heads - (len(shape(q)) - len(m))
+        pm = placement(prop, mask)
+        if pm is not None and pm != k_:
+            return INVALID
+        if pm is None and k_ >= 0 and not same(m[k_], 1):
+            # a per-head bias (T5): shard its source along heads in the next run
+            groups = frozenset().union(*[prop.groups.get(a.name, frozenset()) for a in (q, k, v)])
+            request_heads(prop, mask, k_, groups)
+            return INVALID
+    return heads
+
+
+def _gqa_kv(node, prop, k, v) -> None:
+    """SDPA with ``enable_gqa``: query head ``h`` reads kv head ``h // (H / K)``, so a rank's
+    even block of query heads reads exactly its block of kv heads, or its copy of one kv
+    head when tp > K (replicated_heads): the kv heads behave as after repeat_kv."""
+    marks = [prop.heads[a.name] for a in (k, v) if a.name in prop.heads]
+    for m in marks:
+        prop.kv_weights |= m.weights
+    prop.claimed.add(node.name)
+
+
+def _matmul(node, prop, tp):
+    a, b = node.args[:2]
+    pa, pb = placement(prop, a), placement(prop, b)
+    ra, rb, ro = len(shape(a)), len(shape(b)), len(shape(node))
+    if pa is None or pb is None or ra < 3 or rb < 3 or ra != rb:
+        return INVALID
+    if pa != pb or pa >= ra - 2:
+        return INVALID
+    return pa + ro - ra
+
+
+def _softmax(node, prop, tp):
+    d = placement(prop, node.args[0])
+    return INVALID if dim_arg(node, 1) == d else d
+
+
+def _reduce(node, prop, tp):
+    d = placement(prop, node.args[0])
+    rank = len(shape(node.args[0]))
+    dims = node.args[1] if len(node.args) > 1 else list(range(rank))
+    dims = [x % rank for x in ([dims] if isinstance(dims, int) else dims)]
+    keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    if d in dims:
+        return INVALID
+    return d if keep else d - sum(1 for x in dims if x < d)
+
+
+def _getitem(node, prop, tp):
+    p = placement(prop, node.args[0])
+    return p[node.args[1]] if isinstance(p, tuple) else p
+
+
+def _masked_fill(node, prop, tp):
+    return pointwise_rule(node, prop, tp)
+
+
+RULES = {
+    **{op: _same for op in _SAME_AS_INPUT},
+    **{op: view_rule for op in _VIEWS},
+    **{op: _softmax for op in _SOFTMAX},
+    **{op: _reduce for op in _REDUCE},
+    **{op: split_rule for op in _SPLITS},
+    aten.expand.default: expand_rule,
+    aten.transpose.int: _transpose,
+    aten.permute.default: _permute,
+    aten.unsqueeze.default: _unsqueeze,
+    aten.squeeze.dim: _squeeze, aten.squeeze.dims: _squeeze, aten.squeeze.default: _squeeze,
+    aten.slice.Tensor: slice_rule,
+    aten.select.int: _select,
+    aten.cat.default: _cat,
+    aten.scaled_dot_product_attention.default: _sdpa,
+    aten.matmul.default: _matmul, aten.bmm.default: _matmul,
+    aten.masked_fill.Scalar: _masked_fill, aten.masked_fill.Tensor: _masked_fill,
+    aten.where.self: pointwise_rule, aten.where.ScalarOther: pointwise_rule,
+    aten.embedding.default: embedding_rule,
+    aten.index.Tensor: index_rule,
+    aten.repeat.default: repeat_rule,
+    operator.getitem: _getitem,
+}
+
+# Rules that are nothing but a placement map: DTensor's strategy answers these ops first
+# (analysis/sharding/propagate.py), the rule only where DTensor has none (``where.ScalarOther``,
+# ``lift_fresh_copy``, ...). The others decide layouts, rewrite constants or request
+# per-head tensors, which DTensor does not express.
+DTENSOR_FIRST = frozenset({_same, pointwise_rule, _masked_fill, _transpose, _permute, _unsqueeze,
+                           _squeeze, _select, _cat, _matmul, _softmax, _reduce})
+
+# rules through which a raw value stays raw, and replicated kv heads stay replicated
+KEEP_RAW = frozenset({_same, pointwise_rule, _masked_fill, view_rule, _transpose, _permute,
+                      _unsqueeze, _squeeze, slice_rule, _select})
+KEEP_HEADS = frozenset({_same, pointwise_rule, _masked_fill, _transpose, _permute, _unsqueeze,
+                        _squeeze, slice_rule, _select, _cat, split_rule, _getitem})

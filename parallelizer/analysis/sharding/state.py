@@ -1,0 +1,157 @@
+"""The state of one sharding-propagation run (:mod:`parallelizer.analysis.sharding.propagate`): what
+the rules record (placements, rewrites of shape constants, divisibility constraints, layout
+uses, kv-head markers) and the small helpers every rule uses to record it."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+
+from ..graph_facts import shape
+
+
+INVALID = "invalid"
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A global size that the tp degree must divide, or, for the heads of GQA kv projections
+    (``weights`` all reach repeat_kv), divide or be a multiple of."""
+    size: int
+    what: str      # "heads", "features", ...
+    module: str    # module FQN
+    detail: str
+    weights: frozenset = frozenset()  # for heads: the column weights whose output they split
+
+    def replicable(self, kv_weights) -> bool:
+        """Heads of weights whose output reaches repeat_kv (GQA kv heads) may be copied."""
+        return bool(self.weights) and self.weights <= kv_weights
+
+    def allows(self, tp: int, kv_weights=frozenset()) -> bool:
+        if self.size % tp == 0:
+            return True
+        if not self.replicable(kv_weights):
+            return False
+        # the output features of a kv projection: its heads constraint decides
+        return self.what == "features" or tp % self.size == 0
+
+
+@dataclass
+class Propagation:
+    placements: dict = field(default_factory=dict)   # node name -> None | int | tuple
+    groups: dict = field(default_factory=dict)       # node name -> frozenset of column fqns
+    rewrites: dict = field(default_factory=dict)     # node name -> [(arg, index, new_int)]
+    conflicts: list = field(default_factory=list)    # (node name, module, groups, reason)
+    constraints: list = field(default_factory=list)  # Constraint
+    # layouts: column weight fqn -> layout (JSON data); "even" uses are recorded as None
+    uses: dict = field(default_factory=dict)         # weight fqn -> {layout json: node name}
+    not_replicable: set = field(default_factory=set)  # weights whose kv heads cannot be copies
+    # per-run inputs and value markers (see the module docstring)
+    layouts: dict = field(default_factory=dict)      # the layouts this run assumes
+    no_replication: frozenset = frozenset()
+    raw: dict = field(default_factory=dict)          # node name -> frozenset of weights
+    heads: dict = field(default_factory=dict)        # node name -> HeadsMark
+    claimed: set = field(default_factory=set)        # nodes whose rule set the markers
+    features: dict = field(default_factory=dict)     # column weight fqn -> out features
+    kv_weights: set = field(default_factory=set)     # column weights whose heads reach repeat_kv
+    slices: dict = field(default_factory=dict)       # column weight -> [(lo, hi, node, module)]
+    head_shapes: dict = field(default_factory=dict)  # column weight -> (heads, head_dim)
+    column_biases: dict = field(default_factory=dict)  # separately added bias -> its weight
+    # a view of a raw value into (heads, head_dim) whose users all cut the heads dim (Falcon's
+    # q heads | k | v): node name -> (weights, head_dim); the cuts are fused parts in heads
+    head_raw: dict = field(default_factory=dict)
+    slice_units: dict = field(default_factory=dict)  # column weight -> head_dim of its cuts
+    # (batch, heads) merged into one dim with the heads inner and sharded (BLOOM's baddbmm
+    # operands; DTensor's _StridedShard): node name -> global heads; the placement is that dim
+    strided: dict = field(default_factory=dict)
+    strided_sizes: dict = field(default_factory=dict)  # size node -> views whose dim it sizes
+    # replicated values each rank cuts to its block along a dim (ALiBi slopes before the
+    # repeat that merges them with the batch): node name -> (dim, column groups)
+    narrow: dict = field(default_factory=dict)
+    narrow_requests: dict = field(default_factory=dict)
+    # per-head tensors (heads.py): fqn / factory node name -> (dim, column groups)
+    per_head: dict = field(default_factory=dict)
+    per_head_factories: dict = field(default_factory=dict)
+    head_requests: dict = field(default_factory=dict)  # ("param"|"factory", name) -> (dim, groups)
+
+    def found_layouts(self) -> dict:
+        """weight fqn -> its one non-even layout (weights used in several ways excluded:
+        :func:`layout_conflicts` names them)."""
+        out = {}
+        for w, uses in self.uses.items():
+            uses = _merged(uses)
+            if len(uses) == 1 and next(iter(uses)) != "null":
+                out[w] = json.loads(next(iter(uses)))
+        return out
+
+    def layout_conflicts(self) -> list:
+        """(weight, node name, reason) for weights whose output is used in two layouts."""
+        out = []
+        for w, uses in sorted(self.uses.items()):
+            uses = _merged(uses)
+            if len(uses) > 1:
+                out.append((w, sorted(uses.values())[0], f"{w}'s output is used both as "
+                            + " and as ".join(_describe(json.loads(u)) for u in sorted(uses))))
+        return out
+
+
+def _merged(uses: dict) -> dict:
+    """interleaved_heads is the even split, recorded for converters: it absorbs even uses."""
+    if "null" in uses and any('"interleaved_heads"' in u for u in uses):
+        return {u: n for u, n in uses.items() if u != "null"}
+    return uses
+
+
+@dataclass(frozen=True)
+class HeadsMark:
+    """A value whose sharded dim is the heads of ``weights``' output (``heads`` globally).
+    ``replicated``: each rank holds one copy of a head (tp > heads); ``expanded``: after
+    repeat_kv's expand, the sharded (heads, n_rep) dim pair."""
+    weights: frozenset
+    heads: int
+    replicated: bool
+    expanded: bool = False
+
+
+def _describe(layout) -> str:
+    return "an evenly split tensor" if layout is None else f"a {layout['kind']} tensor"
+
+
+def inputs_of(node):
+    return [a for a in node.all_input_nodes]
+
+
+def placement(prop, n):
+    return prop.placements.get(n.name) if isinstance(n, fx.Node) else None
+
+
+def mark_not_replicable(prop, marks) -> None:
+    for m in marks:
+        if m.replicated:
+            prop.not_replicable |= m.weights
+
+
+def record_use(prop, weights, layout, node) -> None:
+    key = json.dumps(layout, sort_keys=True)
+    name = node if isinstance(node, str) else node.name
+    for w in weights:
+        prop.uses.setdefault(w, {}).setdefault(key, name)
+
+
+def add_constraint(prop, size, what, module, detail, weights=frozenset()):
+    prop.constraints.append(Constraint(int(size), what, module, detail, frozenset(weights)))
+
+
+def add_rewrite(prop, node, arg_index, list_index, new):
+    prop.rewrites.setdefault(node.name, []).append((arg_index, list_index, new))
+
+
+def sizes_arg(node):
+    return list(node.args[1])
+
+
+def dim_arg(node, i, rank=None):
+    d = node.args[i] if len(node.args) > i else node.kwargs.get("dim", 0)
+    rank = len(shape(node.args[0])) if rank is None else rank
+    return d % rank if isinstance(d, int) else d

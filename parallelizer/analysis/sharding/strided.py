@@ -1,0 +1,171 @@
+"""(batch, heads) merges: a sharded heads dim merged with the dims before it into one dim
+(BLOOM's ``reshape(B, H, T, D) -> (B * H, T, D)`` before ``baddbmm``/``bmm``).
+
+Element ``b * H + h`` of the merged dim lives on the rank holding head ``h``, so each rank's
+piece is ``b * (H / tp) + h_local``: DTensor's ``_StridedShard`` (torch 2.13,
+torch/distributed/tensor/_ops/_view_ops.py, a flattened dim whose inner part is sharded).
+The placement stays the merged dim's index; ``prop.strided`` records that the dim is such a
+merge (with the global heads), so only ops that treat it element by element carry it (the
+batched matmuls, elementwise ops, transposes of other dims), a view that splits it back into
+(batch, heads) gives the plain Shard again, and a value sharded the plain way never meets it.
+
+The merged size constant becomes local: an int ``B * H`` is divided by tp, a size computed
+as ``sym_size * H`` (``operator.mul``) has its ``H`` rewritten (every view using that size
+node must be such a merge, checked after the run).
+
+A replicated operand with the full merged dim (BLOOM's ALiBi ``(B * H, 1, T)``, the slopes
+per head repeated over the batch) is traced back through same-shape ops to the ``repeat``
+that tiled it; the repeat's input (per head) is then cut by each rank to its block of heads
+(``narrow``: :func:`parallelizer.runtime.tp.scatter_to_tp_region`, a Replicate -> Shard
+with no communication), and the repeat of that block is strided like the other operands.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch.fx as fx
+
+from ..graph_facts import aten, expr, is_tensor, module_path, prod, same, shape
+from .state import INVALID, add_constraint, add_rewrite, inputs_of, placement, sizes_arg
+
+_SAME = {aten.to.dtype, aten._to_copy.default, aten.clone.default, aten.contiguous.default,
+         aten.alias.default, aten.detach.default, aten.type_as.default}
+
+
+def merge_view(node, prop, tp, d):
+    """view/reshape merging the sharded dim ``d`` (innermost) with dims before it."""
+    src = node.args[0]
+    ins, outs = shape(src), shape(node)
+    e = next((e for e in range(len(outs)) if same(prod(outs[:e + 1]), prod(ins[:d + 1]))), None)
+    if e is None or src.name in prop.strided or not any(
+            same(prod(ins[:a]), prod(outs[:e])) for a in range(d)):
+        return INVALID
+    heads = int(expr(ins[d]))
+    add_constraint(prop, heads, "heads", module_path(node),
+                   f"dim {e} of the {_op(node)} (batch and heads merged)")
+    if not local_merged_size(node, prop, e, heads, tp):
+        return INVALID
+    prop.strided[node.name] = heads
+    return e
+
+
+def strided_view(node, prop, tp, d):
+    """A view of a merged value: one that splits it back into (.., heads) gives the plain
+    Shard of the heads dim; one that keeps the dim keeps the merge."""
+    src = node.args[0]
+    ins, outs = shape(src), shape(node)
+    heads = prop.strided[src.name]
+    sizes = sizes_arg(node)
+    e = next((e for e in range(len(outs)) if same(prod(outs[:e + 1]), prod(ins[:d + 1]))), None)
+    if e is None:
+        return INVALID
+    if same(prod(outs[:e]), prod(ins[:d])):  # the merged dim kept as it is
+        if not local_merged_size(node, prop, e, heads, tp):
+            return INVALID
+        prop.strided[node.name] = heads
+        return e
+    if not same(outs[e], heads):
+        return INVALID
+    add_constraint(prop, heads, "heads", module_path(node), f"dim {e} of the {_op(node)}")
+    if e < len(sizes) and isinstance(sizes[e], int) and sizes[e] != -1:
+        add_rewrite(prop, node, 1, e, heads // tp)
+    elif e < len(sizes) and isinstance(sizes[e], fx.Node):
+        return INVALID
+    return e
+
+
+def local_merged_size(node, prop, e, heads, tp) -> bool:
+    """Rewrite the size at dim ``e`` of a view merging ``heads`` (sharded) with other dims
+    to its local value; False when it is neither an int nor ``sym_size * heads``."""
+    sizes = sizes_arg(node)
+    size = sizes[e] if e < len(sizes) else None
+    if isinstance(size, int):
+        if size != -1:
+            add_rewrite(prop, node, 1, e, size // tp)
+        return True
+    if isinstance(size, fx.Node) and size.target is operator.mul:
+        at = [i for i, a in enumerate(size.args) if isinstance(a, int) and a == heads]
+        if at:
+            add_rewrite(prop, size, at[0], None, heads // tp)
+            prop.strided_sizes.setdefault(size.name, set()).add(node.name)
+            return True
+    return False
+
+
+def repeat_rule(node, prop, tp):
+    """repeat: a sharded dim repeated once stays; repeated ``r`` times (the batch tiled over
+    per-head values: ``b * H + h``) it becomes a merge with the heads inner."""
+    src = node.args[0]
+    d = placement(prop, src)
+    repeats = list(node.args[1])
+    k = d + len(repeats) - len(shape(src))
+    if isinstance(repeats[k], int) and repeats[k] == 1:
+        return k
+    if src.name in prop.strided:
+        return INVALID
+    prop.strided[node.name] = int(expr(shape(src)[d]))
+    return k
+
+
+def carry_strided(node, prop, out) -> bool:
+    """After a rule: the merge marker follows a sharded dim the op keeps (False: a merged
+    value met a plain shard, or merges of different heads)."""
+    kinds = {prop.strided.get(a.name) for a in inputs_of(node)
+             if placement(prop, a) is not None and is_tensor(a)}
+    if kinds == {None} or not kinds:
+        return True
+    if len(kinds) > 1:
+        return False
+    if node.name not in prop.strided and isinstance(out, int):
+        prop.strided[node.name] = kinds.pop()
+    return True
+
+
+def check_sizes(graph, prop) -> list:
+    """Size nodes rewritten for a merge but also sizing a view that is not one: (node name,
+    reason) conflicts."""
+    by_name = {n.name: n for n in graph.nodes}
+    out = []
+    for name, views in prop.strided_sizes.items():
+        others = [u.name for u in by_name[name].users if u.name not in views]
+        if others:
+            out.append((others[0], views, f"the size {name} (batch x heads) also sizes {others[0]}"
+                                          f", which is not a (batch, heads) merge"))
+    return out
+
+
+def request_narrow(node, prop, groups) -> None:
+    """``node`` could not take a merged operand with a replicated one of the full merged
+    size: ask the next run to cut the per-head value the replicated one was tiled from."""
+    merged = [a for a in inputs_of(node)
+              if a.name in prop.strided and placement(prop, a) is not None]
+    if not merged:
+        return
+    a = merged[0]
+    d, size = placement(prop, a), shape(a)[placement(prop, a)]
+    for b in inputs_of(node):
+        if not is_tensor(b) or placement(prop, b) is not None:
+            continue
+        k = d - (len(shape(a)) - len(shape(b)))
+        if k < 0 or not same(shape(b)[k], size):
+            continue
+        while b.op == "call_function" and b.target in _SAME:
+            b = b.args[0]
+        if b.op != "call_function" or b.target is not aten.repeat.default:
+            continue
+        inner = b.args[0]
+        kk = k - (len(b.args[1]) - len(shape(inner)))
+        if kk >= 0 and same(shape(inner)[kk], prop.strided[a.name]):
+            prop.narrow_requests[inner.name] = (kk, frozenset(groups))
+
+
+def narrowed(node, prop):
+    """A value each rank cuts to its block along ``dim`` (requested by :func:`request_narrow`)."""
+    dim, groups = prop.narrow[node.name]
+    add_constraint(prop, int(expr(shape(node)[dim])), "heads", module_path(node),
+                   f"dim {dim} of {node.target} (cut to the rank's heads)")
+    return dim, groups
+
+
+def _op(node) -> str:
+    return node.target.__name__.split(".")[0]

@@ -1,0 +1,196 @@
+"""The (tp, pp) layout a checkpoint converts to, computed from the checkpoint alone.
+
+- tp: every tensor keeps its ``tp_dim`` and layout kind (:mod:`parallelizer.plan.layouts`);
+  :func:`relayout` adapts the layout's degree-dependent parts (replicated kv heads turn
+  into an even split when tp <= kv heads and back; vocab padding is recomputed) and refuses
+  degrees that do not fit, naming the tensor and the tp values that do.
+- pp: the manifest carries ``structure`` (ParallelPlan.structure): the blocks, the costs the
+  compiler gave the pipeline partitioner (FLOPs of the cost model) and, per tensor, the
+  cost-model units of its readers (0 before the blocks, 1 + i block i, n + 1 after), the
+  blocks' parts (runs of direct children, for cuts inside a block) and the parts of its
+  readers inside blocks. A
+  split fixed by ``pipeline.split_points``/``layers_per_stage`` is not reproduced (those name
+  one pp): pass ``--plan OUT`` of the program compiled with it.
+  :func:`repartition` calls the same partitioner (planning/pipeline.py) through
+  :func:`_partition`, so a program compiled for the new pp expects exactly these stages.
+  The target has ``virtual_stages`` stages per pp rank (default 1): ``pp x virtual_stages``
+  stages from the same partitioner (files are per stage, so a program compiled for pp=P,
+  ``pipeline.virtual_stages``=V under either placement reads them). A checkpoint keeps its
+  stages when neither pp nor ``virtual_stages`` is asked to change.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Optional
+
+from parallelizer.checkpoint.writer import Layout, optim_entry
+from parallelizer.errors import CheckpointError, PlanError
+from parallelizer.plan.layouts import local_length
+from parallelizer.plan.parallel_plan import TensorPlan
+from parallelizer.planning.pipeline import plan_pipeline
+from parallelizer.planning.stages import tensor_stages
+
+_MAX_TP = 128
+
+
+def source_layout(manifest: dict) -> Layout:
+    """The checkpoint's own :class:`Layout`, rebuilt from its manifest."""
+    tensors, params = {}, {}
+    for name, e in manifest["tensors"].items():
+        tensors[name] = TensorPlan(name, tuple(e["shape"]), e["dtype"], e["tp_dim"],
+                                   tuple(e["stages"]), e["is_buffer"], e.get("role", "replicate"),
+                                   e.get("layout"))
+        if e.get("kind") == "optim":
+            params[name] = e["param"]
+    return Layout(dict(manifest["mesh"]), tensors, params, dict(manifest.get("aliases", {})),
+                  dict(manifest.get("structure") or {}), manifest.get("plan_hash", ""),
+                  manifest.get("train"), manifest.get("num_stages", manifest["mesh"]["pp"]))
+
+
+def relayout(tplan: TensorPlan, tp: int) -> Optional[dict]:
+    """``tplan.layout`` adapted to tp degree ``tp``.
+
+    Raises:
+        CheckpointError: ``tp`` does not fit the tensor; names it, its shape and layout and
+            the tp values up to 128 that fit.
+    """
+    d = tplan.tp_dim
+    if d is None:
+        return None
+    layout = _adapt(tplan.layout, tplan.shape[d], tp)
+    try:
+        _check(layout, tplan.shape[d], tp)
+    except ValueError as e:
+        fits = [t for t in range(1, _MAX_TP + 1) if _fits(tplan, t)]
+        raise CheckpointError(
+            f"tp={tp} does not fit {tplan.fqn} (shape {tplan.shape}, sharded on dim {d}, layout "
+            f"{tplan.layout or 'even split'}): {e}; tp values that fit this tensor: "
+            f"{', '.join(map(str, fits)) or 'none'}") from None
+    return layout
+
+
+def _adapt(layout: Optional[dict], n: int, tp: int) -> Optional[dict]:
+    kind = (layout or {}).get("kind")
+    if kind == "replicated_heads" and tp <= layout["heads"]:
+        # heads stay whole under the even split; head_dim kept to replicate again later
+        return {"kind": "interleaved_heads", "heads": layout["heads"], "head_dim": layout["head_dim"]}
+    if kind == "interleaved_heads" and "head_dim" in layout and tp > layout["heads"]:
+        return {"kind": "replicated_heads", "heads": layout["heads"], "head_dim": layout["head_dim"]}
+    if kind == "padded":
+        unit = layout.get("multiple", 1) * tp
+        return {**layout, "padded_size": -(-n // unit) * unit}
+    if kind == "fused" and layout.get("part_layouts"):  # Falcon's copied k / v heads
+        return {**layout, "part_layouts": [_adapt(pl, p, tp) for p, pl in
+                                           zip(layout["parts"], layout["part_layouts"])]}
+    return layout
+
+
+def _check(layout: Optional[dict], n: int, tp: int) -> None:
+    """ValueError when ``layout`` cannot hold a dim of ``n`` at degree ``tp``."""
+    local_length(n, layout, tp)
+    if (layout or {}).get("kind") == "interleaved_heads" and layout["heads"] % tp:
+        raise ValueError(f"tp degree {tp} does not divide the {layout['heads']} heads")
+    if (layout or {}).get("kind") == "fused":
+        for p, pl in zip(layout["parts"], layout.get("part_layouts") or []):
+            _check(pl, p, tp)
+
+
+def _fits(tplan: TensorPlan, tp: int) -> bool:
+    try:
+        n = tplan.shape[tplan.tp_dim]
+        _check(_adapt(tplan.layout, n, tp), n, tp)
+        return True
+    except ValueError:
+        return False
+
+
+def _partition(structure: dict, pp: int):
+    """The PipelineDecision for ``pp`` stages: the compiler's partitioner on the recorded
+    costs and block parts (the one place to adapt when the partitioner's signature changes)."""
+    parts = [[tuple(p) for p in runs] for runs in structure.get("block_parts") or []]
+    return plan_pipeline(list(structure["block_costs"]), structure["pre_cost"],
+                         structure["post_cost"], pp, tuple(structure["blocks"]), parts=parts)
+
+
+def repartition(structure: dict, pp: int) -> dict[str, tuple[int, ...]]:
+    """fqn -> stages holding it when the blocks are split into ``pp`` stages.
+
+    Raises:
+        CheckpointError: the checkpoint carries no pipeline structure (written from a plan
+            compiled before it was recorded) or ``pp`` exceeds the number of blocks.
+    """
+    if not structure or "uses" not in structure:
+        raise CheckpointError(
+            "this checkpoint records no pipeline structure (manifest.json 'structure'), so its "
+            "stages cannot be re-partitioned without the model; recompile the program and save "
+            "the checkpoint again, or pass --plan OUT of a program compiled for the new mesh")
+    try:
+        decision = _partition(structure, pp)
+    except PlanError as e:
+        raise CheckpointError(f"--pp {pp}: {e}") from None
+    return tensor_stages(decision, structure["uses"], structure.get("part_uses", {}))
+
+
+def target_layout(manifest: dict, tp: int, pp: int, dp: Optional[int] = None,
+                  virtual_stages: Optional[int] = None) -> Layout:
+    """The checkpoint's tensors re-laid out for (tp, pp): same tp_dim and layout kind,
+    stages from :func:`repartition` into ``pp x virtual_stages`` stages (``virtual_stages``
+    None: 1, or the checkpoint's stages kept when pp is unchanged); optimizer state follows
+    its parameter.
+
+    Raises:
+        CheckpointError: from :func:`relayout` and :func:`repartition`.
+    """
+    src = source_layout(manifest)
+    if virtual_stages is None and pp == src.mesh["pp"]:
+        num_stages = src.stages()
+    else:
+        num_stages = pp * (virtual_stages or 1)
+    keep = pp == src.mesh["pp"] and num_stages == src.stages()
+    stages = None if keep else repartition(src.structure, num_stages)
+    model = {}
+    for fqn, t in src.model_tensors().items():
+        st = t.stages if stages is None else stages.get(fqn)
+        if st is None:
+            raise CheckpointError(f"{fqn} is not in the checkpoint's pipeline structure; it "
+                                  "cannot be placed on a stage without the model")
+        try:
+            model[fqn] = replace(t, layout=relayout(t, tp), stages=st)
+        except CheckpointError as e:
+            sharded = [x for x in src.model_tensors().values() if x.tp_dim is not None]
+            common = [d for d in range(1, _MAX_TP + 1) if all(_fits(x, d) for x in sharded)]
+            raise CheckpointError(f"{e}; tp values that fit every tensor of this checkpoint: "
+                                  f"{', '.join(map(str, common))}") from None
+    tensors = dict(model)
+    for name, fqn in src.params.items():
+        tensors[name] = optim_entry(model[fqn], name, src.tensors[name].dtype)
+    mesh = {"pp": pp, "dp": src.mesh["dp"] if dp is None else dp, "tp": tp}
+    return Layout(mesh, tensors, dict(src.params), src.aliases, src.structure, "", src.train,
+                  num_stages)
+
+
+def plan_layout(manifest: dict, plan) -> Layout:
+    """The layout of a compiled program's ``plan`` for this checkpoint's tensors.
+
+    Raises:
+        CheckpointError: the plan's tensors differ from the checkpoint's (names, shapes or
+            dtypes): the checkpoint is of another model.
+    """
+    src = source_layout(manifest)
+    ours = src.model_tensors()
+    diff = [f"{k}: checkpoint {ours[k].shape} {ours[k].dtype}, plan {v.shape} {v.dtype}"
+            for k, v in sorted(plan.tensors.items()) if k in ours
+            and (tuple(ours[k].shape) != tuple(v.shape) or ours[k].dtype != v.dtype)]
+    missing, extra = sorted(set(plan.tensors) - set(ours)), sorted(set(ours) - set(plan.tensors))
+    if diff or missing or extra:
+        raise CheckpointError(
+            f"the plan does not describe this checkpoint's model: missing {missing[:3]}, "
+            f"unexpected {extra[:3]}, differing {diff[:3]}")
+    tensors = dict(plan.tensors)
+    if plan.mesh["tp"] == 1:  # a tp=1 plan has no placements: keep the checkpoint's for later
+        tensors = {k: replace(v, tp_dim=ours[k].tp_dim, role=ours[k].role,
+                              layout=relayout(ours[k], 1)) for k, v in tensors.items()}
+    for name, fqn in src.params.items():
+        tensors[name] = optim_entry(tensors[fqn], name, src.tensors[name].dtype)
+    return Layout(dict(plan.mesh), tensors, dict(src.params), dict(plan.aliases),
+                  dict(plan.structure) or src.structure, plan.hash(), src.train, plan.num_stages)

@@ -1,0 +1,39 @@
+"""Reference results of the unmodified model on its example inputs, for ``run.py --verify``:
+inputs, flat outputs, loss, gradients and parameters after one optimizer step, all fp32 on
+CPU, keyed ``input.NAME``, ``output.I``, ``loss``, ``grad.FQN``, ``param.FQN``. Dropout is
+inactive (the model stays in training mode), as in the program under ``--verify``."""
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from ..frontend.capture import split_args
+from ..runtime.optim import make_optimizer
+from ..runtime.rng import EagerDropoutOff
+
+
+def compute_reference(model: torch.nn.Module, batch, loss_fn, input_names, spec) -> dict:
+    """Run one training step of ``model`` (mutates it: call after snapshotting weights)
+    with ``spec.verify.optimizer`` at ``spec.optimizer.lr``."""
+    args, kwargs = split_args(batch)
+    flat_in, _ = tree_flatten((args, kwargs))
+    ref = {f"input.{n}": t.detach().clone().contiguous() for n, t in zip(input_names, flat_in)}
+    model.zero_grad(set_to_none=True)
+    with EagerDropoutOff():
+        outputs = model(*args, **kwargs)
+    loss = loss_fn(outputs, batch)
+    loss.backward()
+    flat_out, _ = tree_flatten(outputs)
+    ref["loss"] = loss.detach().reshape(())
+    for i, t in enumerate(flat_out):
+        ref[f"output.{i}"] = t.detach().contiguous()
+    named = dict(model.named_parameters())  # canonical names (first alias) only
+    for name, p in named.items():
+        if p.grad is not None:
+            ref[f"grad.{name}"] = p.grad.detach().clone()
+    opt = make_optimizer(named.values(), spec.verify.optimizer, spec.optimizer.lr,
+                         spec.optimizer.weight_decay)
+    opt.step()
+    for name, p in named.items():
+        ref[f"param.{name}"] = p.detach().clone()
+    return ref

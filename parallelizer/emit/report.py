@@ -1,0 +1,105 @@
+"""report.md: what the compiler decided and why, for a human."""
+from __future__ import annotations
+
+from ..plan.compression import dp_collectives, format_dp_collectives
+from ..plan.parallel_plan import ParallelPlan
+
+_DP = {0: "DDP", 1: "DDP + ZeroRedundancyOptimizer", 2: "FSDP2 per block, kept after forward",
+       3: "FSDP2 per block, resharded after forward"}
+
+
+def _fsdp_options(plan: ParallelPlan) -> str:
+    if plan.zero_stage < 2:
+        return ""
+    hsdp = (f"HSDP dp_replicate={plan.dp_replicate} x dp_shard={plan.mesh['dp'] // plan.dp_replicate}, "
+            if plan.dp_replicate > 1 else "")
+    return (f"; {hsdp}prefetch forward {plan.prefetch_forward} / backward {plan.prefetch_backward}, "
+            f"param_dtype {plan.param_dtype}, reduce_dtype {plan.reduce_dtype}"
+            + (", CPU offload" if plan.offload else ""))
+
+
+def render_report(plan: ParallelPlan, route: str, tp_lines, pipeline: dict, notes,
+                  pp_warnings=()) -> str:
+    m = plan.mesh
+    lines = ["# parallelizer report", "",
+             f"- mesh: pp={m['pp']} x dp={m['dp']} x tp={m['tp']} = {plan.world_size} ranks "
+             f"(order pp, dp, tp; tp innermost)",
+             f"- capture: {route}",
+             f"- schedule: {plan.schedule}, microbatches: {plan.microbatches}; "
+             f"data parallel: {_DP[plan.zero_stage]} over dp (zero_stage {plan.zero_stage})"
+             + _fsdp_options(plan),
+             "", "## Tensor parallel", ""]
+    lines += [f"- {line}" for line in tp_lines] or ["- tp=1: nothing sharded"]
+    sharded = [t for t in plan.tensors.values() if t.tp_dim is not None]
+    lines += ["", "| tensor | shape | placement | role |", "|---|---|---|---|"]
+    for t in sharded:
+        layout = f", {t.layout['kind']}" if t.layout else ""
+        lines.append(f"| {t.fqn} | {list(t.shape)} | Shard({t.tp_dim}){layout} | {t.role} |")
+    lines += dp_section(plan)
+    lines += pipeline_section(plan, pipeline, pp_warnings)
+    tied = [t.fqn for t in plan.tensors.values() if len(t.stages) > 1]
+    if tied:
+        lines += ["", f"Tied across stages (gradients summed between them): {', '.join(tied)}"]
+    if notes:
+        lines += [""] + [f"- {n}" for n in notes]
+    return "\n".join(lines) + "\n"
+
+
+def dp_section(plan: ParallelPlan) -> list[str]:
+    """``## Data-parallel gradient communication``: bytes per step of each dp gradient
+    collective on one rank, with and without ``data_parallel.compression``."""
+    rows = dp_collectives(plan)
+    if not rows:
+        return []
+    c = plan.compression
+    detail = ", ".join(f"{k} {v}" for k, v in c.items() if k != "method")
+    return ["", "## Data-parallel gradient communication", "",
+            f"- compression: {c.get('method', 'none')}" + (f" ({detail})" if detail else "")
+            + "; bytes per training step on one rank of each pp rank (tp rank 0), buffer and "
+              "sent with ring algorithms; powersgd after its warm-up", ""] + format_dp_collectives(rows)
+
+
+_SPLIT = {"balanced": "balanced by forward + backward FLOPs (contiguous min-max partition)",
+          "pipeline.split_points": "fixed by pipeline.split_points",
+          "pipeline.layers_per_stage": "fixed by pipeline.layers_per_stage"}
+
+
+def pipeline_section(plan: ParallelPlan, pipeline: dict, pp_warnings=(), pictures=True) -> list[str]:
+    """``## Pipeline stages``: per-stage cost table, imbalance, theoretical bubble, pictures."""
+    p, m, v = pipeline["pp"], pipeline["microbatches"], pipeline["virtual_stages"]
+    formula = f"(P-1)/(v*M+P-1), v={v}" if v > 1 else "(P-1)/(M+P-1)"
+    batch = "x".join(str(d) for d in pipeline["batch_shape"]) or "?"
+    lines = ["", "## Pipeline stages", "",
+             f"- split: {_SPLIT.get(pipeline['split'], pipeline['split'])}; imbalance "
+             f"{pipeline['imbalance']:.3f} (max / mean stage FLOPs)",
+             f"- theoretical bubble: {pipeline['bubble']:.1%} = {formula} with P={p}, M={m} "
+             f"({pipeline['schedule']})",
+             f"- FLOPs (all tp ranks of a stage together) and activation bytes are for one step "
+             f"of the example batch ({batch}), by torch.utils.flop_counter (matmul, attention, "
+             f"convolution)",
+             "", "| stage | blocks | GFLOP fwd | GFLOP bwd | parameter bytes | activation bytes sent | sends |",
+             "|---|---|---|---|---|---|---|"]
+    for st, s in zip(plan.stages, pipeline["stages"]):
+        blocks = _blocks_cell(st.blocks, s.get("children", {}))
+        lines.append(f"| {st.index} | {blocks} | {s['fwd_flops'] / 1e9:.4g} | {s['bwd_flops'] / 1e9:.4g} "
+                     f"| {s['param_bytes']:,} | {s['activation_bytes_sent']:,} "
+                     f"| {', '.join(st.outputs) or 'outputs'} |")
+    lines += [f"- warning: {w}" for w in pp_warnings]
+    lines += [f"- {n}" for n in pipeline["notes"]]
+    if pictures:
+        lines += ["", "![stage cost](pipeline_costs.png)"]
+    if pictures and p > 1:
+        lines += ["", "![schedule](pipeline_schedule.png)"]
+    return lines
+
+
+def _blocks_cell(blocks, children: dict) -> str:
+    """``model.layers.0 .. model.layers.3``; a block cut across stages names the children
+    held here: ``model.layers.4 (post_attention_layernorm, mlp)``."""
+    if not blocks:
+        return "-"
+
+    def one(b):
+        kids = children.get(b)
+        return f"{b} ({', '.join(k.rsplit('.', 1)[1] for k in kids)})" if kids else b
+    return " .. ".join(dict.fromkeys([one(blocks[0]), one(blocks[-1])]))

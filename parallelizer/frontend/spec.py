@@ -1,0 +1,426 @@
+"""The parallelization spec: YAML (OmegaConf) -> validated, frozen pydantic ``Spec``.
+
+Loading is two steps, as in Hydra-style configs: OmegaConf reads the file, merges
+``key=value`` overrides and resolves ``${...}`` interpolations (plus our ``${package:NAME}``
+resolver); pydantic then validates the plain dict against a schema that forbids unknown
+keys at every level. Every failure is a :class:`SpecError` with one short paragraph naming
+the dotted key, the value seen and what is allowed.
+
+Defaults::
+
+    mesh: {dp: 1, tp: 1, pp: 1}
+    pipeline: {microbatches: 1, schedule: 1f1b, virtual_stages: 1, split_points: null,
+               layers_per_stage: null}
+    zero_stage: 3
+    checkpoint: {path: null}
+    seed: 0
+    optimizer: {name: adamw, lr: 1.0e-3, weight_decay: 0.0}
+    verify: {atol: 1.0e-5, rtol: 1.0e-5, optimizer: sgd}
+    activation_checkpointing: {mode: none, every: 2}
+    fsdp: {prefetch: {forward: null, backward: null}, offload: false}   # null prefetch = 1
+    mixed_precision: {param_dtype: fp32, reduce_dtype: null}          # null = param_dtype
+    data_parallel: {compression: none, error_feedback: true,
+                    powersgd: {rank: null, start_iter: null}, topk: {ratio: null}}
+
+``mesh.dp_replicate``, ``fsdp.*`` and non-fp32 ``mixed_precision`` need FSDP2 (zero_stage
+2/3); under zero_stage 0/1 they are a SpecError rather than silently ignored or emulated
+with autocast (autocast would compute in low precision but keep fp32 gradients, a
+different contract from FSDP2's parameter/reduce dtypes).
+"""
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal, Optional, Sequence, Union
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from parallelizer.errors import SpecError
+from parallelizer.plan.schedules import check as check_schedule
+
+_STRICT = ConfigDict(extra="forbid", frozen=True, strict=True)
+_OVERRIDE_KEY = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+
+
+def _package_dir(name: str) -> str:
+    """OmegaConf resolver ``${package:NAME}``: directory of the installed package NAME.
+
+    Raises:
+        ValueError: NAME is not installed or is a single-file module (OmegaConf wraps it;
+            :func:`load_spec` reports it as a SpecError naming the key).
+    """
+    try:
+        found = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        found = None
+    if found is None:
+        raise ValueError(f"Python package '{name}' is not installed; pip install it or fix the name")
+    if not found.submodule_search_locations:
+        raise ValueError(f"'{name}' is a single-file module, not a package directory")
+    return str(Path(list(found.submodule_search_locations)[0]).resolve())
+
+
+# OmegaConf 2.4 renamed register_new_resolver (now deprecated) to register_resolver.
+_register = getattr(OmegaConf, "register_resolver", None) or OmegaConf.register_new_resolver
+_register("package", _package_dir, replace=True)
+
+
+class Mesh(BaseModel):
+    model_config = _STRICT
+    dp: int = Field(1, ge=1, description="an integer >= 1 (data-parallel degree)")
+    tp: int = Field(1, ge=1, description="an integer >= 1 (tensor-parallel degree)")
+    pp: int = Field(1, ge=1, description="an integer >= 1 (pipeline-parallel degree)")
+    dp_replicate: int = Field(1, ge=1, description="an integer >= 1 that divides mesh.dp (HSDP: "
+                                                   "dp = dp_replicate x dp_shard)")
+
+
+class Pipeline(BaseModel):
+    model_config = _STRICT
+    microbatches: int = Field(1, ge=1, description="an integer >= 1 (microbatches per step)")
+    schedule: str = Field("1f1b", description="a schedule name (see parallelizer.plan.schedules)")
+    virtual_stages: int = Field(1, ge=1, description="an integer >= 1 (pipeline stages per pp rank)")
+    split_points: Optional[list[str]] = Field(
+        None, description="null or a list of block FQNs where stages 1.. begin, e.g. "
+                          "['model.layers.16']")
+    layers_per_stage: Optional[list[Annotated[int, Field(ge=0)]]] = Field(
+        None, description="null or a list of block counts per stage, e.g. [15, 17]; each >= 1 "
+                          "but the last, which may be 0 (a stage of only the final norm and head)")
+
+    @model_validator(mode="after")
+    def _one_split_override(self) -> "Pipeline":
+        if self.split_points is not None and self.layers_per_stage is not None:
+            raise ValueError("set pipeline.split_points or pipeline.layers_per_stage, not both "
+                             f"(got {self.split_points} and {self.layers_per_stage})")
+        return self
+
+
+class Checkpoint(BaseModel):
+    model_config = _STRICT
+    path: Optional[str] = Field(
+        None, description="null or a path to a Hugging Face safetensors file or folder")
+
+
+class Optimizer(BaseModel):
+    model_config = _STRICT
+    name: Literal["adamw", "sgd"] = Field("adamw", description="one of 'adamw', 'sgd'")
+    lr: float = Field(1.0e-3, gt=0, description="a number > 0")
+    weight_decay: float = Field(0.0, ge=0, description="a number >= 0")
+
+
+class Verify(BaseModel):
+    model_config = _STRICT
+    atol: float = Field(1.0e-5, ge=0, description="a number >= 0 (absolute tolerance)")
+    rtol: float = Field(1.0e-5, ge=0, description="a number >= 0 (relative tolerance)")
+    # SGD by default: Adam's first step is about lr * sign(g), so fp32 rounding in a
+    # near-zero gradient flips whole updates; gradients are compared directly anyway.
+    optimizer: Literal["sgd", "adamw"] = Field(
+        "sgd", description="one of 'sgd', 'adamw' (optimizer of the --verify step; lr from optimizer.lr)")
+
+
+class TensorParallel(BaseModel):
+    model_config = _STRICT
+    allow_replicated: bool = Field(
+        False, description="true or false (at mesh.tp > 1, run even when no weight matrix "
+                           "could be sharded, instead of failing the compile)")
+    vocab_parallel: Literal["auto", True, False] = Field(
+        "auto", description="'auto', true or false (shard the vocabulary embedding and LM head "
+                            "over tp, Megatron-LM §3: 'auto' whenever tp > 1 and the graph "
+                            "allows, report.md says why not; true: an error naming the blocker "
+                            "when it cannot apply; false: keep them replicated)")
+    sequence_parallel: Union[Literal["auto"], bool] = Field(
+        "auto", description="one of 'auto', true, false (sequence parallelism, Korthikanti et "
+                            "al. 2022 §4.2.2: norms, dropout and residual adds between the "
+                            "tensor-parallel regions run on 1/tp of the sequence; auto: on "
+                            "whenever mesh.tp > 1 and the graph allows, report.md says why "
+                            "not; true: a compile error naming the blocker when it cannot "
+                            "apply)")
+
+    @property
+    def sequence_parallel_mode(self) -> str:
+        """"auto", "true" or "false"."""
+        v = self.sequence_parallel
+        return v if isinstance(v, str) else ("true" if v else "false")
+
+
+class ActivationCheckpointing(BaseModel):
+    model_config = _STRICT
+    mode: Literal["none", "full", "selective"] = Field(
+        "none", description="one of 'none', 'full' (every block), 'selective' (every k-th block)")
+    every: int = Field(2, ge=1, description="an integer >= 1 (k of 'selective')")
+
+
+class Prefetch(BaseModel):
+    model_config = _STRICT
+    # None = the default (1); kept distinct so that setting it under zero_stage 0/1 is an error
+    forward: Optional[int] = Field(None, ge=0, description="null or an integer >= 0 (FSDP units "
+                                   "all-gathered ahead in forward; default 1)")
+    backward: Optional[int] = Field(None, ge=0, description="null or an integer >= 0 (FSDP units "
+                                    "all-gathered ahead in backward; default 1)")
+
+
+class Fsdp(BaseModel):
+    model_config = _STRICT
+    prefetch: Prefetch = Prefetch()
+    offload: bool = Field(False, description="true or false (FSDP2 CPUOffloadPolicy: sharded "
+                                             "parameters, gradients and optimizer state on the CPU)")
+
+
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+class MixedPrecision(BaseModel):
+    model_config = _STRICT
+    param_dtype: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="one of 'fp32', 'bf16', 'fp16' (dtype of the gathered parameters "
+                            "in forward and backward)")
+    reduce_dtype: Optional[Literal["fp32", "bf16", "fp16"]] = Field(
+        None, description="null (= param_dtype) or one of 'fp32', 'bf16', 'fp16' (dtype of the "
+                          "gradient reduce-scatter / all-reduce)")
+
+
+class PowerSgd(BaseModel):
+    model_config = _STRICT
+    # None = the default (1 / 10); kept distinct so that setting it for another method is an error
+    rank: Optional[int] = Field(None, ge=1, description="null (= 1) or an integer >= 1 (rank r of "
+                                "the low-rank approximation P Q^T of each gradient matrix)")
+    start_iter: Optional[int] = Field(
+        None, ge=2, description="null (= 10) or an integer >= 2 (steps reduced uncompressed "
+                                "before PowerSGD starts; torch's powerSGD_hook needs >= 2)")
+
+
+class TopK(BaseModel):
+    model_config = _STRICT
+    ratio: Optional[float] = Field(None, gt=0, le=1, description="null (= 0.01) or a number in "
+                                   "(0, 1] (fraction of each gradient tensor's entries sent)")
+
+
+class DataParallel(BaseModel):
+    model_config = _STRICT
+    compression: Literal["none", "fp16", "bf16", "powersgd", "topk"] = Field(
+        "none", description="one of 'none', 'fp16', 'bf16', 'powersgd', 'topk' (gradient "
+                            "compression of the data-parallel reduction)")
+    error_feedback: bool = Field(True, description="true or false (powersgd/topk: add what "
+                                 "compression dropped to the next step's gradient)")
+    powersgd: PowerSgd = PowerSgd()
+    topk: TopK = TopK()
+
+
+class Spec(BaseModel):
+    """A validated, immutable spec. Build it with :func:`load_spec`."""
+
+    model_config = _STRICT
+    mesh: Mesh = Mesh()
+    pipeline: Pipeline = Pipeline()
+    zero_stage: Literal[0, 1, 2, 3] = Field(
+        3, description="one of 0 (DDP), 1 (DDP + ZeroRedundancyOptimizer), 2 (FSDP2, "
+                       "parameters kept after forward), 3 (FSDP2, resharded after forward)")
+    checkpoint: Checkpoint = Checkpoint()
+    seed: int = Field(0, ge=0, description="an integer >= 0")
+    optimizer: Optimizer = Optimizer()
+    verify: Verify = Verify()
+    activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing()
+    fsdp: Fsdp = Fsdp()
+    mixed_precision: MixedPrecision = MixedPrecision()
+    tensor_parallel: TensorParallel = TensorParallel()
+    data_parallel: DataParallel = DataParallel()
+
+    @model_validator(mode="after")
+    def _check_compression(self) -> "Spec":
+        from parallelizer.plan.compression import check_compression  # pure checks, kept beside the hooks' docs
+        problem = check_compression(self)
+        if problem:
+            raise ValueError(problem)
+        return self
+
+    @model_validator(mode="after")
+    def _check_data_parallel(self) -> "Spec":
+        """Combinations that need FSDP2 (zero_stage 2/3), and the HSDP split."""
+        dp, rep, z = self.mesh.dp, self.mesh.dp_replicate, self.zero_stage
+        if dp % rep:
+            divisors = [d for d in range(1, dp + 1) if dp % d == 0]
+            raise ValueError(f"mesh.dp_replicate ({rep}) must divide mesh.dp ({dp}): HSDP splits "
+                             f"dp into dp_replicate x dp_shard; valid choices: {divisors}.")
+        if z in (0, 1):
+            mp = self.mixed_precision
+            needs = [("mesh.dp_replicate", rep, rep != 1),
+                     ("fsdp.offload", "true", self.fsdp.offload),
+                     ("fsdp.prefetch.forward", self.fsdp.prefetch.forward, self.fsdp.prefetch.forward is not None),
+                     ("fsdp.prefetch.backward", self.fsdp.prefetch.backward, self.fsdp.prefetch.backward is not None),
+                     ("mixed_precision.param_dtype", mp.param_dtype, mp.param_dtype != "fp32"),
+                     ("mixed_precision.reduce_dtype", mp.reduce_dtype, mp.reduce_dtype not in (None, "fp32"))]
+            for key, value, bad in needs:
+                if bad:
+                    raise ValueError(
+                        f"{key}={value} needs FSDP2, i.e. zero_stage 2 or 3, but zero_stage is {z} "
+                        f"(DDP{' + ZeroRedundancyOptimizer' if z == 1 else ''}, which has no such "
+                        f"policy); set zero_stage=2 or zero_stage=3, or remove {key}.")
+        return self
+
+    @model_validator(mode="after")
+    def _check_schedule(self) -> "Spec":
+        # the installed torch's schedule classes check these only when built on the cluster
+        p = self.pipeline
+        problem = check_schedule(p.schedule, self.mesh.pp, p.virtual_stages, p.microbatches)
+        if problem:
+            raise ValueError(problem)
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-serialisable dict of every key, defaults included."""
+        return self.model_dump(mode="json")
+
+
+def load_spec(path: str | Path, overrides: Sequence[str] = ()) -> Spec:
+    """Load a spec YAML, apply ``key=value`` overrides, resolve and validate it.
+
+    Overrides are merged after the file (``mesh.tp=2``; values parse as YAML). A relative
+    ``checkpoint.path`` is resolved against the spec file's directory, or against the
+    current directory when the path itself came from an override.
+
+    Raises:
+        SpecError: missing/unreadable file, YAML syntax error, malformed override,
+            interpolation failure, unknown key, wrong type or out-of-range value.
+    """
+    if isinstance(overrides, str):
+        raise SpecError(f"overrides must be a list of 'KEY=VALUE' strings, got the string "
+                        f"{overrides!r}; pass [{overrides!r}]")
+    path = Path(path)
+    cfg = _load_yaml(path)
+    for item in overrides:
+        try:
+            cfg = OmegaConf.merge(cfg, _parse_override(item))
+        except OmegaConfBaseException as e:
+            raise SpecError(f"cannot apply override '{item}': {_omegaconf_msg(e)}") from None
+    try:
+        data = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "?"
+        raise SpecError(f"{key}: cannot resolve the value in {path}: {_omegaconf_msg(e)}") from None
+    from_override = any(o.split("=", 1)[0].strip() == "checkpoint.path" for o in overrides)
+    _resolve_checkpoint_path(data, Path.cwd() if from_override else path.resolve().parent)
+    try:
+        return Spec.model_validate(data)
+    except ValidationError as e:
+        sources = {o.split("=", 1)[0].strip(): o for o in overrides}
+        raise SpecError(f"invalid spec {path}: " + _format_errors(e, sources)) from None
+
+
+def _load_yaml(path: Path) -> DictConfig:
+    """Read ``path`` with OmegaConf. Raises SpecError: missing file, bad YAML, not a mapping."""
+    if not path.is_file():
+        raise SpecError(f"spec file {path} does not exist (or is not a file); pass the path to a YAML spec")
+    try:
+        cfg = OmegaConf.load(path)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise SpecError(f"spec file {path} is not valid YAML{where}: {problem}") from None
+    except (OSError, OmegaConfBaseException, UnicodeDecodeError) as e:
+        raise SpecError(f"cannot read spec file {path}: {_omegaconf_msg(e)}") from None
+    if not isinstance(cfg, DictConfig):
+        raise SpecError(f"spec file {path} must be a YAML mapping (key: value), got a list")
+    return cfg
+
+
+def _parse_override(item: str) -> DictConfig:
+    """Parse one ``dotted.key=value`` override. Raises SpecError naming the override."""
+    key, eq, _ = item.partition("=")
+    if not eq or not _OVERRIDE_KEY.match(key.strip()):
+        raise SpecError(f"malformed override '{item}': expected KEY=VALUE with a dotted key, "
+                        f"e.g. mesh.tp=2")
+    try:
+        return OmegaConf.from_dotlist([item])
+    except (OmegaConfBaseException, yaml.YAMLError, ValueError) as e:
+        raise SpecError(f"malformed override '{item}': {_omegaconf_msg(e)}") from None
+
+
+def _resolve_checkpoint_path(data: Any, base: Path) -> None:
+    """Make a relative string ``checkpoint.path`` absolute against ``base`` (in place)."""
+    ckpt = data.get("checkpoint") if isinstance(data, dict) else None
+    if isinstance(ckpt, dict) and isinstance(ckpt.get("path"), str) and ckpt["path"]:
+        p = Path(ckpt["path"]).expanduser()
+        ckpt["path"] = os.path.normpath(p if p.is_absolute() else base / p)
+
+
+def _omegaconf_msg(e: BaseException) -> str:
+    """First line of an OmegaConf/YAML error (drops its full_key/object_type dump)."""
+    msg = str(getattr(e, "msg", None) or str(e) or type(e).__name__).strip().splitlines()[0]
+    return re.sub(r"^\w+ raised while resolving interpolation: ", "", msg)
+
+
+def _format_errors(err: ValidationError, sources: dict[str, str]) -> str:
+    """One paragraph, one sentence per pydantic error, naming key, value and what is allowed;
+    ``sources`` maps an override's dotted key to the override, cited when it set the value."""
+    out = []
+    for d in err.errors(include_url=False):
+        key = ".".join(str(p) for p in d["loc"])
+        origin = [o for k, o in sources.items() if key == k or key.startswith(k + ".")]
+        text = _format_one(d)
+        out.append(text[:-1] + f" (set by override '{origin[-1]}')." if origin else text)
+    return " ".join(out)
+
+
+def _format_one(d: dict) -> str:
+    loc = tuple(str(p) for p in d["loc"])
+    key = ".".join(loc)
+    if d["type"] == "extra_forbidden":
+        return _unknown_key(loc, d["input"])
+    if d["type"] == "value_error":  # a model-level validator (cross-field check)
+        return str(d["ctx"]["error"])
+    if not loc:  # top level not a mapping
+        return f"the spec must be a mapping of {_keys_of(Spec)}, got {_show(d['input'])}."
+    return f"{key} must be {_describe(loc)}, got {_show(d['input'])}."
+
+
+def _unknown_key(loc: tuple[str, ...], value: Any) -> str:
+    parent = _model_at(loc[:-1])
+    level = f"under {'.'.join(loc[:-1])}" if loc[:-1] else "at the top level"
+    allowed = list(parent.model_fields) if parent else []
+    close = difflib.get_close_matches(loc[-1], allowed, n=1, cutoff=0.5)
+    hint = f" Did you mean '{'.'.join(loc[:-1] + (close[0],))}'?" if close else ""
+    return (f"unknown key '{'.'.join(loc)}' (value {_show(value)}).{hint} "
+            f"Allowed keys {level}: {', '.join(allowed)}.")
+
+
+def _model_at(loc: tuple[str, ...]) -> Optional[type[BaseModel]]:
+    """The schema model class at a dotted location, or None when it is not a section."""
+    cls: Any = Spec
+    for part in loc:
+        if not (isinstance(cls, type) and issubclass(cls, BaseModel)) or part not in cls.model_fields:
+            return None
+        cls = cls.model_fields[part].annotation
+    return cls if isinstance(cls, type) and issubclass(cls, BaseModel) else None
+
+
+def _describe(loc: tuple[str, ...]) -> str:
+    """What is allowed at ``loc``: a section's keys or the field's description (a list
+    item, ``pipeline.layers_per_stage.0``, is described by its list's field)."""
+    while loc and loc[-1].isdigit():
+        loc = loc[:-1]
+    section = _model_at(loc)
+    if section is not None:
+        return f"a mapping with keys {_keys_of(section)}"
+    parent = _model_at(loc[:-1])
+    info = parent.model_fields.get(loc[-1]) if parent else None
+    return (info.description if info and info.description else "a valid value")
+
+
+def _keys_of(model: type[BaseModel]) -> str:
+    return ", ".join(model.model_fields)
+
+
+def _show(value: Any) -> str:
+    """A value as the user wrote it in YAML (null, true, 'text', 3), cut to 60 characters."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

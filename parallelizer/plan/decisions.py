@@ -1,0 +1,139 @@
+"""The planners' decisions that the passes read, as data: weights by parameter FQN, blocks
+by module FQN, shape-constant rewrites by node name of the captured graph (the one the
+passes rewrite). ``passes/``
+depends on this module, never on ``planning/`` (DESIGN.md §6: plans are data, passes read
+plans, passes never choose).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+# node.meta key the tensor_parallel pass sets on the Megatron operators it inserts: "f"
+# (copy_to_tp_region) or "g" (reduce_from_tp_region); later planners find them by it
+TP_OPERATOR = "tp_operator"
+
+
+@dataclass
+class TPDecision:
+    """Column/row weight FQNs (get_attr targets), the shape-constant rewrites and the
+    report. ``biases`` maps a linear weight FQN to its bias FQN; ``dims`` maps every sharded
+    weight and column bias to its sharded dim (``tp_dim``), ``layouts`` those with a layout
+    other than the even split to it (JSON data, :mod:`parallelizer.plan.layouts`)."""
+
+    column: set = field(default_factory=set)
+    row: set = field(default_factory=set)
+    biases: dict = field(default_factory=dict)
+    dims: dict = field(default_factory=dict)
+    layouts: dict = field(default_factory=dict)
+    rewrites: dict = field(default_factory=dict)
+    report: list = field(default_factory=list)
+    warnings: list = field(default_factory=list)  # also printed by the CLI
+    blockers: list = field(default_factory=list)  # "op at file:line in module: reason", in order
+    per_head: dict = field(default_factory=dict)  # per-head parameter fqn -> its heads dim
+    # node name -> dim: a replicated per-head value (ALiBi slopes) each rank cuts to its block
+    # of heads (runtime/tp.py scatter_to_tp_region), inserted after that node
+    narrows: dict = field(default_factory=dict)
+    # node name -> None (Replicate) | sharded dim, of the settled propagation; empty at tp=1
+    placements: dict = field(default_factory=dict)
+    # vocab_parallel (planning/vocab.py): embedding/head weight fqn (every name of a tied
+    # group) -> vocabulary rows; head weight fqns; flat model-output index -> vocabulary of
+    # the logits handed to loss_fn sharded (Shard(-1)) instead of gathered in the graph
+    vocab: dict = field(default_factory=dict)
+    vocab_heads: set = field(default_factory=set)
+    vocab_outputs: dict = field(default_factory=dict)
+    # node name of an aten.cross_entropy_loss over the head's logits -> vocabulary: computed
+    # vocab-parallel (runtime/vocab_loss.py), the logits never gathered for it
+    vocab_losses: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PipelineDecision:
+    blocks: tuple[str, ...]          # block FQNs in execution order
+    stage_of_block: tuple[int, ...]  # stage index per block (of its first part, if cut)
+    stage_costs: tuple[int, ...]     # cost per stage (the numbers given to plan_pipeline)
+    source: str = "balanced"         # "balanced", or the spec key that fixed the split
+    # (child FQN, stage) of every part of each block cut across stages, in order
+    part_stages: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_costs)
+
+    def stage_of_unit(self, unit: int, child: Optional[str] = None) -> int:
+        """The one map from cost-model units to stages (split_stages, the plan's tensor
+        stages, ``reshard --pp`` and the cost summary all call it). Units: 0 before the
+        blocks (stage 0), ``1 + i`` for block ``i``, ``len(blocks) + 1`` after the last
+        (last stage); ``child``: the direct child of a block whose run a node belongs to,
+        which decides the stage when that block is cut across stages."""
+        part = self.stage_of_part(child)
+        if part is not None:
+            return part
+        if unit == 0:
+            return 0
+        if unit > len(self.blocks):
+            return self.num_stages - 1
+        return self.stage_of_block[unit - 1]
+
+    def stage_of_part(self, child: Optional[str]) -> Optional[int]:
+        """The stage of a part (direct child FQN) of a block cut across stages, else None."""
+        return next((s for c, s in self.part_stages if c == child), None) if child else None
+
+    def is_cut(self, unit: int) -> bool:
+        """Whether block unit ``unit`` is cut across stages (its parts decide)."""
+        return 1 <= unit <= len(self.blocks) and len(self.stages_of_block(unit - 1)) > 1
+
+    def block_range(self, stage: int) -> range:
+        """Indices of the blocks ``stage`` holds, whole or in part (empty for a last stage
+        holding only the head)."""
+        idx = [i for i in range(len(self.blocks)) if stage in self.stages_of_block(i)]
+        return range(idx[0], idx[-1] + 1) if idx else range(len(self.blocks), len(self.blocks))
+
+    def stages_of_block(self, i: int) -> tuple[int, ...]:
+        """Stages holding a part of block ``i`` (one, unless it is cut)."""
+        mine = sorted({s for c, s in self.part_stages if _block_of_child(c) == self.blocks[i]})
+        return tuple(mine) or (self.stage_of_block[i],)
+
+    def children(self, stage: int) -> dict[str, list[str]]:
+        """block FQN -> the children of it ``stage`` holds, for blocks cut across stages."""
+        out: dict = {}
+        for c, s in self.part_stages:
+            if s == stage:
+                out.setdefault(_block_of_child(c), []).append(c)
+        return out
+
+
+def _block_of_child(child: str) -> str:
+    return child.rsplit(".", 1)[0]
+
+
+@dataclass
+class SequenceParallelDecision:
+    """Where the sequence-parallel regions are (Korthikanti et al. 2022, §4.2.2), by node
+    name of the graph the ``sequence_parallel`` pass rewrites (after tensor_parallel,
+    untie and rng_streams). A sequence placement is ``(dim, flat)``: the value holds its
+    sequence on ``dim``, or (``flat``) batch and sequence flattened into ``dim``.
+
+    ``region``: node -> placement of every value held as a sequence shard; ``reduce_scatter``
+    / ``all_gather``: the g / f nodes that become reduce-scatter / all-gather; ``splits``:
+    replicated value -> placement it enters the region with (local slice); ``exits``: region
+    value -> the outside nodes that read it (all-gathered for them); ``param_inputs``: (region
+    node, input) edges carrying a parameter broadcast over the sequence (its gradient is
+    partial over tp: an f sums it); ``views``: node -> positions ``(arg, index)`` of the
+    global sequence length in its sizes (replaced by the local one); ``seq``: (placeholder,
+    dim) holding the global sequence length, or an int when static."""
+
+    enabled: bool = False
+    tp: int = 1
+    region: dict = field(default_factory=dict)
+    reduce_scatter: dict = field(default_factory=dict)
+    all_gather: dict = field(default_factory=dict)
+    splits: dict = field(default_factory=dict)
+    exits: dict = field(default_factory=dict)
+    param_inputs: list = field(default_factory=list)
+    views: dict = field(default_factory=dict)
+    dropouts: dict = field(default_factory=dict)
+    seq: object = None
+    report: list = field(default_factory=list)
+    blocker: Optional[str] = None
