@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from parallelizer.runtime.imports import import_modules
 from parallelizer.plan.parallel_plan import ParallelPlan
 from parallelizer.runtime.loss import default_loss
-from parallelizer.runtime.main import _load_model_module
+from parallelizer.frontend.model_file import load_model_file
 from parallelizer.runtime.setup import init
 from parallelizer.runtime.stage_builder import build_stages
 from parallelizer.runtime.verify import run_verify
@@ -28,7 +28,7 @@ def main(outs: list[Path]) -> int:
     for out in outs:
         plan = ParallelPlan.from_json((out / "plan.json").read_text())
         spec = OmegaConf.to_container(OmegaConf.load(out / "spec.yaml"))
-        module = _load_model_module(out)
+        module = load_model_file(out / "model.py")
         assert import_modules(plan.imports) is None
         ctx = init(plan, "cpu")  # a new mesh per program, one process group
         stages = build_stages(out, plan, ctx)
