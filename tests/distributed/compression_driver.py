@@ -170,7 +170,7 @@ def main(gpt: Path, llama_pp: Path, llama_dp4: Path, tmp: Path) -> None:
     # HSDP 2 x 2 (ZeRO-3): fp16 as FSDP2's reduce dtype; powersgd/topk on the replicate all-reduce
     base = dataclasses.replace(ParallelPlan.from_json((llama_dp4 / "plan.json").read_text()),
                                zero_stage=3, dp_replicate=2)
-    module = _load_model_module(llama_dp4)
+    module = load_model_file(llama_dp4 / "model.py")
     verify_case(llama_dp4, dataclasses.replace(base, compression=METHODS["topk"]), module, "hsdp topk")
     verify_case(llama_dp4, dataclasses.replace(base, compression=METHODS["fp16"], reduce_dtype="fp16"),
                 module, "hsdp fp16")
