@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+import warm
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
@@ -25,6 +29,8 @@ EXAMPLES = REPO / "examples"
 # One intra-op thread per rank: CI has fewer cores than ranks, and oversubscription makes
 # the gloo runs several times slower.
 _ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+# PZ_TESTS_COLD=1: fresh interpreters for every compile and run (as a user runs them), slower
+COLD = os.environ.get("PZ_TESTS_COLD") == "1"
 
 _ERR = re.compile(r"^verify: (loss|outputs|gradients|parameters)\b.*max abs err (\S+)$", re.M)
 _STEP = re.compile(r"^step (\d+) loss (\S+)$", re.M)
@@ -56,10 +62,62 @@ def mesh_overrides(dp: int = 1, tp: int = 1, pp: int = 1) -> tuple[str, ...]:
 
 
 def parallelize(model: Path, spec: Path, out: Path, *args: str, timeout: float = 240) -> Result:
-    """``python -m parallelizer MODEL SPEC -o OUT ARGS...`` in a subprocess."""
-    cmd = [sys.executable, "-m", "parallelizer", str(model), str(spec), "-o", str(out), *args]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=_ENV, cwd=REPO, timeout=timeout)
-    return Result(p.returncode, p.stdout, p.stderr)
+    """``python -m parallelizer MODEL SPEC -o OUT ARGS...``: the command's ``main`` in a process
+    forked from the warm server (tests/warm.py), or a fresh interpreter under PZ_TESTS_COLD=1."""
+    argv = [str(model), str(spec), "-o", str(out), *args]
+    if COLD:
+        p = subprocess.run([sys.executable, "-m", "parallelizer", *argv], capture_output=True,
+                           text=True, env=_ENV, cwd=REPO, timeout=timeout)
+        return Result(p.returncode, p.stdout, p.stderr)
+    return _warm("parallelizer.cli.parallelize:main", (argv,), _ENV, REPO, timeout)
+
+
+def _warm(entry, args, env, cwd, timeout, nproc=None) -> Result:
+    return _Started(entry, args, env, cwd, timeout, nproc).wait()
+
+
+class _Started:
+    """A warm launch in flight (tests/warm.py); ``wait()`` gives its Result."""
+
+    def __init__(self, entry, args, env, cwd, timeout, nproc=None):
+        self.logs = Path(tempfile.mkdtemp(prefix="pz-warm-"))
+        self.launch = warm.start(entry, args, env, cwd, self.logs, timeout, nproc)
+
+    def wait(self) -> Result:
+        try:
+            return Result(*self.launch.wait())
+        finally:
+            shutil.rmtree(self.logs, ignore_errors=True)
+
+
+class _Cold:
+    """A real torchrun (or python) subprocess in flight; ``wait()`` gives its Result."""
+
+    def __init__(self, cmd, env, cwd, timeout):
+        self.timeout = timeout
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env=env, cwd=cwd)
+
+    def wait(self) -> Result:
+        try:
+            out, err = self.proc.communicate(timeout=self.timeout)
+        finally:
+            self.proc.kill()
+        return Result(self.proc.returncode, out, err)
+
+
+def launch(script: Path, nproc: int | None, *args: str, timeout: float = 280, cwd: Path = REPO,
+           env=None):
+    """Start a test's driver script: ``torchrun --nproc-per-node NPROC SCRIPT ARGS...`` (or
+    ``python SCRIPT ARGS...`` when ``nproc`` is None) as ranks forked from the warm server, or
+    as the real subprocess under PZ_TESTS_COLD=1. Returns a handle; ``.wait()`` -> Result."""
+    env = {**_ENV, "PYTHONPATH": str(REPO), **(env or {})}
+    args = [str(a) for a in args]
+    if not COLD:
+        return _Started("warm:run_script", (str(script), args), env, cwd, timeout, nproc)
+    runner = [] if nproc is None else ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                                       "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    return _Cold([sys.executable, *runner, str(script), *args], env, cwd, timeout)
 
 
 def free_port() -> int:
@@ -70,9 +128,22 @@ def free_port() -> int:
 
 def torchrun(out: Path, nproc: int, *args: str, timeout: float = 240, launcher=(),
              env=None) -> Result:
-    """``torchrun --nproc-per-node NPROC [LAUNCHER...] OUT/run.py --device cpu ARGS...``
-    (gloo, fp32) on a fresh port, so consecutive or parallel runs never share a
-    rendezvous; ``env`` adds environment variables."""
+    """``torchrun --nproc-per-node NPROC OUT/run.py --device cpu ARGS...`` (gloo, fp32): the
+    function run.py calls, in NPROC ranks forked from the warm server with torchrun's
+    environment on a fresh port (tests/warm.py). ``launcher`` (torchrun's own options, such as
+    ``--max-restarts``) or PZ_TESTS_COLD=1 runs the real torchrun; ``env`` adds variables."""
+    argv = ["--device", "cpu", *args]
+    env = {**_ENV, **(env or {})}
+    if launcher or COLD:
+        return real_torchrun(out, nproc, *args, timeout=timeout, launcher=launcher, env=env)
+    return _warm("parallelizer.runtime.main:_main", (out.resolve(), argv), env, out.parent,
+                 timeout, nproc)
+
+
+def real_torchrun(out: Path, nproc: int, *args: str, timeout: float = 240, launcher=(),
+                  env=None) -> Result:
+    """The real ``torchrun`` in a subprocess, for what torchrun itself does (restarts, its
+    rendezvous): an agent and NPROC fresh interpreters."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *launcher,
            str(out / "run.py"), "--device", "cpu", *args]
@@ -154,6 +225,8 @@ class Tools:
     mesh = staticmethod(mesh_overrides)
     parallelize = staticmethod(parallelize)
     torchrun = staticmethod(torchrun)
+    real_torchrun = staticmethod(real_torchrun)
+    launch = staticmethod(launch)
     check_exit = staticmethod(check_exit)
     verify_errors = staticmethod(verify_errors)
     step_losses = staticmethod(step_losses)

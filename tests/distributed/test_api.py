@@ -3,11 +3,7 @@ single-device training of the same model with the same AdamW and LR scheduler; a
 API's launch errors."""
 from __future__ import annotations
 
-import os
 import re
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,33 +14,22 @@ from parallelizer.errors import UserError
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "api_train.py"
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 STEP = re.compile(r"^step (\d+) loss (\S+) lr (\S+)$", re.M)
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _run(tools, nproc: int | None, *args: str):
+    """``python examples/api_train.py ARGS`` (nproc None) or under torchrun with nproc ranks."""
+    return tools.launch(SCRIPT, nproc, *args, timeout=300).wait()
 
 
-def _run(nproc: int | None, *args: str) -> subprocess.CompletedProcess:
-    if nproc is None:
-        cmd = [sys.executable, str(SCRIPT), *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-addr", "127.0.0.1", "--master-port", str(_port()), str(SCRIPT), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=ENV, cwd=REPO, timeout=300)
-
-
-def _losses(p: subprocess.CompletedProcess) -> list[tuple[float, float]]:
-    assert p.returncode == 0, p.stdout + p.stderr[-4000:]
+def _losses(p) -> list[tuple[float, float]]:
+    assert p.code == 0, p.explain()
     return [(float(loss), float(lr)) for _, loss, lr in STEP.findall(p.stdout)]
 
 
 @pytest.fixture(scope="module")
-def single_device() -> list[tuple[float, float]]:
-    out = _losses(_run(None, "--single"))
+def single_device(tools) -> list[tuple[float, float]]:
+    out = _losses(_run(tools, None, "--single"))
     assert len(out) == 3
     return out
 
@@ -54,9 +39,9 @@ def single_device() -> list[tuple[float, float]]:
 @pytest.mark.parametrize("mesh", [("mesh.tp=2", "mesh.pp=2", "mesh.dp=1", "pipeline.schedule=zbv",
                                    "pipeline.virtual_stages=2"),
                                   ("mesh.dp=2", "mesh.tp=2", "mesh.pp=1")])
-def test_api_training_equals_single_device(mesh, single_device, tmp_path):
+def test_api_training_equals_single_device(mesh, single_device, tmp_path, tools):
     save = ("--save", str(tmp_path / "ckpt")) if "mesh.dp=2" in mesh else ()
-    p = _run(4, *mesh, *save)
+    p = _run(tools, 4, *mesh, *save)
     got = _losses(p)
     if save:  # pm.save_checkpoint: one file per rank, equal to the explicit gather
         assert "saved checkpoint equals full_state_dict: True" in p.stdout, p.stdout
@@ -71,9 +56,9 @@ def test_api_training_equals_single_device(mesh, single_device, tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_api_world_size_mismatch_is_one_clear_error():
-    p = _run(2, "mesh.tp=2", "mesh.pp=2", "mesh.dp=1")
-    assert p.returncode != 0
+def test_api_world_size_mismatch_is_one_clear_error(tools):
+    p = _run(tools, 2, "mesh.tp=2", "mesh.pp=2", "mesh.dp=1")
+    assert p.code != 0
     assert "the spec's mesh needs 4 ranks but the world size is 2" in p.stderr
     assert "torchrun --nproc-per-node 4" in p.stderr
 

@@ -16,10 +16,6 @@
   built stages equal the uninterrupted run exactly (losses and parameters).
 """
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -48,16 +44,9 @@ def _tail(losses):
 @pytest.mark.precompile(PROGRAMS[2][0], *PROGRAMS[2][1])
 def test_compression_converges_verifies_and_resumes(compiled, tools, tmp_path):
     outs = [compiled(example, *ov) for example, ov in PROGRAMS]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr",
-           "127.0.0.1", "--master-port", str(port), str(DRIVER), *map(str, outs), str(tmp_path)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": str(tools.repo)}
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=380)
-    explain = f"exit {p.returncode}\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
-    assert p.returncode == 0, explain
+    p = tools.launch(DRIVER, 4, *outs, tmp_path, cwd=tmp_path, timeout=380).wait()
+    explain = p.explain()
+    assert p.code == 0, explain
     results = [json.loads(l[len("RESULT "):]) for l in p.stdout.splitlines() if l.startswith("RESULT ")]
     eager = next(r["losses"] for r in results if r["kind"] == "eager")
     train = {r["case"]: r["losses"] for r in results if r["kind"] == "train"}

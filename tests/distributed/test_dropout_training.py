@@ -17,10 +17,6 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -36,12 +32,6 @@ EXAMPLE, MESH = "gpt2_dropout", ("mesh.dp=1", "mesh.tp=2", "mesh.pp=2",
                                  "tensor_parallel.sequence_parallel=false")
 DRIVER = Path(__file__).with_name("dropout_driver.py")
 STEPS, SEEDS, LATE = 20, (1, 2, 3, 4, 5), slice(10, 20)
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _single_device(out: Path, seed: int | None) -> list[float]:
@@ -94,22 +84,14 @@ def _band(runs: list[list[float]]):
 @pytest.mark.precompile(EXAMPLE, *MESH)
 def test_dropout_training_at_tp2_pp2(compiled, tools, tmp_path):
     out = compiled(EXAMPLE, *MESH)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-           "--master-addr", "127.0.0.1", "--master-port", str(_port()), str(DRIVER), str(out),
-           str(STEPS), str(tmp_path / "s2")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": str(tools.repo)}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, cwd=tmp_path)
-    try:  # the single-device runs while the ranks run
-        runs = [_single_device(out, seed) for seed in SEEDS]
-        no_dropout = _single_device(out, None)
-        stdout, stderr = proc.communicate(timeout=300)
-    finally:
-        proc.kill()
-    explain = f"exit {proc.returncode}\n{stdout[-4000:]}\n{stderr[-4000:]}"
+    ranks = tools.launch(DRIVER, 4, out, STEPS, tmp_path / "s2", cwd=tmp_path, timeout=300)
+    # the single-device runs while the ranks run
+    runs = [_single_device(out, seed) for seed in SEEDS]
+    no_dropout = _single_device(out, None)
+    res = ranks.wait()
+    stdout, explain = res.stdout, res.explain()
     lines = [l for l in stdout.splitlines() if l.startswith("RESULT ")]
-    assert proc.returncode == 0 and len(lines) == 1, explain
+    assert res.code == 0 and len(lines) == 1, explain
     r = json.loads(lines[0][len("RESULT "):])
 
     # replicated regions: the same masks on both tp ranks of each stage, through 20 steps

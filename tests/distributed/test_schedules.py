@@ -7,11 +7,7 @@ atol = rtol = 1e-5). Llama has tied embeddings: under zbv / dualpipev the embedd
 and the LM head (stage 3) sit on one rank, under the others on two.
 """
 import json
-import os
 import re
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -44,23 +40,11 @@ PP4_V2 = ("mesh.dp=1", "mesh.tp=1", "mesh.pp=4", "optimizer.name=sgd", "optimize
 
 def _run(tools, out: Path, nproc: int, *args: str):
     """torchrun schedules_entry.py, as conftest's torchrun launches OUT/run.py."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(ENTRY),
-           str(out), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "PYTHONUNBUFFERED": "1"}
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tools.repo, timeout=280)
-    return p
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return tools.launch(ENTRY, nproc, out, *args, timeout=280).wait()
 
 
 def _explain(p) -> str:
-    return f"exit {p.returncode}\n--- stdout\n{p.stdout[-6000:]}\n--- stderr\n{p.stderr[-6000:]}"
+    return p.explain()
 
 
 def _per_schedule(tools, stdout: str) -> dict:
@@ -86,7 +70,7 @@ def _check(tools, example, p, schedules):
         assert set(errs) == {"loss", "outputs", "gradients", "parameters"}, _explain(p)
         for cat, err in errs.items():
             assert err <= TOL_OVERRIDE.get((example, cat), TOL), (name, cat, err)
-    assert p.returncode == 0, _explain(p)
+    assert p.code == 0, _explain(p)
 
 
 def _bubbles(stdout: str) -> list[dict]:

@@ -18,11 +18,7 @@ atol = rtol = 1e-5.
 Two ranks, not four, to stay within the suite's budget on a 2-core CI machine; the products
 (tp=2, pp2 x dp2, tp2 x pp2) of the same models were verified by hand (see the issue 14 report).
 """
-import os
 import re
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -40,13 +36,12 @@ CASES = {  # folder name -> (model file, overrides)
     "sequential-pp2": ("sequential.py", ("mesh.pp=2",)),
     "llama-labels-vocab1001-tp2": ("llama_labels_v1001.py", ("mesh.tp=2",)),
 }
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 _PROGRAM = re.compile(r"^PROGRAM (\S+) (\d+)$", re.M)
 _ERR = re.compile(r"^verify: (loss|outputs|gradients|parameters)\b.*max abs err (\S+)", re.M)
 
 
 @pytest.mark.timeout(400)
-def test_user_models_verify(tmp_path):
+def test_user_models_verify(tmp_path, tools):
     outs, start = [], time.perf_counter()
     for name, (model, overrides) in CASES.items():
         spec = load_spec(MODELS / "spec.yaml", list(overrides))
@@ -63,19 +58,10 @@ def test_user_models_verify(tmp_path):
                 "kind": "padded", "padded_size": 1002}
             assert program.plan.vocab_outputs == ((1, 1001),)
             assert "vocab_parallel cross-entropy" in program.report
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(ENTRY),
-           *map(str, outs)]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=380)
+    p = tools.launch(ENTRY, 2, *outs, timeout=380).wait()
     print(f"launch done at {time.perf_counter() - start:.1f} s")
-    explain = f"exit {p.returncode}\n{p.stdout[-6000:]}\n{p.stderr[-6000:]}"
+    explain = p.explain()
     assert dict(_PROGRAM.findall(p.stdout)) == {n: "0" for n in CASES}, explain
     errs = [float(e) for _, e in _ERR.findall(p.stdout)]
     assert len(errs) == 4 * len(CASES) and max(errs) <= 1e-5, explain
     assert "outputs max abs err" in p.stdout and "not compared" not in p.stdout, explain
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

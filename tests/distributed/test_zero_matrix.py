@@ -11,8 +11,6 @@ precision. One torchrun launch (4 ranks) runs all cases through the real runtime
 """
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -56,11 +54,9 @@ def _assert_close(measured: dict, estimated: dict, where: str) -> None:
 @pytest.mark.precompile(PROGRAMS["llama-pp2-zbv"][0], *PROGRAMS["llama-pp2-zbv"][1])
 def test_zero_stages_train_like_eager_and_match_the_memory_model(compiled, tools, tmp_path):
     outs = [compiled(example, *ov) for example, ov in PROGRAMS.values()]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-           "--master-addr", "127.0.0.1", "--master-port", str(_port()), str(DRIVER), *map(str, outs)]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=_env(tools), cwd=tmp_path, timeout=280)
+    p = tools.launch(DRIVER, 4, *outs, cwd=tmp_path, timeout=280).wait()
     results = _results(p.stdout)
-    explain = f"exit {p.returncode}\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
+    explain = p.explain()
     train = [r for r in results if r["kind"] == "train"]
     memory = [r for r in results if r["kind"] == "memory"]
     verify = [r for r in results if r["kind"] == "verify"]
@@ -140,17 +136,3 @@ def test_profile_memory_lines_match_estimate_json(compiled, tools, capsys):
         assert line["optimizer"] > 0 and line["peak"] > line["parameters"], line
         assert line["peak_kind"] == "process_peak_rss"
     tools.check_exit(res)
-
-
-def _port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env(tools) -> dict:
-    import os
-    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
-            "PYTHONPATH": str(tools.repo)}
-

@@ -20,7 +20,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from parallelizer.advisor.memory import estimate_program

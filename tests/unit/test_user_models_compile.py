@@ -13,7 +13,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from parallelizer.compiler import compile_model
-from parallelizer.frontend.capture import MODEL_MODULE, capture
+from parallelizer.frontend.capture import capture
+from parallelizer.plan.parallel_plan import MODEL_MODULE
 from parallelizer.runtime.imports import import_modules
 from parallelizer.analysis.needed_imports import modules_needed
 from parallelizer.planning.tp import plan_tp
