@@ -66,7 +66,7 @@ def test_no_weights_writes_program_without_checkpoint(tools, tmp_path):
 @pytest.mark.precompile("llama", *MESH_4)
 def test_world_size_mismatch_is_one_line(compiled, tools):
     out = compiled("llama", *MESH_4)
-    res = tools.torchrun(out, 2, "--verify")
+    res = tools.real_torchrun(out, 2, "--verify")  # the user's command, torchrun's own agent
     assert res.code != 0, res.explain()
     lines = [line for line in res.output.splitlines() if line.startswith("run.py: ")]
     assert len(lines) == 1, res.explain()
@@ -92,7 +92,7 @@ def test_program_trains_on_other_batch_and_sequence_sizes(tools, tmp_path):
     res = tools.parallelize(model, tools.examples / "gpt" / "spec.yaml", tmp_path / "out",
                             "mesh.dp=1", "mesh.tp=2", "mesh.pp=1")
     assert res.code == 0, res.explain()
-    res = tools.torchrun(tmp_path / "out", 2, "--train", "--steps", "2")
+    res = tools.real_torchrun(tmp_path / "out", 2, "--train", "--steps", "2")  # as a user runs it
     losses = tools.step_losses(res.stdout)
     print(f"\nlosses on (4, 12) and (6, 20): {losses}")
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses), res.explain()
