@@ -269,7 +269,9 @@ def _grow(facts) -> Optional[str]:
                 back.discard(n)
                 changed = True
     region |= _connected(back, region)
-    facts.region = {n.name: cand[n] for n in region}
+    # in graph order, not the set's (Nodes hash by id): the pass inserts its operators in this
+    # order, and the emitted program's names must not change from one compile to the next
+    facts.region = {n.name: cand[n] for n in facts.graph.nodes if n in region}
     changed = True
     while changed:  # drop nodes whose inputs cannot be fed
         changed = False
