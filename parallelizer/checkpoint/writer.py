@@ -1,5 +1,5 @@
 """Write a state_dict resharded for a ParallelPlan: one safetensors file per (pipeline
-stage, tp rank) plus ``manifest.json`` (DESIGN.md §4, docs/architecture.md "Checkpoint format").
+stage, tp rank) plus ``manifest.json`` (DESIGN.md §4, docs/checkpoints.md).
 
 Layout of ``out_dir``::
 

@@ -4,7 +4,8 @@ Loading is two steps, as in Hydra-style configs: OmegaConf reads the file, merge
 ``key=value`` overrides and resolves ``${...}`` interpolations (plus our ``${package:NAME}``
 resolver); pydantic then validates the plain dict against a schema that forbids unknown
 keys at every level. Every failure is a :class:`SpecError` with one short paragraph naming
-the dotted key, the value seen and what is allowed.
+the dotted key, the value seen and what is allowed. docs/spec.md, the reference of every
+key, is rendered from the fields' descriptions by :mod:`parallelizer.frontend.spec_reference`.
 
 Defaults::
 
@@ -45,6 +46,13 @@ from parallelizer.errors import SpecError
 from parallelizer.plan.schedules import check as check_schedule
 
 _STRICT = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+def _doc(text: str) -> dict[str, str]:
+    """``json_schema_extra`` of a field: what it does beyond its ``description``, which is
+    the "what is allowed" phrase a SpecError quotes ("mesh.tp must be <description>, got 0").
+    Both are rendered into docs/spec.md by :mod:`parallelizer.frontend.spec_reference`."""
+    return {"doc": text}
 _OVERRIDE_KEY = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
 
@@ -77,20 +85,47 @@ class Mesh(BaseModel):
     tp: int = Field(1, ge=1, description="an integer >= 1 (tensor-parallel degree)")
     pp: int = Field(1, ge=1, description="an integer >= 1 (pipeline-parallel degree)")
     dp_replicate: int = Field(1, ge=1, description="an integer >= 1 that divides mesh.dp (HSDP: "
-                                                   "dp = dp_replicate x dp_shard)")
+                                                   "dp = dp_replicate x dp_shard)",
+                              json_schema_extra=_doc(
+                                  "FSDP2 on a 2-D mesh: shard within a group of dp_shard ranks, "
+                                  "replicate across the dp_replicate groups; zero_stage 2/3 only."))
 
 
 class Pipeline(BaseModel):
     model_config = _STRICT
-    microbatches: int = Field(1, ge=1, description="an integer >= 1 (microbatches per step)")
-    schedule: str = Field("1f1b", description="a schedule name (see parallelizer.plan.schedules)")
-    virtual_stages: int = Field(1, ge=1, description="an integer >= 1 (pipeline stages per pp rank)")
+    microbatches: int = Field(1, ge=1, description="an integer >= 1 (microbatches per step)",
+                              json_schema_extra=_doc(
+                                  "Under 1f1b >= mesh.pp; with dualpipev >= 2 x mesh.pp; with "
+                                  "interleaved_1f1b / interleaved_zero_bubble a multiple of "
+                                  "max(1, microbatches // mesh.pp). `parallelize check` warns "
+                                  "below 2 x mesh.pp (a bubble over a third of the step)."))
+    schedule: str = Field("1f1b", description="a schedule name (see parallelizer.plan.schedules)",
+                          json_schema_extra=_doc(
+                              "A schedule of the installed torch.distributed.pipelining (torch "
+                              "2.13 has all): gpipe, 1f1b (one stage per rank); "
+                              "interleaved_1f1b, looped_bfs (virtual_stages >= 2); "
+                              "interleaved_zero_bubble (any virtual_stages); zbv, dualpipev "
+                              "(virtual_stages = 2, V placement). All run with every "
+                              "zero_stage; `run.py --schedule` runs the same stages under "
+                              "another one."))
+    virtual_stages: int = Field(1, ge=1, description="an integer >= 1 (pipeline stages per pp rank)",
+                                json_schema_extra=_doc(
+                                    "The model is cut into mesh.pp x virtual_stages stages, stage "
+                                    "s on rank s % pp (V schedules: rank r holds stages r and "
+                                    "2 pp - 1 - r)."))
     split_points: Optional[list[str]] = Field(
         None, description="null or a list of block FQNs where stages 1.. begin, e.g. "
-                          "['model.layers.16']")
+                          "['model.layers.16']",
+        json_schema_extra=_doc(
+            "A block ([model.layers.16]) or a direct child of one ([model.layers.16.mlp]: the "
+            "block is cut, the stage begins at that child; any child of a block whose children "
+            "run one after another). Replaces the FLOP-balanced split; a bad FQN is an error "
+            "listing the valid ones."))
     layers_per_stage: Optional[list[Annotated[int, Field(ge=0)]]] = Field(
         None, description="null or a list of block counts per stage, e.g. [15, 17]; each >= 1 "
-                          "but the last, which may be 0 (a stage of only the final norm and head)")
+                          "but the last, which may be 0 (a stage of only the final norm and head)",
+        json_schema_extra=_doc("They sum to the number of blocks; not together with "
+                               "pipeline.split_points."))
 
     @model_validator(mode="after")
     def _one_split_override(self) -> "Pipeline":
@@ -103,43 +138,64 @@ class Pipeline(BaseModel):
 class Checkpoint(BaseModel):
     model_config = _STRICT
     path: Optional[str] = Field(
-        None, description="null or a path to a Hugging Face safetensors file or folder")
+        None, description="null or a path to a Hugging Face safetensors file or folder",
+        json_schema_extra=_doc(
+            "The weights to start from (model.safetensors or a sharded "
+            "model.safetensors.index.json). A relative path is relative to the spec file (to "
+            "the current directory when given as an override)."))
 
 
 class Optimizer(BaseModel):
     model_config = _STRICT
     name: Literal["adamw", "sgd"] = Field("adamw", description="one of 'adamw', 'sgd'")
-    lr: float = Field(1.0e-3, gt=0, description="a number > 0")
+    lr: float = Field(1.0e-3, gt=0, description="a number > 0",
+                      json_schema_extra=_doc("Learning rate of run.py --train and of the --verify step."))
     weight_decay: float = Field(0.0, ge=0, description="a number >= 0")
 
 
 class Verify(BaseModel):
     model_config = _STRICT
-    atol: float = Field(1.0e-5, ge=0, description="a number >= 0 (absolute tolerance)")
-    rtol: float = Field(1.0e-5, ge=0, description="a number >= 0 (relative tolerance)")
+    atol: float = Field(1.0e-5, ge=0, description="a number >= 0 (absolute tolerance)",
+                        json_schema_extra=_doc(
+                            "Of run.py --verify. Raised to the compute dtype's under "
+                            "mixed_precision (bf16 3e-2, fp16 5e-3) and under fp16/bf16 "
+                            "compression; --verify prints which rule it used."))
+    rtol: float = Field(1.0e-5, ge=0, description="a number >= 0 (relative tolerance)",
+                        json_schema_extra=_doc("Of run.py --verify, as verify.atol."))
     # SGD by default: Adam's first step is about lr * sign(g), so fp32 rounding in a
     # near-zero gradient flips whole updates; gradients are compared directly anyway.
     optimizer: Literal["sgd", "adamw"] = Field(
-        "sgd", description="one of 'sgd', 'adamw' (optimizer of the --verify step; lr from optimizer.lr)")
+        "sgd", description="one of 'sgd', 'adamw' (optimizer of the --verify step; lr from optimizer.lr)",
+        json_schema_extra=_doc(
+            "SGD by default: Adam's first step is about lr * sign(g), which turns fp32 rounding "
+            "of a near-zero gradient into a full-size update difference; gradients are "
+            "compared directly."))
 
 
 class TensorParallel(BaseModel):
     model_config = _STRICT
     allow_replicated: bool = Field(
         False, description="true or false (at mesh.tp > 1, run even when no weight matrix "
-                           "could be sharded, instead of failing the compile)")
+                           "could be sharded, instead of failing the compile)",
+        json_schema_extra=_doc("A warning instead of the error naming the op that stopped it."))
     vocab_parallel: Literal["auto", True, False] = Field(
         "auto", description="'auto', true or false (shard the vocabulary embedding and LM head "
                             "over tp, Megatron-LM §3: 'auto' whenever tp > 1 and the graph "
                             "allows, report.md says why not; true: an error naming the blocker "
-                            "when it cannot apply; false: keep them replicated)")
+                            "when it cannot apply; false: keep them replicated)",
+        json_schema_extra=_doc(
+            "A vocabulary tp does not divide is padded. Logits returned by the model reach "
+            "loss_fn as a DTensor Shard(-1) under loss_parallel; an in-graph cross-entropy is "
+            "computed on the shards (docs/tensor-parallel.md)."))
     sequence_parallel: Union[Literal["auto"], bool] = Field(
         "auto", description="one of 'auto', true, false (sequence parallelism, Korthikanti et "
                             "al. 2022 §4.2.2: norms, dropout and residual adds between the "
                             "tensor-parallel regions run on 1/tp of the sequence; auto: on "
                             "whenever mesh.tp > 1 and the graph allows, report.md says why "
                             "not; true: a compile error naming the blocker when it cannot "
-                            "apply)")
+                            "apply)",
+        json_schema_extra=_doc("The sequence length must then be a multiple of mesh.tp at run "
+                               "time (a clear error otherwise)."))
 
     @property
     def sequence_parallel_mode(self) -> str:
@@ -152,23 +208,32 @@ class ActivationCheckpointing(BaseModel):
     model_config = _STRICT
     mode: Literal["none", "full", "selective"] = Field(
         "none", description="one of 'none', 'full' (every block), 'selective' (every k-th block)")
-    every: int = Field(2, ge=1, description="an integer >= 1 (k of 'selective')")
+    every: int = Field(2, ge=1, description="an integer >= 1 (k of 'selective')",
+                       json_schema_extra=_doc("Blocks are the model's repeated blocks, as for "
+                                              "pipeline stages and FSDP units."))
 
 
 class Prefetch(BaseModel):
     model_config = _STRICT
     # None = the default (1); kept distinct so that setting it under zero_stage 0/1 is an error
     forward: Optional[int] = Field(None, ge=0, description="null or an integer >= 0 (FSDP units "
-                                   "all-gathered ahead in forward; default 1)")
+                                   "all-gathered ahead in forward; default 1)",
+                                   json_schema_extra=_doc(
+                                       "FSDP2 set_modules_to_forward_prefetch, per pipeline "
+                                       "stage; zero_stage 2/3 only."))
     backward: Optional[int] = Field(None, ge=0, description="null or an integer >= 0 (FSDP units "
-                                    "all-gathered ahead in backward; default 1)")
+                                    "all-gathered ahead in backward; default 1)",
+                                    json_schema_extra=_doc(
+                                        "FSDP2 set_modules_to_backward_prefetch, per pipeline "
+                                        "stage; zero_stage 2/3 only."))
 
 
 class Fsdp(BaseModel):
     model_config = _STRICT
-    prefetch: Prefetch = Prefetch()
+    prefetch: Prefetch = Field(Prefetch(), description="FSDP units all-gathered ahead of their use")
     offload: bool = Field(False, description="true or false (FSDP2 CPUOffloadPolicy: sharded "
-                                             "parameters, gradients and optimizer state on the CPU)")
+                                             "parameters, gradients and optimizer state on the CPU)",
+                        json_schema_extra=_doc("zero_stage 2/3 only."))
 
 
 DTYPES = ("fp32", "bf16", "fp16")
@@ -178,7 +243,10 @@ class MixedPrecision(BaseModel):
     model_config = _STRICT
     param_dtype: Literal["fp32", "bf16", "fp16"] = Field(
         "fp32", description="one of 'fp32', 'bf16', 'fp16' (dtype of the gathered parameters "
-                            "in forward and backward)")
+                            "in forward and backward)",
+        json_schema_extra=_doc(
+            "FSDP2 MixedPrecisionPolicy: the sharded fp32 parameters stay the master copy; "
+            "zero_stage 2/3 only (an error under 0/1)."))
     reduce_dtype: Optional[Literal["fp32", "bf16", "fp16"]] = Field(
         None, description="null (= param_dtype) or one of 'fp32', 'bf16', 'fp16' (dtype of the "
                           "gradient reduce-scatter / all-reduce)")
@@ -188,47 +256,72 @@ class PowerSgd(BaseModel):
     model_config = _STRICT
     # None = the default (1 / 10); kept distinct so that setting it for another method is an error
     rank: Optional[int] = Field(None, ge=1, description="null (= 1) or an integer >= 1 (rank r of "
-                                "the low-rank approximation P Q^T of each gradient matrix)")
+                                "the low-rank approximation P Q^T of each gradient matrix)",
+                       json_schema_extra=_doc("Only with data_parallel.compression: powersgd."))
     start_iter: Optional[int] = Field(
         None, ge=2, description="null (= 10) or an integer >= 2 (steps reduced uncompressed "
-                                "before PowerSGD starts; torch's powerSGD_hook needs >= 2)")
+                                "before PowerSGD starts; torch's powerSGD_hook needs >= 2)",
+        json_schema_extra=_doc("Only with data_parallel.compression: powersgd."))
 
 
 class TopK(BaseModel):
     model_config = _STRICT
     ratio: Optional[float] = Field(None, gt=0, le=1, description="null (= 0.01) or a number in "
-                                   "(0, 1] (fraction of each gradient tensor's entries sent)")
+                                   "(0, 1] (fraction of each gradient tensor's entries sent)",
+                                   json_schema_extra=_doc("Only with data_parallel.compression: topk."))
 
 
 class DataParallel(BaseModel):
     model_config = _STRICT
     compression: Literal["none", "fp16", "bf16", "powersgd", "topk"] = Field(
         "none", description="one of 'none', 'fp16', 'bf16', 'powersgd', 'topk' (gradient "
-                            "compression of the data-parallel reduction)")
+                            "compression of the data-parallel reduction)",
+        json_schema_extra=_doc("Needs mesh.dp > 1; powersgd / topk at zero_stage 2/3 need "
+                               "mesh.dp_replicate > 1 and fp32 mixed_precision "
+                               "(docs/data-parallel.md)."))
     error_feedback: bool = Field(True, description="true or false (powersgd/topk: add what "
-                                 "compression dropped to the next step's gradient)")
-    powersgd: PowerSgd = PowerSgd()
-    topk: TopK = TopK()
+                                 "compression dropped to the next step's gradient)",
+                                 json_schema_extra=_doc("false only with powersgd or topk."))
+    powersgd: PowerSgd = Field(PowerSgd(), description="settings of data_parallel.compression: powersgd "
+                               "(Vogels et al. 2019)")
+    topk: TopK = Field(TopK(), description="settings of data_parallel.compression: topk (Stich et al. "
+                       "2018, Lin et al. 2018)")
 
 
 class Spec(BaseModel):
     """A validated, immutable spec. Build it with :func:`load_spec`."""
 
     model_config = _STRICT
-    mesh: Mesh = Mesh()
-    pipeline: Pipeline = Pipeline()
+    mesh: Mesh = Field(Mesh(), description="the device mesh: data-, tensor- and pipeline-parallel "
+                       "degrees; the world size is dp x tp x pp (torchrun --nproc-per-node)")
+    pipeline: Pipeline = Field(Pipeline(), description="pipeline parallelism: microbatches, schedule "
+                               "and where the stages are cut (docs/pipeline.md)")
     zero_stage: Literal[0, 1, 2, 3] = Field(
         3, description="one of 0 (DDP), 1 (DDP + ZeroRedundancyOptimizer), 2 (FSDP2, "
-                       "parameters kept after forward), 3 (FSDP2, resharded after forward)")
-    checkpoint: Checkpoint = Checkpoint()
-    seed: int = Field(0, ge=0, description="an integer >= 0")
-    optimizer: Optimizer = Optimizer()
-    verify: Verify = Verify()
-    activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing()
-    fsdp: Fsdp = Fsdp()
-    mixed_precision: MixedPrecision = MixedPrecision()
-    tensor_parallel: TensorParallel = TensorParallel()
-    data_parallel: DataParallel = DataParallel()
+                       "parameters kept after forward), 3 (FSDP2, resharded after forward)",
+        json_schema_extra=_doc("ZeRO stages of Rajbhandari et al. 2020 (docs/data-parallel.md)."))
+    checkpoint: Checkpoint = Field(Checkpoint(), description="the weights the compile starts from "
+                                   "(default: build_model()'s own)")
+    seed: int = Field(0, ge=0, description="an integer >= 0",
+                      json_schema_extra=_doc(
+                          "Seeds the model's build and the dropout streams: a one-rank program "
+                          "draws the masks of the eager model after torch.manual_seed(seed)."))
+    optimizer: Optimizer = Field(Optimizer(), description="the optimizer of run.py --train")
+    verify: Verify = Field(Verify(), description="the step of run.py --verify and its tolerances "
+                           "(docs/run.md)")
+    activation_checkpointing: ActivationCheckpointing = Field(
+        ActivationCheckpointing(), description="recompute blocks in backward instead of keeping "
+                                               "their activations (docs/memory.md)")
+    fsdp: Fsdp = Field(Fsdp(), description="FSDP2 options, zero_stage 2/3 only (docs/data-parallel.md)")
+    mixed_precision: MixedPrecision = Field(
+        MixedPrecision(), description="FSDP2's parameter and reduce dtypes, zero_stage 2/3 only")
+    tensor_parallel: TensorParallel = Field(
+        TensorParallel(), description="options of tensor parallelism (mesh.tp > 1): the "
+                                      "vocabulary, the sequence, a model nothing of which shards "
+                                      "(docs/tensor-parallel.md)")
+    data_parallel: DataParallel = Field(
+        DataParallel(), description="gradient compression of the data-parallel reduction "
+                                    "(docs/data-parallel.md)")
 
     @model_validator(mode="after")
     def _check_compression(self) -> "Spec":
