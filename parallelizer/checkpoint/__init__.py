@@ -1,7 +1,8 @@
 """Checkpoint I/O: Hugging Face safetensors reading, one tp rank's slice of a tensor, the
-sharded safetensors writer and reader, the manifest schema.
+sharded safetensors writer and reader, the manifest schema, the format's names
+(``format.py``) and atomic publishing (``publish.py``).
 
-Layout on disk (DESIGN.md §4, format in writer.py): ``pp{p}-tp{t}.safetensors`` per (pp, tp)
+Layout on disk (DESIGN.md §4, format in format.py): ``pp{p}-tp{t}.safetensors`` per (pp, tp)
 coordinate plus ``manifest.json`` with every tensor's placement, layout and pieces, the
 pipeline structure and a sha256 per file. Conversions between layouts are in
 :mod:`parallelizer.convert`.

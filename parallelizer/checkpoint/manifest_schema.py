@@ -5,7 +5,8 @@ is untrusted input. :func:`validate_manifest` checks, before any tensor file is 
 
 - the schema (pydantic): every field the readers, ``reshard`` and ``export`` use has the
   type and range they assume (shapes of non-negative ints, a known torch dtype, ``tp_dim``
-  inside the shape, segments and chunks inside their piece, layouts of a known kind);
+  inside the shape, segments and chunks inside their piece, layouts of a known kind, parsed
+  by :func:`parallelizer.plan.layouts.layout_from_json`, so ``Entry.layout`` is typed);
 - every file entry (``files`` keys, each piece's ``file`` and its chunks' files) is a plain
   file name that resolves inside the checkpoint folder: no ``..``, no absolute path, no
   separator, no symlink leading out (a ``files`` entry of ``../outside/secret.safetensors``
@@ -19,13 +20,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from parallelizer.errors import CheckpointError
-from parallelizer.plan.layouts import local_length, segments
+from parallelizer.plan.layouts import layout_from_json, layout_json, local_length, segments
 
 NonNeg = Annotated[int, Field(ge=0, strict=True)]
 Pos = Annotated[int, Field(ge=1, strict=True)]
@@ -34,24 +35,6 @@ _FIX = "the manifest was edited or damaged; copy the checkpoint again or rewrite
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="allow")
-
-
-class _Heads(_Model):
-    kind: Literal["interleaved_heads", "replicated_heads"]
-    heads: Pos
-    head_dim: Optional[Pos] = None
-
-
-class _Fused(_Model):
-    kind: Literal["fused"]
-    parts: list[Pos] = Field(min_length=1)
-    part_layouts: Optional[list[Optional[_Heads]]] = None
-
-
-class _Padded(_Model):
-    kind: Literal["padded"]
-    padded_size: Pos
-    multiple: Pos = 1
 
 
 class Chunk(_Model):
@@ -76,11 +59,16 @@ class Entry(_Model):
     is_buffer: Annotated[bool, Field(strict=True)]
     role: str = "replicate"
     tp_dim: Optional[NonNeg]
-    layout: Optional[Union[_Fused, _Heads, _Padded]] = None
+    layout: Any = None  # a plan.layouts class (or None) once validated
     stages: list[NonNeg] = Field(min_length=1)
     kind: Literal["model", "optim"] = "model"
     param: Optional[str] = None
     pieces: list[Piece] = Field(min_length=1)
+
+    @field_validator("layout")
+    @classmethod
+    def _known_layout(cls, v: Any):
+        return layout_from_json(v)  # ValueError: not a layout (the one check, plan.layouts)
 
     @field_validator("dtype")
     @classmethod
@@ -187,12 +175,12 @@ def _check_segments(bad, i: int, e: Entry, pc: Piece, tp: int) -> None:
         raise bad(f"sharded on dim {d}, but piece {i} has no segments")
     if any(pc.shape[k] != e.shape[k] for k in range(len(e.shape)) if k != d):
         raise bad(f"piece {i} shape {pc.shape} differs from {e.shape} off the tp dim {d}")
-    layout = e.layout.model_dump(exclude_none=True) if e.layout is not None else None
+    layout = e.layout
     try:  # the writer's rule: anything else would read the wrong rows without an error
         want = [list(s) for s in segments(e.shape[d], layout, tp, pc.tp_rank) if s.length]
         length = local_length(e.shape[d], layout, tp)
     except ValueError as err:
-        raise bad(f"layout {layout} does not fit dim {d} of {e.shape} at tp={tp}: {err}") from None
+        raise bad(f"layout {layout_json(layout)} does not fit dim {d} of {e.shape} at tp={tp}: {err}") from None
     if [list(s) for s in pc.segments] != want or pc.shape[d] != length:
         raise bad(f"piece {i} (tp rank {pc.tp_rank}) has segments {pc.segments} and length "
                   f"{pc.shape[d]} along dim {d}; its layout at tp={tp} gives {want} and {length}")

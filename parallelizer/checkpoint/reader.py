@@ -1,4 +1,5 @@
-"""Read checkpoints written by :mod:`parallelizer.checkpoint.writer` (layout in its docstring).
+"""Read checkpoints written by :mod:`parallelizer.checkpoint.writer` (format in
+:mod:`parallelizer.checkpoint.format`).
 
 - :func:`load_shard`: the file of one (stage, tp) coordinate, what a rank loads for each
   pipeline stage it runs (dp replicas share it), checked against the manifest's sha256 and the plan hash.
@@ -18,17 +19,17 @@ from typing import Optional
 import torch
 from safetensors import safe_open
 
-from parallelizer.checkpoint.writer import (FORMAT_VERSION, MANIFEST, OPTIM_PREFIX, layout_hash,
+from parallelizer.checkpoint.format import (FORMAT_VERSION, MANIFEST, OPTIM_PREFIX, layout_hash,
                                             sha256_file, shard_file_name)
 from parallelizer.checkpoint.manifest_schema import validate_manifest
 from parallelizer.checkpoint.pieces import piece_files, piece_stage, read_region
 from parallelizer.errors import CheckpointError
-from parallelizer.plan.layouts import copied_heads
+from parallelizer.plan.layouts import copied_heads, layout_from_json, layout_json
 from parallelizer.plan.parallel_plan import ParallelPlan
 
 
 def read_manifest(ckpt_dir) -> dict:
-    """The parsed ``manifest.json`` of ``ckpt_dir`` (schema in the writer's docstring).
+    """The parsed ``manifest.json`` of ``ckpt_dir`` (schema in :mod:`parallelizer.checkpoint.format`).
 
     Raises:
         CheckpointError: the folder or its manifest is missing, not JSON, of another
@@ -151,7 +152,7 @@ def _first_difference(manifest: dict, plan: ParallelPlan) -> str:
     for fqn, tplan in sorted(plan.tensors.items()):
         e = model[fqn]
         for key, ours in (("shape", list(tplan.shape)), ("dtype", tplan.dtype),
-                          ("layout", tplan.layout), ("stages", list(tplan.stages))):
+                          ("layout", layout_json(tplan.layout)), ("stages", list(tplan.stages))):
             if e[key] != ours:
                 return f"; first difference: {fqn} {key} {e[key]} in the checkpoint, {ours} in the plan"
     return ""
@@ -234,7 +235,7 @@ def load_tensor(ckpt_dir, fqn: str, index: Optional[tuple[slice, ...]] = None,
     want = [s.indices(n)[:2] for s, n in zip(index, shape)] if index else [(0, n) for n in shape]
     size = [hi - lo for lo, hi in want]
     d = entry["tp_dim"]
-    replicas = check_replicas and bool(copied_heads(entry.get("layout")))
+    replicas = check_replicas and bool(copied_heads(layout_from_json(entry.get("layout"))))
     handles = handles if handles is not None else {}
     with ExitStack() as stack:
         opened: dict = {}  # files this call opened: closed (mappings released) on return

@@ -1,59 +1,16 @@
 """Write a state_dict resharded for a ParallelPlan: one safetensors file per (pipeline
-stage, tp rank) plus ``manifest.json`` (DESIGN.md §4, docs/checkpoints.md).
+stage, tp rank) plus ``manifest.json``, in the format of :mod:`parallelizer.checkpoint.format`
+(DESIGN.md §4). :class:`FileLayout` is what decides those files: the mesh and every stored
+tensor's placement.
 
-Layout of ``out_dir``::
-
-    pp0-tp0.safetensors  pp0-tp1.safetensors  ...   one per (stage, tp); dp replicas share them
-    manifest.json
-
-``pp{s}`` is the pipeline *stage* index ``s`` in ``[0, num_stages)``, ``num_stages`` = pp x
-``pipeline.virtual_stages``; it equals the pp rank when each rank runs one stage, and a rank
-running several stages (interleaved, ZB-V schedules) reads one file per stage. Each file
-holds, under its canonical fqn, the tp piece of every tensor whose plan ``stages`` include
-stage ``s`` (a tensor tied across stages is stored in each of them), and, in a training
-checkpoint, the AdamW state of those parameters under ``optim.<fqn>.exp_avg``,
-``optim.<fqn>.exp_avg_sq`` and ``optim.<fqn>.step``, in the parameter's layout. The
-manifest (format_version 2)::
-
-    {"format_version": 2, "plan_hash": ..., "layout_hash": ..., "mesh": {"pp", "dp", "tp"},
-     "num_stages": pp x virtual_stages (pp when absent),
-     "tensors": {name: {"shape", "dtype", "is_buffer", "role", "tp_dim", "layout", "stages",
-                        "kind": "model" | "optim", "param": fqn (optim only),
-                        "pieces": [{"file" | "chunks", "name", "tp_rank", "stage", "shape",
-                                    "segments": [[full_offset, piece_offset, length], ...]
-                                                | null (replicated)}, ...]}},
-     "aliases": {alias fqn: canonical fqn}, "structure": ParallelPlan.structure,
-     "train": {"step": int, "optimizer": str} (training checkpoints only),
-     "files": {file name: {"sha256": hex, "bytes": int}}}
-
-A piece is stored whole in ``file``, or, in checkpoints that ``run.py --save`` writes from
-every rank (runtime/sharded_save.py), as ``"chunks": [{"file", "rows": [lo, hi]}, ...]``:
-rows ``[lo, hi)`` along dim 0 of the piece (a dp rank's FSDP shard) in that rank's file
-``pp{s}-tp{t}-dp{d}.safetensors``, under the same tensor name; chunks tile dim 0 in order
-(a 0-d piece has one chunk with rows ``[0, 0]``). Pieces carry their ``stage``. Every file
-name must be a plain name inside the folder (manifest_schema.py checks the whole manifest
-before anything is read).
-
-A piece's ``segments`` say which runs of the full tensor's ``tp_dim`` it holds and where:
-``full[full_offset : full_offset + length] == piece[piece_offset : ... + length]`` along
-``tp_dim`` (:func:`parallelizer.plan.layouts.segments`). Rows of a piece no segment covers are
-vocabulary padding (zero). Two pieces with the same ``(full_offset, length)`` run are
-copies (other pp stages of a tied weight, replicated kv heads); readers read one and check
-replicated heads are identical. ``layout_hash`` covers pp, tp and every model tensor's
-shape, dtype, tp_dim, layout and stages (not dp, not the optimizer state): a program loads a
-checkpoint whose layout_hash equals its plan's.
-
-The write is atomic: everything goes to a hidden sibling folder, is fsynced, then renamed
-onto ``out_dir``; a reader never sees a partial checkpoint.
+The write is atomic (:mod:`parallelizer.checkpoint.publish`): everything goes to a hidden
+sibling folder, is fsynced, then renamed onto ``out_dir``; a reader never sees a partial
+checkpoint.
 """
 from __future__ import annotations
 
-import hashlib
 import json
-import mmap
-import os
 import shutil
-import tempfile
 import threading
 from concurrent.futures import FIRST_EXCEPTION, Executor, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
@@ -62,68 +19,23 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from parallelizer.checkpoint.format import (FORMAT_VERSION, MANIFEST, dtype_name, layout_hash,
+                                            optim_name, shard_file_name)
+from parallelizer.checkpoint.publish import (check_destination, fsync_dir, fsync_file, publish,
+                                             temp_sibling, write_synced)
 from parallelizer.checkpoint.slicing import local_piece, normalize_dim
 from parallelizer.checkpoint.stream import write_streamed
 from parallelizer.errors import CheckpointError
-from parallelizer.plan.layouts import segments
+from parallelizer.plan.layouts import layout_json, segments
 from parallelizer.plan.parallel_plan import ParallelPlan, TensorPlan
-
-FORMAT_VERSION = 2
-MANIFEST = "manifest.json"
-OPTIM_PREFIX = "optim."
-OPTIM_STATES = ("exp_avg", "exp_avg_sq", "step")
-
-
-def shard_file_name(stage: int, tp_rank: int) -> str:
-    """``pp{s}-tp{t}.safetensors``: the file of pipeline stage ``s`` and tp rank ``t``."""
-    return f"pp{stage}-tp{tp_rank}.safetensors"
-
-
-def optim_name(fqn: str, state: str) -> str:
-    """``optim.<fqn>.<state>``: the checkpoint name of one optimizer state tensor."""
-    return f"{OPTIM_PREFIX}{fqn}.{state}"
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.float32`` -> ``float32`` (the spelling TensorPlan.dtype uses)."""
-    return str(dtype).removeprefix("torch.")
-
-
-def sha256_file(path: Path, window: int = 1 << 24) -> str:
-    """Hex sha256 of a file, hashed through 16 MiB memory-mapped windows: no read buffer is
-    allocated or copied (``f.read`` per chunk costs ~20% of the hash rate on a warm page
-    cache) and resident memory stays one window."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        for offset in range(0, size, window):
-            with mmap.mmap(f.fileno(), min(window, size - offset), access=mmap.ACCESS_READ,
-                           offset=offset) as m:
-                h.update(m)
-    return h.hexdigest()
-
-
-def layout_hash(num_stages: int, tp: int, tensors: dict) -> str:
-    """sha256 of what decides the bytes of each file: the number of pipeline stages (pp x
-    virtual stages: files are per stage, so pp=4 and pp=2 with 2 virtual stages under the
-    same partition share files), tp and every model tensor's shape, dtype, tp_dim, layout
-    and stages (not dp, not optimizer state). At tp = 1 placements
-    decide nothing (a checkpoint keeps them to be resharded to tp > 1 later; a program
-    compiled for tp = 1 has none), so they are left out."""
-    def placement(t):
-        return [t.tp_dim, t.layout] if tp > 1 else [None, None]
-    # key "pp" kept from format 2's first writers: with one stage per rank, hashes agree
-    data = {"pp": num_stages, "tp": tp, "tensors": {
-        k: [list(t.shape), t.dtype, *placement(t), list(t.stages), t.is_buffer]
-        for k, t in sorted(tensors.items())}}
-    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
 @dataclass
-class Layout:
-    """Everything that decides a checkpoint's files: the mesh, every stored tensor's
-    placement (optimizer state entries carry their parameter's), tied aliases and the
-    pipeline structure that lets a resharder re-partition it (ParallelPlan.structure)."""
+class FileLayout:
+    """Everything that decides a checkpoint's files, one per (stage, tp rank): the mesh,
+    every stored tensor's placement (optimizer state entries carry their parameter's; its tp
+    layout is ``TensorPlan.layout``), tied aliases and the pipeline structure that lets a
+    resharder re-partition it (ParallelPlan.structure)."""
 
     mesh: dict
     tensors: dict                                  # name -> TensorPlan (fqn == name)
@@ -136,15 +48,15 @@ class Layout:
 
     @staticmethod
     def from_plan(plan: ParallelPlan, optim_names: dict = None, train: Optional[dict] = None,
-                  dtypes: Optional[dict] = None) -> "Layout":
+                  dtypes: Optional[dict] = None) -> "FileLayout":
         """The plan's layout; ``optim_names``: optimizer state name -> parameter fqn;
         ``dtypes``: optimizer state name -> dtype name (default the parameter's)."""
         tensors = dict(plan.tensors)
         params = dict(optim_names or {})
         for name, fqn in params.items():
             tensors[name] = optim_entry(plan.tensors[fqn], name, (dtypes or {}).get(name))
-        return Layout(dict(plan.mesh), tensors, params, dict(plan.aliases), dict(plan.structure),
-                      plan.hash(), train, plan.num_stages)
+        return FileLayout(dict(plan.mesh), tensors, params, dict(plan.aliases),
+                          dict(plan.structure), plan.hash(), train, plan.num_stages)
 
     def model_tensors(self) -> dict:
         return {k: v for k, v in self.tensors.items() if k not in self.params}
@@ -203,7 +115,7 @@ def write_checkpoint(state_dict: dict[str, torch.Tensor], plan: ParallelPlan, ou
             ``state_dict`` holds tensors the plan does not know.
     """
     out_dir = Path(out_dir)
-    _check_destination(out_dir, overwrite)
+    check_destination(out_dir, overwrite)
     _check_state_dict(state_dict, plan)
     full = dict(state_dict)
     names = {}
@@ -211,7 +123,7 @@ def write_checkpoint(state_dict: dict[str, torch.Tensor], plan: ParallelPlan, ou
         for state, t in states.items():
             names[optim_name(fqn, state)] = fqn
             full[optim_name(fqn, state)] = t
-    layout = Layout.from_plan(plan, names, train, {n: dtype_name(full[n].dtype) for n in names})
+    layout = FileLayout.from_plan(plan, names, train, {n: dtype_name(full[n].dtype) for n in names})
     tp = plan.mesh["tp"]
 
     def piece(name: str, t_rank: int) -> torch.Tensor:
@@ -220,7 +132,7 @@ def write_checkpoint(state_dict: dict[str, torch.Tensor], plan: ParallelPlan, ou
     return write_layout(layout, piece, out_dir, overwrite)
 
 
-def write_layout(layout: Layout, piece: Callable[[str, int], torch.Tensor], out_dir: Path,
+def write_layout(layout: FileLayout, piece: Callable[[str, int], torch.Tensor], out_dir: Path,
                  overwrite: bool = False, progress: Optional[Callable[[int], None]] = None,
                  tmp_hook: Optional[Callable[[Path], None]] = None,
                  pool: Optional[Executor] = None, checks: Sequence[Callable[[], None]] = ()) -> Path:
@@ -244,7 +156,7 @@ def write_layout(layout: Layout, piece: Callable[[str, int], torch.Tensor], out_
             whatever a check or ``piece`` raises.
     """
     out_dir = Path(out_dir)
-    _check_destination(out_dir, overwrite)
+    check_destination(out_dir, overwrite)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_sibling(out_dir)
     jobs: list[Future] = []
@@ -276,7 +188,7 @@ def write_layout(layout: Layout, piece: Callable[[str, int], torch.Tensor], out_
             finally:
                 budget.release(held[0])
                 held[0] = 0
-            synced = syncer.submit(_fsync_file, tmp / name) if syncer is not None else None
+            synced = syncer.submit(fsync_file, tmp / name) if syncer is not None else None
             return name, {"sha256": digest, "bytes": size}, synced
 
         if pool is None:
@@ -292,9 +204,9 @@ def write_layout(layout: Layout, piece: Callable[[str, int], torch.Tensor], out_
             if synced is not None:
                 synced.result()
         manifest = build_manifest(layout, {name: entry for name, entry, _ in sorted(written)})
-        _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
-        _fsync_dir(tmp)
-        _publish(tmp, out_dir, overwrite)
+        write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+        fsync_dir(tmp)
+        publish(tmp, out_dir, overwrite)
     except BaseException:
         for j in jobs:  # no thread may still be writing into tmp while it is removed
             j.cancel()
@@ -322,14 +234,6 @@ def _results(jobs: list[Future], gates: list[Future]) -> list:
         if not f.cancelled() and f.exception() is not None:
             raise f.exception()
     return [j.result() for j in jobs]
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)  # fsync flushes the file's (inode's) dirty pages, any fd
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _nbytes(shape, dtype: torch.dtype) -> int:
@@ -367,7 +271,7 @@ def _numel(shape) -> int:
     return n
 
 
-def build_manifest(layout: Layout, files: dict) -> dict:
+def build_manifest(layout: FileLayout, files: dict) -> dict:
     """The manifest dict of ``layout`` given ``files`` (file name -> {sha256, bytes})."""
     tp = layout.mesh["tp"]
     tensors = {}
@@ -381,7 +285,7 @@ def build_manifest(layout: Layout, files: dict) -> dict:
                 pieces.append({"file": shard_file_name(p, t), "name": name, "tp_rank": t, "stage": p,
                                "shape": list(tplan.local_shape(tp)), "segments": segs})
         entry = {"shape": list(tplan.shape), "dtype": tplan.dtype, "is_buffer": tplan.is_buffer,
-                 "role": tplan.role, "tp_dim": d, "layout": tplan.layout,
+                 "role": tplan.role, "tp_dim": d, "layout": layout_json(tplan.layout),
                  "stages": list(tplan.stages), "pieces": pieces,
                  "kind": "optim" if name in layout.params else "model"}
         if name in layout.params:
@@ -395,15 +299,6 @@ def build_manifest(layout: Layout, files: dict) -> dict:
     if layout.train is not None:
         out["train"] = layout.train
     return out
-
-
-def _check_destination(out_dir: Path, overwrite: bool) -> None:
-    if out_dir.exists() and not out_dir.is_dir():
-        raise CheckpointError(f"checkpoint destination {out_dir} exists and is not a folder")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
-        raise CheckpointError(
-            f"checkpoint destination {out_dir} exists and is not empty; choose another folder "
-            "or pass overwrite=True to replace it")
 
 
 def _check_state_dict(state_dict: dict, plan: ParallelPlan) -> None:
@@ -436,52 +331,3 @@ def _agrees(tensor: torch.Tensor, tplan: TensorPlan) -> bool:
 
 def _few(items: list, n: int = 5) -> str:
     return ", ".join(items[:n]) + (f", ... ({len(items) - n} more)" if len(items) > n else "")
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def temp_sibling(out_dir: Path) -> Path:
-    """A new hidden temporary folder beside ``out_dir``, to be renamed onto it when complete,
-    with the permissions a plain ``mkdir`` would give (``0o777 & ~umask``): ``mkdtemp``'s
-    0o700 would survive the rename and hide the output from the user's group."""
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)
-    return tmp
-
-
-def _publish(tmp: Path, out_dir: Path, overwrite: bool) -> None:
-    """Rename the complete ``tmp`` onto ``out_dir``; an old non-empty ``out_dir`` (only with
-    ``overwrite``) is moved aside first and deleted after the rename."""
-    _check_destination(out_dir, overwrite)  # again: someone may have written meanwhile
-    old = None
-    if out_dir.is_dir():
-        if any(out_dir.iterdir()):
-            old = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.old-"))
-            os.rename(out_dir, old / "ckpt")
-        else:
-            out_dir.rmdir()
-    try:
-        os.rename(tmp, out_dir)
-    except BaseException:
-        if old is not None:
-            os.rename(old / "ckpt", out_dir)
-            old.rmdir()
-        raise
-    _fsync_dir(out_dir.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

@@ -29,8 +29,8 @@ from parallelizer.checkpoint.reader import load_tensor, read_manifest
 from parallelizer.convert.reshard import check_paths, cores, progress_bar, verify_all
 from parallelizer.checkpoint.stream import write_streamed
 from parallelizer.convert.target import target_layout
-from parallelizer.checkpoint.writer import (Layout, _fsync_dir, _publish, _write_synced,
-                                            build_manifest, temp_sibling, write_layout)
+from parallelizer.checkpoint.publish import fsync_dir, publish, temp_sibling, write_synced
+from parallelizer.checkpoint.writer import FileLayout, build_manifest, write_layout
 from parallelizer.errors import CheckpointError
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -108,7 +108,7 @@ def export_hf(src, dst, max_shard_size: str = "5GB", force: bool = False,
         if n > 1:
             index = {"metadata": {"total_size": sum(sizes.values())},
                      "weight_map": {k: f for f, keys in zip(files, shards) for k in keys}}
-            _write_synced(tmp / INDEX_FILE, json.dumps(index, indent=2, sort_keys=True).encode())
+            write_synced(tmp / INDEX_FILE, json.dumps(index, indent=2, sort_keys=True).encode())
 
     with progress_bar(sum(sizes.values()), "export", show_progress) as bar:
         _atomic_folder(dst, force, lambda tmp: write(tmp, bar))
@@ -148,7 +148,7 @@ def import_hf(hf_path, dst, plan, tp: Optional[int] = None, pp: Optional[int] = 
         bman = read_manifest(buffers_from)
         for fqn in rest:
             state[fqn] = load_tensor(buffers_from, fqn, manifest=bman)
-    layout = Layout.from_plan(plan)
+    layout = FileLayout.from_plan(plan)
     if tp or pp:
         layout = target_layout(build_manifest(layout, {}), tp or plan.mesh["tp"], pp or plan.mesh["pp"])
 
@@ -176,8 +176,8 @@ def _atomic_folder(dst: Path, force: bool, fill) -> None:
     tmp = temp_sibling(dst)
     try:
         fill(tmp)
-        _fsync_dir(tmp)
-        _publish(tmp, dst, force)
+        fsync_dir(tmp)
+        publish(tmp, dst, force)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -24,7 +24,7 @@ import torch
 from parallelizer.checkpoint.reader import (check_file_sha256, check_file_size, load_tensor,
                                             read_manifest, verify_file)
 from parallelizer.convert.target import plan_layout, target_layout
-from parallelizer.checkpoint.writer import Layout, write_layout
+from parallelizer.checkpoint.writer import FileLayout, write_layout
 from parallelizer.errors import CheckpointError
 from parallelizer.plan.layouts import segments
 
@@ -135,7 +135,7 @@ def reshard(src, dst, tp: Optional[int] = None, pp: Optional[int] = None, plan=N
             "files": len(layout.files())}
 
 
-def target_piece(src: Path, manifest: dict, layout: Layout, name: str, tp_rank: int) -> torch.Tensor:
+def target_piece(src: Path, manifest: dict, layout: FileLayout, name: str, tp_rank: int) -> torch.Tensor:
     """Tp rank ``tp_rank``'s piece of tensor ``name`` under ``layout``, read from ``src``:
     one lazy region read per segment of the target layout; padding rows zero."""
     tplan = layout.tensors[name]

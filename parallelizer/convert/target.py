@@ -1,9 +1,10 @@
 """The (tp, pp) layout a checkpoint converts to, computed from the checkpoint alone.
 
 - tp: every tensor keeps its ``tp_dim`` and layout kind (:mod:`parallelizer.plan.layouts`);
-  :func:`relayout` adapts the layout's degree-dependent parts (replicated kv heads turn
-  into an even split when tp <= kv heads and back; vocab padding is recomputed) and refuses
-  degrees that do not fit, naming the tensor and the tp values that do.
+  :func:`relayout` adapts the layout's degree-dependent parts (each layout's ``adapt``:
+  replicated kv heads turn into an even split when tp <= kv heads and back; vocab padding
+  is recomputed) and refuses degrees that do not fit, naming the tensor and the tp values
+  that do.
 - pp: the manifest carries ``structure`` (ParallelPlan.structure): the blocks, the costs the
   compiler gave the pipeline partitioner (FLOPs of the cost model) and, per tensor, the
   cost-model units of its readers (0 before the blocks, 1 + i block i, n + 1 after), the
@@ -23,9 +24,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional
 
-from parallelizer.checkpoint.writer import Layout, optim_entry
+from parallelizer.checkpoint.writer import FileLayout, optim_entry
 from parallelizer.errors import CheckpointError, PlanError
-from parallelizer.plan.layouts import local_length
+from parallelizer.plan.layouts import EvenSplit, adapt, check, layout_from_json, layout_json
 from parallelizer.plan.parallel_plan import TensorPlan
 from parallelizer.planning.pipeline import plan_pipeline
 from parallelizer.planning.stages import tensor_stages
@@ -33,22 +34,23 @@ from parallelizer.planning.stages import tensor_stages
 _MAX_TP = 128
 
 
-def source_layout(manifest: dict) -> Layout:
-    """The checkpoint's own :class:`Layout`, rebuilt from its manifest."""
+def source_layout(manifest: dict) -> FileLayout:
+    """The checkpoint's own :class:`FileLayout`, rebuilt from its manifest (validated:
+    :func:`parallelizer.checkpoint.reader.read_manifest`)."""
     tensors, params = {}, {}
     for name, e in manifest["tensors"].items():
         tensors[name] = TensorPlan(name, tuple(e["shape"]), e["dtype"], e["tp_dim"],
                                    tuple(e["stages"]), e["is_buffer"], e.get("role", "replicate"),
-                                   e.get("layout"))
+                                   layout_from_json(e.get("layout")))
         if e.get("kind") == "optim":
             params[name] = e["param"]
-    return Layout(dict(manifest["mesh"]), tensors, params, dict(manifest.get("aliases", {})),
-                  dict(manifest.get("structure") or {}), manifest.get("plan_hash", ""),
-                  manifest.get("train"), manifest.get("num_stages", manifest["mesh"]["pp"]))
+    return FileLayout(dict(manifest["mesh"]), tensors, params, dict(manifest.get("aliases", {})),
+                      dict(manifest.get("structure") or {}), manifest.get("plan_hash", ""),
+                      manifest.get("train"), manifest.get("num_stages", manifest["mesh"]["pp"]))
 
 
-def relayout(tplan: TensorPlan, tp: int) -> Optional[dict]:
-    """``tplan.layout`` adapted to tp degree ``tp``.
+def relayout(tplan: TensorPlan, tp: int) -> Optional[EvenSplit]:
+    """``tplan.layout`` adapted to tp degree ``tp`` (:meth:`EvenSplit.adapt`).
 
     Raises:
         CheckpointError: ``tp`` does not fit the tensor; names it, its shape and layout and
@@ -57,48 +59,22 @@ def relayout(tplan: TensorPlan, tp: int) -> Optional[dict]:
     d = tplan.tp_dim
     if d is None:
         return None
-    layout = _adapt(tplan.layout, tplan.shape[d], tp)
+    layout = adapt(tplan.shape[d], tplan.layout, tp)
     try:
-        _check(layout, tplan.shape[d], tp)
+        check(tplan.shape[d], layout, tp)
     except ValueError as e:
         fits = [t for t in range(1, _MAX_TP + 1) if _fits(tplan, t)]
         raise CheckpointError(
             f"tp={tp} does not fit {tplan.fqn} (shape {tplan.shape}, sharded on dim {d}, layout "
-            f"{tplan.layout or 'even split'}): {e}; tp values that fit this tensor: "
+            f"{layout_json(tplan.layout) or 'even split'}): {e}; tp values that fit this tensor: "
             f"{', '.join(map(str, fits)) or 'none'}") from None
     return layout
 
 
-def _adapt(layout: Optional[dict], n: int, tp: int) -> Optional[dict]:
-    kind = (layout or {}).get("kind")
-    if kind == "replicated_heads" and tp <= layout["heads"]:
-        # heads stay whole under the even split; head_dim kept to replicate again later
-        return {"kind": "interleaved_heads", "heads": layout["heads"], "head_dim": layout["head_dim"]}
-    if kind == "interleaved_heads" and "head_dim" in layout and tp > layout["heads"]:
-        return {"kind": "replicated_heads", "heads": layout["heads"], "head_dim": layout["head_dim"]}
-    if kind == "padded":
-        unit = layout.get("multiple", 1) * tp
-        return {**layout, "padded_size": -(-n // unit) * unit}
-    if kind == "fused" and layout.get("part_layouts"):  # Falcon's copied k / v heads
-        return {**layout, "part_layouts": [_adapt(pl, p, tp) for p, pl in
-                                           zip(layout["parts"], layout["part_layouts"])]}
-    return layout
-
-
-def _check(layout: Optional[dict], n: int, tp: int) -> None:
-    """ValueError when ``layout`` cannot hold a dim of ``n`` at degree ``tp``."""
-    local_length(n, layout, tp)
-    if (layout or {}).get("kind") == "interleaved_heads" and layout["heads"] % tp:
-        raise ValueError(f"tp degree {tp} does not divide the {layout['heads']} heads")
-    if (layout or {}).get("kind") == "fused":
-        for p, pl in zip(layout["parts"], layout.get("part_layouts") or []):
-            _check(pl, p, tp)
-
-
 def _fits(tplan: TensorPlan, tp: int) -> bool:
+    n = tplan.shape[tplan.tp_dim]
     try:
-        n = tplan.shape[tplan.tp_dim]
-        _check(_adapt(tplan.layout, n, tp), n, tp)
+        check(n, adapt(n, tplan.layout, tp), tp)
         return True
     except ValueError:
         return False
@@ -132,7 +108,7 @@ def repartition(structure: dict, pp: int) -> dict[str, tuple[int, ...]]:
 
 
 def target_layout(manifest: dict, tp: int, pp: int, dp: Optional[int] = None,
-                  virtual_stages: Optional[int] = None) -> Layout:
+                  virtual_stages: Optional[int] = None) -> FileLayout:
     """The checkpoint's tensors re-laid out for (tp, pp): same tp_dim and layout kind,
     stages from :func:`repartition` into ``pp x virtual_stages`` stages (``virtual_stages``
     None: 1, or the checkpoint's stages kept when pp is unchanged); optimizer state follows
@@ -165,11 +141,11 @@ def target_layout(manifest: dict, tp: int, pp: int, dp: Optional[int] = None,
     for name, fqn in src.params.items():
         tensors[name] = optim_entry(model[fqn], name, src.tensors[name].dtype)
     mesh = {"pp": pp, "dp": src.mesh["dp"] if dp is None else dp, "tp": tp}
-    return Layout(mesh, tensors, dict(src.params), src.aliases, src.structure, "", src.train,
+    return FileLayout(mesh, tensors, dict(src.params), src.aliases, src.structure, "", src.train,
                   num_stages)
 
 
-def plan_layout(manifest: dict, plan) -> Layout:
+def plan_layout(manifest: dict, plan) -> FileLayout:
     """The layout of a compiled program's ``plan`` for this checkpoint's tensors.
 
     Raises:
@@ -192,5 +168,5 @@ def plan_layout(manifest: dict, plan) -> Layout:
                               layout=relayout(ours[k], 1)) for k, v in tensors.items()}
     for name, fqn in src.params.items():
         tensors[name] = optim_entry(tensors[fqn], name, src.tensors[name].dtype)
-    return Layout(dict(plan.mesh), tensors, dict(src.params), dict(plan.aliases),
+    return FileLayout(dict(plan.mesh), tensors, dict(src.params), dict(plan.aliases),
                   dict(plan.structure) or src.structure, plan.hash(), src.train, plan.num_stages)

@@ -12,7 +12,8 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
-from ..checkpoint.writer import temp_sibling, write_checkpoint
+from ..checkpoint.publish import temp_sibling
+from ..checkpoint.writer import write_checkpoint
 from ..errors import UserError
 from ..plan.parallel_plan import ParallelPlan
 from .plots import write_pipeline_plots

@@ -33,7 +33,7 @@ def render_report(plan: ParallelPlan, route: str, tp_lines, pipeline: dict, note
     sharded = [t for t in plan.tensors.values() if t.tp_dim is not None]
     lines += ["", "| tensor | shape | placement | role |", "|---|---|---|---|"]
     for t in sharded:
-        layout = f", {t.layout['kind']}" if t.layout else ""
+        layout = f", {t.layout.kind}" if t.layout else ""
         lines.append(f"| {t.fqn} | {list(t.shape)} | Shard({t.tp_dim}){layout} | {t.role} |")
     lines += dp_section(plan)
     lines += pipeline_section(plan, pipeline, pp_warnings)

@@ -20,7 +20,7 @@ class TPDecision:
     """Column/row weight FQNs (get_attr targets), the shape-constant rewrites and the
     report. ``biases`` maps a linear weight FQN to its bias FQN; ``dims`` maps every sharded
     weight and column bias to its sharded dim (``tp_dim``), ``layouts`` those with a layout
-    other than the even split to it (JSON data, :mod:`parallelizer.plan.layouts`)."""
+    other than the even split to it (a :mod:`parallelizer.plan.layouts` class)."""
 
     column: set = field(default_factory=set)
     row: set = field(default_factory=set)
@@ -35,7 +35,8 @@ class TPDecision:
     # node name -> dim: a replicated per-head value (ALiBi slopes) each rank cuts to its block
     # of heads (runtime/tp.py scatter_to_tp_region), inserted after that node
     narrows: dict = field(default_factory=dict)
-    # node name -> None (Replicate) | sharded dim, of the settled propagation; empty at tp=1
+    # node name -> placement of the settled propagation (analysis/sharding/placements.py:
+    # Replicate() | Shard(dim) | PerOutput of them); empty at tp=1
     placements: dict = field(default_factory=dict)
     # vocab_parallel (planning/vocab.py): embedding/head weight fqn (every name of a tied
     # group) -> vocabulary rows; head weight fqns; flat model-output index -> vocabulary of

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Optional
 
-from .layouts import copied_heads, local_length
+from .layouts import EvenSplit, copied_heads, layout_from_json, layout_json, local_length
 
 PLAN_VERSION = 1
 MESH_DIMS = ("pp", "dp", "tp")
@@ -51,8 +51,8 @@ class TensorPlan:
         is_buffer: a buffer (not trained) rather than a parameter.
         role: ``column_parallel`` | ``row_parallel`` | ``replicate`` (informational, for the report).
         layout: how the tp pieces tile ``tp_dim`` beyond Megatron's even split (fused q|k|v,
-            replicated kv heads, padded vocab): JSON data described in :mod:`parallelizer.plan.layouts`;
-            None for the even split.
+            replicated kv heads, padded vocab): a :mod:`parallelizer.plan.layouts` class,
+            None for the even split; its JSON form in plan.json (:meth:`to_dict`).
     """
 
     fqn: str
@@ -62,7 +62,19 @@ class TensorPlan:
     stages: tuple[int, ...]
     is_buffer: bool = False
     role: str = "replicate"
-    layout: Optional[dict] = None
+    layout: Optional[EvenSplit] = None
+
+    def to_dict(self) -> dict:
+        """The JSON-ready fields (``layout`` as its JSON form), as plan.json stores them."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["layout"] = layout_json(self.layout)
+        return out
+
+    @staticmethod
+    def from_dict(d: dict) -> "TensorPlan":
+        """Inverse of :meth:`to_dict` (ValueError: a layout that is not one)."""
+        return TensorPlan(**{**d, "shape": tuple(d["shape"]), "stages": tuple(d["stages"]),
+                             "layout": layout_from_json(d.get("layout"), f"{d.get('fqn')} layout")})
 
     def local_shape(self, tp: int) -> tuple[int, ...]:
         """Shape of one tp piece: the sharded dim's length under ``layout`` (n / tp for the
@@ -180,13 +192,13 @@ class ParallelPlan:
 
     def to_json(self) -> str:
         d = asdict(self)
+        d["tensors"] = {k: v.to_dict() for k, v in self.tensors.items()}
         return json.dumps(d, indent=1, sort_keys=True)
 
     @staticmethod
     def from_json(text: str) -> "ParallelPlan":
         d = json.loads(text)
-        tensors = {k: TensorPlan(**{**v, "shape": tuple(v["shape"]), "stages": tuple(v["stages"])})
-                   for k, v in d.pop("tensors").items()}
+        tensors = {k: TensorPlan.from_dict(v) for k, v in d.pop("tensors").items()}
         stages = tuple(StagePlan(**{k: tuple(v) if isinstance(v, list) else v for k, v in s.items()})
                        for s in d.pop("stages"))
         d["input_names"] = tuple(d.get("input_names", ()))
@@ -202,7 +214,7 @@ class ParallelPlan:
     def hash(self) -> str:
         """sha256 of the layout-defining part of the plan (mesh and tensor placements);
         a checkpoint's manifest records it so a shard set is never read under another plan."""
-        layout = {"mesh": self.mesh, "tensors": {k: asdict(v) for k, v in sorted(self.tensors.items())}}
+        layout = {"mesh": self.mesh, "tensors": {k: v.to_dict() for k, v in sorted(self.tensors.items())}}
         return hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).hexdigest()
 
 

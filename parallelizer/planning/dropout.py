@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
+from ..analysis.sharding.placements import is_replicated
 from ..plan.parallel_plan import DROPOUT_OPS, REPLICATED, TP_LOCAL
 
 
@@ -30,7 +31,7 @@ class DropoutSite:
 def plan_dropout(graph: fx.Graph, placements: dict) -> tuple[DropoutSite, ...]:
     """Every dropout node of ``graph`` that draws (p > 0 or not a constant, train not False)
     with its stream: ``tp`` when its input (the query of an SDPA) is sharded over tp
-    (``placements``: node name -> None | dim, from sharding propagation; empty at tp = 1),
+    (``placements``: node name -> placement, from sharding propagation; empty at tp = 1),
     else ``replicated``."""
     sites = []
     for node in graph.nodes:
@@ -38,7 +39,7 @@ def plan_dropout(graph: fx.Graph, placements: dict) -> tuple[DropoutSite, ...]:
         if op not in DROPOUT_OPS or not _draws(node, op):
             continue
         x = node.args[0]
-        sharded = isinstance(x, fx.Node) and placements.get(x.name) is not None
+        sharded = isinstance(x, fx.Node) and not is_replicated(placements.get(x.name))
         p = _probability(node, op)
         sites.append(DropoutSite(node.name, _module(node), op,
                                  float(p) if isinstance(p, (int, float)) else None,

@@ -32,6 +32,7 @@ import torch.fx as fx
 from ..plan.decisions import TP_OPERATOR, SequenceParallelDecision
 from ..errors import PlanError
 from ..analysis.graph_facts import aten, expr, module_path, prod, same, shape
+from ..analysis.sharding.placements import is_replicated
 
 _COPIES = {aten.clone.default, aten.contiguous.default, aten._to_copy.default,
            aten.alias.default, aten.detach.default}
@@ -52,8 +53,8 @@ def plan_sequence_parallel(graph: fx.Graph, tp: int, mode: str, placements: dict
 
     Args:
         mode: ``tensor_parallel.sequence_parallel``: "auto", "true" or "false".
-        placements: node name -> None | tp shard dim (TPDecision.placements): values
-            sharded by tensor parallelism are never sequence-sharded.
+        placements: node name -> tp placement (TPDecision.placements): values not
+            Replicate under tensor parallelism are never sequence-sharded.
         dropout_sites: the DropoutSite records of the program (their nodes drew masks).
         example_seq: the example batch's sequence length (``--verify`` runs it): one not
             divisible by tp turns "auto" off (and fails "true").
@@ -122,7 +123,7 @@ class _Facts:
 
 
 def _sharded_by_tp(facts, n) -> bool:
-    return facts.placements.get(n.name) is not None
+    return not is_replicated(facts.placements.get(n.name))
 
 
 def _candidate(facts, n) -> Optional[tuple]:

@@ -79,7 +79,7 @@ def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False) -> TPDecis
                               f"{len(sites) - len(column) - len(row)} linears")
     for w, layout in sorted(decision.layouts.items()):
         if w in column:
-            decision.report.append(f"layout {_layout_text(layout)}: {w}")
+            decision.report.append(f"layout {layout.text()}: {w}")
     paired = {w for c, rows in pairs.items() if rows for w in {c} | rows}
     for site in sites:
         if site.weight not in paired:
@@ -152,17 +152,6 @@ def tp_summary(decision: TPDecision, model) -> str:
     split = sum(p.numel() for n, p in params.items() if n in decision.dims)
     return (f"tensor parallel: {len(sharded)} of {len(mats)} weight matrices in blocks sharded "
             f"({100 * split / total:.0f} % of parameters)")
-
-
-def _layout_text(layout: dict) -> str:
-    if layout["kind"] == "fused":
-        copied = [f"part {i} {_layout_text(pl)}" for i, pl in
-                  enumerate(layout.get("part_layouts") or []) if pl]
-        return f"fused {layout['parts']}" + (f" ({'; '.join(copied)})" if copied else "")
-    if layout["kind"] == "replicated_heads":
-        return (f"replicated_heads ({layout['heads']} heads of {layout['head_dim']}, each held "
-                f"by tp / {layout['heads']} ranks; their gradients are summed)")
-    return layout["kind"]
 
 
 def _settle(graph, pairs: dict, column: set, row: set, tp: int, decision) -> Propagation:

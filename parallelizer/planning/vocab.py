@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ..plan.decisions import TPDecision
+from ..plan.layouts import Padded
 from ..errors import PlanError
 from ..analysis.graph_facts import aten, logits_region, shape, source_line, weight_fqn
 
@@ -131,14 +132,14 @@ def _decide(graph, decision: TPDecision, tp: int, vocab: int, tables: list, head
     padded = -(-vocab // tp) * tp
     # padded even when tp divides the vocabulary (padded_size = vocab): the checkpoint then
     # knows the dim may be padded, so reshard to a tp that does not divide it pads it
-    layout = {"kind": "padded", "padded_size": padded}
+    layout = Padded(padded)
     names = set(tables) | {n.args[1].target for n in heads}
     names |= {n.args[2].target for n in heads if len(n.args) > 2 and n.args[2] is not None}
     names |= {a for a, c in canonical.items() if c in names}
     for f in names:
         decision.dims[f] = 0
         decision.vocab[f] = vocab
-        decision.layouts[f] = dict(layout)
+        decision.layouts[f] = layout
     decision.vocab_heads = {n.args[1].target for n in heads}
     # plan_tp listed the heads as replicated linears: they are not any more
     decision.report[:] = [r for r in decision.report if not any(

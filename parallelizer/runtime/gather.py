@@ -13,7 +13,7 @@ def copies_max_diff(t: torch.Tensor, tplan: TensorPlan, ctx: RankContext, tp: in
     """Max abs difference between the tp ranks' copies of a ``replicated_heads`` tensor (or
     of a fused tensor's copied parts) and the first copy of the same head (0.0 for other
     layouts). Collective over tp."""
-    layout = tplan.layout or {}
+    layout = tplan.layout
     if not copied_heads(layout) or tp == 1:
         return 0.0
     t = (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().contiguous()

@@ -23,7 +23,7 @@ import torch
 
 from . import rng
 
-from ..checkpoint.writer import MANIFEST
+from ..checkpoint.format import MANIFEST
 from ..errors import UserError
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")

@@ -5,7 +5,7 @@ Each rank writes its own file per local pipeline stage, ``pp{s}-tp{t}-dp{d}.safe
 its rows of every tensor of its (stage, tp) piece (an FSDP2 parameter's local shard, or,
 for a tensor every dp rank holds whole, rows ``torch.chunk``-split over dp so the dp ranks
 share the writing), plus the optimizer state of those parameters in the same rows. The
-manifest lists, per (stage, tp) piece, its ``chunks`` (file, rows) (writer.py format 2,
+manifest lists, per (stage, tp) piece, its ``chunks`` (file, rows) (checkpoint/format.py, format 2,
 ``chunks`` instead of ``file``), so ``reshard``, ``export``, ``--load`` and ``--resume``
 read it as any other checkpoint. Nothing is pickled: tensors go to safetensors, the
 per-rank file lists (names, sha256, row ranges) travel to rank 0 as JSON bytes in a tensor.
@@ -30,8 +30,9 @@ import torch.distributed as dist
 
 from ..checkpoint.manifest_schema import validate_manifest
 from ..checkpoint.stream import write_streamed
-from ..checkpoint.writer import (MANIFEST, OPTIM_STATES, Layout, _fsync_dir, _publish, _write_synced,
-                                 build_manifest, dtype_name, optim_name)
+from ..checkpoint.format import MANIFEST, OPTIM_STATES, dtype_name, optim_name
+from ..checkpoint.publish import fsync_dir, publish, write_synced
+from ..checkpoint.writer import FileLayout, build_manifest
 from ..plan.parallel_plan import ParallelPlan
 from .periodic import fault_after_rank_files, rng_state
 from .setup import RankContext
@@ -81,9 +82,9 @@ def save_sharded(stages, plan: ParallelPlan, ctx: RankContext, out: Path, opt=No
         manifest = _manifest(plan, files, train)
         manifest["files"].update((k, v) for r in reports for k, v in r["extra"].items())
         validate_manifest(tmp, manifest, tmp / MANIFEST)  # our own output: a bug if it fails
-        _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
-        _fsync_dir(tmp)
-        _publish(tmp, out, overwrite=True)
+        write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+        fsync_dir(tmp)
+        publish(tmp, out, overwrite=True)
     dist.barrier()
     return sum(f["bytes"] for f in mine.values()) + sum(f["bytes"] for f in extras.values())
 
@@ -153,7 +154,7 @@ def _manifest(plan: ParallelPlan, files: dict, train: dict | None) -> dict:
             chunks.setdefault((k, f["stage"], f["tp_rank"]), []).append({"file": fname, "rows": t["rows"]})
             dtypes[k] = t["dtype"]
     params = {k: k[len("optim."):].rsplit(".", 1)[0] for k in dtypes if k.startswith("optim.")}
-    layout = Layout.from_plan(plan, params, train, {k: dtypes[k] for k in params})
+    layout = FileLayout.from_plan(plan, params, train, {k: dtypes[k] for k in params})
     manifest = build_manifest(layout, {n: {"sha256": f["sha256"], "bytes": f["bytes"]}
                                        for n, f in files.items()})
     for name, entry in manifest["tensors"].items():

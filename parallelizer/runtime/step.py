@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_unflatten, treespec_loads
 
 from ..errors import BatchError
 from ..plan.schedules import SINGLE_STAGE, schedule_class
-from ..plan.layouts import copied_heads, copied_runs
+from ..plan.layouts import ReplicatedHeads, copied_heads, copied_runs
 from ..plan.parallel_plan import ParallelPlan
 from .batching import flatten, index_rows
 from .data_parallel import all_reduce_grads
@@ -183,8 +183,8 @@ def _replicated_head_params(stage, plan: ParallelPlan, ctx: RankContext) -> list
     for name, param in stage.named_parameters():
         tplan = plan.tensors[plan.aliases.get(name, name)]
         layout = tplan.layout
-        if layout and layout["kind"] == "replicated_heads":
-            out.append((param, mine[layout["heads"]], None))
+        if isinstance(layout, ReplicatedHeads):  # the whole piece is the copy
+            out.append((param, mine[layout.heads], None))
         elif copied_heads(layout):  # a fused q|k|v with copied k / v parts (Falcon)
             d = tplan.tp_dim
             for offset, length, heads in copied_runs(tplan.shape[d], layout, plan.mesh["tp"]):

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import distribute_tensor
 
 from ..checkpoint.reader import load_shard, read_manifest
-from ..checkpoint.writer import OPTIM_STATES, optim_name
+from ..checkpoint.format import OPTIM_STATES, optim_name
 from ..errors import CheckpointError, UserError
 from ..plan.parallel_plan import ParallelPlan
 from .batching import dp_slice, synthetic_batches

@@ -26,6 +26,7 @@ import pytest
 
 from parallelizer.compiler import compile_model
 from parallelizer.frontend.spec import load_spec
+from parallelizer.plan.layouts import Padded
 
 HERE = Path(__file__).parent
 MODELS = HERE / "user_models"
@@ -54,8 +55,7 @@ def test_user_models_verify(tmp_path, tools):
         if "labels" in name:
             assert program.plan.scalar_outputs == (0,)  # outputs.loss
         if name.startswith("llama"):  # vocab_parallel: padded table, loss on the shards
-            assert program.plan.tensors["model.embed_tokens.weight"].layout == {
-                "kind": "padded", "padded_size": 1002}
+            assert program.plan.tensors["model.embed_tokens.weight"].layout == Padded(1002)
             assert program.plan.vocab_outputs == ((1, 1001),)
             assert "vocab_parallel cross-entropy" in program.report
     p = tools.launch(ENTRY, 2, *outs, timeout=380).wait()

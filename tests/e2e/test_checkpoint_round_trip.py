@@ -17,7 +17,7 @@ from parallelizer.cli.convert import load_plan
 from parallelizer.checkpoint.reader import check_plan, read_manifest
 from parallelizer.convert.reshard import reshard
 from parallelizer.convert.target import target_layout
-from parallelizer.checkpoint.writer import layout_hash
+from parallelizer.checkpoint.format import layout_hash
 
 TP2PP2 = ("mesh.dp=1", "mesh.tp=2", "mesh.pp=2")
 OTHER = {"tp2": ("mesh.dp=1", "mesh.tp=2", "mesh.pp=1"), "pp2": ("mesh.dp=1", "mesh.tp=1", "mesh.pp=2")}

@@ -191,7 +191,7 @@ def test_compression_state_files_refuse_another_program(tmp_path, monkeypatch):
             load_state(fresh, plan, tmp_path, 0, torch.device("cpu"), files={name: entry})
         # a file its manifest vouches for, but not one write_state wrote (no metadata)
         from safetensors.torch import save_file
-        from parallelizer.checkpoint.writer import sha256_file
+        from parallelizer.checkpoint.format import sha256_file
         save_file({"error_dict.x": torch.zeros(2)}, str(tmp_path / name))
         entry = {"sha256": sha256_file(tmp_path / name), "bytes": (tmp_path / name).stat().st_size}
         with pytest.raises(CheckpointError, match=r"compression-rank0.safetensors is not compression "

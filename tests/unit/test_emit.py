@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from parallelizer.checkpoint.reader import load_full
 from parallelizer.compiler import compile_model
 from parallelizer.frontend.model_file import load_model_file
+from parallelizer.plan.layouts import Padded
 from parallelizer.plan.parallel_plan import ParallelPlan
 from parallelizer.frontend.spec import load_spec
 
@@ -181,7 +182,7 @@ def test_llama_tp2_plan_placements(llama_tp2):
     assert (o.tp_dim, o.role) == (1, "row_parallel") and o.local_shape(2) == (64, 32)
     e = tensors["model.embed_tokens.weight"]
     assert (e.tp_dim, e.role) == (0, "vocab_parallel") and e.local_shape(2) == (64, 64)
-    assert e.layout == {"kind": "padded", "padded_size": 128}  # reshard pads it for other tp
+    assert e.layout == Padded(128)  # reshard pads it for other tp
     assert llama_tp2.plan.vocab_outputs == ((0, 128),)
     assert llama_tp2.plan.aliases == {"lm_head.weight": "model.embed_tokens.weight"}
 

@@ -1,9 +1,13 @@
-"""Layout math: every element of the full tensor is held by exactly the ranks the layout says."""
+"""Layout math: every element of the full tensor is held by exactly the ranks the layout says;
+each layout class's JSON round trip, its adaptation to another tp and the refusal of JSON
+that is not a layout."""
 import pytest
 import torch
 
 from parallelizer.checkpoint.slicing import local_piece
-from parallelizer.plan.layouts import copied_heads, copied_runs, local_length, segments
+from parallelizer.plan.layouts import (Fused, InterleavedHeads, Padded, ReplicatedHeads, adapt,
+                                       copied_heads, copied_runs, layout_from_json, local_length,
+                                       segments)
 from parallelizer.plan.parallel_plan import TensorPlan
 
 
@@ -20,7 +24,7 @@ def test_even_split_matches_chunk():
 def test_fused_parts_are_split_separately():
     # GPT-2 c_attn: (in, 3h) Conv1D weight, q|k|v along dim 1
     t = torch.arange(2 * 12.).reshape(2, 12)
-    plan = _plan(t.shape, {"kind": "fused", "parts": [4, 4, 4]}, tp_dim=1)
+    plan = _plan(t.shape, Fused((4, 4, 4)), tp_dim=1)
     q, k, v = t.split(4, dim=1)
     for r in range(2):
         want = torch.cat([q.chunk(2, 1)[r], k.chunk(2, 1)[r], v.chunk(2, 1)[r]], dim=1)
@@ -30,7 +34,7 @@ def test_fused_parts_are_split_separately():
 
 def test_replicated_heads_each_rank_holds_one_whole_head():
     t = torch.arange(2 * 3 * 5.).reshape(6, 5)  # 2 kv heads of head_dim 3
-    plan = _plan(t.shape, {"kind": "replicated_heads", "heads": 2, "head_dim": 3})
+    plan = _plan(t.shape, ReplicatedHeads(2, 3))
     pieces = [local_piece(t, plan, 4, r) for r in range(4)]
     assert plan.local_shape(4) == (3, 5)
     assert torch.equal(pieces[0], t[:3]) and torch.equal(pieces[1], t[:3])
@@ -40,8 +44,8 @@ def test_replicated_heads_each_rank_holds_one_whole_head():
 def test_fused_part_of_copied_heads_is_held_whole_by_every_rank():
     # Falcon multi-query query_key_value: 4 q heads | 1 k head | 1 v head, head_dim 2
     t = torch.arange(12 * 3.).reshape(12, 3)
-    rh = {"kind": "replicated_heads", "heads": 1, "head_dim": 2}
-    plan = _plan(t.shape, {"kind": "fused", "parts": [8, 2, 2], "part_layouts": [None, rh, rh]})
+    rh = ReplicatedHeads(1, 2)
+    plan = _plan(t.shape, Fused((8, 2, 2), (None, rh, rh)))
     q, k, v = t.split([8, 2, 2])
     assert plan.local_shape(2) == (8, 3)
     for r in range(2):
@@ -49,13 +53,13 @@ def test_fused_part_of_copied_heads_is_held_whole_by_every_rank():
     assert segments(12, plan.layout, 2, 1) == [(4, 0, 4), (8, 4, 2), (10, 6, 2)]
     assert copied_runs(12, plan.layout, 2) == [(4, 2, 1), (6, 2, 1)]
     assert copied_runs(12, plan.layout, 4) == [(2, 2, 1), (4, 2, 1)]
-    assert copied_heads(plan.layout) == {1} and copied_heads({"kind": "fused", "parts": [4]}) == set()
-    assert copied_runs(12, {"kind": "fused", "parts": [4, 4, 4]}, 2) == []
+    assert copied_heads(plan.layout) == {1} and copied_heads(Fused((4,))) == set()
+    assert copied_runs(12, Fused((4, 4, 4)), 2) == []
 
 
 def test_padded_rows_are_zero_and_cover_the_tensor_once():
     t = torch.arange(1., 11.).reshape(5, 2)  # vocab 5, tp 2 -> padded to 6
-    plan = _plan(t.shape, {"kind": "padded", "padded_size": 6})
+    plan = _plan(t.shape, Padded(6))
     p0, p1 = (local_piece(t, plan, 2, r) for r in range(2))
     assert torch.equal(p0, t[:3])
     assert torch.equal(p1[:2], t[3:]) and torch.equal(p1[2], torch.zeros(2))
@@ -73,4 +77,68 @@ def test_padded_rows_are_zero_and_cover_the_tensor_once():
 ])
 def test_bad_layouts_are_refused(layout, n, tp, msg):
     with pytest.raises(ValueError, match=msg):
-        local_length(n, layout, tp)
+        local_length(n, layout_from_json(layout), tp)
+
+
+RH = {"kind": "replicated_heads", "heads": 1, "head_dim": 2}
+
+
+@pytest.mark.parametrize("data, typed", [
+    (None, None),
+    ({"kind": "fused", "parts": [4, 4, 4]}, Fused((4, 4, 4))),
+    ({"kind": "fused", "parts": [8, 2, 2], "part_layouts": [None, RH, RH]},
+     Fused((8, 2, 2), (None, ReplicatedHeads(1, 2), ReplicatedHeads(1, 2)))),
+    ({"kind": "fused", "parts": [4, 4], "part_layouts": []}, Fused((4, 4), ())),  # = all even
+    ({"kind": "interleaved_heads", "heads": 4}, InterleavedHeads(4)),
+    ({"kind": "interleaved_heads", "heads": 2, "head_dim": 8}, InterleavedHeads(2, 8)),
+    ({"kind": "replicated_heads", "heads": 2, "head_dim": 8}, ReplicatedHeads(2, 8)),
+    ({"kind": "padded", "padded_size": 1002}, Padded(1002)),
+    ({"kind": "padded", "padded_size": 1024, "multiple": 64}, Padded(1024, 64)),
+])
+def test_json_round_trip_is_exact(data, typed):
+    # plan.json and manifest.json store exactly these keys: a round trip adds and drops none
+    assert layout_from_json(data) == typed
+    assert (typed.to_json() if typed else None) == data
+    assert hash(layout_from_json(data)) == hash(typed)
+
+
+@pytest.mark.parametrize("layout, n, tp, want", [
+    (ReplicatedHeads(2, 4), 8, 2, InterleavedHeads(2, 4)),     # tp <= kv heads: even again
+    (InterleavedHeads(2, 4), 8, 4, ReplicatedHeads(2, 4)),     # tp > kv heads: copies
+    (InterleavedHeads(4), 12, 8, InterleavedHeads(4)),         # no head_dim: never copied
+    (Padded(10), 10, 4, Padded(12)),
+    (Padded(12), 10, 1, Padded(10)),
+    (Padded(128, 64), 100, 4, Padded(256, 64)),
+    (Fused((8, 2, 2), (None, ReplicatedHeads(1, 2), ReplicatedHeads(1, 2))), 12, 1,
+     Fused((8, 2, 2), (None, InterleavedHeads(1, 2), InterleavedHeads(1, 2)))),
+    (Fused((4, 4)), 8, 4, Fused((4, 4))),
+    (None, 8, 4, None),
+])
+def test_adapt_to_another_tp(layout, n, tp, want):
+    assert adapt(n, layout, tp) == want
+
+
+@pytest.mark.parametrize("data, msg", [
+    ([1, 2], "must be an object"),
+    ({"parts": [4]}, "unknown layout kind None"),
+    ({"kind": "fused", "parts": []}, "non-empty list"),
+    ({"kind": "fused", "parts": [4, True]}, "positive int, got True"),
+    ({"kind": "fused", "parts": [4, 0]}, "positive int, got 0"),
+    ({"kind": "fused", "parts": [4, 4], "part_layouts": [None, {"kind": "padded", "padded_size": 4}]},
+     "must give each of the parts"),
+    ({"kind": "replicated_heads", "heads": 2}, "'head_dim' a positive int, got None"),
+    ({"kind": "interleaved_heads", "heads": 2.0}, "'heads' a positive int, got 2.0"),
+    ({"kind": "padded", "padded_size": -3}, "'padded_size' a positive int, got -3"),
+    ({"kind": "padded", "padded_size": 8, "multiple": "2"}, "'multiple' a positive int"),
+])
+def test_json_that_is_not_a_layout_is_refused(data, msg):
+    with pytest.raises(ValueError, match=msg):
+        layout_from_json(data)
+
+
+def test_tensor_plan_dict_round_trip_keeps_the_layout():
+    rh = ReplicatedHeads(1, 2)
+    t = _plan((12, 3), Fused((8, 2, 2), (None, rh, rh)))
+    d = t.to_dict()
+    assert d["layout"] == {"kind": "fused", "parts": [8, 2, 2], "part_layouts": [None, RH, RH]}
+    assert TensorPlan.from_dict(d) == t

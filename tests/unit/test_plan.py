@@ -14,6 +14,7 @@ from parallelizer.plan.schedules import with_schedule
 from parallelizer.plan.parallel_plan import (ParallelPlan, StagePlan, TensorPlan,
                                              checkpointed_blocks, global_rank, grad_sync_groups)
 from parallelizer.frontend.spec import load_spec
+from parallelizer.plan.layouts import Fused, ReplicatedHeads
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -24,7 +25,7 @@ def _plan(pp: int, dp: int, tp: int, ranks: tuple, kv_heads: int | None = None) 
         "embed.weight": TensorPlan("embed.weight", (16, 8), "float32", None, (0, last)),
         "layers.0.k.weight": TensorPlan(
             "layers.0.k.weight", (8, 8), "float32", 0 if kv_heads else None, (0,),
-            layout={"kind": "replicated_heads", "heads": kv_heads, "head_dim": 4} if kv_heads else None),
+            layout=ReplicatedHeads(kv_heads, 4) if kv_heads else None),
         "rope.inv_freq": TensorPlan("rope.inv_freq", (2,), "float32", None, (0, last), is_buffer=True),
     }
     stages = tuple(StagePlan(s, f"stage{s}", (), (), (), (), r) for s, r in enumerate(ranks))
@@ -53,10 +54,9 @@ def test_kv_head_copies_summed_over_the_tp_ranks_holding_them():
     assert one_head[0]["ranks"] == [[0, 1, 2, 3]]
     # Falcon's fused q|k|v with its one k and v head copied: the same group as one kv head
     plan = _plan(pp=1, dp=2, tp=2, ranks=(0,))
-    rh = {"kind": "replicated_heads", "heads": 1, "head_dim": 2}
+    rh = ReplicatedHeads(1, 2)
     plan.tensors["layers.0.k.weight"] = TensorPlan(
-        "layers.0.k.weight", (8, 8), "float32", 0, (0,),
-        layout={"kind": "fused", "parts": [4, 2, 2], "part_layouts": [None, rh, rh]})
+        "layers.0.k.weight", (8, 8), "float32", 0, (0,), layout=Fused((4, 2, 2), (None, rh, rh)))
     assert grad_sync_groups(plan) == ({"kind": "replicated_heads", "key": 1,
                                        "ranks": [[0, 1], [2, 3]]},)
 

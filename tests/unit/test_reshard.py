@@ -24,9 +24,10 @@ from parallelizer.convert.export import export_hf, import_hf
 from parallelizer.checkpoint.hf import load_hf_state_dict
 from parallelizer.convert.reshard import reshard
 from parallelizer.convert.target import repartition
-from parallelizer.checkpoint.writer import Layout, write_layout
+from parallelizer.checkpoint.writer import FileLayout, write_layout
 from parallelizer.cli.parallelize import main as cli
 from parallelizer.errors import CheckpointError
+from parallelizer.plan.layouts import Fused, InterleavedHeads, Padded, ReplicatedHeads
 from parallelizer.plan.parallel_plan import ParallelPlan, TensorPlan
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,10 +36,9 @@ BLOCKS = ["layers.0", "layers.1", "layers.2"]
 
 def layouts(tp: int) -> dict:
     """The compiler's layouts of the toy model at degree ``tp``."""
-    kv = ({"kind": "replicated_heads", "heads": 2, "head_dim": 4} if tp > 2
-          else {"kind": "interleaved_heads", "heads": 2, "head_dim": 4})
-    return {"embed.weight": {"kind": "padded", "padded_size": -(-10 // tp) * tp},
-            "layers.0.c_attn.weight": {"kind": "fused", "parts": [8, 8, 8]},
+    kv = ReplicatedHeads(2, 4) if tp > 2 else InterleavedHeads(2, 4)
+    return {"embed.weight": Padded(-(-10 // tp) * tp),
+            "layers.0.c_attn.weight": Fused((8, 8, 8)),
             "layers.1.k_proj.weight": kv}
 
 
@@ -137,7 +137,7 @@ def test_parallel_writers_hold_at_most_two_largest_pieces(tmp_path):
     """4 writer threads on 4 files of equal pieces: without the byte budget all 4 would hold
     a piece at once; with it, at most 2 x the largest piece is produced and not yet written."""
     specs = {f"w{i}": TensorPlan(f"w{i}", (64, 8), "float32", 0, (0,)) for i in range(4)}
-    layout = Layout({"pp": 1, "dp": 1, "tp": 4}, specs)
+    layout = FileLayout({"pp": 1, "dp": 1, "tp": 4}, specs)
     live, peak, lock = [0], [0], threading.Lock()
 
     def gone():
@@ -242,8 +242,8 @@ def test_replicas_must_be_identical(tmp_path):
 def test_copied_parts_of_a_fused_tensor_must_be_identical(tmp_path):
     """Falcon's multi-query query_key_value at tp=2: q heads split, the k and v head copied
     on both ranks; the copies are compared like replicated_heads tensors."""
-    rh = {"kind": "replicated_heads", "heads": 1, "head_dim": 2}
-    layout = {"kind": "fused", "parts": [4, 2, 2], "part_layouts": [None, rh, rh]}
+    rh = ReplicatedHeads(1, 2)
+    layout = Fused((4, 2, 2), (None, rh, rh))
     plan = ParallelPlan(mesh={"pp": 1, "dp": 1, "tp": 2}, zero_stage=0, schedule="1f1b",
                         microbatches=1, seed=0, stages=(), aliases={}, tensors={
                             "qkv.weight": TensorPlan("qkv.weight", (8, 3), "float32", 0, (0,),

@@ -1,7 +1,7 @@
 """Sharding propagation (DESIGN §3) on small captured graphs.
 
-Placements are ``None`` (Replicate), an int ``d`` (Shard(d) of the global shape) or
-``"invalid"`` after a conflict. Each test gives the column/row weight sets, runs
+Placements are DTensor's ``Replicate()`` and ``Shard(d)`` (of the global shape), a
+``PerOutput`` of them for a multi-output op, or ``CONFLICT`` after a conflict. Each test gives the column/row weight sets, runs
 ``propagate`` and checks the placement facts of the nodes, the shape-constant rewrites and
 the conflicts: Before (the graph), Expected (the facts).
 """
@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallelizer.frontend.capture import capture
-from parallelizer.analysis.sharding.propagate import INVALID, propagate
+from parallelizer.analysis.sharding.placements import CONFLICT, REPLICATE, PerOutput, Shard
+from parallelizer.analysis.sharding.propagate import propagate
 
 aten = torch.ops.aten
 H, HEADS, HD = 32, 4, 8
@@ -81,28 +82,29 @@ def moves():
 ])
 def test_shard_dim_moves_with_the_op(moves, target, index, expected):
     graph, prop = moves
-    assert placement(prop, nodes(graph, target)[index]) == expected
+    assert placement(prop, nodes(graph, target)[index]) == Shard(expected)
     assert prop.conflicts == []
 
 
 def test_softmax_and_casts_keep_the_shard(moves):
     graph, prop = moves
     softmax = [n for n in graph.nodes if n.op == "call_function" and "softmax" in str(n.target)]
-    assert [placement(prop, n) for n in softmax] == [2]
+    assert [placement(prop, n) for n in softmax] == [Shard(2)]
     cast = [n for n in graph.nodes if n.op == "call_function"
             and n.target in (aten.to.dtype, aten._to_copy.default)]
-    assert cast and all(placement(prop, n) == 2 for n in cast)
+    assert cast and all(placement(prop, n) == Shard(2) for n in cast)
 
 
 def test_weights_are_seeded_column_shard0_row_shard1():
     graph = graph_of(MLP(), (2, 5, H))
     prop = propagate(graph, {"fc1.weight"}, {"fc2.weight"}, tp=2)
     attrs = {n.target: placement(prop, n) for n in graph.nodes if n.op == "get_attr"}
-    assert attrs == {"fc1.weight": 0, "fc1.bias": None, "fc2.weight": 1, "fc2.bias": None}
+    assert attrs == {"fc1.weight": Shard(0), "fc1.bias": REPLICATE, "fc2.weight": Shard(1),
+                     "fc2.bias": REPLICATE}
     fc1, fc2 = nodes(graph, aten.linear.default)
-    assert placement(prop, fc1) == 2                      # Shard(-1)
-    assert placement(prop, nodes(graph, aten.gelu.default)[0]) == 2
-    assert placement(prop, fc2) is None                   # Partial, resolved by g at once
+    assert placement(prop, fc1) == Shard(2)               # Shard(-1)
+    assert placement(prop, nodes(graph, aten.gelu.default)[0]) == Shard(2)
+    assert placement(prop, fc2) == REPLICATE              # Partial, resolved by g at once
     assert prop.conflicts == [] and prop.rewrites == {}
     sizes = {(c.size, c.what, c.detail) for c in prop.constraints}
     assert sizes == {(4 * H, "features", "out_features of fc1.weight"),
@@ -150,15 +152,16 @@ def test_view_split_puts_shard_on_heads_and_divides_the_constant(tp):
     views = nodes(graph, aten.view.default)
     assert len(views) == 3
     for view in views:
-        assert placement(prop, view) == 2                         # (B, T, heads, hd): Shard(2)
+        assert placement(prop, view) == Shard(2)                         # (B, T, heads, hd): Shard(2)
         assert prop.rewrites[view.name] == [(1, 2, HEADS // tp)]  # args[1][2]: heads / tp
-    assert [placement(prop, n) for n in nodes(graph, aten.transpose.int)] == [1, 1, 1, 2]
+    assert [placement(prop, n) for n in nodes(graph, aten.transpose.int)] == [
+        Shard(1), Shard(1), Shard(1), Shard(2)]
     sdpa = nodes(graph, aten.scaled_dot_product_attention.default)[0]
-    assert placement(prop, sdpa) == 1                             # attention stays per head
+    assert placement(prop, sdpa) == Shard(1)                             # attention stays per head
     merge = nodes(graph, aten.reshape.default)[0]                 # (B, T, H): merged, Shard(2)
-    assert placement(prop, merge) == 2
+    assert placement(prop, merge) == Shard(2)
     assert prop.rewrites[merge.name] == [(1, 2, H // tp)]
-    assert placement(prop, nodes(graph, aten.linear.default)[-1]) is None
+    assert placement(prop, nodes(graph, aten.linear.default)[-1]) == REPLICATE
     heads = [c for c in prop.constraints if c.what == "heads" and c.size == HEADS]
     assert len(heads) == 3 and "dim 2 of the view to [*, *, 4, 8]" in heads[0].detail
 
@@ -168,7 +171,7 @@ def test_view_with_minus_one_heads_keeps_the_shard_without_a_rewrite():
     prop = propagate(graph, {"q.weight", "k.weight", "v.weight"}, {"o.weight"}, tp=2)
     assert prop.conflicts == []
     views = nodes(graph, aten.view.default)
-    assert [placement(prop, v) for v in views] == [2, 2, 2]
+    assert [placement(prop, v) for v in views] == [Shard(2)] * 3
     assert not any(v.name in prop.rewrites for v in views)        # -1 adapts by itself
 
 
@@ -195,14 +198,14 @@ def test_reduction_over_the_sharded_dim_is_a_conflict(op, target):
     prop = propagate(graph, {"col.weight"}, {"row.weight"}, tp=2)
     bad = [n for n in graph.nodes if n.op == "call_function"
            and (n.target is target or (isinstance(target, str) and target in str(n.target)))]
-    assert len(bad) == 1 and placement(prop, bad[0]) == INVALID
+    assert len(bad) == 1 and placement(prop, bad[0]) == CONFLICT
     assert len(prop.conflicts) == 1
     name, module, groups, reason = prop.conflicts[0]
     assert name == bad[0].name and module == "" and groups == frozenset({"col.weight"})
     assert "cannot take a sharded input" in reason
     # everything downstream of the conflict is invalid, not silently replicated
     add = nodes(graph, aten.add.Tensor)[0]
-    assert placement(prop, add) == INVALID
+    assert placement(prop, add) == CONFLICT
 
 
 class Residual(nn.Module):
@@ -227,7 +230,7 @@ def test_linear_and_broadcast_conflicts():
     col2, row = by_weight["col2.weight"], by_weight["row.weight"]
     muls = nodes(graph, aten.mul.Tensor)
     # a size-1 replicated operand broadcasts along the shard: fine
-    assert placement(prop, muls[0]) == 2 and placement(prop, row) is None
+    assert placement(prop, muls[0]) == Shard(2) and placement(prop, row) == REPLICATE
     # a column_parallel linear fed a sharded input
     assert by_node[col2.name] == "column_parallel linear needs a replicated input"
     # a full-size replicated operand along the sharded dim (an RMSNorm weight, say)
@@ -272,7 +275,7 @@ def test_dtensor_strategy_keeps_a_shard_our_table_has_no_rule_for():
     prop = propagate(graph, {"col.weight"}, {"row.weight"}, tp=2)
     assert prop.conflicts == []
     cumsum = next(n for n in graph.nodes if n.target is torch.ops.aten.cumsum.default)
-    assert prop.placements[cumsum.name] == 2
+    assert prop.placements[cumsum.name] == Shard(2)
 
 
 class MaxOverHidden(nn.Module):
@@ -292,7 +295,7 @@ def test_multi_output_op_on_sharded_input_is_a_conflict():
     graph = graph_of(MaxOverHidden(), (2, 5, H))
     prop = propagate(graph, {"fc1.weight"}, {"fc2.weight"}, tp=2)
     max_dim = nodes(graph, aten.max.dim)[0]
-    assert placement(prop, max_dim) == INVALID
+    assert placement(prop, max_dim) == CONFLICT
     assert any(c[0] == max_dim.name for c in prop.conflicts)
 
 
@@ -312,9 +315,9 @@ def test_split_and_cat_follow_the_shard():
     graph = graph_of(SplitCat(), (2, 5, H))
     prop = propagate(graph, {"col.weight"}, set(), tp=2)
     cat = nodes(graph, aten.cat.default)[0]
-    assert placement(prop, cat) == 2
+    assert placement(prop, cat) == Shard(2)
     splits = [n for n in graph.nodes if n.op == "call_function"
               and n.target in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)]
-    assert placement(prop, splits[0]) == (2, 2)
-    assert placement(prop, splits[1]) == INVALID
+    assert placement(prop, splits[0]) == PerOutput((Shard(2), Shard(2)))
+    assert placement(prop, splits[1]) == CONFLICT
     assert len(prop.conflicts) == 1 and prop.conflicts[0][0] == splits[1].name

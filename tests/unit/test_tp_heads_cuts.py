@@ -14,6 +14,7 @@ from parallelizer.errors import PlanError
 from parallelizer.frontend.capture import capture
 from parallelizer.passes.cleanup import apply_cleanup
 from parallelizer.passes.tensor_parallel import apply_tensor_parallel
+from parallelizer.plan.layouts import Fused, ReplicatedHeads
 from parallelizer.planning.tp import plan_tp
 
 from tp_lockstep import local, run_ranks
@@ -98,9 +99,8 @@ def test_one_kv_head_cut_from_a_fused_qkv_is_copied_and_matches(tp):
     model = MultiQuery(-2, -1)
     cap, d = _plan(model, tp)
     assert {"qkv.weight", "o.weight"} <= d.column | d.row
-    rh = {"kind": "replicated_heads", "heads": 1, "head_dim": D}
-    assert d.layouts["qkv.weight"] == {"kind": "fused", "parts": [H, D, D],
-                                       "part_layouts": [None, rh, rh]}
+    rh = ReplicatedHeads(1, D)
+    assert d.layouts["qkv.weight"] == Fused((H, D, D), (None, rh, rh))
     _matches(model, cap, d, tp)
 
 

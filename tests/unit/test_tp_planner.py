@@ -20,6 +20,7 @@ from parallelizer.errors import PlanError
 from parallelizer.frontend.capture import capture
 from parallelizer.passes.cleanup import apply_cleanup
 from parallelizer.passes.tensor_parallel import apply_tensor_parallel
+from parallelizer.plan.layouts import Fused, InterleavedHeads, ReplicatedHeads
 from parallelizer.plan.parallel_plan import TensorPlan
 from parallelizer.planning.tp import plan_tp
 from parallelizer.runtime.tp import copy_to_tp_region, reduce_from_tp_region
@@ -226,7 +227,7 @@ def test_gqa_tp2_rewrites_repeat_kv_constants(llama):
     assert "replicated linear: lm_head.weight (no column/row pair found; aten.linear.default at " \
            "modeling_llama.py:" in "\n".join(d.report)
     # kv projections split evenly are marked as heads (a converter may copy them for tp > 2)
-    kv = {"kind": "interleaved_heads", "heads": 2, "head_dim": 8}
+    kv = InterleavedHeads(2, 8)
     assert d.layouts == {f"model.layers.{i}.self_attn.{x}_proj.weight": kv
                          for i in range(2) for x in "kv"}
     by_name = {n.name: n for n in cap.gm.graph.nodes}
@@ -247,7 +248,7 @@ def test_gqa_tp4_replicates_kv_heads(llama):
     its reshape (B, 1, T, hd): each rank's query head uses its own kv head."""
     model, cap = llama
     d = plan_tp(cap.gm.graph, 4)
-    kv = {"kind": "replicated_heads", "heads": 2, "head_dim": 8}
+    kv = ReplicatedHeads(2, 8)
     for i in range(2):
         p = f"model.layers.{i}.self_attn."
         assert {p + f"{x}_proj.weight" for x in "qkv"} <= d.column
@@ -569,7 +570,7 @@ def gpt2():
 def test_gpt2_c_attn_fused_column_c_proj_row(gpt2):
     cap = captured(gpt2, ids_batch())
     d = plan_tp(cap.gm.graph, 2)
-    fused = {"kind": "fused", "parts": [H, H, H]}
+    fused = Fused((H, H, H))
     for i in range(2):
         p = f"transformer.h.{i}."
         assert {p + "attn.c_attn.weight", p + "mlp.c_fc.weight"} <= d.column
@@ -631,8 +632,8 @@ def test_phi3_fused_qkv_slices_and_gate_up_tp2():
     d = _tp_matches(transformers.Phi3ForCausalLM(cfg).eval(), 2)
     for i in range(2):
         p = f"model.layers.{i}."
-        assert d.layouts[p + "self_attn.qkv_proj.weight"] == {"kind": "fused", "parts": [32, 16, 16]}
-        assert d.layouts[p + "mlp.gate_up_proj.weight"] == {"kind": "fused", "parts": [64, 64]}
+        assert d.layouts[p + "self_attn.qkv_proj.weight"] == Fused((32, 16, 16))
+        assert d.layouts[p + "mlp.gate_up_proj.weight"] == Fused((64, 64))
         assert {p + "self_attn.o_proj.weight", p + "mlp.down_proj.weight"} <= d.row
 
 
@@ -647,7 +648,7 @@ def test_gpt_neox_interleaved_qkv_tp2():
         bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     d = _tp_matches(transformers.GPTNeoXForCausalLM(cfg).eval(), 2)
-    layout = {"kind": "interleaved_heads", "heads": 4}
+    layout = InterleavedHeads(4)
     for i in range(2):
         p = f"gpt_neox.layers.{i}.attention.query_key_value."
         assert d.layouts[p + "weight"] == d.layouts[p + "bias"] == layout

@@ -22,6 +22,7 @@ from parallelizer.frontend.capture import capture
 from parallelizer.passes.cleanup import apply_cleanup
 from parallelizer.passes.tensor_parallel import apply_tensor_parallel
 from parallelizer.passes.vocab_parallel import apply_vocab_parallel
+from parallelizer.plan.layouts import Padded
 from parallelizer.planning.tensors import tied_groups
 from parallelizer.planning.tp import plan_tp, tp_summary
 from parallelizer.planning.vocab import plan_vocab
@@ -96,7 +97,7 @@ def test_padded_tied_vocab_matches_unmodified_model(tp):
     batch = {"input_ids": ids()}
     cap, gm, d = planned(model, batch, tp)
     padded = -(-V // tp) * tp
-    assert d.layouts["model.embed_tokens.weight"] == {"kind": "padded", "padded_size": padded}
+    assert d.layouts["model.embed_tokens.weight"] == Padded(padded)
     assert d.vocab == {"model.embed_tokens.weight": V, "lm_head.weight": V}
     assert d.vocab_heads == {"lm_head.weight"} and d.vocab_outputs == {0: V}
     d.vocab_outputs.clear()  # gathered in the graph, as run.py's VocabOutputs.whole does

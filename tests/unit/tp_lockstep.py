@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from parallelizer.checkpoint.slicing import local_piece
-from parallelizer.plan.layouts import copied_heads, copied_runs
+from parallelizer.plan.layouts import ReplicatedHeads, copied_heads, copied_runs
 from parallelizer.plan.parallel_plan import TensorPlan
 from parallelizer.runtime import sequence as sp
 from parallelizer.runtime.tp import copy_to_tp_region, reduce_from_tp_region, scatter_to_tp_region
@@ -260,6 +260,6 @@ def _sum_replicated_head_grads(leaves, decision, tp):
 
 
 def _full_length(layout) -> int:
-    if layout["kind"] == "replicated_heads":
-        return layout["heads"] * layout["head_dim"]
-    return sum(layout["parts"])
+    if isinstance(layout, ReplicatedHeads):
+        return layout.heads * layout.head_dim
+    return sum(layout.parts)

@@ -6,7 +6,8 @@ DTensor's ``ShardingPropagator`` holds a strategy for nearly every ATen op, main
 torch. We ask it the question our propagation asks: given these input placements on a 1-D
 tp mesh, is there a strategy that takes them as they are, and what is the output placement?
 An answer that needs a redistribution of an input, or gives a Partial output, is a conflict
-(Partial never flows here: only a row_parallel linear's g resolves one). No DTensor is ever
+(Partial never flows here: only a row_parallel linear's g resolves one). Our placements
+(:mod:`.placements`) are DTensor's ``Shard`` / ``Replicate``, handed over as they are. No DTensor is ever
 created and nothing runs: the mesh is a ``DeviceMesh`` built without a process group
 (``_init_backend=False``), and the specs carry the example's concrete sizes.
 
@@ -22,7 +23,8 @@ import torch
 import torch.fx as fx
 
 from ..graph_facts import is_tensor
-from .state import INVALID, placement
+from .placements import CONFLICT, REPLICATE, PerOutput
+from .state import placement
 
 NO_RULE = object()
 _DIM_ARGS = {"dim", "dims", "dim0", "dim1", "start_dim", "end_dim"}
@@ -56,8 +58,9 @@ def _spec(node: fx.Node, prop, mesh):
     shape = torch.Size([_concrete(s) for s in val.shape])
     stride = torch.empty(shape, device="meta").stride()
     p = placement(prop, node)
-    return DTensorSpec(mesh, (Replicate() if p is None else Shard(p),),
-                       TensorMeta(shape, stride, val.dtype))
+    if not isinstance(p, (Shard, Replicate)):
+        raise ValueError(f"a tensor placed {p}")  # not a DTensor placement: no question to ask
+    return DTensorSpec(mesh, (p,), TensorMeta(shape, stride, val.dtype))
 
 
 def _arg(a, prop, mesh):
@@ -89,17 +92,17 @@ def _normalise_dims(op, args: list, kwargs: dict, rank: int) -> None:
 def _out(spec):
     from torch.distributed.tensor import Replicate, Shard
     if spec is None:
-        return None
+        return REPLICATE
     p = spec.placements[0]
     if isinstance(p, Shard):
-        return p.dim
-    return None if isinstance(p, Replicate) else INVALID
+        return Shard(p.dim)  # a _StridedShard too: prop.strided tracks merged dims
+    return REPLICATE if isinstance(p, Replicate) else CONFLICT
 
 
 def dtensor_rule(node: fx.Node, prop, tp: int):
     """Output placement DTensor's strategy gives ``node`` for its inputs' placements
-    (``None`` | dim | tuple of them), INVALID when it would redistribute an input or yield a
-    Partial, or NO_RULE when DTensor has no strategy for the op (or cannot be asked)."""
+    (Shard | Replicate | PerOutput of them), CONFLICT when it would redistribute an input or
+    yield a Partial, or NO_RULE when DTensor has no strategy for the op (or cannot be asked)."""
     op = node.target
     if not isinstance(op, torch._ops.OpOverload):
         return NO_RULE
@@ -149,9 +152,9 @@ def _key(x):
 
 def _answer(result):
     if result.redistribute_schema is not None or getattr(result, "needs_redistribute", False):
-        return INVALID
+        return CONFLICT
     spec = result.output_spec
     if isinstance(spec, (list, tuple)):
         outs = tuple(_out(s) for s in spec)
-        return INVALID if INVALID in outs else outs
+        return CONFLICT if CONFLICT in outs else PerOutput(outs)
     return _out(spec)

@@ -18,7 +18,8 @@ import torch
 import torch.fx as fx
 
 from ..graph_facts import aten, is_tensor, module_path, same, shape, weight_fqn
-from .state import INVALID, add_constraint, add_rewrite, placement
+from .placements import CONFLICT, REPLICATE, Shard
+from .state import add_constraint, add_rewrite, placement
 
 _SAME = {aten.contiguous.default, aten.clone.default, aten.to.dtype, aten._to_copy.default,
          aten.alias.default, aten.detach.default, aten.dropout.default, aten.type_as.default}
@@ -84,9 +85,9 @@ def _full_input(node: fx.Node, dim: int):
 def embedding_rule(node, prop, tp):
     """embedding(weight Shard(1), indices Replicate) -> Shard(last): a per-head table."""
     w, idx = node.args[0], node.args[1]
-    if placement(prop, w) == 1 and placement(prop, idx) is None:
-        return len(shape(node)) - 1
-    return INVALID
+    if placement(prop, w) == Shard(1) and placement(prop, idx) == REPLICATE:
+        return Shard(len(shape(node)) - 1)
+    return CONFLICT
 
 
 def factory_rule(node, prop, tp):
@@ -95,7 +96,7 @@ def factory_rule(node, prop, tp):
     sizes = list(node.args[0])
     add_constraint(prop, int(sizes[dim]), "heads", module_path(node), f"dim {dim} of {node.target}")
     add_rewrite(prop, node, 0, dim, int(sizes[dim]) // tp)
-    return dim
+    return Shard(dim)
 
 
 def request_heads(prop, mask: fx.Node, dim: int, groups) -> bool:

@@ -4,16 +4,15 @@ and splits / slices of a column output's features (fused q|k|v, gate|up; GPT-Neo
 per-head interleaving). See :mod:`parallelizer.analysis.sharding.propagate` for the whole picture."""
 from __future__ import annotations
 
-import json
-
-from ...plan.layouts import fused_parts, local_length, part_length
 import torch
 
+from ...plan.layouts import Fused, InterleavedHeads, ReplicatedHeads, local_length, part_length
 from ..graph_facts import aten, expr, module_path, prod, same, shape
 from .dtensor import dtensor_rule
+from .placements import CONFLICT, PerOutput, Shard, shard
 from .strided import local_merged_size, merge_view, strided_view
-from .state import (INVALID, HeadsMark, add_constraint, add_rewrite, dim_arg, placement,
-                    record_use, sizes_arg)
+from .state import (HeadsMark, add_constraint, add_rewrite, dim_arg, dim_of, record_use,
+                    sizes_arg)
 
 
 def view_rule(node, prop, tp):
@@ -22,7 +21,7 @@ def view_rule(node, prop, tp):
     outer (heads) dim; a merge (heads, head_dim -> hidden): the shard goes to the merged dim.
     An int size constant on that dim is divided by tp (or set to the layout's local length)."""
     src = node.args[0]
-    d = placement(prop, src)
+    d = dim_of(prop, src)
     ins, outs = shape(src), shape(node)
     mark = prop.heads.get(src.name)
     if mark is not None and mark.replicated:
@@ -44,7 +43,7 @@ def view_rule(node, prop, tp):
         return merge_view(node, prop, tp, d)
     ratio_split = expr(ins[d]) / expr(outs[e])
     if not (same(ins[d], outs[e]) or ratio_split.is_integer or (1 / ratio_split).is_integer):
-        return INVALID
+        return CONFLICT
     sizes = sizes_arg(node)
     detail = (f"dim {e} of the {node.target.__name__.split('.')[0]} to "
               f"[{', '.join(str(o) if isinstance(o, int) else '*' for o in outs)}]")
@@ -57,13 +56,13 @@ def view_rule(node, prop, tp):
         # the sharded dim merged with a symbolic inner one ((heads, batch) -> heads * batch):
         # the even split of the merged dim, its size constant made local
         add_constraint(prop, int(expr(ins[d])), "heads", module_path(node), detail)
-        return e if local_merged_size(node, prop, e, int(expr(ins[d])), tp) else INVALID
+        return Shard(e) if local_merged_size(node, prop, e, int(expr(ins[d])), tp) else CONFLICT
     else:
         add_constraint(prop, int(expr(outs[e])), "heads", module_path(node), detail)
         local = int(expr(outs[e])) // tp
     if e < len(sizes) and isinstance(sizes[e], int) and sizes[e] != -1:
         add_rewrite(prop, node, 1, e, local)
-    return e
+    return Shard(e)
 
 
 def _one_head(features, outs, e) -> bool:
@@ -72,9 +71,9 @@ def _one_head(features, outs, e) -> bool:
 
 
 def _local_features(prop, raw, n, tp) -> int:
-    layouts = {json.dumps(prop.layouts.get(w), sort_keys=True) for w in raw or ()}
+    layouts = {prop.layouts.get(w) for w in raw or ()}
     if len(layouts) == 1:
-        layout = json.loads(layouts.pop())
+        layout = layouts.pop()
         try:
             return local_length(n, layout, tp)
         except ValueError:
@@ -86,7 +85,7 @@ def _split_heads(node, prop, tp, e, raw, detail):
     """A column output's features split into (heads, head_dim): Megatron's heads split,
     or, for fewer heads than tp (GQA kv heads), one head copied to ``tp / heads`` ranks."""
     heads = int(expr(shape(node)[e]))
-    features = int(expr(shape(node.args[0])[placement(prop, node.args[0])]))
+    features = int(expr(shape(node.args[0])[dim_of(prop, node.args[0])]))
     head_dim = features // heads
     if _only_cut_on(node, e):
         return _fused_heads_view(node, prop, tp, e, raw, heads, head_dim)
@@ -98,14 +97,14 @@ def _split_heads(node, prop, tp, e, raw, detail):
         prop.head_shapes[w] = (heads, head_dim)
     sizes = sizes_arg(node)
     if replicate:
-        record_use(prop, raw, {"kind": "replicated_heads", "heads": heads, "head_dim": head_dim}, node)
+        record_use(prop, raw, ReplicatedHeads(heads, head_dim), node)
         local = 1
     else:
         record_use(prop, raw, None, node)
         local = heads // tp
     if e < len(sizes) and isinstance(sizes[e], int) and sizes[e] != -1:
         add_rewrite(prop, node, 1, e, local)
-    return e
+    return Shard(e)
 
 
 def _only_cut_on(node, e) -> bool:
@@ -136,7 +135,7 @@ def _fused_heads_view(node, prop, tp, e, raw, heads, head_dim):
     sizes = sizes_arg(node)
     if e < len(sizes) and isinstance(sizes[e], int) and sizes[e] != -1:
         add_rewrite(prop, node, 1, e, local)
-    return e
+    return Shard(e)
 
 
 def _common_layout(prop, weights):
@@ -146,7 +145,7 @@ def _common_layout(prop, weights):
 
 def _local_heads(prop, weights, heads, head_dim, tp) -> int:
     layout = _common_layout(prop, weights)
-    if (layout or {}).get("kind") == "fused":
+    if isinstance(layout, Fused):
         try:
             return local_length(heads * head_dim, layout, tp) // head_dim
         except ValueError:
@@ -158,29 +157,29 @@ def cut_heads(node, prop, tp, d, lo, hi):
     """Heads ``[lo, hi)`` of a :func:`_fused_heads_view` value: recorded as a cut of the
     weight's features (``head_dim`` units), marked as heads of their own: copied heads
     (``replicated``) when the fused layout assumed lays that part out ``replicated_heads``.
-    Returns (placement, local lo, local hi) in heads, or (INVALID, None, None)."""
+    Returns (placement, local lo, local hi) in heads, or (CONFLICT, None, None)."""
     weights, unit = prop.head_raw[node.args[0].name]
     n = int(expr(shape(node.args[0])[d]))
     if not 0 <= lo < hi <= n or any(prop.features.get(w) != n * unit for w in weights):
-        return INVALID, None, None
+        return CONFLICT, None, None
     prop.claimed.add(node.name)
     for w in weights:
         prop.slices.setdefault(w, []).append((lo * unit, hi * unit, node.name, module_path(node)))
         prop.slice_units[w] = unit
     layout = _common_layout(prop, weights)
     part = _part_layout(layout, lo * unit, hi * unit)
-    copied = (part or {}).get("kind") == "replicated_heads"
+    copied = isinstance(part, ReplicatedHeads)
     prop.heads[node.name] = HeadsMark(frozenset(weights), hi - lo, copied)
-    return (d, _local_offset(lo * unit, layout, tp) // unit,
+    return (Shard(d), _local_offset(lo * unit, layout, tp) // unit,
             _local_offset(hi * unit, layout, tp) // unit)
 
 
 def _part_layout(layout, lo, hi):
     """The part layout of the fused part that is exactly ``[lo, hi)`` (None otherwise)."""
-    if (layout or {}).get("kind") != "fused":
+    if not isinstance(layout, Fused):
         return None
     start = 0
-    for part, pl in fused_parts(layout):
+    for part, pl in layout.pairs():
         if (start, start + part) == (lo, hi):
             return pl
         start += part
@@ -199,7 +198,7 @@ def _keep_copied_heads(node, prop, d, mark):
     sizes = sizes_arg(node)
     if d < len(sizes) and isinstance(sizes[d], int) and sizes[d] not in (-1, 1):
         add_rewrite(prop, node, 1, d, 1)
-    return d
+    return Shard(d)
 
 
 def _merge_repeated_heads(node, prop, tp, d, mark):
@@ -209,19 +208,19 @@ def _merge_repeated_heads(node, prop, tp, d, mark):
     merged = d + 1 < len(ins) and d < len(outs) and same(prod(outs[:d]), prod(ins[:d])) and \
         same(outs[d], expr(ins[d]) * expr(ins[d + 1]))
     if not (mark.expanded and merged):
-        return INVALID
+        return CONFLICT
     prop.claimed.add(node.name)
     heads = int(expr(outs[d]))
     add_constraint(prop, heads, "heads", module_path(node), f"dim {d} of the repeat_kv reshape")
     sizes = sizes_arg(node)
     if isinstance(sizes[d], int) and sizes[d] != -1:
         add_rewrite(prop, node, 1, d, heads // tp)
-    return d
+    return Shard(d)
 
 
 def expand_rule(node, prop, tp):
     src = node.args[0]
-    d = placement(prop, src)
+    d = dim_of(prop, src)
     e = d + len(shape(node)) - len(shape(src))
     sizes = sizes_arg(node)
     mark = prop.heads.get(src.name)
@@ -233,7 +232,7 @@ def expand_rule(node, prop, tp):
         add_constraint(prop, sizes[e], "heads", module_path(node), f"dim {e} of expand",
                     mark.weights if mark is not None else ())
         add_rewrite(prop, node, 1, e, sizes[e] // tp)
-    return e
+    return Shard(e)
 
 
 def _is_repeat_kv(node, d, e) -> bool:
@@ -256,7 +255,7 @@ def _repeat_replicated_kv(node, prop, tp, e, mark):
         add_rewrite(prop, node, 1, e, 1)
     if isinstance(sizes[e + 1], int) and sizes[e + 1] != -1:
         add_rewrite(prop, node, 1, e + 1, n_rep * mark.heads // tp)
-    return e
+    return Shard(e)
 
 
 def _full_slice(node) -> bool:
@@ -268,14 +267,14 @@ def _full_slice(node) -> bool:
 
 
 def slice_rule(node, prop, tp):
-    d = placement(prop, node.args[0])
+    d = dim_of(prop, node.args[0])
     dim = dim_arg(node, 1)
     if _full_slice(node):
         if node.args[0].name in prop.head_raw:  # x[:, :, cut]: the heads view's cuts follow
             prop.head_raw[node.name] = prop.head_raw[node.args[0].name]
-        return d
+        return shard(d)
     if dim != d:
-        return d
+        return shard(d)
     start = node.args[2] if len(node.args) > 2 else 0
     end = node.args[3] if len(node.args) > 3 else None
     return _slice_part(node, prop, tp, d, start, end)
@@ -292,18 +291,18 @@ def _slice_part(node, prop, tp, d, start, end):
     if not (raw or src.name in prop.head_raw) or step != 1 or not isinstance(n, int) \
             or not isinstance(start or 0, int) \
             or not isinstance(end if end is not None else n, int):
-        return INVALID
+        return CONFLICT
     lo, hi = _bound(start or 0, n), _bound(n if end is None else end, n)
     if src.name in prop.head_raw:
         out, local_lo, local_hi = cut_heads(node, prop, tp, d, lo, hi)
-        if out != INVALID:
+        if out != CONFLICT:
             if lo:
                 add_rewrite(prop, node, 2, None, local_lo)
             if hi < n and end is not None:
                 add_rewrite(prop, node, 3, None, local_hi)
         return out
     if hi <= lo or any(prop.features.get(w) != n for w in raw):
-        return INVALID
+        return CONFLICT
     prop.claimed.add(node.name)
     for w in raw:
         prop.slices.setdefault(w, []).append((lo, hi, node.name, module_path(node)))
@@ -313,7 +312,7 @@ def _slice_part(node, prop, tp, d, start, end):
         add_rewrite(prop, node, 2, None, _local_offset(lo, layout, tp))
     if hi < n and end is not None:
         add_rewrite(prop, node, 3, None, _local_offset(hi, layout, tp))
-    return d
+    return Shard(d)
 
 
 def _bound(b: int, n: int) -> int:
@@ -323,10 +322,10 @@ def _bound(b: int, n: int) -> int:
 
 def _local_offset(at: int, layout, tp: int) -> int:
     """Where full offset ``at`` (a part boundary) lands in a rank's fused piece."""
-    if not layout or layout.get("kind") != "fused":
+    if not isinstance(layout, Fused):
         return at // tp
     full = local = 0
-    for part, pl in fused_parts(layout):
+    for part, pl in layout.pairs():
         if full >= at:
             break
         full, local = full + part, local + part_length(part, pl, tp)
@@ -347,10 +346,8 @@ def fuse_slices(prop, tp: int) -> None:
             if bounds.index(hi) - bounds.index(lo) != 1:  # a slice spanning two parts
                 record_use(prop, {w}, None, name)
         unit = prop.slice_units.get(w)
-        part_layouts = [_part_in_heads(prop, w, p, unit, parts, cuts[0][3], tp) for p in parts]
-        layout = {"kind": "fused", "parts": parts}
-        if any(part_layouts):
-            layout["part_layouts"] = part_layouts
+        part_layouts = tuple(_part_in_heads(prop, w, p, unit, parts, cuts[0][3], tp) for p in parts)
+        layout = Fused(tuple(parts), part_layouts if any(part_layouts) else None)
         record_use(prop, {w}, layout, cuts[0][2])
 
 
@@ -363,13 +360,13 @@ def _part_in_heads(prop, w, p, unit, parts, module, tp):
     heads = p // unit
     if heads % tp and tp % heads == 0 and w not in prop.no_replication:
         add_constraint(prop, heads, "heads", module, f"the heads of {detail}", {w})
-        return {"kind": "replicated_heads", "heads": heads, "head_dim": unit}
+        return ReplicatedHeads(heads, unit)
     add_constraint(prop, heads, "heads", module, f"the heads of {detail}")
     return None
 
 
 def split_rule(node, prop, tp):
-    d = placement(prop, node.args[0])
+    d = dim_of(prop, node.args[0])
     dim = dim_arg(node, 2) if node.target is not aten.unbind.int else dim_arg(node, 1)
     n = len(node.meta["val"])
     if dim == d:
@@ -378,10 +375,10 @@ def split_rule(node, prop, tp):
     if mark is not None and not mark.replicated and not mark.expanded and n > 1 \
             and dim == len(shape(node.args[0])) - 1 and node.target is not aten.unbind.int:
         # GPT-NeoX: (B, T, heads, 3 * head_dim) per-head [q k v], split after the heads
-        record_use(prop, mark.weights, {"kind": "interleaved_heads", "heads": mark.heads}, node)
+        record_use(prop, mark.weights, InterleavedHeads(mark.heads), node)
     if node.target is aten.unbind.int:
-        return tuple((d - (1 if dim < d else 0)) for _ in range(n))
-    return tuple(d for _ in range(n))
+        return PerOutput(tuple(Shard(d - (1 if dim < d else 0)) for _ in range(n)))
+    return PerOutput(tuple(shard(d) for _ in range(n)))
 
 
 def _split_fused(node, prop, tp, d, n):
@@ -392,15 +389,15 @@ def _split_fused(node, prop, tp, d, n):
     raw = prop.raw.get(src.name)
     full = shape(src)[d]
     if not raw or node.target is aten.unbind.int or not isinstance(full, int):
-        return INVALID
+        return CONFLICT
     parts = [int(v.shape[d]) for v in node.meta["val"]]
     if sum(parts) != full or any(prop.features.get(w) != full for w in raw):
-        return INVALID
+        return CONFLICT
     for p in parts:
         add_constraint(prop, p, "features", module_path(node),
                     f"a part of the fused output of {', '.join(sorted(raw))} (split {parts})")
     prop.claimed.add(node.name)
-    record_use(prop, raw, {"kind": "fused", "parts": parts}, node)
+    record_use(prop, raw, Fused(tuple(parts)), node)
     size = node.args[1]
     if node.target is aten.split.Tensor and isinstance(size, int):
         add_rewrite(prop, node, 1, None, size // tp)
@@ -408,7 +405,7 @@ def _split_fused(node, prop, tp, d, n):
         for i, p in enumerate(size):
             if isinstance(p, int):
                 add_rewrite(prop, node, 1, i, p // tp)
-    return tuple(d for _ in range(n))
+    return PerOutput(tuple(Shard(d) for _ in range(n)))
 
 
 def index_rule(node, prop, tp):
@@ -418,25 +415,25 @@ def index_rule(node, prop, tp):
     rank's own heads of its piece (negative indices counted from the end do, when the parts
     after the cut are laid out alike on every rank). Any other index: DTensor's strategy."""
     src, indices = node.args[0], list(node.args[1])
-    d = placement(prop, src)
+    d = dim_of(prop, src)
     hits = [i for i, x in enumerate(indices) if x is not None]
     if src.name not in prop.head_raw or hits != [d]:
         return dtensor_rule(node, prop, tp)
     values = _constant_ints(indices[d])
     n = int(expr(shape(src)[d]))
     if not values or any(not -n <= v < n for v in values):
-        return INVALID
+        return CONFLICT
     full = [v % n for v in values]
     if full != list(range(full[0], full[0] + len(full))):
-        return INVALID
+        return CONFLICT
     out, lo, hi = cut_heads(node, prop, tp, d, full[0], full[-1] + 1)
-    if out == INVALID:
-        return INVALID
+    if out == CONFLICT:
+        return CONFLICT
     weights, unit = prop.head_raw[src.name]
     local_n = _local_heads(prop, weights, n, unit, tp)
     if [v % local_n for v in values] != list(range(lo, hi)):
-        return INVALID
-    return d
+        return CONFLICT
+    return Shard(d)
 
 
 def _constant_ints(node):

@@ -1,10 +1,10 @@
 """Sharding propagation for tensor parallelism (DESIGN §3).
 
 Given which linear weights are column_parallel and which row_parallel, walk the graph in
-order and give every tensor value a placement over the tp mesh dim: ``None`` (Replicate) or
-an int ``d`` (Shard(d) of the *global* shape recorded by export). A row_parallel linear
-turns Shard(-1) into Partial, which the Megatron g operator resolves at once, so Partial
-never flows on. Ops without a rule accept only Replicate inputs; a sharded value reaching
+order and give every tensor value a placement over the tp mesh dim (:mod:`.placements`):
+``Replicate()`` or ``Shard(d)`` (of the *global* shape recorded by export). A row_parallel
+linear turns Shard(-1) into Partial, which the Megatron g operator resolves at once, so
+Partial never flows on. Ops without a rule accept only Replicate inputs; a sharded value reaching
 one is a *conflict*, never a silent mis-sharding: the planner then keeps that layer group
 replicated and says so in the report.
 
@@ -37,7 +37,6 @@ what DTensor does not express (layouts, shape constants, copied kv heads, per-he
 """
 from __future__ import annotations
 
-import json
 from typing import Optional
 
 import torch
@@ -46,13 +45,15 @@ import torch.fx as fx
 from ..graph_facts import as_linear, aten, module_path, same, shape
 from .dtensor import NO_RULE, dtensor_rule
 from .heads import factory_rule
+from ...plan.layouts import InterleavedHeads
 from .layouts import fuse_slices, view_rule
+from .placements import CONFLICT, REPLICATE, Conflict, Shard, shard_dim
 from .rules import DTENSOR_FIRST, KEEP_HEADS, KEEP_RAW, RULES, pointwise_rule
 from .strided import carry_strided, check_sizes, narrowed, request_narrow
-from .state import (INVALID, Propagation, add_constraint, inputs_of, mark_not_replicable,
+from .state import (Propagation, add_constraint, dim_of, inputs_of, mark_not_replicable,
                     placement, record_use)
 
-__all__ = ["INVALID", "Propagation", "propagate"]
+__all__ = ["CONFLICT", "Propagation", "propagate"]
 
 
 def propagate(graph: fx.Graph, column: set, row: set, tp: int, layouts: Optional[dict] = None,
@@ -93,13 +94,13 @@ def propagate(graph: fx.Graph, column: set, row: set, tp: int, layouts: Optional
             weight_views.add(site.w_node.name)  # W.T read by the product: the linear rule's
     for node in graph.nodes:
         if node.name in weight_views:
-            prop.placements[node.name], prop.groups[node.name] = None, frozenset()
+            prop.placements[node.name], prop.groups[node.name] = REPLICATE, frozenset()
             continue
         placement, groups = _rule(node, prop, column, row, weight_dims, tp)
         prop.placements[node.name] = placement
         # a replicated value (e.g. after g) carries no shard: a conflict further down the
         # residual stream must not blame the pairs upstream of it
-        prop.groups[node.name] = frozenset() if placement is None else groups
+        prop.groups[node.name] = frozenset() if placement == REPLICATE else groups
     fuse_slices(prop, tp)
     _mark_kv_heads(prop)
     for name, views, reason in check_sizes(graph, prop):
@@ -114,34 +115,33 @@ def _mark_kv_heads(prop) -> None:
     and can copy them (``replicated_heads``) for a tp above their count."""
     for w in prop.kv_weights:
         uses = prop.uses.get(w, {})
-        if w in prop.head_shapes and set(uses) == {"null"}:
+        if w in prop.head_shapes and set(uses) == {None}:
             heads, head_dim = prop.head_shapes[w]
-            layout = {"kind": "interleaved_heads", "heads": heads, "head_dim": head_dim}
-            prop.uses[w] = {json.dumps(layout, sort_keys=True): uses["null"]}
+            prop.uses[w] = {InterleavedHeads(heads, head_dim): uses[None]}
 
 
 def _rule(node: fx.Node, prop: Propagation, column, row, weight_dims, tp):
     groups = frozenset().union(*[prop.groups.get(a.name, frozenset()) for a in inputs_of(node)])
     if node.op == "get_attr":
         if node.target in column:
-            return weight_dims[node.target], frozenset({node.target})
+            return Shard(weight_dims[node.target]), frozenset({node.target})
         if node.target in row:
-            return weight_dims[node.target], frozenset()
+            return Shard(weight_dims[node.target]), frozenset()
         if node.target in prop.per_head:
             d, g = prop.per_head[node.target]
             add_constraint(prop, shape(node)[d], "heads", module_path(node),
                            f"dim {d} of the per-head {node.target}")
-            return d, g
+            return Shard(d), g
         if node.target in prop.column_biases:
             w = prop.column_biases[node.target]
             prop.raw[node.name] = frozenset({w})
-            return 0, frozenset({w})
-        return None, frozenset()
+            return Shard(0), frozenset({w})
+        return REPLICATE, frozenset()
     if node.op != "call_function":
-        return None, groups
-    ins = [a for a in inputs_of(node) if placement(prop, a) is not None]
-    if any(placement(prop, a) == INVALID for a in ins):
-        return INVALID, groups
+        return REPLICATE, groups
+    ins = _sharded_inputs(node, prop)
+    if any(isinstance(placement(prop, a), Conflict) for a in ins):
+        return CONFLICT, groups
     site = as_linear(node)
     if site is not None or node.target is aten.linear.default:
         return _linear(node, site, prop, column, row, groups)
@@ -150,9 +150,9 @@ def _rule(node: fx.Node, prop: Propagation, column, row, weight_dims, tp):
     if node.name in prop.narrow:
         return narrowed(node, prop)
     if not ins:
-        return None, groups
+        return REPLICATE, groups
     if not _holds_tensors(node):  # sizes (SymInt) and other non-tensor values
-        return None, groups
+        return REPLICATE, groups
     fn = RULES.get(node.target)
     if fn is None:
         tags = getattr(node.target, "tags", ())
@@ -161,17 +161,17 @@ def _rule(node: fx.Node, prop: Propagation, column, row, weight_dims, tp):
     out = source(node, prop, tp)
     if out is NO_RULE and source is not fn:  # DTensor has no strategy: our rule
         source, out = fn, fn(node, prop, tp)
-    if out is NO_RULE or out == INVALID:
+    if out is NO_RULE or out == CONFLICT:
         request_narrow(node, prop, groups)
     elif fn is not view_rule and not carry_strided(node, prop, out):
         return _conflict(prop, node, groups, "a (batch, heads) merged dim meets a dim sharded "
                                              "another way")
     if out is NO_RULE:
-        _consume_markers(node, prop, None, INVALID)
+        _consume_markers(node, prop, None, CONFLICT)
         return _conflict(prop, node, groups, f"no sharding rule for {node.target} (ours or "
                                              f"DTensor's)")
-    if out == INVALID:
-        _consume_markers(node, prop, None, INVALID)
+    if out == CONFLICT:
+        _consume_markers(node, prop, None, CONFLICT)
         return _conflict(prop, node, groups, f"{node.target} cannot take a sharded input here"
                          + (" (DTensor's strategy would redistribute it)"
                             if source is dtensor_rule else ""))
@@ -186,7 +186,8 @@ def _copied_heads_in(node, prop) -> bool:
 
 
 def _sharded_inputs(node, prop):
-    return [a for a in inputs_of(node) if placement(prop, a) is not None]
+    """Inputs placed anything but Replicate (PerOutput and Conflict included)."""
+    return [a for a in inputs_of(node) if placement(prop, a) != REPLICATE]
 
 
 def _consume_markers(node, prop, fn, out) -> None:
@@ -217,8 +218,8 @@ def _moves_dim(node, prop, fn, e) -> bool:
     """A view that changes the sharded dim's size (it no longer holds whole output features)."""
     if fn is not view_rule:
         return False
-    d = placement(prop, node.args[0])
-    return e in (None, INVALID) or not same(shape(node.args[0])[d], shape(node)[e])
+    d, e = dim_of(prop, node.args[0]), shard_dim(e)
+    return e is None or not same(shape(node.args[0])[d], shape(node)[e])
 
 
 def _holds_tensors(node) -> bool:
@@ -230,14 +231,14 @@ def _holds_tensors(node) -> bool:
 
 def _conflict(prop, node, groups, reason):
     prop.conflicts.append((node.name, module_path(node), groups, reason))
-    return INVALID, groups
+    return CONFLICT, groups
 
 
 def _linear(node, site, prop, column, row, groups):
     if site is None:  # aten.linear on a weight that is not a parameter
-        if placement(prop, node.args[0]) is not None:
+        if placement(prop, node.args[0]) != REPLICATE:
             return _conflict(prop, node, groups, "replicated linear got a sharded input")
-        return None, groups
+        return REPLICATE, groups
     x, wt = site.x, site.weight
     w = site.w_node if site.w_node.op == "get_attr" else site.w_node.args[0]
     px = placement(prop, x)
@@ -253,15 +254,15 @@ def _linear(node, site, prop, column, row, groups):
         if wt not in prop.layouts:
             add_constraint(prop, shape(w)[site.out_dim], "features", mod, f"out_features of {wt}",
                         {wt})
-        if px is not None:
+        if px != REPLICATE:
             return _conflict(prop, node, groups, "column_parallel linear needs a replicated input")
         prop.raw[node.name] = frozenset({wt})
-        return len(shape(node)) - 1, groups | {wt}
+        return Shard(len(shape(node)) - 1), groups | {wt}
     if wt in row:
         add_constraint(prop, shape(w)[site.in_dim], "features", mod, f"in_features of {wt}")
-        if px != len(shape(x)) - 1:
+        if px != Shard(len(shape(x)) - 1):
             return _conflict(prop, node, groups, "row_parallel linear needs Shard(-1) input")
-        return None, groups
-    if px is not None:
+        return REPLICATE, groups  # Partial, resolved by the g after it at once
+    if px != REPLICATE:
         return _conflict(prop, node, groups, "replicated linear got a sharded input")
-    return None, groups
+    return REPLICATE, groups

@@ -1,6 +1,6 @@
 """Per-op sharding rules over one tp mesh dim, after DTensor's op strategies
-(torch/distributed/tensor/_ops): each maps an op's input placements to its output placement,
-or INVALID. The rules that decide layouts live in :mod:`.layouts`."""
+(torch/distributed/tensor/_ops): each maps an op's input placements to its output placement
+(:mod:`.placements`), or CONFLICT. The rules that decide layouts live in :mod:`.layouts`."""
 from __future__ import annotations
 
 import operator
@@ -8,7 +8,8 @@ import operator
 from ..graph_facts import aten, is_tensor, same, shape
 from .heads import embedding_rule, request_heads
 from .layouts import expand_rule, index_rule, slice_rule, split_rule, view_rule
-from .state import INVALID, dim_arg, inputs_of, placement
+from .placements import CONFLICT, REPLICATE, PerOutput, Shard, shard
+from .state import dim_arg, dim_of, inputs_of, placement
 from .strided import repeat_rule
 
 
@@ -35,53 +36,53 @@ def pointwise_rule(node, prop, tp):
     out_rank = len(shape(node))
     dims = set()
     for a in inputs_of(node):
-        p = placement(prop, a)
+        p = dim_of(prop, a)
         if p is not None and is_tensor(a):
             dims.add(p + out_rank - len(shape(a)))
     if len(dims) != 1:
-        return INVALID
+        return CONFLICT
     d = dims.pop()
     for a in inputs_of(node):
-        if is_tensor(a) and placement(prop, a) is None:
+        if is_tensor(a) and dim_of(prop, a) is None:
             k = d - (out_rank - len(shape(a)))
             if k >= 0 and not same(shape(a)[k], 1):
-                return INVALID
-    return d
+                return CONFLICT
+    return Shard(d)
 
 
 def _transpose(node, prop, tp):
-    d = placement(prop, node.args[0])
+    d = dim_of(prop, node.args[0])
     a, b = dim_arg(node, 1), dim_arg(node, 2)
-    return b if d == a else a if d == b else d
+    return shard(b if d == a else a if d == b else d)
 
 
 def _permute(node, prop, tp):
-    d = placement(prop, node.args[0])
+    d = dim_of(prop, node.args[0])
     order = [p % len(node.args[1]) for p in node.args[1]]
-    return order.index(d)
+    return Shard(order.index(d))
 
 
 def _unsqueeze(node, prop, tp):
-    d = placement(prop, node.args[0])
+    d = dim_of(prop, node.args[0])
     u = node.args[1] % len(shape(node))
-    return d + 1 if u <= d else d
+    return Shard(d + 1 if u <= d else d)
 
 
 def _squeeze(node, prop, tp):
-    d = placement(prop, node.args[0])
+    d = dim_of(prop, node.args[0])
     ins = shape(node.args[0])
     dims = node.args[1] if len(node.args) > 1 else [i for i, s in enumerate(ins) if same(s, 1)]
     dims = [x % len(ins) for x in ([dims] if isinstance(dims, int) else dims)]
     dims = [x for x in dims if same(ins[x], 1)]
     if d in dims:
-        return INVALID
-    return d - sum(1 for x in dims if x < d)
+        return CONFLICT
+    return Shard(d - sum(1 for x in dims if x < d))
 
 
 def _select(node, prop, tp):
-    d = placement(prop, node.args[0])
+    d = dim_of(prop, node.args[0])
     dim = dim_arg(node, 1)
-    return INVALID if dim == d else d - (1 if dim < d else 0)
+    return CONFLICT if dim == d else Shard(d - (1 if dim < d else 0))
 
 
 def _cat(node, prop, tp):
@@ -89,8 +90,8 @@ def _cat(node, prop, tp):
     rank = len(shape(node))
     dim = (node.args[1] if len(node.args) > 1 else 0) % rank
     ps = {placement(prop, t) for t in tensors}
-    if len(ps) != 1 or None in ps or dim in ps:
-        return INVALID
+    if len(ps) != 1 or REPLICATE in ps or Shard(dim) in ps:
+        return CONFLICT
     return ps.pop()
 
 
@@ -98,8 +99,8 @@ def _sdpa(node, prop, tp):
     """Attention over a sharded heads dim (Megatron-LM §3: heads split across ranks)."""
     q, k, v = node.args[:3]
     heads = len(shape(q)) - 3
-    if {placement(prop, q), placement(prop, k), placement(prop, v)} != {heads}:
-        return INVALID
+    if {placement(prop, q), placement(prop, k), placement(prop, v)} != {Shard(heads)}:
+        return CONFLICT
     copied = [prop.heads[a.name] for a in (k, v) if a.name in prop.heads
               and prop.heads[a.name].replicated]
     if node.kwargs.get("enable_gqa"):
@@ -108,21 +109,21 @@ def _sdpa(node, prop, tp):
         # one copied kv head (Falcon multi-query) broadcast over the rank's query heads
         if any(not same(shape(a)[heads], 1) for a in (k, v)) or q.name in prop.heads \
                 and prop.heads[q.name].replicated:
-            return INVALID
+            return CONFLICT
         _gqa_kv(node, prop, k, v)
     mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
     if is_tensor(mask):
         m = shape(mask)
         k_ = heads - (len(shape(q)) - len(m))
-        pm = placement(prop, mask)
+        pm = dim_of(prop, mask)
         if pm is not None and pm != k_:
-            return INVALID
+            return CONFLICT
         if pm is None and k_ >= 0 and not same(m[k_], 1):
             # a per-head bias (T5): shard its source along heads in the next run
             groups = frozenset().union(*[prop.groups.get(a.name, frozenset()) for a in (q, k, v)])
             request_heads(prop, mask, k_, groups)
-            return INVALID
-    return heads
+            return CONFLICT
+    return Shard(heads)
 
 
 def _gqa_kv(node, prop, k, v) -> None:
@@ -137,34 +138,34 @@ def _gqa_kv(node, prop, k, v) -> None:
 
 def _matmul(node, prop, tp):
     a, b = node.args[:2]
-    pa, pb = placement(prop, a), placement(prop, b)
+    pa, pb = dim_of(prop, a), dim_of(prop, b)
     ra, rb, ro = len(shape(a)), len(shape(b)), len(shape(node))
     if pa is None or pb is None or ra < 3 or rb < 3 or ra != rb:
-        return INVALID
+        return CONFLICT
     if pa != pb or pa >= ra - 2:
-        return INVALID
-    return pa + ro - ra
+        return CONFLICT
+    return Shard(pa + ro - ra)
 
 
 def _softmax(node, prop, tp):
-    d = placement(prop, node.args[0])
-    return INVALID if dim_arg(node, 1) == d else d
+    d = dim_of(prop, node.args[0])
+    return CONFLICT if dim_arg(node, 1) == d else shard(d)
 
 
 def _reduce(node, prop, tp):
-    d = placement(prop, node.args[0])
+    d = dim_of(prop, node.args[0])
     rank = len(shape(node.args[0]))
     dims = node.args[1] if len(node.args) > 1 else list(range(rank))
     dims = [x % rank for x in ([dims] if isinstance(dims, int) else dims)]
     keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
     if d in dims:
-        return INVALID
-    return d if keep else d - sum(1 for x in dims if x < d)
+        return CONFLICT
+    return shard(d) if keep else Shard(d - sum(1 for x in dims if x < d))
 
 
 def _getitem(node, prop, tp):
     p = placement(prop, node.args[0])
-    return p[node.args[1]] if isinstance(p, tuple) else p
+    return p[node.args[1]] if isinstance(p, PerOutput) else p
 
 
 def _masked_fill(node, prop, tp):

@@ -8,10 +8,9 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
+from ...plan.layouts import InterleavedHeads, layout_json
 from ..graph_facts import shape
-
-
-INVALID = "invalid"
+from .placements import REPLICATE, shard_dim
 
 
 @dataclass(frozen=True)
@@ -39,13 +38,13 @@ class Constraint:
 
 @dataclass
 class Propagation:
-    placements: dict = field(default_factory=dict)   # node name -> None | int | tuple
+    placements: dict = field(default_factory=dict)   # node name -> Placement (.placements)
     groups: dict = field(default_factory=dict)       # node name -> frozenset of column fqns
     rewrites: dict = field(default_factory=dict)     # node name -> [(arg, index, new_int)]
     conflicts: list = field(default_factory=list)    # (node name, module, groups, reason)
     constraints: list = field(default_factory=list)  # Constraint
-    # layouts: column weight fqn -> layout (JSON data); "even" uses are recorded as None
-    uses: dict = field(default_factory=dict)         # weight fqn -> {layout json: node name}
+    # layouts: column weight fqn -> layout (plan.layouts); "even" uses are recorded as None
+    uses: dict = field(default_factory=dict)         # weight fqn -> {layout: node name}
     not_replicable: set = field(default_factory=set)  # weights whose kv heads cannot be copies
     # per-run inputs and value markers (see the module docstring)
     layouts: dict = field(default_factory=dict)      # the layouts this run assumes
@@ -81,8 +80,8 @@ class Propagation:
         out = {}
         for w, uses in self.uses.items():
             uses = _merged(uses)
-            if len(uses) == 1 and next(iter(uses)) != "null":
-                out[w] = json.loads(next(iter(uses)))
+            if len(uses) == 1 and next(iter(uses)) is not None:
+                out[w] = next(iter(uses))
         return out
 
     def layout_conflicts(self) -> list:
@@ -92,14 +91,19 @@ class Propagation:
             uses = _merged(uses)
             if len(uses) > 1:
                 out.append((w, sorted(uses.values())[0], f"{w}'s output is used both as "
-                            + " and as ".join(_describe(json.loads(u)) for u in sorted(uses))))
+                            + " and as ".join(_describe(u) for u in sorted(uses, key=_text))))
         return out
+
+
+def _text(layout) -> str:
+    """The order uses are named in: by their JSON text (``null`` for the even split)."""
+    return json.dumps(layout_json(layout), sort_keys=True)
 
 
 def _merged(uses: dict) -> dict:
     """interleaved_heads is the even split, recorded for converters: it absorbs even uses."""
-    if "null" in uses and any('"interleaved_heads"' in u for u in uses):
-        return {u: n for u, n in uses.items() if u != "null"}
+    if None in uses and any(isinstance(u, InterleavedHeads) for u in uses):
+        return {u: n for u, n in uses.items() if u is not None}
     return uses
 
 
@@ -115,7 +119,7 @@ class HeadsMark:
 
 
 def _describe(layout) -> str:
-    return "an evenly split tensor" if layout is None else f"a {layout['kind']} tensor"
+    return "an evenly split tensor" if layout is None else f"a {layout.kind} tensor"
 
 
 def inputs_of(node):
@@ -123,7 +127,13 @@ def inputs_of(node):
 
 
 def placement(prop, n):
-    return prop.placements.get(n.name) if isinstance(n, fx.Node) else None
+    """The placement of node ``n`` (Replicate for a constant or a node not yet placed)."""
+    return prop.placements.get(n.name, REPLICATE) if isinstance(n, fx.Node) else REPLICATE
+
+
+def dim_of(prop, n):
+    """The dim ``n`` is sharded on, or None (replicated)."""
+    return shard_dim(placement(prop, n))
 
 
 def mark_not_replicable(prop, marks) -> None:
@@ -133,10 +143,10 @@ def mark_not_replicable(prop, marks) -> None:
 
 
 def record_use(prop, weights, layout, node) -> None:
-    key = json.dumps(layout, sort_keys=True)
+    """``node`` uses the output of ``weights`` as laid out ``layout`` (None: evenly)."""
     name = node if isinstance(node, str) else node.name
     for w in weights:
-        prop.uses.setdefault(w, {}).setdefault(key, name)
+        prop.uses.setdefault(w, {}).setdefault(layout, name)
 
 
 def add_constraint(prop, size, what, module, detail, weights=frozenset()):

@@ -26,7 +26,8 @@ import operator
 import torch.fx as fx
 
 from ..graph_facts import aten, expr, is_tensor, module_path, prod, same, shape
-from .state import INVALID, add_constraint, add_rewrite, inputs_of, placement, sizes_arg
+from .placements import CONFLICT, Shard
+from .state import add_constraint, add_rewrite, dim_of, inputs_of, sizes_arg
 
 _SAME = {aten.to.dtype, aten._to_copy.default, aten.clone.default, aten.contiguous.default,
          aten.alias.default, aten.detach.default, aten.type_as.default}
@@ -39,14 +40,14 @@ def merge_view(node, prop, tp, d):
     e = next((e for e in range(len(outs)) if same(prod(outs[:e + 1]), prod(ins[:d + 1]))), None)
     if e is None or src.name in prop.strided or not any(
             same(prod(ins[:a]), prod(outs[:e])) for a in range(d)):
-        return INVALID
+        return CONFLICT
     heads = int(expr(ins[d]))
     add_constraint(prop, heads, "heads", module_path(node),
                    f"dim {e} of the {_op(node)} (batch and heads merged)")
     if not local_merged_size(node, prop, e, heads, tp):
-        return INVALID
+        return CONFLICT
     prop.strided[node.name] = heads
-    return e
+    return Shard(e)
 
 
 def strided_view(node, prop, tp, d):
@@ -58,20 +59,20 @@ def strided_view(node, prop, tp, d):
     sizes = sizes_arg(node)
     e = next((e for e in range(len(outs)) if same(prod(outs[:e + 1]), prod(ins[:d + 1]))), None)
     if e is None:
-        return INVALID
+        return CONFLICT
     if same(prod(outs[:e]), prod(ins[:d])):  # the merged dim kept as it is
         if not local_merged_size(node, prop, e, heads, tp):
-            return INVALID
+            return CONFLICT
         prop.strided[node.name] = heads
-        return e
+        return Shard(e)
     if not same(outs[e], heads):
-        return INVALID
+        return CONFLICT
     add_constraint(prop, heads, "heads", module_path(node), f"dim {e} of the {_op(node)}")
     if e < len(sizes) and isinstance(sizes[e], int) and sizes[e] != -1:
         add_rewrite(prop, node, 1, e, heads // tp)
     elif e < len(sizes) and isinstance(sizes[e], fx.Node):
-        return INVALID
-    return e
+        return CONFLICT
+    return Shard(e)
 
 
 def local_merged_size(node, prop, e, heads, tp) -> bool:
@@ -96,27 +97,27 @@ def repeat_rule(node, prop, tp):
     """repeat: a sharded dim repeated once stays; repeated ``r`` times (the batch tiled over
     per-head values: ``b * H + h``) it becomes a merge with the heads inner."""
     src = node.args[0]
-    d = placement(prop, src)
+    d = dim_of(prop, src)
     repeats = list(node.args[1])
     k = d + len(repeats) - len(shape(src))
     if isinstance(repeats[k], int) and repeats[k] == 1:
-        return k
+        return Shard(k)
     if src.name in prop.strided:
-        return INVALID
+        return CONFLICT
     prop.strided[node.name] = int(expr(shape(src)[d]))
-    return k
+    return Shard(k)
 
 
 def carry_strided(node, prop, out) -> bool:
     """After a rule: the merge marker follows a sharded dim the op keeps (False: a merged
     value met a plain shard, or merges of different heads)."""
     kinds = {prop.strided.get(a.name) for a in inputs_of(node)
-             if placement(prop, a) is not None and is_tensor(a)}
+             if dim_of(prop, a) is not None and is_tensor(a)}
     if kinds == {None} or not kinds:
         return True
     if len(kinds) > 1:
         return False
-    if node.name not in prop.strided and isinstance(out, int):
+    if node.name not in prop.strided and isinstance(out, Shard):
         prop.strided[node.name] = kinds.pop()
     return True
 
@@ -138,13 +139,14 @@ def request_narrow(node, prop, groups) -> None:
     """``node`` could not take a merged operand with a replicated one of the full merged
     size: ask the next run to cut the per-head value the replicated one was tiled from."""
     merged = [a for a in inputs_of(node)
-              if a.name in prop.strided and placement(prop, a) is not None]
+              if a.name in prop.strided and dim_of(prop, a) is not None]
     if not merged:
         return
     a = merged[0]
-    d, size = placement(prop, a), shape(a)[placement(prop, a)]
+    d = dim_of(prop, a)
+    size = shape(a)[d]
     for b in inputs_of(node):
-        if not is_tensor(b) or placement(prop, b) is not None:
+        if not is_tensor(b) or dim_of(prop, b) is not None:
             continue
         k = d - (len(shape(a)) - len(shape(b)))
         if k < 0 or not same(shape(b)[k], size):
@@ -164,7 +166,7 @@ def narrowed(node, prop):
     dim, groups = prop.narrow[node.name]
     add_constraint(prop, int(expr(shape(node)[dim])), "heads", module_path(node),
                    f"dim {dim} of {node.target} (cut to the rank's heads)")
-    return dim, groups
+    return Shard(dim), groups
 
 
 def _op(node) -> str:

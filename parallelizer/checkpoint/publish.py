@@ -1,0 +1,88 @@
+"""Atomic publishing of a folder (a checkpoint, an exported Hugging Face folder): everything
+is written into a hidden temporary sibling, fsynced, then renamed onto the destination, so
+a reader never sees a partial folder and a killed writer leaves only ``.<name>.tmp-*``.
+Used by the writer, ``export`` and the per-rank saves of ``run.py``."""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from parallelizer.errors import CheckpointError
+
+
+def check_destination(out_dir: Path, overwrite: bool) -> None:
+    """Raise CheckpointError when ``out_dir`` is a file, or a non-empty folder without
+    ``overwrite``; names the folder and the fix."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise CheckpointError(f"checkpoint destination {out_dir} exists and is not a folder")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
+        raise CheckpointError(
+            f"checkpoint destination {out_dir} exists and is not empty; choose another folder "
+            "or pass overwrite=True to replace it")
+
+
+def temp_sibling(out_dir: Path) -> Path:
+    """A new hidden temporary folder beside ``out_dir``, to be renamed onto it when complete,
+    with the permissions a plain ``mkdir`` would give (``0o777 & ~umask``): ``mkdtemp``'s
+    0o700 would survive the rename and hide the output from the user's group."""
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)
+    return tmp
+
+
+def write_synced(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` and fsync it."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_file(path: Path) -> None:
+    """fsync an already written file (its inode's dirty pages, through any fd)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(folder: Path) -> None:
+    """fsync a folder: its entries (created, renamed files) reach the disk."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish(tmp: Path, out_dir: Path, overwrite: bool) -> None:
+    """Rename the complete ``tmp`` onto ``out_dir``; an old non-empty ``out_dir`` (only with
+    ``overwrite``) is moved aside first and deleted after the rename.
+
+    Raises:
+        CheckpointError: from :func:`check_destination` (checked again: someone may have
+            written meanwhile).
+    """
+    check_destination(out_dir, overwrite)
+    old = None
+    if out_dir.is_dir():
+        if any(out_dir.iterdir()):
+            old = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.old-"))
+            os.rename(out_dir, old / "ckpt")
+        else:
+            out_dir.rmdir()
+    try:
+        os.rename(tmp, out_dir)
+    except BaseException:
+        if old is not None:
+            os.rename(old / "ckpt", out_dir)
+            old.rmdir()
+        raise
+    fsync_dir(out_dir.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
