@@ -269,7 +269,9 @@ def _grow(facts) -> Optional[str]:
                 back.discard(n)
                 changed = True
     region |= _connected(back, region)
-    facts.region = {n.name: cand[n] for n in region}
+    # in graph order (a set of nodes iterates by address): the pass creates nodes in this
+    # order, so the program's node names are the same in every run
+    facts.region = {n.name: cand[n] for n in facts.graph.nodes if n in region}
     changed = True
     while changed:  # drop nodes whose inputs cannot be fed
         changed = False
