@@ -13,7 +13,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from parallelizer.compiler import compile_model
-from parallelizer.frontend.capture import MODEL_MODULE, capture
+from parallelizer.frontend.capture import capture
+from parallelizer.plan.parallel_plan import MODEL_MODULE
 from parallelizer.runtime.imports import import_modules
 from parallelizer.analysis.needed_imports import modules_needed
 from parallelizer.planning.tp import plan_tp
@@ -143,7 +144,7 @@ def test_default_loss_is_the_loss_the_model_computed():
     the default took the mean square of the first float output, the loss itself)."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    from parallelizer.runtime.loss import default_loss
+    from parallelizer.frontend.model_file import default_loss
     logits = torch.randn(2, 3, 5)
     loss = torch.tensor(1.5)
     assert default_loss(CausalLMOutputWithPast(loss=loss, logits=logits), None) is loss
