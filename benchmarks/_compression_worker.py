@@ -17,7 +17,7 @@ import torch.distributed as dist
 from parallelizer.plan.parallel_plan import ParallelPlan
 from parallelizer.runtime.batching import dp_slice
 from parallelizer.runtime.data_parallel import make_stage_optimizer
-from parallelizer.frontend.model_file import load_model_file
+from parallelizer.runtime.main import load_model_module
 from parallelizer.runtime.setup import init
 from parallelizer.runtime.stage_builder import build_stages
 from parallelizer.runtime.step import StepRunner
@@ -61,7 +61,7 @@ def main() -> None:
     base = ParallelPlan.from_json((a.program / "plan.json").read_text())
     base = dataclasses.replace(base, zero_stage=3, dp_replicate=2) if a.hsdp else \
         dataclasses.replace(base, zero_stage=0)
-    module = load_model_file(a.program / "model.py")
+    module = load_model_module(a.program)
     batches = list(itertools.islice(module.batches(), WARMUP + 1))
     result = {}
     for name, settings in METHODS.items():

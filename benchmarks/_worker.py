@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 from parallelizer.plan.parallel_plan import ParallelPlan
 from parallelizer.runtime.batching import dp_slice
 from parallelizer.runtime.data_parallel import make_stage_optimizer
-from parallelizer.frontend.model_file import load_model_file
+from parallelizer.runtime.main import load_model_module
 from parallelizer.runtime.optim import make_optimizer
 from parallelizer.runtime.setup import init
 from parallelizer.runtime.stage_builder import build_stages
@@ -140,7 +140,7 @@ def main(argv=None) -> None:
     args = _parser().parse_args(argv)
     plan = ParallelPlan.from_json((args.program / "plan.json").read_text())
     spec = OmegaConf.to_container(OmegaConf.load(args.program / "spec.yaml"))
-    module = load_model_file(args.program / "model.py")
+    module = load_model_module(args.program)
     ctx = init(plan, args.device)
     torch.manual_seed(0)
     sides = [Ours(args.program, plan, ctx, spec, module.loss_fn),

@@ -31,11 +31,10 @@ def _child_export(model_dir: Path) -> None:
     import torch
     from torch.export import Dim
 
-    from parallelizer.frontend.model_file import load_model_file  # imports model.py, nothing else
-    module = load_model_file(model_dir / "model.py")
-    with torch.device("meta"):
-        model = module.build_model()
-    batch = {k: v.to("meta") for k, v in module.example_inputs().items()}
+    from parallelizer.frontend.model_file import load_model  # imports model.py, nothing else
+    loaded = load_model(model_dir / "model.py", on_meta=True)
+    model = loaded.model
+    batch = {k: v.to("meta") for k, v in loaded.batch.items()}
     dynamic = {k: {0: Dim.AUTO, 1: Dim.AUTO} for k in batch}
     torch.export.export(model, (), kwargs=batch, dynamic_shapes=dynamic, strict=False)
 

@@ -85,9 +85,9 @@ def torchtitan_sizes(n_layers: int, pp: int) -> list:
 
 def min_max_sizes(weights: list, pp: int) -> list:
     """DeepSpeed's partition_balanced: contiguous parts minimising the largest weight sum."""
-    from parallelizer.planning.pipeline import _min_max_sizes
+    from parallelizer.planning.pipeline import min_max_ranges
 
-    return _min_max_sizes(weights, 0, 0, pp)
+    return [len(r) for r in min_max_ranges(weights, pp)]
 
 
 def ours(costs, blocks, pp: int):

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from parallelizer.advisor.cluster import cluster_from_dict
 from parallelizer.advisor.search import search
-from parallelizer.advisor.step_time import Layout, predict
+from parallelizer.advisor.step_time import Candidate, predict
 from parallelizer.advisor.workload import eq3_flops, from_shape
 
 TABLE = Path(__file__).resolve().parent / "data" / "megatron_sc21_table1.csv"
@@ -49,7 +49,7 @@ def evaluate(row: dict, efficiency=None) -> dict:
                                 row["name"])
     w = from_shape(shape, row["name"])
     batch, dp, mb = n["global_batch"], n["dp"], n["micro_batch"]
-    published = Layout(n["tp"], n["pp"], dp, mb, batch // (dp * mb), 0, n["virtual_stages"], True)
+    published = Candidate(n["tp"], n["pp"], dp, mb, batch // (dp * mb), 0, n["virtual_stages"], True)
     pred = predict(w, cluster, published, global_batch=batch)
     tflops = eq3_flops(shape, batch) / (pred.step_s * n["gpus"]) / 1e12
     t0 = time.perf_counter()
@@ -57,11 +57,11 @@ def evaluate(row: dict, efficiency=None) -> dict:
     seconds = time.perf_counter() - t0
     best = result.ranked[0]
     same = [(i, p) for i, p in enumerate(result.ranked)
-            if (p.layout.tp, p.layout.pp) == (n["tp"], n["pp"])]
+            if (p.candidate.tp, p.candidate.pp) == (n["tp"], n["pp"])]
     rank, gap = (same[0][0] + 1, same[0][1].step_s / best.step_s - 1) if same else (None, None)
     err = tflops / n["tflops_per_gpu"] - 1
     return {"name": row["name"], "gpus": n["gpus"], "published": f"tp={n['tp']} pp={n['pp']} "
-            f"v={n['virtual_stages']} mb={mb}", "planner": best.layout.short(),
+            f"v={n['virtual_stages']} mb={mb}", "planner": best.candidate.short(),
             "planner_tflops": eq3_flops(shape, batch) / (best.step_s * n["gpus"]) / 1e12,
             "pred_tflops": tflops, "pub_tflops": n["tflops_per_gpu"], "error": err,
             "within_20": abs(err) <= 0.20, "rank": rank, "gap": gap,

@@ -29,11 +29,11 @@ from .compiler import compile_module
 from .errors import UserError
 from .emit.program import Program
 from .runtime.batching import dp_slice
-from .runtime.loss import default_loss
 from .runtime.setup import RankContext, init
 from .runtime.stage_builder import LocalStages, instantiate, load_into, stage_class_from_source
 from .runtime.step import StepRunner
 from .runtime.train import gather_full_state, save_checkpoint
+from .frontend.model_file import default_loss
 from .frontend.spec import Spec, load_spec
 
 __all__ = ["load_spec", "compile", "parallelize", "ParallelModule", "Program"]

@@ -1,13 +1,23 @@
 """The compiler: model.py + spec -> Program (emitted source, plan, resharded weights).
 
-``compile_model`` reads as the list of steps; each step is a planner (reads facts, returns
-data) or a pass (reads a plan, rewrites the graph).
+:func:`compile_module` is its steps, in order:
+
+- :func:`analyse`: capture the model and rewrite attention as eager runs it (the front end
+  the layout advisor shares, with :func:`measure`: the per-unit costs);
+- :func:`plan`: every planner on the captured graph, each returning its own decision, and
+  the spec with those decisions turned into the ParallelPlan once;
+- :func:`apply_passes`: the rewrites the plan asks for, then sequence parallelism, planned
+  on the graph those rewrites produced, and the split into stages;
+- :func:`check_stages`: each stage's blocks, and the split checked against the plan;
+- :func:`emit`: program sources, weights, reference step and report.
+
+Planners read facts and return data; passes read a plan and rewrite the graph (DESIGN.md §6).
 """
 from __future__ import annotations
 
 import copy
-import dataclasses
 import sys
+from dataclasses import dataclass
 from operator import attrgetter
 from pathlib import Path
 from typing import Optional
@@ -17,10 +27,10 @@ import torch
 from .emit.stages import stage_sources
 from .checkpoint.hf import load_hf_state_dict, match_to_model
 from .errors import CheckpointError, PlanError
-from .frontend.model_file import build_model, example_batch, load_model_file
-from .frontend.capture import capture
-from .analysis.needed_imports import modules_needed
-from .analysis.outputs import check_outputs_have_batch_dim, scalar_outputs
+from .frontend.model_file import default_loss, load_model
+from .frontend.capture import Captured, capture
+from .analysis.costs import PipelineCosts
+from .analysis.outputs import check_outputs_have_batch_dim
 from .passes.aliases import apply_untie
 from .passes.attention import apply_eager_attention
 from .passes.cleanup import apply_cleanup
@@ -28,25 +38,25 @@ from .passes.dropout import apply_rng_streams
 from .passes.manager import PassManager
 from .passes.split_blocks import split_blocks
 from .passes.split_check import check_split
-from .plan.parallel_plan import MODEL_MODULE
 from .passes.split_stages import split_stages
 from .passes.sequence_parallel import apply_sequence_parallel
 from .passes.tensor_parallel import apply_tensor_parallel
 from .passes.vocab_parallel import apply_vocab_parallel
 from .analysis.graph_costs import collect_costs
 from .analysis.partition import GraphPartition
+from .plan.decisions import PipelineDecision, SequenceParallelDecision, TPDecision, VocabDecision
+from .plan.parallel_plan import ParallelPlan
 from .planning.dropout import describe as describe_dropout, plan_dropout
 from .planning.pipeline import find_blocks, plan_from_costs
 from .planning.pipeline_summary import (check_microbatches, check_placement, summarize,
                                         virtual_stages_of)
-from .planning.tensors import build_plan, pipeline_structure, tied_groups
+from .planning.tensors import alias_map, build_plan, pipeline_structure, tied_groups
 from .planning.sequence import plan_sequence_parallel
 from .planning.tp import plan_tp, tp_summary
 from .planning.vocab import plan_vocab, vocab_summary
 from .emit.program import Program
 from .emit.reference import compute_reference
 from .emit.report import render_report
-from .runtime.loss import default_loss
 from .frontend.spec import Spec
 
 
@@ -76,14 +86,11 @@ def compile_model(model_path: Path, spec: Spec, weights: bool = True,
         ModelFileError, CaptureError, PlanError, CheckpointError: bad input, with the fix.
     """
     torch.manual_seed(spec.seed)
-    module = load_model_file(model_path)
-    model = build_model(module, on_meta=not weights)
+    loaded = load_model(model_path, on_meta=not weights)
     if weights and spec.checkpoint.path:
-        _load_checkpoint(model, spec.checkpoint.path)
-    batch = example_batch(module)
-    loss_fn = getattr(module, "loss_fn", None) or default_loss
-    return compile_module(model, batch, spec, loss_fn, model_file=Path(model_path),
-                          dump_passes=dump_passes, owns_model=True)
+        _load_checkpoint(loaded.model, spec.checkpoint.path)
+    return compile_module(loaded.model, loaded.batch, spec, loaded.loss_fn,
+                          model_file=Path(model_path), dump_passes=dump_passes, owns_model=True)
 
 
 def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
@@ -102,79 +109,211 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
     Raises:
         CaptureError, PlanError: the model cannot be captured or the spec cannot apply.
     """
-    pipe = spec.pipeline
-    virtual = virtual_stages_of(pipe)
-    pp_warnings = check_microbatches(spec.mesh.pp, pipe.microbatches, pipe.schedule, virtual)
     weights = not any(t.is_meta for t in model.parameters())
-    if weights and reference:
-        _check_batch(batch, spec)
-    model.train()
+    pp_warnings = _check_spec(spec, batch, weights and reference)
     if not weights:
         batch = _to_meta(batch)
-    name = model_file or Path("<in-memory model>")
-    captured = capture(model, batch, name)
-    gm, mesh = captured.gm, spec.mesh
-    groups = tied_groups(model)
-
-    if mesh.pp > 1:
-        check_outputs_have_batch_dim(gm, captured.input_names)
     passes = PassManager(dump_passes)
-    # a pure rewrite of the captured graph (SDPA's is_causal / enable_gqa for the mask and the
-    # repeated kv heads export materialised): every planner below sees attention as eager runs it
-    passes.run("eager_attention", apply_eager_attention, gm)
-    # facts and plan first, from the captured graph (global shapes); then the passes
-    tp_decision = plan_tp(gm.graph, mesh.tp, spec.tensor_parallel.allow_replicated)  # raises early
-    plan_vocab(gm.graph, mesh.tp, spec.tensor_parallel.vocab_parallel,
-               {n: g[0] for g in groups for n in g}, tp_decision)
-    tp_notes = [tp_summary(tp_decision, model), vocab_summary(tp_decision)] if mesh.tp > 1 else []
-    dropout = plan_dropout(gm.graph, tp_decision.placements)
-    passes.run("cleanup", apply_cleanup, gm)
-    blocks = find_blocks(model)
-    canonical = {n: g[0] for g in groups for n in g}
-    partition = GraphPartition.of(gm.graph, blocks)  # one partition of the captured graph
-    costs = collect_costs(gm, blocks, canonical, partition)  # FLOPs of whole stages (all tp ranks)
+    analysis = analyse(model, batch, model_file or Path("<in-memory model>"), passes,
+                       pp=spec.mesh.pp)
+    planned = plan(analysis, spec, passes)
+    stages, sequence = apply_passes(analysis, planned, spec, batch, passes)
+    checked = check_stages(analysis, planned, stages)
+    return emit(analysis, planned, checked, sequence, spec, batch, loss_fn,
+                model_file=model_file, weights=weights, reference=reference,
+                owns_model=owns_model, pp_warnings=pp_warnings + planned.warnings)
+
+
+@dataclass
+class Analysis:
+    """The model as the front end sees it (:func:`analyse`): its captured graph (rewritten
+    in place by the passes that follow), tied-weight groups and their alias map (every name
+    -> its canonical name), its blocks (module FQNs in execution order)."""
+    model: torch.nn.Module
+    captured: Captured
+    groups: list
+    canonical: dict
+    blocks: tuple
+    name: Path  # model.py, or "<in-memory model>": capture's and the program's messages
+
+    @property
+    def gm(self) -> torch.fx.GraphModule:
+        return self.captured.gm
+
+
+def analyse(model: torch.nn.Module, batch, name: Path, passes: PassManager,
+            pp: int = 1) -> Analysis:
+    """Capture ``model`` in train mode on ``batch`` and rewrite attention as eager runs it, so
+    that every planner sees what the model computes (SDPA's is_causal / enable_gqa for the
+    mask and the repeated kv heads export materialised).
+
+    Raises:
+        CaptureError: the model cannot be captured. PlanError: ``pp`` > 1 and an output has
+            no batch dim (the microbatches cannot be concatenated back).
+    """
+    model.train()
+    captured = capture(model, batch, name)
+    if pp > 1:
+        check_outputs_have_batch_dim(captured.gm, captured.input_names)
+    passes.run("eager_attention", apply_eager_attention, captured.gm)
+    groups = tied_groups(model)
+    return Analysis(model, captured, groups, alias_map(groups), find_blocks(model), name)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """Per-unit costs of the cleaned captured graph (:func:`measure`) and the partition of
+    its nodes into the units (before, blocks, after) they were summed over."""
+    partition: GraphPartition
+    costs: PipelineCosts
+
+
+def measure(analysis: Analysis, passes: PassManager) -> Measured:
+    """The cleanup pass (device constants, export's metadata checks), then the FLOPs of whole
+    stages (all tp ranks), parameters and cut bytes of every unit (before, blocks, after)."""
+    passes.run("cleanup", apply_cleanup, analysis.gm)
+    partition = GraphPartition.of(analysis.gm.graph, analysis.blocks)
+    return Measured(partition, collect_costs(analysis.gm, analysis.blocks, analysis.canonical,
+                                             partition))
+
+
+@dataclass
+class Planned:
+    """Every planner's decision (:func:`plan`) and the ParallelPlan built from them."""
+    plan: ParallelPlan
+    tp: TPDecision
+    vocab: VocabDecision
+    dropout: tuple
+    pipeline: PipelineDecision
+    summary: dict                 # planning/pipeline_summary.summarize
+    notes: list                   # the compile's one-line summaries (printed by the CLI)
+    warnings: list                # check_placement's (report.md, stderr)
+
+
+def plan(analysis: Analysis, spec: Spec, passes: PassManager) -> Planned:
+    """Tensor parallelism, vocab_parallel and the dropout streams on the graph as captured,
+    then :func:`measure` and the pipeline stages on its costs, then the plan.
+
+    The sharding planners read the graph as export gives it, the cost model the graph the
+    cleanup pass leaves, so cleanup runs between them: export's metadata checks are readers
+    of a table to the vocab planner and its device constants are arguments DTensor's
+    strategies see, so moving a planner across cleanup could change its decision.
+
+    Raises:
+        PlanError: the spec cannot apply (names the spec key and the fix).
+    """
+    mesh, pipe, graph = spec.mesh, spec.pipeline, analysis.gm.graph
+    tp = plan_tp(graph, mesh.tp, spec.tensor_parallel.allow_replicated)  # raises early
+    vocab = plan_vocab(graph, mesh.tp, spec.tensor_parallel.vocab_parallel, analysis.canonical, tp)
+    notes = [tp_summary(tp, analysis.model, vocab), vocab_summary(vocab)] if mesh.tp > 1 else []
+    dropout = plan_dropout(graph, tp.placements)
+    measured = measure(analysis, passes)
+    costs, blocks = measured.costs, analysis.blocks
     num_stages = _num_stages(spec, blocks, costs.block_parts())
     stages_key = "mesh.pp" if pipe.virtual_stages == 1 else "mesh.pp x pipeline.virtual_stages"
-    pp_decision = plan_from_costs(costs, num_stages, blocks, pipe, stages_key=stages_key)
-    structure = pipeline_structure(gm.graph, model, blocks, costs, canonical, partition)
-    plan = build_plan(spec, captured, gm, model, groups, tp_decision, pp_decision, structure)
-    plan = dataclasses.replace(plan, imports=modules_needed(gm.graph, captured.out_spec, MODEL_MODULE),
-                               scalar_outputs=scalar_outputs(gm),
-                               vocab_outputs=tuple(sorted(tp_decision.vocab_outputs.items())),
-                               dropout=tuple(dataclasses.asdict(d) for d in dropout))
-    pipeline = summarize(pp_decision, costs, pipe.schedule, mesh.pp, pipe.microbatches, virtual)
-    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    pp_warnings += check_placement(pipeline, [st.fqns for st in plan.stages], params, canonical)
+    pipeline = plan_from_costs(costs, num_stages, blocks, pipe, stages_key=stages_key)
+    structure = pipeline_structure(graph, analysis.model, blocks, costs, analysis.canonical,
+                                   measured.partition)
+    built = build_plan(spec, analysis.captured, analysis.gm, analysis.model, analysis.groups, tp,
+                       vocab, dropout, pipeline, structure)
+    summary = summarize(pipeline, costs, pipe.schedule, mesh.pp, pipe.microbatches,
+                        virtual_stages_of(pipe))
+    params = {n for n, _ in analysis.model.named_parameters(remove_duplicate=False)}
+    warnings = check_placement(summary, [st.fqns for st in built.stages], params,
+                               analysis.canonical)
+    return Planned(built, tp, vocab, dropout, pipeline, summary, notes, warnings)
 
-    passes.run("tensor_parallel", apply_tensor_parallel, gm, tp_decision)
-    passes.run("vocab_parallel", apply_vocab_parallel, gm, tp_decision)
-    passes.run("untie", apply_untie, gm, groups)
-    passes.run("rng_streams", apply_rng_streams, gm, dropout)  # after costs: they see the ATen ops
-    # on the tp-rewritten graph (it finds the f and g operators); raises for "true"
-    sp_decision = plan_sequence_parallel(gm.graph, mesh.tp, spec.tensor_parallel.sequence_parallel_mode,
-                                         tp_decision.placements, dropout, _example_seq(batch))
-    passes.run("sequence_parallel", apply_sequence_parallel, gm, sp_decision)
-    stages = passes.run_split("split_stages", split_stages, gm, pp_decision, num_stages)
-    block_graphs, block_notes = [], []
+
+def apply_passes(analysis: Analysis, planned: Planned, spec: Spec, batch,
+                 passes: PassManager) -> tuple[list, SequenceParallelDecision]:
+    """The rewrites of the plan's decisions, in place, then the split into stage graphs.
+
+    Sequence parallelism is planned here, on the rewritten graph, not in :func:`plan`: its
+    regions grow from the Megatron f and g operators the tensor_parallel and vocab_parallel
+    passes insert, and its decision names those nodes and the untied and rng_streams
+    nodes, which do not exist before the passes run.
+
+    Raises:
+        PlanError: ``tensor_parallel.sequence_parallel`` is "true" and cannot apply.
+    """
+    gm = analysis.gm
+    passes.run("tensor_parallel", apply_tensor_parallel, gm, planned.tp)
+    passes.run("vocab_parallel", apply_vocab_parallel, gm, planned.vocab)
+    passes.run("untie", apply_untie, gm, analysis.groups)
+    passes.run("rng_streams", apply_rng_streams, gm, planned.dropout)  # costs saw the ATen ops
+    # plan on the rewritten graph (see above); raises for "true"
+    sequence = plan_sequence_parallel(gm.graph, spec.mesh.tp,
+                                      spec.tensor_parallel.sequence_parallel_mode,
+                                      planned.tp.placements, planned.dropout, _example_seq(batch))
+    passes.run("sequence_parallel", apply_sequence_parallel, gm, sequence)
+    stages = passes.run_split("split_stages", split_stages, gm, planned.pipeline,
+                              planned.pipeline.num_stages)
+    return stages, sequence
+
+
+@dataclass(frozen=True)
+class Checked:
+    """The stage graphs, each stage's block graphs, and the plan with what the split graphs
+    hold recorded (:func:`check_stages`)."""
+    plan: ParallelPlan
+    stages: list
+    block_graphs: list
+    notes: list  # split_blocks' report lines
+
+
+def check_stages(analysis: Analysis, planned: Planned, stages: list) -> Checked:
+    """Split each stage into its blocks; check that the split graphs hold what the plan
+    planned, and record their boundary names in it.
+
+    Raises:
+        PlanError: a tensor is read by two emitted modules of one stage (passes/split_check.py).
+    """
+    block_graphs, notes = [], []
     for st in stages:
-        found, notes = split_blocks(st.graph, blocks)
+        found, found_notes = split_blocks(st.graph, analysis.blocks)
         block_graphs.append(found)
-        block_notes += notes
-    plan = check_split(plan, stages, block_graphs, canonical)
-    sources = stage_sources(plan, stages, block_graphs, model, name)
+        notes += found_notes
+    checked = check_split(planned.plan, stages, block_graphs, analysis.canonical)
+    return Checked(checked, stages, block_graphs, notes)
+
+
+def emit(analysis: Analysis, planned: Planned, checked: Checked,
+         sequence: SequenceParallelDecision, spec: Spec, batch, loss_fn, *,
+         model_file: Optional[Path], weights: bool, reference: bool, owns_model: bool,
+         pp_warnings: list) -> Program:
+    """The Program: stage sources, with ``weights`` those of every planned tensor and (with
+    ``reference``) the reference step, and report.md."""
+    plan_, model, gm = checked.plan, analysis.model, analysis.gm
+    sources = stage_sources(plan_, checked.stages, checked.block_graphs, model, analysis.name)
     ref = state = None
     if weights:
-        state = {fqn: attrgetter(fqn)(gm).detach().clone() for fqn in plan.tensors}
+        state = {fqn: attrgetter(fqn)(gm).detach().clone() for fqn in plan_.tensors}
         if reference:
             stepped = model if owns_model else copy.deepcopy(model)
             ref = compute_reference(stepped, batch, loss_fn or default_loss,
-                                    captured.input_names, spec)
-    warnings = list(tp_decision.warnings) + pp_warnings
-    tp_lines = tp_notes + tp_decision.warnings + tp_decision.report + sp_decision.report
-    report = render_report(plan, captured.route, tp_lines, pipeline,
-                           block_notes + describe_dropout(dropout), pp_warnings)
-    return Program(plan, sources, report, model_file, spec.to_dict(), state, ref,
-                   warnings=warnings, pipeline=pipeline, notes=tp_notes)
+                                    analysis.captured.input_names, spec)
+    tp = planned.tp
+    tp_lines = planned.notes + tp.warnings + list(plan_.tp_report) + sequence.report
+    report = render_report(plan_, analysis.captured.route, tp_lines, planned.summary,
+                           checked.notes + describe_dropout(planned.dropout), pp_warnings)
+    return Program(plan_, sources, report, model_file, spec.to_dict(), state, ref,
+                   warnings=list(tp.warnings) + pp_warnings, pipeline=planned.summary,
+                   notes=planned.notes)
+
+
+def _check_spec(spec: Spec, batch, with_reference: bool) -> list[str]:
+    """What the spec alone can be checked for before capture: the microbatches (warnings
+    returned), and the example batch when it feeds the reference (:func:`_check_batch`).
+
+    Raises:
+        PlanError: pipeline.microbatches < mesh.pp, or the batch does not split.
+    """
+    pipe = spec.pipeline
+    warnings = check_microbatches(spec.mesh.pp, pipe.microbatches, pipe.schedule,
+                                  virtual_stages_of(pipe))
+    if with_reference:
+        _check_batch(batch, spec)
+    return warnings
 
 
 def _num_stages(spec: Spec, blocks: tuple[str, ...], parts=()) -> int:
@@ -210,8 +349,6 @@ def _check_batch(batch, spec: Spec) -> None:
                         f"example_inputs() or those keys so it divides")
 
 
-
-
 def _example_seq(batch):
     """Dim 1 (the sequence) of the example batch's first input, if it has one."""
     first = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
@@ -233,7 +370,7 @@ def _load_checkpoint(model: torch.nn.Module, path: str) -> None:
                 "spec file's folder; given as an override, to the current directory)")
         raise CheckpointError(f"checkpoint.path: {e}{hint}") from e
     sd = model.state_dict()
-    aliases = {a: g[0] for g in tied_groups(model) for a in g[1:]}
+    aliases = alias_map(tied_groups(model), include_canonical=False)
     matched = match_to_model(ckpt, list(sd), aliases, shapes={k: v.shape for k, v in sd.items()})
     try:
         model.load_state_dict({k: v.to(sd[k].dtype) for k, v in matched.items()}, strict=True)

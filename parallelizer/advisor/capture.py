@@ -6,12 +6,9 @@ from pathlib import Path
 
 import torch
 
-from ..analysis.graph_costs import collect_costs
-from ..frontend.capture import capture
-from ..frontend.model_file import build_model, example_batch, load_model_file
-from ..passes.cleanup import apply_cleanup
-from ..planning.pipeline import find_blocks
-from ..planning.tensors import tied_groups
+from ..compiler import analyse, measure
+from ..frontend.model_file import load_model
+from ..passes.manager import PassManager
 from .workload import Workload
 
 _WORKLOADS: dict = {}
@@ -28,20 +25,17 @@ def capture_workload(model_path: Path, seq: int | None):
 
 def _capture_workload(model_path: Path, seq: int | None):
     """Capture ``model_path`` on the meta device at 2 x ``seq`` tokens (default the
-    example's; 2 rather than 1 so that export keeps the batch dim dynamic) and turn its
-    per-unit costs, halved to one sequence, into a Workload."""
-
-    module = load_model_file(Path(model_path))
-    model = build_model(module, on_meta=True)
-    model.train()
-    batch = _meta_batch(example_batch(module), seq)
+    example's; 2 rather than 1 so that export keeps the batch dim dynamic) with the
+    compiler's front end (:func:`parallelizer.compiler.analyse` and ``measure``: the same
+    capture, attention rewrite and costs), and turn its per-unit costs, halved to one
+    sequence, into a Workload."""
+    loaded = load_model(model_path, on_meta=True)
+    model = loaded.model
+    batch = _meta_batch(loaded.batch, seq)
     first = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
     seq = first.shape[1]
-    gm = capture(model, batch, Path(model_path)).gm
-    apply_cleanup(gm)
-    blocks = find_blocks(model)
-    canonical = {n: g[0] for g in tied_groups(model) for n in g}
-    costs = collect_costs(gm, blocks, canonical)
+    passes = PassManager()
+    costs = measure(analyse(model, batch, Path(model_path), passes), passes).costs
     seen, params, tied = set(), [], 0.0
     for i, u in enumerate(costs.units):
         new = [f for f in u.params if f not in seen]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .capture import capture_workload
 from .cluster import load_cluster
-from .step_time import Layout, predict
+from .step_time import Candidate, predict
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ def run_check(model_path, spec, cluster, global_batch=None, seq=None, micro_batc
     dtype = spec.mixed_precision.param_dtype if spec.zero_stage >= 2 else "fp32"
     at_precision = cluster.model_copy(update={"dtype": dtype})
     pf = spec.fsdp.prefetch
-    lay = Layout(m.tp, m.pp, m.dp, micro_batch or 1, mbs, spec.zero_stage, pipe.virtual_stages,
+    lay = Candidate(m.tp, m.pp, m.dp, micro_batch or 1, mbs, spec.zero_stage, pipe.virtual_stages,
                  spec.activation_checkpointing.mode != "none", m.dp_replicate,
                  1 if pf.forward is None else pf.forward)
     pred = predict(workload, at_precision, lay)

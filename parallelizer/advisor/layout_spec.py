@@ -7,9 +7,8 @@ from pathlib import Path
 import torch
 
 from ..compiler import compile_module
-from ..frontend.model_file import build_model, example_batch, load_model_file
+from ..frontend.model_file import load_model
 from ..frontend.spec import Spec
-from ..runtime.loss import default_loss
 from .memory import estimate_program
 
 def layout_spec(spec, lay, cluster) -> dict:
@@ -35,18 +34,18 @@ def exact_memory(model_path, spec, pred, cluster, seq) -> dict:
     """Compile ``pred``'s layout on the meta device and take the exact per-rank estimate
     (``advisor.memory.estimate_program``) for a batch of dp x M x b sequences of ``seq``."""
 
-    lay = pred.layout
+    lay = pred.candidate
     chosen = Spec.model_validate(layout_spec(spec, lay, cluster))
-    module = load_model_file(Path(model_path))
-    model = build_model(module, on_meta=True)
+    loaded = load_model(model_path, on_meta=True)
     n = lay.dp * lay.micro_batch * (lay.microbatches if lay.pp > 1 else 1)
-    ex = example_batch(module)
+    ex = loaded.batch
     shape = lambda t: [n, seq] + list(t.shape[2:]) if t.dim() >= 2 else [n]
     batch = ({k: torch.zeros(shape(v), dtype=v.dtype) for k, v in ex.items()}
              if isinstance(ex, dict) else tuple(torch.zeros(shape(v), dtype=v.dtype) for v in ex))
-    loss_fn = getattr(module, "loss_fn", None) or default_loss
-    program = compile_module(model, batch, chosen, loss_fn, model_file=Path(model_path), reference=False)
-    ranks = estimate_program(program.plan, program.sources, batch, loss_fn, chosen.optimizer.name)
+    program = compile_module(loaded.model, batch, chosen, loaded.loss_fn, model_file=Path(model_path),
+                             reference=False)
+    ranks = estimate_program(program.plan, program.sources, batch, loaded.loss_fn,
+                             chosen.optimizer.name)
     exact = max(r.total for r in ranks)
     return {"exact_gb": exact / 1e9, "analytic_gb": pred.memory_bytes / 1e9,
             "ratio": exact / pred.memory_bytes}

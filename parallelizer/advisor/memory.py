@@ -227,16 +227,13 @@ def estimate_model_file(model_path: Path, spec) -> tuple[ParallelPlan, list[Rank
     """Compile ``model_path`` under ``spec`` on the meta device (no weights) and estimate
     every rank. Raises the compiler's UserErrors (ModelFileError, CaptureError, PlanError)."""
     from ..compiler import compile_module
-    from ..frontend.model_file import build_model, example_batch, load_model_file
-    from ..runtime.loss import default_loss
+    from ..frontend.model_file import load_model
 
-    module = load_model_file(Path(model_path))
-    model = build_model(module, on_meta=True)
-    batch = example_batch(module)
-    loss_fn = getattr(module, "loss_fn", None) or default_loss
-    program = compile_module(model, batch, spec, loss_fn, model_file=Path(model_path))
-    return program.plan, estimate_program(program.plan, program.sources, batch, loss_fn,
-                                          spec.optimizer.name)
+    loaded = load_model(model_path, on_meta=True)
+    program = compile_module(loaded.model, loaded.batch, spec, loaded.loss_fn,
+                             model_file=Path(model_path))
+    return program.plan, estimate_program(program.plan, program.sources, loaded.batch,
+                                          loaded.loss_fn, spec.optimizer.name)
 
 
 def as_json(plan: ParallelPlan, ranks: list[RankEstimate]) -> dict:

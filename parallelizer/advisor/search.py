@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from ..errors import UserError
 from .cluster import Cluster
-from .step_time import Layout, Prediction, predict, rank_stats
+from .step_time import Candidate, Prediction, predict, rank_stats
 from .workload import Workload
 
 TERM_NAMES = {"compute": "compute", "bubble": "pipeline bubble", "tp": "tensor-parallel all-reduces",
@@ -60,7 +60,7 @@ def candidates(w: Workload, cluster: Cluster, global_batch: int, zero_stages=(0,
                             reps.append(dp // (gpn // tp))    # shard inside a node, replicate across
                         for rep in reps:
                             for rc in (False, True):
-                                yield Layout(tp, pp, dp, micro, m, z, v, rc, rep)
+                                yield Candidate(tp, pp, dp, micro, m, z, v, rc, rep)
 
 
 FIX_KEYS = {"tp": "tp", "pp": "pp", "dp": "dp", "zero": "zero_stage", "mb": "micro_batch",
@@ -68,7 +68,7 @@ FIX_KEYS = {"tp": "tp", "pp": "pp", "dp": "dp", "zero": "zero_stage", "mb": "mic
 
 
 def parse_fix(text: str) -> dict:
-    """``tp=1,pp=1,zero=3`` -> Layout field values the search must keep (``--fix``).
+    """``tp=1,pp=1,zero=3`` -> Candidate field values the search must keep (``--fix``).
 
     Raises:
         UserError: an item that is not KEY=INTEGER with KEY in FIX_KEYS."""
@@ -114,7 +114,7 @@ def search(w: Workload, cluster: Cluster, global_batch: int, fix: dict | None = 
         s = smallest
         raise UserError(f"no layout fits {cluster.usable_memory_bytes / 1e9:.4g} GB per GPU (usable_memory "
                         f"{cluster.usable_memory:g} of {cluster.memory_bytes / 1e9:.4g} GB): the smallest, "
-                        f"{s.layout.short()}, needs {s.memory_bytes / 1e9:.4g} GB on its fullest rank; "
+                        f"{s.candidate.short()}, needs {s.memory_bytes / 1e9:.4g} GB on its fullest rank; "
                         f"add GPUs (nodes), use a GPU with more memory, or a smaller model")
     # ties (communication fully hidden in both) go to the layout that sends less, then uses less memory
     fitting.sort(key=lambda p: (p.step_s, sum(p.volumes.values()), p.memory_bytes))
@@ -131,12 +131,12 @@ def why(pred: Prediction, runner_up: Prediction | None) -> str:
     if runner_up is not None and runner_up.step_s <= step * 1.0005:
         sent = (sum(runner_up.volumes.values()) - sum(pred.volumes.values())) / 1e9
         mem = (runner_up.memory_bytes - pred.memory_bytes) / 1e9
-        text += (f"; ties with {runner_up.layout.short()} (which sends {sent:+.3g} GB per GPU "
+        text += (f"; ties with {runner_up.candidate.short()} (which sends {sent:+.3g} GB per GPU "
                  f"and needs {mem:+.3g} GB)")
     elif runner_up is not None:
         diff = {k: runner_up.terms[k] - pred.terms[k] for k in pred.terms}
         worst = max(diff, key=diff.get)
-        text += (f"; next-best ({runner_up.layout.short()}) is {runner_up.step_s / step - 1:+.1%}, "
+        text += (f"; next-best ({runner_up.candidate.short()}) is {runner_up.step_s / step - 1:+.1%}, "
                  f"mostly {TERM_NAMES[worst]} ({diff[worst] * 1e3:+.3g} ms)")
     return text
 
@@ -144,6 +144,6 @@ def why(pred: Prediction, runner_up: Prediction | None) -> str:
 def rank_of(result: SearchResult, match) -> int | None:
     """1-based position of the first ranked layout for which ``match(layout)`` holds."""
     for i, p in enumerate(result.ranked):
-        if match(p.layout):
+        if match(p.candidate):
             return i + 1
     return None

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..planning.pipeline import min_max_ranges
 from .cluster import Cluster
 from .workload import Workload
 
@@ -33,7 +34,9 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 @dataclass(frozen=True)
-class Layout:
+class Candidate:
+    """One layout the search considers: mesh degrees, micro-batching, ZeRO stage, virtual
+    stages, recomputation (a candidate, not a tp layout nor a checkpoint's placement)."""
     tp: int
     pp: int
     dp: int
@@ -62,7 +65,7 @@ class Layout:
 
 @dataclass(frozen=True)
 class Prediction:
-    layout: Layout
+    candidate: Candidate
     step_s: float
     terms: dict            # seconds: compute, bubble, tp, pp, dp (exposed)
     memory_bytes: float    # the fullest rank
@@ -108,43 +111,12 @@ class RankStats:
     last: bool             # holds the LM head (logits)
 
 
-def partition(costs: list[float], stages: int) -> list[range]:
-    """Contiguous min-max split of ``costs`` into ``stages`` non-empty ranges (binary search
-    on the bottleneck with a greedy fill; the planner's estimate, the compiler balances exactly)."""
-    n = len(costs)
-    stages = min(stages, n)
-    lo, hi = max(costs), sum(costs)
-    for _ in range(50):
-        mid = (lo + hi) / 2
-        if _fits(costs, stages, mid):
-            hi = mid
-        else:
-            lo = mid
-    out, start, acc = [], 0, 0.0
-    for i, c in enumerate(costs):
-        left = stages - len(out) - 1    # stages still to open after this one
-        if i > start and (acc + c > hi * (1 + 1e-9) or n - i == left):
-            out.append(range(start, i))
-            start, acc = i, 0.0
-        acc += c
-    out.append(range(start, n))
-    return out
-
-
-def _fits(costs, stages, cap) -> bool:
-    used, acc = 1, 0.0
-    for c in costs:
-        if acc + c > cap:
-            used, acc = used + 1, c
-        else:
-            acc += c
-    return used <= stages
-
-
 def rank_stats(w: Workload, pp: int, virtual: int) -> list[RankStats]:
-    """Per pp rank (stage s on rank s % pp), from a FLOP-balanced split into pp x v stages."""
+    """Per pp rank (stage s on rank s % pp), from a FLOP-balanced split into pp x v stages
+    (the compiler's min-max partitioner over the units; fewer stages when there are fewer
+    units)."""
     n = len(w.fwd_flops)
-    parts = partition([f + b for f, b in zip(w.fwd_flops, w.bwd_flops)], pp * virtual)
+    parts = min_max_ranges([f + b for f, b in zip(w.fwd_flops, w.bwd_flops)], min(pp * virtual, n))
     out = []
     for r in range(pp):
         units = [u for s, rg in enumerate(parts) if s % pp == r for u in rg]
@@ -158,7 +130,7 @@ def rank_stats(w: Workload, pp: int, virtual: int) -> list[RankStats]:
     return out
 
 
-def predict(w: Workload, cluster: Cluster, lay: Layout, stats: list[RankStats] | None = None,
+def predict(w: Workload, cluster: Cluster, lay: Candidate, stats: list[RankStats] | None = None,
             global_batch: int | None = None) -> Prediction:
     """Step time and the fullest rank's memory of ``lay`` (see the module docstring)."""
     stats = stats or rank_stats(w, lay.pp, lay.virtual_stages)
@@ -191,7 +163,7 @@ def predict(w: Workload, cluster: Cluster, lay: Layout, stats: list[RankStats] |
                       volumes(w, lay, stats, params * e, act_msg))
 
 
-def volumes(w: Workload, lay: Layout, stats, grad_bytes: float, act_msg: float) -> dict:
+def volumes(w: Workload, lay: Candidate, stats, grad_bytes: float, act_msg: float) -> dict:
     """Bytes one GPU sends per step in each collective (ring: an all-reduce of n bytes over
     g ranks sends 2 (g-1)/g n per rank, a reduce-scatter or all-gather (g-1)/g n)."""
     t, p, d, z, m = lay.tp, lay.pp, lay.dp, lay.zero_stage, lay.microbatches
@@ -222,7 +194,7 @@ def _activation_traffic(w: Workload, r: RankStats, tp: int, recompute: bool, e: 
     return r.blocks * per_layer + (3 * w.logits_bytes(tp) if r.last else 0.0)
 
 
-def _data_parallel(w, cluster, lay: Layout, grad_bytes, fwd_s, bwd_s, stats, end_split) -> float:
+def _data_parallel(w, cluster, lay: Candidate, grad_bytes, fwd_s, bwd_s, stats, end_split) -> float:
     """Exposed data-parallel communication of one step (seconds)."""
     t, d, z = lay.tp, lay.dp, lay.zero_stage
     if d == 1:
@@ -250,7 +222,7 @@ def _data_parallel(w, cluster, lay: Layout, grad_bytes, fwd_s, bwd_s, stats, end
     return exposed
 
 
-def _memory(w: Workload, cluster: Cluster, lay: Layout, stats, end_split) -> tuple[float, dict]:
+def _memory(w: Workload, cluster: Cluster, lay: Candidate, stats, end_split) -> tuple[float, dict]:
     """Bytes on the fullest rank: model states by ZeRO stage (Rajbhandari et al. 2020, §5.1:
     16 bytes per parameter = e + e + (16 - 2e) optimizer, sharded over the dp shard group),
     FSDP's gathered copies, and Korthikanti activations for the microbatches in flight

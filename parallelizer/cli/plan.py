@@ -83,7 +83,7 @@ def plan_main(argv: list[str]) -> int:
             for i, p in enumerate(top)]
     exact = exact_memory(ns.model, spec, top[0], cluster, workload.seq) if ns.exact else None
     if ns.out is not None:
-        ns.out.write_text(yaml.safe_dump(layout_spec(spec, top[0].layout, cluster), sort_keys=False))
+        ns.out.write_text(yaml.safe_dump(layout_spec(spec, top[0].candidate, cluster), sort_keys=False))
     if ns.json:
         print(json.dumps({"model": workload.name, "cluster": cluster.model_dump(mode="json"),
                           "considered": result.considered, "fitting": result.fitting,
@@ -123,10 +123,10 @@ def _runnable(result):
         UserError: none of the fitting layouts is accepted."""
     import dataclasses
     from ..plan.schedules import check
-    ok = [p for p in result.ranked if check(p.layout.schedule, p.layout.pp, p.layout.virtual_stages,
-                                             p.layout.microbatches if p.layout.pp > 1 else 1) is None]
+    ok = [p for p in result.ranked if check(p.candidate.schedule, p.candidate.pp, p.candidate.virtual_stages,
+                                             p.candidate.microbatches if p.candidate.pp > 1 else 1) is None]
     if not ok:
-        lay = result.ranked[0].layout
+        lay = result.ranked[0].candidate
         raise UserError(f"none of the {result.fitting} fitting layouts has a pipeline schedule the "
                         f"installed torch accepts (e.g. {lay.short()}: "
                         f"{check(lay.schedule, lay.pp, lay.virtual_stages, lay.microbatches)})")
@@ -138,7 +138,7 @@ def _gb(x: float) -> str:
 
 
 def _row(p, cluster, tokens, why_text) -> dict:
-    lay = p.layout
+    lay = p.candidate
     row = {"layout": lay.short(), "tp": lay.tp, "pp": lay.pp, "dp": lay.dp,
            "dp_replicate": lay.dp_replicate, "zero_stage": lay.zero_stage,
            "micro_batch": lay.micro_batch, "microbatches": lay.microbatches,

@@ -1,7 +1,9 @@
-"""The model.py contract: import the user's file, build the model, take its example batch.
+"""The model.py contract: import the user's file, build the model, take its example batch,
+and the loss to train it with (model.py's ``loss_fn``, else :func:`default_loss`).
 
-One loader serves every entry point that reads a model.py: the compiler, the layout advisor,
-``parallelize estimate`` and the emitted ``run.py`` (which loads ``OUT/model.py`` under the same
+One loader serves every entry point that reads a model.py: :func:`load_model` for the
+compiler, the layout advisor and ``parallelize estimate``; :func:`load_model_file` and
+:func:`loss_of` for the emitted ``run.py`` (which loads ``OUT/model.py`` under the same
 module name, :data:`parallelizer.plan.parallel_plan.MODEL_MODULE`, so output types model.py
 defines get one pytree name at compile time and at run time). Errors name the file and the
 line of the user's code that failed.
@@ -12,15 +14,40 @@ import importlib.util
 import os
 import sys
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Callable
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 from ..errors import ModelFileError
 from ..plan.parallel_plan import MODEL_MODULE
 
 REQUIRED = ("build_model", "example_inputs")
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model.py, loaded: the module, the model ``build_model()`` returned, the batch
+    ``example_inputs()`` returned (:func:`example_batch`) and the loss (:func:`loss_of`)."""
+    module: ModuleType
+    model: torch.nn.Module
+    batch: tuple | dict
+    loss_fn: Callable
+
+
+def load_model(path: Path, on_meta: bool) -> LoadedModel:
+    """Import ``path``, build its model (on the meta device when ``on_meta``: no weights, no
+    memory), take its example batch and its loss.
+
+    Raises:
+        ModelFileError: as :func:`load_model_file`, :func:`build_model`, :func:`example_batch`.
+    """
+    module = load_model_file(Path(path))
+    model = build_model(module, on_meta=on_meta)
+    return LoadedModel(module, model, example_batch(module), loss_of(module))
 
 
 def load_model_file(path: Path) -> ModuleType:
@@ -116,3 +143,35 @@ def user_frame(e: BaseException, model_file: Path) -> str:
         return ""
     f = chosen[-1]
     return f"\n  at {f.filename}:{f.lineno}: {(f.line or '').strip()}"
+
+
+def loss_of(module: ModuleType | None) -> Callable:
+    """model.py's ``loss_fn(outputs, batch)``, else :func:`default_loss` (also for no module)."""
+    return getattr(module, "loss_fn", None) or default_loss
+
+
+def model_loss(outputs) -> torch.Tensor | None:
+    """The loss the model computed itself: a Hugging Face ``ModelOutput.loss`` (forward called
+    with ``labels=``), else the first 0-dim floating-point output; None when there is none."""
+    loss = outputs.get("loss") if hasattr(outputs, "get") else None
+    if isinstance(loss, torch.Tensor) and loss.dim() == 0:
+        return loss
+    flat, _ = tree_flatten(outputs)
+    return next((t for t in flat if isinstance(t, torch.Tensor) and t.dim() == 0
+                 and t.is_floating_point()), None)
+
+
+def default_loss(outputs, batch) -> torch.Tensor:
+    """The loss used when model.py defines no ``loss_fn``: the model's own loss
+    (:func:`model_loss`: ``outputs.loss`` or a 0-dim output, which under microbatches and data
+    parallelism is averaged over them, so it must be a mean over samples); without one, the
+    mean of the squares of the model's first floating-point output (a mean over samples, so
+    it splits across microbatches and data-parallel ranks)."""
+    loss = model_loss(outputs)
+    if loss is not None:
+        return loss
+    flat, _ = tree_flatten(outputs)
+    for t in flat:
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            return t.float().pow(2).mean()
+    raise ValueError("default loss: the model returned no floating-point tensor; define loss_fn in model.py")

@@ -1,4 +1,4 @@
-"""vocab_parallel pass: apply a TPDecision's vocabulary sharding to the graph (Megatron-LM §3).
+"""vocab_parallel pass: apply a VocabDecision (planning/vocab.py) to the graph (Megatron-LM §3).
 
 - ``aten.embedding(W, ids, padding_idx)`` of a vocabulary table becomes
   ``reduce_from_tp_region(vocab.vocab_parallel_lookup(W, ids, padding_idx))`` (local lookup,
@@ -7,36 +7,36 @@
 - an LM head ``aten.linear(x, W)`` becomes ``linear(copy_to_tp_region(x), W)`` (Megatron ``f``,
   tagged likewise: the gradient of x is summed over tp, or under sequence parallelism f is
   an all-gather fused with the head) with logits ``Shard(-1)``; the model outputs listed in
-  ``vocab_outputs`` keep them sharded (run time hands them to loss_fn under loss_parallel),
+  ``outputs`` keep them sharded (run time hands them to loss_fn under loss_parallel),
   every other use reads ``vocab.gather_from_tp_region(logits, vocabulary)``; ops that keep
   the logits column for column (``analysis.graph_facts.logits_region``: casts, a scalar
   scale or softcap) run on the shard first.
-- an ``aten.cross_entropy_loss`` over those logits (``vocab_losses``: Hugging Face's in-graph
+- an ``aten.cross_entropy_loss`` over those logits (``losses``: Hugging Face's in-graph
   loss) becomes ``vocab.vocab_parallel_cross_entropy`` on the shards.
 """
 from __future__ import annotations
 
 import torch.fx as fx
 
-from ..plan.decisions import TP_OPERATOR, TPDecision
+from ..plan.decisions import TP_OPERATOR, VocabDecision
 from ..runtime.tp import copy_to_tp_region, reduce_from_tp_region
 from ..runtime.vocab import gather_from_tp_region, vocab_parallel_lookup
 from ..runtime.vocab_loss import vocab_parallel_cross_entropy
 from ..analysis.graph_facts import aten, logits_region
 
 
-def apply_vocab_parallel(gm: fx.GraphModule, decision: TPDecision) -> bool:
+def apply_vocab_parallel(gm: fx.GraphModule, decision: VocabDecision) -> bool:
     """Rewrite ``gm`` in place; returns whether anything changed."""
     if not decision.vocab:
         return False
     graph = gm.graph
-    _rewrite_cross_entropies(graph, decision.vocab_losses)
+    _rewrite_cross_entropies(graph, decision.losses)
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
         if node.target is aten.embedding.default and node.args[0].target in decision.vocab:
             _shard_embedding(graph, node)
-        elif node.target is aten.linear.default and node.args[1].target in decision.vocab_heads:
+        elif node.target is aten.linear.default and node.args[1].target in decision.heads:
             _shard_head(graph, node, decision)
     graph.lint()
     gm.recompile()
@@ -53,7 +53,7 @@ def _shard_embedding(graph: fx.Graph, node: fx.Node) -> None:
     node.replace_all_uses_with(g, delete_user_cb=lambda u: u is not g)
 
 
-def _shard_head(graph: fx.Graph, head: fx.Node, decision: TPDecision) -> None:
+def _shard_head(graph: fx.Graph, head: fx.Node, decision: VocabDecision) -> None:
     vocab = decision.vocab[head.args[1].target]
     x = head.args[0]
     with graph.inserting_before(head):
@@ -66,7 +66,7 @@ def _shard_head(graph: fx.Graph, head: fx.Node, decision: TPDecision) -> None:
     for node in region:  # sharded logits: every use outside the region reads them gathered
         users = [u for u in node.users if u not in region and u.op != "output"
                  and u.target is not vocab_parallel_cross_entropy]  # reads the shards
-        kept = {i for i in decision.vocab_outputs} if flat is not None else set()
+        kept = {i for i in decision.outputs} if flat is not None else set()
         to_output = [i for i, a in enumerate(flat or [out.args[0]]) if a is node and i not in kept]
         if not users and not to_output:
             continue

@@ -38,15 +38,37 @@ class TPDecision:
     # node name -> placement of the settled propagation (analysis/sharding/placements.py:
     # Replicate() | Shard(dim) | PerOutput of them); empty at tp=1
     placements: dict = field(default_factory=dict)
-    # vocab_parallel (planning/vocab.py): embedding/head weight fqn (every name of a tied
-    # group) -> vocabulary rows; head weight fqns; flat model-output index -> vocabulary of
-    # the logits handed to loss_fn sharded (Shard(-1)) instead of gathered in the graph
+    # weight fqn of a linear left replicated -> its report lines (vocab_parallel may shard
+    # it as an LM head: planning/vocab.py tp_report leaves those lines out)
+    replicated: dict = field(default_factory=dict)
+
+
+@dataclass
+class VocabDecision:
+    """vocab_parallel (planning/vocab.py): the vocabulary tables and LM heads sharded over tp,
+    read by the vocab_parallel pass and the plan.
+
+    ``vocab``: every sharded name (each name of a tied table, head weights and biases) ->
+    vocabulary rows, each ``Shard(0)`` (``dims``) with its layout (``padded``) in ``layouts``;
+    ``heads``: the LM head weight fqns; ``outputs``: flat model-output index -> vocabulary of
+    the logits handed to loss_fn sharded (Shard(-1)) instead of gathered in the graph;
+    ``losses``: node name of an aten.cross_entropy_loss over the head's logits -> vocabulary,
+    computed vocab-parallel (runtime/vocab_loss.py), the logits never gathered for it;
+    ``report``: its report.md lines; ``off``: the line saying why it is off (None when on,
+    or at tp = 1)."""
+
     vocab: dict = field(default_factory=dict)
-    vocab_heads: set = field(default_factory=set)
-    vocab_outputs: dict = field(default_factory=dict)
-    # node name of an aten.cross_entropy_loss over the head's logits -> vocabulary: computed
-    # vocab-parallel (runtime/vocab_loss.py), the logits never gathered for it
-    vocab_losses: dict = field(default_factory=dict)
+    heads: set = field(default_factory=set)
+    outputs: dict = field(default_factory=dict)
+    losses: dict = field(default_factory=dict)
+    layouts: dict = field(default_factory=dict)
+    report: list = field(default_factory=list)
+    off: Optional[str] = None
+
+    @property
+    def dims(self) -> dict:
+        """Sharded name -> its ``tp_dim`` (0: the vocabulary rows)."""
+        return dict.fromkeys(self.vocab, 0)
 
 
 @dataclass(frozen=True)

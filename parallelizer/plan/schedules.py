@@ -141,24 +141,20 @@ def _check_microbatches(schedule: str, pp: int, v: int, m: int) -> Optional[str]
     return None
 
 
-def bubble(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> float:
-    """Idle fraction of a step, (P-1)/(M+P-1) for GPipe and 1F1B (Huang et al. 2019, §2.2;
-    Narayanan et al. 2021, §2.2.1), (P-1)/(v*M+P-1) with v stages per rank for interleaved
-    schedules (Narayanan et al. 2021, §2.2.2); an upper bound for zero-bubble schedules."""
-    v = 1 if schedule in SINGLE_STAGE else max(1, virtual_stages)
-    return (pp - 1) / (v * microbatches + pp - 1)
-
-
-def theoretical_bubble(schedule: str, pp: int, virtual_stages: int, microbatches: int) -> Optional[float]:
-    """Idle fraction of a step with equal stage costs: (P-1)/(M+P-1) for gpipe and 1f1b
-    (Huang et al. 2019, §2.3), (P-1)/(v*M+P-1) for interleaved_1f1b and looped_bfs
-    (Narayanan et al. 2021, §2.2). None for the zero-bubble schedules, whose bubble depends
-    on the ratio of input- and weight-gradient times (Qi et al. 2024, §3)."""
+def bubble(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1, *,
+           upper_bound: bool = True) -> Optional[float]:
+    """Idle fraction of a step with equal stage costs, (P-1)/(M+P-1) for GPipe and 1F1B
+    (Huang et al. 2019, §2.2; Narayanan et al. 2021, §2.2.1), (P-1)/(v*M+P-1) with v stages
+    per rank for interleaved schedules (Narayanan et al. 2021, §2.2.2); 0 for pp = 1. For
+    the zero-bubble schedules the formula is an upper bound: their bubble depends on the
+    ratio of input- and weight-gradient times (Qi et al. 2024, §3), so ``upper_bound=False``
+    gives None for them (run.py --profile's "theoretical")."""
     if pp <= 1:
         return 0.0
-    if schedule in ZERO_BUBBLE:
+    if schedule in ZERO_BUBBLE and not upper_bound:
         return None
-    return bubble(schedule, pp, microbatches, virtual_stages)
+    v = 1 if schedule in SINGLE_STAGE else max(1, virtual_stages)
+    return (pp - 1) / (v * microbatches + pp - 1)
 
 
 def with_schedule(plan, schedule: str):

@@ -106,7 +106,7 @@ def plan_pipeline(block_costs: Sequence[int], pre_cost: int, post_cost: int, num
         whole = _whole_blocks(block_costs, pre_cost, post_cost, sizes, blocks, "balanced")
     if offered:
         grid = _Grid(block_costs, pre_cost, post_cost, blocks, parts, every_child=False)
-        finer = grid.decision(_min_max_starts(grid.costs, grid.may_start, num_stages), "balanced")
+        finer = grid.decision(min_max_starts(grid.costs, num_stages, grid.may_start), "balanced")
         if whole is None or max(finer.stage_costs) < (1 - FINER_GAIN) * max(whole.stage_costs):
             return finer
     return whole
@@ -180,11 +180,15 @@ class _Grid:
         return PipelineDecision(self.blocks, tuple(first), tuple(stage_costs), source, parts)
 
 
-def _min_max_starts(costs: list[int], may_start: list[bool], k: int) -> list[int]:
+def min_max_starts(costs: Sequence[float], k: int,
+                   may_start: Optional[Sequence[bool]] = None) -> list[int]:
     """Units where stages 1..k-1 begin, minimising the largest stage cost over contiguous
-    splits of ``costs`` into k non-empty stages beginning only where ``may_start``
-    (O(m^2 k) dynamic programming; ties go to the earliest feasible cut)."""
+    splits of ``costs`` into k non-empty stages beginning only where ``may_start`` (default
+    anywhere); O(m^2 k) dynamic programming, ties to the earliest feasible cut. The one
+    min-max partitioner: the compiler's balanced stages (whole blocks and cuts inside
+    them) and the layout advisor's ``rank_stats``."""
     m = len(costs)
+    may_start = [True] * m if may_start is None else may_start
     prefix = [0]
     for x in costs:
         prefix.append(prefix[-1] + x)
@@ -235,15 +239,20 @@ def _max_cost(c: list, pre: int, post: int, sizes: list[int]) -> int:
     return max(costs)
 
 
+def min_max_ranges(costs: Sequence[float], k: int) -> list[range]:
+    """The k contiguous ranges of :func:`min_max_starts` (stages may begin anywhere)."""
+    bounds = [0] + min_max_starts(costs, k) + [len(costs)]
+    return [range(i, j) for i, j in zip(bounds, bounds[1:])]
+
+
 def _min_max_sizes(c: list, pre: int, post: int, k: int) -> list[int]:
-    """Blocks per stage minimising the largest stage cost: :func:`_min_max_starts` over the
+    """Blocks per stage minimising the largest stage cost: :func:`min_max_ranges` over the
     blocks, with ``pre`` on the first block and ``post`` on the last (they always go to the
     first and last stage)."""
     costs = list(c)
     costs[0] += pre
     costs[-1] += post
-    bounds = [0] + _min_max_starts(costs, [True] * len(costs), k) + [len(c)]
-    return [j - i for i, j in zip(bounds, bounds[1:])]
+    return [len(r) for r in min_max_ranges(costs, k)]
 
 
 def _starts_from_split_points(points, grid: _Grid, k: int, stages_key: str) -> list[int]:

@@ -11,13 +11,16 @@ import torch.fx as fx
 from torch.utils._pytree import treespec_dumps
 
 from ..analysis.graph_facts import RUNTIME_DEVICE, attr_targets
+from ..analysis.needed_imports import modules_needed
+from ..analysis.outputs import scalar_outputs
 from ..analysis.partition import GraphPartition
 from ..plan.compression import plan_settings, reduce_dtype as compression_reduce_dtype
 from ..plan.schedules import stage_ranks
-from ..plan.parallel_plan import (ParallelPlan, StagePlan, TensorPlan, checkpointed_blocks,
-                                  grad_sync_groups)
-from ..plan.decisions import PipelineDecision, TPDecision
+from ..plan.parallel_plan import (MODEL_MODULE, ParallelPlan, StagePlan, TensorPlan,
+                                  checkpointed_blocks, grad_sync_groups)
+from ..plan.decisions import PipelineDecision, TPDecision, VocabDecision
 from .stages import tensor_stages
+from .vocab import tp_report
 
 
 def tied_groups(model: torch.nn.Module) -> list[list[str]]:
@@ -29,11 +32,18 @@ def tied_groups(model: torch.nn.Module) -> list[list[str]]:
     return [g for g in by_id.values()]
 
 
-def _placement(name: str, tp: TPDecision) -> tuple:
-    """(tp_dim, role, layout) of one tensor under the TP decision."""
+def alias_map(groups: list[list[str]], include_canonical: bool = True) -> dict[str, str]:
+    """Every name of each :func:`tied_groups` group -> the group's first (canonical) name (a
+    name shared by no other maps to itself); without ``include_canonical`` the aliases only
+    (``ParallelPlan.aliases``)."""
+    return {n: g[0] for g in groups for n in (g if include_canonical else g[1:])}
+
+
+def _placement(name: str, tp: TPDecision, vocab: VocabDecision) -> tuple:
+    """(tp_dim, role, layout) of one tensor under the TP and vocab_parallel decisions."""
+    if name in vocab.vocab:
+        return vocab.dims[name], "vocab_parallel", vocab.layouts.get(name)
     layout = tp.layouts.get(name)
-    if name in tp.vocab:
-        return tp.dims[name], "vocab_parallel", layout
     if name in tp.column:
         return tp.dims[name], "column_parallel", layout
     if name in tp.row:
@@ -48,20 +58,22 @@ def _placement(name: str, tp: TPDecision) -> tuple:
     return None, "replicate", None
 
 
-def build_plan(spec, captured, gm, model, groups, tp: TPDecision, pipe: PipelineDecision,
-               structure: dict) -> ParallelPlan:
-    """The whole plan, before any rewrite: placements from the TP decision, stages of every
-    tensor from the pipeline decision (:func:`~parallelizer.planning.stages.tensor_stages`,
-    the function ``reshard --pp`` uses), the blocks of each stage and which of them are
-    activation-checkpointed, and the run-time settings. Stage boundary names are left
-    empty: ``passes/split_check.py`` records them from the split graphs and checks that
-    those hold exactly the tensors and blocks planned here.
+def build_plan(spec, captured, gm, model, groups, tp: TPDecision, vocab: VocabDecision,
+               dropout: tuple, pipe: PipelineDecision, structure: dict) -> ParallelPlan:
+    """The whole plan, before any rewrite: placements from the TP and vocab_parallel
+    decisions, stages of every tensor from the pipeline decision
+    (:func:`~parallelizer.planning.stages.tensor_stages`, the function ``reshard --pp``
+    uses), the blocks of each stage and which of them are activation-checkpointed, the
+    dropout streams, what run.py imports, and the run-time settings. Stage boundary names
+    are left empty: ``passes/split_check.py`` records them from the split graphs and checks
+    that those hold exactly the tensors and blocks planned here.
 
     Args:
         gm: the captured graph module (global shapes), for each tensor's shape and dtype.
+        dropout: the DropoutSite records of planning/dropout.py.
         structure: :func:`pipeline_structure` of the captured graph.
     """
-    canonical = {n: g[0] for g in groups for n in g}
+    canonical = alias_map(groups)
     p = spec.pipeline
     ranks = stage_ranks(p.schedule, spec.mesh.pp, p.virtual_stages)
     assert len(ranks) == pipe.num_stages, (len(ranks), pipe.num_stages)
@@ -75,8 +87,9 @@ def build_plan(spec, captured, gm, model, groups, tp: TPDecision, pipe: Pipeline
         t = attrgetter(fqn)(gm)
         # a tied weight may be read under an alias in the graph
         names = [fqn] + [n for n, c in canonical.items() if c == fqn and n != fqn]
-        tp_dim, role, layout = next((_placement(n, tp) for n in names
-                                     if _placement(n, tp)[0] is not None), _placement(fqn, tp))
+        tp_dim, role, layout = next((_placement(n, tp, vocab) for n in names
+                                     if _placement(n, tp, vocab)[0] is not None),
+                                    _placement(fqn, tp, vocab))
         tensors[fqn] = TensorPlan(fqn, tuple(t.shape), str(t.dtype).removeprefix("torch."), tp_dim,
                                   stages_of.get(fqn, (0,)), fqn not in params, role, layout)
     stage_plans = tuple(
@@ -88,9 +101,9 @@ def build_plan(spec, captured, gm, model, groups, tp: TPDecision, pipe: Pipeline
         mesh={"pp": spec.mesh.pp, "dp": spec.mesh.dp, "tp": spec.mesh.tp},
         zero_stage=spec.zero_stage, schedule=spec.pipeline.schedule,
         microbatches=spec.pipeline.microbatches, seed=spec.seed, tensors=tensors,
-        aliases={n: g[0] for g in groups for n in g[1:]}, stages=stage_plans,
+        aliases=alias_map(groups, include_canonical=False), stages=stage_plans,
         input_names=captured.input_names, inputs_are_kwargs=captured.inputs_are_kwargs,
-        out_spec=treespec_dumps(captured.out_spec), tp_report=tuple(tp.report),
+        out_spec=treespec_dumps(captured.out_spec), tp_report=tuple(tp_report(tp, vocab)),
         activation_checkpointing=ac.mode, checkpoint_every=ac.every,
         checkpointed=checkpointed_blocks(pipe.blocks, ac.mode, ac.every),
         virtual_stages=p.virtual_stages, dp_replicate=spec.mesh.dp_replicate,
@@ -98,7 +111,10 @@ def build_plan(spec, captured, gm, model, groups, tp: TPDecision, pipe: Pipeline
         prefetch_backward=_default(spec.fsdp.prefetch.backward, 1),
         offload=spec.fsdp.offload, param_dtype=spec.mixed_precision.param_dtype,
         reduce_dtype=compression_reduce_dtype(spec), compression=plan_settings(spec),
-        structure=structure, settings=run_settings(spec))
+        structure=structure, settings=run_settings(spec),
+        imports=modules_needed(gm.graph, captured.out_spec, MODEL_MODULE),
+        scalar_outputs=scalar_outputs(gm), vocab_outputs=tuple(sorted(vocab.outputs.items())),
+        dropout=tuple(dataclasses.asdict(d) for d in dropout))
     return dataclasses.replace(plan, grad_sync=grad_sync_groups(plan))
 
 

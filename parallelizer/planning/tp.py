@@ -83,8 +83,9 @@ def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False) -> TPDecis
     paired = {w for c, rows in pairs.items() if rows for w in {c} | rows}
     for site in sites:
         if site.weight not in paired:
-            decision.report.append(f"replicated linear: {site.weight} (no column/row pair "
-                                   f"found; {_op_text(site.node)})")
+            line = f"replicated linear: {site.weight} (no column/row pair found; {_op_text(site.node)})"
+            decision.replicated.setdefault(site.weight, []).append(line)
+            decision.report.append(line)
     decision.report += custom_op_weights(graph)
     if not column:
         _nothing_sharded(decision, tp, allow_replicated)
@@ -142,14 +143,16 @@ def block_matrices(model) -> dict:
             if p.dim() == 2 and n.startswith(prefixes)}
 
 
-def tp_summary(decision: TPDecision, model) -> str:
+def tp_summary(decision: TPDecision, model, vocab=None) -> str:
     """``tensor parallel: N of M weight matrices in blocks sharded (P % of parameters)``:
-    P counts the elements of every parameter (embeddings and norms too) that tp shards."""
+    P counts the elements of every parameter (embeddings and norms too) that tp shards, the
+    vocabulary tables of ``vocab`` (a VocabDecision) too."""
     mats = block_matrices(model)
-    sharded = [n for n in mats if n in decision.dims]
+    dims = {**decision.dims, **(vocab.dims if vocab is not None else {})}
+    sharded = [n for n in mats if n in dims]
     params = dict(model.named_parameters())
     total = sum(p.numel() for p in params.values()) or 1
-    split = sum(p.numel() for n, p in params.items() if n in decision.dims)
+    split = sum(p.numel() for n, p in params.items() if n in dims)
     return (f"tensor parallel: {len(sharded)} of {len(mats)} weight matrices in blocks sharded "
             f"({100 * split / total:.0f} % of parameters)")
 

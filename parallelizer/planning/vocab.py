@@ -3,7 +3,8 @@
 Shoeybi et al. 2019 (Megatron-LM), §3 "input embedding ... parallelized along the vocabulary
 dimension (column-wise)", the output embedding likewise, tied weights sharded the same way.
 
-Reads the graph, never changes it (passes/vocab_parallel.py applies the decision):
+Reads the graph and the TP decision, changes neither; returns its own
+:class:`~parallelizer.plan.decisions.VocabDecision` (passes/vocab_parallel.py applies it):
 
 - the vocabulary tables are the ``aten.embedding`` weights an LM head reads (tied) or has the
   shape of, else (no head: an encoder) those with the most rows; position and token-type
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ..plan.decisions import TPDecision
+from ..plan.decisions import TPDecision, VocabDecision
 from ..plan.layouts import Padded
 from ..errors import PlanError
 from ..analysis.graph_facts import aten, logits_region, shape, source_line, weight_fqn
@@ -31,20 +32,23 @@ from ..analysis.graph_facts import aten, logits_region, shape, source_line, weig
 KEY = "tensor_parallel.vocab_parallel"
 
 
-def plan_vocab(graph: fx.Graph, tp: int, mode, canonical: dict, decision: TPDecision) -> None:
-    """Add the vocab_parallel placements to ``decision`` (``dims``, ``layouts``, ``vocab``,
-    ``vocab_heads``, ``vocab_outputs``, report lines). ``mode``: the spec's ``auto`` | True |
-    False; ``canonical``: every name of a tied group -> its first name.
+def plan_vocab(graph: fx.Graph, tp: int, mode, canonical: dict, tp_decision: TPDecision
+               ) -> VocabDecision:
+    """Which tables and LM heads to shard over the vocabulary. ``mode``: the spec's ``auto`` |
+    True | False; ``canonical``: every name of a tied group -> its first name; ``tp_decision``:
+    the linears tensor parallelism already shards (never a head).
 
     Raises:
         PlanError: ``mode`` is True and vocab_parallel cannot apply; names the spec key, the
             blocking op (file:line) and the fix.
     """
+    decision = VocabDecision()
     if tp == 1 or mode is False:
         if tp > 1:
-            decision.report.append(f"vocab_parallel: off ({KEY}=false); embedding and LM head "
-                                   f"replicated")
-        return
+            decision.off = (f"vocab_parallel: off ({KEY}=false); embedding and LM head "
+                            f"replicated")
+            decision.report.append(decision.off)
+        return decision
     canon = lambda n: canonical.get(n, n)  # noqa: E731
     reads: dict = {}  # canonical fqn -> get_attr nodes reading it
     for n in graph.nodes:
@@ -57,7 +61,7 @@ def plan_vocab(graph: fx.Graph, tp: int, mode, canonical: dict, decision: TPDeci
     rows = {canon(n.args[0].target): tuple(shape(n.args[0])) for n in lookups}
     untied = [n for n in graph.nodes if n.op == "call_function" and n.target is aten.linear.default
               and weight_fqn(n.args[1]) and canon(n.args[1].target) not in rows
-              and n.args[1].target not in decision.dims]
+              and n.args[1].target not in tp_decision.dims]
     # the vocabulary: the tables an LM head reads (tied) or has the shape of; else the largest
     headed = {f for f in rows if any(u.target is aten.linear.default for a in reads[f]
                                      for u in a.users)}
@@ -87,6 +91,7 @@ def plan_vocab(graph: fx.Graph, tp: int, mode, canonical: dict, decision: TPDeci
             else:
                 heads.append(n)
     _decide(graph, decision, tp, vocab, tables, heads, canonical)
+    return decision
 
 
 def a_of(user: fx.Node, attrs: list) -> fx.Node:
@@ -127,7 +132,7 @@ def _untied_blocker(n: fx.Node, attrs: list) -> str:
     return f"its weight is also read by {others[0].target}" if others else ""
 
 
-def _decide(graph, decision: TPDecision, tp: int, vocab: int, tables: list, heads: list,
+def _decide(graph, decision: VocabDecision, tp: int, vocab: int, tables: list, heads: list,
             canonical: dict) -> None:
     padded = -(-vocab // tp) * tp
     # padded even when tp divides the vocabulary (padded_size = vocab): the checkpoint then
@@ -137,19 +142,15 @@ def _decide(graph, decision: TPDecision, tp: int, vocab: int, tables: list, head
     names |= {n.args[2].target for n in heads if len(n.args) > 2 and n.args[2] is not None}
     names |= {a for a, c in canonical.items() if c in names}
     for f in names:
-        decision.dims[f] = 0
         decision.vocab[f] = vocab
         decision.layouts[f] = layout
-    decision.vocab_heads = {n.args[1].target for n in heads}
-    # plan_tp listed the heads as replicated linears: they are not any more
-    decision.report[:] = [r for r in decision.report if not any(
-        r.startswith(f"replicated linear: {w} ") for w in decision.vocab_heads)]
+    decision.heads = {n.args[1].target for n in heads}
     out = graph.output_node()
     flat = list(out.args[0]) if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
     region = {n for h in heads for n in logits_region(h)}
     for i, a in enumerate(flat):
         if a in region:
-            decision.vocab_outputs[i] = vocab
+            decision.outputs[i] = vocab
     pad = (f", padded to {padded} rows (zero, never in the loss or the logits returned)"
            if padded != vocab else "")
     decision.report.append(
@@ -161,14 +162,14 @@ def _decide(graph, decision: TPDecision, tp: int, vocab: int, tables: list, head
         decision.report.append(
             f"vocab_parallel LM head: {n.args[1].target} column_parallel over the vocabulary "
             f"(logits Shard(-1))")
-    for i in sorted(decision.vocab_outputs):
+    for i in sorted(decision.outputs):
         decision.report.append(
             f"vocab_parallel logits: model output {i} is handed to loss_fn as a DTensor "
             f"Shard(-1) under torch loss_parallel (cross-entropy without gathering the logits); "
             f"gathered over tp where returned whole (--verify) or where loss_fn fails on a DTensor")
     losses = _cross_entropies(region, vocab)
     for ce, view in losses:
-        decision.vocab_losses[ce.name] = vocab
+        decision.losses[ce.name] = vocab
         decision.report.append(
             f"vocab_parallel cross-entropy: {_op_text(ce)} computed on the logits' tp shards "
             f"(max, target logit and sum of exponentials all-reduced; Megatron-LM "
@@ -214,11 +215,13 @@ def _plain_ce(c: fx.Node, logits: fx.Node) -> bool:
     return args[0] is logits and args[1] is not logits and args[2] is None and args[5] == 0.0
 
 
-def _off(decision: TPDecision, mode, why: str) -> None:
+def _off(decision: VocabDecision, mode, why: str) -> VocabDecision:
     if mode is True:
         raise PlanError(f"{KEY}=true but the vocabulary cannot be sharded over tp: {why}; set "
                         f"{KEY}=auto (or false) to keep the embedding and LM head replicated")
-    decision.report.append(f"vocab_parallel: off ({why}); embedding and LM head replicated")
+    decision.off = f"vocab_parallel: off ({why}); embedding and LM head replicated"
+    decision.report.append(decision.off)
+    return decision
 
 
 def _op_text(node: fx.Node) -> str:
@@ -226,16 +229,23 @@ def _op_text(node: fx.Node) -> str:
     return f"{node.target} at {where}" if where else str(node.target)
 
 
-def vocab_summary(decision: TPDecision) -> str:
+def vocab_summary(decision: VocabDecision) -> str:
     """The compile's one line on vocab_parallel: what is sharded, or why not."""
     if not decision.vocab:
-        off = next((r for r in decision.report if r.startswith("vocab_parallel: off")), None)
-        return off or "vocab_parallel: off (no vocabulary table)"
-    tables = sorted(f for f in decision.vocab if f not in decision.vocab_heads
-                    and not f.endswith(".bias") and f in decision.dims)
-    heads = sorted(decision.vocab_heads)
-    loss = ", cross-entropy on the shards" if decision.vocab_losses else ""
-    logits = ", logits to loss_fn as DTensor Shard(-1)" if decision.vocab_outputs else ""
+        return decision.off or "vocab_parallel: off (no vocabulary table)"
+    tables = sorted(f for f in decision.vocab if f not in decision.heads
+                    and not f.endswith(".bias"))
+    heads = sorted(decision.heads)
+    loss = ", cross-entropy on the shards" if decision.losses else ""
+    logits = ", logits to loss_fn as DTensor Shard(-1)" if decision.outputs else ""
     return (f"vocab parallel: embedding {', '.join(tables)}"
             f"{' and LM head ' + ', '.join(heads) if heads else ''} sharded over the vocabulary "
             f"({next(iter(decision.vocab.values()))} rows){loss}{logits}")
+
+
+def tp_report(tp: TPDecision, vocab: VocabDecision) -> list[str]:
+    """The plan's tensor-parallel report lines: the TP planner's, less its "replicated
+    linear" lines of the heads vocab_parallel shards (they are not replicated), then
+    vocab_parallel's."""
+    sharded = {line for w in vocab.heads for line in tp.replicated.get(w, ())}
+    return [r for r in tp.report if r not in sharded] + vocab.report

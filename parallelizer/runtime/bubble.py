@@ -15,7 +15,7 @@ last stage) counts as idle too; it is tiny next to a stage. On CUDA every call i
 synchronised so the intervals are device time.
 
 Rank 0 prints one line ``BUBBLE {json}`` per rank with the median over the profiled steps,
-next to the theoretical bubble of the schedule (:func:`parallelizer.plan.schedules.theoretical_bubble`).
+next to the theoretical bubble of the schedule (:func:`parallelizer.plan.schedules.bubble`).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from ..plan.schedules import theoretical_bubble
+from ..plan.schedules import bubble
 from .pipeline_stage import sync_device
 from .batching import dp_slice, to_batch
 from .step import StepRunner
@@ -85,8 +85,8 @@ def profile_bubble(runner, batch, steps: int = PROFILE_STEPS) -> dict:
             "microbatches": plan.microbatches,
             "measured": round(statistics.median(fractions), 4),
             "measured_steps": [round(f, 4) for f in fractions],
-            "theoretical": _round(theoretical_bubble(runner.schedule_name, plan.mesh["pp"],
-                                                     plan.virtual_stages, plan.microbatches))}
+            "theoretical": _round(bubble(runner.schedule_name, plan.mesh["pp"], plan.microbatches,
+                                         plan.virtual_stages, upper_bound=False))}
 
 
 def _round(x):

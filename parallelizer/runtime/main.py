@@ -11,11 +11,10 @@ import torch
 import torch.distributed as dist
 
 from ..errors import UserError
-from ..frontend.model_file import load_model_file
+from ..frontend.model_file import load_model_file, loss_of
 from .imports import import_modules
 from ..plan.schedules import with_schedule
 from ..plan.parallel_plan import ParallelPlan
-from .loss import default_loss
 from .setup import init, world_size_error
 from .stage_builder import build_stages
 from .periodic import check_periodic_folder, prune, resolve_auto, step_dir
@@ -71,6 +70,18 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def load_model_module(out_dir: Path):
+    """OUT/model.py, imported by the front end's loader: it registers the output types (a
+    ModelOutput) and holds ``loss_fn`` and ``batches()``; None for a program the API compiled
+    from an in-memory model (it emits no model.py).
+
+    Raises:
+        ModelFileError: OUT/model.py fails to import or breaks the model.py contract.
+    """
+    path = Path(out_dir) / "model.py"
+    return load_model_file(path) if path.exists() else None
+
+
 def main(out_dir: Path, argv=None) -> int:
     """Run the program; exits the process with the status (0 PASS/trained, 1 FAIL, 2 error)."""
     code = _main(out_dir, argv)
@@ -94,14 +105,14 @@ def _main(out_dir: Path, argv=None) -> int:
     if error:
         return _fail_before_init(error)
     spec = plan.settings  # the spec's run-time sections, recorded at compile time
-    try:  # OUT/model.py registers the output types (a ModelOutput); the API emits none
-        model_module = load_model_file(out_dir / "model.py") if (out_dir / "model.py").exists() else None
+    try:
+        model_module = load_model_module(out_dir)
     except UserError as e:
         return _fail_before_init(f"run.py: error: {e}")
     missing = import_modules(plan.imports)  # lazily imported custom ops and output types
     if missing:
         return _fail_before_init(f"run.py: error: {missing}")
-    loss_fn = getattr(model_module, "loss_fn", None) or default_loss
+    loss_fn = loss_of(model_module)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("run.py: error: --device cuda but CUDA is not available here; use --device cpu", file=sys.stderr)
         return 2

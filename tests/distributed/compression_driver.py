@@ -27,7 +27,7 @@ from parallelizer.plan.parallel_plan import ParallelPlan
 from parallelizer.runtime.batching import dp_slice, synthetic_batches
 from parallelizer.runtime.compression import load_state, write_state
 from parallelizer.runtime.data_parallel import make_stage_optimizer
-from parallelizer.frontend.model_file import load_model_file
+from parallelizer.runtime.main import load_model_module
 from parallelizer.runtime.optim import make_optimizer
 from parallelizer.runtime.setup import init
 from parallelizer.runtime.stage_builder import build_stages
@@ -143,7 +143,7 @@ def main(gpt: Path, llama_pp: Path, llama_dp4: Path, tmp: Path) -> None:
     dist.init_process_group("gloo")
     # the GPT example at dp=2 x tp=2 under DDP: each method, STEPS steps
     base = dataclasses.replace(ParallelPlan.from_json((gpt / "plan.json").read_text()), zero_stage=0)
-    module = load_model_file(gpt / "model.py")
+    module = load_model_module(gpt)
     batches = pattern_batches(module, STEPS)
     if dist.get_rank() == 0:
         report({"kind": "eager", "losses": eager(module, batches)})
@@ -156,7 +156,7 @@ def main(gpt: Path, llama_pp: Path, llama_dp4: Path, tmp: Path) -> None:
                     tmp / f"resume-{name}")
     # pp=2 x dp=2, ZeRO-1 (no DDP under a schedule: the hook on one flat bucket)
     base = dataclasses.replace(ParallelPlan.from_json((llama_pp / "plan.json").read_text()), zero_stage=1)
-    module = load_model_file(llama_pp / "model.py")
+    module = load_model_module(llama_pp)
     verify_case(llama_pp, dataclasses.replace(base, compression=METHODS["topk"]), module, "pp2 zero1 topk")
     # the same pipeline as HSDP with dp_replicate 2 x dp_shard 1 (ZeRO-3): the FSDP2 hook per
     # stage, a tied embedding in both stages
@@ -170,7 +170,7 @@ def main(gpt: Path, llama_pp: Path, llama_dp4: Path, tmp: Path) -> None:
     # HSDP 2 x 2 (ZeRO-3): fp16 as FSDP2's reduce dtype; powersgd/topk on the replicate all-reduce
     base = dataclasses.replace(ParallelPlan.from_json((llama_dp4 / "plan.json").read_text()),
                                zero_stage=3, dp_replicate=2)
-    module = load_model_file(llama_dp4 / "model.py")
+    module = load_model_module(llama_dp4)
     verify_case(llama_dp4, dataclasses.replace(base, compression=METHODS["topk"]), module, "hsdp topk")
     verify_case(llama_dp4, dataclasses.replace(base, compression=METHODS["fp16"], reduce_dtype="fp16"),
                 module, "hsdp fp16")

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from parallelizer.plan.parallel_plan import ParallelPlan
 from parallelizer.runtime import rng
-from parallelizer.frontend.model_file import load_model_file
+from parallelizer.runtime.main import load_model_module
 from parallelizer.runtime.setup import init
 from parallelizer.runtime.stage_builder import build_stages
 from parallelizer.runtime.step import StepRunner
@@ -66,7 +66,7 @@ def _fresh_streams(plan, ctx, salt: int = 0) -> None:
 def main(out: Path, steps: int, ckpt: Path) -> None:
     plan = ParallelPlan.from_json((out / "plan.json").read_text())
     spec = plan.settings
-    module = load_model_file(out / "model.py")
+    module = load_model_module(out)
     ctx = init(plan, "cpu")
     result = {}
 

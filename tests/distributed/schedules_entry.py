@@ -21,7 +21,7 @@ import torch.distributed as dist
 from parallelizer.errors import BatchError
 from parallelizer.plan.schedules import with_schedule
 from parallelizer.plan.parallel_plan import ParallelPlan
-from parallelizer.frontend.model_file import load_model_file
+from parallelizer.runtime.main import load_model_module
 from parallelizer.runtime.setup import init
 from parallelizer.runtime.batching import to_batch
 from parallelizer.runtime.bubble import run_profile
@@ -47,7 +47,7 @@ def main(out: Path, args: list[str]) -> int:
         if out not in loaded:
             plan = ParallelPlan.from_json((out / "plan.json").read_text())
             loaded[out] = (plan, plan.settings,
-                           load_model_file(out / "model.py").loss_fn)
+                           load_model_module(out).loss_fn)
         plan, spec, loss_fn = loaded[out]
         ctx = ctx or init(plan, "cpu")
         p = with_schedule(plan, name)

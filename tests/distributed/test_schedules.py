@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from parallelizer.plan.schedules import theoretical_bubble
+from parallelizer.plan.schedules import bubble
 from parallelizer.runtime.main import _main as run_main
 
 TOL = 1e-5
@@ -93,8 +93,8 @@ def test_multi_stage_schedules_pp2_v2_with_measured_bubble(compiled, tools, caps
         sorted((s, r) for s in MULTI_PP2 for r in (0, 1)), p.stdout
     for b in bubbles:
         assert 0.0 <= b["measured"] < 1.0 and len(b["measured_steps"]) == 5, b
-        assert b["theoretical"] == (None if theoretical_bubble(b["schedule"], 2, 2, 4) is None
-                                    else round(theoretical_bubble(b["schedule"], 2, 2, 4), 4)), b
+        assert b["theoretical"] == (None if bubble(b["schedule"], 2, 4, 2, upper_bound=False) is None
+                                    else round(bubble(b["schedule"], 2, 4, 2, upper_bound=False), 4)), b
         want = {"zbv": [[0, 3], [1, 2]], "dualpipev": [[0, 3], [1, 2]]}.get(
             b["schedule"], [[0, 2], [1, 3]])
         assert b["stages"] == want[b["rank"]], b

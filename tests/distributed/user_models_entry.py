@@ -16,8 +16,8 @@ from omegaconf import OmegaConf
 
 from parallelizer.runtime.imports import import_modules
 from parallelizer.plan.parallel_plan import ParallelPlan
-from parallelizer.runtime.loss import default_loss
-from parallelizer.frontend.model_file import load_model_file
+from parallelizer.frontend.model_file import loss_of
+from parallelizer.runtime.main import load_model_module
 from parallelizer.runtime.setup import init
 from parallelizer.runtime.stage_builder import build_stages
 from parallelizer.runtime.verify import run_verify
@@ -28,11 +28,11 @@ def main(outs: list[Path]) -> int:
     for out in outs:
         plan = ParallelPlan.from_json((out / "plan.json").read_text())
         spec = OmegaConf.to_container(OmegaConf.load(out / "spec.yaml"))
-        module = load_model_file(out / "model.py")
+        module = load_model_module(out)
         assert import_modules(plan.imports) is None
         ctx = init(plan, "cpu")  # a new mesh per program, one process group
         stages = build_stages(out, plan, ctx)
-        code = run_verify(out, plan, spec, stages, ctx, getattr(module, "loss_fn", default_loss))
+        code = run_verify(out, plan, spec, stages, ctx, loss_of(module))
         if ctx.rank == 0:
             print(f"PROGRAM {out.name} {code}", flush=True)
         worst = max(worst, code)

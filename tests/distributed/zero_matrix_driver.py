@@ -27,7 +27,7 @@ from parallelizer.plan.parallel_plan import ParallelPlan
 from parallelizer.runtime.batching import dp_slice, synthetic_batches
 from parallelizer.runtime.data_parallel import make_stage_optimizer
 from parallelizer.runtime.gather import full_tensor
-from parallelizer.frontend.model_file import load_model_file
+from parallelizer.runtime.main import load_model_module
 from parallelizer.runtime.memory import measure
 from parallelizer.runtime.optim import make_optimizer
 from parallelizer.runtime.setup import init
@@ -186,7 +186,7 @@ def main(outs: list[Path]) -> None:
         base = ParallelPlan.from_json((out / "plan.json").read_text())
         if base.schedule in V_SHAPED:  # compiled for dp=1: run it over dp=2 (same checkpoint)
             base = dataclasses.replace(base, mesh={**base.mesh, "dp": 2})
-        module = load_model_file(out / "model.py")
+        module = load_model_module(out)
         data = batches(base, module)
         want = eager(module, data) if dist.get_rank() == 0 else None
         sources = {f"program/{p.name}": p.read_text() for p in (out / "program").glob("stage*.py")}

@@ -9,7 +9,7 @@ import torch
 from parallelizer.cli import parallelize as cli
 from parallelizer.compiler import compile_module
 from parallelizer.errors import SpecError
-from parallelizer.frontend.model_file import build_model, example_batch, load_model_file
+from parallelizer.frontend.model_file import load_model
 from parallelizer.advisor.memory import estimate_program, fsdp_rows, zero_figures
 from parallelizer.frontend.spec import load_spec
 
@@ -84,20 +84,19 @@ def test_fsdp_only_options_are_spec_errors(tmp_path, text, needle):
 @pytest.fixture(scope="module")
 def llama_pp2(tools):
     """The llama example compiled from its meta-device model for pp=2, 4 microbatches."""
-    module = load_model_file(tools.examples / "llama" / "model.py")
+    llama = load_model(tools.examples / "llama" / "model.py", on_meta=True)
     spec = load_spec(tools.examples / "llama" / "spec.yaml",
                      ["mesh.tp=1", "mesh.pp=2", "mesh.dp=1", "pipeline.microbatches=4"])
-    program = compile_module(build_model(module, on_meta=True), example_batch(module), spec,
-                             module.loss_fn, reference=False)
-    return module, program
+    program = compile_module(llama.model, llama.batch, spec, llama.loss_fn, reference=False)
+    return llama, program
 
 
 def _estimate(llama_pp2, **changes):
-    module, program = llama_pp2
+    llama, program = llama_pp2
     ac = changes.pop("activation_checkpointing", None)
     plan = dataclasses.replace(program.plan, **changes)
     plan = plan.with_activation_checkpointing(ac, plan.checkpoint_every) if ac else plan
-    return plan, estimate_program(plan, program.sources, example_batch(module), module.loss_fn, "adamw")
+    return plan, estimate_program(plan, program.sources, llama.batch, llama.loss_fn, "adamw")
 
 
 def test_activations_follow_checkpointing_and_schedule(llama_pp2):
@@ -120,11 +119,11 @@ def test_activation_bytes_match_a_real_forward(llama_pp2):
     emitted stage (stage 0 of the pp=2 program, one microbatch): same hook, real storages."""
     from parallelizer.advisor.activations import _Recorder
     from parallelizer.advisor.memory import load_stage
-    module, program = llama_pp2
+    llama, program = llama_pp2
     _, (est, _) = _estimate(llama_pp2)
     stage = load_stage(program.sources["program/stage0.py"], 0)  # real, uninitialised tensors
     from parallelizer.runtime.batching import flatten
-    flat = flatten(program.plan, example_batch(module))
+    flat = flatten(program.plan, llama.batch)
     rec = _Recorder(stage, 1.0)
     with torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
         stage(*[t[:t.shape[0] // 4] for t in flat])  # one of 4 microbatches
@@ -171,13 +170,12 @@ def test_estimate_divides_the_vocabulary_by_tp(tools, vocab_parallel):
     """Per-rank parameter bytes at tp=2, pp=2 (zero_stage 0) from the formula: block matrices
     / tp, norms whole; the tied embedding / LM head (128 x 64) / tp under vocab_parallel (both
     stages hold a copy), whole otherwise."""
-    module = load_model_file(tools.examples / "llama" / "model.py")
+    llama = load_model(tools.examples / "llama" / "model.py", on_meta=True)
     spec = load_spec(tools.examples / "llama" / "spec.yaml",
                      ["mesh.tp=2", "mesh.pp=2", "mesh.dp=1", "zero_stage=0",
                       f"tensor_parallel.vocab_parallel={str(vocab_parallel).lower()}"])
-    program = compile_module(build_model(module, on_meta=True), example_batch(module), spec,
-                             module.loss_fn, reference=False)
-    ranks = estimate_program(program.plan, program.sources, example_batch(module), module.loss_fn,
+    program = compile_module(llama.model, llama.batch, spec, llama.loss_fn, reference=False)
+    ranks = estimate_program(program.plan, program.sources, llama.batch, llama.loss_fn,
                              "adamw")
     h, i, kv, vocab, tp = 64, 128, 32, 128, 2
     block = (2 * h * h + 2 * kv * h + 3 * h * i) // tp + 2 * h

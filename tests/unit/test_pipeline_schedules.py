@@ -9,7 +9,7 @@ from parallelizer.checkpoint import load_shard, write_checkpoint
 from parallelizer.compiler import _num_stages
 from parallelizer.errors import CheckpointError, PlanError, SpecError
 from parallelizer.plan.schedules import (TORCH_NAMES, available, schedule_class, stage_ranks,
-                                         theoretical_bubble, with_schedule)
+                                         bubble, with_schedule)
 from parallelizer.plan.parallel_plan import ParallelPlan, StagePlan, TensorPlan
 from parallelizer.runtime.bubble import busy_time
 from parallelizer.frontend.spec import load_spec
@@ -98,12 +98,12 @@ def test_more_stages_than_blocks_is_a_plan_error(tmp_path):
 
 
 def test_theoretical_bubble():
-    assert theoretical_bubble("1f1b", 4, 1, 8) == pytest.approx(3 / 11)
-    assert theoretical_bubble("gpipe", 2, 1, 4) == pytest.approx(1 / 5)
-    assert theoretical_bubble("interleaved_1f1b", 2, 2, 4) == pytest.approx(1 / 9)
-    assert theoretical_bubble("looped_bfs", 4, 2, 8) == pytest.approx(3 / 19)
-    assert theoretical_bubble("zbv", 2, 2, 4) is None
-    assert theoretical_bubble("1f1b", 1, 1, 4) == 0.0
+    assert bubble("1f1b", 4, 8, 1, upper_bound=False) == pytest.approx(3 / 11)
+    assert bubble("gpipe", 2, 4, 1, upper_bound=False) == pytest.approx(1 / 5)
+    assert bubble("interleaved_1f1b", 2, 4, 2, upper_bound=False) == pytest.approx(1 / 9)
+    assert bubble("looped_bfs", 4, 8, 2, upper_bound=False) == pytest.approx(3 / 19)
+    assert bubble("zbv", 2, 4, 2, upper_bound=False) is None
+    assert bubble("1f1b", 1, 4, 1, upper_bound=False) == 0.0
 
 
 def test_busy_time_merges_overlapping_intervals():

@@ -8,7 +8,7 @@ from parallelizer.errors import ClusterError, UserError
 from parallelizer.advisor.check import check_spec
 from parallelizer.advisor.cluster import GPUS, cluster_from_dict, load_cluster
 from parallelizer.advisor.search import search, why
-from parallelizer.advisor.step_time import Layout, predict, ring_allreduce, ring_gather
+from parallelizer.advisor.step_time import Candidate, predict, ring_allreduce, ring_gather
 from parallelizer.advisor.workload import eq3_flops, from_shape, parse_shape
 from parallelizer.frontend.spec import Spec
 
@@ -108,12 +108,12 @@ def test_model_shape_errors(text, words):
 def test_pipeline_bubble_and_memory_follow_the_schedule():
     w = from_shape(parse_shape("layers=16,hidden=4096,heads=32,vocab=51200,seq=2048"))
     c = cluster_from_dict(A100)
-    p4 = predict(w, c, Layout(1, 4, 8, 1, 16))
+    p4 = predict(w, c, Candidate(1, 4, 8, 1, 16))
     t_mb = (p4.terms["compute"] + p4.terms["pp"] + p4.terms["tp"]) / 16
     assert p4.terms["bubble"] == pytest.approx(3 * t_mb)        # (p-1) t_mb: 3 / (16 + 3) of 1F1B
-    inter = predict(w, c, Layout(1, 4, 8, 1, 16, virtual_stages=2))
+    inter = predict(w, c, Candidate(1, 4, 8, 1, 16, virtual_stages=2))
     assert inter.terms["bubble"] < p4.terms["bubble"] * 0.55    # (p-1)/v
-    z = [predict(w, c, Layout(1, 1, 32, 1, 1, zero_stage=s)).memory["states"] for s in (0, 1, 3)]
+    z = [predict(w, c, Candidate(1, 1, 32, 1, 1, zero_stage=s)).memory["states"] for s in (0, 1, 3)]
     assert z[0] == pytest.approx(16 * w.param_count, rel=1e-9)
     assert z[1] == pytest.approx(4 * w.param_count + 12 * w.param_count / 32, rel=1e-9)
     assert z[2] == pytest.approx(16 * w.param_count / 32, rel=1e-9)
@@ -125,12 +125,12 @@ def test_plan_70b_on_1024_gpus_is_fast_and_keeps_tp_in_a_node():
     r = search(from_shape(parse_shape(LLAMA70B)), c, 1024)
     assert time.perf_counter() - t0 < 30
     best = r.ranked[0]
-    assert best.layout.world == 1024 and best.layout.tp <= 8
+    assert best.candidate.world == 1024 and best.candidate.tp <= 8
     assert best.memory_bytes <= 0.9 * c.memory_bytes and r.fitting < r.considered
     assert all(a.step_s <= b.step_s for a, b in zip(r.ranked, r.ranked[1:]))
     line = why(best, r.ranked[1])
     assert "of the step" in line and ("next-best (" in line or "ties with " in line), line
-    assert best.layout.short() not in line.split(";", 2)[-1]   # names the other layout
+    assert best.candidate.short() not in line.split(";", 2)[-1]   # names the other layout
 
 
 def test_no_fitting_layout_is_a_user_error():

@@ -222,17 +222,16 @@ def _layer_bytes(tp: int, sequence_parallel: bool) -> tuple[int, dict]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from parallelizer.compiler import compile_module
-    from parallelizer.frontend.model_file import build_model, example_batch, load_model_file
     from parallelizer.advisor.activations import stage_activations
     from parallelizer.advisor.memory import load_stage
-    from parallelizer.runtime.loss import default_loss
+    from parallelizer.frontend.model_file import default_loss, load_model
     from parallelizer.frontend.spec import Spec
 
-    module = load_model_file(Path(__file__).parents[2] / "examples/gpt/model.py")
-    batch = example_batch(module)
+    gpt = load_model(Path(__file__).parents[2] / "examples/gpt/model.py", on_meta=True)
+    batch = gpt.batch
     spec = Spec.model_validate({"mesh": {"tp": tp}, "tensor_parallel": {
         "sequence_parallel": sequence_parallel}})
-    program = compile_module(build_model(module, on_meta=True), batch, spec, default_loss)
+    program = compile_module(gpt.model, batch, spec, default_loss)
     per_block: dict = {}
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         stages = [load_stage(program.sources[f"program/{st.module}.py"], st.index)

@@ -27,7 +27,7 @@ from parallelizer.analysis.graph_costs import collect_costs
 from parallelizer.errors import PlanError
 from parallelizer.planning.pipeline import find_blocks, plan_from_costs
 from parallelizer.planning.pipeline_summary import check_placement, summarize
-from parallelizer.planning.tensors import pipeline_structure, tied_groups
+from parallelizer.planning.tensors import alias_map, pipeline_structure, tied_groups
 from parallelizer.planning.tp import plan_tp
 
 VOCAB = 64
@@ -60,7 +60,7 @@ class Compiled:
         apply_untie(gm, self.groups)
         gm.runtime_device = torch.device("cpu")
         self.blocks = find_blocks(self.model)
-        self.canonical = {n: g[0] for g in self.groups for n in g}
+        self.canonical = alias_map(self.groups)
         self.costs = collect_costs(gm, self.blocks, self.canonical)
 
     def decision(self, pp):

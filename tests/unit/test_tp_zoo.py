@@ -18,7 +18,7 @@ from parallelizer.frontend.capture import capture  # noqa: E402
 from parallelizer.passes.cleanup import apply_cleanup  # noqa: E402
 from parallelizer.passes.tensor_parallel import apply_tensor_parallel  # noqa: E402
 from parallelizer.passes.vocab_parallel import apply_vocab_parallel  # noqa: E402
-from parallelizer.planning.tensors import tied_groups  # noqa: E402
+from parallelizer.planning.tensors import alias_map, tied_groups  # noqa: E402
 from parallelizer.planning.tp import plan_tp, tp_summary  # noqa: E402
 from parallelizer.planning.vocab import plan_vocab  # noqa: E402
 
@@ -116,27 +116,27 @@ def test_zoo_tp_matches_unmodified_model(family, tp):
     assert (len(sharded), len(mats)) == SHARDED[name], d.report
     assert tp_summary(d, model).startswith(f"tensor parallel: {len(sharded)} of {len(mats)} "
                                            f"weight matrices in blocks sharded (")
-    plan_vocab(gm.graph, tp, "auto", {n: g[0] for g in tied_groups(model) for n in g}, d)
-    assert (sorted(d.vocab), sorted(d.vocab_heads)) == VOCAB[name], d.report
+    v = plan_vocab(gm.graph, tp, "auto", alias_map(tied_groups(model)), d)
+    assert (sorted(v.vocab), sorted(v.heads)) == VOCAB[name], d.report + v.report
     # run.py hands logits the model returns to loss_fn sharded (loss_parallel, checked under
     # torchrun by the examples' --verify); here every use reads them gathered in the graph
-    d.vocab_outputs.clear()
+    v.outputs.clear()
     apply_cleanup(gm)
     apply_tensor_parallel(gm, d)
-    apply_vocab_parallel(gm, d)
+    apply_vocab_parallel(gm, v)
     batch = batch_of(3, 8, seed=1)
     ref_outs, ref_grads, ref_stepped = _reference(model, batch)
     flat = [batch[n] for n in cap.input_names] if isinstance(batch, dict) else list(batch)
-    ranks = run_ranks(gm, d, tp, flat, _loss, LR)
+    ranks = run_ranks(gm, (d, v), tp, flat, _loss, LR)
     for r, res in enumerate(ranks):
         for out, ref in zip(res.outputs, ref_outs):
             torch.testing.assert_close(out, ref, **TOL)
         for fqn, grad in ref_grads.items():
             if fqn not in res.grads:   # a tied alias the graph reads under its other name
                 continue
-            want = local(grad, fqn, d, tp, r)
+            want = local(grad, fqn, (d, v), tp, r)
             torch.testing.assert_close(res.grads[fqn], want, **TOL, msg=lambda m: f"{fqn}: {m}")
-            want = local(ref_stepped[fqn], fqn, d, tp, r)
+            want = local(ref_stepped[fqn], fqn, (d, v), tp, r)
             torch.testing.assert_close(res.params[fqn], want, **TOL, msg=lambda m: f"{fqn}: {m}")
         assert set(res.grads) <= set(ref_grads)
 

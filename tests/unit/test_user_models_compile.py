@@ -144,7 +144,7 @@ def test_default_loss_is_the_loss_the_model_computed():
     the default took the mean square of the first float output, the loss itself)."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    from parallelizer.runtime.loss import default_loss
+    from parallelizer.frontend.model_file import default_loss
     logits = torch.randn(2, 3, 5)
     loss = torch.tensor(1.5)
     assert default_loss(CausalLMOutputWithPast(loss=loss, logits=logits), None) is loss

@@ -23,7 +23,7 @@ from parallelizer.passes.cleanup import apply_cleanup
 from parallelizer.passes.tensor_parallel import apply_tensor_parallel
 from parallelizer.passes.vocab_parallel import apply_vocab_parallel
 from parallelizer.plan.layouts import Padded
-from parallelizer.planning.tensors import tied_groups
+from parallelizer.planning.tensors import alias_map, tied_groups
 from parallelizer.planning.tp import plan_tp, tp_summary
 from parallelizer.planning.vocab import plan_vocab
 from parallelizer.runtime.vocab import gather_from_tp_region
@@ -54,14 +54,14 @@ def planned(model, batch, tp, mode="auto"):
     cap = capture(model, batch, Path(__file__))
     gm = copy.deepcopy(cap.gm)
     d = plan_tp(gm.graph, tp)
-    plan_vocab(gm.graph, tp, mode, {n: g[0] for g in tied_groups(model) for n in g}, d)
-    return cap, gm, d
+    v = plan_vocab(gm.graph, tp, mode, alias_map(tied_groups(model)), d)
+    return cap, gm, d, v
 
 
-def rewrite(gm, d):
+def rewrite(gm, d, v):
     apply_cleanup(gm)
     apply_tensor_parallel(gm, d)
-    apply_vocab_parallel(gm, d)
+    apply_vocab_parallel(gm, v)
 
 
 def reference(model, batch, loss_of):
@@ -95,15 +95,15 @@ def test_padded_tied_vocab_matches_unmodified_model(tp):
     gathered with the padding columns dropped; loss, outputs, gradients, SGD step equal."""
     model = tied_llama()
     batch = {"input_ids": ids()}
-    cap, gm, d = planned(model, batch, tp)
+    cap, gm, d, v = planned(model, batch, tp)
     padded = -(-V // tp) * tp
-    assert d.layouts["model.embed_tokens.weight"] == Padded(padded)
-    assert d.vocab == {"model.embed_tokens.weight": V, "lm_head.weight": V}
-    assert d.vocab_heads == {"lm_head.weight"} and d.vocab_outputs == {0: V}
-    d.vocab_outputs.clear()  # gathered in the graph, as run.py's VocabOutputs.whole does
-    rewrite(gm, d)
+    assert v.layouts["model.embed_tokens.weight"] == Padded(padded)
+    assert v.vocab == {"model.embed_tokens.weight": V, "lm_head.weight": V}
+    assert v.heads == {"lm_head.weight"} and v.outputs == {0: V}
+    v.outputs.clear()  # gathered in the graph, as run.py's VocabOutputs.whole does
+    rewrite(gm, d, v)
     ref, grads, stepped = reference(model, batch, lambda o: _ce(o.logits, batch["input_ids"]))
-    ranks = run_ranks(gm, d, tp, [batch["input_ids"]],
+    ranks = run_ranks(gm, (d, v), tp, [batch["input_ids"]],
                       lambda outs: _ce(outs[0], batch["input_ids"]), LR)
     for res in ranks:
         assert res.outputs[0].shape == (2, 8, V)
@@ -111,7 +111,7 @@ def test_padded_tied_vocab_matches_unmodified_model(tp):
     # one Parameter per rank for the tied pair, its padding row zero, gradient zero there
     assert ranks[-1].grads["model.embed_tokens.weight"].shape == (padded // tp, 32)
     assert ranks[-1].grads["model.embed_tokens.weight"][V - padded:].abs().sum() == 0
-    assert_ranks_match(ranks, d, tp, grads, stepped)
+    assert_ranks_match(ranks, (d, v), tp, grads, stepped)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -125,9 +125,9 @@ def test_vocab_parallel_under_sequence_parallel_matches_unmodified_model(tp):
     from parallelizer.runtime.tp import reduce_from_tp_region
     model = tied_llama()
     batch = {"input_ids": ids()}
-    cap, gm, d = planned(model, batch, tp)
-    d.vocab_outputs.clear()  # gathered in the graph, as run.py's VocabOutputs.whole does
-    rewrite(gm, d)
+    cap, gm, d, v = planned(model, batch, tp)
+    v.outputs.clear()  # gathered in the graph, as run.py's VocabOutputs.whole does
+    rewrite(gm, d, v)
     s = plan_sequence_parallel(gm.graph, tp, "auto", d.placements)
     apply_sequence_parallel(gm, s)
     calls = [n.target for n in gm.graph.nodes if n.op == "call_function"]
@@ -135,11 +135,11 @@ def test_vocab_parallel_under_sequence_parallel_matches_unmodified_model(tp):
     assert not s.splits and not s.exits, (s.splits, s.exits)
     assert calls.count(sp.gathered_linears) == 2 * 2 + 1  # q|k|v and gate|up per layer, head
     ref, grads, stepped = reference(model, batch, lambda o: _ce(o.logits, batch["input_ids"]))
-    ranks = run_ranks(gm, d, tp, [batch["input_ids"]],
+    ranks = run_ranks(gm, (d, v), tp, [batch["input_ids"]],
                       lambda outs: _ce(outs[0], batch["input_ids"]), LR)
     for res in ranks:
         torch.testing.assert_close(res.outputs[0], ref.logits, **TOL)
-    assert_ranks_match(ranks, d, tp, grads, stepped)
+    assert_ranks_match(ranks, (d, v), tp, grads, stepped)
 
 
 def test_sharded_logits_output_is_this_ranks_columns():
@@ -147,10 +147,10 @@ def test_sharded_logits_output_is_this_ranks_columns():
     columns (padding zero); concatenated and cut to 61 they are the model's logits."""
     model = tied_llama()
     batch = {"input_ids": ids()}
-    _, gm, d = planned(model, batch, 4)
-    rewrite(gm, d)
+    _, gm, d, v = planned(model, batch, 4)
+    rewrite(gm, d, v)
     assert not any(n.target is gather_from_tp_region for n in gm.graph.nodes)
-    ranks = run_ranks(gm, d, 4, [batch["input_ids"]], lambda outs: outs[0].sum(), LR)
+    ranks = run_ranks(gm, (d, v), 4, [batch["input_ids"]], lambda outs: outs[0].sum(), LR)
     pieces = [r.outputs[0] for r in ranks]
     assert [p.shape[-1] for p in pieces] == [16, 16, 16, 16]
     assert pieces[-1][..., V - 64:].abs().sum() == 0
@@ -168,19 +168,19 @@ def test_in_graph_loss_with_labels_is_vocab_parallel_and_matches(tp):
     labels = ids(seed=1)
     labels[0, :3] = -100
     batch = {"input_ids": ids(), "labels": labels}
-    cap, gm, d = planned(model, batch, tp)
-    assert d.vocab_outputs == {1: V}  # (loss, logits): the logits output is handed over sharded
-    assert len(d.vocab_losses) == 1 and list(d.vocab_losses.values()) == [V]
-    assert not any("gathered over tp in the graph" in r for r in d.report), d.report
-    rewrite(gm, d)
+    cap, gm, d, v = planned(model, batch, tp)
+    assert v.outputs == {1: V}  # (loss, logits): the logits output is handed over sharded
+    assert len(v.losses) == 1 and list(v.losses.values()) == [V]
+    assert not any("gathered over tp in the graph" in r for r in v.report), v.report
+    rewrite(gm, d, v)
     assert not any(n.target is gather_from_tp_region for n in gm.graph.nodes)
     assert not any(n.target is torch.ops.aten.cross_entropy_loss.default for n in gm.graph.nodes)
     ref, grads, stepped = reference(model, batch, lambda o: o.loss)
     flat = [batch[n] for n in cap.input_names]
-    ranks = run_ranks(gm, d, tp, flat, lambda outs: outs[0], LR)
+    ranks = run_ranks(gm, (d, v), tp, flat, lambda outs: outs[0], LR)
     for res in ranks:
         torch.testing.assert_close(res.outputs[0], ref.loss, **TOL)
-    assert_ranks_match(ranks, d, tp, grads, stepped)
+    assert_ranks_match(ranks, (d, v), tp, grads, stepped)
 
 
 @pytest.mark.parametrize("reduction", [0, 2])
@@ -221,12 +221,13 @@ def test_summary_counts_the_vocabulary():
     """The summary's share of sharded parameters includes the vocabulary table."""
     model = tied_llama()
     batch = {"input_ids": ids()}
-    _, gm, d = planned(model, batch, 2)
-    _, _, off = planned(model, batch, 2, mode=False)
-    pct = lambda dec: int(tp_summary(dec, model).split("(")[1].split(" %")[0])  # noqa: E731
-    assert pct(off) < pct(d)
-    assert "model.embed_tokens.weight" in d.dims and "model.embed_tokens.weight" not in off.dims
-    assert any("vocab_parallel: off (tensor_parallel.vocab_parallel=false)" in r for r in off.report)
+    _, gm, d, v = planned(model, batch, 2)
+    _, _, off, off_v = planned(model, batch, 2, mode=False)
+    pct = lambda dec, voc: int(tp_summary(dec, model, voc).split("(")[1].split(" %")[0])  # noqa: E731
+    assert pct(off, off_v) < pct(d, v)
+    assert "model.embed_tokens.weight" in v.dims and "model.embed_tokens.weight" not in off_v.dims
+    assert "model.embed_tokens.weight" not in off.dims
+    assert any("vocab_parallel: off (tensor_parallel.vocab_parallel=false)" in r for r in off_v.report)
 
 
 class TransposedHead(nn.Module):
@@ -252,9 +253,9 @@ def test_true_with_a_blocker_is_a_plan_error_naming_key_and_op():
 
 
 def test_auto_with_a_blocker_reports_why_and_stays_replicated():
-    _, _, d = planned(TransposedHead(), {"input_ids": ids()}, 2)
-    assert not d.vocab and "emb.weight" not in d.dims
-    assert any(r.startswith("vocab_parallel: off (") and "emb.weight" in r for r in d.report)
+    _, _, d, v = planned(TransposedHead(), {"input_ids": ids()}, 2)
+    assert not v.vocab and "emb.weight" not in d.dims and "emb.weight" not in v.dims
+    assert any(r.startswith("vocab_parallel: off (") and "emb.weight" in r for r in v.report)
 
 
 class NoEmbedding(nn.Module):

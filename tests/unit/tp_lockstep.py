@@ -181,18 +181,29 @@ class RankResult:
     grads: dict          # get_attr target -> local gradient (kv copies summed)
 
 
+def _sharding(decision) -> tuple[dict, dict]:
+    """(tp_dim, layout) by tensor of a TPDecision, or of a (TPDecision, VocabDecision) pair
+    (vocab_parallel's entries first, as the plan reads them: planning/tensors.py)."""
+    if isinstance(decision, tuple):
+        tp, vocab = decision
+        return {**tp.dims, **vocab.dims}, {**tp.layouts, **vocab.layouts}
+    return decision.dims, decision.layouts
+
+
 def local(t: torch.Tensor, target: str, decision, tp: int, rank: int) -> torch.Tensor:
-    """Rank ``rank``'s piece of ``t`` under the decision (the whole tensor if not sharded)."""
-    d = decision.dims.get(target)
+    """Rank ``rank``'s piece of ``t`` under the decision (the whole tensor if not sharded);
+    ``decision``: a TPDecision or a (TPDecision, VocabDecision) pair."""
+    dims, layouts = _sharding(decision)
+    d = dims.get(target)
     if d is None:
         return t.detach().clone()
-    plan = TensorPlan(target, tuple(t.shape), "float32", d, (0,),
-                      layout=decision.layouts.get(target))
+    plan = TensorPlan(target, tuple(t.shape), "float32", d, (0,), layout=layouts.get(target))
     return local_piece(t.detach(), plan, tp, rank).clone()
 
 
 def run_ranks(gm: fx.GraphModule, decision, tp: int, flat_inputs: list, loss_of, lr: float):
-    """Each rank: forward, ``loss_of(outputs).backward()``, SGD step. Returns RankResults."""
+    """Each rank: forward, ``loss_of(outputs).backward()``, SGD step. Returns RankResults.
+    ``decision``: as for :func:`local`."""
     comm = _AllReduce(tp)
     targets = sorted({n.target for n in gm.graph.nodes if n.op == "get_attr"})
     leaves = []
@@ -245,10 +256,11 @@ def _attr(gm, target):
 def _sum_replicated_head_grads(leaves, decision, tp):
     """Sum the gradients of copied kv heads (a replicated_heads tensor, or the copied parts
     of a fused one) over the ranks holding the same head."""
-    for target, layout in decision.layouts.items():
+    dims, layouts = _sharding(decision)
+    for target, layout in layouts.items():
         if not copied_heads(layout) or target not in leaves[0]:
             continue
-        d = decision.dims[target]
+        d = dims[target]
         for offset, length, heads in copied_runs(_full_length(layout), layout, tp):
             copies = tp // heads
             for head in range(heads):
