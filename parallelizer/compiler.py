@@ -56,7 +56,7 @@ from .planning.tp import plan_tp, tp_summary
 from .planning.vocab import plan_vocab, vocab_summary
 from .emit.program import Program
 from .emit.reference import compute_reference
-from .emit.report import render_report
+from .emit.report import render_report, stage_sends
 from .frontend.spec import Spec
 
 
@@ -118,7 +118,7 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
                        pp=spec.mesh.pp)
     planned = plan(analysis, spec, passes)
     stages, sequence = apply_passes(analysis, planned, spec, batch, passes)
-    checked = check_stages(analysis, planned, stages)
+    checked = check_stages(analysis, planned, stages, sequence)
     return emit(analysis, planned, checked, sequence, spec, batch, loss_fn,
                 model_file=model_file, weights=weights, reference=reference,
                 owns_model=owns_model, pp_warnings=pp_warnings + planned.warnings)
@@ -135,6 +135,7 @@ class Analysis:
     canonical: dict
     blocks: tuple
     name: Path  # model.py, or "<in-memory model>": capture's and the program's messages
+    attention: tuple = ()  # (module FQN, changes) of each SDPA call the attention pass rewrote
 
     @property
     def gm(self) -> torch.fx.GraphModule:
@@ -155,9 +156,11 @@ def analyse(model: torch.nn.Module, batch, name: Path, passes: PassManager,
     captured = capture(model, batch, name)
     if pp > 1:
         check_outputs_have_batch_dim(captured.gm, captured.input_names)
-    passes.run("eager_attention", apply_eager_attention, captured.gm)
+    rewritten: list = []
+    passes.run("eager_attention", apply_eager_attention, captured.gm, rewritten)
     groups = tied_groups(model)
-    return Analysis(model, captured, groups, alias_map(groups), find_blocks(model), name)
+    return Analysis(model, captured, groups, alias_map(groups), find_blocks(model), name,
+                    tuple(rewritten))
 
 
 @dataclass(frozen=True)
@@ -259,22 +262,27 @@ class Checked:
     stages: list
     block_graphs: list
     notes: list  # split_blocks' report lines
+    sends: dict  # stage index -> what it sends, for report.md (emit/report.py stage_sends)
 
 
-def check_stages(analysis: Analysis, planned: Planned, stages: list) -> Checked:
+def check_stages(analysis: Analysis, planned: Planned, stages: list,
+                 sequence: SequenceParallelDecision) -> Checked:
     """Split each stage into its blocks; check that the split graphs hold what the plan
     planned, and record their boundary names in it.
 
     Raises:
         PlanError: a tensor is read by two emitted modules of one stage (passes/split_check.py).
     """
+    # what each stage sends, read before split_blocks outlines the blocks that produce it
+    inputs = [n for n in analysis.gm.graph.nodes if n.op == "placeholder"]
+    sends = stage_sends(stages, inputs, sequence.region, sequence.tp)
     block_graphs, notes = [], []
     for st in stages:
         found, found_notes = split_blocks(st.graph, analysis.blocks)
         block_graphs.append(found)
         notes += found_notes
     checked = check_split(planned.plan, stages, block_graphs, analysis.canonical)
-    return Checked(checked, stages, block_graphs, notes)
+    return Checked(checked, stages, block_graphs, notes, sends)
 
 
 def emit(analysis: Analysis, planned: Planned, checked: Checked,
@@ -295,7 +303,8 @@ def emit(analysis: Analysis, planned: Planned, checked: Checked,
     tp = planned.tp
     tp_lines = planned.notes + tp.warnings + list(plan_.tp_report) + sequence.report
     report = render_report(plan_, analysis.captured.route, tp_lines, planned.summary,
-                           checked.notes + describe_dropout(planned.dropout), pp_warnings)
+                           checked.notes + describe_dropout(planned.dropout), pp_warnings,
+                           attention=analysis.attention, sends=checked.sends)
     return Program(plan_, sources, report, model_file, spec.to_dict(), state, ref,
                    warnings=list(tp.warnings) + pp_warnings, pipeline=planned.summary,
                    notes=planned.notes)

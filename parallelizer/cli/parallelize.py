@@ -85,7 +85,10 @@ def _compile_parser() -> argparse.ArgumentParser:
         prog="parallelize",
         usage=f"%(prog)s MODEL SPEC -o OUT [options] [KEY=VALUE ...]{sub}",
         description="Compile a PyTorch model (model.py) and a YAML spec into a "
-                    "tensor/pipeline/data-parallel torchrun program.")
+                    "tensor/pipeline/data-parallel torchrun program.",
+        epilog="Then run the program OUT holds: torchrun --nproc-per-node N OUT/run.py --verify "
+               "(or --train ...); `python OUT/run.py --help` lists its flags (docs/run.md). "
+               f"Subcommands: parallelize {{{','.join(SUBCOMMANDS)}}} --help.")
     p.add_argument("model", metavar="MODEL", type=Path, help="model.py defining build_model() and example_inputs()")
     p.add_argument("spec", metavar="SPEC", type=Path, help="parallelization spec (YAML)")
     p.add_argument("overrides", metavar="KEY=VALUE", nargs="*", help="spec overrides, e.g. mesh.tp=2")

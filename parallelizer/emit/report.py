@@ -1,6 +1,11 @@
 """report.md: what the compiler decided and why, for a human."""
 from __future__ import annotations
 
+import re
+
+import torch
+
+from ..analysis.graph_facts import module_path
 from ..plan.compression import dp_collectives, format_dp_collectives
 from ..plan.parallel_plan import ParallelPlan
 
@@ -19,7 +24,10 @@ def _fsdp_options(plan: ParallelPlan) -> str:
 
 
 def render_report(plan: ParallelPlan, route: str, tp_lines, pipeline: dict, notes,
-                  pp_warnings=()) -> str:
+                  pp_warnings=(), attention=(), sends=None) -> str:
+    """report.md. ``attention``: ``(module FQN, changes)`` of the SDPA calls the
+    eager_attention pass rewrote; ``sends``: stage index -> what it sends (:func:`stage_sends`;
+    default the boundary node names)."""
     m = plan.mesh
     lines = ["# parallelizer report", "",
              f"- mesh: pp={m['pp']} x dp={m['dp']} x tp={m['tp']} = {plan.world_size} ranks "
@@ -28,7 +36,9 @@ def render_report(plan: ParallelPlan, route: str, tp_lines, pipeline: dict, note
              f"- schedule: {plan.schedule}, microbatches: {plan.microbatches}; "
              f"data parallel: {_DP[plan.zero_stage]} over dp (zero_stage {plan.zero_stage})"
              + _fsdp_options(plan),
-             "", "## Tensor parallel", ""]
+             ]
+    lines += attention_section(attention)
+    lines += ["", "## Tensor parallel", ""]
     lines += [f"- {line}" for line in tp_lines] or ["- tp=1: nothing sharded"]
     sharded = [t for t in plan.tensors.values() if t.tp_dim is not None]
     lines += ["", "| tensor | shape | placement | role |", "|---|---|---|---|"]
@@ -36,7 +46,7 @@ def render_report(plan: ParallelPlan, route: str, tp_lines, pipeline: dict, note
         layout = f", {t.layout.kind}" if t.layout else ""
         lines.append(f"| {t.fqn} | {list(t.shape)} | Shard({t.tp_dim}){layout} | {t.role} |")
     lines += dp_section(plan)
-    lines += pipeline_section(plan, pipeline, pp_warnings)
+    lines += pipeline_section(plan, pipeline, pp_warnings, sends=sends)
     tied = [t.fqn for t in plan.tensors.values() if len(t.stages) > 1]
     if tied:
         lines += ["", f"Tied across stages (gradients summed between them): {', '.join(tied)}"]
@@ -64,8 +74,10 @@ _SPLIT = {"balanced": "balanced by forward + backward FLOPs (contiguous min-max 
           "pipeline.layers_per_stage": "fixed by pipeline.layers_per_stage"}
 
 
-def pipeline_section(plan: ParallelPlan, pipeline: dict, pp_warnings=(), pictures=True) -> list[str]:
-    """``## Pipeline stages``: per-stage cost table, imbalance, theoretical bubble, pictures."""
+def pipeline_section(plan: ParallelPlan, pipeline: dict, pp_warnings=(), pictures=True,
+                     sends=None) -> list[str]:
+    """``## Pipeline stages``: per-stage cost table, imbalance, theoretical bubble, pictures;
+    ``sends``: stage index -> the values it sends (:func:`stage_sends`)."""
     p, m, v = pipeline["pp"], pipeline["microbatches"], pipeline["virtual_stages"]
     formula = f"(P-1)/(v*M+P-1), v={v}" if v > 1 else "(P-1)/(M+P-1)"
     batch = "x".join(str(d) for d in pipeline["batch_shape"]) or "?"
@@ -77,13 +89,14 @@ def pipeline_section(plan: ParallelPlan, pipeline: dict, pp_warnings=(), picture
              f"- FLOPs (all tp ranks of a stage together) and activation bytes are for one step "
              f"of the example batch ({batch}), by torch.utils.flop_counter (matmul, attention, "
              f"convolution)",
-             "", "| stage | blocks | GFLOP fwd | GFLOP bwd | parameter bytes | activation bytes sent | sends |",
+             "", "| stage | blocks | GFLOP fwd | GFLOP bwd | parameter bytes | activation bytes sent "
+                 "| sends (module: shape per rank) |",
              "|---|---|---|---|---|---|---|"]
     for st, s in zip(plan.stages, pipeline["stages"]):
         blocks = _blocks_cell(st.blocks, s.get("children", {}))
         lines.append(f"| {st.index} | {blocks} | {s['fwd_flops'] / 1e9:.4g} | {s['bwd_flops'] / 1e9:.4g} "
                      f"| {s['param_bytes']:,} | {s['activation_bytes_sent']:,} "
-                     f"| {', '.join(st.outputs) or 'outputs'} |")
+                     f"| {'; '.join((sends or {}).get(st.index, st.outputs)) or 'outputs'} |")
     lines += [f"- warning: {w}" for w in pp_warnings]
     lines += [f"- {n}" for n in pipeline["notes"]]
     if pictures:
@@ -103,3 +116,78 @@ def _blocks_cell(blocks, children: dict) -> str:
         kids = children.get(b)
         return f"{b} ({', '.join(k.rsplit('.', 1)[1] for k in kids)})" if kids else b
     return " .. ".join(dict.fromkeys([one(blocks[0]), one(blocks[-1])]))
+
+
+def attention_section(rewritten) -> list[str]:
+    """``## Attention``: the SDPA calls put back the way eager runs them (passes/attention.py),
+    one line per kind of change with the modules it was made in."""
+    if not rewritten:
+        return []
+    groups: dict = {}
+    for where, changes in rewritten:
+        groups.setdefault(changes, []).append(where or "the root module")
+    lines = ["", "## Attention", "",
+             "- scaled_dot_product_attention as eager code calls it: a mask proven from its ops "
+             "for every sequence length, kv heads repeated by expand + reshape (passes/attention.py)"]
+    return lines + [f"- {', '.join(changes)}: {modules_text(mods)}" for changes, mods in groups.items()]
+
+
+def modules_text(fqns: list[str]) -> str:
+    """``model.layers.{0..3}.self_attn`` for the modules of a run of numbered blocks; the names
+    joined otherwise."""
+    keys: dict = {}
+    for fqn in dict.fromkeys(fqns):
+        m = re.search(r"(^|\.)(\d+)(\.|$)", fqn)
+        key = (fqn[:m.start(2)], fqn[m.end(2):]) if m else (fqn, None)
+        keys.setdefault(key, []).append(int(m.group(2)) if m else None)
+    out = []
+    for (head, tail), nums in keys.items():
+        if tail is None or len(nums) == 1:
+            out += [f"{head}{n}{tail}" if tail is not None else head for n in nums]
+        elif sorted(nums) == list(range(min(nums), max(nums) + 1)):
+            out.append(f"{head}{{{min(nums)}..{max(nums)}}}{tail}")
+        else:
+            out.append(f"{head}{{{','.join(map(str, nums))}}}{tail}")
+    return ", ".join(out)
+
+
+def stage_sends(stages, inputs, region: dict, tp: int) -> dict[int, list[str]]:
+    """Stage index -> what it sends to the next stage, as ``module: (dims) dtype`` with the
+    shape one rank sends: ``batch`` / ``seq`` for the dynamic dims of the model's inputs, a
+    sequence shard (sequence parallelism, ``region``: node name -> (dim, flat)) as ``seq/tp``.
+    The last stage sends the model's outputs (absent)."""
+    names = _dim_names(inputs)
+    out = {}
+    for st in stages[:-1]:
+        by_name = {n.name: n for n in st.graph.nodes}
+        out[st.index] = [_send_text(by_name[o], names, region.get(o), tp) if o in by_name else o
+                         for o in st.outputs]
+    return out
+
+
+def _dim_names(inputs) -> dict:
+    """Symbol -> "batch" / "seq" from the dynamic dims 0 and 1 of the captured inputs."""
+    names = {}
+    for node in inputs:
+        val = node.meta.get("val")
+        for d, label in ((0, "batch"), (1, "seq")):
+            if isinstance(val, torch.Tensor) and val.dim() > d and isinstance(val.shape[d], torch.SymInt):
+                names.setdefault(str(val.shape[d].node.expr), label)
+    return names
+
+
+def _send_text(node, names: dict, seq_place, tp: int) -> str:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return node.name
+    dims = []
+    for s in val.shape:
+        text = str(s.node.expr) if isinstance(s, torch.SymInt) else str(s)
+        for sym, label in sorted(names.items(), key=lambda kv: -len(kv[0])):
+            text = re.sub(rf"\b{sym}\b", label, text)
+        dims.append(text)
+    if seq_place is not None:
+        d = seq_place[0]
+        dims[d] = f"{dims[d]}/{tp}" if re.fullmatch(r"\w+", dims[d]) else f"({dims[d]})/{tp}"
+    dtype = str(val.dtype).removeprefix("torch.")
+    return f"{module_path(node) or node.name}: ({', '.join(dims)}) {dtype}"

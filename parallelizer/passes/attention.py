@@ -27,6 +27,7 @@ import sympy
 import torch
 import torch.fx as fx
 
+from ..analysis.graph_facts import module_path
 from ..analysis.index_algebra import element_formula, is_causal_formula
 
 aten = torch.ops.aten
@@ -35,9 +36,11 @@ _PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scal
 _INT_MAX = 2 ** 63 - 1
 
 
-def apply_eager_attention(gm: fx.GraphModule) -> bool:
+def apply_eager_attention(gm: fx.GraphModule, rewritten: list | None = None) -> bool:
     """Rewrite every SDPA node whose mask is causal or all True, or whose k/v are repeated
-    kv heads.
+    kv heads. ``rewritten``, when given, receives one ``(module FQN, changes)`` per rewritten
+    node (changes: ``"causal mask -> is_causal"``, ``"all-True mask dropped"``, ``"repeated
+    kv heads -> enable_gqa"``), for report.md.
 
     Returns:
         True if the graph changed.
@@ -45,17 +48,22 @@ def apply_eager_attention(gm: fx.GraphModule) -> bool:
     changed, kinds = False, {}  # mask node -> its kind, proven once (layers share one mask)
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is SDPA:
-            changed |= _rewrite(gm.graph, node, kinds)
+            where = module_path(node)
+            done = _rewrite(gm.graph, node, kinds)
+            if done and rewritten is not None:
+                rewritten.append((where, tuple(done)))
+            changed |= bool(done)
     if changed:
         gm.graph.lint()
         gm.recompile()
     return changed
 
 
-def _rewrite(graph: fx.Graph, node: fx.Node, kinds: dict) -> bool:
+def _rewrite(graph: fx.Graph, node: fx.Node, kinds: dict) -> list[str]:
+    """The changes made to ``node`` (empty: none)."""
     a = dict(zip(_PARAMS, node.args))
     a.update(node.kwargs)
-    dropped = []
+    dropped, done = [], []
     mask = a.get("attn_mask")
     if isinstance(mask, fx.Node) and mask not in kinds:
         kinds[mask] = _mask_kind(mask)
@@ -64,21 +72,24 @@ def _rewrite(graph: fx.Graph, node: fx.Node, kinds: dict) -> bool:
         if kind == "causal" and not a.get("is_causal"):
             a["attn_mask"], a["is_causal"] = None, True
             dropped.append(mask)
+            done.append("causal mask -> is_causal")
         elif kind == "all":
             a["attn_mask"] = None
             dropped.append(mask)
+            done.append("all-True mask dropped")
     rk, rv = _repeated_kv(a["key"]), _repeated_kv(a["value"])
     if (rk and rv and rk[1] == rv[1] and _heads(rk[0]) == _heads(rv[0]) and not a.get("enable_gqa")
             and _heads(a["query"]) == _heads(rk[0]) * rk[1]):
         dropped += [a["key"], a["value"]]
         a["key"], a["value"], a["enable_gqa"] = rk[0], rv[0], True
+        done.append("repeated kv heads -> enable_gqa")
     if not dropped:
-        return False
+        return []
     node.args = (a.pop("query"), a.pop("key"), a.pop("value"))
     node.kwargs = {k: v for k, v in a.items() if v is not None}
     for old in dict.fromkeys(dropped):  # k and v may be one node
         _erase_dead(graph, old)
-    return True
+    return done
 
 
 def _shape(node) -> tuple:

@@ -25,6 +25,8 @@ class TPDecision:
     column: set = field(default_factory=set)
     row: set = field(default_factory=set)
     biases: dict = field(default_factory=dict)
+    tp: int = 1  # the degree planned for
+    linears: list = field(default_factory=list)  # weight FQN of every linear, in graph order
     dims: dict = field(default_factory=dict)
     layouts: dict = field(default_factory=dict)
     rewrites: dict = field(default_factory=dict)

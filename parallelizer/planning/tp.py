@@ -41,8 +41,9 @@ def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False) -> TPDecis
             tp > 1 shards nothing and ``allow_replicated`` (the spec's
             ``tensor_parallel.allow_replicated``) is false: names the first op that stopped it.
     """
-    decision = TPDecision()
+    decision = TPDecision(tp=tp)
     sites = linear_sites(graph)
+    decision.linears = list(dict.fromkeys(site.weight for site in sites))
     for site in sites:
         if site.bias:
             decision.biases[site.weight] = site.bias
@@ -74,9 +75,6 @@ def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False) -> TPDecis
         decision.narrows[name] = d
         decision.report.append(f"cut to each rank's heads (dim {d}): {_op_text(by_name[name])} "
                                f"(a per-head value tiled over the batch)")
-    decision.report.insert(0, f"column_parallel: {len(column)} linears; row_parallel: "
-                              f"{len(row)} linears; replicated: "
-                              f"{len(sites) - len(column) - len(row)} linears")
     for w, layout in sorted(decision.layouts.items()):
         if w in column:
             decision.report.append(f"layout {layout.text()}: {w}")
@@ -90,6 +88,21 @@ def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False) -> TPDecis
     if not column:
         _nothing_sharded(decision, tp, allow_replicated)
     return decision
+
+
+def linear_counts(decision: TPDecision, vocab_heads=()) -> str:
+    """report.md's count of the linears by role, naming every one kept replicated (the LM
+    heads vocab_parallel shards over the vocabulary are not: ``vocab_heads``)."""
+    heads = sorted(w for w in decision.linears if w in set(vocab_heads))
+    kept = [w for w in decision.linears
+            if w not in decision.column and w not in decision.row and w not in heads]
+    parts = [f"column_parallel: {len(decision.column)} linears",
+             f"row_parallel: {len(decision.row)} linears"]
+    if heads:
+        parts.append(f"vocab_parallel LM head: {', '.join(heads)}")
+    parts.append(f"replicated: {len(kept)} linears ({', '.join(kept)})" if kept
+                 else "replicated: none")
+    return "; ".join(parts)
 
 
 def custom_op_weights(graph: fx.Graph) -> list[str]:

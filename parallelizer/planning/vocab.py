@@ -26,6 +26,7 @@ import torch.fx as fx
 
 from ..plan.decisions import TPDecision, VocabDecision
 from ..plan.layouts import Padded
+from .tp import linear_counts
 from ..errors import PlanError
 from ..analysis.graph_facts import aten, logits_region, shape, source_line, weight_fqn
 
@@ -244,8 +245,12 @@ def vocab_summary(decision: VocabDecision) -> str:
 
 
 def tp_report(tp: TPDecision, vocab: VocabDecision) -> list[str]:
-    """The plan's tensor-parallel report lines: the TP planner's, less its "replicated
-    linear" lines of the heads vocab_parallel shards (they are not replicated), then
-    vocab_parallel's."""
+    """The plan's tensor-parallel report lines: the count of linears by role (every
+    replicated one named), the TP planner's lines less its "replicated linear" lines of the
+    heads vocab_parallel shards (they are not replicated), then vocab_parallel's. Empty at
+    tp = 1 (nothing planned)."""
+    if tp.tp == 1:
+        return list(vocab.report)
     sharded = {line for w in vocab.heads for line in tp.replicated.get(w, ())}
-    return [r for r in tp.report if r not in sharded] + vocab.report
+    return ([linear_counts(tp, vocab.heads)] + [r for r in tp.report if r not in sharded]
+            + vocab.report)

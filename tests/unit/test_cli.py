@@ -69,7 +69,10 @@ def test_missing_out_is_usage_error(capsys, files, fake_compiler):
 
 def test_help_exits_0(capsys):
     assert cli.main(["--help"]) == 0
-    assert "MODEL SPEC -o OUT" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "MODEL SPEC -o OUT" in out
+    # where the next step's flags are: the compiled program's own --help
+    assert "OUT/run.py --help" in " ".join(out.split()) and "reshard" in out
 
 
 def test_compile_gets_spec_with_overrides(capsys, files, fake_compiler):

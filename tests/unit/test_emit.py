@@ -203,3 +203,20 @@ def test_llama_no_weights_program_runs_on_cpu(llama_tp2, tmp_path):
         # vocab_parallel: the lookup reads rank 0's 64 rows, the logits are its 64 columns
         out = stage(torch.randint(0, 64, (2, 5)))
     assert out[0].shape == (2, 5, 64)
+
+
+# --- report.md in the user's language ---------------------------------------------------------
+
+def test_report_names_replicated_linears_sends_and_attention_rewrites():
+    """Every replicated linear named (the vocab_parallel head is not one), what a stage sends
+    as module and per-rank shape (a sequence shard under sequence parallelism), and the SDPA
+    calls the attention pass rewrote."""
+    llama = compile_example(LLAMA, ["mesh.tp=2", "mesh.pp=2"], weights=False).report
+    assert ("column_parallel: 20 linears; row_parallel: 8 linears; vocab_parallel LM head: "
+            "lm_head.weight; replicated: none") in llama
+    assert "| model.layers.1: (batch, seq/2, 64) float32 |" in llama
+    assert "- causal mask -> is_causal, repeated kv heads -> enable_gqa: model.layers.{0..3}.self_attn" in llama
+    minilm = ROOT / "examples" / "minilm"
+    bert = compile_example(minilm, ["mesh.tp=2", "mesh.pp=1"], weights=False).report
+    assert "; replicated: 1 linears (pooler.dense.weight)" in bert
+    assert "## Attention" not in bert  # its padding mask is an input: nothing to prove
