@@ -2,7 +2,7 @@
 
 Every key's row is its field's ``description`` (the "what is allowed" phrase a SpecError
 quotes) followed by its ``json_schema_extra["doc"]`` (what it does beyond that), so the
-reference cannot drift from the validator: ``tests/unit/test_spec_reference.py`` fails when
+reference cannot drift from the validator: ``tests/unit/frontend/test_spec_reference.py`` fails when
 ``docs/spec.md`` differs from :func:`render` or a field has no description. Regenerate with::
 
     python -m parallelizer.frontend.spec_reference > docs/spec.md
@@ -23,7 +23,7 @@ _INTRO = """\
 # Spec reference
 
 <!-- Generated from the field descriptions of parallelizer/frontend/spec.py by
-`{command}`; tests/unit/test_spec_reference.py fails when this file is stale. -->
+`{command}`; tests/unit/frontend/test_spec_reference.py fails when this file is stale. -->
 
 A spec is YAML read with OmegaConf, so `${{...}}` interpolation works, and `${{package:NAME}}`
 gives the directory of the installed Python package NAME. Any key can be overridden after the

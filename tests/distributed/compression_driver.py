@@ -1,4 +1,4 @@
-"""torchrun driver of test_compression.py (4 ranks, one launch): gradient compression
+"""torchrun driver of test_compression_training.py (4 ranks, one launch): gradient compression
 through the real runtime (build_stages, StepRunner, run_verify) on compiled programs whose
 plan gets ``compression`` (and zero_stage / dp_replicate) replaced, as the compiler writes them.
 

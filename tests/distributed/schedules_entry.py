@@ -1,4 +1,4 @@
-"""torchrun entry of test_schedules.py: ``--verify`` of one compiled program under several
+"""torchrun entry of test_schedules_equivalence.py: ``--verify`` of one compiled program under several
 pipeline schedules in turn, in one process group (a torchrun launch costs seconds on CI).
 
     torchrun --nproc-per-node N schedules_entry.py OUT [--profile] [--bad-batch] gpipe 1f1b ...

@@ -10,7 +10,7 @@ unmodified model's single-device runs computed meanwhile in this process.
   of steps 1-4 of the uninterrupted run, bit for bit, with every block's activations
   checkpointed in these two runs (the recompute must draw the forward's masks);
 - run_verify PASSes with dropout inactive in the program and the reference.
-(tp=pp=dp=1 against the eager model's own masks: tests/unit/test_dropout.py.)
+(tp=pp=dp=1 against the eager model's own masks: tests/features/test_dropout.py.)
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from parallelizer.runtime.optim import make_optimizer
 from parallelizer.runtime.rng import EagerDropoutOff
 
 # sequence parallelism off: the checks compare the residual stream over the tp ranks, which
-# SP holds as sequence shards (its dropout slices: tests/unit/test_sequence_parallel.py)
+# SP holds as sequence shards (its dropout slices: tests/features/test_sequence_parallel.py)
 EXAMPLE, MESH = "gpt2_dropout", ("mesh.dp=1", "mesh.tp=2", "mesh.pp=2",
                                  "tensor_parallel.sequence_parallel=false")
 DRIVER = Path(__file__).with_name("dropout_driver.py")

@@ -9,7 +9,7 @@ atol = rtol = 1e-5.
 - Mixtral built through ``AutoModelForCausalLM.from_config`` and called with ``labels=`` at
   dp=2: model.py imports neither the output type nor the MoE custom op (``plan.imports``);
   its ``outputs.loss`` is compared as the mean over the dp ranks. (MoE tensor-parallel
-  planning: tests/unit/test_user_models.py.)
+  planning: tests/features/test_user_models_compile.py.)
 - Blocks in an ``nn.Sequential`` at pp=2.
 - A tied Llama called with ``labels=`` at tp=2 with a vocabulary of 1001 (vocab_parallel: the
   table padded to 1002 rows, the in-graph cross-entropy computed on the logits' shards, the

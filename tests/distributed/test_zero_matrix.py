@@ -26,7 +26,7 @@ PROGRAMS = {  # out name prefix -> (example, overrides)
     "llama-dp2-pp2": ("llama", ("mesh.dp=2", "mesh.tp=1", "mesh.pp=2")),
     "llama-dp4": ("llama", ("mesh.dp=4", "mesh.tp=1", "mesh.pp=1")),
     # V placement, 2 stages per rank (embedding and LM head on rank 0), for the zero-bubble
-    # schedules; compiled for dp=1 (test_schedules.py's PP2_V2: one compile for both), the
+    # schedules; compiled for dp=1 (test_schedules_equivalence.py's PP2_V2: one compile for both), the
     # driver runs it at dp=2 (the checkpoint is per stage and tp; dp replicas share it)
     "llama-pp2-zbv": ("llama", ("mesh.dp=1", "mesh.tp=1", "mesh.pp=2", "optimizer.name=sgd",
                                 "optimizer.lr=0.1", "optimizer.weight_decay=0.0",

@@ -23,7 +23,7 @@ TP2PP2 = ("mesh.dp=1", "mesh.tp=2", "mesh.pp=2")
 OTHER = {"tp2": ("mesh.dp=1", "mesh.tp=2", "mesh.pp=1"), "pp2": ("mesh.dp=1", "mesh.tp=1", "mesh.pp=2")}
 EXAMPLES = ["gpt", "llama", "minilm", "gpt2"]
 SHARED = ("gpt", "llama", "minilm")
-# test_schedules.py's PP4_V2, so the suite compiles it once
+# test_schedules_equivalence.py's PP4_V2, so the suite compiles it once
 PP4_V2 = ("mesh.dp=1", "mesh.tp=1", "mesh.pp=4", "optimizer.name=sgd", "optimizer.lr=0.1",
           "optimizer.weight_decay=0.0", "pipeline.schedule=interleaved_1f1b",
           "pipeline.virtual_stages=2", "pipeline.microbatches=8")  # compiled at OTHER meshes by test_equivalence anyway

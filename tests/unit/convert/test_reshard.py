@@ -30,7 +30,7 @@ from parallelizer.errors import CheckpointError
 from parallelizer.plan.layouts import Fused, InterleavedHeads, Padded, ReplicatedHeads
 from parallelizer.plan.parallel_plan import ParallelPlan, TensorPlan
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 BLOCKS = ["layers.0", "layers.1", "layers.2"]
 
 

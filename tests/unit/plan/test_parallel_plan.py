@@ -16,7 +16,7 @@ from parallelizer.plan.parallel_plan import (ParallelPlan, StagePlan, TensorPlan
 from parallelizer.frontend.spec import load_spec
 from parallelizer.plan.layouts import Fused, ReplicatedHeads
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _plan(pp: int, dp: int, tp: int, ranks: tuple, kv_heads: int | None = None) -> ParallelPlan:

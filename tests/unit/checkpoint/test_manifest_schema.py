@@ -23,7 +23,7 @@ from parallelizer.checkpoint import load_full, write_checkpoint
 from parallelizer.convert.reshard import reshard
 from parallelizer.cli.parallelize import main as cli
 from parallelizer.errors import CheckpointError
-from tests.unit.test_reshard import make_plan, optim_state, state_dict
+from tests.unit.convert.test_reshard import make_plan, optim_state, state_dict
 
 _OPENED: list = []  # paths opened from Python (open / os.open) while _WATCH is set
 _WATCH = [False]

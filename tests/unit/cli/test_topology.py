@@ -13,7 +13,7 @@ from parallelizer.errors import PlanError, UserError
 from parallelizer.cli.topology import resolve
 from parallelizer.emit.launch import Topology, launch_files, placement_lines, tp_crossing
 
-GPT = Path(__file__).resolve().parents[2] / "examples" / "gpt"
+GPT = Path(__file__).resolve().parents[3] / "examples" / "gpt"
 REPO_EXAMPLE = [str(GPT / "model.py"), str(GPT / "spec.yaml")]
 
 

@@ -1,31 +1,19 @@
-"""Front end: the model.py contract (load_model_file, build_model, example_batch) and capture.
-
-Every user-facing error is asserted by its message: what is wrong, where (file and line),
-and the fix. Capture success is checked numerically against eager at another batch size and
-sequence length (the dynamic dims the emitted program relies on).
+"""The model.py contract (frontend/model_file.py): load_model_file, build_model,
+example_batch; every error names the file, the line and the fix.
 """
 import textwrap
 from pathlib import Path
 
 import pytest
-import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from parallelizer.errors import CaptureError, ModelFileError, UserError
+from parallelizer.errors import ModelFileError, UserError
 from parallelizer.frontend.model_file import build_model, example_batch, load_model_file
-from parallelizer.frontend.capture import capture
 
 
 def write(tmp_path: Path, source: str, name: str = "model.py") -> Path:
     path = tmp_path / name
     path.write_text(textwrap.dedent(source).lstrip("\n"))
     return path
-
-
-def line_of(path: Path, needle: str) -> int:
-    return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if needle in line)
 
 
 CONTRACT_OK = """
@@ -185,134 +173,3 @@ def test_example_inputs_raising_is_a_model_file_error(tmp_path):
     with pytest.raises(ModelFileError) as e:
         example_batch(load_model_file(path))
     assert f"{path.resolve()}:5" in str(e.value)
-
-
-# --- capture: failures point at model.py ----------------------------------------------------
-
-DATA_DEPENDENT = """
-import torch
-from torch import nn
-
-class Model(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(16, 16)
-
-    def forward(self, x):
-        y = self.fc(x)
-        {body}
-
-def build_model():
-    torch.manual_seed(0)
-    return Model()
-
-def example_inputs():
-    return (torch.randn(2, 4, 16),)
-"""
-
-
-@pytest.mark.parametrize("body, failing", [
-    ("if y.sum() > 0:\n            return y * 2\n        return y", "if y.sum() > 0:"),
-    ("n = int(y.argmax().item())\n        return y.new_zeros(n)", "n = int(y.argmax().item())"),
-], ids=["python_if_on_tensor", "item"])
-def test_capture_error_names_model_file_and_line(tmp_path, body, failing):
-    path = write(tmp_path, DATA_DEPENDENT.format(body=body))
-    module = load_model_file(path)
-    model = build_model(module, on_meta=False)
-    with pytest.raises(CaptureError) as e:
-        capture(model, example_batch(module), path)
-    msg = str(e.value)
-    assert msg.startswith(f"torch.export could not capture the model from {path}")
-    assert f"{path.resolve()}:{line_of(path, failing)}: {failing}" in msg
-    assert "Fix:" in msg and "data-dependent" in msg
-
-
-# --- capture: success ------------------------------------------------------------------------
-
-class TwoInputs(nn.Module):
-    """Dict or tuple inputs; nested outputs (a tuple holding a dict)."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(50, 32)
-        self.fc = nn.Linear(32, 32)
-        self.norm = nn.LayerNorm(32)
-
-    def forward(self, ids, mask):
-        h = self.norm(self.emb(ids))
-        h = F.gelu(self.fc(h)) * mask.unsqueeze(-1)
-        pooled = h.sum(1) / mask.sum(1, keepdim=True).clamp(min=1)
-        return h, {"pooled": pooled}
-
-
-def _two_inputs(batch, seq, seed):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 50, (batch, seq), generator=g)
-    mask = (torch.rand(batch, seq, generator=g) > 0.3).float()
-    return ids, mask
-
-
-def _assert_same(flat_got, structured_ref, out_spec):
-    flat_ref, ref_spec = tree_flatten(structured_ref)
-    assert len(flat_got) == len(flat_ref)
-    for got, ref in zip(flat_got, flat_ref):
-        torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
-    rebuilt = tree_unflatten(list(flat_got), out_spec)
-    assert isinstance(rebuilt, tuple) and set(rebuilt[1]) == {"pooled"}
-
-
-@pytest.fixture(scope="module")
-def two_inputs_model():
-    torch.manual_seed(0)
-    return TwoInputs().eval()
-
-
-def test_capture_tuple_inputs_runs_other_batch_and_seq(two_inputs_model):
-    model = two_inputs_model
-    cap = capture(model, _two_inputs(2, 8, seed=0), Path(__file__))
-    assert cap.route == "torch.export"
-    assert cap.input_names == ("ids", "mask") and not cap.inputs_are_kwargs
-    for batch, seq in [(5, 3), (1, 11)]:
-        ids, mask = _two_inputs(batch, seq, seed=1)
-        with torch.no_grad():
-            flat = cap.gm(ids, mask)
-            ref = model(ids, mask)
-        assert isinstance(flat, tuple)
-        _assert_same(flat, ref, cap.out_spec)
-
-
-def test_capture_dict_inputs_runs_other_batch_and_seq(two_inputs_model):
-    model = two_inputs_model
-    ids, mask = _two_inputs(2, 8, seed=0)
-    cap = capture(model, {"mask": mask, "ids": ids}, Path(__file__))
-    assert cap.input_names == ("mask", "ids") and cap.inputs_are_kwargs
-    ids, mask = _two_inputs(3, 13, seed=2)
-    with torch.no_grad():
-        flat = cap.gm(mask=mask, ids=ids)
-        ref = model(ids=ids, mask=mask)
-    _assert_same(flat, ref, cap.out_spec)
-    placeholders = [n.target for n in cap.gm.graph.nodes if n.op == "placeholder"]
-    assert tuple(placeholders) == cap.input_names
-
-
-def test_capture_dict_inputs_callable_positionally(two_inputs_model):
-    ids, mask = _two_inputs(2, 8, seed=0)
-    cap = capture(two_inputs_model, {"ids": ids, "mask": mask}, Path(__file__))
-    with torch.no_grad():
-        flat = cap.gm(ids, mask)
-        ref = two_inputs_model(ids, mask)
-    _assert_same(flat, ref, cap.out_spec)
-
-
-def test_captured_graph_has_metadata_the_passes_need(two_inputs_model):
-    cap = capture(two_inputs_model, _two_inputs(2, 8, seed=0), Path(__file__))
-    calls = [n for n in cap.gm.graph.nodes if n.op == "call_function"]
-    assert all("val" in n.meta for n in calls)
-    linear = next(n for n in calls if n.target is torch.ops.aten.linear.default)
-    assert "nn_module_stack" in linear.meta
-    # parameters are read by their original FQNs
-    targets = {n.target for n in cap.gm.graph.nodes if n.op == "get_attr"}
-    assert {"emb.weight", "fc.weight", "fc.bias", "norm.weight", "norm.bias"} <= targets
-    # the guard call and the pytree codegen are gone: flat in, flat tuple out
-    assert not any(n.op == "call_module" for n in cap.gm.graph.nodes)
-    assert isinstance(cap.gm.graph.output_node().args[0], tuple)

@@ -114,7 +114,7 @@ def test_estimate_json_counts_dp_bytes_from_the_model(capsys):
     import json
     from pathlib import Path
     from parallelizer.cli import parallelize as cli
-    repo = Path(__file__).resolve().parents[2]
+    repo = Path(__file__).resolve().parents[3]
     mod_spec = importlib.util.spec_from_file_location("gpt_for_bytes", repo / "examples/gpt/model.py")
     gpt = importlib.util.module_from_spec(mod_spec)
     mod_spec.loader.exec_module(gpt)

@@ -109,7 +109,7 @@ def test_positive_kv_index_that_would_need_a_rewrite_stays_replicated():
     k head is at 2, and index constants are not rewritten: kept replicated, reported."""
     torch.manual_seed(0)
     with pytest.raises(PlanError, match=r"no weight matrix could be sharded; the first op that "
-                                        r"stopped it: aten\.index\.Tensor at test_tp_heads_cuts"):
+                                        r"stopped it: aten\.index\.Tensor at test_tp_fused_heads"):
         _plan(MultiQuery(HEADS, HEADS + 1), 2)
 
 

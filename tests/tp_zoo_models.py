@@ -1,5 +1,5 @@
 """Tiny seeded configs of Hugging Face families for the tensor-parallel model zoo
-(tests/unit/test_tp_zoo.py): 2 layers, hidden 32-64, dropout 0, sdpa attention.
+(tests/features/test_tp_zoo.py): 2 layers, hidden 32-64, dropout 0, sdpa attention.
 
 Each builder returns ``(model, batch, loss_input)``: the model in train mode (dropout is 0),
 a batch dict for ``model(**batch)``, and a function picking the tensor the test's loss reads
@@ -184,7 +184,7 @@ ZOO = {f.__name__: f for f in (gpt_neox, falcon, phi, gemma, opt, bloom, mistral
 
 
 def _without_dropout(model):
-    """The zoo compares one step with dropout 0 (tests/unit/test_dropout.py covers dropout):
+    """The zoo compares one step with dropout 0 (tests/features/test_dropout.py covers dropout):
     nn.Dropout modules and float dropout attributes of attention modules (MiniLM keeps its
     checkpoint's 0.1) set to 0."""
     for mod in model.modules():
@@ -202,7 +202,7 @@ def _example(name):
     from parallelizer.frontend.model_file import build_model, load_model_file
 
     def make():
-        module = load_model_file(Path(__file__).parents[2] / "examples" / name / "model.py")
+        module = load_model_file(Path(__file__).parents[1] / "examples" / name / "model.py")
         torch.manual_seed(0)
         model = _without_dropout(build_model(module, on_meta=False))
         inputs = module.example_inputs()

@@ -5,7 +5,7 @@ from pathlib import Path
 from parallelizer.frontend import spec_reference
 from parallelizer.frontend.spec import Spec
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "spec.md"
+DOC = Path(__file__).resolve().parents[3] / "docs" / "spec.md"
 
 
 def test_docs_spec_md_is_current():

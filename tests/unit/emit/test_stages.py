@@ -20,7 +20,7 @@ from parallelizer.plan.layouts import Padded
 from parallelizer.plan.parallel_plan import ParallelPlan
 from parallelizer.frontend.spec import load_spec
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 GPT = ROOT / "examples" / "gpt"
 LLAMA = ROOT / "examples" / "llama"
 _counter = itertools.count()

@@ -1,7 +1,7 @@
 """vocab_parallel (Megatron-LM §3): the embedding Shard(0) with a local lookup summed over tp,
 the LM head column_parallel over the vocabulary, a vocabulary tp does not divide padded.
 
-Numerics run the tp ranks in lockstep in one process (tests/unit/tp_lockstep.py) against the
+Numerics run the tp ranks in lockstep in one process (tests/tp_lockstep.py) against the
 unmodified model: outputs, every gradient and the parameters after an SGD step (fp32, 1e-5),
 for a tied Llama whose vocabulary (61) neither 2 nor 4 divides, with the logits returned and
 with Hugging Face's in-graph loss (``labels=``). Then the padded checkpoint round trip

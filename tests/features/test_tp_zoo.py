@@ -1,5 +1,5 @@
 """Tensor-parallel model zoo: tiny seeded Hugging Face families and the examples at tp=2 and
-tp=4, ranks in lockstep in one process (tests/unit/tp_lockstep.py). For each: how many weight matrices
+tp=4, ranks in lockstep in one process (tests/tp_lockstep.py). For each: how many weight matrices
 inside the blocks the planner shards, which embeddings and heads are vocab_parallel, and outputs, every parameter's gradient and the
 parameters after one SGD step equal to the unmodified model (fp32, 1e-5).
 """

@@ -1,7 +1,7 @@
 """Sequence parallelism (Korthikanti et al. 2022, §4.2.2): planner, pass and runtime operators.
 
 Numerics: the tp- and sequence-parallel-rewritten graph runs as tp ranks in lockstep in one
-process (tests/unit/tp_lockstep.py: runtime/sequence.py's own autograd operators, only the
+process (tests/tp_lockstep.py: runtime/sequence.py's own autograd operators, only the
 transport is threads); outputs, every gradient (norm weights and row biases included, which
 each rank sees only for its sequence shard) and the parameters after an SGD step equal the
 unmodified model's. Dropout: a rank's shard gets its slice of the unsharded mask. Spec key:

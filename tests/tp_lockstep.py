@@ -201,9 +201,23 @@ def local(t: torch.Tensor, target: str, decision, tp: int, rank: int) -> torch.T
     return local_piece(t.detach(), plan, tp, rank).clone()
 
 
+def forward_ranks(gm: fx.GraphModule, decision, tp: int, flat_inputs: list) -> list[list]:
+    """Each rank's flat outputs of a forward of ``gm`` (no gradients)."""
+    with torch.no_grad():
+        return [r.outputs for r in run_ranks(gm, decision, tp, flat_inputs, None, 0.0)]
+
+
+def assert_lockstep_matches(model, gm, decision, x, tp: int = 2):
+    """Each simulated tp rank's first output equals the unmodified model's (1e-5)."""
+    with torch.no_grad():
+        ref = model(*x)
+    for out in forward_ranks(gm, decision, tp, list(x)):
+        torch.testing.assert_close(out[0], ref, rtol=1e-5, atol=1e-5)
+
+
 def run_ranks(gm: fx.GraphModule, decision, tp: int, flat_inputs: list, loss_of, lr: float):
-    """Each rank: forward, ``loss_of(outputs).backward()``, SGD step. Returns RankResults.
-    ``decision``: as for :func:`local`."""
+    """Each rank: forward, ``loss_of(outputs).backward()``, SGD step (``loss_of`` None: the
+    forward only). Returns RankResults. ``decision``: as for :func:`local`."""
     comm = _AllReduce(tp)
     targets = sorted({n.target for n in gm.graph.nodes if n.op == "get_attr"})
     leaves = []
@@ -222,7 +236,8 @@ def run_ranks(gm: fx.GraphModule, decision, tp: int, flat_inputs: list, loss_of,
     def work(r):
         try:
             outs = _Rank(gm, r, comm, leaves[r]).run(*flat_inputs)
-            loss_of(outs).backward()
+            if loss_of is not None:
+                loss_of(outs).backward()
             results[r] = outs
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller
             comm.barrier.abort()
