@@ -190,4 +190,5 @@ def _send_text(node, names: dict, seq_place, tp: int) -> str:
         d = seq_place[0]
         dims[d] = f"{dims[d]}/{tp}" if re.fullmatch(r"\w+", dims[d]) else f"({dims[d]})/{tp}"
     dtype = str(val.dtype).removeprefix("torch.")
-    return f"{module_path(node) or node.name}: ({', '.join(dims)}) {dtype}"
+    where = module_path(node) or f"{node.name} (root module)"
+    return f"{where}: ({', '.join(dims)}) {dtype}"
