@@ -15,7 +15,12 @@ Defaults::
     zero_stage: 3
     checkpoint: {path: null}
     seed: 0
-    optimizer: {name: adamw, lr: 1.0e-3, weight_decay: 0.0}
+    optimizer: {name: adamw, lr: 1.0e-3, weight_decay: 0.0, max_norm: null,
+                schedule: {warmup_steps: 0, decay: constant, decay_steps: null, min_lr: 0.0}}
+    train: {grad_accum: 1}
+    data: {path: null, dtype: uint16, seq_len: null, batch_size: null, shuffle: true,
+           eval: null, eval_batches: 8}
+    compile: false
     verify: {atol: 1.0e-5, rtol: 1.0e-5, optimizer: sgd}
     activation_checkpointing: {mode: none, every: 2}
     fsdp: {prefetch: {forward: null, backward: null}, offload: false}   # null prefetch = 1
@@ -43,6 +48,7 @@ from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from parallelizer.errors import SpecError
+from parallelizer.frontend.spec_train import Data, Schedule, Train
 from parallelizer.plan.schedules import check as check_schedule
 
 _STRICT = ConfigDict(extra="forbid", frozen=True, strict=True)
@@ -151,6 +157,23 @@ class Optimizer(BaseModel):
     lr: float = Field(1.0e-3, gt=0, description="a number > 0",
                       json_schema_extra=_doc("Learning rate of run.py --train and of the --verify step."))
     weight_decay: float = Field(0.0, ge=0, description="a number >= 0")
+    max_norm: Optional[float] = Field(
+        None, gt=0, description="null (no clipping) or a number > 0 (clip the global gradient "
+                                "2-norm to it)",
+        json_schema_extra=_doc(
+            "The norm of all gradients of the original model, each element counted once over "
+            "tp shards, pipeline stages and FSDP shards (tied and copied weights once), as "
+            "torch.nn.utils.clip_grad_norm_ of the unmodified model; run.py --log-every prints "
+            "it. The Python API: pm.clip_grad_norm_(max_norm)."))
+    schedule: Schedule = Field(Schedule(), description="the learning-rate schedule of run.py "
+                               "--train: warmup, then decay to min_lr")
+
+    @model_validator(mode="after")
+    def _min_lr(self) -> "Optimizer":
+        if self.schedule.min_lr > self.lr:
+            raise ValueError(f"optimizer.schedule.min_lr ({self.schedule.min_lr}) must be <= "
+                             f"optimizer.lr ({self.lr}); lower min_lr or raise lr.")
+        return self
 
 
 class Verify(BaseModel):
@@ -322,6 +345,16 @@ class Spec(BaseModel):
     data_parallel: DataParallel = Field(
         DataParallel(), description="gradient compression of the data-parallel reduction "
                                     "(docs/data-parallel.md)")
+    train: Train = Field(Train(), description="run.py --train: gradient accumulation (docs/run.md)")
+    data: Data = Field(Data(), description="token data for run.py --train and --eval-every "
+                       "(docs/run.md#data)")
+    compile: bool = Field(False, description="true or false (torch.compile each emitted block)",
+                          json_schema_extra=_doc(
+                              "As torchtitan: every block (FSDP / activation-checkpointing unit) "
+                              "of every stage is compiled in place (nn.Module.compile, inductor), "
+                              "so parameter names stay the original ones; the first step "
+                              "compiles (seconds to minutes). --verify compares the compiled "
+                              "program too."))
 
     @model_validator(mode="after")
     def _check_compression(self) -> "Spec":
@@ -362,6 +395,12 @@ class Spec(BaseModel):
         problem = check_schedule(p.schedule, self.mesh.pp, p.virtual_stages, p.microbatches)
         if problem:
             raise ValueError(problem)
+        n = self.train.grad_accum
+        problem = n > 1 and check_schedule(p.schedule, self.mesh.pp, p.virtual_stages, p.microbatches * n)
+        if problem:
+            raise ValueError(f"train.grad_accum ({n}) runs {p.microbatches * n} microbatches "
+                             f"(pipeline.microbatches x grad_accum) per step, which the schedule "
+                             f"refuses: {problem}")
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -395,8 +434,8 @@ def load_spec(path: str | Path, overrides: Sequence[str] = ()) -> Spec:
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or "?"
         raise SpecError(f"{key}: cannot resolve the value in {path}: {_omegaconf_msg(e)}") from None
-    from_override = any(o.split("=", 1)[0].strip() == "checkpoint.path" for o in overrides)
-    _resolve_checkpoint_path(data, Path.cwd() if from_override else path.resolve().parent)
+    overridden = {o.split("=", 1)[0].strip() for o in overrides}
+    _resolve_paths(data, lambda key: Path.cwd() if key in overridden else path.resolve().parent)
     try:
         return Spec.model_validate(data)
     except ValidationError as e:
@@ -434,12 +473,17 @@ def _parse_override(item: str) -> DictConfig:
         raise SpecError(f"malformed override '{item}': {_omegaconf_msg(e)}") from None
 
 
-def _resolve_checkpoint_path(data: Any, base: Path) -> None:
-    """Make a relative string ``checkpoint.path`` absolute against ``base`` (in place)."""
-    ckpt = data.get("checkpoint") if isinstance(data, dict) else None
-    if isinstance(ckpt, dict) and isinstance(ckpt.get("path"), str) and ckpt["path"]:
-        p = Path(ckpt["path"]).expanduser()
-        ckpt["path"] = os.path.normpath(p if p.is_absolute() else base / p)
+PATH_KEYS = (("checkpoint", "path"), ("data", "path"), ("data", "eval"))
+
+
+def _resolve_paths(data: Any, base_of) -> None:
+    """Make each relative string path of ``PATH_KEYS`` absolute against ``base_of(dotted
+    key)`` (in place)."""
+    for section, key in PATH_KEYS:
+        sec = data.get(section) if isinstance(data, dict) else None
+        if isinstance(sec, dict) and isinstance(sec.get(key), str) and sec[key]:
+            p = Path(sec[key]).expanduser()
+            sec[key] = os.path.normpath(p if p.is_absolute() else base_of(f"{section}.{key}") / p)
 
 
 def _omegaconf_msg(e: BaseException) -> str:
