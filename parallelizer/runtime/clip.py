@@ -42,10 +42,16 @@ class GradNorm:
         of the local tensor when ``[]``): the ownership rule, :func:`owned_regions` by default."""
         owner = owner or (lambda tplan, s, p: owned_regions(tplan, s, p, plan, ctx))
         self.params: list = []  # (name, param, regions or None = not owned)
+        position = {}  # (stage, fqn) -> place in the model's order (the plan's, graph order)
+        for st in plan.stages:
+            position.update(((st.index, f), (st.index, i)) for i, f in enumerate(st.fqns))
+        keys = []
         for index, module in stages:
             for name, p in module.named_parameters():
-                tplan = plan.tensors[plan.aliases.get(name, name)]
-                self.params.append((name, p, owner(tplan, index, p)))
+                fqn = plan.aliases.get(name, name)
+                self.params.append((name, p, owner(plan.tensors[fqn], index, p)))
+                keys.append(position.get((index, fqn), (index, len(position))))
+        self.model_order = [self.params[i] for i in sorted(range(len(keys)), key=keys.__getitem__)]
 
     def norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The global ``norm_type``-norm (2 or inf) of all gradients (None gradients count
@@ -87,9 +93,10 @@ class GradNorm:
                 g.mul_(factor.to(g.device) if isinstance(factor, torch.Tensor) else factor)
 
     def first_nonfinite(self) -> str | None:
-        """The name of this rank's first parameter (in stage order) whose gradient holds a
-        NaN or an Inf, else None. Local: no collective."""
-        for name, p, _ in self.params:
+        """The name of this rank's first parameter (in the model's order: pipeline stage,
+        then the order the captured graph reads them) whose gradient holds a NaN or an Inf,
+        else None. Local: no collective."""
+        for name, p, _ in self.model_order:
             if p.grad is not None and not torch.isfinite(local_tensor(p.grad)).all():
                 return name
         return None

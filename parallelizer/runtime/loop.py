@@ -31,16 +31,8 @@ from .lr_schedule import load_schedule_state, make_schedule
 from .metrics import Metrics, device_peak, format_row, plan_flops_per_token
 from .setup import RankContext
 from .step import StepRunner
+from .stops import TrainingStopped
 from .train import TrainState, load_optimizer_state
-
-
-class TrainingStopped(UserError):
-    """A non-finite loss or gradient: the run stops at that step. ``rank`` is the rank that
-    reports it (the others stay silent)."""
-
-    def __init__(self, message: str, rank: int):
-        super().__init__(message)
-        self.rank = rank
 
 
 @dataclass
@@ -73,11 +65,11 @@ def run_train(plan: ParallelPlan, spec: dict, stage, ctx: RankContext, loss_fn, 
                                plan.zero_stage, ctx)
     state = TrainState(opt, make_schedule(opt, ocfg, steps), LossScaler(plan.param_dtype), accum)
     start = _resume(state, stage, plan, ctx, resume) if resume is not None else 0
+    evaluator = _evaluator(plan, model_module, spec, ctx, options, runner)
     source = make_source(plan, model_module, spec, ctx, options)
     source.seek(state.data_position)
     norm = GradNorm(stage, plan, ctx)
     metrics = _metrics(plan, ctx, options, model_module) if options.log_every else None
-    evaluator = _evaluator(plan, model_module, spec, ctx, options, runner)
     losses = []
     for step in range(start, steps):
         loss, gnorm, lr, tokens = _one_step(state, runner, source, norm, ocfg, ctx, step + 1)

@@ -19,7 +19,8 @@ from .loss import default_loss
 from .setup import init, world_size_error
 from .stage_builder import build_stages
 from .periodic import check_periodic_folder, prune, resolve_auto, scan, step_dir
-from .loop import TrainOptions, TrainingStopped, run_train
+from .loop import TrainOptions, run_train
+from .stops import RunStopped
 from .train import check_save_target, save_checkpoint, training_state_error
 from .verify import run_verify
 
@@ -140,12 +141,12 @@ def _main(out_dir: Path, argv=None) -> int:
         code = _run(args, out_dir, plan, spec, ctx, loss_fn, model_module)
         done = True
         return code
-    except TrainingStopped as e:  # every rank stops at the same step; one reports it
+    except RunStopped as e:  # every rank stops at the same point; one reports it
         done = True
         if e.rank == ctx.rank:
             print(f"run.py: error (rank {ctx.rank}): {e}{_last_checkpoint(args)}",
                   file=sys.stderr, flush=True)
-        return 3
+        return e.code
     except (UserError, ValueError) as e:
         print(f"run.py: error (rank {ctx.rank}): {e}", file=sys.stderr, flush=True)
         return 2

@@ -110,7 +110,8 @@ class Metrics:
         mfu = (self.flops_per_token * tps / (self.peak * self.world)
                if self.flops_per_token and self.peak else None)
         row = {"step": step, "loss": loss, "grad_norm": None if grad_norm is None else float(grad_norm),
-               "lr": lr, "tokens_per_s": tps, "mfu": mfu, "peak_memory_bytes": int(mem.item())}
+               "lr": lr, "tokens": tokens, "tokens_per_s": tps, "mfu": mfu,
+               "peak_memory_bytes": int(mem.item())}
         self.emit(row)
         self.restart_clock()
 

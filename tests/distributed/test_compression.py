@@ -106,7 +106,7 @@ def test_run_py_saves_and_resumes_error_feedback(compiled, tools, tmp_path):
     saved = json.loads((tmp_path / "s2" / "manifest.json").read_text())["files"]
     assert {"compression-rank0.safetensors", "compression-rank1.safetensors"} <= saved.keys()
     assert not list(tmp_path.glob(".*partial")), "the save left its unpublished folder behind"
-    rest = tools.torchrun(out, 2, "--train", "--steps", "2", "--resume", str(tmp_path / "s2"),
+    rest = tools.torchrun(out, 2, "--train", "--steps", "4", "--resume", str(tmp_path / "s2"),
                           "--save", str(tmp_path / "r4"))
     tools.check_exit(rest)
     want = steps.findall(full.stdout)
