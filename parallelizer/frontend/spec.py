@@ -28,10 +28,10 @@ Defaults::
     data_parallel: {compression: none, error_feedback: true,
                     powersgd: {rank: null, start_iter: null}, topk: {ratio: null}}
 
-``mesh.dp_replicate``, ``fsdp.*`` and non-fp32 ``mixed_precision`` need FSDP2 (zero_stage
-2/3); under zero_stage 0/1 they are a SpecError rather than silently ignored or emulated
-with autocast (autocast would compute in low precision but keep fp32 gradients, a
-different contract from FSDP2's parameter/reduce dtypes).
+``mesh.dp_replicate``, ``fsdp.*`` and a non-fp32 ``mixed_precision.reduce_dtype`` need FSDP2
+(zero_stage 2/3); under zero_stage 0/1 they are a SpecError rather than silently ignored.
+``mixed_precision.param_dtype`` works on every layout: FSDP2's policy under zero_stage 2/3,
+autocast with fp32 master weights under 0/1 (runtime/data_parallel.py).
 """
 from __future__ import annotations
 
@@ -268,11 +268,16 @@ class MixedPrecision(BaseModel):
         "fp32", description="one of 'fp32', 'bf16', 'fp16' (dtype of the gathered parameters "
                             "in forward and backward)",
         json_schema_extra=_doc(
-            "FSDP2 MixedPrecisionPolicy: the sharded fp32 parameters stay the master copy; "
-            "zero_stage 2/3 only (an error under 0/1)."))
+            "zero_stage 2/3: FSDP2 MixedPrecisionPolicy, the sharded fp32 parameters stay the "
+            "master copy. zero_stage 0/1 and tp/pp-only layouts: the stages run under "
+            "torch.autocast(param_dtype) with fp32 parameters, gradients and optimizer state. "
+            "Both autocast the forward; fp16 adds a dynamic loss scale (run.py --train). "
+            "--verify compares with the fp32 model at the dtype's tolerances."))
     reduce_dtype: Optional[Literal["fp32", "bf16", "fp16"]] = Field(
         None, description="null (= param_dtype) or one of 'fp32', 'bf16', 'fp16' (dtype of the "
-                          "gradient reduce-scatter / all-reduce)")
+                          "gradient reduce-scatter / all-reduce)",
+        json_schema_extra=_doc("FSDP2 only (zero_stage 2/3); under DDP the gradients are fp32 "
+                               "and data_parallel.compression sets the all-reduce dtype."))
 
 
 class PowerSgd(BaseModel):
@@ -337,7 +342,7 @@ class Spec(BaseModel):
                                                "their activations (docs/memory.md)")
     fsdp: Fsdp = Field(Fsdp(), description="FSDP2 options, zero_stage 2/3 only (docs/data-parallel.md)")
     mixed_precision: MixedPrecision = Field(
-        MixedPrecision(), description="FSDP2's parameter and reduce dtypes, zero_stage 2/3 only")
+        MixedPrecision(), description="the compute dtype (every layout) and FSDP2's reduce dtype")
     tensor_parallel: TensorParallel = Field(
         TensorParallel(), description="options of tensor parallelism (mesh.tp > 1): the "
                                       "vocabulary, the sequence, a model nothing of which shards "
@@ -378,14 +383,15 @@ class Spec(BaseModel):
                      ("fsdp.offload", "true", self.fsdp.offload),
                      ("fsdp.prefetch.forward", self.fsdp.prefetch.forward, self.fsdp.prefetch.forward is not None),
                      ("fsdp.prefetch.backward", self.fsdp.prefetch.backward, self.fsdp.prefetch.backward is not None),
-                     ("mixed_precision.param_dtype", mp.param_dtype, mp.param_dtype != "fp32"),
                      ("mixed_precision.reduce_dtype", mp.reduce_dtype, mp.reduce_dtype not in (None, "fp32"))]
             for key, value, bad in needs:
                 if bad:
+                    also = (" (for low-precision gradient all-reduces under DDP use "
+                            "data_parallel.compression: bf16 or fp16)" if "reduce" in key else "")
                     raise ValueError(
                         f"{key}={value} needs FSDP2, i.e. zero_stage 2 or 3, but zero_stage is {z} "
                         f"(DDP{' + ZeroRedundancyOptimizer' if z == 1 else ''}, which has no such "
-                        f"policy); set zero_stage=2 or zero_stage=3, or remove {key}.")
+                        f"policy); set zero_stage=2 or zero_stage=3, or remove {key}{also}.")
         return self
 
     @model_validator(mode="after")

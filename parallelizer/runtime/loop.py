@@ -101,7 +101,7 @@ def _one_step(state: TrainState, runner: StepRunner, source, norm: GradNorm, ocf
     total = norm.norm()
     finite = bool(torch.isfinite(loss)) and bool(torch.isfinite(total))
     if not finite and state.scaler.skip_step(step, ctx):  # fp16 overflow: a smaller scale
-        return loss.item(), float(total), opt.param_groups[0]["lr"], 0
+        return loss.item(), float(total), opt.param_groups[0]["lr"], source.tokens_per_step(state.accum)
     if not finite:
         raise _stopped(step, loss, total, norm, ctx)
     state.scaler.update()

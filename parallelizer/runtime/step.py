@@ -120,8 +120,12 @@ class StepRunner:
         return tree_unflatten(list(flat), self.out_spec)
 
     def _loss(self, flat_out, target):
+        if self.plan.param_dtype != "fp32":  # the loss in fp32 on bf16/fp16 outputs, as
+            # autocast would run cross_entropy (loss_fn runs outside the stage's autocast)
+            flat_out = tuple(o.float() if isinstance(o, torch.Tensor) and o.dtype in
+                             (torch.bfloat16, torch.float16) else o for o in flat_out)
         loss = self.vocab.loss(self.loss_fn, flat_out, self._unflatten, target)
-        return loss * self.loss_scale if self.loss_scale != 1.0 else loss
+        return loss.float() * self.loss_scale if self.loss_scale != 1.0 else loss
 
     def _pipeline_loss(self, output, rows):
         return self._loss(_as_tuple(output), index_rows(self._target, rows))
