@@ -202,6 +202,9 @@ def _run(args, out_dir: Path, plan: ParallelPlan, spec: dict, ctx, loss_fn, mode
     log = (lambda text: print(text, flush=True)) if ctx.rank == 0 else (lambda text: None)
     resume = resolve_auto(args.save, log) if auto else args.resume
     stage = build_stages(out_dir, plan, ctx, resume or args.load)
+    if spec.get("compile"):
+        log(f"compile: {len(stage.emitted_blocks())} block(s) of this rank under torch.compile "
+            f"(inductor); the first step compiles them")
     if args.verify:
         code = run_verify(out_dir, plan, spec, stage, ctx, loss_fn)
         _profile(args, out_dir, plan, spec, stage, ctx, loss_fn, model_module)
