@@ -14,7 +14,6 @@ import json
 import sys
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
