@@ -48,7 +48,7 @@ from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from parallelizer.errors import SpecError
-from parallelizer.frontend.spec_train import Data, Schedule, Train
+from parallelizer.frontend.spec_train import Data, Optimizer, Train
 from parallelizer.plan.schedules import check as check_schedule
 
 _STRICT = ConfigDict(extra="forbid", frozen=True, strict=True)
@@ -101,6 +101,9 @@ class Pipeline(BaseModel):
     model_config = _STRICT
     microbatches: int = Field(1, ge=1, description="an integer >= 1 (microbatches per step)",
                               json_schema_extra=_doc(
+                                  "At mesh.pp 1 too the step splits the batch into this many "
+                                  "microbatches whose gradients accumulate (the dp reduction in the "
+                                  "last one only), so the batch per dp rank must be a multiple of it. "
                                   "Under 1f1b >= mesh.pp; with dualpipev >= 2 x mesh.pp; with "
                                   "interleaved_1f1b / interleaved_zero_bubble a multiple of "
                                   "max(1, microbatches // mesh.pp). `parallelize check` warns "
@@ -149,31 +152,6 @@ class Checkpoint(BaseModel):
             "The weights to start from (model.safetensors or a sharded "
             "model.safetensors.index.json). A relative path is relative to the spec file (to "
             "the current directory when given as an override)."))
-
-
-class Optimizer(BaseModel):
-    model_config = _STRICT
-    name: Literal["adamw", "sgd"] = Field("adamw", description="one of 'adamw', 'sgd'")
-    lr: float = Field(1.0e-3, gt=0, description="a number > 0",
-                      json_schema_extra=_doc("Learning rate of run.py --train and of the --verify step."))
-    weight_decay: float = Field(0.0, ge=0, description="a number >= 0")
-    max_norm: Optional[float] = Field(
-        None, gt=0, description="null (no clipping) or a number > 0 (clip the global gradient "
-                                "2-norm to it)",
-        json_schema_extra=_doc(
-            "The norm of all gradients of the original model, each element counted once over "
-            "tp shards, pipeline stages and FSDP shards (tied and copied weights once), as "
-            "torch.nn.utils.clip_grad_norm_ of the unmodified model; run.py --log-every prints "
-            "it. The Python API: pm.clip_grad_norm_(max_norm)."))
-    schedule: Schedule = Field(Schedule(), description="the learning-rate schedule of run.py "
-                               "--train: warmup, then decay to min_lr")
-
-    @model_validator(mode="after")
-    def _min_lr(self) -> "Optimizer":
-        if self.schedule.min_lr > self.lr:
-            raise ValueError(f"optimizer.schedule.min_lr ({self.schedule.min_lr}) must be <= "
-                             f"optimizer.lr ({self.lr}); lower min_lr or raise lr.")
-        return self
 
 
 class Verify(BaseModel):

@@ -1,11 +1,11 @@
-"""The spec's training sections (``run.py --train``): the LR schedule, gradient
-accumulation, token data. Part of :mod:`parallelizer.frontend.spec` (same strict rules,
+"""The spec's training sections (``run.py --train``): the optimizer with its clipping and
+LR schedule, gradient accumulation, token data. Part of :mod:`parallelizer.frontend.spec` (same strict rules,
 rendered into docs/spec.md with the rest)."""
 from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 _STRICT = ConfigDict(extra="forbid", frozen=True, strict=True)
 
@@ -32,6 +32,31 @@ class Schedule(BaseModel):
         json_schema_extra=_doc("Steps from the end of warmup to min_lr."))
     min_lr: float = Field(0.0, ge=0, description="a number >= 0 and <= optimizer.lr (the lr "
                           "linear / cosine decay ends at)")
+
+
+class Optimizer(BaseModel):
+    model_config = _STRICT
+    name: Literal["adamw", "sgd"] = Field("adamw", description="one of 'adamw', 'sgd'")
+    lr: float = Field(1.0e-3, gt=0, description="a number > 0",
+                      json_schema_extra=_doc("Learning rate of run.py --train and of the --verify step."))
+    weight_decay: float = Field(0.0, ge=0, description="a number >= 0")
+    max_norm: Optional[float] = Field(
+        None, gt=0, description="null (no clipping) or a number > 0 (clip the global gradient "
+                                "2-norm to it)",
+        json_schema_extra=_doc(
+            "The norm of all gradients of the original model, each element counted once over "
+            "tp shards, pipeline stages and FSDP shards (tied and copied weights once), as "
+            "torch.nn.utils.clip_grad_norm_ of the unmodified model; run.py --log-every prints "
+            "it. The Python API: pm.clip_grad_norm_(max_norm)."))
+    schedule: Schedule = Field(Schedule(), description="the learning-rate schedule of run.py "
+                               "--train: warmup, then decay to min_lr")
+
+    @model_validator(mode="after")
+    def _min_lr(self) -> "Optimizer":
+        if self.schedule.min_lr > self.lr:
+            raise ValueError(f"optimizer.schedule.min_lr ({self.schedule.min_lr}) must be <= "
+                             f"optimizer.lr ({self.lr}); lower min_lr or raise lr.")
+        return self
 
 
 class Train(BaseModel):

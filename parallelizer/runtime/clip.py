@@ -59,22 +59,18 @@ class GradNorm:
         inf = math.isinf(norm_type)
         if not inf and norm_type != 2.0:
             raise ValueError(f"norm_type must be 2.0 or inf, got {norm_type}")
-        total = torch.zeros((), dtype=torch.float64)
-        device = None
+        # on the device, one all-reduce: no host sync per parameter
+        total = torch.zeros((), dtype=torch.float64, device=_device_of(self.params))
         for _, p, regions in self.params:
             if p.grad is None or regions is None:
                 continue
-            g = local_tensor(p.grad)
-            device = g.device
-            for piece in _pieces(g, regions):
+            for piece in _pieces(local_tensor(p.grad), regions):
                 if not piece.numel():
                     continue
                 if inf:
-                    total = torch.maximum(total, piece.detach().abs().max().double().cpu())
+                    total = torch.maximum(total, piece.detach().abs().max().double())
                 else:
-                    total += piece.detach().double().pow(2).sum().cpu()
-        device = device or _device_of(self.params)
-        total = total.to(device)
+                    total += piece.detach().double().pow(2).sum()
         dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
         return (total if inf else total.sqrt()).float()
 
