@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
+import subprocess
 import sys
 import sysconfig
 from pathlib import Path
@@ -29,6 +31,7 @@ from parallelizer.frontend.model_file import load_model_file
 from parallelizer.frontend.spec import load_spec
 from parallelizer.runtime.lr_schedule import make_schedule
 from parallelizer.runtime.metrics import read_rows
+from parallelizer.runtime.periodic import FAULT_ENV
 from parallelizer.runtime.token_data import TokenData
 
 from ._common import ENV, REPO, compile_program, free_port, run
@@ -58,24 +61,36 @@ def write_corpus(out: Path, limit: int) -> tuple[Path, Path, int, int]:
     return train, evals, cut, len(ids) - cut
 
 
-def torchrun(out: Path, nproc: int, args: list[str]) -> str:
+def torchrun(out: Path, nproc: int, args: list[str], env: dict | None = None) -> int:
+    """run.py under torchrun; its exit status (a crash injected by ``env`` is expected)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(out / "run.py"),
            "--device", "cpu", *args]
-    return run(cmd, env=ENV, timeout=3600, what=f"run.py {' '.join(args[:3])}")
+    if env is None:
+        run(cmd, env=ENV, timeout=3600, what=f"run.py {' '.join(args[:3])}")
+        return 0
+    return subprocess.run(cmd, capture_output=True, text=True, env={**ENV, **env}, cwd=REPO,
+                          timeout=3600).returncode
 
 
 def train_program(name: str, mesh: dict, data: list[str], root: Path, steps: int, every: int,
-                  evals: int, extra: list[str] = (), log: str | None = None) -> list[dict]:
+                  evals: int, extra: list[str] = (), log: str | None = None,
+                  env: dict | None = None) -> list[dict]:
     """Compile the example at ``mesh`` and train it; its logged rows."""
     out = root / f"program-{name}"
     if not (out / "plan.json").exists():
         compile_program(out, [f"mesh.{k}={v}" for k, v in mesh.items()] + data,
                         model=EXAMPLE / "model.py", spec=EXAMPLE / "spec.yaml")
     logs = root / (log or f"logs-{name}")
-    torchrun(out, mesh["dp"] * mesh["tp"] * mesh["pp"],
-             ["--train", "--steps", str(steps), "--log-every", str(every), "--log-dir", str(logs),
-              "--eval-every", str(evals), *extra])
+    done = logs / "metrics.jsonl"
+    if log is None and done.is_file() and any(r.get("step") == steps for r in read_rows(done)):
+        print(f"{name}: reusing the finished run in {logs}")  # a rerun of this script
+        return read_rows(done)
+    code = torchrun(out, mesh["dp"] * mesh["tp"] * mesh["pp"],
+                    ["--train", "--steps", str(steps), "--log-every", str(every), "--log-dir",
+                     str(logs), "--eval-every", str(evals), *extra], env)
+    if env is not None:
+        print(f"{name}: the run with {env} exited {code} (killed mid-save, as intended)")
     return read_rows(logs / "metrics.jsonl")
 
 
@@ -130,6 +145,8 @@ def main() -> int:
     p.add_argument("--bytes", type=int, default=2_000_000, help="corpus size (bytes of source)")
     p.add_argument("--out", type=Path, default=Path("/tmp/pz-corpus"))
     a = p.parse_args()
+    for stale in ("ck-tp2-pp2", "logs-resumed"):  # a previous run's
+        shutil.rmtree(a.out / stale, ignore_errors=True)
     a.out.mkdir(parents=True, exist_ok=True)
     train, evals, n_train, n_eval = write_corpus(a.out, a.bytes)
     print(f"corpus: {n_train} training and {n_eval} held-out bytes of {sysconfig.get_paths()['stdlib']}")
@@ -138,13 +155,16 @@ def main() -> int:
     curves = {name: train_program(name, mesh, data, a.out, a.steps, a.log_every, evals)
               for name, mesh in MESHES.items()}
     curves["eager"] = eager_reference(train, a.steps, a.log_every)
-    half = a.steps // 2  # stop at half-way, then the same command line resumes it
-    ck = a.out / "ck-tp2-pp2"
-    common = ["--save", str(ck), "--save-every", str(half)]
-    train_program("tp2-pp2", MESHES["tp2-pp2"], data, a.out, half, a.log_every, evals, common,
-                  "logs-resumed")
+    # a crash mid-schedule: rank 1 kills itself (SIGKILL) during the save after step
+    # 3/4 of the run, leaving the half-way checkpoint the newest complete one; the same
+    # command line then resumes from it (--resume auto), as a restarted job does
+    half, ck = a.steps // 2, a.out / "ck-tp2-pp2"
+    line = ["--save", str(ck), "--save-every", str(half // 2), "--resume", "auto"]
+    crash = {FAULT_ENV: f"{half + half // 2}:1"}
+    train_program("tp2-pp2", MESHES["tp2-pp2"], data, a.out, a.steps, a.log_every, evals, line,
+                  "logs-resumed", crash)
     resumed = train_program("tp2-pp2", MESHES["tp2-pp2"], data, a.out, a.steps, a.log_every, evals,
-                            [*common, "--resume", "auto"], "logs-resumed")
+                            line, "logs-resumed")
     return report(curves, resumed, a)
 
 
@@ -171,8 +191,9 @@ def report(curves: dict, resumed: list[dict], a) -> int:
           ", ".join(f"{n} {v:.2e}" for n, v in worst.items()) + f" (tolerance {a.tol:g})")
     print("held-out loss / perplexity at tp2 x pp2: " + ", ".join(
         f"step {r['step']}: {r['eval_loss']:.4f} / {math.exp(r['eval_loss']):.3f}" for r in ppl))
-    print(f"resumed at step {a.steps // 2} with --resume auto: logged rows equal the uninterrupted "
-          f"run's exactly (loss, grad norm, lr, eval): {same}")
+    print(f"killed during the step-{3 * a.steps // 4} save, rerun with the same command line "
+          f"(--resume auto, from step {a.steps // 2}): logged rows equal the uninterrupted run's "
+          f"exactly (loss, grad norm, lr, eval): {same}")
     plot(curves, a.out / "loss_curves.png")
     (a.out / "corpus.json").write_text(json.dumps({"curves": curves, "resumed": resumed,
                                                    "worst": worst, "resume_exact": same}, indent=1))
