@@ -138,7 +138,10 @@ def run_worker(program: Path, nproc: int, args: list[str], env: dict | None = No
 
 
 def mesh_overrides(tp: int = 1, dp: int = 1, pp: int = 1) -> list[str]:
-    return [f"mesh.tp={tp}", f"mesh.dp={dp}", f"mesh.pp={pp}"]
+    """The mesh; at pp = 1 also ``pipeline.microbatches=1``: the spec's microbatches would
+    split (accumulate) the step there, which the native baseline at pp = 1 does not."""
+    return [f"mesh.tp={tp}", f"mesh.dp={dp}", f"mesh.pp={pp}"] + (
+        ["pipeline.microbatches=1"] if pp == 1 else [])
 
 
 def base_parser(description: str, json_name: str):

@@ -34,6 +34,9 @@ from .native_llama import NativeLlama
 def _parser():
     p = argparse.ArgumentParser()
     p.add_argument("--program", type=Path, required=True, help="OUT/ of parallelize")
+    p.add_argument("--compiled", type=Path, default=None,
+                   help="a second OUT/ of the same spec with compile: true, stepped as a third "
+                        "side 'compiled' (benchmarks/compiled_step.py)")
     p.add_argument("--steps", type=int, default=5, help="timed steps (each side)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -52,8 +55,8 @@ class Ours:
     """The emitted program: run.py --train's stage, StepRunner and optimizer."""
     name = "ours"
 
-    def __init__(self, out: Path, plan: ParallelPlan, ctx, spec: dict, loss_fn):
-        self.plan, self.ctx = plan, ctx
+    def __init__(self, out: Path, plan: ParallelPlan, ctx, spec: dict, loss_fn, name: str = "ours"):
+        self.plan, self.ctx, self.name = plan, ctx, name
         self.stage = build_stages(out, plan, ctx)
         self.runner = StepRunner(self.stage, plan, ctx, loss_fn)
         o = spec["optimizer"]
@@ -145,6 +148,9 @@ def main(argv=None) -> None:
     torch.manual_seed(0)
     sides = [Ours(args.program, plan, ctx, spec, module.loss_fn),
              Baseline(module, plan, ctx, spec, args.perturb_baseline)]
+    if args.compiled is not None:  # same mesh, so the same groups; blocks under torch.compile
+        cplan = ParallelPlan.from_json((args.compiled / "plan.json").read_text())
+        sides.append(Ours(args.compiled, cplan, ctx, spec, module.loss_fn, "compiled"))
     batches = module.batches()
     result = {"mesh": plan.mesh, "microbatches": plan.microbatches, "schedule": plan.schedule,
               "zero_stage": plan.zero_stage, "device": args.device, "warmup": args.warmup,
@@ -153,6 +159,7 @@ def main(argv=None) -> None:
               "losses": {s.name: [] for s in sides}, "rtol": args.rtol, "atol": args.atol}
     for i in range(args.warmup + args.steps):
         batch = next(batches)
+        result["tokens_per_step"] = batch["input_ids"].numel()
         order = sides if i % 2 == 0 else sides[::-1]  # alternate who goes first
         for side in order:
             dt, cpu, loss = _timed(side, batch, ctx.device)
@@ -172,13 +179,15 @@ def main(argv=None) -> None:
 def _check_losses(result, sides, i) -> None:
     """Both sides must train the same model: equal loss at every step (the same decision on
     every rank, since both losses are global)."""
-    a, b = (result["losses"][s.name][i] for s in sides)
+    b = result["losses"][sides[1].name][i]
     tol = result["atol"] + result["rtol"] * abs(b)
-    result["max_loss_diff"] = max(result.get("max_loss_diff", 0.0), abs(a - b))
     result["checked_steps"] = result.get("checked_steps", 0) + 1
-    if not abs(a - b) <= tol:
-        raise AssertionError(f"LOSS MISMATCH at step {i + 1}: {sides[0].name} {a:.8f} vs "
-                             f"{sides[1].name} {b:.8f} (|diff| {abs(a - b):.3g} > tol {tol:.3g})")
+    for side in sides[:1] + sides[2:]:
+        a = result["losses"][side.name][i]
+        result["max_loss_diff"] = max(result.get("max_loss_diff", 0.0), abs(a - b))
+        if not abs(a - b) <= tol:
+            raise AssertionError(f"LOSS MISMATCH at step {i + 1}: {side.name} {a:.8f} vs "
+                                 f"{sides[1].name} {b:.8f} (|diff| {abs(a - b):.3g} > tol {tol:.3g})")
 
 
 def _record(sides, batch, ctx) -> dict:

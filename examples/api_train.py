@@ -3,7 +3,9 @@
     torchrun --nproc-per-node 4 examples/api_train.py mesh.tp=2 mesh.pp=2 mesh.dp=1
     torchrun --nproc-per-node 4 examples/api_train.py mesh.dp=2 mesh.tp=2 mesh.pp=1
 
-Arguments are spec overrides. Prints `step i loss x lr y` on rank 0. With `--single` it
+Arguments are spec overrides. Prints `step i loss x lr y norm z` on rank 0: the global
+gradient norm before clipping to MAX_NORM, `pm.clip_grad_norm_` (every mesh dim, each
+parameter counted once) against `torch.nn.utils.clip_grad_norm_` of the single model. With `--single` it
 trains the unmodified model on one process instead (the reference the tests compare with).
 `--save DIR` then writes a checkpoint from every rank (`pm.save_checkpoint`) and checks it
 against the explicit gather `pm.full_state_dict()` on rank 0.
@@ -18,6 +20,7 @@ import parallelizer as pz
 
 HERE = Path(__file__).resolve().parent
 STEPS = 3
+MAX_NORM = 0.5  # below the norms of these steps: clipping changes every update
 
 
 def load_example():
@@ -52,9 +55,10 @@ def main(argv: list[str]) -> None:
         for step, batch in enumerate(batches(example.example_inputs(), spec.seed)):
             loss = example.loss_fn(model(**batch), batch)
             loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
             lr = sched.get_last_lr()[0]
             opt.step(); sched.step(); opt.zero_grad()
-            print(f"step {step + 1} loss {loss.item():.6f} lr {lr:.6f}", flush=True)
+            print(f"step {step + 1} loss {loss.item():.6f} lr {lr:.6f} norm {norm.item():.9f}", flush=True)
         return
     pm = pz.parallelize(model, spec, example_inputs=example.example_inputs(), loss_fn=example.loss_fn)
     if torch.distributed.get_rank() == 0:
@@ -62,10 +66,11 @@ def main(argv: list[str]) -> None:
     opt, sched = optimizer_and_scheduler(pm.parameters())
     for step, batch in enumerate(batches(example.example_inputs(), spec.seed)):
         loss = pm.step(pm.shard_batch(batch))
+        norm = pm.clip_grad_norm_(MAX_NORM)  # over every rank, not this rank's shards
         lr = sched.get_last_lr()[0]
         opt.step(); sched.step(); opt.zero_grad()
         if torch.distributed.get_rank() == 0:
-            print(f"step {step + 1} loss {loss.item():.6f} lr {lr:.6f}", flush=True)
+            print(f"step {step + 1} loss {loss.item():.6f} lr {lr:.6f} norm {norm.item():.9f}", flush=True)
     if save is not None:
         pm.save_checkpoint(save)  # every rank writes its own shards
         full = pm.full_state_dict()  # an explicit gather to rank 0, for comparison

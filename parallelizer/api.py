@@ -29,6 +29,7 @@ from .compiler import compile_module
 from .errors import UserError
 from .emit.program import Program
 from .runtime.batching import dp_slice
+from .runtime.clip import GradNorm
 from .runtime.setup import RankContext, init
 from .runtime.stage_builder import LocalStages, instantiate, load_into, stage_class_from_source
 from .runtime.step import StepRunner
@@ -36,7 +37,7 @@ from .runtime.train import gather_full_state, save_checkpoint
 from .frontend.model_file import default_loss
 from .frontend.spec import Spec, load_spec
 
-__all__ = ["load_spec", "compile", "parallelize", "ParallelModule", "Program"]
+__all__ = ["load_spec", "compile", "parallelize", "ParallelModule", "Program", "clip_grad_norm_"]
 
 
 def compile(model: torch.nn.Module, spec: Spec, example_inputs, loss_fn: Optional[Callable] = None,
@@ -121,6 +122,18 @@ def parallelize(model: torch.nn.Module, spec: Spec, example_inputs, loss_fn: Opt
     return ParallelModule(stage, plan, ctx, loss_fn or default_loss)
 
 
+def clip_grad_norm_(module: "ParallelModule", max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """``module.clip_grad_norm_(max_norm, norm_type)`` (:meth:`ParallelModule.clip_grad_norm_`).
+
+    Raises:
+        UserError: ``module`` is not a ParallelModule (a plain module: use torch's own).
+    """
+    if not isinstance(module, ParallelModule):
+        raise UserError(f"pz.clip_grad_norm_ takes the ParallelModule pz.parallelize returned, got "
+                        f"{type(module).__name__}; for a plain module use torch.nn.utils.clip_grad_norm_")
+    return module.clip_grad_norm_(max_norm, norm_type)
+
+
 def _check_launch(spec: Spec) -> None:
     need = spec.mesh.dp * spec.mesh.tp * spec.mesh.pp
     launch = (f"launch your script with `torchrun --nproc-per-node {need} your_script.py` "
@@ -152,6 +165,7 @@ class ParallelModule:
         self.stages, self.plan, self.ctx = stages, plan, ctx
         self.module = stages.modules[0]
         self._runner = StepRunner(stages, plan, ctx, loss_fn)
+        self._norm = GradNorm(stages, plan, ctx)
         self.pp_rank, self.dp_rank, self.tp_rank = ctx.pp_rank, ctx.dp_rank, ctx.tp_rank
 
     def parameters(self):
@@ -181,6 +195,27 @@ class ParallelModule:
             The loss (0-dim fp32 tensor), the mean over the whole global batch, on every rank.
         """
         return self._runner.step(inputs, target)[0]
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` of the whole model, across every rank: the
+        global norm of all gradients, each element of the original model counted once over
+        tp shards, pipeline stages and FSDP shards (tied and copied weights once;
+        runtime/clip.py), and every local gradient scaled by ``min(1, max_norm / (norm +
+        1e-6))``. Call it on every rank after :meth:`step`, before ``opt.step()``; torch's own
+        ``clip_grad_norm_(pm.parameters())`` would see only this rank's shards (under pp a
+        per-stage norm).
+
+        Returns:
+            The total norm before clipping (0-dim fp32, the same on every rank).
+
+        Raises:
+            ValueError: ``norm_type`` other than 2 or inf.
+        """
+        return self._norm.clip_(max_norm, norm_type)
+
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The global gradient norm of :meth:`clip_grad_norm_`, without clipping."""
+        return self._norm.norm(norm_type)
 
     def save_checkpoint(self, path: str | Path) -> None:
         """Write the weights in the plan's sharded layout, atomically: every rank writes its

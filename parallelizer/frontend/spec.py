@@ -15,7 +15,12 @@ Defaults::
     zero_stage: 3
     checkpoint: {path: null}
     seed: 0
-    optimizer: {name: adamw, lr: 1.0e-3, weight_decay: 0.0}
+    optimizer: {name: adamw, lr: 1.0e-3, weight_decay: 0.0, max_norm: null,
+                schedule: {warmup_steps: 0, decay: constant, decay_steps: null, min_lr: 0.0}}
+    train: {grad_accum: 1}
+    data: {path: null, dtype: uint16, seq_len: null, batch_size: null, shuffle: true,
+           eval: null, eval_batches: 8}
+    compile: false
     verify: {atol: 1.0e-5, rtol: 1.0e-5, optimizer: sgd}
     activation_checkpointing: {mode: none, every: 2}
     fsdp: {prefetch: {forward: null, backward: null}, offload: false}   # null prefetch = 1
@@ -23,10 +28,10 @@ Defaults::
     data_parallel: {compression: none, error_feedback: true,
                     powersgd: {rank: null, start_iter: null}, topk: {ratio: null}}
 
-``mesh.dp_replicate``, ``fsdp.*`` and non-fp32 ``mixed_precision`` need FSDP2 (zero_stage
-2/3); under zero_stage 0/1 they are a SpecError rather than silently ignored or emulated
-with autocast (autocast would compute in low precision but keep fp32 gradients, a
-different contract from FSDP2's parameter/reduce dtypes).
+``mesh.dp_replicate``, ``fsdp.*`` and a non-fp32 ``mixed_precision.reduce_dtype`` need FSDP2
+(zero_stage 2/3); under zero_stage 0/1 they are a SpecError rather than silently ignored.
+``mixed_precision.param_dtype`` works on every layout: FSDP2's policy under zero_stage 2/3,
+autocast with fp32 master weights under 0/1 (runtime/data_parallel.py).
 """
 from __future__ import annotations
 
@@ -43,6 +48,7 @@ from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from parallelizer.errors import SpecError
+from parallelizer.frontend.spec_train import Data, Optimizer, Train
 from parallelizer.plan.schedules import check as check_schedule
 
 _STRICT = ConfigDict(extra="forbid", frozen=True, strict=True)
@@ -95,6 +101,9 @@ class Pipeline(BaseModel):
     model_config = _STRICT
     microbatches: int = Field(1, ge=1, description="an integer >= 1 (microbatches per step)",
                               json_schema_extra=_doc(
+                                  "At mesh.pp 1 too the step splits the batch into this many "
+                                  "microbatches whose gradients accumulate (the dp reduction in the "
+                                  "last one only), so the batch per dp rank must be a multiple of it. "
                                   "Under 1f1b >= mesh.pp; with dualpipev >= 2 x mesh.pp; with "
                                   "interleaved_1f1b / interleaved_zero_bubble a multiple of "
                                   "max(1, microbatches // mesh.pp). `parallelize check` warns "
@@ -143,14 +152,6 @@ class Checkpoint(BaseModel):
             "The weights to start from (model.safetensors or a sharded "
             "model.safetensors.index.json). A relative path is relative to the spec file (to "
             "the current directory when given as an override)."))
-
-
-class Optimizer(BaseModel):
-    model_config = _STRICT
-    name: Literal["adamw", "sgd"] = Field("adamw", description="one of 'adamw', 'sgd'")
-    lr: float = Field(1.0e-3, gt=0, description="a number > 0",
-                      json_schema_extra=_doc("Learning rate of run.py --train and of the --verify step."))
-    weight_decay: float = Field(0.0, ge=0, description="a number >= 0")
 
 
 class Verify(BaseModel):
@@ -245,11 +246,16 @@ class MixedPrecision(BaseModel):
         "fp32", description="one of 'fp32', 'bf16', 'fp16' (dtype of the gathered parameters "
                             "in forward and backward)",
         json_schema_extra=_doc(
-            "FSDP2 MixedPrecisionPolicy: the sharded fp32 parameters stay the master copy; "
-            "zero_stage 2/3 only (an error under 0/1)."))
+            "zero_stage 2/3: FSDP2 MixedPrecisionPolicy, the sharded fp32 parameters stay the "
+            "master copy. zero_stage 0/1 and tp/pp-only layouts: the stages run under "
+            "torch.autocast(param_dtype) with fp32 parameters, gradients and optimizer state. "
+            "Both autocast the forward; fp16 adds a dynamic loss scale (run.py --train). "
+            "--verify compares with the fp32 model at the dtype's tolerances."))
     reduce_dtype: Optional[Literal["fp32", "bf16", "fp16"]] = Field(
         None, description="null (= param_dtype) or one of 'fp32', 'bf16', 'fp16' (dtype of the "
-                          "gradient reduce-scatter / all-reduce)")
+                          "gradient reduce-scatter / all-reduce)",
+        json_schema_extra=_doc("FSDP2 only (zero_stage 2/3); under DDP the gradients are fp32 "
+                               "and data_parallel.compression sets the all-reduce dtype."))
 
 
 class PowerSgd(BaseModel):
@@ -314,7 +320,7 @@ class Spec(BaseModel):
                                                "their activations (docs/memory.md)")
     fsdp: Fsdp = Field(Fsdp(), description="FSDP2 options, zero_stage 2/3 only (docs/data-parallel.md)")
     mixed_precision: MixedPrecision = Field(
-        MixedPrecision(), description="FSDP2's parameter and reduce dtypes, zero_stage 2/3 only")
+        MixedPrecision(), description="the compute dtype (every layout) and FSDP2's reduce dtype")
     tensor_parallel: TensorParallel = Field(
         TensorParallel(), description="options of tensor parallelism (mesh.tp > 1): the "
                                       "vocabulary, the sequence, a model nothing of which shards "
@@ -322,6 +328,16 @@ class Spec(BaseModel):
     data_parallel: DataParallel = Field(
         DataParallel(), description="gradient compression of the data-parallel reduction "
                                     "(docs/data-parallel.md)")
+    train: Train = Field(Train(), description="run.py --train: gradient accumulation (docs/run.md)")
+    data: Data = Field(Data(), description="token data for run.py --train and --eval-every "
+                       "(docs/run.md#data)")
+    compile: bool = Field(False, description="true or false (torch.compile each emitted block)",
+                          json_schema_extra=_doc(
+                              "As torchtitan: every block (FSDP / activation-checkpointing unit) "
+                              "of every stage is compiled in place (nn.Module.compile, inductor), "
+                              "so parameter names stay the original ones; the first step "
+                              "compiles (seconds to minutes). --verify compares the compiled "
+                              "program too."))
 
     @model_validator(mode="after")
     def _check_compression(self) -> "Spec":
@@ -345,14 +361,15 @@ class Spec(BaseModel):
                      ("fsdp.offload", "true", self.fsdp.offload),
                      ("fsdp.prefetch.forward", self.fsdp.prefetch.forward, self.fsdp.prefetch.forward is not None),
                      ("fsdp.prefetch.backward", self.fsdp.prefetch.backward, self.fsdp.prefetch.backward is not None),
-                     ("mixed_precision.param_dtype", mp.param_dtype, mp.param_dtype != "fp32"),
                      ("mixed_precision.reduce_dtype", mp.reduce_dtype, mp.reduce_dtype not in (None, "fp32"))]
             for key, value, bad in needs:
                 if bad:
+                    also = (" (for low-precision gradient all-reduces under DDP use "
+                            "data_parallel.compression: bf16 or fp16)" if "reduce" in key else "")
                     raise ValueError(
                         f"{key}={value} needs FSDP2, i.e. zero_stage 2 or 3, but zero_stage is {z} "
                         f"(DDP{' + ZeroRedundancyOptimizer' if z == 1 else ''}, which has no such "
-                        f"policy); set zero_stage=2 or zero_stage=3, or remove {key}.")
+                        f"policy); set zero_stage=2 or zero_stage=3, or remove {key}{also}.")
         return self
 
     @model_validator(mode="after")
@@ -362,6 +379,12 @@ class Spec(BaseModel):
         problem = check_schedule(p.schedule, self.mesh.pp, p.virtual_stages, p.microbatches)
         if problem:
             raise ValueError(problem)
+        n = self.train.grad_accum
+        problem = n > 1 and check_schedule(p.schedule, self.mesh.pp, p.virtual_stages, p.microbatches * n)
+        if problem:
+            raise ValueError(f"train.grad_accum ({n}) runs {p.microbatches * n} microbatches "
+                             f"(pipeline.microbatches x grad_accum) per step, which the schedule "
+                             f"refuses: {problem}")
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -395,8 +418,8 @@ def load_spec(path: str | Path, overrides: Sequence[str] = ()) -> Spec:
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or "?"
         raise SpecError(f"{key}: cannot resolve the value in {path}: {_omegaconf_msg(e)}") from None
-    from_override = any(o.split("=", 1)[0].strip() == "checkpoint.path" for o in overrides)
-    _resolve_checkpoint_path(data, Path.cwd() if from_override else path.resolve().parent)
+    overridden = {o.split("=", 1)[0].strip() for o in overrides}
+    _resolve_paths(data, lambda key: Path.cwd() if key in overridden else path.resolve().parent)
     try:
         return Spec.model_validate(data)
     except ValidationError as e:
@@ -434,12 +457,17 @@ def _parse_override(item: str) -> DictConfig:
         raise SpecError(f"malformed override '{item}': {_omegaconf_msg(e)}") from None
 
 
-def _resolve_checkpoint_path(data: Any, base: Path) -> None:
-    """Make a relative string ``checkpoint.path`` absolute against ``base`` (in place)."""
-    ckpt = data.get("checkpoint") if isinstance(data, dict) else None
-    if isinstance(ckpt, dict) and isinstance(ckpt.get("path"), str) and ckpt["path"]:
-        p = Path(ckpt["path"]).expanduser()
-        ckpt["path"] = os.path.normpath(p if p.is_absolute() else base / p)
+PATH_KEYS = (("checkpoint", "path"), ("data", "path"), ("data", "eval"))
+
+
+def _resolve_paths(data: Any, base_of) -> None:
+    """Make each relative string path of ``PATH_KEYS`` absolute against ``base_of(dotted
+    key)`` (in place)."""
+    for section, key in PATH_KEYS:
+        sec = data.get(section) if isinstance(data, dict) else None
+        if isinstance(sec, dict) and isinstance(sec.get(key), str) and sec[key]:
+            p = Path(sec[key]).expanduser()
+            sec[key] = os.path.normpath(p if p.is_absolute() else base_of(f"{section}.{key}") / p)
 
 
 def _omegaconf_msg(e: BaseException) -> str:

@@ -86,9 +86,12 @@ def plan_settings(spec) -> dict:
 
 
 def reduce_dtype(spec) -> str:
-    """FSDP2's reduce dtype: fp16/bf16 compression under zero_stage 2/3 sets it."""
+    """FSDP2's reduce dtype: fp16/bf16 compression under zero_stage 2/3 sets it; fp32 under
+    zero_stage 0/1 (DDP reduces the fp32 gradients autocast leaves)."""
     mp = spec.mixed_precision
-    if spec.data_parallel.compression in ("fp16", "bf16") and spec.zero_stage >= 2:
+    if spec.zero_stage < 2:  # DDP all-reduces the fp32 gradients (autocast keeps them fp32)
+        return "fp32"
+    if spec.data_parallel.compression in ("fp16", "bf16"):
         return spec.data_parallel.compression
     return mp.reduce_dtype or mp.param_dtype
 

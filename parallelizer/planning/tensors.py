@@ -111,16 +111,34 @@ def build_plan(spec, captured, gm, model, groups, tp: TPDecision, vocab: VocabDe
         prefetch_backward=_default(spec.fsdp.prefetch.backward, 1),
         offload=spec.fsdp.offload, param_dtype=spec.mixed_precision.param_dtype,
         reduce_dtype=compression_reduce_dtype(spec), compression=plan_settings(spec),
-        structure=structure, settings=run_settings(spec),
+        structure=structure, settings=run_settings(spec, token_vocab(gm)),
         imports=modules_needed(gm.graph, captured.out_spec, MODEL_MODULE),
         scalar_outputs=scalar_outputs(gm), vocab_outputs=tuple(sorted(vocab.outputs.items())),
         dropout=tuple(dataclasses.asdict(d) for d in dropout))
     return dataclasses.replace(plan, grad_sync=grad_sync_groups(plan))
 
 
-def run_settings(spec) -> dict:
-    """The spec's sections run.py reads (``ParallelPlan.settings``)."""
-    return {"optimizer": spec.optimizer.model_dump(), "verify": spec.verify.model_dump()}
+def run_settings(spec, vocab_size: int | None = None) -> dict:
+    """The spec's sections run.py reads (``ParallelPlan.settings``); ``data.vocab_size``:
+    the rows of the embedding the token ids index (:func:`token_vocab`), which token data
+    is checked against."""
+    return {"optimizer": spec.optimizer.model_dump(), "verify": spec.verify.model_dump(),
+            "train": spec.train.model_dump(), "compile": spec.compile,
+            "data": {**spec.data.model_dump(), "vocab_size": vocab_size}}
+
+
+def token_vocab(gm: fx.GraphModule) -> int | None:
+    """The vocabulary of the model's token-id input: the rows of the embedding weight that
+    ``aten.embedding`` looks the first integer input up in (None when there is none). Read
+    from the captured graph (global shapes), before any rewrite."""
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"
+              and getattr(n.meta.get("val"), "dtype", None) in (torch.int64, torch.int32)]
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten.embedding.default \
+                and inputs and node.args[1] is inputs[0]:
+            weight = node.args[0].meta.get("val")
+            return int(weight.shape[0]) if weight is not None else None
+    return None
 
 
 def _default(value, default):

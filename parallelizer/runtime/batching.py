@@ -37,7 +37,7 @@ def dp_slice(plan: ParallelPlan, batch, dp_rank: int, device) -> tuple | dict:
     """
     flat = flatten(plan, batch)
     b = flat[0].shape[0]
-    dp, m = plan.mesh["dp"], plan.microbatches if plan.mesh["pp"] > 1 else 1
+    dp, m = plan.mesh["dp"], plan.microbatches  # at pp = 1 too: the step accumulates them
     if b % (dp * m):
         raise ValueError(f"batch size {b} is not divisible by mesh.dp ({dp}) x "
                          f"pipeline.microbatches ({m}) = {dp * m}; use a batch size that is a "

@@ -36,6 +36,8 @@ def apply_data_parallel(stage: torch.nn.Module, ctx: RankContext, plan) -> None:
     """Wrap ``stage`` for data parallelism in place by ``plan.zero_stage`` (no-op when
     dp = 1, except for FSDP2 mixed precision or offload, which apply at dp = 1 too)."""
     zero_stage = plan.zero_stage
+    if zero_stage in (0, 1) and plan.param_dtype != "fp32":  # fp32 master weights, autocast
+        _autocast_forward(stage, ctx.device.type, TORCH_DTYPES[plan.param_dtype])
     fsdp_options = plan.param_dtype != "fp32" or plan.reduce_dtype != "fp32" or plan.offload
     if ctx.mesh["dp"].size() == 1 and not (zero_stage >= 2 and fsdp_options):
         return

@@ -17,8 +17,10 @@ from ..plan.schedules import with_schedule
 from ..plan.parallel_plan import ParallelPlan
 from .setup import init, world_size_error
 from .stage_builder import build_stages
-from .periodic import check_periodic_folder, prune, resolve_auto, step_dir
-from .train import check_save_target, run_train, save_checkpoint, training_state_error
+from .periodic import check_periodic_folder, prune, resolve_auto, scan, step_dir
+from .loop import TrainOptions, run_train
+from .stops import RunStopped
+from .train import check_save_target, save_checkpoint, training_state_error
 from .verify import run_verify
 
 
@@ -45,8 +47,9 @@ def _parser() -> argparse.ArgumentParser:
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--verify", action="store_true",
                       help="one step on the reference inputs; compare with the unmodified model")
-    mode.add_argument("--train", action="store_true", help="train for --steps steps")
-    p.add_argument("--steps", type=_steps, default=10, help="training steps (default 10)")
+    mode.add_argument("--train", action="store_true", help="train up to step --steps")
+    p.add_argument("--steps", type=_steps, default=10,
+                   help="optimizer steps in all, counting those of a --resume checkpoint (default 10)")
     p.add_argument("--save", type=Path, help="write the trained weights here, same sharded layout")
     p.add_argument("--load", type=Path, help="start from this checkpoint instead of OUT/checkpoint")
     p.add_argument("--profile", action="store_true",
@@ -57,16 +60,33 @@ def _parser() -> argparse.ArgumentParser:
                                       "one (same stages; e.g. compare zbv with interleaved_1f1b)")
     p.add_argument("--resume", type=Path,
                    help="continue training from a --save checkpoint: weights, optimizer state, step "
-                        "counter, data position and RNG state (reshard it to this program's layout "
-                        "first); 'auto': the newest complete checkpoint of the --save folder (none: "
-                        "start from the weights), and --steps counts all steps, so a job restarted "
-                        "by torchrun --max-restarts reruns the same command line")
+                        "counter, LR schedule, data position and RNG state (reshard it to this "
+                        "program's layout first); 'auto': the newest complete checkpoint of the "
+                        "--save folder (none: start from the weights); --steps counts all steps "
+                        "either way, so a job restarted by torchrun --max-restarts reruns the same "
+                        "command line")
     p.add_argument("--save-every", type=_positive, metavar="N",
                    help="with --train --save DIR: write DIR/step-NNNNNNNN every N steps and at the end")
     p.add_argument("--keep", type=_positive, metavar="K",
                    help="with --save-every: keep only the K newest complete checkpoints")
     p.add_argument("--device", choices=("cpu", "cuda"),
                    help="default: cuda (NCCL) when available, else cpu (gloo)")
+    p.add_argument("--batch-size", type=_positive, metavar="B",
+                   help="with --train: the global batch size of synthetic or data: batches "
+                        "(default: data.batch_size, else example_inputs()')")
+    p.add_argument("--seq-len", type=_positive, metavar="T",
+                   help="with --train: the sequence length of synthetic or data: batches")
+    p.add_argument("--log-every", type=_positive, metavar="N",
+                   help="with --train: every N steps a 'log step' line (loss, grad norm, lr, "
+                        "tokens/s, MFU, peak memory), also to LOG_DIR/metrics.jsonl, TensorBoard "
+                        "events and LOG_DIR/loss.png at the end")
+    p.add_argument("--eval-every", type=_positive, metavar="N",
+                   help="with --train: every N steps the loss and perplexity on data.eval")
+    p.add_argument("--log-dir", type=Path, metavar="DIR",
+                   help="where --log-every writes (default OUT/logs)")
+    p.add_argument("--peak-tflops", type=float, metavar="X",
+                   help="the peak TFLOP/s of one device for MFU (default: the GPU's data-sheet "
+                        "figure, on CPU a measured matmul rate)")
     return p
 
 
@@ -132,6 +152,12 @@ def _main(out_dir: Path, argv=None) -> int:
         code = _run(args, out_dir, plan, spec, ctx, loss_fn, model_module)
         done = True
         return code
+    except RunStopped as e:  # every rank stops at the same point; one reports it
+        done = True
+        if e.rank == ctx.rank:
+            print(f"run.py: error (rank {ctx.rank}): {e}{_last_checkpoint(args)}",
+                  file=sys.stderr, flush=True)
+        return e.code
     except (UserError, ValueError) as e:
         print(f"run.py: error (rank {ctx.rank}): {e}", file=sys.stderr, flush=True)
         return 2
@@ -143,10 +169,26 @@ def _main(out_dir: Path, argv=None) -> int:
             _shutdown()
 
 
+def _last_checkpoint(args) -> str:
+    """Where the last complete checkpoint of this run is, for a stop message."""
+    if args.save and args.save_every:
+        complete, _ = scan(args.save)
+        return (f"; the last complete checkpoint is {complete[-1][1]} (step {complete[-1][0]})"
+                if complete else f"; {args.save} holds no complete checkpoint yet")
+    if args.save:
+        return f"; --save {args.save} was not written"
+    return ""
+
+
 def _periodic_args_error(args) -> str | None:
     """The --save / --save-every / --keep / --resume combination's error, checked before
     any process group exists."""
     auto = args.resume is not None and str(args.resume) == "auto"
+    train_only = [f for f, v in (("--batch-size", args.batch_size), ("--seq-len", args.seq_len),
+                                 ("--log-every", args.log_every), ("--eval-every", args.eval_every),
+                                 ("--log-dir", args.log_dir)) if v is not None]
+    if train_only and not args.train:
+        return f"{', '.join(train_only)} go(es) with --train"
     if args.resume and (args.load or not args.train):
         return "--resume goes with --train and replaces --load"
     if (args.save_every or args.keep) and not (args.train and args.save):
@@ -171,6 +213,9 @@ def _run(args, out_dir: Path, plan: ParallelPlan, spec: dict, ctx, loss_fn, mode
     log = (lambda text: print(text, flush=True)) if ctx.rank == 0 else (lambda text: None)
     resume = resolve_auto(args.save, log) if auto else args.resume
     stage = build_stages(out_dir, plan, ctx, resume or args.load)
+    if spec.get("compile"):
+        log(f"compile: {len(stage.emitted_blocks())} block(s) of this rank under torch.compile "
+            f"(inductor); the first step compiles them")
     if args.verify:
         code = run_verify(out_dir, plan, spec, stage, ctx, loss_fn)
         _profile(args, out_dir, plan, spec, stage, ctx, loss_fn, model_module)
@@ -178,16 +223,18 @@ def _run(args, out_dir: Path, plan: ParallelPlan, spec: dict, ctx, loss_fn, mode
     name = spec["optimizer"]["name"]
     saved = [None]
 
-    def periodic(step: int, opt) -> None:
+    def periodic(step: int, state) -> None:
         if args.save_every and step % args.save_every == 0:
-            _save_step(args, stage, plan, ctx, opt, step, name, log)
+            _save_step(args, stage, plan, ctx, state, step, name, log)
             saved[0] = step
 
+    options = TrainOptions(args.batch_size, args.seq_len, args.log_every, args.eval_every,
+                           args.log_dir or out_dir / "logs", args.peak_tflops)
     _, opt, step = run_train(plan, spec, stage, ctx, loss_fn, model_module, args.steps, resume,
-                             total=auto, after_step=periodic)
+                             after_step=periodic, options=options)
     if args.profile:  # MEMORY line per rank (runtime/memory.py)
         from .memory import print_memory
-        print_memory(stage, opt, ctx)
+        print_memory(stage, opt.optimizer, ctx)
     if args.save and not args.save_every:
         save_checkpoint(stage, plan, ctx, args.save, opt, step, name, profile=args.profile)
     elif args.save_every and saved[0] != step and step > 0 and not _complete(args.save, step):

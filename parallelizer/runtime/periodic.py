@@ -29,6 +29,7 @@ from ..errors import UserError
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 _PARTIAL = re.compile(r"^\.step-(\d{8})\.partial$")
 FAULT_ENV = "PARALLELIZER_FAULT_AFTER_RANK_FILES"
+DISK_FULL_ENV = "PARALLELIZER_FAULT_DISK_FULL"
 
 
 def step_dir(folder: Path, step: int) -> Path:
@@ -151,3 +152,11 @@ def fault_after_rank_files(step: int, rank: int) -> None:
         print(f"fault injection: rank {rank} kills itself (SIGKILL) during the step-{step} save",
               flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fault_disk_full(step: int | None, rank: int, path: Path) -> None:
+    """Test hook for a full disk: ``PARALLELIZER_FAULT_DISK_FULL=STEP:RANK`` makes global rank
+    RANK's file of the step-STEP save a symlink to ``/dev/full`` before it is written, so the
+    write fails with the kernel's own ENOSPC ("No space left on device"), as on a full disk."""
+    if step is not None and os.environ.get(DISK_FULL_ENV) == f"{step}:{rank}":
+        Path(path).symlink_to("/dev/full")

@@ -208,16 +208,19 @@ def _linear_forward(kind: str, x, w, b):
 
 
 def _linear_backward(kind: str, x, g, w, b, need_w: bool, need_b: bool):
-    """(grad of x, of w, of b) of :func:`_linear_forward`."""
-    x2, g2 = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
+    """(grad of x, of w, of b) of :func:`_linear_forward`. Under autocast the forward ran in
+    the gradient's dtype (bf16/fp16) on fp32 ``x`` and ``w``: the matmuls run in that dtype
+    as autocast's would, each gradient returned in its input's dtype (no-op casts in fp32)."""
+    dt = g.dtype
+    x2, g2, wc = x.reshape(-1, x.shape[-1]).to(dt), g.reshape(-1, g.shape[-1]), w.to(dt)
     if kind == "linear":
-        gx = (g2 @ w).view(*g.shape[:-1], w.shape[1])
+        gx = (g2 @ wc).view(*g.shape[:-1], w.shape[1])
         gw = g2.t() @ x2 if need_w else None
     else:
-        gx = g2 @ w.t()
+        gx = g2 @ wc.t()
         gw = x2.t() @ g2 if need_w else None
-    gb = g2.sum(0) if need_b and b is not None else None
-    return gx, gw, gb
+    gb = g2.sum(0).to(b.dtype) if need_b and b is not None else None
+    return gx.to(x.dtype), None if gw is None else gw.to(w.dtype), gb
 
 
 class GatheredLinears(torch.autograd.Function):

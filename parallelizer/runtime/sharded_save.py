@@ -34,8 +34,9 @@ from ..checkpoint.format import MANIFEST, OPTIM_STATES, dtype_name, optim_name
 from ..checkpoint.publish import fsync_dir, publish, write_synced
 from ..checkpoint.writer import FileLayout, build_manifest
 from ..plan.parallel_plan import ParallelPlan
-from .periodic import fault_after_rank_files, rng_state
+from .periodic import fault_after_rank_files, fault_disk_full, rng_state
 from .setup import RankContext
+from .stops import SaveFailed
 
 PARTIAL = ".partial"
 
@@ -64,29 +65,51 @@ def save_sharded(stages, plan: ParallelPlan, ctx: RankContext, out: Path, opt=No
         shutil.rmtree(tmp, ignore_errors=True)  # a crashed save's leftovers
         tmp.mkdir(parents=True)
     dist.barrier()
-    mine = {}
-    for s, module in stages:
-        items = _items(module, plan, opt)
-        entry = _write_rank_file(tmp, s, ctx, plan, items) if items else None
-        if entry is not None:
-            mine[entry[0]] = entry[1]
-    extras = dict([extra(tmp)]) if extra is not None else {}
+    mine, extras, error = {}, {}, None
+    step = train.get("step") if train is not None else None
+    try:  # a write error (disk full) must reach every rank, not hang them in the gather
+        for s, module in stages:
+            items = _items(module, plan, opt)
+            entry = _write_rank_file(tmp, s, ctx, plan, items, step) if items else None
+            if entry is not None:
+                mine[entry[0]] = entry[1]
+        extras = dict([extra(tmp)]) if extra is not None else {}
+    except OSError as e:
+        error = f"rank {ctx.rank} could not write {e.filename or tmp}: {e.strerror or e}"
     if train is not None:
-        fault_after_rank_files(train.get("step"), ctx.rank)
+        fault_after_rank_files(step, ctx.rank)
     rng = rng_state(ctx.device, plan.mesh) if train is not None else None
-    reports = _gather_json({"files": mine, "extra": extras, "rng": rng}, ctx)
+    reports = _gather_json({"files": mine, "extra": extras, "rng": rng, "error": error}, ctx)
+    errors = None
     if ctx.rank == 0:
-        files = {k: v for r in reports for k, v in r["files"].items()}
-        if train is not None:  # one RNG state per global rank, restored on the same world
-            train = {**train, "world_size": len(reports), "rng": [r["rng"] for r in reports]}
-        manifest = _manifest(plan, files, train)
-        manifest["files"].update((k, v) for r in reports for k, v in r["extra"].items())
-        validate_manifest(tmp, manifest, tmp / MANIFEST)  # our own output: a bug if it fails
+        errors = [r["error"] for r in reports if r["error"]] or _publish_manifest(
+            tmp, out, plan, reports, train)
+        if errors:
+            shutil.rmtree(tmp, ignore_errors=True)
+    errors = _broadcast_json(errors, ctx)
+    if errors:
+        intact = f"; {out} is unchanged" if out.exists() else ""
+        raise SaveFailed(f"the save to {out} failed and nothing was published: "
+                         f"{'; '.join(errors)}{intact}; free space or save elsewhere", rank=0)
+    return sum(f["bytes"] for f in mine.values()) + sum(f["bytes"] for f in extras.values())
+
+
+def _publish_manifest(tmp: Path, out: Path, plan: ParallelPlan, reports: list, train) -> list:
+    """Rank 0: write the manifest last and publish ``tmp`` as ``out``; the errors (empty
+    when it worked)."""
+    files = {k: v for r in reports for k, v in r["files"].items()}
+    if train is not None:  # one RNG state per global rank, restored on the same world
+        train = {**train, "world_size": len(reports), "rng": [r["rng"] for r in reports]}
+    manifest = _manifest(plan, files, train)
+    manifest["files"].update((k, v) for r in reports for k, v in r["extra"].items())
+    validate_manifest(tmp, manifest, tmp / MANIFEST)  # our own output: a bug if it fails
+    try:
         write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
         fsync_dir(tmp)
         publish(tmp, out, overwrite=True)
-    dist.barrier()
-    return sum(f["bytes"] for f in mine.values()) + sum(f["bytes"] for f in extras.values())
+    except OSError as e:
+        return [f"rank 0 could not write {e.filename or tmp / MANIFEST}: {e.strerror or e}"]
+    return []
 
 
 def _items(module, plan: ParallelPlan, opt) -> dict:
@@ -125,7 +148,8 @@ def _rows(t: torch.Tensor, ctx: RankContext, plan: ParallelPlan):
     return (t[lo:hi], [lo, hi]) if hi > lo else None
 
 
-def _write_rank_file(tmp: Path, stage: int, ctx: RankContext, plan: ParallelPlan, items: dict):
+def _write_rank_file(tmp: Path, stage: int, ctx: RankContext, plan: ParallelPlan, items: dict,
+                     step: int | None = None):
     """Write this rank's rows of ``items`` to its file; ``(name, {"sha256", "bytes",
     "tensors": {name: {"rows", "dtype"}}})`` or None when it holds nothing to write."""
     rows = {k: r for k, r in ((k, _rows(t, ctx, plan)) for k, t in sorted(items.items())) if r}
@@ -139,7 +163,11 @@ def _write_rank_file(tmp: Path, stage: int, ctx: RankContext, plan: ParallelPlan
 
     meta = {"format": "pt", "stage": str(stage), "tp_rank": str(ctx.tp_rank),
             "dp_rank": str(ctx.dp_rank)}
-    digest, size = write_streamed(tmp / name, specs, produce, meta, fsync=True)
+    fault_disk_full(step, ctx.rank, tmp / name)
+    try:
+        digest, size = write_streamed(tmp / name, specs, produce, meta, fsync=True)
+    except OSError as e:  # os.write's errors name no file: name it
+        raise OSError(e.errno, e.strerror, str(tmp / name)) from e
     tensors = {k: {"rows": r, "dtype": dtype_name(t.dtype)} for k, (t, r) in rows.items()}
     return name, {"sha256": digest, "bytes": size, "stage": stage, "tp_rank": ctx.tp_rank,
                   "tensors": tensors}
@@ -181,3 +209,15 @@ def _gather_json(obj, ctx: RankContext) -> list | None:
     if ctx.rank != 0:
         return None
     return [json.loads(bytes(p[:int(s)].cpu().tolist())) for p, s in zip(parts, sizes)]
+
+
+def _broadcast_json(obj, ctx: RankContext):
+    """Rank 0's JSON-serialisable ``obj`` on every rank (UTF-8 bytes in tensors). Collective."""
+    data = json.dumps(obj).encode() if ctx.rank == 0 else b""
+    n = torch.tensor([len(data)], device=ctx.device)
+    dist.broadcast(n, 0)
+    buf = torch.zeros(int(n), dtype=torch.uint8, device=ctx.device)
+    if ctx.rank == 0 and len(data):
+        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    dist.broadcast(buf, 0)
+    return json.loads(bytes(buf.cpu().tolist()))

@@ -107,8 +107,21 @@ def instantiate(cls: type, plan: ParallelPlan, ctx: RankContext, shard: dict,
     stage = cls(ctx.device)
     load_into(stage, plan, shard, ctx, source, index)
     apply_activation_checkpointing(stage, plan)
+    apply_compile(stage, plan)
     apply_data_parallel(stage, ctx, plan)
     return stage
+
+
+def apply_compile(stage: EmittedModule, plan: ParallelPlan) -> None:
+    """Spec ``compile: true``: ``torch.compile`` each emitted block in place
+    (``nn.Module.compile``: parameter names unchanged), after activation checkpointing and
+    before FSDP2 / DDP, as torchtitan compiles each transformer block. The code between
+    blocks (embedding, final norm, head) stays eager; dynamo splits a block's graph where it
+    meets an operator it cannot trace (the tp collectives run eagerly there)."""
+    if not plan.settings.get("compile"):
+        return
+    for _name, block in stage.emitted_blocks():
+        block.compile()
 
 
 @torch.no_grad()

@@ -33,9 +33,14 @@ from .vocab_loss import VocabOutputs
 
 
 class StepRunner:
-    def __init__(self, stages, plan: ParallelPlan, ctx: RankContext, loss_fn, schedule: str | None = None):
+    def __init__(self, stages, plan: ParallelPlan, ctx: RankContext, loss_fn, schedule: str | None = None,
+                 grad_accum: int = 1):
         """``stages``: this rank's :class:`LocalStages` (or its one stage module);
-        ``schedule``: a schedule name overriding the plan's (same stage placement)."""
+        ``schedule``: a schedule name overriding the plan's (same stage placement);
+        ``grad_accum``: batches per step, run as ``grad_accum x pipeline.microbatches``
+        microbatches (``train.grad_accum``)."""
+        self.microbatches = plan.microbatches * grad_accum
+        self.loss_scale = 1.0  # fp16: the dynamic loss scale (runtime/loss_scale.py)
         if isinstance(stages, torch.nn.Module):
             stages = LocalStages(plan.local_stages(ctx.pp_rank) or [0], [stages])
         self.stage, self.plan, self.ctx, self.loss_fn = stages, plan, ctx, loss_fn
@@ -54,7 +59,7 @@ class StepRunner:
         # vocab_parallel logits: loss_fn sees them Shard(-1) under loss_parallel (runtime/vocab_loss.py)
         self.vocab = VocabOutputs(plan, ctx.mesh["tp"] if plan.vocab_outputs and self.is_last else None)
 
-    def step(self, batch, target=None) -> tuple[torch.Tensor, list | None]:
+    def step(self, batch, target=None, keep_outputs: bool = True) -> tuple[torch.Tensor, list | None]:
         """Forward and backward of this rank's share ``batch`` (already on device); the
         loss is ``loss_fn(outputs, target)``, with ``target`` = ``batch`` when None (any
         pytree of tensors whose dim 0 is the batch).
@@ -66,16 +71,12 @@ class StepRunner:
             (:meth:`whole_outputs` gathers them).
 
         Raises:
-            BatchError: under pp > 1, the batch size is not divisible by the microbatches.
+            BatchError: the batch size is not divisible by the microbatches.
         """
         target = batch if target is None else target
         with self.vocab.context():
             if self.pp == 1:
-                module = self.stage.modules[0]
-                flat_out = _as_tuple(module(*flatten(self.plan, batch)))
-                loss = self.vocab.loss(self.loss_fn, flat_out, self._unflatten, target)
-                loss.backward()
-                loss, outputs = loss.detach(), list(flat_out)
+                loss, outputs = self._local_step(batch, target, keep_outputs)
             else:
                 loss, outputs = self._pipeline_step(batch, target)
         if self.manual_dp:
@@ -86,6 +87,29 @@ class StepRunner:
         self._sum_shared_grads()
         return self._global_loss(loss), outputs
 
+    @torch.no_grad()
+    def eval_loss(self, batch, target=None) -> torch.Tensor:
+        """The mean loss of ``batch`` (this rank's share) over the global batch, forward only
+        (no gradients; under pp > 1 the schedule's ``eval``). Collective like :meth:`step`."""
+        target = batch if target is None else target
+        with self.vocab.context():
+            if self.pp == 1:
+                flat = flatten(self.plan, batch)
+                loss = self.vocab.loss(self.loss_fn, _as_tuple(self.stage.modules[0](*flat)),
+                                       self._unflatten, target).detach()
+            else:
+                flat = flatten(self.plan, batch)
+                b = flat[0].shape[0]
+                _row_chunks(b, self.microbatches, self.plan, self.ctx.device)
+                self._target = target
+                schedule, losses = self._schedule(flat), []
+                kwargs = {"target": torch.arange(b, device=self.ctx.device), "losses": losses} \
+                    if self.is_last else {}
+                schedule.eval(*(flat if self.has_first else ()), **kwargs)
+                loss = torch.stack([l.detach() for l in losses]).mean() / self.loss_scale \
+                    if self.is_last else torch.zeros((), device=self.ctx.device)
+        return self._global_loss(loss)
+
     def whole_outputs(self, outputs: list) -> list:
         """``outputs`` of :meth:`step` with the vocab_parallel logits gathered over tp
         (padding dropped), detached. Collective over tp on the last stage's ranks."""
@@ -95,9 +119,39 @@ class StepRunner:
     def _unflatten(self, flat):
         return tree_unflatten(list(flat), self.out_spec)
 
+    def _loss(self, flat_out, target):
+        if self.plan.param_dtype != "fp32":  # the loss in fp32 on bf16/fp16 outputs, as
+            # autocast would run cross_entropy (loss_fn runs outside the stage's autocast)
+            flat_out = tuple(o.float() if isinstance(o, torch.Tensor) and o.dtype in
+                             (torch.bfloat16, torch.float16) else o for o in flat_out)
+        loss = self.vocab.loss(self.loss_fn, flat_out, self._unflatten, target)
+        return loss.float() * self.loss_scale if self.loss_scale != 1.0 else loss
+
     def _pipeline_loss(self, output, rows):
-        return self.vocab.loss(self.loss_fn, _as_tuple(output), self._unflatten,
-                               index_rows(self._target, rows))
+        return self._loss(_as_tuple(output), index_rows(self._target, rows))
+
+    def _local_step(self, batch, target, keep_outputs: bool):
+        """pp = 1: forward and backward of each of the ``microbatches`` row chunks of
+        ``batch``, each loss divided by their number, so the gradients are those of the mean
+        loss; the data-parallel reduction runs in the last one's backward only
+        (``set_requires_gradient_sync``, DDP and FSDP2)."""
+        module, m = self.stage.modules[0], self.microbatches
+        flat = flatten(self.plan, batch)
+        chunks = _row_chunks(flat[0].shape[0], m, self.plan, self.ctx.device)
+        losses, outs = [], []
+        try:
+            for i, rows in enumerate(chunks):
+                _set_grad_sync(self.stage, i == len(chunks) - 1)
+                flat_out = _as_tuple(module(*(index_rows(flat, rows) if m > 1 else flat)))
+                loss = self._loss(flat_out, index_rows(target, rows) if m > 1 else target)
+                (loss / m if m > 1 else loss).backward()
+                losses.append(loss.detach() / self.loss_scale)
+                if keep_outputs:
+                    outs.append([o.detach() if m > 1 else o for o in flat_out])
+        finally:
+            _set_grad_sync(self.stage, True)
+        loss = losses[0] if m == 1 else torch.stack(losses).mean()
+        return loss, (_merge_outputs(outs, self.plan) if keep_outputs else None)
 
     def _schedule(self, flat):
         key = tuple(tuple(t.shape) for t in flat)  # stages infer activation shapes once
@@ -107,20 +161,16 @@ class StepRunner:
                       for index, module in self.stage]
             cls = schedule_class(self.schedule_name)
             self._schedules[key] = (cls(stages[0] if self.schedule_name in SINGLE_STAGE else stages,
-                                        n_microbatches=self.plan.microbatches,
+                                        n_microbatches=self.microbatches,
                                         loss_fn=self._pipeline_loss, scale_grads=True,
-                                        output_merge_spec=_merge_spec(self.plan)), stages)
+                                        output_merge_spec=_merge_spec(self.plan, self.microbatches)), stages)
         schedule, self.pipeline_stages = self._schedules[key]
         return schedule
 
     def _pipeline_step(self, batch, target):
         flat = flatten(self.plan, batch)
-        b, m = flat[0].shape[0], self.plan.microbatches
-        if b % m:
-            raise BatchError(f"this rank's batch size {b} is not divisible by "
-                             f"pipeline.microbatches ({m}); pass a batch whose size is a multiple "
-                             f"of {m} per data-parallel rank (a global batch that is a multiple "
-                             f"of mesh.dp ({self.plan.mesh['dp']}) x {m})")
+        b = flat[0].shape[0]
+        _row_chunks(b, self.microbatches, self.plan, self.ctx.device)  # checks divisibility
         self._target = target
         schedule = self._schedule(flat)
         rows = torch.arange(b, device=self.ctx.device)
@@ -129,7 +179,8 @@ class StepRunner:
         out = schedule.step(*(flat if self.has_first else ()), **kwargs)
         if not self.is_last:
             return torch.zeros((), device=self.ctx.device), None
-        return torch.stack([l.detach() for l in losses]).mean(), list(_as_tuple(out))
+        loss = torch.stack([l.detach() for l in losses]).mean() / self.loss_scale
+        return loss, list(_as_tuple(out))
 
     def _global_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The last stage's loss on every rank, averaged over data-parallel ranks."""
@@ -208,14 +259,48 @@ def _local_run(grad, dim: int, offset: int, length: int):
     return local.narrow(dim, start - lo, end - start)
 
 
-def _merge_spec(plan: ParallelPlan):
+def _row_chunks(b: int, m: int, plan: ParallelPlan, device) -> list:
+    """``m`` equal row-index chunks of a batch of ``b`` rows (this rank's share).
+
+    Raises:
+        BatchError: ``m`` does not divide ``b``.
+    """
+    if b % m:
+        accum = m // plan.microbatches
+        what = f"pipeline.microbatches ({plan.microbatches})" + (
+            f" x train.grad_accum ({accum}) = {m} microbatches" if accum > 1 else "")
+        raise BatchError(f"this rank's batch size {b} is not divisible by {what}; pass a batch "
+                         f"whose size is a multiple of {plan.microbatches} per data-parallel rank "
+                         f"(a global batch that is a multiple of mesh.dp ({plan.mesh['dp']}) x "
+                         f"{plan.microbatches})")
+    return list(torch.arange(b, device=device).chunk(m)) if m > 1 else [None]
+
+
+def _set_grad_sync(stages, on: bool) -> None:
+    """Turn the data-parallel gradient reduction of every local stage on or off (DDP
+    ``replicate`` and FSDP2 modules both have ``set_requires_gradient_sync``)."""
+    for module in stages.modules:
+        if hasattr(module, "set_requires_gradient_sync"):
+            module.set_requires_gradient_sync(on)
+
+
+def _merge_outputs(outs: list, plan: ParallelPlan) -> list:
+    """The outputs of the microbatches of one step as one: concatenated along dim 0, the
+    mean for a 0-dim output (a loss the model computed, ``plan.scalar_outputs``)."""
+    if len(outs) == 1:
+        return list(outs[0])
+    return [torch.stack(parts).mean(0) if i in plan.scalar_outputs else torch.cat(parts)
+            for i, parts in enumerate(zip(*outs))]
+
+
+def _merge_spec(plan: ParallelPlan, m: int | None = None):
     """How the last stage's outputs merge over microbatches: concatenated along dim 0, but a
     0-dim output (a loss the model computed, ``plan.scalar_outputs``) is the mean of the
     microbatches' values, detached (parallelizer/analysis/outputs.py); None: torch's default (all
     concatenated)."""
     if not plan.scalar_outputs:
         return None
-    m = plan.microbatches
+    m = m or plan.microbatches
     n = treespec_loads(plan.out_spec).num_leaves
     mean = _CustomReducer(torch.zeros(()), lambda acc, x: acc + x.detach() / m)
     return tuple(mean if i in plan.scalar_outputs else TensorChunkSpec(0) for i in range(n))

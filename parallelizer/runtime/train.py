@@ -1,17 +1,16 @@
-"""``run.py --train --steps N [--save DIR] [--resume DIR]``: train on ``batches()`` from
-model.py (seeded synthetic batches shaped like the example inputs when it has none) and save
-the trained weights, the AdamW state (``exp_avg``, ``exp_avg_sq``, ``step``, in the
-parameters' layout) and the step counter in the same sharded layout. ``--resume`` restores
-all three (the data stream skips the batches already seen), so training continues as if
-uninterrupted, on the program's own layout (reshard the checkpoint to it first). Every rank
-writes its own shards (runtime/sharded_save.py); nothing is gathered. A model with
-dropout restores every rank's dropout streams too (``runtime/rng.py``), on the same mesh."""
+"""Training state of ``run.py --train --save DIR`` / ``--resume DIR`` (the loop is
+runtime/loop.py): the trained weights, the AdamW state (``exp_avg``, ``exp_avg_sq``,
+``step``, in the parameters' layout), the step counter, the LR schedule, the loss scale and
+the data position, in the program's sharded layout. ``--resume`` restores them all, so
+training continues as if uninterrupted, on the program's own layout (reshard the checkpoint
+to it first). Every rank writes its own shards (runtime/sharded_save.py); nothing is
+gathered. A model with dropout restores every rank's dropout streams too
+(``runtime/rng.py``), on the same mesh."""
 from __future__ import annotations
 
 import functools
-import itertools
 import math
-import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,48 +22,34 @@ from ..checkpoint.reader import load_shard, read_manifest
 from ..checkpoint.format import OPTIM_STATES, optim_name
 from ..errors import CheckpointError, UserError
 from ..plan.parallel_plan import ParallelPlan
-from .batching import dp_slice, synthetic_batches
+from .batching import synthetic_batches
 from . import rng
 from .gather import full_tensor
-from .compression import load_state as load_compression_state, write_state as write_compression_state
-from .data_parallel import make_stage_optimizer
+from .compression import write_state as write_compression_state
 from .setup import RankContext
 from .periodic import set_rng_state
 from .sharded_save import save_sharded
-from .step import StepRunner
 
 
-def run_train(plan: ParallelPlan, spec: dict, stage, ctx: RankContext, loss_fn, model_module,
-              steps: int, resume: Path | None = None, total: bool = False, after_step=None):
-    """Train ``steps`` steps (after the ``resume`` checkpoint's, when given; with ``total``,
-    up to step ``steps`` in all, as a restarted job reruns the same command line); returns
-    ``(losses, optimizer, last step number)``, losses being global means, on every rank.
-    ``after_step(step, opt)`` runs after each step (periodic checkpoints)."""
-    ocfg = spec["optimizer"]
-    runner = StepRunner(stage, plan, ctx, loss_fn)
-    opt = make_stage_optimizer(stage.parameters(), ocfg["name"], ocfg["lr"], ocfg["weight_decay"],
-                               plan.zero_stage, ctx)
-    start = 0
-    if resume is not None:
-        start = load_optimizer_state(opt, stage, plan, ctx, Path(resume))
-        if ctx.compression is not None:
-            load_compression_state(ctx.compression, plan, Path(resume), ctx.rank, ctx.device)
-    source = itertools.islice(batch_source(plan, model_module, spec), start, None)
-    losses = []
-    end = max(start, steps) if total else start + steps
-    for step, batch in zip(range(start, end), source):
-        opt.zero_grad(set_to_none=True)
-        loss, _ = runner.step(dp_slice(plan, batch, ctx.dp_rank, ctx.device))
-        opt.step()
-        losses.append(loss.item())
-        if ctx.rank == 0:
-            # one write: print() sends the newline separately, and another rank's line
-            # could land between the two
-            sys.stdout.write(f"step {step + 1} loss {loss.item():.6f}\n")
-            sys.stdout.flush()
-        if after_step is not None:
-            after_step(step + 1, opt)
-    return losses, opt, start + len(losses)
+@dataclass
+class TrainState:
+    """What a training checkpoint holds beside the weights: the optimizer, the LR schedule
+    (runtime/lr_schedule.py), the fp16 loss scale (runtime/loss_scale.py), the batches per
+    step and the data position (batches consumed: ``step x grad_accum``)."""
+    optimizer: object
+    schedule: object = None
+    scaler: object = None
+    accum: int = 1
+    data_position: int = 0
+
+    def manifest_extra(self) -> dict:
+        """The manifest's ``train`` entries of this state (JSON data)."""
+        out = {"data_position": self.data_position, "grad_accum": self.accum}
+        if self.schedule is not None:
+            out["schedule"] = self.schedule.state_dict()
+        if self.scaler is not None and self.scaler.state() is not None:
+            out["loss_scale"] = self.scaler.state()
+        return out
 
 
 def training_state_error(plan: ParallelPlan) -> str | None:
@@ -200,6 +185,9 @@ def save_checkpoint(stage, plan: ParallelPlan, ctx: RankContext, out: Path, opt=
     check_save_target(Path(out))  # on every rank, before any collective: all raise alike
     train = ({"step": step, "optimizer": optimizer, "data_position": step}
              if opt is not None else None)
+    if isinstance(opt, TrainState):  # the loop's state: schedule, loss scale, data position
+        train.update(opt.manifest_extra())
+        opt = opt.optimizer
     if profile:
         from .memory import print_save_memory, start_save_measure
         before = start_save_measure(ctx)

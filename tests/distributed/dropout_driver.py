@@ -32,7 +32,8 @@ from parallelizer.runtime.main import load_model_module
 from parallelizer.runtime.setup import init
 from parallelizer.runtime.stage_builder import build_stages
 from parallelizer.runtime.step import StepRunner
-from parallelizer.runtime.train import run_train, save_checkpoint
+from parallelizer.runtime.loop import run_train
+from parallelizer.runtime.train import save_checkpoint
 from parallelizer.runtime.verify import run_verify
 
 
@@ -94,7 +95,7 @@ def main(out: Path, steps: int, ckpt: Path) -> None:
     save_checkpoint(half, ac, ctx, ckpt, opt, step, spec["optimizer"]["name"])
     _fresh_streams(plan, ctx)
     resumed = build_stages(out, ac, ctx, ckpt)
-    second, _, _ = run_train(ac, spec, resumed, ctx, module.loss_fn, module, 2, resume=ckpt)
+    second, _, _ = run_train(ac, spec, resumed, ctx, module.loss_fn, module, 4, resume=ckpt)
     result["save_resume_losses"] = first + second
 
     _fresh_streams(plan, ctx)

@@ -14,7 +14,7 @@ from parallelizer.errors import UserError
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "api_train.py"
-STEP = re.compile(r"^step (\d+) loss (\S+) lr (\S+)$", re.M)
+STEP = re.compile(r"^step (\d+) loss (\S+) lr (\S+) norm (\S+)$", re.M)
 
 
 def _run(tools, nproc: int | None, *args: str):
@@ -22,9 +22,9 @@ def _run(tools, nproc: int | None, *args: str):
     return tools.launch(SCRIPT, nproc, *args, timeout=300).wait()
 
 
-def _losses(p) -> list[tuple[float, float]]:
+def _losses(p) -> list[tuple[float, float, float]]:
     assert p.code == 0, p.explain()
-    return [(float(loss), float(lr)) for _, loss, lr in STEP.findall(p.stdout)]
+    return [(float(loss), float(lr), float(norm)) for _, loss, lr, norm in STEP.findall(p.stdout)]
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +49,13 @@ def test_api_training_equals_single_device(mesh, single_device, tmp_path, tools)
             f"pp0-tp{t}-dp{d}.safetensors" for t in (0, 1) for d in (0, 1)]
     assert "ParallelModule(mesh" in p.stdout
     assert len(got) == 3
-    for step, ((loss, lr), (ref_loss, ref_lr)) in enumerate(zip(got, single_device), 1):
-        print(f"{' '.join(mesh)} step {step}: loss {loss} vs {ref_loss} (lr {lr})")
+    for step, ((loss, lr, norm), (ref_loss, ref_lr, ref_norm)) in enumerate(zip(got, single_device), 1):
+        print(f"{' '.join(mesh)} step {step}: loss {loss} vs {ref_loss} (lr {lr}), "
+              f"pm.clip_grad_norm_ {norm} vs torch's {ref_norm}")
         assert lr == ref_lr
         assert abs(loss - ref_loss) <= 1e-5, (step, loss, ref_loss)
+        # the global norm, every parameter once (a per-stage or per-shard norm is far off)
+        assert ref_norm > 0.5 and abs(norm - ref_norm) <= 1e-6, (step, norm, ref_norm)
 
 
 @pytest.mark.timeout(300)
@@ -110,3 +113,9 @@ def test_api_wrong_argument_types_are_user_errors():
         with pytest.raises(UserError, match=f"example_inputs must be a tensor, or a tuple or dict of "
                                             f"tensors .*; got {seen}$"):
             pz.compile(torch.nn.Linear(4, 4), spec, example_inputs=bad)
+
+
+def test_pz_clip_grad_norm_takes_a_parallel_module():
+    with pytest.raises(UserError, match=r"pz.clip_grad_norm_ takes the ParallelModule .* got Linear; "
+                                        r"for a plain module use torch.nn.utils.clip_grad_norm_"):
+        pz.clip_grad_norm_(torch.nn.Linear(2, 2), 1.0)

@@ -45,11 +45,11 @@ def test_resume_on_another_layout_equals_uninterrupted(compiled, tools, tmp_path
     reshard(tmp_path / "s2", tmp_path / "r2plan", plan=load_plan(b))  # the program's own plan
     assert read_manifest(tmp_path / "r2")["layout_hash"] == read_manifest(tmp_path / "r2plan")["layout_hash"]
 
-    resumed = tools.torchrun(b, 2, "--train", "--steps", "2", "--resume", str(tmp_path / "r2"),
+    resumed = tools.torchrun(b, 2, "--train", "--steps", "4", "--resume", str(tmp_path / "r2"),
                              "--save", str(tmp_path / "r4"))
     tools.check_exit(resumed)
     reshard(tmp_path / "r2", tmp_path / "r2dp", pp=1)
-    fsdp = tools.torchrun(c, 2, "--train", "--steps", "2", "--resume", str(tmp_path / "r2dp"))
+    fsdp = tools.torchrun(c, 2, "--train", "--steps", "4", "--resume", str(tmp_path / "r2dp"))
     tools.check_exit(fsdp)
     u, r = losses(full.stdout), {**losses(half.stdout), **losses(resumed.stdout)}
     assert sorted(r) == [1, 2, 3, 4] and sorted(u) == [1, 2, 3, 4]
@@ -90,7 +90,7 @@ def test_resume_with_two_stages_per_rank_is_bit_exact(compiled, tools, tmp_path)
     tied = [c["file"] for p in manifest["tensors"]["optim.model.embed_tokens.weight.exp_avg"]["pieces"]
             for c in p["chunks"]]
     assert tied == ["pp0-tp0-dp0.safetensors", "pp3-tp0-dp0.safetensors"]
-    resumed = tools.torchrun(out, 2, "--train", "--steps", "2", "--resume", str(tmp_path / "s2"),
+    resumed = tools.torchrun(out, 2, "--train", "--steps", "4", "--resume", str(tmp_path / "s2"),
                              "--save", str(tmp_path / "r4"))
     tools.check_exit(resumed)
     u, r = losses(full.stdout), {**losses(half.stdout), **losses(resumed.stdout)}

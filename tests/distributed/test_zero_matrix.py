@@ -24,7 +24,8 @@ MEMORY_TOL = 0.05   # the issue's bound; the bookkeeping is exact on these progr
 PROGRAMS = {  # out name prefix -> (example, overrides)
     "gpt-dp2-tp2": ("gpt", ("mesh.dp=2", "mesh.tp=2", "mesh.pp=1")),
     "llama-dp2-pp2": ("llama", ("mesh.dp=2", "mesh.tp=1", "mesh.pp=2")),
-    "llama-dp4": ("llama", ("mesh.dp=4", "mesh.tp=1", "mesh.pp=1")),
+    # pipeline.microbatches accumulates at pp = 1 too: the 8-row batch is 2 rows per dp rank
+    "llama-dp4": ("llama", ("mesh.dp=4", "mesh.tp=1", "mesh.pp=1", "pipeline.microbatches=2")),
     # V placement, 2 stages per rank (embedding and LM head on rank 0), for the zero-bubble
     # schedules; compiled for dp=1 (test_schedules_equivalence.py's PP2_V2: one compile for both), the
     # driver runs it at dp=2 (the checkpoint is per stage and tp; dp replicas share it)

@@ -67,7 +67,9 @@ def test_fsdp_rows_follow_torch_chunk(n, shards):
 
 @pytest.mark.parametrize("text, needle", [
     ("mesh: {dp: 4, dp_replicate: 3}\n", "mesh.dp_replicate (3) must divide mesh.dp (4)"),
-    ("zero_stage: 1\nmixed_precision: {param_dtype: bf16}\n", "mixed_precision.param_dtype=bf16 needs FSDP2"),
+    # param_dtype works under DDP too (autocast, fp32 master weights); a reduce dtype does not
+    ("zero_stage: 1\nmixed_precision: {param_dtype: bf16, reduce_dtype: bf16}\n",
+     "mixed_precision.reduce_dtype=bf16 needs FSDP2"),
     ("zero_stage: 0\nfsdp: {offload: true}\n", "fsdp.offload=true needs FSDP2"),
     ("zero_stage: 1\nfsdp: {prefetch: {forward: 2}}\n", "fsdp.prefetch.forward=2 needs FSDP2"),
     ("zero_stage: 0\nmesh: {dp: 4, dp_replicate: 2}\n", "mesh.dp_replicate=2 needs FSDP2"),

@@ -30,7 +30,13 @@ def test_defaults_for_empty_file(tmp_path):
         "zero_stage": 3,
         "checkpoint": {"path": None},
         "seed": 0,
-        "optimizer": {"name": "adamw", "lr": 1.0e-3, "weight_decay": 0.0},
+        "optimizer": {"name": "adamw", "lr": 1.0e-3, "weight_decay": 0.0, "max_norm": None,
+                      "schedule": {"warmup_steps": 0, "decay": "constant", "decay_steps": None,
+                                   "min_lr": 0.0}},
+        "train": {"grad_accum": 1},
+        "data": {"path": None, "dtype": "uint16", "seq_len": None, "batch_size": None,
+                 "shuffle": True, "eval": None, "eval_batches": 8},
+        "compile": False,
         "verify": {"atol": 1.0e-5, "rtol": 1.0e-5, "optimizer": "sgd"},
         "activation_checkpointing": {"mode": "none", "every": 2},
         "fsdp": {"prefetch": {"forward": None, "backward": None}, "offload": False},
@@ -194,3 +200,27 @@ def test_verify_optimizer_must_be_known(tmp_path):
         load_spec(write(tmp_path, "verify: {optimizer: lamb}"))
     msg = str(e.value)
     assert "verify.optimizer" in msg and "lamb" in msg and "sgd" in msg
+
+
+def test_training_section_errors(tmp_path):
+    """optimizer.schedule.min_lr above lr; a grad_accum whose microbatch count the schedule
+    refuses (checked at compile time, as pipeline.microbatches is)."""
+    msg = spec_error(tmp_path, "optimizer: {lr: 1.0e-3, schedule: {decay: cosine, min_lr: 0.01}}")
+    assert "optimizer.schedule.min_lr (0.01) must be <= optimizer.lr (0.001)" in msg
+    msg = spec_error(tmp_path, "mesh: {pp: 2}\npipeline: {schedule: interleaved_1f1b, virtual_stages: 2, "
+                               "microbatches: 3}\ntrain: {grad_accum: 3}")
+    assert msg.startswith("invalid spec") and "train.grad_accum (3) runs 9 microbatches" in msg
+    assert "pipeline.microbatches (9) must be a multiple of the number of rounds" in msg
+    msg = spec_error(tmp_path, "train: {grad_accum: 0}")
+    assert "train.grad_accum must be an integer >= 1" in msg
+    msg = spec_error(tmp_path, "data: {dtype: int8}")
+    assert "data.dtype must be one of 'uint16', 'uint32'" in msg
+
+
+def test_data_paths_are_relative_to_the_spec_file(tmp_path, monkeypatch):
+    spec = load_spec(write(tmp_path, "data: {path: tokens/train.bin, eval: val.bin}"))
+    assert spec.data.path == str(tmp_path / "tokens" / "train.bin")
+    assert spec.data.eval == str(tmp_path / "val.bin")
+    monkeypatch.chdir(tmp_path / ".." if (tmp_path / "..").is_dir() else tmp_path)
+    spec = load_spec(write(tmp_path, ""), ["data.path=x.bin"])  # an override: the cwd's
+    assert spec.data.path == str(Path.cwd() / "x.bin")

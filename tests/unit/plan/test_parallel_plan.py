@@ -93,8 +93,15 @@ def llama_pp2():
 
 def test_compiled_plan_records_what_the_runtime_reads(llama_pp2):
     plan = llama_pp2.plan
-    assert plan.settings == {"optimizer": {"name": "adamw", "lr": 3e-4, "weight_decay": 0.0},
-                             "verify": {"atol": 1e-5, "rtol": 1e-5, "optimizer": "sgd"}}
+    assert plan.settings == {
+        "optimizer": {"name": "adamw", "lr": 3e-4, "weight_decay": 0.0, "max_norm": None,
+                      "schedule": {"warmup_steps": 0, "decay": "constant", "decay_steps": None,
+                                   "min_lr": 0.0}},
+        "verify": {"atol": 1e-5, "rtol": 1e-5, "optimizer": "sgd"},
+        "train": {"grad_accum": 1}, "compile": False,
+        # the token ids' vocabulary: the rows of the embedding they index (planning/tensors.py)
+        "data": {"path": None, "dtype": "uint16", "seq_len": None, "batch_size": None,
+                 "shuffle": True, "eval": None, "eval_batches": 8, "vocab_size": 128}}
     blocks = [b for st in plan.stages for b in st.blocks]
     assert plan.checkpointed == tuple(blocks[::2])
     tied = [g for g in plan.grad_sync if g["kind"] == "tied"]

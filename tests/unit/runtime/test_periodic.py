@@ -40,6 +40,11 @@ def test_argument_errors_name_the_flag_and_fix(tmp_path):
                   "--resume", "auto") is None
     with pytest.raises(SystemExit):
         _parser().parse_args(["--train", "--save-every", "0"])
+    assert _error("--verify", "--log-every", "1", "--batch-size", "4") == \
+        "--batch-size, --log-every go(es) with --train"
+    for flag in ("--batch-size", "--seq-len", "--log-every", "--eval-every"):
+        with pytest.raises(SystemExit):
+            _parser().parse_args(["--train", flag, "0"])
 
 
 def test_scan_resolve_and_prune(tmp_path, capsys):

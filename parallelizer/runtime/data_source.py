@@ -1,0 +1,150 @@
+"""Where ``run.py --train`` takes its batches from, in this order: ``batches()`` of model.py,
+the spec's ``data:`` token files (runtime/token_data.py), seeded synthetic batches shaped
+like ``example_inputs()``. Each source yields this data-parallel rank's rows of the global
+batches, on its device; one optimizer step takes ``train.grad_accum`` of them, concatenated
+(this rank's rows of each batch, in order). The position (batches consumed) is what a
+checkpoint saves: :meth:`seek` goes back to it.
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from ..errors import UserError
+from ..plan.parallel_plan import ParallelPlan
+from .batching import dp_slice, flatten, synthetic_batches, to_batch
+from .token_data import DataError, TokenData
+
+
+def make_source(plan: ParallelPlan, model_module, spec: dict, ctx, options, split: str = "train"):
+    """The batch source of this run (module docstring); ``split`` "eval": ``data.eval``.
+
+    Raises:
+        UserError: --batch-size / --seq-len with model.py's batches(), no model.py.
+        DataError: the token files (runtime/token_data.py).
+    """
+    data = spec.get("data") or {}
+    has_batches = model_module is not None and hasattr(model_module, "batches")
+    if split == "eval":
+        return TokenSource(plan, data, ctx, options, data["eval"], "data.eval", False, model_module)
+    if has_batches:
+        if options.batch_size or options.seq_len:
+            raise UserError("--batch-size / --seq-len: model.py defines batches(), which decides "
+                            "its own batch shape (and takes precedence over data: and synthetic "
+                            "batches); drop the flags or remove batches() from model.py")
+        if data.get("path") and ctx.rank == 0:
+            print(f"note: model.py's batches() takes precedence over data.path ({data['path']})", flush=True)
+        return GlobalSource(plan, model_module.batches(), ctx)
+    if data.get("path"):
+        return TokenSource(plan, data, ctx, options, data["path"], "data.path",
+                           data.get("shuffle", True), model_module)
+    if model_module is None:
+        raise UserError("--train needs batches: this program has no model.py (compiled from an "
+                        "in-memory model); train it through the Python API instead")
+    example = _resized(plan, model_module.example_inputs(), options.batch_size, options.seq_len)
+    return GlobalSource(plan, synthetic_batches(plan, example, plan.seed), ctx)
+
+
+def _resized(plan: ParallelPlan, example, batch: int | None, seq: int | None):
+    """``example`` with dim 0 set to ``batch`` and dim 1 to ``seq`` (where given)."""
+    if not batch and not seq:
+        return example
+    out = []
+    for t in flatten(plan, example):
+        shape = list(t.shape)
+        if batch and shape:
+            shape[0] = batch
+        if seq and len(shape) > 1:
+            shape[1] = seq
+        # the example's largest token id: synthetic_batches draws ids below it
+        top = int(t.max()) if t.numel() and not t.is_floating_point() else 0
+        out.append(torch.full(shape, top, dtype=t.dtype))
+    return to_batch(plan, out)
+
+
+def _concat(plan: ParallelPlan, batches: list):
+    if len(batches) == 1:
+        return batches[0]
+    flat = [flatten(plan, b) for b in batches]
+    return to_batch(plan, [torch.cat(parts) for parts in zip(*flat)])
+
+
+class GlobalSource:
+    """Global batches from an iterator (batches() or synthetic); this rank's dp slice."""
+
+    def __init__(self, plan: ParallelPlan, iterator, ctx):
+        self.plan, self.it, self.ctx, self.position, self.last_tokens = plan, iterator, ctx, 0, 0
+
+    def seek(self, position: int) -> None:
+        if position < self.position:
+            raise ValueError("a batches() stream cannot go back")
+        self.it = itertools.islice(self.it, position - self.position, None)
+        self.position = position
+
+    def next_step(self, accum: int):
+        parts = []
+        for _ in range(accum):
+            batch = next(self.it, None)
+            if batch is None:
+                raise UserError(f"model.py's batches() ran out after {self.position} batches; "
+                                f"lower --steps or yield more batches")
+            self.position += 1
+            self.last_tokens = _tokens(self.plan, batch)
+            parts.append(dp_slice(self.plan, batch, self.ctx.dp_rank, self.ctx.device))
+        return _concat(self.plan, parts)
+
+    def tokens_per_step(self, accum: int) -> int:
+        return self.last_tokens * accum
+
+
+class TokenSource:
+    """Batches of ``data:`` token windows; this rank reads only its rows."""
+
+    def __init__(self, plan: ParallelPlan, data: dict, ctx, options, path, key: str, shuffle: bool,
+                 model_module=None):
+        if len(plan.input_names) != 1:
+            raise DataError(f"{key}: the token data fills one input (token ids), but the model "
+                            f"takes {len(plan.input_names)} ({', '.join(plan.input_names)}); "
+                            f"write batches() in model.py instead")
+        example = _example_shape(plan, model_module)
+        seq = options.seq_len or data.get("seq_len") or example[1]
+        batch = options.batch_size or data.get("batch_size") or example[0]
+        if not seq or not batch:
+            raise DataError(f"{key}: set data.seq_len and data.batch_size (example_inputs() gave "
+                            f"no batch and sequence dims)")
+        dp, m = plan.mesh["dp"], plan.microbatches
+        if batch % (dp * m):
+            raise DataError(f"{key}: the global batch size {batch} (data.batch_size or "
+                            f"--batch-size) is not divisible by mesh.dp ({dp}) x "
+                            f"pipeline.microbatches ({m}) = {dp * m}")
+        self.plan, self.ctx, self.position = plan, ctx, 0
+        self.data = TokenData(path, data.get("dtype", "uint16"), seq, batch, plan.seed, shuffle,
+                              data.get("vocab_size"), key)
+
+    def seek(self, position: int) -> None:
+        self.position = position
+
+    def next_step(self, accum: int):
+        parts = []
+        for _ in range(accum):
+            rows = self.data.local_batch(self.position, self.ctx.dp_rank, self.plan.mesh["dp"])
+            parts.append(to_batch(self.plan, [rows.to(self.ctx.device)]))
+            self.position += 1
+        return _concat(self.plan, parts)
+
+    def tokens_per_step(self, accum: int) -> int:
+        return self.data.batch_size * self.data.seq_len * accum
+
+
+def _tokens(plan: ParallelPlan, batch) -> int:
+    t = flatten(plan, batch)[0]
+    return t.shape[0] * (t.shape[1] if t.dim() > 1 else 1)
+
+
+def _example_shape(plan: ParallelPlan, model_module) -> list:
+    """[batch, sequence] of example_inputs()' first input ([None, None] without model.py)."""
+    if model_module is None:
+        return [None, None]
+    t = flatten(plan, model_module.example_inputs())[0]
+    return [t.shape[0] if t.dim() else None, t.shape[1] if t.dim() > 1 else None]
