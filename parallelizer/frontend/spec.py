@@ -35,7 +35,6 @@ autocast with fp32 master weights under 0/1 (runtime/data_parallel.py).
 """
 from __future__ import annotations
 
-import difflib
 import importlib.util
 import os
 import re
@@ -45,20 +44,13 @@ from typing import Annotated, Any, Literal, Optional, Sequence
 import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from parallelizer.errors import SpecError
-from parallelizer.frontend.spec_train import Data, Optimizer, Train
+from parallelizer.frontend.spec_errors import format_errors
+from parallelizer.frontend.spec_train import STRICT as _STRICT, Data, Optimizer, Train, doc as _doc
 from parallelizer.plan.schedules import check as check_schedule
 
-_STRICT = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-
-def _doc(text: str) -> dict[str, str]:
-    """``json_schema_extra`` of a field: what it does beyond its ``description``, which is
-    the "what is allowed" phrase a SpecError quotes ("mesh.tp must be <description>, got 0").
-    Both are rendered into docs/spec.md by :mod:`parallelizer.frontend.spec_reference`."""
-    return {"doc": text}
 _OVERRIDE_KEY = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
 
@@ -424,7 +416,7 @@ def load_spec(path: str | Path, overrides: Sequence[str] = ()) -> Spec:
         return Spec.model_validate(data)
     except ValidationError as e:
         sources = {o.split("=", 1)[0].strip(): o for o in overrides}
-        raise SpecError(f"invalid spec {path}: " + _format_errors(e, sources)) from None
+        raise SpecError(f"invalid spec {path}: " + format_errors(e, sources, Spec)) from None
 
 
 def _load_yaml(path: Path) -> DictConfig:
@@ -474,74 +466,3 @@ def _omegaconf_msg(e: BaseException) -> str:
     """First line of an OmegaConf/YAML error (drops its full_key/object_type dump)."""
     msg = str(getattr(e, "msg", None) or str(e) or type(e).__name__).strip().splitlines()[0]
     return re.sub(r"^\w+ raised while resolving interpolation: ", "", msg)
-
-
-def _format_errors(err: ValidationError, sources: dict[str, str]) -> str:
-    """One paragraph, one sentence per pydantic error, naming key, value and what is allowed;
-    ``sources`` maps an override's dotted key to the override, cited when it set the value."""
-    out = []
-    for d in err.errors(include_url=False):
-        key = ".".join(str(p) for p in d["loc"])
-        origin = [o for k, o in sources.items() if key == k or key.startswith(k + ".")]
-        text = _format_one(d)
-        out.append(text[:-1] + f" (set by override '{origin[-1]}')." if origin else text)
-    return " ".join(out)
-
-
-def _format_one(d: dict) -> str:
-    loc = tuple(str(p) for p in d["loc"])
-    key = ".".join(loc)
-    if d["type"] == "extra_forbidden":
-        return _unknown_key(loc, d["input"])
-    if d["type"] == "value_error":  # a model-level validator (cross-field check)
-        return str(d["ctx"]["error"])
-    if not loc:  # top level not a mapping
-        return f"the spec must be a mapping of {_keys_of(Spec)}, got {_show(d['input'])}."
-    return f"{key} must be {_describe(loc)}, got {_show(d['input'])}."
-
-
-def _unknown_key(loc: tuple[str, ...], value: Any) -> str:
-    parent = _model_at(loc[:-1])
-    level = f"under {'.'.join(loc[:-1])}" if loc[:-1] else "at the top level"
-    allowed = list(parent.model_fields) if parent else []
-    close = difflib.get_close_matches(loc[-1], allowed, n=1, cutoff=0.5)
-    hint = f" Did you mean '{'.'.join(loc[:-1] + (close[0],))}'?" if close else ""
-    return (f"unknown key '{'.'.join(loc)}' (value {_show(value)}).{hint} "
-            f"Allowed keys {level}: {', '.join(allowed)}.")
-
-
-def _model_at(loc: tuple[str, ...]) -> Optional[type[BaseModel]]:
-    """The schema model class at a dotted location, or None when it is not a section."""
-    cls: Any = Spec
-    for part in loc:
-        if not (isinstance(cls, type) and issubclass(cls, BaseModel)) or part not in cls.model_fields:
-            return None
-        cls = cls.model_fields[part].annotation
-    return cls if isinstance(cls, type) and issubclass(cls, BaseModel) else None
-
-
-def _describe(loc: tuple[str, ...]) -> str:
-    """What is allowed at ``loc``: a section's keys or the field's description (a list
-    item, ``pipeline.layers_per_stage.0``, is described by its list's field)."""
-    while loc and loc[-1].isdigit():
-        loc = loc[:-1]
-    section = _model_at(loc)
-    if section is not None:
-        return f"a mapping with keys {_keys_of(section)}"
-    parent = _model_at(loc[:-1])
-    info = parent.model_fields.get(loc[-1]) if parent else None
-    return (info.description if info and info.description else "a valid value")
-
-
-def _keys_of(model: type[BaseModel]) -> str:
-    return ", ".join(model.model_fields)
-
-
-def _show(value: Any) -> str:
-    """A value as the user wrote it in YAML (null, true, 'text', 3), cut to 60 characters."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
