@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from parallelizer.plan.layouts import segments
+from parallelizer.plan.layouts import layout_from_json, segments
 from parallelizer.plan.parallel_plan import TensorPlan
 from parallelizer.runtime.clip import _tp_runs
 
@@ -27,6 +27,7 @@ CASES = {  # id -> (shape, tp_dim, layout, tp)
 @pytest.mark.parametrize("case", CASES)
 def test_owned_runs_cover_the_full_tensor_once(case):
     shape, tp_dim, layout, tp = CASES[case]
+    layout = layout_from_json(layout)  # the typed layout, as TensorPlan.from_dict reads plan.json
     t = TensorPlan("w", shape, "float32", tp_dim, (0,), layout=layout)
     n = shape[tp_dim] if tp_dim is not None else shape[0]
     count = [0] * n
