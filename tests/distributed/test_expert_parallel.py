@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from parallelizer.compiler import compile_model
 from parallelizer.convert.export import export_hf
 from parallelizer.convert.reshard import reshard
+from parallelizer.errors import CheckpointError
 from parallelizer.frontend.spec import load_spec
 
 MODELS = Path(__file__).parent / "user_models"
@@ -64,6 +65,9 @@ def test_save_at_ep2_reshard_to_ep1_and_export_bit_exact(tmp_path, tools):
         ("pp0-tp0-dp0.safetensors", [0, 2]), ("pp0-tp0-dp1.safetensors", [2, 4])]
     for d in (0, 1):  # each rank wrote its own two experts only
         assert load_file(str(tmp_path / "ck" / f"pp0-tp0-dp{d}.safetensors"))[EXPERT].shape[0] == 2
+    with pytest.raises(CheckpointError, match=r"--ep 3 does not divide the 4 experts of "
+                                              r"model.layers.\d.mlp.experts.\w+; ep values that fit: 1, 2, 4"):
+        reshard(tmp_path / "ck", tmp_path / "ep3", tp=1, pp=1, ep=3)
     reshard(tmp_path / "ck", tmp_path / "ep1", tp=1, pp=1, ep=1)
     merged = json.loads((tmp_path / "ep1" / "manifest.json").read_text())["tensors"][EXPERT]
     assert "experts" not in merged and merged["role"] == "experts"
