@@ -364,10 +364,6 @@ class Spec(BaseModel):
             raise ValueError(f"mesh.ep={ep} runs with zero_stage 0, 2 or 3, mesh.pp 1 and mesh.tp 1 "
                              f"so far (got zero_stage {z}, mesh.pp {self.mesh.pp}, mesh.tp "
                              f"{self.mesh.tp}); docs/expert-parallel.md lists what is not done yet.")
-        if ep > 1 and self.optimizer.max_norm is not None:
-            raise ValueError(f"optimizer.max_norm with mesh.ep={ep} is not done yet: the global "
-                             f"gradient norm does not sum each rank's own experts over ep; remove "
-                             f"optimizer.max_norm or set mesh.ep=1 (docs/expert-parallel.md).")
         if z in (0, 1):
             mp = self.mixed_precision
             needs = [("mesh.dp_replicate", rep, rep != 1),
