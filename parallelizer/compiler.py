@@ -35,6 +35,7 @@ from .passes.aliases import apply_untie
 from .passes.attention import apply_eager_attention
 from .passes.cleanup import apply_cleanup
 from .passes.dropout import apply_rng_streams
+from .passes.expert_parallel import apply_expert_parallel
 from .passes.manager import PassManager
 from .passes.split_blocks import split_blocks
 from .passes.split_check import check_split
@@ -42,11 +43,14 @@ from .passes.split_stages import split_stages
 from .passes.sequence_parallel import apply_sequence_parallel
 from .passes.tensor_parallel import apply_tensor_parallel
 from .passes.vocab_parallel import apply_vocab_parallel
+from .analysis.experts import find_expert_layers
 from .analysis.graph_costs import collect_costs
 from .analysis.partition import GraphPartition
-from .plan.decisions import PipelineDecision, SequenceParallelDecision, TPDecision, VocabDecision
+from .plan.decisions import (EPDecision, PipelineDecision, SequenceParallelDecision, TPDecision,
+                             VocabDecision)
 from .plan.parallel_plan import ParallelPlan
 from .planning.dropout import describe as describe_dropout, plan_dropout
+from .planning.experts import ep_summary, plan_ep
 from .planning.pipeline import find_blocks, plan_from_costs
 from .planning.pipeline_summary import (check_microbatches, check_placement, summarize,
                                         virtual_stages_of)
@@ -192,6 +196,7 @@ class Planned:
     summary: dict                 # planning/pipeline_summary.summarize
     notes: list                   # the compile's one-line summaries (printed by the CLI)
     warnings: list                # check_placement's (report.md, stderr)
+    ep: EPDecision = None
 
 
 def plan(analysis: Analysis, spec: Spec, passes: PassManager) -> Planned:
@@ -210,6 +215,9 @@ def plan(analysis: Analysis, spec: Spec, passes: PassManager) -> Planned:
     tp = plan_tp(graph, mesh.tp, spec.tensor_parallel.allow_replicated)  # raises early
     vocab = plan_vocab(graph, mesh.tp, spec.tensor_parallel.vocab_parallel, analysis.canonical, tp)
     notes = [tp_summary(tp, analysis.model, vocab), vocab_summary(vocab)] if mesh.tp > 1 else []
+    ep = plan_ep(*find_expert_layers(graph), mesh.ep)  # raises early, naming the module
+    if mesh.ep > 1:
+        notes.append(ep_summary(ep))
     dropout = plan_dropout(graph, tp.placements)
     measured = measure(analysis, passes)
     costs, blocks = measured.costs, analysis.blocks
@@ -219,13 +227,13 @@ def plan(analysis: Analysis, spec: Spec, passes: PassManager) -> Planned:
     structure = pipeline_structure(graph, analysis.model, blocks, costs, analysis.canonical,
                                    measured.partition)
     built = build_plan(spec, analysis.captured, analysis.gm, analysis.model, analysis.groups, tp,
-                       vocab, dropout, pipeline, structure)
+                       vocab, dropout, pipeline, structure, ep)
     summary = summarize(pipeline, costs, pipe.schedule, mesh.pp, pipe.microbatches,
                         virtual_stages_of(pipe))
     params = {n for n, _ in analysis.model.named_parameters(remove_duplicate=False)}
     warnings = check_placement(summary, [st.fqns for st in built.stages], params,
                                analysis.canonical)
-    return Planned(built, tp, vocab, dropout, pipeline, summary, notes, warnings)
+    return Planned(built, tp, vocab, dropout, pipeline, summary, notes, warnings, ep)
 
 
 def apply_passes(analysis: Analysis, planned: Planned, spec: Spec, batch,
@@ -241,6 +249,7 @@ def apply_passes(analysis: Analysis, planned: Planned, spec: Spec, batch,
         PlanError: ``tensor_parallel.sequence_parallel`` is "true" and cannot apply.
     """
     gm = analysis.gm
+    passes.run("expert_parallel", apply_expert_parallel, gm, planned.ep)
     passes.run("tensor_parallel", apply_tensor_parallel, gm, planned.tp)
     passes.run("vocab_parallel", apply_vocab_parallel, gm, planned.vocab)
     passes.run("untie", apply_untie, gm, analysis.groups)
@@ -302,7 +311,7 @@ def emit(analysis: Analysis, planned: Planned, checked: Checked,
             ref = compute_reference(stepped, batch, loss_fn or default_loss,
                                     analysis.captured.input_names, spec, model_file)
     tp = planned.tp
-    tp_lines = planned.notes + tp.warnings + list(plan_.tp_report) + sequence.report
+    tp_lines = planned.notes + tp.warnings + list(plan_.tp_report) + sequence.report + planned.ep.report
     # what each stage sends, as module and per-rank shape (report.md, pipeline.json, inspect)
     summary = {**planned.summary, "stages": [
         {**st, "sends": checked.sends.get(st["index"], [])} for st in planned.summary["stages"]]}

@@ -26,6 +26,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from parallelizer.errors import CheckpointError
+from parallelizer.plan.experts import experts_from_json
 from parallelizer.plan.layouts import layout_from_json, layout_json, local_length, segments
 
 NonNeg = Annotated[int, Field(ge=0, strict=True)]
@@ -60,6 +61,7 @@ class Entry(_Model):
     role: str = "replicate"
     tp_dim: Optional[NonNeg]
     layout: Any = None  # a plan.layouts class (or None) once validated
+    experts: Any = None  # plan.experts.Experts (or None) once validated
     stages: list[NonNeg] = Field(min_length=1)
     kind: Literal["model", "optim"] = "model"
     param: Optional[str] = None
@@ -69,6 +71,11 @@ class Entry(_Model):
     @classmethod
     def _known_layout(cls, v: Any):
         return layout_from_json(v)  # ValueError: not a layout (the one check, plan.layouts)
+
+    @field_validator("experts")
+    @classmethod
+    def _known_experts(cls, v: Any):
+        return experts_from_json(v)  # ValueError: not an experts layout (plan/experts.py)
 
     @field_validator("dtype")
     @classmethod

@@ -26,6 +26,7 @@ from parallelizer.checkpoint.publish import (check_destination, fsync_dir, fsync
 from parallelizer.checkpoint.slicing import local_piece, normalize_dim
 from parallelizer.checkpoint.stream import write_streamed
 from parallelizer.errors import CheckpointError
+from parallelizer.plan.experts import experts_json
 from parallelizer.plan.layouts import layout_json, segments
 from parallelizer.plan.parallel_plan import ParallelPlan, TensorPlan
 
@@ -84,7 +85,7 @@ def optim_entry(param: TensorPlan, name: str, dtype: Optional[str] = None) -> Te
     (a 0-d counter, replicated); ``dtype`` default: the parameter's (fp32 for ``step``)."""
     if name.endswith(".step"):
         return replace(param, fqn=name, shape=(), dtype=dtype or "float32", tp_dim=None,
-                       layout=None, is_buffer=True, role="replicate")
+                       layout=None, is_buffer=True, role="replicate", experts=None)
     return replace(param, fqn=name, dtype=dtype or param.dtype)
 
 
@@ -290,6 +291,8 @@ def build_manifest(layout: FileLayout, files: dict) -> dict:
                  "kind": "optim" if name in layout.params else "model"}
         if name in layout.params:
             entry["param"] = layout.params[name]
+        if tplan.experts is not None:  # the files hold every expert; ep ranks read their rows
+            entry["experts"] = experts_json(tplan.experts)
         tensors[name] = entry
     out = {"format_version": FORMAT_VERSION, "plan_hash": layout.plan_hash,
            "layout_hash": layout.layout_hash(), "mesh": dict(layout.mesh),

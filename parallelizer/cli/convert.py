@@ -57,6 +57,8 @@ def reshard_main(argv: list[str]) -> int:
     p.add_argument("--virtual-stages", type=_positive, metavar="V",
                    help="pipeline stages per pp rank, as pipeline.virtual_stages (default: 1, or "
                         "the source's stages when pp is unchanged)")
+    p.add_argument("--ep", type=_positive,
+                   help="record the expert weights for this ep degree (default: the source's)")
     p.add_argument("--spec", type=Path,
                    help="take tp, pp and pipeline.virtual_stages from this spec")
     p.add_argument("--plan", type=Path, metavar="OUT",
@@ -66,13 +68,13 @@ def reshard_main(argv: list[str]) -> int:
     if ns.spec:
         tp, pp, v = _mesh_from_spec(ns.spec)
     if ns.plan:
-        if ns.tp or ns.pp or ns.spec or ns.virtual_stages:
+        if ns.tp or ns.pp or ns.spec or ns.virtual_stages or ns.ep:
             raise CheckpointError("--plan gives the whole target layout; do not combine it with "
-                                  "--tp/--pp/--virtual-stages/--spec")
+                                  "--tp/--pp/--virtual-stages/--spec/--ep")
         plan = load_plan(ns.plan)
     from parallelizer.convert.reshard import plural, reshard
     stats = reshard(ns.src, ns.out, tp, pp, plan, ns.force, show_progress=not ns.no_progress,
-                    virtual_stages=v)
+                    virtual_stages=v, ep=ns.ep)
     gb = stats["bytes_written"] / 1e9
     print(f"resharded {ns.src} -> {ns.out}: {plural(stats['files'], 'file')}, {gb:.3g} GB in "
           f"{stats['seconds']:.2f} s ({gb / max(stats['seconds'], 1e-9):.3g} GB/s)")

@@ -85,7 +85,8 @@ def check_paths(src: Path, dst: Path, force: bool) -> None:
 
 def reshard(src, dst, tp: Optional[int] = None, pp: Optional[int] = None, plan=None,
             force: bool = False, show_progress: bool = False, tmp_hook=None,
-            threads: Optional[int] = None, virtual_stages: Optional[int] = None) -> dict:
+            threads: Optional[int] = None, virtual_stages: Optional[int] = None,
+            ep: Optional[int] = None) -> dict:
     """Write checkpoint ``src`` to ``dst`` in another layout: (``tp``, ``pp``) computed from the
     checkpoint (:func:`parallelizer.convert.target.target_layout`; None keeps the source
     degree), or exactly the layout of a compiled program's ``plan`` (ParallelPlan).
@@ -93,7 +94,9 @@ def reshard(src, dst, tp: Optional[int] = None, pp: Optional[int] = None, plan=N
     ``virtual_stages`` (pipeline stages per pp rank, as ``pipeline.virtual_stages``) makes
     ``pp x virtual_stages`` stages; None keeps the source's stages when pp is unchanged, else 1.
     Optimizer state stored with the parameters is converted with them. ``threads`` (default:
-    the machine's cores) hash input files and write output files in parallel.
+    the machine's cores) hash input files and write output files in parallel. ``ep`` records
+    the expert weights for that ep degree (files hold every expert whatever it is; a
+    per-rank save's expert rows, one ep rank's each, are merged like any chunks).
 
     Returns:
         ``{"bytes_read", "bytes_written", "seconds", "files"}``.
@@ -116,7 +119,7 @@ def reshard(src, dst, tp: Optional[int] = None, pp: Optional[int] = None, plan=N
     else:
         mesh = manifest["mesh"]
         layout = target_layout(manifest, tp or mesh["tp"], pp or mesh["pp"],
-                               virtual_stages=virtual_stages)
+                               virtual_stages=virtual_stages, ep=ep)
     total = sum(_numel(s) * torch.empty((), dtype=dt).element_size()
                 for p, t in layout.files() for _, s, dt in layout.file_specs(p, t))
     pool = ThreadPoolExecutor(threads or cores(), thread_name_prefix="reshard")

@@ -27,6 +27,7 @@ from typing import Optional
 from parallelizer.checkpoint.writer import FileLayout, optim_entry
 from parallelizer.errors import CheckpointError, PlanError
 from parallelizer.plan.layouts import EvenSplit, adapt, check, layout_from_json, layout_json
+from parallelizer.plan.experts import Experts, experts_from_json
 from parallelizer.plan.parallel_plan import TensorPlan
 from parallelizer.planning.pipeline import plan_pipeline
 from parallelizer.planning.stages import tensor_stages
@@ -41,7 +42,8 @@ def source_layout(manifest: dict) -> FileLayout:
     for name, e in manifest["tensors"].items():
         tensors[name] = TensorPlan(name, tuple(e["shape"]), e["dtype"], e["tp_dim"],
                                    tuple(e["stages"]), e["is_buffer"], e.get("role", "replicate"),
-                                   layout_from_json(e.get("layout")))
+                                   layout_from_json(e.get("layout")),
+                                   experts_from_json(e.get("experts")))
         if e.get("kind") == "optim":
             params[name] = e["param"]
     return FileLayout(dict(manifest["mesh"]), tensors, params, dict(manifest.get("aliases", {})),
@@ -107,15 +109,34 @@ def repartition(structure: dict, pp: int) -> dict[str, tuple[int, ...]]:
     return tensor_stages(decision, structure["uses"], structure.get("part_uses", {}))
 
 
+def relayout_experts(tplan: TensorPlan, ep: Optional[int]) -> Optional[Experts]:
+    """The ``experts`` layout of ``tplan`` at ep degree ``ep`` (None: kept as it is). An
+    expert weight is one the compiler marked (role ``experts``); others have none. The files
+    hold every expert whatever ep is: only the manifest's record changes.
+
+    Raises:
+        CheckpointError: ep does not divide the tensor's experts (names it and the ep
+            values that do).
+    """
+    if ep is None or tplan.role != "experts":
+        return tplan.experts
+    n = tplan.shape[0]
+    if n % ep:
+        valid = [d for d in range(1, n + 1) if n % d == 0]
+        raise CheckpointError(f"--ep {ep} does not divide the {n} experts of {tplan.fqn}; "
+                              f"ep values that fit: {', '.join(map(str, valid))}")
+    return Experts(ep) if ep > 1 else None
+
+
 def target_layout(manifest: dict, tp: int, pp: int, dp: Optional[int] = None,
-                  virtual_stages: Optional[int] = None) -> FileLayout:
+                  virtual_stages: Optional[int] = None, ep: Optional[int] = None) -> FileLayout:
     """The checkpoint's tensors re-laid out for (tp, pp): same tp_dim and layout kind,
     stages from :func:`repartition` into ``pp x virtual_stages`` stages (``virtual_stages``
     None: 1, or the checkpoint's stages kept when pp is unchanged); optimizer state follows
-    its parameter.
+    its parameter; expert weights recorded for ``ep`` (:func:`relayout_experts`).
 
     Raises:
-        CheckpointError: from :func:`relayout` and :func:`repartition`.
+        CheckpointError: from :func:`relayout`, :func:`relayout_experts` and :func:`repartition`.
     """
     src = source_layout(manifest)
     if virtual_stages is None and pp == src.mesh["pp"]:
@@ -131,7 +152,8 @@ def target_layout(manifest: dict, tp: int, pp: int, dp: Optional[int] = None,
             raise CheckpointError(f"{fqn} is not in the checkpoint's pipeline structure; it "
                                   "cannot be placed on a stage without the model")
         try:
-            model[fqn] = replace(t, layout=relayout(t, tp), stages=st)
+            model[fqn] = replace(t, layout=relayout(t, tp), stages=st,
+                                 experts=relayout_experts(t, ep))
         except CheckpointError as e:
             sharded = [x for x in src.model_tensors().values() if x.tp_dim is not None]
             common = [d for d in range(1, _MAX_TP + 1) if all(_fits(x, d) for x in sharded)]

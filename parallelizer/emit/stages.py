@@ -113,7 +113,7 @@ def _tensor_entries(names, prefix, plan, canonical) -> tuple[list, list, list]:
             continue
         first[fqn] = name
         tplan = plan.tensors[fqn]
-        entry = (name, tplan.local_shape(tp), tplan.dtype)
+        entry = (name, tplan.rank_shape(tp), tplan.dtype)
         (buffers if tplan.is_buffer else params).append(entry)
     return params, buffers, tied
 

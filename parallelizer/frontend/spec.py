@@ -87,6 +87,12 @@ class Mesh(BaseModel):
                               json_schema_extra=_doc(
                                   "FSDP2 on a 2-D mesh: shard within a group of dp_shard ranks, "
                                   "replicate across the dp_replicate groups; zero_stage 2/3 only."))
+    ep: int = Field(1, ge=1, description="an integer >= 1 that divides mesh.dp (expert-parallel degree)",
+                    json_schema_extra=_doc(
+                        "Each mixture-of-experts layer's experts are split over ep of the dp "
+                        "ranks (carved out of dp, as torchtitan and Megatron-LM do; no extra "
+                        "processes): tokens reach their experts' ranks by all-to-all. "
+                        "docs/expert-parallel.md."))
 
 
 class Pipeline(BaseModel):
@@ -347,6 +353,17 @@ class Spec(BaseModel):
             divisors = [d for d in range(1, dp + 1) if dp % d == 0]
             raise ValueError(f"mesh.dp_replicate ({rep}) must divide mesh.dp ({dp}): HSDP splits "
                              f"dp into dp_replicate x dp_shard; valid choices: {divisors}.")
+        ep = self.mesh.ep
+        if dp % ep:
+            divisors = [d for d in range(1, dp + 1) if dp % d == 0]
+            raise ValueError(f"mesh.ep ({ep}) must divide mesh.dp ({dp}): expert parallelism splits "
+                             f"the experts over ep of the data-parallel ranks (each keeps its own "
+                             f"tokens); set mesh.dp to a multiple of {ep} (e.g. mesh.dp={ep}), or "
+                             f"mesh.ep in {divisors}.")
+        if ep > 1 and (z == 1 or self.mesh.pp > 1 or self.mesh.tp > 1):
+            raise ValueError(f"mesh.ep={ep} runs with zero_stage 0, 2 or 3, mesh.pp 1 and mesh.tp 1 "
+                             f"so far (got zero_stage {z}, mesh.pp {self.mesh.pp}, mesh.tp "
+                             f"{self.mesh.tp}); docs/expert-parallel.md lists what is not done yet.")
         if z in (0, 1):
             mp = self.mixed_precision
             needs = [("mesh.dp_replicate", rep, rep != 1),

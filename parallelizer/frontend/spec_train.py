@@ -49,7 +49,8 @@ class Optimizer(BaseModel):
                                 "2-norm to it)",
         json_schema_extra=doc(
             "The norm of all gradients of the original model, each element counted once over "
-            "tp shards, pipeline stages and FSDP shards (tied and copied weights once), as "
+            "tp shards, pipeline stages, FSDP shards and ep ranks (tied and copied weights and "
+            "expert replicas once), as "
             "torch.nn.utils.clip_grad_norm_ of the unmodified model; run.py --log-every prints "
             "it. The Python API: pm.clip_grad_norm_(max_norm)."))
     schedule: Schedule = Field(Schedule(), description="the learning-rate schedule of run.py "

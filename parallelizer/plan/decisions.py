@@ -162,3 +162,21 @@ class SequenceParallelDecision:
     seq: object = None
     report: list = field(default_factory=list)
     blocker: Optional[str] = None
+
+
+@dataclass
+class EPDecision:
+    """Expert parallelism (planning/experts.py), read by the expert_parallel pass and the plan.
+
+    ``ep``: ranks each layer's experts are split over (1: off). ``layers``: one per expert
+    layer, ``{"module", "experts", "weights", "offsets", "inputs", "outputs", "matmuls",
+    "router"}``, node names of the captured graph (analysis/experts.py ExpertLayer).
+    ``report``: report.md lines."""
+
+    ep: int = 1
+    layers: list = field(default_factory=list)
+    report: list = field(default_factory=list)
+
+    @property
+    def weights(self) -> set:
+        return {w for layer in self.layers for w in layer["weights"]}

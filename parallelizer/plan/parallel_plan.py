@@ -14,6 +14,7 @@ import json
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Optional
 
+from .experts import Experts, experts_from_json, experts_json
 from .layouts import EvenSplit, copied_heads, layout_from_json, layout_json, local_length
 
 PLAN_VERSION = 1
@@ -63,18 +64,21 @@ class TensorPlan:
     is_buffer: bool = False
     role: str = "replicate"
     layout: Optional[EvenSplit] = None
+    experts: Optional[Experts] = None  # an expert weight split over ep (plan/experts.py)
 
     def to_dict(self) -> dict:
         """The JSON-ready fields (``layout`` as its JSON form), as plan.json stores them."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["layout"] = layout_json(self.layout)
+        out["experts"] = experts_json(self.experts)
         return out
 
     @staticmethod
     def from_dict(d: dict) -> "TensorPlan":
         """Inverse of :meth:`to_dict` (ValueError: a layout that is not one)."""
         return TensorPlan(**{**d, "shape": tuple(d["shape"]), "stages": tuple(d["stages"]),
-                             "layout": layout_from_json(d.get("layout"), f"{d.get('fqn')} layout")})
+                             "layout": layout_from_json(d.get("layout"), f"{d.get('fqn')} layout"),
+                             "experts": experts_from_json(d.get("experts"), f"{d.get('fqn')} experts")})
 
     def local_shape(self, tp: int) -> tuple[int, ...]:
         """Shape of one tp piece: the sharded dim's length under ``layout`` (n / tp for the
@@ -84,6 +88,12 @@ class TensorPlan:
         s = list(self.shape)
         s[self.tp_dim] = local_length(s[self.tp_dim], self.layout, tp)
         return tuple(s)
+
+    def rank_shape(self, tp: int) -> tuple[int, ...]:
+        """Shape one rank holds: the tp piece (:meth:`local_shape`, what a checkpoint file
+        stores), cut to the rank's experts under ``experts``."""
+        local = self.local_shape(tp)
+        return local if self.experts is None else self.experts.local_shape(local)
 
 
 @dataclass(frozen=True)
@@ -167,6 +177,11 @@ class ParallelPlan:
     # vocab_parallel logits handed to loss_fn sharded (planning/vocab.py): (flat output index,
     # vocabulary size) pairs; the last stage returns this rank's Shard(-1) columns for them
     vocab_outputs: tuple = ()
+    # Expert parallelism (planning/experts.py, docs/expert-parallel.md): ranks each
+    # mixture-of-experts layer's experts are split over, carved out of dp (ep divides dp);
+    # one {"module", "experts", "weights", "router"} per layer found, for report.md
+    ep: int = 1
+    expert_layers: tuple = ()
 
     @property
     def world_size(self) -> int:
@@ -209,12 +224,17 @@ class ParallelPlan:
         d["scalar_outputs"] = tuple(d.get("scalar_outputs", ()))
         d["dropout"] = tuple(d.get("dropout", ()))
         d["vocab_outputs"] = tuple(tuple(p) for p in d.get("vocab_outputs", ()))
+        d["expert_layers"] = tuple(d.get("expert_layers", ()))
         return ParallelPlan(tensors=tensors, stages=stages, **d)
 
     def hash(self) -> str:
         """sha256 of the layout-defining part of the plan (mesh and tensor placements);
         a checkpoint's manifest records it so a shard set is never read under another plan."""
-        layout = {"mesh": self.mesh, "tensors": {k: v.to_dict() for k, v in sorted(self.tensors.items())}}
+        # checkpoint files hold every expert (each ep rank reads its rows of them), so ep,
+        # like dp, is left out: a save at one ep degree loads at another
+        layout = {"mesh": self.mesh, "tensors": {
+            k: {f: x for f, x in v.to_dict().items() if f != "experts"}
+            for k, v in sorted(self.tensors.items())}}
         return hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).hexdigest()
 
 

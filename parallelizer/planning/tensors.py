@@ -18,7 +18,8 @@ from ..plan.compression import plan_settings, reduce_dtype as compression_reduce
 from ..plan.schedules import stage_ranks
 from ..plan.parallel_plan import (MODEL_MODULE, ParallelPlan, StagePlan, TensorPlan,
                                   checkpointed_blocks, grad_sync_groups)
-from ..plan.decisions import PipelineDecision, TPDecision, VocabDecision
+from ..plan.decisions import EPDecision, PipelineDecision, TPDecision, VocabDecision
+from ..plan.experts import Experts
 from .stages import tensor_stages
 from .vocab import tp_report
 
@@ -59,7 +60,8 @@ def _placement(name: str, tp: TPDecision, vocab: VocabDecision) -> tuple:
 
 
 def build_plan(spec, captured, gm, model, groups, tp: TPDecision, vocab: VocabDecision,
-               dropout: tuple, pipe: PipelineDecision, structure: dict) -> ParallelPlan:
+               dropout: tuple, pipe: PipelineDecision, structure: dict,
+               ep: EPDecision | None = None) -> ParallelPlan:
     """The whole plan, before any rewrite: placements from the TP and vocab_parallel
     decisions, stages of every tensor from the pipeline decision
     (:func:`~parallelizer.planning.stages.tensor_stages`, the function ``reshard --pp``
@@ -72,7 +74,11 @@ def build_plan(spec, captured, gm, model, groups, tp: TPDecision, vocab: VocabDe
         gm: the captured graph module (global shapes), for each tensor's shape and dtype.
         dropout: the DropoutSite records of planning/dropout.py.
         structure: :func:`pipeline_structure` of the captured graph.
+        ep: the expert-parallel decision (planning/experts.py): its stacked weights get the
+            ``experts`` layout (dim 0 over ep).
     """
+    ep = ep or EPDecision()
+    experts = Experts(ep.ep) if ep.ep > 1 else None
     canonical = alias_map(groups)
     p = spec.pipeline
     ranks = stage_ranks(p.schedule, spec.mesh.pp, p.virtual_stages)
@@ -90,8 +96,11 @@ def build_plan(spec, captured, gm, model, groups, tp: TPDecision, vocab: VocabDe
         tp_dim, role, layout = next((_placement(n, tp, vocab) for n in names
                                      if _placement(n, tp, vocab)[0] is not None),
                                     _placement(fqn, tp, vocab))
+        is_expert = experts is not None and fqn in ep.weights
         tensors[fqn] = TensorPlan(fqn, tuple(t.shape), str(t.dtype).removeprefix("torch."), tp_dim,
-                                  stages_of.get(fqn, (0,)), fqn not in params, role, layout)
+                                  stages_of.get(fqn, (0,)), fqn not in params,
+                                  "experts" if is_expert else role, layout,
+                                  experts if is_expert else None)
     stage_plans = tuple(
         StagePlan(s, f"stage{s}", tuple(f for f in order if s in tensors[f].stages), (), (),
                   tuple(pipe.blocks[i] for i in pipe.block_range(s)), ranks[s])
@@ -114,7 +123,9 @@ def build_plan(spec, captured, gm, model, groups, tp: TPDecision, vocab: VocabDe
         structure=structure, settings=run_settings(spec, token_vocab(gm)),
         imports=modules_needed(gm.graph, captured.out_spec, MODEL_MODULE),
         scalar_outputs=scalar_outputs(gm), vocab_outputs=tuple(sorted(vocab.outputs.items())),
-        dropout=tuple(dataclasses.asdict(d) for d in dropout))
+        dropout=tuple(dataclasses.asdict(d) for d in dropout), ep=ep.ep,
+        expert_layers=tuple({k: layer[k] for k in ("module", "experts", "weights", "router")}
+                            for layer in ep.layers))
     return dataclasses.replace(plan, grad_sync=grad_sync_groups(plan))
 
 

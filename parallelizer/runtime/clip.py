@@ -16,7 +16,12 @@ Ownership comes from the plan, never from module names:
   several ranks (a copied kv head, ``replicated_heads``) by the lowest of them, and padding
   rows (vocabulary padded for tp) by none;
 - dp: an FSDP2 shard (a DTensor gradient) by the rank holding it (on a replicated HSDP dim,
-  the first replica); a gradient every dp rank holds whole (DDP) by dp rank 0.
+  the first replica); a gradient every dp rank holds whole (DDP) by dp rank 0;
+- ep: an expert weight (``TensorPlan.experts``, E/ep experts per rank, outside DDP / FSDP2)
+  by the ep ranks of the first expert-data-parallel replica, so the squares of every expert
+  are summed over the ep group once and the ``dp / ep`` replicas of them are not counted
+  again (Megatron-LM's expert-parallel norm: expert parameters reduced over the
+  expert-model-parallel group).
 
 Norms are accumulated in float64 and returned as a 0-dim fp32 tensor on every rank.
 """
@@ -133,8 +138,8 @@ def owned_regions(tplan, stage_index: int, param, plan: ParallelPlan, ctx: RankC
         lo, hi = offset[0], offset[0] + shape[0]
         if hi <= lo:
             return None
-    elif ctx.dp_rank != 0:
-        return None  # every dp rank holds the same reduced gradient
+    elif not _dp_owner(tplan, ctx.dp_rank, plan.mesh["dp"]):
+        return None  # another dp rank holds the same reduced gradient
     if runs == []:
         return []
     if dim != 0 or hi is None:
@@ -145,6 +150,19 @@ def owned_regions(tplan, stage_index: int, param, plan: ParallelPlan, ctx: RankC
         if b > a:
             out.append((0, a - lo, b - a))
     return out or None
+
+
+def _dp_owner(tplan, dp_rank: int, dp: int) -> bool:
+    """Whether dp rank ``dp_rank`` counts its whole (not FSDP-sharded) gradient of ``tplan``:
+    dp rank 0 for a gradient every dp rank holds (DDP); for an expert weight split over ep
+    (``tplan.experts``), the ep ranks of the first expert-data-parallel replica (dp ranks
+    ``[0, ep)``, each holding other experts; the ``dp / ep`` replicas hold the same sums)."""
+    if tplan.experts is None:
+        return dp_rank == 0
+    ep = tplan.experts.ep
+    if dp % ep:
+        raise ValueError(f"{tplan.fqn}: ep = {ep} does not divide dp = {dp}")
+    return dp_rank < ep
 
 
 def _tp_runs(tplan, tp: int, tp_rank: int):

@@ -51,11 +51,14 @@ def apply_data_parallel(stage: torch.nn.Module, ctx: RankContext, plan) -> None:
         # find_unused_parameters: a weight the loss does not use (BERT's pooler) must not
         # leave DDP's reducer waiting for its gradient (and keeps buckets from being rebuilt,
         # so a compression hook's per-bucket state keeps its layout across steps and resumes)
-        replicate(stage, process_group=ctx.group("dp"), find_unused_parameters=True)
+        replicate(stage, process_group=ctx.group("dp"), find_unused_parameters=True,
+                  ignored_modules=expert_modules(stage, plan))
         if ctx.compression is not None:
             ctx.compression.register_ddp(stage)
         return
     kw = fsdp_kwargs(plan, ctx)
+    if plan.ep > 1:  # each ep rank holds other experts: synced by sync_expert_grads instead
+        kw["ignored_params"] = set(expert_params(stage, plan))
     hooked = method in ("powersgd", "topk")  # spec: only under HSDP at zero_stage 2/3
     if hooked:  # shard over dp_shard; the hook is the all-reduce over dp_replicate
         if ctx.compression is None:
@@ -126,6 +129,37 @@ def make_stage_optimizer(params, name: str, lr: float, weight_decay: float, zero
         return ZeroRedundancyOptimizer(list(params), optimizer_class=cls, process_group=ctx.group("dp"),
                                        lr=lr, weight_decay=weight_decay)
     return make_optimizer(params, name, lr, weight_decay)
+
+
+def expert_params(stage, plan) -> list:
+    """The parameters of ``stage`` split over ep (``TensorPlan.experts``), in order."""
+    return [p for name, p in stage.named_parameters()
+            if getattr(plan.tensors.get(plan.aliases.get(name, name)), "experts", None) is not None]
+
+
+def expert_modules(stage, plan) -> list:
+    """The modules directly holding expert parameters (DDP's ``ignored_modules``)."""
+    mine = {id(p) for p in expert_params(stage, plan)}
+    return [m for m in stage.modules() if any(id(p) in mine for p in m.parameters(recurse=False))]
+
+
+def sync_expert_grads(stages, plan, ctx: RankContext) -> None:
+    """Expert gradients as data parallelism would give them: each ep rank's expert
+    gradient already sums what every rank of its ep group routed to it (the dispatch's
+    backward all-to-all), so sum over the expert-data-parallel replicas holding the same
+    experts and divide by dp, the mean DDP / FSDP2 take over the other parameters."""
+    if plan.ep == 1:
+        return
+    grads = [p.grad for p in expert_params(stages, plan) if p.grad is not None]
+    if not grads:
+        return
+    if ctx.ep_mesh["edp"].size() > 1:
+        flat = torch._utils._flatten_dense_tensors(grads)
+        torch.distributed.all_reduce(flat, group=ctx.ep_mesh["edp"].get_group())
+        for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+            g.copy_(synced)
+    for g in grads:
+        g.div_(plan.mesh["dp"])
 
 
 def all_reduce_grads(params, ctx: RankContext) -> None:

@@ -32,10 +32,14 @@ def copies_max_diff(t: torch.Tensor, tplan: TensorPlan, ctx: RankContext, tp: in
 
 
 def full_tensor(t: torch.Tensor, tplan: TensorPlan, ctx: RankContext, tp: int) -> torch.Tensor:
-    """All-gather over dp (FSDP2's DTensor ``full_tensor``) then over tp (concatenated along
-    ``tplan.tp_dim``). Collective: every rank of the stage calls it in the same order."""
+    """All-gather over dp (FSDP2's DTensor ``full_tensor``), over ep for an expert weight
+    (concatenated along its experts dim), then over tp (concatenated along ``tplan.tp_dim``). Collective: every rank of the stage calls it in the same order."""
     t = t.full_tensor() if hasattr(t, "full_tensor") else t
     t = t.detach()
+    if tplan.experts is not None:  # this ep rank's experts: all-gather them along dim 0
+        parts = [torch.empty_like(t) for _ in range(tplan.experts.ep)]
+        dist.all_gather(parts, t.contiguous(), group=ctx.ep_mesh["ep"].get_group())
+        t = torch.cat(parts, dim=tplan.experts.dim)
     if tplan.tp_dim is None or tp == 1:
         return t
     parts = [torch.empty_like(t) for _ in range(tp)]

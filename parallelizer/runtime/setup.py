@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..plan.parallel_plan import MESH_DIMS, ParallelPlan
 from . import rng
+from .expert_parallel import set_ep_group
 from .tp import set_tp_group
 
 
@@ -25,6 +26,12 @@ class RankContext:
     fsdp_mesh: DeviceMesh | None = None  # 1-D (dp) or, under HSDP, 2-D (dp_replicate, dp_shard)
     sync_groups: dict = field(default_factory=dict)  # rank tuple -> group (plan.grad_sync)
     compression: object = None  # runtime/compression.GradCompression, set by apply_data_parallel
+    ep_mesh: DeviceMesh | None = None  # (pp, edp, ep, tp) under expert parallelism (plan.ep > 1)
+
+    @property
+    def ep_rank(self) -> int:
+        """This rank's place among the ranks splitting the experts (0 without ep)."""
+        return self.ep_mesh.get_local_rank("ep") if self.ep_mesh is not None else 0
 
     @property
     def rank(self) -> int:
@@ -84,8 +91,22 @@ def init(plan: ParallelPlan, device_type: str | None) -> RankContext:
     ctx = RankContext(mesh, device, mesh.get_local_rank("pp"), mesh.get_local_rank("dp"),
                       mesh.get_local_rank("tp"), _fsdp_mesh(plan, mesh, device_type),
                       _sync_groups(plan))
+    if plan.ep > 1:
+        ctx.ep_mesh = ep_mesh(plan, mesh, device_type)
+        set_ep_group(ctx.ep_mesh["ep"].get_group())
     rng.seed_streams(plan.seed, ctx.pp_rank, ctx.dp_rank, ctx.tp_rank, plan.mesh["tp"])
     return ctx
+
+
+def ep_mesh(plan: ParallelPlan, mesh: DeviceMesh, device_type: str) -> DeviceMesh:
+    """The 4-D mesh ``(pp, edp, ep, tp)`` expert parallelism runs on: dp rank ``d`` is ep
+    rank ``d % ep`` of expert-data-parallel replica ``d // ep`` (ep carved out of dp, the
+    innermost dp ranks together, as torchtitan's ``ep`` borrows from ``dp_shard``). The ep
+    ranks of one replica split the experts and exchange tokens; the edp ranks hold the same
+    experts and sum their gradients."""
+    m, ep = plan.mesh, plan.ep
+    shape = (m["pp"], m["dp"] // ep, ep, m["tp"])
+    return DeviceMesh(device_type, mesh.mesh.reshape(shape), mesh_dim_names=("pp", "edp", "ep", "tp"))
 
 
 def _sync_groups(plan: ParallelPlan, made: dict | None = None) -> dict:

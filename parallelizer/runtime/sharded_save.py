@@ -126,7 +126,7 @@ def _items(module, plan: ParallelPlan, opt) -> dict:
     return out
 
 
-def _rows(t: torch.Tensor, ctx: RankContext, plan: ParallelPlan):
+def _rows(t: torch.Tensor, ctx: RankContext, plan: ParallelPlan, fqn: str = ""):
     """``(local rows tensor, [lo, hi])`` this rank writes of ``t``, or None when another rank
     writes them (an HSDP replica, or dp rank > 0 for a 0-d tensor)."""
     if hasattr(t, "device_mesh"):  # FSDP2 shard: write it if first on every replicated dim
@@ -142,17 +142,26 @@ def _rows(t: torch.Tensor, ctx: RankContext, plan: ParallelPlan):
         return (local, [offset[0], offset[0] + shape[0]]) if shape[0] else None
     if t.dim() == 0:
         return (t, [0, 0]) if ctx.dp_rank == 0 else None
-    dp, n = plan.mesh["dp"], t.shape[0]
+    dp, n, base, rank = plan.mesh["dp"], t.shape[0], 0, ctx.dp_rank
+    experts = plan.tensors[fqn].experts if fqn in plan.tensors else None
+    if experts is not None:  # ep rank e holds experts [lo, hi): its edp replicas share them
+        base = experts.rows(experts.ep * n, ctx.ep_rank)[0]
+        dp, rank = ctx.ep_mesh["edp"].size(), ctx.ep_mesh.get_local_rank("edp")
     size = -(-n // dp)  # torch.chunk's rule, as FSDP2 shards
-    lo, hi = min(n, ctx.dp_rank * size), min(n, (ctx.dp_rank + 1) * size)
-    return (t[lo:hi], [lo, hi]) if hi > lo else None
+    lo, hi = min(n, rank * size), min(n, (rank + 1) * size)
+    return (t[lo:hi], [base + lo, base + hi]) if hi > lo else None
+
+
+def _param_of(name: str) -> str:
+    """The parameter a saved tensor belongs to: itself, or the fqn of its optimizer state."""
+    return name[len("optim."):].rsplit(".", 1)[0] if name.startswith("optim.") else name
 
 
 def _write_rank_file(tmp: Path, stage: int, ctx: RankContext, plan: ParallelPlan, items: dict,
                      step: int | None = None):
     """Write this rank's rows of ``items`` to its file; ``(name, {"sha256", "bytes",
     "tensors": {name: {"rows", "dtype"}}})`` or None when it holds nothing to write."""
-    rows = {k: r for k, r in ((k, _rows(t, ctx, plan)) for k, t in sorted(items.items())) if r}
+    rows = {k: r for k, r in ((k, _rows(t, ctx, plan, _param_of(k))) for k, t in sorted(items.items())) if r}
     if not rows:
         return None
     name = rank_file_name(stage, ctx.tp_rank, ctx.dp_rank)

@@ -137,7 +137,12 @@ def load_into(stage: torch.nn.Module, plan: ParallelPlan, shard: dict, ctx: Rank
         fqn = plan.aliases.get(name, name)
         if fqn not in shard:
             raise CheckpointError(f"{source} ({where}) lacks {fqn}")
-        src = shard[fqn].to(ctx.device)
+        src = shard[fqn]
+        experts = plan.tensors[fqn].experts if fqn in plan.tensors else None
+        if experts is not None:  # the file holds every expert: take this ep rank's rows
+            lo, hi = experts.rows(src.shape[experts.dim], ctx.ep_rank)
+            src = src.narrow(experts.dim, lo, hi - lo)
+        src = src.to(ctx.device)
         if hasattr(t, "device_mesh"):  # an FSDP2 shard: take this rank's chunk of src
             src = distribute_tensor(src, t.device_mesh, t.placements, src_data_rank=None).to_local()
             t = t.to_local()

@@ -25,7 +25,7 @@ from ..plan.schedules import SINGLE_STAGE, schedule_class
 from ..plan.layouts import ReplicatedHeads, copied_heads, copied_runs
 from ..plan.parallel_plan import ParallelPlan
 from .batching import flatten, index_rows
-from .data_parallel import all_reduce_grads
+from .data_parallel import all_reduce_grads, sync_expert_grads
 from .pipeline_stage import TimedPipelineStage
 from .setup import RankContext
 from .stage_builder import LocalStages, local_tensor
@@ -81,6 +81,7 @@ class StepRunner:
                 loss, outputs = self._pipeline_step(batch, target)
         if self.manual_dp:
             all_reduce_grads(self.stage.parameters(), self.ctx)
+        sync_expert_grads(self.stage, self.plan, self.ctx)
         if self.ctx.compression is not None:
             self.ctx.compression.finish_step()
         self._sync_tied_grads()

@@ -194,7 +194,8 @@ def _report(tally: _Tally, plan, opt_name, loss, ref_loss, ctx, skipped=()) -> i
             f"param_dtype {plan.param_dtype}, reduce_dtype {plan.reduce_dtype}"
         method = plan.compression.get("method", "none")
         which = plan.param_dtype + (f", {method} gradient compression" if method != "none" else "")
-        print(f"verify: mesh pp={m['pp']} x dp={m['dp']} x tp={m['tp']}, {dtypes}, "
+        ep = f" (ep={plan.ep})" if plan.ep > 1 else ""
+        print(f"verify: mesh pp={m['pp']} x dp={m['dp']}{ep} x tp={m['tp']}, {dtypes}, "
               f"atol={tally.atol:g} rtol={tally.rtol:g} (tolerances for {which})")
         if compression_rule(plan):
             print(f"verify: {compression_rule(plan)}")

@@ -24,7 +24,7 @@ def spec_error(tmp_path: Path, text: str, overrides=()) -> str:
 def test_defaults_for_empty_file(tmp_path):
     spec = load_spec(write(tmp_path, ""))
     assert spec.to_dict() == {
-        "mesh": {"dp": 1, "tp": 1, "pp": 1, "dp_replicate": 1},
+        "mesh": {"dp": 1, "tp": 1, "pp": 1, "dp_replicate": 1, "ep": 1},
         "pipeline": {"microbatches": 1, "schedule": "1f1b", "split_points": None,
                      "layers_per_stage": None, "virtual_stages": 1},
         "zero_stage": 3,

@@ -1,14 +1,16 @@
 """runtime/clip.py's ownership over tp, from the plan's layouts alone: over all tp ranks,
 the owned runs of a tensor cover every element of the full tensor exactly once: copies of a
 kv head (``replicated_heads``, alone or as a fused part) once, padding rows never, a
-replicated tensor on tp rank 0 only."""
+replicated tensor on tp rank 0 only; over all dp ranks, every expert of a weight split over
+ep once (its ``dp / ep`` replicas not again), a DDP-replicated gradient on dp rank 0 only."""
 from __future__ import annotations
 
 import pytest
 
+from parallelizer.plan.experts import Experts
 from parallelizer.plan.layouts import layout_from_json, segments
 from parallelizer.plan.parallel_plan import TensorPlan
-from parallelizer.runtime.clip import _tp_runs
+from parallelizer.runtime.clip import _dp_owner, _tp_runs
 
 RH = {"kind": "replicated_heads", "heads": 2, "head_dim": 4}
 CASES = {  # id -> (shape, tp_dim, layout, tp)
@@ -27,7 +29,7 @@ CASES = {  # id -> (shape, tp_dim, layout, tp)
 @pytest.mark.parametrize("case", CASES)
 def test_owned_runs_cover_the_full_tensor_once(case):
     shape, tp_dim, layout, tp = CASES[case]
-    layout = layout_from_json(layout)  # the typed layout, as TensorPlan.from_dict reads plan.json
+    layout = layout_from_json(layout)  # the plan's typed layout of its JSON form
     t = TensorPlan("w", shape, "float32", tp_dim, (0,), layout=layout)
     n = shape[tp_dim] if tp_dim is not None else shape[0]
     count = [0] * n
@@ -49,3 +51,17 @@ def test_owned_runs_cover_the_full_tensor_once(case):
             for i in range(start, start + length):
                 count[piece_to_full[i]] += 1  # padding has no full index: a KeyError
     assert count == [1] * n, (case, count)
+
+
+@pytest.mark.parametrize("dp, ep", [(2, 2), (4, 2), (8, 4), (4, 1)])
+def test_dp_owners_count_each_expert_once(dp, ep):
+    """dp rank d holds experts rows(E, d % ep) (ep rank d % ep of replica d // ep)."""
+    n = 8
+    t = TensorPlan("w", (n, 3, 5), "float32", None, (0,), experts=Experts(ep) if ep > 1 else None)
+    count = [0] * n
+    for d in range(dp):
+        if _dp_owner(t, d, dp):
+            lo, hi = t.experts.rows(n, d % ep) if t.experts else (0, n)
+            for i in range(lo, hi):
+                count[i] += 1
+    assert count == [1] * n, count

@@ -1,0 +1,164 @@
+"""Expert parallelism end to end (docs/expert-parallel.md): real transformers MoE classes
+compiled at mesh.dp=2, mesh.ep=2 (ZeRO-3, the default zero_stage, for the other parameters)
+and run on two gloo ranks.
+
+- ``--verify``: loss, outputs, gradients gathered to full shape and parameters after one SGD
+  step equal the unmodified model's at fp32 1e-5: Mixtral (softmax top-k, renormalised) under
+  the real torchrun, Qwen2-MoE (top-k without renormalisation, a shared expert beside the
+  routed ones) in ranks forked from the warm server.
+- Each rank holds half the experts (the emitted parameter is (E/2, ...)).
+- Two expert replicas (mesh.dp=4, mesh.ep=2: edp = 2, the replicas sum their expert
+  gradients): ``--verify`` at 1e-5, and the global gradient norm ``--train`` logs (and clips
+  by, optimizer.max_norm) equal to ``torch.nn.utils.clip_grad_norm_`` of the unmodified model
+  within 1e-6 over two clipped SGD steps; the experts counted twice (once per ep rank or once
+  per replica) or one ep rank's experts left out would each be more than 100 x that away.
+- A per-rank save writes each ep rank's expert rows (its chunk of dim 0); ``reshard --ep 1``
+  merges them, and ``export`` gives back the model's own weights bit for bit (real
+  safetensors files on both sides).
+"""
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from parallelizer.compiler import compile_model
+from parallelizer.convert.export import export_hf
+from parallelizer.convert.reshard import reshard
+from parallelizer.errors import CheckpointError
+from parallelizer.frontend.spec import load_spec
+
+MODELS = Path(__file__).parent / "user_models"
+EP2 = ["mesh.dp=2", "mesh.ep=2"]
+EXPERT = "model.layers.0.mlp.experts.gate_up_proj"
+
+
+EDP2 = ["mesh.dp=4", "mesh.ep=2", "pipeline.microbatches=1", "optimizer.max_norm=0.5"]
+_LOG = re.compile(r"^log step (\d+) \| loss (\S+) \| grad_norm (\S+)", re.M)
+
+
+def _compile(name: str, out: Path, overrides=EP2):
+    program = compile_model(MODELS / f"{name}.py", load_spec(MODELS / "spec.yaml", overrides))
+    program.save(out)
+    return program
+
+
+@pytest.fixture(scope="module")
+def edp2(tmp_path_factory):
+    """mixtral_train compiled at dp4 x ep2 (two replicas of each ep rank's experts)."""
+    out = tmp_path_factory.mktemp("edp2") / "out"
+    return _compile("mixtral_train", out, EDP2), out
+
+
+def _eager(steps: int, max_norm: float, lr: float):
+    """(per step: (loss, norm before clipping)), gradients of step 1 by name) of the
+    unmodified model under SGD clipped by torch.nn.utils.clip_grad_norm_."""
+    spec = importlib.util.spec_from_file_location("_ep_model", MODELS / "mixtral_train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = module.build_model()
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    rows, first = [], None
+    for batch in itertools.islice(module.batches(), steps):
+        opt.zero_grad(set_to_none=True)
+        loss = model(**batch).loss
+        loss.backward()
+        first = first or {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        rows.append((loss.item(), torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()))
+        opt.step()
+    return rows, first
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name, real", [("mixtral_auto", True), ("qwen2_moe_ep", False)])
+def test_verify_at_ep2(tmp_path, tools, name, real):
+    program = _compile(name, tmp_path / "out")
+    t = program.plan.tensors[EXPERT]
+    assert t.experts.ep == 2 and t.rank_shape(1)[0] == t.shape[0] // 2
+    run = tools.real_torchrun if real else tools.torchrun
+    res = run(tmp_path / "out", 2, "--verify", timeout=240)
+    errs = tools.verify_errors(res.stdout)
+    assert "PASS" in res.stdout and len(errs) == 4 and max(errs.values()) <= 1e-5, res.explain()
+    assert "verify: mesh pp=1 x dp=2 (ep=2) x tp=1" in res.stdout, res.explain()
+    tools.check_exit(res)
+
+
+@pytest.mark.timeout(300)
+def test_verify_with_two_expert_replicas(edp2, tools):
+    program, out = edp2
+    assert program.plan.tensors[EXPERT].rank_shape(1)[0] == 2
+    res = tools.torchrun(out, 4, "--verify", timeout=240)
+    errs = tools.verify_errors(res.stdout)
+    assert "PASS" in res.stdout and len(errs) == 4 and max(errs.values()) <= 1e-5, res.explain()
+    assert "verify: mesh pp=1 x dp=4 (ep=2) x tp=1" in res.stdout, res.explain()
+    tools.check_exit(res)
+
+
+@pytest.mark.timeout(300)
+def test_grad_norm_counts_every_expert_once(edp2, tools):
+    program, out = edp2
+    tol, ep = 1e-6, 2
+    res = tools.torchrun(out, 4, "--train", "--steps", "2", "--log-every", "1", timeout=240)
+    logged = [(int(s), float(loss), float(n)) for s, loss, n in _LOG.findall(res.stdout)]
+    want, grads = _eager(2, 0.5, 0.1)
+    assert [s for s, _, _ in logged] == [1, 2], res.explain()
+    for (step, loss, norm), (ref_loss, ref_norm) in zip(logged, want):
+        print(f"\nstep {step}: grad norm {norm:.9f} original model {ref_norm:.9f} "
+              f"diff {abs(norm - ref_norm):.2e}", end="")
+        assert ref_norm > 0.5, "clipping must be active for the step-2 check"
+        assert abs(norm - ref_norm) <= tol and abs(loss - ref_loss) <= 1e-5, (step, norm, ref_norm)
+    # the tolerance tells each wrong count of the experts apart
+    sq = {n: g.double().pow(2) for n, g in grads.items()}
+    total = sum(float(v.sum()) for v in sq.values())
+    experts = sum(float(v.sum()) for n, v in sq.items() if program.plan.tensors[n].experts is not None)
+    rank1 = sum(float(v[v.shape[0] // ep:].sum()) for n, v in sq.items()
+                if program.plan.tensors[n].experts is not None)
+    assert experts > 0 and rank1 > 0
+    for name, wrong in (("experts counted twice (once per ep rank or per replica; ep = edp = 2)",
+                         total + (ep - 1) * experts),
+                        ("ep rank 1's experts left out (dp rank 0's only)", total - rank1)):
+        print(f"\n{name}: norm {wrong ** 0.5:.9f}, {abs(wrong ** 0.5 - want[0][1]):.2e} away", end="")
+        assert abs(wrong ** 0.5 - want[0][1]) > 100 * tol, name
+    tools.check_exit(res)
+
+
+@pytest.mark.timeout(300)
+def test_save_at_ep2_reshard_to_ep1_and_export_bit_exact(tmp_path, tools):
+    _compile("mixtral_auto", tmp_path / "out")
+    res = tools.torchrun(tmp_path / "out", 2, "--train", "--steps", "0", "--save",
+                         str(tmp_path / "ck"), timeout=240)
+    tools.check_exit(res)
+    manifest = json.loads((tmp_path / "ck" / "manifest.json").read_text())
+    entry = manifest["tensors"][EXPERT]
+    assert entry["experts"] == {"kind": "experts", "ep": 2, "dim": 0}
+    assert [(c["file"], c["rows"]) for c in entry["pieces"][0]["chunks"]] == [
+        ("pp0-tp0-dp0.safetensors", [0, 2]), ("pp0-tp0-dp1.safetensors", [2, 4])]
+    for d in (0, 1):  # each rank wrote its own two experts only
+        assert load_file(str(tmp_path / "ck" / f"pp0-tp0-dp{d}.safetensors"))[EXPERT].shape[0] == 2
+    with pytest.raises(CheckpointError, match=r"--ep 3 does not divide the 4 experts of "
+                                              r"model.layers.\d.mlp.experts.\w+; ep values that fit: 1, 2, 4"):
+        reshard(tmp_path / "ck", tmp_path / "ep3", tp=1, pp=1, ep=3)
+    reshard(tmp_path / "ck", tmp_path / "ep1", tp=1, pp=1, ep=1)
+    merged = json.loads((tmp_path / "ep1" / "manifest.json").read_text())["tensors"][EXPERT]
+    assert "experts" not in merged and merged["role"] == "experts"
+    export_hf(tmp_path / "ep1", tmp_path / "hf")
+    sys.path.insert(0, str(MODELS))
+    try:
+        import mixtral_auto
+    finally:
+        sys.path.remove(str(MODELS))
+    save_file({k: v.contiguous() for k, v in mixtral_auto.build_model().state_dict().items()},
+              str(tmp_path / "original.safetensors"))
+    original = load_file(str(tmp_path / "original.safetensors"))
+    exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert sorted(exported) == sorted(original)
+    different = [k for k in original if not torch.equal(exported[k], original[k])]
+    assert different == []
