@@ -115,7 +115,8 @@ def build_plan(spec, captured, gm, model, groups, tp: TPDecision, vocab: VocabDe
         imports=modules_needed(gm.graph, captured.out_spec, MODEL_MODULE),
         scalar_outputs=scalar_outputs(gm), vocab_outputs=tuple(sorted(vocab.outputs.items())),
         dropout=tuple(dataclasses.asdict(d) for d in dropout))
-    return dataclasses.replace(plan, grad_sync=grad_sync_groups(plan))
+    partial = tuple(sorted({canonical.get(f, f) for f in tp.partial}))
+    return dataclasses.replace(plan, grad_sync=grad_sync_groups(plan, partial))
 
 
 def run_settings(spec) -> dict:
