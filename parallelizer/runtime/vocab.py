@@ -82,7 +82,10 @@ class GatherLastDim(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, vocab, tp_rank, all_gather):
         ctx.rank, ctx.width = tp_rank, x.shape[-1]
-        return torch.cat(all_gather(x.contiguous()), dim=-1).narrow(-1, 0, vocab).contiguous()
+        full = torch.cat(all_gather(x.contiguous()), dim=-1)
+        # no narrow without padding: the output must not be a view (the model may modify
+        # the logits in place; autograd forbids it on a custom Function's view)
+        return full if full.shape[-1] == vocab else full.narrow(-1, 0, vocab).contiguous()
 
     @staticmethod
     def backward(ctx, grad):
