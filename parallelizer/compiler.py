@@ -30,6 +30,7 @@ from .errors import CheckpointError, PlanError
 from .frontend.model_file import default_loss, load_model
 from .frontend.capture import Captured, capture
 from .analysis.costs import PipelineCosts
+from .analysis.gradient_accounting import check_gradients
 from .analysis.outputs import check_outputs_have_batch_dim
 from .passes.aliases import apply_untie
 from .passes.attention import apply_eager_attention
@@ -268,12 +269,16 @@ class Checked:
 
 def check_stages(analysis: Analysis, planned: Planned, stages: list,
                  sequence: SequenceParallelDecision) -> Checked:
-    """Split each stage into its blocks; check that the split graphs hold what the plan
+    """Check every parameter's gradient on the stage graphs against the plan's gradient
+    syncs; split each stage into its blocks; check that the split graphs hold what the plan
     planned, and record their boundary names in it.
 
     Raises:
-        PlanError: a tensor is read by two emitted modules of one stage (passes/split_check.py).
+        PlanError: a gradient the plan leaves Partial, Mixed or unsummed
+            (analysis/gradient_accounting.py), or a tensor read by two emitted modules of one
+            stage (passes/split_check.py): internal errors, naming the tensor.
     """
+    check_gradients(planned.plan, stages)  # on the graphs split_blocks is about to outline
     # what each stage sends, read before split_blocks outlines the blocks that produce it
     inputs = [n for n in analysis.gm.graph.nodes if n.op == "placeholder"]
     sends = stage_sends(stages, inputs, sequence.region, sequence.tp)

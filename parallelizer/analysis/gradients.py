@@ -160,7 +160,7 @@ def derive(graph: fx.Graph, fwd: Forward, outputs: Optional[list] = None,
     """
     nodes = list(graph.nodes)
     flow = GradientFlow(nodes={n.name: n for n in nodes})
-    carry = _carries(nodes, grad_inputs)
+    carry = carries(nodes, grad_inputs)
     data = _data_dependent(nodes)
     contribs: dict = {}
     out = next(n for n in reversed(nodes) if n.op == "output")
@@ -254,7 +254,7 @@ def _holds_tensor(n: fx.Node) -> bool:
         isinstance(t, torch.Tensor) for t in v))
 
 
-def _carries(nodes, grad_inputs) -> dict:
+def carries(nodes, grad_inputs) -> dict:
     """node -> whether a gradient can flow back through it: computed from a trainable
     parameter (or a placeholder in ``grad_inputs``) by differentiable ops."""
     out = {}
