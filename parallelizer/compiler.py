@@ -8,8 +8,11 @@
   the spec with those decisions turned into the ParallelPlan once;
 - :func:`apply_passes`: the rewrites the plan asks for, then sequence parallelism, planned
   on the graph those rewrites produced, and the split into stages;
-- :func:`check_stages`: each stage's blocks, and the split checked against the plan;
-- :func:`emit`: program sources, weights, reference step and report.
+- :func:`check_stages`: every parameter's gradient checked against the plan's gradient
+  syncs, each stage's blocks, and the split checked against the plan;
+- :func:`check_program`: the program sources, each stage executed for one tp rank on
+  FakeTensors, forward and backward, before anything is written;
+- :func:`emit`: weights, reference step and report.
 
 Planners read facts and return data; passes read a plan and rewrite the graph (docs/architecture.md).
 """
@@ -56,6 +59,7 @@ from .planning.sequence import plan_sequence_parallel
 from .planning.tp import plan_tp, tp_summary
 from .planning.vocab import plan_vocab, vocab_summary
 from .emit.program import Program, check_replaceable
+from .emit.rank_check import check_ranks
 from .emit.reference import compute_reference
 from .emit.report import render_report, stage_sends
 from .frontend.spec import Spec
@@ -121,7 +125,8 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
     planned = plan(analysis, spec, passes)
     stages, sequence = apply_passes(analysis, planned, spec, batch, passes)
     checked = check_stages(analysis, planned, stages, sequence)
-    return emit(analysis, planned, checked, sequence, spec, batch, loss_fn,
+    sources = check_program(analysis, checked, batch)
+    return emit(analysis, planned, checked, sequence, spec, batch, loss_fn, sources,
                 model_file=model_file, weights=weights, reference=reference,
                 owns_model=owns_model, pp_warnings=pp_warnings + planned.warnings)
 
@@ -291,14 +296,31 @@ def check_stages(analysis: Analysis, planned: Planned, stages: list,
     return Checked(checked, stages, block_graphs, notes, sends)
 
 
+def check_program(analysis: Analysis, checked: Checked, batch) -> dict:
+    """The emitted sources (program/stage{i}.py, run.py), each stage executed for one tp
+    rank on FakeTensors, forward and backward (emit/rank_check.py), before anything is
+    written.
+
+    Raises:
+        PlanError: a stage fails on a rank's shapes (names the op and the model's source
+            line), or a parameter's gradient has another shape than planned.
+    """
+    plan_ = checked.plan
+    sources = stage_sources(plan_, checked.stages, checked.block_graphs, analysis.model,
+                            analysis.name)
+    graphs = [(st.graph, {b.fqn: b.graph for b in blocks})
+              for st, blocks in zip(checked.stages, checked.block_graphs)]
+    check_ranks(plan_, sources, batch, graphs)
+    return sources
+
+
 def emit(analysis: Analysis, planned: Planned, checked: Checked,
-         sequence: SequenceParallelDecision, spec: Spec, batch, loss_fn, *,
+         sequence: SequenceParallelDecision, spec: Spec, batch, loss_fn, sources: dict, *,
          model_file: Optional[Path], weights: bool, reference: bool, owns_model: bool,
          pp_warnings: list) -> Program:
-    """The Program: stage sources, with ``weights`` those of every planned tensor and (with
-    ``reference``) the reference step, and report.md."""
+    """The Program: the stage ``sources``, with ``weights`` those of every planned tensor and
+    (with ``reference``) the reference step, and report.md."""
     plan_, model, gm = checked.plan, analysis.model, analysis.gm
-    sources = stage_sources(plan_, checked.stages, checked.block_graphs, model, analysis.name)
     ref = state = None
     if weights:
         state = {fqn: attrgetter(fqn)(gm).detach().clone() for fqn in plan_.tensors}
