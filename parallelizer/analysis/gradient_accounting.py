@@ -77,6 +77,10 @@ def _check_one(fqn: str, tplan, cot, flow, partial: set, stage: int) -> None:
         raise PlanError(f"{_BUG}the gradient of {fqn} (stage {stage}) is Mixed over tp: "
                         f"{cot.why}, at {where}{_WORKAROUND}")
     if tplan.tp_dim is not None:
+        if fqn in partial:
+            raise PlanError(f"{_BUG}plan.grad_sync sums the gradient of {fqn} (stage {stage}) "
+                            f"over tp, but it is sharded on dim {tplan.tp_dim}: each rank "
+                            f"holds another piece{_WORKAROUND}")
         if cot.kind != WHOLE:
             raise PlanError(f"{_BUG}the gradient of {fqn} (stage {stage}, sharded on dim "
                             f"{tplan.tp_dim}) is Partial over tp at {where}{_WORKAROUND}")
