@@ -8,8 +8,11 @@
   the spec with those decisions turned into the ParallelPlan once;
 - :func:`apply_passes`: the rewrites the plan asks for, then sequence parallelism, planned
   on the graph those rewrites produced, and the split into stages;
-- :func:`check_stages`: each stage's blocks, and the split checked against the plan;
-- :func:`emit`: program sources, weights, reference step and report.
+- :func:`check_stages`: every parameter's gradient checked against the plan's gradient
+  syncs, each stage's blocks, and the split checked against the plan;
+- :func:`check_program`: the program sources, each stage executed for one tp rank on
+  FakeTensors, forward and backward, before anything is written;
+- :func:`emit`: weights, reference step and report.
 
 Planners read facts and return data; passes read a plan and rewrite the graph (docs/architecture.md).
 """
@@ -30,6 +33,7 @@ from .errors import CheckpointError, PlanError
 from .frontend.model_file import default_loss, load_model
 from .frontend.capture import Captured, capture
 from .analysis.costs import PipelineCosts
+from .analysis.gradient_accounting import check_gradients
 from .analysis.outputs import check_outputs_have_batch_dim
 from .passes.aliases import apply_untie
 from .passes.attention import apply_eager_attention
@@ -59,6 +63,7 @@ from .planning.sequence import plan_sequence_parallel
 from .planning.tp import plan_tp, tp_summary
 from .planning.vocab import plan_vocab, vocab_summary
 from .emit.program import Program, check_replaceable
+from .emit.rank_check import check_ranks
 from .emit.reference import compute_reference
 from .emit.report import render_report, stage_sends
 from .frontend.spec import Spec
@@ -124,7 +129,8 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
     planned = plan(analysis, spec, passes)
     stages, sequence = apply_passes(analysis, planned, spec, batch, passes)
     checked = check_stages(analysis, planned, stages, sequence)
-    return emit(analysis, planned, checked, sequence, spec, batch, loss_fn,
+    sources = check_program(analysis, checked, batch)
+    return emit(analysis, planned, checked, sequence, spec, batch, loss_fn, sources,
                 model_file=model_file, weights=weights, reference=reference,
                 owns_model=owns_model, pp_warnings=pp_warnings + planned.warnings)
 
@@ -277,12 +283,16 @@ class Checked:
 
 def check_stages(analysis: Analysis, planned: Planned, stages: list,
                  sequence: SequenceParallelDecision) -> Checked:
-    """Split each stage into its blocks; check that the split graphs hold what the plan
+    """Check every parameter's gradient on the stage graphs against the plan's gradient
+    syncs; split each stage into its blocks; check that the split graphs hold what the plan
     planned, and record their boundary names in it.
 
     Raises:
-        PlanError: a tensor is read by two emitted modules of one stage (passes/split_check.py).
+        PlanError: a gradient the plan leaves Partial, Mixed or unsummed
+            (analysis/gradient_accounting.py), or a tensor read by two emitted modules of one
+            stage (passes/split_check.py): internal errors, naming the tensor.
     """
+    check_gradients(planned.plan, stages)  # on the graphs split_blocks is about to outline
     # what each stage sends, read before split_blocks outlines the blocks that produce it
     inputs = [n for n in analysis.gm.graph.nodes if n.op == "placeholder"]
     sends = stage_sends(stages, inputs, sequence.region, sequence.tp)
@@ -295,14 +305,31 @@ def check_stages(analysis: Analysis, planned: Planned, stages: list,
     return Checked(checked, stages, block_graphs, notes, sends)
 
 
+def check_program(analysis: Analysis, checked: Checked, batch) -> dict:
+    """The emitted sources (program/stage{i}.py, run.py), each stage executed for one tp
+    rank on FakeTensors, forward and backward (emit/rank_check.py), before anything is
+    written.
+
+    Raises:
+        PlanError: a stage fails on a rank's shapes (names the op and the model's source
+            line), or a parameter's gradient has another shape than planned.
+    """
+    plan_ = checked.plan
+    sources = stage_sources(plan_, checked.stages, checked.block_graphs, analysis.model,
+                            analysis.name)
+    graphs = [(st.graph, {b.fqn: b.graph for b in blocks})
+              for st, blocks in zip(checked.stages, checked.block_graphs)]
+    check_ranks(plan_, sources, batch, graphs)
+    return sources
+
+
 def emit(analysis: Analysis, planned: Planned, checked: Checked,
-         sequence: SequenceParallelDecision, spec: Spec, batch, loss_fn, *,
+         sequence: SequenceParallelDecision, spec: Spec, batch, loss_fn, sources: dict, *,
          model_file: Optional[Path], weights: bool, reference: bool, owns_model: bool,
          pp_warnings: list) -> Program:
-    """The Program: stage sources, with ``weights`` those of every planned tensor and (with
-    ``reference``) the reference step, and report.md."""
+    """The Program: the stage ``sources``, with ``weights`` those of every planned tensor and
+    (with ``reference``) the reference step, and report.md."""
     plan_, model, gm = checked.plan, analysis.model, analysis.gm
-    sources = stage_sources(plan_, checked.stages, checked.block_graphs, model, analysis.name)
     ref = state = None
     if weights:
         state = {fqn: attrgetter(fqn)(gm).detach().clone() for fqn in plan_.tensors}

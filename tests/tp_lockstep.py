@@ -6,7 +6,8 @@ layouts). Megatron's ``f`` and ``g`` (Shoeybi et al. 2019, §3) keep their autog
 backward; the sum is taken over a barrier, in rank order, so every rank gets the same bits.
 The only thing replaced is the transport (``dist.all_reduce`` -> a sum between threads).
 Replicated kv heads (whole tensors, or the copied parts of a fused q|k|v) then sum their
-gradients over the ranks holding one head, as ``runtime/step.py`` does. The vocab_parallel
+gradients over the ranks holding one head, and parameters whose gradient is Partial over tp
+(``TPDecision.partial``) over all ranks, as ``runtime/step.py`` does. The vocab_parallel
 operators run the runtime's own local lookup and gather (runtime/vocab.py) with the
 transport swapped likewise.
 """
@@ -251,6 +252,7 @@ def run_ranks(gm: fx.GraphModule, decision, tp: int, flat_inputs: list, loss_of,
     if errors:
         raise errors[0]
     _sum_replicated_head_grads(leaves, decision, tp)
+    _sum_partial_grads(leaves, decision, tp)
     out = []
     for r in range(tp):
         grads = {t: p.grad for t, p in leaves[r].items() if p.requires_grad}
@@ -284,6 +286,19 @@ def _sum_replicated_head_grads(leaves, decision, tp):
                 total = sum(g.clone() for g in group)
                 for g in group:
                     g.copy_(total)
+
+
+def _sum_partial_grads(leaves, decision, tp):
+    """Sum the gradients of replicated parameters that are Partial over tp (the decision's
+    ``partial``: plan.grad_sync ``partial_tp``) over the ranks, as runtime/step.py does."""
+    tp_decision = decision[0] if isinstance(decision, tuple) else decision
+    for target in getattr(tp_decision, "partial", {}):
+        grads = [leaves[r][target].grad for r in range(tp)
+                 if target in leaves[r] and leaves[r][target].grad is not None]
+        if len(grads) == tp:
+            total = sum(g.clone() for g in grads)
+            for g in grads:
+                g.copy_(total)
 
 
 def _full_length(layout) -> int:

@@ -93,3 +93,22 @@ def line_of(path, code: str) -> int:
     """Line number of ``code`` in the file ``path`` (the source line a report names)."""
     return next(i for i, text in enumerate(Path(path).read_text().splitlines(), 1)
                 if code in text and "line_of(" not in text)
+
+
+def compile_steps(model: nn.Module, batch, spec: dict, mutate_tp=None):
+    """The compiler's steps up to the stage graphs (parallelizer/compiler.py: analyse, plan,
+    apply_passes), for tests that mutate a real plan or decision before the compile-time
+    checks. ``mutate_tp(decision)`` edits the TPDecision before the passes apply it.
+    Returns (analysis, planned, stages, sequence)."""
+    from parallelizer import compiler
+    from parallelizer.frontend.spec import Spec
+    from parallelizer.passes.manager import PassManager
+
+    spec_ = Spec.model_validate(spec)
+    passes = PassManager(None)
+    analysis = compiler.analyse(model, batch, Path(__file__), passes, pp=spec_.mesh.pp)
+    planned = compiler.plan(analysis, spec_, passes)
+    if mutate_tp is not None:
+        mutate_tp(planned.tp)
+    stages, sequence = compiler.apply_passes(analysis, planned, spec_, batch, passes)
+    return analysis, planned, stages, sequence

@@ -215,3 +215,34 @@ def _example(name):
 
 
 EXAMPLES = {f"example_{n}": _example(n) for n in ("gpt", "gpt2", "llama", "minilm")}
+
+
+def qwen3():
+    """Qwen3: an RMSNorm over head_dim on q and k (``q_norm`` / ``k_norm``, weight
+    (head_dim,)) applied to the rank's heads: a Partial gradient under tp."""
+    import transformers as T
+    cfg = T.Qwen3Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                        max_position_embeddings=64, use_cache=False, attn_implementation="sdpa",
+                        attention_dropout=0.0, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return _seeded(lambda: T.Qwen3ForCausalLM(cfg)), _ids, _logits
+
+
+def bart():
+    """BART: an encoder-decoder whose decoder's row_parallel linears (self- and
+    cross-attention out_proj, fc2) have biases, and whose cross-attention k/v read the
+    encoder's output in every decoder layer."""
+    import transformers as T
+    cfg = T.BartConfig(vocab_size=V, d_model=32, encoder_layers=2, decoder_layers=2,
+                       encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                       decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.0,
+                       attention_dropout=0.0, activation_dropout=0.0, use_cache=False,
+                       pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=2)
+
+    def batch(b=2, t=8, seed=0):
+        return {**_ids(b, t, seed), **_ids(b, t, seed + 100, "decoder_input_ids")}
+    return _seeded(lambda: T.BartForConditionalGeneration(cfg)), batch, _logits
+
+
+# families the zoo does not run, used by the gradient tests (tests/features/test_tp_gradients.py)
+GRADIENT_FAMILIES = {f.__name__: f for f in (qwen3, bart)}

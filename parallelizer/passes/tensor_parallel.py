@@ -1,7 +1,9 @@
 """tensor_parallel pass: apply a TPDecision to the graph (Megatron-LM §3).
 
 - ``f`` (copy_to_tp_region) before column_parallel linears, one per distinct input, so
-  q/k/v (or gate/up) share one all-reduce of their input gradient in backward.
+  q/k/v (or gate/up) share one all-reduce of their input gradient in backward; the same f
+  on the other edges where a replicated activation enters sharded compute
+  (``decision.f_edges``, derived by planning/gradients.py), one per producer.
 - row_parallel ``linear(x, W, b)`` becomes ``reduce_from_tp_region(linear(x, W)) + b`` (and
   GPT-2's Conv1D ``addmm(b, x, W)`` becomes ``reduce_from_tp_region(mm(x, W)) + b``; a
   ``matmul(x, W.T)`` is followed by g and its separate bias add then reads g's output): the
@@ -30,11 +32,10 @@ def apply_tensor_parallel(gm: fx.GraphModule, decision: TPDecision) -> bool:
     graph = gm.graph
     _rewrite_constants(graph, decision.rewrites)
     _insert_narrows(graph, decision.narrows)
-    copies: dict = {}
-    for site in linear_sites(graph):
-        if site.weight in decision.column:
-            _insert_f(graph, site, copies)
-        elif site.weight in decision.row:
+    sites = linear_sites(graph)
+    _insert_fs(graph, _f_readers(graph, sites, decision))
+    for site in sites:
+        if site.weight in decision.row:
             _insert_g(graph, site)
     graph.lint()
     gm.recompile()
@@ -66,14 +67,32 @@ def _insert_narrows(graph: fx.Graph, narrows: dict) -> None:
         node.replace_all_uses_with(cut, delete_user_cb=lambda u, c=cut: u is not c)
 
 
-def _insert_f(graph: fx.Graph, site: Linear, copies: dict) -> None:
-    x = site.x
-    if x not in copies:
-        with graph.inserting_before(site.node):
-            copies[x] = graph.call_function(copy_to_tp_region, (x,))
-            copies[x].meta = dict(x.meta)
-            copies[x].meta[TP_OPERATOR] = "f"
-    site.node.replace_input_with(x, copies[x])
+def _f_readers(graph: fx.Graph, sites: list, decision: TPDecision) -> dict:
+    """value -> the nodes reading it through one f: the column linears it feeds, and the
+    sharded-compute readers of the derived f edges (``decision.f_edges``)."""
+    readers: dict = {}
+    for site in sites:
+        if site.weight in decision.column:
+            readers.setdefault(site.x, []).append(site.node)
+    by_name = {n.name: n for n in graph.nodes}
+    for producer, names in decision.f_edges.items():
+        mine = readers.setdefault(by_name[producer], [])
+        mine += [by_name[n] for n in names if by_name[n] not in mine]
+    return readers
+
+
+def _insert_fs(graph: fx.Graph, readers: dict) -> None:
+    """One f per value, before its first reader (so q/k/v, or gate/up, share one all-reduce
+    of their input gradient), read by those readers only."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    firsts = {x: min(users, key=order.__getitem__) for x, users in readers.items()}
+    for x in sorted(readers, key=lambda v: order[firsts[v]]):
+        with graph.inserting_before(firsts[x]):
+            f = graph.call_function(copy_to_tp_region, (x,))
+        f.meta = dict(x.meta)
+        f.meta[TP_OPERATOR] = "f"
+        for u in readers[x]:
+            u.replace_input_with(x, f)
 
 
 def _insert_g(graph: fx.Graph, site: Linear) -> None:

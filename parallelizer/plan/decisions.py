@@ -43,6 +43,13 @@ class TPDecision:
     # weight fqn of a linear left replicated -> its report lines (vocab_parallel may shard
     # it as an LM head: planning/vocab.py tp_report leaves those lines out)
     replicated: dict = field(default_factory=dict)
+    # derived gradient placements (planning/gradients.py, analysis/gradients.py):
+    # replicated activation (node name) -> the sharded-compute nodes reading it that get an
+    # f on that edge (beyond the column linears' inputs), in graph order
+    f_edges: dict = field(default_factory=dict)
+    # replicated parameter fqn -> "op (node) at file:line in module" that makes its gradient
+    # Partial over tp: summed over the tp ranks once per step (plan.grad_sync "partial_tp")
+    partial: dict = field(default_factory=dict)
 
 
 @dataclass

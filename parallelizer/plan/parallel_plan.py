@@ -161,9 +161,10 @@ class ParallelPlan:
     # the program reads plan.json only: {"optimizer": {name, lr, weight_decay},
     # "verify": {atol, rtol, optimizer}} (frontend/spec.py documents each key).
     settings: dict = field(default_factory=dict)
-    # Gradient-sync groups (:func:`grad_sync_groups`): [{"kind": "tied" | "replicated_heads",
-    # "key": stage indices | kv head count, "ranks": [[global ranks], ...]}]; the runtime
-    # creates each process group once, in this order, on every rank.
+    # Gradient-sync groups (:func:`grad_sync_groups`): [{"kind": "tied" | "replicated_heads" |
+    # "partial_tp", "key": stage indices | kv head count | parameter FQNs, "ranks": [[global
+    # ranks], ...]}]; the runtime creates each process group once, in this order, on every
+    # rank (partial_tp's groups are the tp mesh dim's own).
     grad_sync: tuple = ()
     # modules run.py imports before building stages: custom-op libraries the graph calls and
     # the modules of the output pytree's types (parallelizer/analysis/needed_imports.py)
@@ -256,7 +257,7 @@ def global_rank(mesh: dict, pp: int, dp: int, tp: int) -> int:
     return (pp * mesh["dp"] + dp) * mesh["tp"] + tp
 
 
-def grad_sync_groups(plan: ParallelPlan) -> tuple[dict, ...]:
+def grad_sync_groups(plan: ParallelPlan, partial: Optional[tuple] = None) -> tuple[dict, ...]:
     """The rank groups whose gradients are summed after backward, beyond data parallelism:
 
     - ``tied``: a weight held by several stages (tied embedding and LM head) is summed over
@@ -265,9 +266,15 @@ def grad_sync_groups(plan: ParallelPlan) -> tuple[dict, ...]:
     - ``replicated_heads``: a kv head copied to ``tp / heads`` tp ranks (tp > kv heads) is
       summed over those ranks, per (pp, dp) coordinate, since each copy sees only its rank's
       query heads; ``key``: the kv head count.
+    - ``partial_tp``: replicated parameters whose gradient is Partial over tp (derived:
+      planning/gradients.py; a per-head q/k norm weight applied to the rank's heads) are
+      summed over the tp ranks of each (pp, dp) coordinate, once per step; ``key``: their
+      canonical FQNs (``partial``; default: those of ``plan.grad_sync``'s entry).
 
     Placement-dependent (stage -> pp rank), so ``with_schedule`` recomputes it.
     """
+    if partial is None:
+        partial = next((tuple(e["key"]) for e in plan.grad_sync if e["kind"] == "partial_tp"), ())
     m = plan.mesh
     rank_of = {st.index: st.rank for st in plan.stages}
     out = []
@@ -282,5 +289,9 @@ def grad_sync_groups(plan: ParallelPlan) -> tuple[dict, ...]:
         out.append({"kind": "replicated_heads", "key": k, "ranks": [
             [global_rank(m, p, d, t) for t in range(h * copies, (h + 1) * copies)]
             for p in range(m["pp"]) for d in range(m["dp"]) for h in range(k)]})
+    if partial:
+        out.append({"kind": "partial_tp", "key": sorted(partial), "ranks": [
+            [global_rank(m, p, d, t) for t in range(m["tp"])]
+            for p in range(m["pp"]) for d in range(m["dp"])]})
     return tuple(out)
 

@@ -126,7 +126,8 @@ def build_plan(spec, captured, gm, model, groups, tp: TPDecision, vocab: VocabDe
         dropout=tuple(dataclasses.asdict(d) for d in dropout), ep=ep.ep,
         expert_layers=tuple({k: layer[k] for k in ("module", "experts", "weights", "router")}
                             for layer in ep.layers))
-    return dataclasses.replace(plan, grad_sync=grad_sync_groups(plan))
+    partial = tuple(sorted({canonical.get(f, f) for f in tp.partial}))
+    return dataclasses.replace(plan, grad_sync=grad_sync_groups(plan, partial))
 
 
 def run_settings(spec, vocab_size: int | None = None) -> dict:

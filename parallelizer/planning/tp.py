@@ -6,7 +6,9 @@ Seed: a linear whose output reaches another linear's input through ops that keep
 the reached linear its row half (Megatron-LM §3: MLP A|B column then row; attention q/k/v
 column over heads, output projection row). Then sharding propagation checks the whole
 graph; a pair group whose shard reaches an op with no rule is kept replicated, with the
-reason in the report. Divisibility of every sharded size by tp is checked last.
+reason in the report. Divisibility of every sharded size by tp is checked last; then the
+gradients' placements are derived (:mod:`.gradients`): f edges beyond the column linears'
+inputs, and the parameters whose gradients are summed over tp.
 
 Linears are ``aten.linear`` (nn.Linear, weight (out, in)) and ``aten.addmm`` on a parameter
 (GPT-2's Conv1D, weight (in, out)): column_parallel shards the output-features dim of the
@@ -22,6 +24,7 @@ from ..plan.decisions import TPDecision
 from ..errors import PlanError
 from ..analysis.graph_facts import aten, linear_sites, source_line
 from ..analysis.sharding.propagate import Propagation, propagate
+from .gradients import plan_gradients
 
 _STOP = {aten.embedding.default, aten.native_layer_norm.default, aten.layer_norm.default}
 # A mixture-of-experts router (Mixtral's and Qwen2-MoE's ``mlp.gate``) picks experts with
@@ -87,6 +90,8 @@ def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False) -> TPDecis
     decision.report += custom_op_weights(graph)
     if not column:
         _nothing_sharded(decision, tp, allow_replicated)
+    else:  # the backward's f edges and Partial gradients, derived (planning/gradients.py)
+        plan_gradients(graph, decision)
     return decision
 
 

@@ -127,19 +127,30 @@ def _local(seq, tp):
     return None if seq is None else seq // tp
 
 
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous and not a view: the operators' outputs are the model's values, which
+    it may modify in place (Falcon's ``mlp_output += attention_output``), and autograd
+    forbids that on a view a custom Function returns ("Output 0 of Op is a view and is
+    being modified inplace"). The moves below copy already, except when the moved dims hold
+    one element (a microbatch of one sequence) or a flatten keeps the copy's layout: then
+    the view is copied once here."""
+    t = t.contiguous()
+    return t.clone() if t._is_view() else t
+
+
 def _all_gather(comm, x: torch.Tensor, dim: int, seq) -> torch.Tensor:
     """``seq``: the global length when ``dim`` is flattened (batch, seq), else None."""
     u, d, back = _unflat(x, dim, _local(seq, comm.size()))
     out = comm.all_gather(u.movedim(d, 0).contiguous())
     # contiguous: q, k and v (gate and up) then share one saved input, not a copy each
-    return back(out.movedim(0, d).contiguous())
+    return _own(back(out.movedim(0, d)))
 
 
 def _reduce_scatter(comm, x: torch.Tensor, dim: int, seq) -> torch.Tensor:
     u, d, back = _unflat(x, dim, seq)
     _check(u.shape[d], comm.size())
     out = comm.reduce_scatter(u.movedim(d, 0).contiguous())
-    return back(out.movedim(0, d).contiguous())
+    return _own(back(out.movedim(0, d)))
 
 
 def _split(comm, x: torch.Tensor, dim: int, seq) -> torch.Tensor:
@@ -147,7 +158,7 @@ def _split(comm, x: torch.Tensor, dim: int, seq) -> torch.Tensor:
     u, d, back = _unflat(x, dim, seq)
     _check(u.shape[d], tp)
     n = u.shape[d] // tp
-    return back(u.narrow(d, comm.rank() * n, n).contiguous())
+    return _own(back(u.narrow(d, comm.rank() * n, n)))
 
 
 def _operator(forward, backward):

@@ -115,6 +115,8 @@ def _sync_groups(plan: ParallelPlan, made: dict | None = None) -> dict:
     re-placed by ``with_schedule`` may need groups the first one did not)."""
     groups: dict = {}
     for entry in plan.grad_sync:
+        if entry["kind"] == "partial_tp":  # the tp mesh dim's groups (step.py)
+            continue
         for ranks in entry["ranks"]:
             key = tuple(ranks)
             if key not in groups and key not in (made or {}):

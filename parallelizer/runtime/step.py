@@ -53,7 +53,7 @@ class StepRunner:
         self._target = None
         self.pipeline_stages: list = []  # the PipelineStages of the last schedule built
         self.tied = _tied_params(stages, plan, ctx)
-        self.summed = _replicated_head_params(stages, plan, ctx)
+        self.summed = _replicated_head_params(stages, plan, ctx) + _partial_tp_params(stages, plan, ctx)
         # DDP cannot follow a pipeline schedule's interleaved forwards (data_parallel.py)
         self.manual_dp = plan.zero_stage in (0, 1) and plan.mesh["dp"] > 1 and self.pp > 1
         # vocab_parallel logits: loss_fn sees them Shard(-1) under loss_parallel (runtime/vocab_loss.py)
@@ -212,7 +212,8 @@ class StepRunner:
 
     def _sum_shared_grads(self, pick=lambda p: p.grad) -> None:
         """Sum each replicated kv head's gradient over the tp ranks holding a copy (the
-        whole tensor, or the rows of a fused tensor's copied parts)."""
+        whole tensor, or the rows of a fused tensor's copied parts), and each Partial
+        parameter's over the tp ranks (``partial_tp``)."""
         for param, group, run in self.summed:
             grad = pick(param)
             if grad is None:
@@ -242,6 +243,19 @@ def _replicated_head_params(stage, plan: ParallelPlan, ctx: RankContext) -> list
             for offset, length, heads in copied_runs(tplan.shape[d], layout, plan.mesh["tp"]):
                 out.append((param, mine[heads], (d, offset, length)))
     return out
+
+
+def _partial_tp_params(stages, plan: ParallelPlan, ctx: RankContext) -> list:
+    """(parameter, the tp group, None) for the replicated parameters whose gradient is
+    Partial over tp (``plan.grad_sync`` kind ``partial_tp``: each tp rank's gradient holds
+    its shard's contribution only; planning/gradients.py). Under FSDP2 each tp rank holds the
+    same dp chunk of the whole tensor, so the local chunks are summed."""
+    names = {f for e in plan.grad_sync if e["kind"] == "partial_tp" for f in e["key"]}
+    if not names:
+        return []
+    group = ctx.group("tp")
+    return [(param, group, None) for name, param in stages.named_parameters()
+            if plan.aliases.get(name, name) in names]
 
 
 def _local_run(grad, dim: int, offset: int, length: int):

@@ -10,13 +10,56 @@ placed after a per-head value that must meet the rank's heads (BLOOM's ALiBi slo
 
 The tp process group is set once per process by the emitted program (``set_tp_group``), so
 the generated stage source reads like the paper: ``reduce_from_tp_region(linear(x, w))``.
+The compiler's check of its own output runs the same operators on FakeTensors with a
+:class:`ShapeTransport` instead of the process group (``using_transport``): every
+collective gives the shape it would, so the autograd Functions run as on a cluster.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
 
 _TP_GROUP = None
+_TRANSPORT = None  # None: the process group; else a ShapeTransport (using_transport)
+
+
+class ShapeTransport:
+    """Tp rank ``rank`` of ``tp`` without communicating: an all-reduce leaves its tensor as
+    it is, an all-gather gives ``tp`` copies (shape-faithful stand-ins, for FakeTensors)."""
+
+    def __init__(self, tp: int, rank: int = 0):
+        self.tp, self._rank = tp, rank
+
+    def size(self) -> int:
+        return self.tp
+
+    def rank(self) -> int:
+        return self._rank
+
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        return t
+
+    def all_gather(self, t: torch.Tensor) -> list:
+        return [t.clone() for _ in range(self.tp)]
+
+
+@contextlib.contextmanager
+def using_transport(transport):
+    """Within the block the tp operators (here, runtime/vocab.py, runtime/vocab_loss.py)
+    use ``transport`` instead of the process group."""
+    global _TRANSPORT
+    before, _TRANSPORT = _TRANSPORT, transport
+    try:
+        yield
+    finally:
+        _TRANSPORT = before
+
+
+def transport():
+    """The :class:`ShapeTransport` in use, or None (the process group)."""
+    return _TRANSPORT
 
 
 def set_tp_group(group) -> None:
@@ -30,11 +73,19 @@ def tp_group():
 
 
 def _tp_size() -> int:
+    if _TRANSPORT is not None:
+        return _TRANSPORT.size()
     return 1 if _TP_GROUP is None else dist.get_world_size(_TP_GROUP)
+
+
+def _tp_rank() -> int:
+    return _TRANSPORT.rank() if _TRANSPORT is not None else dist.get_rank(_TP_GROUP)
 
 
 def _all_reduce(t: torch.Tensor) -> torch.Tensor:
     t = t.contiguous().clone()
+    if _TRANSPORT is not None:
+        return _TRANSPORT.all_reduce(t)
     dist.all_reduce(t, group=_TP_GROUP)
     return t
 
@@ -74,10 +125,12 @@ class _ScatterToTPRegion(torch.autograd.Function):
     def forward(ctx, x, dim):
         ctx.dim = dim
         n = x.shape[dim] // _tp_size()
-        return x.narrow(dim, dist.get_rank(_TP_GROUP) * n, n).clone()
+        return x.narrow(dim, _tp_rank() * n, n).clone()
 
     @staticmethod
     def backward(ctx, grad):
+        if _TRANSPORT is not None:
+            return torch.cat(_TRANSPORT.all_gather(grad.contiguous()), dim=ctx.dim), None
         parts = [torch.empty_like(grad) for _ in range(_tp_size())]
         dist.all_gather(parts, grad.contiguous(), group=_TP_GROUP)
         return torch.cat(parts, dim=ctx.dim), None

@@ -21,11 +21,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .tp import tp_group
+from .tp import tp_group, transport
 
 
 def tp_coords() -> tuple[int, int]:
-    """(tp size, this rank's tp rank); (1, 0) with no tp group set."""
+    """(tp size, this rank's tp rank); (1, 0) with no tp group set (and no stand-in
+    transport: runtime/tp.py ``using_transport``)."""
+    stand_in = transport()
+    if stand_in is not None:
+        return stand_in.size(), stand_in.rank()
     group = tp_group()
     if group is None:
         return 1, 0
@@ -69,6 +73,8 @@ def local_lookup(weight: torch.Tensor, ids: torch.Tensor, padding_idx: int,
 
 
 def _all_gather(x: torch.Tensor) -> list:
+    if transport() is not None:
+        return transport().all_gather(x)
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(tp_group()))]
     dist.all_gather(parts, x, group=tp_group())
     return parts
@@ -82,7 +88,10 @@ class GatherLastDim(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, vocab, tp_rank, all_gather):
         ctx.rank, ctx.width = tp_rank, x.shape[-1]
-        return torch.cat(all_gather(x.contiguous()), dim=-1).narrow(-1, 0, vocab).contiguous()
+        full = torch.cat(all_gather(x.contiguous()), dim=-1)
+        # no narrow without padding: the output must not be a view (the model may modify
+        # the logits in place; autograd forbids it on a custom Function's view)
+        return full if full.shape[-1] == vocab else full.narrow(-1, 0, vocab).contiguous()
 
     @staticmethod
     def backward(ctx, grad):

@@ -14,6 +14,8 @@ atol = rtol = 1e-5.
 - A tied Llama called with ``labels=`` at tp=2 with a vocabulary of 1001 (vocab_parallel: the
   table padded to 1002 rows, the in-graph cross-entropy computed on the logits' shards, the
   logits output gathered for --verify).
+- Qwen3 at tp=2: its per-head q/k norm weights have Partial gradients, summed over tp by the
+  runtime once per step (``plan.grad_sync`` kind ``partial_tp``; issue 23).
 
 Two ranks, not four, to stay within the suite's budget on a 2-core CI machine; the products
 (tp=2, pp2 x dp2, tp2 x pp2) of the same models were verified by hand (see the issue 14 report).
@@ -36,6 +38,7 @@ CASES = {  # folder name -> (model file, overrides)
     "mixtral-labels-dp2": ("mixtral_auto.py", ("mesh.dp=2",)),
     "sequential-pp2": ("sequential.py", ("mesh.pp=2",)),
     "llama-labels-vocab1001-tp2": ("llama_labels_v1001.py", ("mesh.tp=2",)),
+    "qwen3-qk-norm-tp2": ("qwen3_qk_norm.py", ("mesh.tp=2",)),
 }
 _PROGRAM = re.compile(r"^PROGRAM (\S+) (\d+)$", re.M)
 _ERR = re.compile(r"^verify: (loss|outputs|gradients|parameters)\b.*max abs err (\S+)", re.M)
@@ -58,6 +61,10 @@ def test_user_models_verify(tmp_path, tools):
             assert program.plan.tensors["model.embed_tokens.weight"].layout == Padded(1002)
             assert program.plan.vocab_outputs == ((1, 1001),)
             assert "vocab_parallel cross-entropy" in program.report
+        if name.startswith("qwen3"):  # the per-head q/k norm weights, summed over tp
+            (summed,) = [e["key"] for e in program.plan.grad_sync if e["kind"] == "partial_tp"]
+            assert summed == [f"model.layers.{i}.self_attn.{n}_norm.weight"
+                              for i in (0, 1) for n in "kq"]
     p = tools.launch(ENTRY, 2, *outs, timeout=380).wait()
     print(f"launch done at {time.perf_counter() - start:.1f} s")
     explain = p.explain()

@@ -114,6 +114,9 @@ def test_zoo_tp_matches_unmodified_model(family, tp):
     mats = block_matrices(model)
     sharded = [m for m in mats if m in d.dims]
     assert (len(sharded), len(mats)) == SHARDED[name], d.report
+    # standard blocks: Megatron's f and g leave every gradient whole (planning/gradients.py
+    # derives it), so no f and no gradient sum is added (no collective beyond the minimum)
+    assert d.partial == {} and d.f_edges == {}, d.report
     assert tp_summary(d, model).startswith(f"tensor parallel: {len(sharded)} of {len(mats)} "
                                            f"weight matrices in blocks sharded (")
     v = plan_vocab(gm.graph, tp, "auto", alias_map(tied_groups(model)), d)

@@ -1,0 +1,149 @@
+"""The compiler checks its own output before OUT/ is written (issue 23): mutations of a real
+plan or rewrite must be compile-time errors naming what is wrong.
+
+- Gradient accounting (analysis/gradient_accounting.py, in ``check_stages``): the dual
+  placement analysis re-run on the final stage graphs; a plan.grad_sync without one of the
+  derived ``partial_tp`` parameters, or summing one whose gradient is already whole, is an
+  internal error naming the parameter's FQN and the op (with the model's source line) that
+  made it Partial.
+- Execution on a tp rank's shapes (emit/rank_check.py, ``check_program``): each stage's
+  emitted module run forward and backward on FakeTensors of the local shapes; a view left
+  with the global head count fails there, naming the model's source line. Falcon (multi-query,
+  as configured: no biases) at tp2 x pp2 with sequence parallelism and one sequence per
+  microbatch: the reduce-scatter's output fed into the model's in-place ``add_`` ("Output 0
+  of Op is a view and is being modified inplace", issue 23) is caught the same way with the
+  runtime operator as it was (a view), and compiles with the operator as it is.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from parallelizer.analysis.gradient_accounting import check_gradients
+from parallelizer.compiler import check_program, check_stages
+from parallelizer.errors import PlanError
+from parallelizer.runtime import sequence
+from test_tp_gradients import HeadNormAttention
+from tp_small_models import compile_steps, line_of, x_batch
+
+TP2 = {"mesh": {"tp": 2}}
+MODEL_FILE = __file__.replace("test_compile_checks.py", "test_tp_gradients.py")
+
+
+def _without(plan, fqn: str):
+    """``plan`` with ``fqn`` dropped from its partial_tp entry (the entry dropped when empty)."""
+    out = []
+    for e in plan.grad_sync:
+        if e["kind"] == "partial_tp":
+            e = {**e, "key": [k for k in e["key"] if k != fqn]}
+            if not e["key"]:
+                continue
+        out.append(e)
+    return dataclasses.replace(plan, grad_sync=tuple(out))
+
+
+def test_real_plan_passes_both_checks():
+    _, planned, stages, _ = compile_steps(HeadNormAttention(), x_batch(4, 6), TP2)
+    (entry,) = [e for e in planned.plan.grad_sync if e["kind"] == "partial_tp"]
+    assert entry["key"] == ["k_norm", "q_norm"]
+    check_gradients(planned.plan, stages)
+
+
+def test_dropped_grad_sync_entry_names_the_parameter():
+    _, planned, stages, _ = compile_steps(HeadNormAttention(), x_batch(4, 6), TP2)
+    line = line_of(MODEL_FILE, "q = self._norm(self.q(x).view(")  # the call of _norm
+    with pytest.raises(PlanError, match=rf"the gradient of q_norm \(stage 0\) is Partial over "
+                                        rf"tp .*test_tp_gradients.py:{line}.* no partial_tp"):
+        check_gradients(_without(planned.plan, "q_norm"), stages)
+
+
+def test_summing_a_sharded_gradient_over_tp_is_an_error():
+    _, planned, stages, _ = compile_steps(HeadNormAttention(), x_batch(4, 6), TP2)
+    grad_sync = tuple({**e, "key": e["key"] + ["q.weight"]} if e["kind"] == "partial_tp"
+                      else e for e in planned.plan.grad_sync)
+    plan = dataclasses.replace(planned.plan, grad_sync=grad_sync)
+    with pytest.raises(PlanError, match=r"sums the gradient of q.weight \(stage 0\) over tp, "
+                                        r"but it is sharded on dim 0"):
+        check_gradients(plan, stages)
+
+
+def test_replicated_parameter_summed_although_whole_is_an_error():
+    """o's input is whole on every rank after g: summing a replicated weight read only by
+    replicated compute would make it tp times too large."""
+    from torch import nn
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = HeadNormAttention()
+            self.scale = nn.Parameter(torch.tensor(2.0))
+
+        def forward(self, x):
+            return self.attn(x) * self.scale
+
+    _, planned, stages, _ = compile_steps(Scaled(), x_batch(4, 6), TP2)
+    grad_sync = tuple({**e, "key": sorted(e["key"] + ["scale"])} if e["kind"] == "partial_tp"
+                      else e for e in planned.plan.grad_sync)
+    with pytest.raises(PlanError, match=r"sums the gradient of scale .* already whole"):
+        check_gradients(dataclasses.replace(planned.plan, grad_sync=grad_sync), stages)
+
+
+def _drop_rewrite_of_q_view(decision):
+    """The tensor_parallel pass's rewrite of q's view to the rank's heads, removed: the view
+    keeps the global head count (4) on a rank's 2 heads of q."""
+    assert "view" in decision.rewrites, decision.rewrites  # q's, the graph's first view
+    del decision.rewrites["view"]
+
+
+def test_global_head_count_left_in_a_view_is_a_compile_error_naming_the_line():
+    analysis, planned, stages, seq = compile_steps(HeadNormAttention(), x_batch(4, 6), TP2,
+                                                   mutate_tp=_drop_rewrite_of_q_view)
+    checked = check_stages(analysis, planned, stages, seq)  # placements are still right
+    line = line_of(MODEL_FILE, "q = self._norm(self.q(x).view(")
+    with pytest.raises(PlanError, match=rf"fails on a tp rank's shapes at aten.view.default "
+                                        rf"\(\w+\) at test_tp_gradients.py:{line} in the root "
+                                        rf"module, stage 0: RuntimeError: shape"):
+        check_program(analysis, checked, x_batch(4, 6))
+
+
+def _falcon():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                                    num_attention_heads=4, use_cache=False,
+                                    attn_implementation="sdpa", bos_token_id=1, eos_token_id=2)
+    assert cfg.multi_query and not cfg.bias  # as configured
+    torch.manual_seed(0)
+    batch = {"input_ids": torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(0))}
+    return transformers.FalconForCausalLM(cfg), batch
+
+
+FALCON_SPEC = {"mesh": {"tp": 2, "pp": 2}, "pipeline": {"microbatches": 4}}
+
+
+def test_falcon_sequence_parallel_inplace_add_compiles(monkeypatch):
+    """Falcon at tp2 x pp2, sequence parallelism on, one sequence per microbatch: the
+    program executes on a rank's shapes (the operators' outputs are not views)."""
+    from parallelizer.compiler import compile_module
+    from parallelizer.frontend.spec import Spec
+
+    model, batch = _falcon()
+    program = compile_module(model, batch, Spec.model_validate(FALCON_SPEC), reference=False)
+    assert "sequence parallel: on" in program.report
+    assert "aten.add_.Tensor(reduce_scatter_to_sequence_parallel_region" in \
+        program.sources["program/stage0.py"].replace("torch.ops.", "")
+
+
+def test_falcon_view_returned_by_reduce_scatter_is_caught_at_compile_time(monkeypatch):
+    """The runtime operator as it was before the fix (its output a view when the moved dims
+    hold one element): the compile fails naming Falcon's in-place add_."""
+    monkeypatch.setattr(sequence, "_own", lambda t: t.contiguous())
+    model, batch = _falcon()
+    analysis, planned, stages, seq = compile_steps(model, batch, FALCON_SPEC)
+    checked = check_stages(analysis, planned, stages, seq)
+    with pytest.raises(PlanError, match=r"fails on a tp rank's shapes at aten.add_.Tensor "
+                                        r"\(\w+\) at modeling_falcon.py:\d+ in transformer.h.0, "
+                                        r"stage 0: RuntimeError: Output 0 of Op is a view and "
+                                        r"is being modified inplace"):
+        check_program(analysis, checked, batch)
