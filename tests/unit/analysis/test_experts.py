@@ -105,5 +105,5 @@ def test_compiled_program_holds_one_ep_rank_of_the_experts():
 
 
 def test_max_norm_under_ep_is_accepted():
-    # runtime/clip.py counts each expert once over ep (tests/distributed/test_expert_parallel.py)
+    # runtime/clip.py counts each expert once over ep (tests/distributed/test_expert_parallel_verify.py)
     assert load_spec(SPEC, ["mesh.dp=2", "mesh.ep=2", "optimizer.max_norm=1.0"]).optimizer.max_norm == 1.0
