@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import warm
+
 E, IN, OUT = 4, 3, 5
 
 
@@ -75,8 +77,10 @@ def _rank(rank: int, port: int, kind: str, errors) -> None:
 
 @pytest.mark.parametrize("kind", ["even", "uneven"])
 def test_dispatch_combine_equal_all_experts_on_one_process(kind):
-    errors = mp.get_context("fork").Manager().dict()
-    mp.start_processes(_rank, args=(_port(), kind, errors), nprocs=2, start_method="fork")
+    # forked from the session's forkserver (tests/warm.py), not from this process: a fork of
+    # a process whose OpenMP pool has run can hang in the child's first parallel op
+    errors = warm.context().Manager().dict()
+    mp.start_processes(_rank, args=(_port(), kind, errors), nprocs=2, start_method="forkserver")
     assert sorted(errors.keys()) == [0, 1]
     assert max(errors.values()) < 1e-6, dict(errors)
 
