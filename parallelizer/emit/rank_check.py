@@ -30,7 +30,7 @@ import torch
 
 from ..analysis.graph_facts import module_path, source_line
 from ..errors import PlanError
-from ..runtime import sequence
+from ..runtime import expert_parallel, sequence
 from ..runtime.batching import flatten
 from ..runtime.stage_builder import stage_class_from_source
 from ..runtime.tp import ShapeTransport, using_transport
@@ -54,7 +54,8 @@ def check_ranks(plan, sources: dict, batch, graphs: list) -> None:
 
     tp = plan.mesh["tp"]
     with FakeTensorMode(allow_non_fake_inputs=True), using_transport(ShapeTransport(tp)), \
-            sequence.using_comm(sequence.ShapeComm(tp)), warnings.catch_warnings():
+            sequence.using_comm(sequence.ShapeComm(tp)), expert_parallel.shape_stand_in(plan.ep), \
+            warnings.catch_warnings():
         warnings.simplefilter("ignore")
         inputs = _microbatch(plan, batch)
         for st in plan.stages:
@@ -63,16 +64,20 @@ def check_ranks(plan, sources: dict, batch, graphs: list) -> None:
 
 
 def _microbatch(plan, batch) -> list:
-    """One microbatch of one dp rank, as FakeTensors on the CPU."""
+    """One microbatch of one dp rank, as FakeTensors on the batch's device: the CPU, or the
+    meta device when the model was captured there (compile without weights), whose code
+    took the branches of a device other than the CPU (transformers' MoE runs histc on int
+    ids off the CPU), so the CPU's kernel restrictions do not apply to it."""
     flat = flatten(plan, batch)
     m = plan.microbatches if plan.mesh["pp"] > 1 else 1
     rows = max(1, flat[0].shape[0] // (plan.mesh["dp"] * m))
-    return [torch.empty((rows,) + tuple(t.shape[1:]), dtype=t.dtype) for t in flat]
+    return [torch.empty((rows,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device) for t in flat]
 
 
 def _run_stage(plan, st, source: str, inputs: list, graphs) -> list:
     filename = f"<compile check of program/{st.module}.py>"
-    module = stage_class_from_source(source, st.index, filename)("cpu")
+    device = next((t.device for t in inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    module = stage_class_from_source(source, st.index, filename)(device)
     _check_shapes(plan, module, st, "parameter", lambda p: p)
     _replay_repeated_blocks(module)
     try:
@@ -163,7 +168,7 @@ def _check_shapes(plan, module, st, what: str, pick) -> None:
         fqn = plan.aliases.get(name, name)
         if t is None or fqn not in plan.tensors:
             continue
-        want = plan.tensors[fqn].local_shape(tp)
+        want = plan.tensors[fqn].rank_shape(tp)
         if tuple(t.shape) != tuple(want):
             raise PlanError(f"{_BUG}on a tp rank of stage {st.index}, the {what} of {fqn} has "
                             f"shape {tuple(t.shape)}, the plan's local shape is {tuple(want)}; "

@@ -29,13 +29,16 @@ The ep process group is set once per process (:func:`set_ep_group`), as the tp g
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
 _EP_GROUP = None
+_STAND_IN: Optional[int] = None  # ep degree of the compile's rank check (no process group)
 
 
 def set_ep_group(group) -> None:
@@ -48,6 +51,21 @@ def ep_group():
     return _EP_GROUP
 
 
+@contextlib.contextmanager
+def shape_stand_in(ep: int):
+    """Within the block, dispatch and combine are shape-faithful stand-ins for one of ``ep``
+    ranks, without communicating (the compile's rank check on FakeTensors,
+    emit/rank_check.py): every row stays on its rank and the local experts' offsets are
+    ``offs[:E/ep]``, so the grouped matmuls meet the rank's (E/ep, ...) weights. Row counts
+    are data-dependent at run time; the check is of every other dim."""
+    global _STAND_IN
+    before, _STAND_IN = _STAND_IN, ep
+    try:
+        yield
+    finally:
+        _STAND_IN = before
+
+
 @dataclass
 class Route:
     """One layer's exchange plan on this rank, for one forward (and its backward).
@@ -55,7 +73,7 @@ class Route:
     Attributes:
         send: rows sent to each ep rank (this rank's rows of that rank's experts).
         recv: rows received from each ep rank.
-        order: (R,) index: row ``i`` of the expert-grouped local input is row ``order[i]``
+        order: (R,) index (None under :func:`shape_stand_in`): row ``i`` of the expert-grouped local input is row ``order[i]``
             of the received rows (grouped by source rank, then by expert).
         local_offsets: (E/ep,) cumulative received rows per local expert, ``offs``' dtype.
     """
@@ -74,10 +92,12 @@ def ep_route(offs: torch.Tensor, num_experts: int) -> Route:
         ValueError: ``num_experts`` is not a multiple of the ep group's size (the planner
             refuses it first, naming ``mesh.ep``).
     """
-    ep = dist.get_world_size(_EP_GROUP)
+    ep = _STAND_IN or dist.get_world_size(_EP_GROUP)
     if num_experts % ep or offs.numel() != num_experts:
         raise ValueError(f"{num_experts} experts (offs of {offs.numel()}) over ep = {ep} ranks")
     local = num_experts // ep
+    if _STAND_IN:
+        return Route([], [], None, offs[:local])
     counts = torch.diff(offs.long(), prepend=offs.new_zeros(1).long())  # (E,) rows per expert
     got = torch.empty_like(counts)
     dist.all_to_all_single(got, counts.contiguous(), group=_EP_GROUP)  # got[s*local + j]: from s, for my j
@@ -101,12 +121,16 @@ def ep_local_offsets(route: Route) -> torch.Tensor:
 def ep_dispatch(x: torch.Tensor, route: Route) -> torch.Tensor:
     """(S, ...) rows sorted by expert -> (R, ...) rows of this rank's experts, grouped by
     local expert. Differentiable (backward: the reverse all-to-all)."""
+    if route.order is None:  # shape_stand_in
+        return x
     return _all_to_all(x, route.recv, route.send)[route.order]
 
 
 def ep_combine(y: torch.Tensor, route: Route) -> torch.Tensor:
     """(R, ...) outputs of the local experts -> (S, ...) back on the rows' own ranks, in the
     order :func:`ep_dispatch` took them. Differentiable (backward dispatches)."""
+    if route.order is None:  # shape_stand_in
+        return y
     return _all_to_all(_scatter_rows(y, route.order), route.send, route.recv)
 
 
