@@ -45,6 +45,14 @@ shape, dtype, tp_dim, layout and stages (not dp, not the optimizer state): a pro
 checkpoint whose layout_hash equals its plan's.
 
 A layout (``"layout"``) is the JSON form of a :mod:`parallelizer.plan.layouts` class.
+
+Complex tensors (a rotary table ``freqs_cis = torch.polar(...)``, complex64) are stored as
+their real view (``torch.view_as_real``: the same bytes, dtype float32 for complex64 and
+float64 for complex128, one trailing dim of 2), because safetensors has no complex128 and
+only releases from 0.7 read ``C64``. The file's ``__metadata__["complex"]`` lists the names
+so stored (a JSON list); the manifest keeps the complex dtype and shape, and the readers
+turn the view back (:func:`from_stored`), bit for bit. A file without complex tensors has no
+such key, so its bytes are those of earlier releases.
 """
 from __future__ import annotations
 
@@ -77,6 +85,65 @@ def optim_name(fqn: str, state: str) -> str:
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.float32`` -> ``float32`` (the spelling TensorPlan.dtype uses)."""
     return str(dtype).removeprefix("torch.")
+
+
+COMPLEX_KEY = "complex"  # __metadata__ key: JSON list of the names stored as real views
+
+
+def stored_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a tensor of ``dtype`` has in a file: the real dtype of a complex one."""
+    return dtype.to_real() if dtype.is_complex else dtype
+
+
+def stored_shape(shape, dtype: torch.dtype) -> list:
+    """The shape a tensor has in a file: a complex one has a trailing dim of 2 (re, im)."""
+    return list(shape) + [2] if dtype.is_complex else list(shape)
+
+
+def to_stored(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as it is written: its real view when complex (no copy), else ``t``."""
+    return torch.view_as_real(t.resolve_conj()) if t.is_complex() else t
+
+
+def from_stored(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor read from a file back as ``dtype``: a complex one from its real view."""
+    if dtype.is_complex and not t.is_complex():
+        return torch.view_as_complex(t.contiguous())
+    return t
+
+
+def complex_metadata(names) -> dict:
+    """The ``__metadata__`` entry naming the complex tensors of a file ({} when none)."""
+    names = sorted(names)
+    return {COMPLEX_KEY: json.dumps(names)} if names else {}
+
+
+def complex_names(metadata) -> set:
+    """The names a file's ``__metadata__`` lists as complex tensors stored as real views."""
+    return set(json.loads((metadata or {}).get(COMPLEX_KEY, "[]")))
+
+
+def decode_file(tensors: dict, metadata) -> dict:
+    """The tensors of a whole file with those its metadata lists turned back to complex."""
+    listed = complex_names(metadata)
+    return {k: torch.view_as_complex(v.contiguous()) if k in listed else v
+            for k, v in tensors.items()}
+
+
+def save_tensors(tensors: dict, path) -> None:
+    """``safetensors.torch.save_file`` of whole tensors, complex ones as real views named in
+    the metadata (none: the file save_file alone writes)."""
+    from safetensors.torch import save_file
+    meta = complex_metadata(k for k, v in tensors.items() if v.is_complex())
+    save_file({k: to_stored(v).contiguous() if v.is_complex() else v for k, v in tensors.items()},
+              str(path), metadata=meta or None)
+
+
+def load_tensors(path) -> dict:
+    """Every tensor of a safetensors file (:func:`save_tensors`), complex ones restored."""
+    from safetensors import safe_open
+    with safe_open(str(path), framework="pt") as f:
+        return decode_file({k: f.get_tensor(k) for k in f.keys()}, f.metadata())
 
 
 def sha256_file(path: Path, window: int = 1 << 24) -> str:
