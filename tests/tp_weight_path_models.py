@@ -1,0 +1,79 @@
+"""Plain PyTorch models whose weights reach the matmul another way than ``nn.Linear`` does
+(issue 23, part 4: "any weight path"), shared by tests/features/test_weight_paths.py:
+parameters cast, viewed or transposed in forward, GQA by ``repeat_interleave``, a fused qkv
+sliced by sizes with per-head parameters. Hidden 32, 4 query heads."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+H, HEADS = 32, 4
+
+
+class CastLinear(nn.Module):
+    """A linear whose weight and bias are read through ``mode``: ``to`` (``F.linear(x,
+    w.to(x.dtype), b.to(x.dtype))``, mixed-precision code), ``type_as``, ``view`` (the same
+    2-D shape), ``io`` (stored (in, out), ``F.linear(x, w.t(), b)``), ``matmul_to``
+    (``x @ w.to(x.dtype).t() + b``), ``float_T`` (``torch.matmul(x, w.float().T) + b``)."""
+
+    def __init__(self, i: int, o: int, mode: str):
+        super().__init__()
+        self.mode = mode
+        self.weight = nn.Parameter(torch.randn((i, o) if mode == "io" else (o, i)) / i ** 0.5)
+        self.bias = nn.Parameter(torch.randn(o) / 10)
+
+    def forward(self, x):
+        w, b, mode = self.weight, self.bias, self.mode
+        if mode == "to":
+            return F.linear(x, w.to(x.dtype), b.to(x.dtype))
+        if mode == "type_as":
+            return F.linear(x, w.type_as(x)) + b.type_as(x)
+        if mode == "view":
+            return F.linear(x, w.view(w.shape[0], w.shape[1]), b.view(-1))
+        if mode == "io":
+            return F.linear(x, w.t(), b)
+        if mode == "matmul_to":
+            return x @ w.to(x.dtype).t() + b
+        if mode == "float_T":
+            return torch.matmul(x, w.float().T) + b
+        raise ValueError(mode)
+
+
+class CastAttention(nn.Module):
+    def __init__(self, mode: str):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (CastLinear(H, H, mode) for _ in range(4))
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = (m(x).view(B, T, HEADS, -1).transpose(1, 2) for m in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(B, T, H))
+
+
+class CastBlock(nn.Module):
+    def __init__(self, mode: str):
+        super().__init__()
+        self.attn = CastAttention(mode)
+        self.up, self.down = CastLinear(H, 2 * H, mode), CastLinear(2 * H, H, mode)
+        self.ln1, self.ln2 = nn.LayerNorm(H), nn.LayerNorm(H)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
+class CastNet(nn.Module):
+    def __init__(self, mode: str = "to"):
+        super().__init__()
+        self.layers = nn.ModuleList(CastBlock(mode) for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def x_batch(b=2, t=6, seed=0):
+    return (torch.randn(b, t, H, generator=torch.Generator().manual_seed(seed)),)
