@@ -77,3 +77,35 @@ class CastNet(nn.Module):
 
 def x_batch(b=2, t=6, seed=0):
     return (torch.randn(b, t, H, generator=torch.Generator().manual_seed(seed)),)
+
+
+class ComplexBlock(nn.Module):
+    """A residual MLP on a complex hidden state (H / 2 complex features), viewed as real for
+    the matmuls and back with ``unflatten(-1, (H / 2, 2))``: the unflatten's size is on the
+    dim tp shards between blocks (this block's down is column_parallel, the next one's up row)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(H, 2 * H), nn.Linear(2 * H, H)
+
+    def forward(self, z):
+        x = torch.view_as_real(z).flatten(-2)
+        x = x + self.down(torch.relu(self.up(x)))
+        return torch.view_as_complex(x.unflatten(-1, (H // 2, 2)).contiguous())
+
+
+class ComplexNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.out = nn.Linear(H // 2, H), nn.Linear(H, 8)
+        self.layers = nn.ModuleList(ComplexBlock() for _ in range(4))
+
+    def forward(self, x):
+        z = torch.view_as_complex(self.inp(x).unflatten(-1, (H // 2, 2)).contiguous())
+        for layer in self.layers:
+            z = layer(z)
+        return self.out(torch.view_as_real(z).flatten(-2))
+
+
+def half_batch(b=2, t=6, seed=0):
+    return (torch.randn(b, t, H // 2, generator=torch.Generator().manual_seed(seed)),)

@@ -2,60 +2,16 @@
 before the matmul are found by their algebra and sharded Megatron-style; the tp ranks run
 in lockstep in one process (tests/tp_lockstep.py) and give the unmodified model's outputs,
 every gradient and the parameters after one SGD step (fp32, 1e-5).
-Models: tests/tp_weight_path_models.py."""
+Models: tests/tp_weight_path_models.py; the check: tests/tp_check.py."""
 from __future__ import annotations
-
-import copy
 
 import pytest
 import torch
 
 from parallelizer.analysis.graph_facts import as_linear
-from parallelizer.passes.cleanup import apply_cleanup
-from parallelizer.passes.tensor_parallel import apply_tensor_parallel
-from parallelizer.planning.tp import plan_tp
-from tp_lockstep import local, run_ranks
+from tp_check import plan_and_check
 from tp_small_models import captured
 from tp_weight_path_models import CastNet, x_batch
-
-TOL = dict(rtol=1e-5, atol=1e-5)
-LR = 0.1
-
-
-def _loss(outs):
-    g = torch.Generator().manual_seed(7)
-    return sum((o * torch.randn(o.shape, generator=g)).mean() for o in outs
-               if isinstance(o, torch.Tensor) and o.is_floating_point())
-
-
-def assert_tp_matches(model, batch, tp, decision, gm):
-    """Outputs, every gradient and the SGD-stepped parameters of each simulated rank equal
-    the unmodified model's pieces."""
-    ref = copy.deepcopy(model)
-    outs = ref(*batch)
-    outs = outs if isinstance(outs, tuple) else (outs,)
-    _loss(outs).backward()
-    grads = {n: p.grad for n, p in ref.named_parameters()}
-    for r, res in enumerate(run_ranks(gm, decision, tp, list(batch), _loss, LR)):
-        for got, want in zip(res.outputs, outs):
-            torch.testing.assert_close(got, want, **TOL)
-        for fqn, grad in res.grads.items():
-            torch.testing.assert_close(grad, local(grads[fqn], fqn, decision, tp, r), **TOL,
-                                       msg=lambda m: f"rank {r} {fqn}: {m}")
-            stepped = dict(ref.named_parameters())[fqn].detach() - LR * grads[fqn]
-            torch.testing.assert_close(res.params[fqn], local(stepped, fqn, decision, tp, r),
-                                       **TOL, msg=lambda m: f"rank {r} {fqn}: {m}")
-
-
-def plan_and_check(model, batch, tp):
-    cap = captured(model, batch)
-    gm = cap.gm
-    d = plan_tp(gm.graph, tp)
-    apply_cleanup(gm)
-    apply_tensor_parallel(gm, d)
-    assert_tp_matches(model, batch, tp, d, gm)
-    return d
-
 
 MODES = ["to", "type_as", "view", "io", "matmul_to", "float_T"]
 
