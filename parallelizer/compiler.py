@@ -248,7 +248,8 @@ def apply_passes(analysis: Analysis, planned: Planned, spec: Spec, batch,
     # plan on the rewritten graph (see above); raises for "true"
     sequence = plan_sequence_parallel(gm.graph, spec.mesh.tp,
                                       spec.tensor_parallel.sequence_parallel_mode,
-                                      planned.tp.placements, planned.dropout, _example_seq(batch))
+                                      planned.tp.placements, planned.dropout, _example_seq(batch),
+                                      analysis.blocks)
     passes.run("sequence_parallel", apply_sequence_parallel, gm, sequence)
     stages = passes.run_split("split_stages", split_stages, gm, planned.pipeline,
                               planned.pipeline.num_stages)

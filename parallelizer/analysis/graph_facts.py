@@ -67,6 +67,17 @@ def module_path(node: fx.Node) -> str:
     return ""
 
 
+def block_of(node: fx.Node, blocks) -> Optional[str]:
+    """The block (one of ``blocks``, module FQNs) ``node`` belongs to, or None: a parameter
+    read (get_attr, which carries no module stack) by its target, any other node by
+    :func:`module_path`."""
+    path = node.target if node.op == "get_attr" else module_path(node)
+    for b in blocks:
+        if path == b or path.startswith(b + "."):
+            return b
+    return None
+
+
 def _clean(path: str) -> str:
     # export spells ModuleList items as "layers.0" already; older releases used "layers[0]"
     return path.replace("[", ".").replace("]", "").replace("L['self'].", "")
