@@ -37,7 +37,11 @@ def check_split(plan: ParallelPlan, stages: list, block_graphs: list, canonical:
     for st, blocks, sp in zip(stages, block_graphs, plan.stages):
         owned = [("", t) for t in attr_targets(st.graph)]
         owned += [(b.fqn, f"{b.fqn}.{t}") for b in blocks for t in attr_targets(b.graph)]
-        _check_sharing(owned, canonical, st.index)
+        # a buffer carries no gradient: each module reading it gets its own copy (a rotary
+        # table every block holds); only trained weights would split their gradient
+        trained = [(o, n) for o, n in owned
+                   if not getattr(plan.tensors.get(canonical.get(n, n)), "is_buffer", False)]
+        _check_sharing(trained, canonical, st.index)
         held = {canonical.get(name, name) for _, name in owned}
         found = tuple(b.fqn for b in blocks)
         # a stage may also hold an outlined piece of an earlier block that only recomputes

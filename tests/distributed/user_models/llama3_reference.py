@@ -3,6 +3,10 @@ PyTorch, no transformers): the rotary table ``freqs_cis`` is a complex64 buffer 
 ``torch.polar``, q and k are rotated with ``torch.view_as_complex`` / ``view_as_real``, GQA
 repeats the kv heads with ``torch.repeat_interleave``, RMSNorm computes in fp32, SwiGLU MLP,
 untied output head. 4 layers, 4 query heads, 2 kv heads (issue 23, part 4).
+``build_model(shared_rotary=True)``: the table lives in one ``Rotary`` module that every
+block holds (``layers.i.attention.rope`` is one module, its buffer one tensor under 5
+names) and each block reads it itself, as models that pass a rotary module to their layers
+do.
 
 Contract: build_model(), example_inputs(), loss_fn(outputs, batch).
 """
@@ -46,9 +50,22 @@ class RMSNorm(nn.Module):
         return out.type_as(x) * self.weight
 
 
+class Rotary(nn.Module):
+    """The rotary table as a module: ``rope(seqlen)`` is its first ``seqlen`` rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("freqs_cis", precompute_freqs_cis(DIM // HEADS, 2 * SEQ),
+                             persistent=True)
+
+    def forward(self, seqlen):
+        return self.freqs_cis[:seqlen]
+
+
 class Attention(nn.Module):
     def __init__(self, kv_heads):
         super().__init__()
+        self.rope = None  # set to the model's one Rotary when it is shared
         self.n_heads, self.n_kv_heads = HEADS, kv_heads
         self.n_rep = HEADS // kv_heads
         self.head_dim = DIM // HEADS
@@ -63,6 +80,8 @@ class Attention(nn.Module):
         xq = xq.view(bs, seqlen, -1, self.head_dim)
         xk = xk.view(bs, seqlen, -1, self.head_dim)
         xv = xv.view(bs, seqlen, -1, self.head_dim)
+        if self.rope is not None:
+            freqs_cis = self.rope(seqlen)
         xq, xk = apply_rotary_emb(xq, xk, freqs_cis=freqs_cis)
         keys = torch.repeat_interleave(xk, self.n_rep, dim=2)
         values = torch.repeat_interleave(xv, self.n_rep, dim=2)
@@ -97,27 +116,33 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, kv_heads=KV_HEADS):
+    def __init__(self, kv_heads=KV_HEADS, shared_rotary=False):
         super().__init__()
         self.tok_embeddings = nn.Embedding(VOCAB, DIM)
         self.layers = nn.ModuleList(TransformerBlock(kv_heads) for _ in range(LAYERS))
         self.norm = RMSNorm(DIM)
         self.output = nn.Linear(DIM, VOCAB, bias=False)
-        self.register_buffer("freqs_cis", precompute_freqs_cis(DIM // HEADS, 2 * SEQ),
-                             persistent=True)
+        if shared_rotary:
+            self.rope = Rotary()
+            for layer in self.layers:
+                layer.attention.rope = self.rope
+            self.freqs_cis = None
+        else:
+            self.register_buffer("freqs_cis", precompute_freqs_cis(DIM // HEADS, 2 * SEQ),
+                                 persistent=True)
 
     def forward(self, tokens):
         _bsz, seqlen = tokens.shape
         h = self.tok_embeddings(tokens)
-        freqs_cis = self.freqs_cis[:seqlen]
+        freqs_cis = None if self.freqs_cis is None else self.freqs_cis[:seqlen]
         for layer in self.layers:
             h = layer(h, freqs_cis)
         return self.output(self.norm(h)).float()
 
 
-def build_model(kv_heads=KV_HEADS):
+def build_model(kv_heads=KV_HEADS, shared_rotary=False):
     torch.manual_seed(0)
-    return Transformer(kv_heads)
+    return Transformer(kv_heads, shared_rotary)
 
 
 def example_inputs():
