@@ -109,3 +109,41 @@ class ComplexNet(nn.Module):
 
 def half_batch(b=2, t=6, seed=0):
     return (torch.randn(b, t, H // 2, generator=torch.Generator().manual_seed(seed)),)
+
+
+class SplitQKVAttention(nn.Module):
+    """GQA with one fused q|k|v projection split by unequal sizes (``torch.split(qkv, [q, k,
+    v], -1)``: 4 query heads, ``kv`` kv heads of 8), then per-head parameters: a learned gain
+    per query head and per kv head (``(heads, 1, 1)``, broadcast over the head-major q / k)."""
+
+    def __init__(self, kv: int = 2):
+        super().__init__()
+        self.kv, self.hd = kv, H // HEADS
+        self.qkv = nn.Linear(H, (HEADS + 2 * kv) * self.hd)
+        self.q_gain = nn.Parameter(1 + torch.randn(HEADS, 1, 1) / 10)
+        self.k_gain = nn.Parameter(1 + torch.randn(kv, 1, 1) / 10)
+        self.o = nn.Linear(H, H)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = torch.split(self.qkv(x), [HEADS * self.hd, self.kv * self.hd, self.kv * self.hd],
+                              dim=-1)
+        q = q.view(B, T, HEADS, self.hd).transpose(1, 2) * self.q_gain
+        k = k.view(B, T, self.kv, self.hd).transpose(1, 2) * self.k_gain
+        v = v.view(B, T, self.kv, self.hd).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o(y.transpose(1, 2).reshape(B, T, H))
+
+
+class SplitQKVNet(nn.Module):
+    def __init__(self, kv: int = 2):
+        super().__init__()
+        self.layers = nn.ModuleList(SplitQKVAttention(kv) for _ in range(2))
+        self.ups = nn.ModuleList(nn.Linear(H, 2 * H) for _ in range(2))
+        self.downs = nn.ModuleList(nn.Linear(2 * H, H) for _ in range(2))
+
+    def forward(self, x):
+        for attn, up, down in zip(self.layers, self.ups, self.downs):
+            x = x + attn(F.layer_norm(x, (H,)))
+            x = x + down(F.gelu(up(F.layer_norm(x, (H,)))))
+        return x

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from parallelizer.analysis.graph_facts import as_linear
+from parallelizer.plan.layouts import Fused
 from tp_check import plan_and_check
 from tp_small_models import captured
-from tp_weight_path_models import CastNet, x_batch
+from tp_weight_path_models import CastNet, SplitQKVNet, x_batch
 
 MODES = ["to", "type_as", "view", "io", "matmul_to", "float_T"]
 
@@ -39,3 +40,18 @@ def test_cast_weights_shard_column_row_and_match(mode, tp):
         assert {p + "attn.o.weight", p + "down.weight"} <= d.row
     assert d.dims["layers.0.up.weight"] == (1 if mode == "io" else 0)
     assert d.dims["layers.0.up.bias"] == 0
+
+
+@pytest.mark.parametrize("kv, tp", [(2, 2), (4, 4), (4, 2)])
+def test_fused_qkv_split_by_sizes_with_per_head_gains(kv, tp):
+    """``torch.split(qkv, [q, k, v])`` with unequal sizes (GQA), then a learned gain per
+    query head and per kv head: the fused weight is column_parallel per part (each rank
+    holds its block of q, of k and of v), the gains are sharded along their heads (they
+    were refused: "aten.mul.Tensor cannot take a sharded input here"), and the ranks match."""
+    torch.manual_seed(0)
+    d = plan_and_check(SplitQKVNet(kv), x_batch(3, 5, seed=1), tp)
+    for i in range(2):
+        p = f"layers.{i}."
+        assert p + "qkv.weight" in d.column and p + "o.weight" in d.row
+        assert d.layouts[p + "qkv.weight"] == Fused((32, 8 * kv, 8 * kv))
+        assert d.per_head[p + "q_gain"] == d.per_head[p + "k_gain"] == 0

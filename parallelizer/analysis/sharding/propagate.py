@@ -44,11 +44,11 @@ import torch.fx as fx
 
 from ..graph_facts import as_linear, aten, module_path, same, shape
 from .dtensor import NO_RULE, dtensor_rule
-from .heads import factory_rule
+from .heads import factory_rule, request_broadcast
 from ...plan.layouts import InterleavedHeads
 from .layouts import fuse_slices, view_rule
 from .placements import CONFLICT, REPLICATE, Conflict, Shard, shard_dim
-from .rules import DTENSOR_FIRST, KEEP_HEADS, KEEP_RAW, RULES, pointwise_rule
+from .rules import BROADCASTING, DTENSOR_FIRST, KEEP_HEADS, KEEP_RAW, RULES, pointwise_rule
 from .strided import carry_strided, check_sizes, narrowed, request_narrow
 from .weights import path_rule, weight_paths
 from .state import (Propagation, add_constraint, dim_of, inputs_of, mark_not_replicable,
@@ -164,6 +164,8 @@ def _rule(node: fx.Node, prop: Propagation, column, row, weight_dims, tp):
         source, out = fn, fn(node, prop, tp)
     if out is NO_RULE or out == CONFLICT:
         request_narrow(node, prop, groups)
+        if fn in BROADCASTING:
+            request_broadcast(node, prop, groups)
     elif fn is not view_rule and not carry_strided(node, prop, out):
         return _conflict(prop, node, groups, "a (batch, heads) merged dim meets a dim sharded "
                                              "another way")

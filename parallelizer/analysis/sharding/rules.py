@@ -209,6 +209,9 @@ DTENSOR_FIRST = frozenset({_same, pointwise_rule, _masked_fill, _transpose, _per
                            _squeeze, _select, _cat, _matmul, _softmax, _reduce,
                            complex_view_rule, flatten_rule})
 
+# elementwise rules whose replicated operand may be sharded like the sharded one (heads.request_broadcast)
+BROADCASTING = frozenset({pointwise_rule, _masked_fill})
+
 # rules through which a raw value stays raw, and replicated kv heads stay replicated
 KEEP_RAW = frozenset({_same, pointwise_rule, _masked_fill, view_rule, _transpose, _permute,
                       _unsqueeze, _squeeze, slice_rule, _select})
