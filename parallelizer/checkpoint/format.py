@@ -64,6 +64,7 @@ from pathlib import Path
 
 import torch
 
+from parallelizer.errors import CheckpointError
 from parallelizer.plan.layouts import layout_json
 
 FORMAT_VERSION = 2
@@ -85,6 +86,33 @@ def optim_name(fqn: str, state: str) -> str:
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.float32`` -> ``float32`` (the spelling TensorPlan.dtype uses)."""
     return str(dtype).removeprefix("torch.")
+
+
+# the safetensors format's dtype names (safetensors 0.8); a complex tensor is stored as its
+# real view (stored_dtype), every other dtype has no file form (safetensors_dtype refuses it)
+SAFETENSORS_NAMES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint64: "U64", torch.uint32: "U32", torch.uint16: "U16", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e4m3fnuz: "F8_E4M3FNUZ", torch.float8_e5m2fnuz: "F8_E5M2FNUZ"}
+
+
+def safetensors_dtype(dtype: torch.dtype) -> str:
+    """The safetensors dtype name a tensor of ``dtype`` is written under (``F32`` for
+    complex64, stored as its real view; ``BF16``; ...), for any torch dtype.
+
+    Raises:
+        CheckpointError: ``dtype`` has no safetensors form (quantized ``qint8``, bit-packed
+            ``bits8``, sub-byte ``uint3`` / ``int4``, ``float8_e8m0fnu``, ``float4_e2m1fn_x2``):
+            names it and the dtypes that have one.
+    """
+    name = SAFETENSORS_NAMES.get(stored_dtype(dtype))
+    if name is None:
+        held = ", ".join(dtype_name(d) for d in SAFETENSORS_NAMES)
+        raise CheckpointError(f"dtype {dtype_name(dtype)} has no safetensors form (a checkpoint "
+                              f"holds {held} and complex tensors)")
+    return name
 
 
 COMPLEX_KEY = "complex"  # __metadata__ key: JSON list of the names stored as real views

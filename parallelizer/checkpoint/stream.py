@@ -27,13 +27,9 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from parallelizer.checkpoint.format import (complex_metadata, stored_dtype, stored_shape,
+from parallelizer.errors import CheckpointError
+from parallelizer.checkpoint.format import (complex_metadata, safetensors_dtype, stored_shape,
                                             to_stored)
-
-ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
-             torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32",
-             torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
-             torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
 
 # bit-for-bit copies of any dtype (bfloat16, float8 have no numpy type) as integers
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -54,11 +50,16 @@ def write_streamed(path: Path, specs: Sequence[tuple[str, tuple, torch.dtype]],
     Raises:
         AssertionError: a produced tensor differs from its spec (a bug in the caller, or an
             input that is not what its manifest says).
+        CheckpointError: a dtype with no safetensors form (names the tensor).
     """
     header, offset = {}, 0
     for name, shape, dtype in specs:
         nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
-        header[name] = {"dtype": ST_DTYPES[stored_dtype(dtype)],
+        try:
+            st_dtype = safetensors_dtype(dtype)
+        except CheckpointError as e:
+            raise CheckpointError(f"{name}: {e}") from None
+        header[name] = {"dtype": st_dtype,
                         "shape": stored_shape(shape, dtype),
                         "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
