@@ -11,7 +11,8 @@ complex64 rotary table in one ``Rotary`` module that every block holds
 under pp as "weights shared across blocks (ALBERT-style)"; a buffer carries no gradient, so
 each stage and block reading it holds its own copy, and only trained weights take the tied
 path (summed over the stages holding them); compiled in-process from the in-memory model,
-at pp2 x dp2 and tp2 x pp2 (ZeRO-3). Trained weights shared by blocks stay refused
+at pp2 x dp2 and tp2 x pp2 (ZeRO-3); and the reference model as written (the table at the
+root, its first rows passed to every block) at tp2 x pp2. Trained weights shared by blocks stay refused
 (tests/features/test_user_errors.py)."""
 import importlib.util
 import re
@@ -27,7 +28,8 @@ FILE = HERE / "user_models" / "llama3_reference.py"
 ENTRY = HERE / "user_models_entry.py"
 MESHES = {"pp2-dp2": ("mesh.pp=2", "mesh.dp=2"),
           "tp2-pp2-zero3": ("mesh.pp=2", "mesh.tp=2", "zero_stage=3")}
-CASES = [f"{model}-{mesh}" for model in ("complex", "rotary") for mesh in MESHES]
+CASES = [f"{model}-{mesh}" for model in ("complex", "rotary") for mesh in MESHES] + \
+    ["llama3-tp2-pp2-zero3"]
 _PROGRAM = re.compile(r"^PROGRAM (\S+) (\d+)$", re.M)
 _ERR = re.compile(r"^verify: (loss|outputs|gradients|parameters)\b.*max abs err (\S+)", re.M)
 TABLE = "layers.0.attention.rope.freqs_cis"  # the canonical name: the first of five
@@ -62,6 +64,9 @@ def test_complex_activations_and_shared_rotary_buffer_verified(tmp_path, tools):
             src = program.sources[f"program/stage{s}.py"]
             assert "('attention.rope.freqs_cis', (32, 8), 'complex64')" in src, src
         outs.append(program.save(tmp_path / f"rotary-{mesh}"))
+    # the reference model as written (its table at the root, passed to every block)
+    spec = load_spec(HERE / "user_models" / "spec.yaml", list(MESHES["tp2-pp2-zero3"]))
+    outs.append(compile_model(FILE, spec).save(tmp_path / "llama3-tp2-pp2-zero3"))
     p = tools.launch(ENTRY, 4, *outs, timeout=380).wait()
     explain = p.explain()
     assert dict(_PROGRAM.findall(p.stdout)) == {n: "0" for n in CASES}, explain

@@ -4,7 +4,8 @@ buffer, ``view_as_complex`` on q and k, GQA by ``repeat_interleave``. At tp 2 (t
 the kv heads) and tp 4 (each kv head copied to two ranks), and with one kv head
 (multi-query), every matrix of the blocks is sharded and the ranks in lockstep give the
 unmodified model's outputs, gradients and SGD step (tests/tp_lockstep.py). The torchrun runs
-(tp2, pp2, tp2 x pp2, --verify) are tests/distributed/test_user_models.py."""
+(--verify at tp2 x pp2, and with the table in one module every block holds at pp2 x dp2 and
+tp2 x pp2) are tests/distributed/test_complex_pipelines.py."""
 from __future__ import annotations
 
 import importlib.util
