@@ -55,3 +55,15 @@ def test_fused_qkv_split_by_sizes_with_per_head_gains(kv, tp):
         assert p + "qkv.weight" in d.column and p + "o.weight" in d.row
         assert d.layouts[p + "qkv.weight"] == Fused((32, 8 * kv, 8 * kv))
         assert d.per_head[p + "q_gain"] == d.per_head[p + "k_gain"] == 0
+
+
+def test_per_kv_head_gain_at_tp_above_kv_heads_keeps_attention_replicated():
+    """At tp 4 with 2 kv heads the kv heads would be copied, not split, and a gain per kv
+    head has no even split: that attention stays replicated (reported, naming the op), the
+    MLPs are sharded, and the ranks still match."""
+    torch.manual_seed(0)
+    d = plan_and_check(SplitQKVNet(2), x_batch(3, 5, seed=1), 4)
+    assert not any(f.startswith("layers.") for f in d.column | d.row | set(d.per_head))
+    assert {"ups.0.weight", "ups.1.weight"} <= d.column
+    assert any(r.startswith("kept replicated: layers.0.o.weight, layers.0.qkv.weight (at mul")
+               for r in d.report), d.report

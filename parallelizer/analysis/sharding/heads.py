@@ -115,12 +115,14 @@ def request_heads(prop, mask: fx.Node, dim: int, groups) -> bool:
     return True
 
 
-def request_broadcast(node: fx.Node, prop, groups) -> None:
+def request_broadcast(node: fx.Node, prop, groups, tp: int) -> None:
     """``node`` (elementwise) could not take its inputs: its sharded inputs agree on one
     output dim ``d``, but a replicated input holds ``d`` at full size. Ask the next run to
     shard that input's source along its dim (:func:`request_heads`), when every sharded
-    input is an even split of ``d`` (:func:`_even`): then the rank's piece of the source is
-    its even block, as the even Shard the request gives it."""
+    input is an even split of ``d`` (:func:`_even`) and tp divides the size: then the rank's
+    piece of the source is its even block, as the even Shard the request gives it. A size
+    tp does not divide (a gain per kv head at tp > kv heads, whose heads are copied, not
+    split) is not requested: the op's conflict keeps that attention replicated (reported)."""
     rank = len(shape(node))
     sharded = [a for a in inputs_of(node) if is_tensor(a) and dim_of(prop, a) is not None]
     dims = {dim_of(prop, a) + rank - len(shape(a)) for a in sharded}
@@ -131,7 +133,9 @@ def request_broadcast(node: fx.Node, prop, groups) -> None:
         if not is_tensor(b) or dim_of(prop, b) is not None:
             continue
         k = d - (rank - len(shape(b)))
-        if k >= 0 and not same(shape(b)[k], 1) and same(shape(b)[k], shape(node)[d]):
+        size = shape(b)[k] if k >= 0 else 1
+        if not same(size, 1) and same(size, shape(node)[d]) and isinstance(size, int) \
+                and size % tp == 0:
             request_heads(prop, b, k, groups)
 
 

@@ -165,7 +165,7 @@ def _rule(node: fx.Node, prop: Propagation, column, row, weight_dims, tp):
     if out is NO_RULE or out == CONFLICT:
         request_narrow(node, prop, groups)
         if fn in BROADCASTING:
-            request_broadcast(node, prop, groups)
+            request_broadcast(node, prop, groups, tp)
     elif fn is not view_rule and not carry_strided(node, prop, out):
         return _conflict(prop, node, groups, "a (batch, heads) merged dim meets a dim sharded "
                                              "another way")
