@@ -37,7 +37,7 @@ from .passes.cleanup import apply_cleanup
 from .passes.dropout import apply_rng_streams
 from .passes.manager import PassManager
 from .passes.split_blocks import split_blocks
-from .passes.split_check import check_split
+from .passes.split_check import check_split, check_written_buffers
 from .passes.split_stages import split_stages
 from .passes.sequence_parallel import apply_sequence_parallel
 from .passes.tensor_parallel import apply_tensor_parallel
@@ -273,8 +273,10 @@ def check_stages(analysis: Analysis, planned: Planned, stages: list,
     planned, and record their boundary names in it.
 
     Raises:
-        PlanError: a tensor is read by two emitted modules of one stage (passes/split_check.py).
+        PlanError: a parameter is read by two emitted modules of one stage, or a buffer the
+            model writes in place is held by several blocks (passes/split_check.py).
     """
+    check_written_buffers(analysis.gm.graph, analysis.groups, analysis.blocks)
     # what each stage sends, read before split_blocks outlines the blocks that produce it
     inputs = [n for n in analysis.gm.graph.nodes if n.op == "placeholder"]
     sends = stage_sends(stages, inputs, sequence.region, sequence.tp)

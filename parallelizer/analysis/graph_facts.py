@@ -254,6 +254,34 @@ def attr_targets(graph: fx.Graph) -> list[str]:
     return out
 
 
+def written_attrs(graph: fx.Graph) -> dict:
+    """get_attr targets some op of ``graph`` writes in place (an argument its schema marks
+    written, ``Tensor(a!)``: ``add_``, ``copy_``, ``index_put_``), directly or through views
+    of them (a return that aliases its input, ``Tensor(a)``) -> the first node writing it."""
+    out: dict = {}
+    for n in graph.nodes:
+        schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
+        if schema is None:
+            continue
+        for arg, value in zip(schema.arguments, n.args):
+            if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, fx.Node):
+                base = _view_base(value)
+                if base.op == "get_attr":
+                    out.setdefault(base.target, n)
+    return out
+
+
+def _view_base(node: fx.Node) -> fx.Node:
+    """The node ``node`` is a view of (itself when it is not the result of a view op)."""
+    while node.op == "call_function":
+        schema = getattr(node.target, "_schema", None)
+        if schema is None or not schema.returns or schema.returns[0].alias_info is None \
+                or not node.args or not isinstance(node.args[0], fx.Node):
+            break
+        node = node.args[0]
+    return node
+
+
 def source_line(node: fx.Node) -> str:
     """``file.py:line`` of the innermost frame of ``node``'s stack trace outside torch
     (the model code that produced it), or '' when export recorded none."""
