@@ -42,7 +42,7 @@ from .passes.dropout import apply_rng_streams
 from .passes.expert_parallel import apply_expert_parallel
 from .passes.manager import PassManager
 from .passes.split_blocks import split_blocks
-from .passes.split_check import check_split
+from .passes.split_check import check_split, check_written_buffers
 from .passes.split_stages import split_stages
 from .passes.sequence_parallel import apply_sequence_parallel
 from .passes.tensor_parallel import apply_tensor_parallel
@@ -263,7 +263,8 @@ def apply_passes(analysis: Analysis, planned: Planned, spec: Spec, batch,
     # plan on the rewritten graph (see above); raises for "true"
     sequence = plan_sequence_parallel(gm.graph, spec.mesh.tp,
                                       spec.tensor_parallel.sequence_parallel_mode,
-                                      planned.tp.placements, planned.dropout, _example_seq(batch))
+                                      planned.tp.placements, planned.dropout, _example_seq(batch),
+                                      analysis.blocks)
     passes.run("sequence_parallel", apply_sequence_parallel, gm, sequence)
     stages = passes.run_split("split_stages", split_stages, gm, planned.pipeline,
                               planned.pipeline.num_stages)
@@ -289,9 +290,11 @@ def check_stages(analysis: Analysis, planned: Planned, stages: list,
 
     Raises:
         PlanError: a gradient the plan leaves Partial, Mixed or unsummed
-            (analysis/gradient_accounting.py), or a tensor read by two emitted modules of one
-            stage (passes/split_check.py): internal errors, naming the tensor.
+            (analysis/gradient_accounting.py), a tensor read by two emitted modules of one
+            stage, or a buffer the model writes in place held by several blocks
+            (passes/split_check.py): naming the tensor.
     """
+    check_written_buffers(analysis.gm.graph, analysis.groups, analysis.blocks)
     check_gradients(planned.plan, stages)  # on the graphs split_blocks is about to outline
     # what each stage sends, read before split_blocks outlines the blocks that produce it
     inputs = [n for n in analysis.gm.graph.nodes if n.op == "placeholder"]

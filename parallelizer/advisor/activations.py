@@ -18,6 +18,7 @@ import torch
 from torch.utils._pytree import tree_unflatten, treespec_loads
 
 from ..frontend.model_file import call_loss_fn
+from ..plan.dtypes import differentiable
 from ..plan.parallel_plan import ParallelPlan
 
 # estimate runs loss_fn on one tp rank's logit columns as plain tensors (run.py hands it a
@@ -123,7 +124,7 @@ def _stage_activations(stages: list, plan: ParallelPlan, batch, loss_fn, mode,
             else:
                 kept += saved
         out.append((kept, recompute))
-        inputs = [t.detach().requires_grad_(t.is_floating_point()) for t in flat]
+        inputs = [t.detach().requires_grad_(differentiable(t.dtype)) for t in flat]
     return out
 
 

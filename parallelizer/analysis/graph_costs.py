@@ -21,6 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_backward_flop, sdpa_flop
 
+from ..plan.dtypes import differentiable
 from .costs import PipelineCosts, UnitCost
 from .graph_facts import RUNTIME_DEVICE, aten, is_tensor
 from .partition import GraphPartition
@@ -174,7 +175,7 @@ class _FlopCounter:
                 return v
             with self.mode:
                 t = torch.empty([_hint(s) for s in v.shape], dtype=v.dtype, device="cpu")
-            return t.requires_grad_(grad and v.dtype.is_floating_point)
+            return t.requires_grad_(grad and differentiable(v.dtype))
 
         return tree_map(fresh, a.meta["val"])
 
@@ -192,13 +193,13 @@ class _FlopCounter:
 
 
 def _requires_grad(graph: fx.Graph) -> set:
-    """Nodes whose value autograd tracks: trainable parameters and floating-point results
-    computed from one (export's node values do not carry requires_grad past the inputs)."""
+    """Nodes whose value autograd tracks: trainable parameters and floating-point or complex
+    results computed from one (export's node values do not carry requires_grad past the inputs)."""
     out = set()
     for n in graph.nodes:
         # a tuple of tensors too (unbind, split), read by getitem
         vals = [v for v in tree_flatten(n.meta.get("val"))[0] if isinstance(v, torch.Tensor)]
-        if not any(v.dtype.is_floating_point for v in vals):
+        if not any(differentiable(v.dtype) for v in vals):
             continue
         if n.op == "get_attr" and any(v.requires_grad for v in vals):
             out.add(n)

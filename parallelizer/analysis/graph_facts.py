@@ -67,6 +67,17 @@ def module_path(node: fx.Node) -> str:
     return ""
 
 
+def block_of(node: fx.Node, blocks) -> Optional[str]:
+    """The block (one of ``blocks``, module FQNs) ``node`` belongs to, or None: a parameter
+    read (get_attr, which carries no module stack) by its target, any other node by
+    :func:`module_path`."""
+    path = node.target if node.op == "get_attr" else module_path(node)
+    for b in blocks:
+        if path == b or path.startswith(b + "."):
+            return b
+    return None
+
+
 def _clean(path: str) -> str:
     # export spells ModuleList items as "layers.0" already; older releases used "layers[0]"
     return path.replace("[", ".").replace("]", "").replace("L['self'].", "")
@@ -81,18 +92,24 @@ class Linear(NamedTuple):
     """One linear layer of the graph, found by its algebra: ``y = x W^T (+ b)`` or
     ``y = x W (+ b)`` with W a 2-D parameter (a get_attr), whichever op spells it:
     ``aten.linear(x, W, b)`` (nn.Linear, W (out, in)), ``aten.addmm(b, x, W)`` (GPT-2's
-    Conv1D, W (in, out)), ``matmul`` / ``mm`` / ``bmm`` / ``addmm`` with W or a transpose of W
-    (``W.T``, ``W.t()``, ``W.transpose(0, 1)``, ``W.permute(1, 0)``) as the right operand, and
-    a bias added by a separate ``add`` of a 1-D parameter (Falcon's ``x @ W.T + b``).
+    Conv1D, W (in, out)), ``matmul`` / ``mm`` / ``bmm`` / ``addmm`` with W as the right
+    operand, and a bias added by a separate ``add`` of a 1-D parameter (Falcon's
+    ``x @ W.T + b``). The weight and bias may be read through a *weight path*
+    (:func:`weight_source`): casts and copies (``w.to(x.dtype)``, ``type_as``, ``float()``,
+    ``contiguous``), views to the same shape, and for W transposes (``W.T``, ``W.t()``,
+    ``W.transpose(0, 1)``, ``W.permute(1, 0)``; ``F.linear(x, W.t())`` of a W stored (in,
+    out)).
 
     Attributes:
         node: the call_function node of the product.
         x: its input activation.
         weight, bias: get_attr targets (bias None when absent).
-        out_dim: the weight dim of the output features (0 for W (out, in), 1 for W (in, out));
-            ``1 - out_dim`` is the input-features dim.
-        w_node: the node the product reads the weight through (the get_attr or its transpose).
+        out_dim: the dim of the *parameter* W holding the output features (0 for W (out,
+            in), 1 for W (in, out)); ``1 - out_dim`` is the input-features dim.
+        w_node: the node the product reads the weight through (the get_attr or the last
+            node of its weight path).
         bias_add: the separate ``add`` of the bias, or None (bias inside the op or absent).
+        param: the get_attr node of W.
     """
 
     node: fx.Node
@@ -102,6 +119,7 @@ class Linear(NamedTuple):
     out_dim: int
     w_node: Optional[fx.Node] = None
     bias_add: Optional[fx.Node] = None
+    param: Optional[fx.Node] = None
 
     @property
     def in_dim(self) -> int:
@@ -111,36 +129,72 @@ class Linear(NamedTuple):
 _TRANSPOSES = {aten.t.default, aten.numpy_T.default, aten.transpose.int, aten.permute.default,
                aten.mT.default}
 _PRODUCTS = {aten.matmul.default, aten.mm.default, aten.bmm.default}
+# same values, same shape: a weight read through these is still the weight
+_CASTS = {aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default,
+          aten.type_as.default, aten.contiguous.default, aten.clone.default, aten.alias.default}
+_SAME_SHAPE_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+_PATH_LIMIT = 8
 
 
-def _param_2d(n) -> bool:
-    return bool(weight_fqn(n)) and is_tensor(n) and len(shape(n)) == 2
+def _param(n, rank: int) -> bool:
+    return bool(weight_fqn(n)) and is_tensor(n) and len(shape(n)) == rank
 
 
-def _weight_operand(w) -> tuple[Optional[fx.Node], bool]:
-    """(get_attr node, transposed) when ``w`` is a 2-D parameter or a transpose of one."""
-    if _param_2d(w):
-        return w, False
-    if isinstance(w, fx.Node) and w.op == "call_function" and w.target in _TRANSPOSES \
-            and _param_2d(w.args[0]):
-        if w.target is aten.transpose.int and sorted(a % 2 for a in w.args[1:3]) != [0, 1]:
+def _swaps(n: fx.Node) -> bool:
+    """A transpose of a 2-D value's two dims."""
+    if n.target is aten.transpose.int:
+        return sorted(a % 2 for a in n.args[1:3]) == [0, 1]
+    if n.target is aten.permute.default:
+        return [a % 2 for a in n.args[1]] == [1, 0]
+    return True
+
+
+def weight_source(w, rank: int = 2) -> tuple[Optional[fx.Node], bool]:
+    """``(get_attr node, transposed)`` when ``w`` is a parameter of ``rank`` dims read through
+    a weight path: casts and copies (:data:`_CASTS`), views to the same shape and, for 2-D,
+    transposes (``transposed``: an odd number of them); ``(None, False)`` otherwise."""
+    transposed = False
+    for _ in range(_PATH_LIMIT):
+        if _param(w, rank):
+            return w, transposed
+        if not (is_tensor(w) and w.op == "call_function" and w.args
+                and is_tensor(w.args[0]) and len(shape(w)) == rank):
             return None, False
-        if w.target is aten.permute.default and [a % 2 for a in w.args[1]] != [1, 0]:
+        src = w.args[0]
+        if w.target in _TRANSPOSES and rank == 2 and _swaps(w):
+            transposed = not transposed
+        elif not (w.target in _CASTS or w.target in _SAME_SHAPE_VIEWS) \
+                or len(shape(src)) != rank or not all(map(same, shape(src), shape(w))):
             return None, False
-        return w.args[0], True
+        w = src
     return None, False
 
 
+def weight_path(w: fx.Node) -> list[fx.Node]:
+    """The call_function nodes of ``w``'s weight path (:func:`weight_source`), from the one
+    reading the parameter to ``w`` itself ([] when ``w`` is the get_attr)."""
+    path = []
+    while w.op == "call_function":
+        path.append(w)
+        w = w.args[0]
+    return path[::-1]
+
+
+def _bias_source(b) -> Optional[fx.Node]:
+    return weight_source(b, 1)[0] if isinstance(b, fx.Node) else None
+
+
 def _bias_add(n: fx.Node, out_features) -> tuple[Optional[str], Optional[fx.Node]]:
-    """A separate ``add(y, b)`` of a 1-D parameter of ``out_features`` as ``n``'s only use."""
+    """A separate ``add(y, b)`` of a 1-D parameter (or its weight path) of ``out_features``
+    as ``n``'s only use."""
     users = list(n.users)
     if len(users) != 1 or users[0].target is not aten.add.Tensor or len(users[0].args) != 2:
         return None, None
     add = users[0]
     other = add.args[1] if add.args[0] is n else add.args[0]
-    if weight_fqn(other) and is_tensor(other) and len(shape(other)) == 1 \
-            and same(shape(other)[0], out_features) and not add.kwargs:
-        return other.target, add
+    src = _bias_source(other)
+    if src is not None and same(shape(src)[0], out_features) and not add.kwargs:
+        return src.target, add
     return None, None
 
 
@@ -151,29 +205,34 @@ def as_linear(n: fx.Node) -> Optional[Linear]:
     bias = None
     if n.target is aten.linear.default:
         x, w = n.args[0], n.args[1]
-        bias = weight_fqn(n.args[2]) if len(n.args) > 2 else None
-        if len(n.args) > 2 and n.args[2] is not None and not bias:
+        b = n.args[2] if len(n.args) > 2 else None
+        if b is not None and _bias_source(b) is None:
             return None
-        if not _param_2d(w):
+        param, transposed = weight_source(w)
+        if param is None:
             return None
-        return Linear(n, x, w.target, bias, 0, w)
+        out_dim = 1 if transposed else 0
+        if b is not None:
+            return Linear(n, x, param.target, _bias_source(b).target, out_dim, w, None, param)
+        bias, bias_add = _bias_add(n, shape(param)[out_dim])
+        return Linear(n, x, param.target, bias, out_dim, w, bias_add, param)
     if n.target is aten.addmm.default and len(n.args) == 3 and not n.kwargs:
         b, x, w = n.args
-        if not weight_fqn(b):
+        if _bias_source(b) is None:
             return None
-        bias = b.target
+        bias = _bias_source(b).target
     elif n.target in _PRODUCTS and len(n.args) == 2:
         x, w = n.args
     else:
         return None
-    param, transposed = _weight_operand(w)
+    param, transposed = weight_source(w)
     if param is None or not is_tensor(x) or len(shape(x)) < 2:
         return None
     out_dim = 0 if transposed else 1
     bias_add = None
     if bias is None:
         bias, bias_add = _bias_add(n, shape(param)[out_dim])
-    return Linear(n, x, param.target, bias, out_dim, w, bias_add)
+    return Linear(n, x, param.target, bias, out_dim, w, bias_add, param)
 
 
 def linear_sites(graph: fx.Graph) -> list[Linear]:
@@ -193,6 +252,34 @@ def attr_targets(graph: fx.Graph) -> list[str]:
         if n.op == "get_attr" and n.target != RUNTIME_DEVICE and n.target not in out:
             out.append(n.target)
     return out
+
+
+def written_attrs(graph: fx.Graph) -> dict:
+    """get_attr targets some op of ``graph`` writes in place (an argument its schema marks
+    written, ``Tensor(a!)``: ``add_``, ``copy_``, ``index_put_``), directly or through views
+    of them (a return that aliases its input, ``Tensor(a)``) -> the first node writing it."""
+    out: dict = {}
+    for n in graph.nodes:
+        schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
+        if schema is None:
+            continue
+        for arg, value in zip(schema.arguments, n.args):
+            if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, fx.Node):
+                base = _view_base(value)
+                if base.op == "get_attr":
+                    out.setdefault(base.target, n)
+    return out
+
+
+def _view_base(node: fx.Node) -> fx.Node:
+    """The node ``node`` is a view of (itself when it is not the result of a view op)."""
+    while node.op == "call_function":
+        schema = getattr(node.target, "_schema", None)
+        if schema is None or not schema.returns or schema.returns[0].alias_info is None \
+                or not node.args or not isinstance(node.args[0], fx.Node):
+            break
+        node = node.args[0]
+    return node
 
 
 def source_line(node: fx.Node) -> str:

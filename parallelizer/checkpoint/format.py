@@ -45,6 +45,14 @@ shape, dtype, tp_dim, layout and stages (not dp, not the optimizer state): a pro
 checkpoint whose layout_hash equals its plan's.
 
 A layout (``"layout"``) is the JSON form of a :mod:`parallelizer.plan.layouts` class.
+
+Complex tensors (a rotary table ``freqs_cis = torch.polar(...)``, complex64) are stored as
+their real view (``torch.view_as_real``: the same bytes, dtype float32 for complex64 and
+float64 for complex128, one trailing dim of 2), because safetensors has no complex128 and
+only releases from 0.7 read ``C64``. The file's ``__metadata__["complex"]`` lists the names
+so stored (a JSON list); the manifest keeps the complex dtype and shape, and the readers
+turn the view back (:func:`from_stored`), bit for bit. A file without complex tensors has no
+such key, so its bytes are those of earlier releases.
 """
 from __future__ import annotations
 
@@ -56,6 +64,7 @@ from pathlib import Path
 
 import torch
 
+from parallelizer.errors import CheckpointError
 from parallelizer.plan.layouts import layout_json
 
 FORMAT_VERSION = 2
@@ -77,6 +86,92 @@ def optim_name(fqn: str, state: str) -> str:
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.float32`` -> ``float32`` (the spelling TensorPlan.dtype uses)."""
     return str(dtype).removeprefix("torch.")
+
+
+# the safetensors format's dtype names (safetensors 0.8); a complex tensor is stored as its
+# real view (stored_dtype), every other dtype has no file form (safetensors_dtype refuses it)
+SAFETENSORS_NAMES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint64: "U64", torch.uint32: "U32", torch.uint16: "U16", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e4m3fnuz: "F8_E4M3FNUZ", torch.float8_e5m2fnuz: "F8_E5M2FNUZ"}
+
+
+def safetensors_dtype(dtype: torch.dtype) -> str:
+    """The safetensors dtype name a tensor of ``dtype`` is written under (``F32`` for
+    complex64, stored as its real view; ``BF16``; ...), for any torch dtype.
+
+    Raises:
+        CheckpointError: ``dtype`` has no safetensors form (quantized ``qint8``, bit-packed
+            ``bits8``, sub-byte ``uint3`` / ``int4``, ``float8_e8m0fnu``, ``float4_e2m1fn_x2``):
+            names it and the dtypes that have one.
+    """
+    name = SAFETENSORS_NAMES.get(stored_dtype(dtype))
+    if name is None:
+        held = ", ".join(dtype_name(d) for d in SAFETENSORS_NAMES)
+        raise CheckpointError(f"dtype {dtype_name(dtype)} has no safetensors form (a checkpoint "
+                              f"holds {held} and complex tensors)")
+    return name
+
+
+COMPLEX_KEY = "complex"  # __metadata__ key: JSON list of the names stored as real views
+
+
+def stored_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a tensor of ``dtype`` has in a file: the real dtype of a complex one."""
+    return dtype.to_real() if dtype.is_complex else dtype
+
+
+def stored_shape(shape, dtype: torch.dtype) -> list:
+    """The shape a tensor has in a file: a complex one has a trailing dim of 2 (re, im)."""
+    return list(shape) + [2] if dtype.is_complex else list(shape)
+
+
+def to_stored(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as it is written: its real view when complex (no copy), else ``t``."""
+    return torch.view_as_real(t.resolve_conj()) if t.is_complex() else t
+
+
+def from_stored(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor read from a file back as ``dtype``: a complex one from its real view."""
+    if dtype.is_complex and not t.is_complex():
+        return torch.view_as_complex(t.contiguous())
+    return t
+
+
+def complex_metadata(names) -> dict:
+    """The ``__metadata__`` entry naming the complex tensors of a file ({} when none)."""
+    names = sorted(names)
+    return {COMPLEX_KEY: json.dumps(names)} if names else {}
+
+
+def complex_names(metadata) -> set:
+    """The names a file's ``__metadata__`` lists as complex tensors stored as real views."""
+    return set(json.loads((metadata or {}).get(COMPLEX_KEY, "[]")))
+
+
+def decode_file(tensors: dict, metadata) -> dict:
+    """The tensors of a whole file with those its metadata lists turned back to complex."""
+    listed = complex_names(metadata)
+    return {k: torch.view_as_complex(v.contiguous()) if k in listed else v
+            for k, v in tensors.items()}
+
+
+def save_tensors(tensors: dict, path) -> None:
+    """``safetensors.torch.save_file`` of whole tensors, complex ones as real views named in
+    the metadata (none: the file save_file alone writes)."""
+    from safetensors.torch import save_file
+    meta = complex_metadata(k for k, v in tensors.items() if v.is_complex())
+    save_file({k: to_stored(v).contiguous() if v.is_complex() else v for k, v in tensors.items()},
+              str(path), metadata=meta or None)
+
+
+def load_tensors(path) -> dict:
+    """Every tensor of a safetensors file (:func:`save_tensors`), complex ones restored."""
+    from safetensors import safe_open
+    with safe_open(str(path), framework="pt") as f:
+        return decode_file({k: f.get_tensor(k) for k in f.keys()}, f.metadata())
 
 
 def sha256_file(path: Path, window: int = 1 << 24) -> str:

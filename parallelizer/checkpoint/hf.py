@@ -11,6 +11,10 @@ prefix: a ``BertForMaskedLM`` checkpoint stores ``bert.encoder...`` while ``Bert
 expects ``encoder...`` (and the reverse for task heads loaded from a base model).
 :func:`match_to_model` resolves that prefix, tied-weight aliases and known-harmless
 leftovers, and refuses anything else with a message listing the names involved.
+
+Complex tensors written by ``parallelize export`` are real views named in the file's
+``__metadata__["complex"]`` (:mod:`parallelizer.checkpoint.format`); they are read back
+complex. A ``C64`` tensor of another writer is read as safetensors gives it.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from typing import Iterable, Optional
 import torch
 from safetensors import safe_open
 
+from parallelizer.checkpoint.format import complex_names, decode_file
 from parallelizer.errors import CheckpointError
 
 SINGLE_FILE = "model.safetensors"
@@ -49,6 +54,7 @@ class HFTensor:
     file: Path
     name: str
     shape: tuple
+    complex: bool = False  # stored as its real view (``shape`` is the complex one)
 
     def read(self) -> torch.Tensor:
         """The tensor, with the dtype and shape stored in the file.
@@ -58,7 +64,8 @@ class HFTensor:
         """
         try:
             with safe_open(str(self.file), framework="pt") as f:
-                return f.get_tensor(self.name)
+                t = f.get_tensor(self.name)
+            return torch.view_as_complex(t) if self.complex else t
         except Exception as e:  # SafetensorError / OSError
             raise CheckpointError(f"cannot read tensor {self.name} from {self.file}: {e}") from e
 
@@ -113,13 +120,20 @@ def _read_safetensors(file: Path, names: Optional[Iterable[str]] = None, lazy: b
                 raise CheckpointError(
                     f"{file} does not hold {len(absent)} tensor(s) its index assigns to it: "
                     f"{_listed(absent)}")
+            listed = complex_names(f.metadata())
             if lazy:
-                return {n: HFTensor(file, n, tuple(f.get_slice(n).get_shape())) for n in wanted}
-            return {n: f.get_tensor(n) for n in wanted}
+                return {n: _lazy(f, file, n, n in listed) for n in wanted}
+            return decode_file({n: f.get_tensor(n) for n in wanted}, f.metadata())
     except CheckpointError:
         raise
     except Exception as e:  # safetensors raises SafetensorError / OSError / ValueError
         raise CheckpointError(f"cannot read safetensors file {file}: {e}") from e
+
+
+def _lazy(f, file: Path, name: str, is_complex: bool) -> HFTensor:
+    """An :class:`HFTensor` from an open file's header (a real view: the complex shape)."""
+    shape = tuple(f.get_slice(name).get_shape())
+    return HFTensor(file, name, shape[:-1] if is_complex else shape, is_complex)
 
 
 def _load_sharded(index_file: Path, lazy: bool = False) -> dict:

@@ -11,6 +11,7 @@ from typing import Callable, Optional
 import torch
 from safetensors.torch import _TYPES as _ST_DTYPES
 
+from parallelizer.checkpoint.format import from_stored, stored_dtype, stored_shape
 from parallelizer.errors import CheckpointError
 
 MANIFEST = "manifest.json"
@@ -32,7 +33,8 @@ def piece_stage(piece: dict) -> Optional[int]:
 
 def check_header(f, name: str, shape: list, path: Path, dtype: Optional[str] = None) -> None:
     """The file's header agrees with the manifest on tensor ``name``'s shape and ``dtype``
-    (a header dtype of the same size would otherwise be cast silently).
+    (a header dtype of the same size would otherwise be cast silently); a complex tensor is
+    stored as its real view (:func:`parallelizer.checkpoint.format.stored_shape`).
 
     Raises:
         CheckpointError: the tensor is absent, or of another shape or dtype; names the file.
@@ -43,11 +45,14 @@ def check_header(f, name: str, shape: list, path: Path, dtype: Optional[str] = N
     except Exception as e:  # SafetensorError: the name is absent from the header
         raise CheckpointError(f"{path} lacks tensor {name} that {MANIFEST} lists in it ({e}); "
                               "copy the folder again or rewrite it") from None
+    want = getattr(torch, dtype) if dtype is not None else None
+    if want is not None:
+        shape = stored_shape(shape, want)
     if stored != list(shape):
         raise CheckpointError(f"{path}: tensor {name} has shape {tuple(stored)}, {MANIFEST} says "
                               f"{tuple(shape)}; the file does not belong to this checkpoint (copy "
                               "the folder again or rewrite it)")
-    if dtype is not None and _ST_DTYPES.get(stored_name) != getattr(torch, dtype):
+    if want is not None and _ST_DTYPES.get(stored_name) != stored_dtype(want):
         raise CheckpointError(f"{path}: tensor {name} is stored as {stored_name}, {MANIFEST} says "
                               f"{dtype}; the file does not belong to this checkpoint (copy the "
                               "folder again or rewrite it)")
@@ -86,7 +91,10 @@ def _read(open_file, file: str, name: str, shape: list, src: tuple, ckpt_dir, dt
     path = Path(ckpt_dir) / file
     f = open_file(file)
     check_header(f, name, shape, path, dtype)
+    want = getattr(torch, dtype)
     try:
+        if want.is_complex:  # stored as its real view: the (re, im) dim read whole
+            return from_stored(f.get_slice(name)[tuple(src) + (slice(None),)], want)
         return f.get_slice(name)[src] if shape else f.get_tensor(name)
     except Exception as e:  # SafetensorError: data unreadable
         raise CheckpointError(f"cannot read tensor {name} from {path}: {e}") from e

@@ -7,6 +7,8 @@ header length N, N bytes of JSON (``{name: {dtype, shape, data_offsets: [begin, 
 "__metadata__": {str: str}}``, padded with spaces to a multiple of 8), then the raw
 row-major bytes of every tensor at its offsets. Knowing every shape and dtype up front, the
 header is written first and each tensor's bytes are appended and hashed as it is produced.
+A complex tensor is written as its real view, named in ``__metadata__["complex"]``
+(:mod:`parallelizer.checkpoint.format`).
 
 Each tensor goes out in blocks of :data:`CHUNK` bytes, each hashed and then written while it
 is still in the CPU cache, straight from the tensor's memory (a lazily mapped input region
@@ -25,10 +27,9 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
-             torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32",
-             torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
-             torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+from parallelizer.errors import CheckpointError
+from parallelizer.checkpoint.format import (complex_metadata, safetensors_dtype, stored_shape,
+                                            to_stored)
 
 # bit-for-bit copies of any dtype (bfloat16, float8 have no numpy type) as integers
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -49,14 +50,21 @@ def write_streamed(path: Path, specs: Sequence[tuple[str, tuple, torch.dtype]],
     Raises:
         AssertionError: a produced tensor differs from its spec (a bug in the caller, or an
             input that is not what its manifest says).
+        CheckpointError: a dtype with no safetensors form (names the tensor).
     """
     header, offset = {}, 0
     for name, shape, dtype in specs:
         nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
-        header[name] = {"dtype": ST_DTYPES[dtype], "shape": list(shape),
+        try:
+            st_dtype = safetensors_dtype(dtype)
+        except CheckpointError as e:
+            raise CheckpointError(f"{name}: {e}") from None
+        header[name] = {"dtype": st_dtype,
+                        "shape": stored_shape(shape, dtype),
                         "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
-    header["__metadata__"] = dict(metadata)
+    header["__metadata__"] = {**metadata, **complex_metadata(
+        n for n, _s, dtype in specs if dtype.is_complex)}
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     h = hashlib.sha256()
@@ -71,7 +79,7 @@ def write_streamed(path: Path, specs: Sequence[tuple[str, tuple, torch.dtype]],
             t = produce(name)
             assert tuple(t.shape) == tuple(shape) and t.dtype == dtype, (
                 f"{name}: produced {tuple(t.shape)} {t.dtype}, expected {tuple(shape)} {dtype}")
-            for block in _blocks(t, scratch):
+            for block in _blocks(to_stored(t), scratch):
                 h.update(block)
                 _write_all(fd, block)
                 size += len(block)

@@ -10,8 +10,8 @@ from typing import Optional
 
 import torch
 from omegaconf import OmegaConf
-from safetensors.torch import save_file
 
+from ..checkpoint.format import save_tensors
 from ..checkpoint.publish import temp_sibling
 from ..checkpoint.writer import write_checkpoint
 from ..errors import UserError
@@ -71,7 +71,7 @@ class Program:
         if self.state is not None:
             write_checkpoint(self.state, self.plan, tmp / "checkpoint")
         if self.reference is not None:
-            save_file(_unshared(self.reference), str(tmp / "reference.safetensors"))
+            save_tensors(_unshared(self.reference), tmp / "reference.safetensors")
 
 
 def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -22,7 +22,7 @@ import operator
 import torch.fx as fx
 
 from ..plan.decisions import SequenceParallelDecision
-from ..analysis.graph_facts import aten
+from ..analysis.graph_facts import aten, block_of
 from ..runtime.rng import random_op
 from ..runtime.sequence import (all_gather_from_sequence_parallel_region, gathered_linears,
                                 gather_from_sequence_parallel_region,
@@ -54,7 +54,7 @@ def apply_sequence_parallel(gm: fx.GraphModule, d: SequenceParallelDecision) -> 
         n = by_name[name]
         n.target, n.args = all_gather_from_sequence_parallel_region, (n.args[0], place[0], seq_arg(place))
     for name in d.all_gather:
-        _fuse_linears(graph, by_name[name])
+        _fuse_linears(graph, by_name[name], d.blocks)
     for name, place in d.splits.items():
         enter_region(graph, by_name[name], place, seq_arg(place), region, d.tp)
     for name, readers in d.exits.items():
@@ -102,34 +102,43 @@ def _linear_kind(u: fx.Node, x: fx.Node):
     return None
 
 
-def _fuse_linears(graph: fx.Graph, ag: fx.Node) -> None:
+def _fuse_linears(graph: fx.Graph, ag: fx.Node, blocks: tuple) -> None:
     """All-gather + the column_parallel linears reading it -> one ``gathered_linears`` (it
-    keeps the shard for backward, not the gathered input; runtime/sequence.py), when every
-    reader of ``ag`` is such a linear whose weight and bias exist before the first one."""
-    users = sorted(ag.users, key=_position(graph))
-    kinds = [_linear_kind(u, ag) for u in users]
-    if not users or None in kinds:
-        return
+    keeps the shard for backward, not the gathered input; runtime/sequence.py) per block
+    reading it, when every reader of ``ag`` in that block is such a linear whose weight and
+    bias exist before the first one. One fused node never serves two blocks: it would sit
+    in the first block's run and interleave the blocks (T5's decoder blocks all project the
+    encoder output in their cross-attention); each block all-gathers for itself, as it
+    would on its own pipeline stage."""
     order = _position(graph)
-    first = users[0]
-    params = [p for _k, w, b in kinds for p in (w, b)]
-    if any(isinstance(p, fx.Node) and order(p) > order(first) for p in params):
-        return
+    groups: dict = {}
+    for u in sorted(ag.users, key=order):
+        groups.setdefault(block_of(u, blocks), []).append(u)
     shard, dim, seq = ag.args
-    with graph.inserting_before(first):
-        fused = graph.call_function(gathered_linears, (shard, dim, seq, tuple(k for k, _w, _b in kinds),
-                                                       *params))
-    fused.meta = dict(first.meta)
-    fused.meta["val"] = tuple(u.meta.get("val") for u in users)
-    items = []
-    with graph.inserting_before(first):
-        for i, u in enumerate(users):
-            items.append(graph.call_function(operator.getitem, (fused, i)))
-            items[-1].meta = dict(u.meta)
-    for u, item in zip(users, items):
-        u.replace_all_uses_with(item)
-        graph.erase_node(u)
-    graph.erase_node(ag)
+    for users in groups.values():
+        kinds = [_linear_kind(u, ag) for u in users]
+        if None in kinds:
+            continue
+        first = users[0]
+        params = [p for _k, w, b in kinds for p in (w, b)]
+        if any(isinstance(p, fx.Node) and order(p) > order(first) for p in params):
+            continue
+        with graph.inserting_before(first):
+            fused = graph.call_function(gathered_linears, (shard, dim, seq,
+                                                           tuple(k for k, _w, _b in kinds), *params))
+        fused.meta = dict(first.meta)
+        fused.meta["val"] = tuple(u.meta.get("val") for u in users)
+        items = []
+        with graph.inserting_before(first):
+            for i, u in enumerate(users):
+                items.append(graph.call_function(operator.getitem, (fused, i)))
+                items[-1].meta = dict(u.meta)
+        for u, item in zip(users, items):
+            u.replace_all_uses_with(item)
+            graph.erase_node(u)
+        order = _position(graph)
+    if not ag.users:
+        graph.erase_node(ag)
 
 
 def _position(graph):

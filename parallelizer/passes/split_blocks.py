@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 
 from ..analysis.graph_facts import RUNTIME_DEVICE
-from ..analysis.graph_facts import is_tensor, module_path
+from ..analysis.graph_facts import block_of, is_tensor
 
 
 @dataclass
@@ -59,13 +59,10 @@ def _runs(graph: fx.Graph, blocks) -> dict:
     for i, node in enumerate(graph.nodes):
         if node.op in ("placeholder", "output"):
             continue
-        # a parameter read (get_attr) carries no module stack; its FQN names its block
-        path = node.target if node.op == "get_attr" else module_path(node)
-        for b in blocks:
-            if path == b or path.startswith(b + "."):
-                lo, _ = runs.get(b, (i, i))
-                runs[b] = (lo, i)
-                break
+        b = block_of(node, blocks)
+        if b is not None:
+            lo, _ = runs.get(b, (i, i))
+            runs[b] = (lo, i)
     return runs
 
 

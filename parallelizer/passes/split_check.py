@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..analysis.graph_facts import attr_targets
+from ..analysis.graph_facts import attr_targets, source_line, written_attrs
 from ..errors import PlanError
 from ..plan.parallel_plan import ParallelPlan
 
@@ -29,7 +29,7 @@ def check_split(plan: ParallelPlan, stages: list, block_graphs: list, canonical:
         canonical: every tensor name -> its canonical FQN (tied weights).
 
     Raises:
-        PlanError: a tensor is read by two emitted modules of one stage (ALBERT-style
+        PlanError: a parameter is read by two emitted modules of one stage (ALBERT-style
             weight sharing), which would split its gradient.
         SplitMismatch: a stage reads other tensors than planned, or lacks a planned block.
     """
@@ -37,7 +37,11 @@ def check_split(plan: ParallelPlan, stages: list, block_graphs: list, canonical:
     for st, blocks, sp in zip(stages, block_graphs, plan.stages):
         owned = [("", t) for t in attr_targets(st.graph)]
         owned += [(b.fqn, f"{b.fqn}.{t}") for b in blocks for t in attr_targets(b.graph)]
-        _check_sharing(owned, canonical, st.index)
+        # a buffer carries no gradient: each module reading it gets its own copy (a rotary
+        # table every block holds; one the model writes is refused before, by
+        # check_written_buffers); only trained weights would split their gradient
+        _check_sharing([(o, n) for o, n in owned if not _is_buffer(plan, canonical.get(n, n))],
+                       canonical, st.index)
         held = {canonical.get(name, name) for _, name in owned}
         found = tuple(b.fqn for b in blocks)
         # a stage may also hold an outlined piece of an earlier block that only recomputes
@@ -50,6 +54,39 @@ def check_split(plan: ParallelPlan, stages: list, block_graphs: list, canonical:
         out.append(dataclasses.replace(sp, inputs=tuple(st.inputs), outputs=tuple(st.outputs),
                                        blocks=found))
     return dataclasses.replace(plan, stages=tuple(out))
+
+
+def _is_buffer(plan: ParallelPlan, fqn: str) -> bool:
+    t = plan.tensors.get(fqn)
+    return t is not None and t.is_buffer
+
+
+def check_written_buffers(graph, groups: list, blocks: tuple) -> None:
+    """A buffer the model writes in place (running statistics, a step counter) and that
+    several blocks hold as one tensor cannot be copied to each block and stage as read-only
+    buffers are: the copies would drift apart.
+
+    Args:
+        graph: the captured graph (before split_stages).
+        groups: names sharing one tensor (``planning/tensors.tied_groups``), first canonical.
+        blocks: the model's blocks (module FQNs).
+
+    Raises:
+        PlanError: names the buffer, the blocks holding it, the op and the model's source
+            line writing it, and the fix.
+    """
+    written = written_attrs(graph)
+    for names in groups:
+        node = next((written[n] for n in names if n in written), None)
+        owners = sorted({b for n in names for b in blocks if n.startswith(b + ".")})
+        if node is None or len(owners) < 2:
+            continue
+        line = source_line(node)
+        raise PlanError(
+            f"buffer {names[0]} is held by {', '.join(owners)} as one tensor and written in "
+            f"place by the model ({node.target}{' at ' + line if line else ''}); each block "
+            f"and pipeline stage would update its own copy: give each block its own buffer, "
+            f"or keep the shared state outside the blocks")
 
 
 def _check_sharing(owned: list, canonical: dict, stage: int) -> None:

@@ -154,7 +154,9 @@ class SequenceParallelDecision:
     node, input) edges carrying a parameter broadcast over the sequence (its gradient is
     partial over tp: an f sums it); ``views``: node -> positions ``(arg, index)`` of the
     global sequence length in its sizes (replaced by the local one); ``seq``: (placeholder,
-    dim) holding the global sequence length, or an int when static."""
+    dim) holding the global sequence length, or an int when static; ``blocks``: the model's
+    blocks (module FQNs): an all-gather fused with the linears reading it is fused per block,
+    never across two (split_blocks outlines each block, split_stages cuts between them)."""
 
     enabled: bool = False
     tp: int = 1
@@ -169,6 +171,7 @@ class SequenceParallelDecision:
     seq: object = None
     report: list = field(default_factory=list)
     blocker: Optional[str] = None
+    blocks: tuple = ()
 
 
 @dataclass

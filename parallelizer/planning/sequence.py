@@ -47,8 +47,8 @@ _MULTIPLICATIVE = {"aten.dropout.default", "aten.native_dropout.default",
 
 
 def plan_sequence_parallel(graph: fx.Graph, tp: int, mode: str, placements: dict,
-                           dropout_sites=(), example_seq: Optional[int] = None
-                           ) -> SequenceParallelDecision:
+                           dropout_sites=(), example_seq: Optional[int] = None,
+                           blocks: tuple = ()) -> SequenceParallelDecision:
     """Decide the sequence-parallel regions of the tp-rewritten ``graph``.
 
     Args:
@@ -58,11 +58,12 @@ def plan_sequence_parallel(graph: fx.Graph, tp: int, mode: str, placements: dict
         dropout_sites: the DropoutSite records of the program (their nodes drew masks).
         example_seq: the example batch's sequence length (``--verify`` runs it): one not
             divisible by tp turns "auto" off (and fails "true").
+        blocks: the model's blocks (planning/blocks.find_blocks), recorded for the pass.
 
     Raises:
         PlanError: ``mode`` is "true" and no region can be formed (names the blocker).
     """
-    out = SequenceParallelDecision(tp=tp)
+    out = SequenceParallelDecision(tp=tp, blocks=tuple(blocks))
     if mode == "false" or tp == 1:
         if tp > 1:
             out.report.append("sequence parallel: off (tensor_parallel.sequence_parallel=false)")

@@ -14,6 +14,8 @@ from ..analysis.graph_facts import RUNTIME_DEVICE, attr_targets
 from ..analysis.needed_imports import modules_needed
 from ..analysis.outputs import scalar_outputs
 from ..analysis.partition import GraphPartition
+from ..checkpoint.format import safetensors_dtype
+from ..errors import CheckpointError, PlanError
 from ..plan.compression import plan_settings, reduce_dtype as compression_reduce_dtype
 from ..plan.schedules import stage_ranks
 from ..plan.parallel_plan import (MODEL_MODULE, ParallelPlan, StagePlan, TensorPlan,
@@ -91,6 +93,7 @@ def build_plan(spec, captured, gm, model, groups, tp: TPDecision, vocab: VocabDe
     tensors = {}
     for fqn in order:
         t = attrgetter(fqn)(gm)
+        _check_storable(fqn, t.dtype)
         # a tied weight may be read under an alias in the graph
         names = [fqn] + [n for n, c in canonical.items() if c == fqn and n != fqn]
         tp_dim, role, layout = next((_placement(n, tp, vocab) for n in names
@@ -128,6 +131,19 @@ def build_plan(spec, captured, gm, model, groups, tp: TPDecision, vocab: VocabDe
                             for layer in ep.layers))
     partial = tuple(sorted({canonical.get(f, f) for f in tp.partial}))
     return dataclasses.replace(plan, grad_sync=grad_sync_groups(plan, partial))
+
+
+def _check_storable(fqn: str, dtype) -> None:
+    """Every planned tensor goes into the program's safetensors checkpoint.
+
+    Raises:
+        PlanError: ``dtype`` has no safetensors form: names the tensor, its dtype and the fix.
+    """
+    try:
+        safetensors_dtype(dtype)
+    except CheckpointError as e:
+        raise PlanError(f"{fqn}: {e}; the program's checkpoint cannot hold it: cast it to one "
+                        f"of those in build_model(), or compute it in forward") from None
 
 
 def run_settings(spec, vocab_size: int | None = None) -> dict:

@@ -6,6 +6,7 @@ import itertools
 import torch
 from torch.utils._pytree import tree_map
 
+from ..plan.dtypes import differentiable
 from ..plan.parallel_plan import ParallelPlan
 
 
@@ -47,13 +48,14 @@ def dp_slice(plan: ParallelPlan, batch, dp_rank: int, device) -> tuple | dict:
 
 
 def synthetic_batches(plan: ParallelPlan, example, seed: int):
-    """Seeded batches shaped like ``example``: token ids in the example's range, floats N(0, 1)."""
+    """Seeded batches shaped like ``example``: token ids in the example's range, floats (and
+    complex values) N(0, 1)."""
     flat = flatten(plan, example)
     for step in itertools.count():
         g = torch.Generator().manual_seed(seed + step)
         out = []
         for t in flat:
-            if t.is_floating_point():
+            if differentiable(t.dtype):
                 out.append(torch.randn(t.shape, generator=g, dtype=t.dtype))
             else:
                 hi = int(t.max()) + 1 if t.numel() else 1

@@ -26,9 +26,9 @@ import time
 from pathlib import Path
 
 import torch.distributed as dist
-from safetensors.torch import load_file
 
 from ..plan.schedules import bubble
+from ..checkpoint.format import load_tensors
 from .pipeline_stage import sync_device
 from .batching import dp_slice, to_batch
 from .step import StepRunner
@@ -111,7 +111,7 @@ def run_profile(out_dir, plan, spec: dict, stages, ctx, loss_fn, model_module) -
     them, else on the first training batch."""
     ref = Path(out_dir) / "reference.safetensors"
     if ref.exists():
-        tensors = load_file(str(ref))
+        tensors = load_tensors(ref)
         batch = to_batch(plan, [tensors[f"input.{n}"] for n in plan.input_names])
     else:
         batch = next(iter(batch_source(plan, model_module, spec)))

@@ -1,5 +1,5 @@
 """torch's ``PipelineStage`` made safe for split backward (zero-bubble schedules) over FSDP2,
-and for integer inputs received by a later stage.
+for integer inputs received by a later stage, and for complex activations between stages.
 
 Zero-bubble schedules (``interleaved_zero_bubble``, ``zbv``, ``dualpipev``; Qi et al. 2024,
 §2) split a stage's backward into an input-gradient action I and a weight-gradient action W.
@@ -30,6 +30,14 @@ result does not depend on the values. That forward and its backward run with dro
 inactive: they would otherwise draw from the dropout streams (``runtime/rng.py``) once more
 on the first step of each new schedule, so a run resumed at step k drew other masks than
 the uninterrupted one.
+
+Complex inputs. ``TensorMeta.to_tensor`` (torch 2.13, pipelining/_utils.py) sets
+``requires_grad`` only on a floating-point tensor (``is_floating_point()`` is False for
+complex64), so the inference forward of a stage receiving a complex activation that carries
+gradient (a model whose hidden state is complex) saw it without one: no gradient metadata
+went back, the previous stage allocated no buffer for it, and the first backward stopped
+(``PipeliningMetadataError``: "buffer is not None but tensor_meta is None"). The inference
+input is given the metadata's ``requires_grad`` whatever its dtype.
 
 Contiguous sends. gloo and NCCL send only contiguous tensors; torch sends the gradients of a
 stage's inputs as autograd returns them, which may be strided views (the compiler makes
@@ -66,6 +74,8 @@ class SplitBackwardPipelineStage(PipelineStage):
         if isinstance(arg, TensorMeta):  # see "Shape inference" in the module docstring
             with torch.no_grad():
                 t.zero_()
+            if t.is_complex() and arg.requires_grad:  # see "Complex inputs"
+                t.requires_grad_(True)
         return t
 
     def _forward_metadata_inference(self, *args, **kwargs):

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
 
 from ..plan.parallel_plan import ParallelPlan
 from .batching import dp_slice, to_batch
 from ..plan.layouts import copied_heads
+from ..checkpoint.format import load_tensors
 from .gather import copies_max_diff, full_tensor
 from .data_parallel import make_stage_optimizer
 from .rng import dropout_active
@@ -83,7 +83,7 @@ class _Tally:
 
 
 def run_verify(out_dir: Path, plan: ParallelPlan, spec: dict, stage, ctx: RankContext, loss_fn) -> int:
-    ref = load_file(str(Path(out_dir) / "reference.safetensors"))
+    ref = load_tensors(Path(out_dir) / "reference.safetensors")
     batch = to_batch(plan, [ref[f"input.{n}"] for n in plan.input_names])
     local = dp_slice(plan, batch, ctx.dp_rank, ctx.device)
     vcfg, ocfg = spec["verify"], spec["optimizer"]

@@ -55,6 +55,52 @@ def test_weights_shared_across_blocks_are_refused(tmp_path):
     assert "ALBERT" in msg
 
 
+@pytest.mark.parametrize("pp", [1, 2])
+def test_shared_buffer_written_in_place_is_refused_naming_the_line(tmp_path, pp):
+    """A buffer read by every block is copied to each (the Llama 3 reference model's shared
+    rotary table, tests/distributed/test_complex_pipelines.py); one the model also writes in
+    place cannot be: the copies would drift apart. It failed with SplitMismatch (an internal
+    error): the write-back interleaved the blocks."""
+    path = _model(tmp_path, """
+        import torch
+        from torch import nn
+        class Stats(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.register_buffer("shift", torch.zeros(8))
+        class Block(nn.Module):
+            def __init__(self, stats):
+                super().__init__()
+                self.lin, self.stats = nn.Linear(8, 8), stats
+            def forward(self, x):
+                y = x + self.lin(x) + self.stats.shift
+                self.stats.shift.add_(0.5)
+                return y
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                stats = Stats()
+                self.layers = nn.ModuleList(Block(stats) for _ in range(4))
+            def forward(self, x):
+                for layer in self.layers:
+                    x = layer(x)
+                return x
+        def build_model():
+            torch.manual_seed(0)
+            return Net()
+        def example_inputs():
+            return (torch.randn(4, 6, 8),)
+    """)
+    spec = load_spec(GPT / "spec.yaml", ["mesh.tp=1", f"mesh.pp={pp}"])
+    with pytest.raises(PlanError) as e:
+        compile_model(path, spec, weights=False)
+    msg = str(e.value)
+    assert msg.startswith("buffer layers.0.stats.shift is held by layers.0, layers.1, layers.2, "
+                          "layers.3 as one tensor and written in place by the model "
+                          "(aten.add_.Tensor at model.py:14)"), msg
+    assert "give each block its own buffer" in msg
+
+
 def test_unserialisable_output_is_a_capture_error(tmp_path):
     path = _model(tmp_path, """
         import collections, torch

@@ -6,6 +6,11 @@ factory op (``zeros`` / ``ones`` / ``full`` of a heads-sized shape: T5's cross-a
 bias), whose heads constant becomes local. Propagation then carries the shard forward like
 any other, so the rank's piece of the bias meets the rank's heads.
 
+The same holds for any elementwise op (:func:`request_broadcast`): a learned gain per head
+``(heads, 1, 1)`` multiplied into head-sharded q or k, ALiBi's slopes: the replicated
+operand pairs element ``i`` of the sharded dim with the rank's
+element ``i``, so its source is sharded along that dim.
+
 Only ops whose dim mapping is unambiguous are walked back: same-shape ops, broadcasting
 elementwise ops with exactly one input holding the dim at full size, unsqueeze, permute,
 transpose, expand and embedding (output last dim = weight dim 1).
@@ -19,7 +24,7 @@ import torch.fx as fx
 
 from ..graph_facts import aten, is_tensor, module_path, same, shape, weight_fqn
 from .placements import CONFLICT, REPLICATE, Shard
-from .state import add_constraint, add_rewrite, placement
+from .state import add_constraint, add_rewrite, dim_of, inputs_of, placement
 
 _SAME = {aten.contiguous.default, aten.clone.default, aten.to.dtype, aten._to_copy.default,
          aten.alias.default, aten.detach.default, aten.dropout.default, aten.type_as.default}
@@ -108,3 +113,38 @@ def request_heads(prop, mask: fx.Node, dim: int, groups) -> bool:
     kind, name, d = src
     prop.head_requests[(kind, name)] = (d, frozenset(groups))
     return True
+
+
+def request_broadcast(node: fx.Node, prop, groups, tp: int) -> None:
+    """``node`` (elementwise) could not take its inputs: its sharded inputs agree on one
+    output dim ``d``, but a replicated input holds ``d`` at full size. Ask the next run to
+    shard that input's source along its dim (:func:`request_heads`), when every sharded
+    input is an even split of ``d`` (:func:`_even`) and tp divides the size: then the rank's
+    piece of the source is its even block, as the even Shard the request gives it. A size
+    tp does not divide (a gain per kv head at tp > kv heads, whose heads are copied, not
+    split) is not requested: the op's conflict keeps that attention replicated (reported)."""
+    rank = len(shape(node))
+    sharded = [a for a in inputs_of(node) if is_tensor(a) and dim_of(prop, a) is not None]
+    dims = {dim_of(prop, a) + rank - len(shape(a)) for a in sharded}
+    if len(dims) != 1 or not all(_even(prop, a) for a in sharded):
+        return
+    d = dims.pop()
+    for b in inputs_of(node):
+        if not is_tensor(b) or dim_of(prop, b) is not None:
+            continue
+        k = d - (rank - len(shape(b)))
+        size = shape(b)[k] if k >= 0 else 1
+        if not same(size, 1) and same(size, shape(node)[d]) and isinstance(size, int) \
+                and size % tp == 0:
+            request_heads(prop, b, k, groups)
+
+
+def _even(prop, a: fx.Node) -> bool:
+    """``a``'s sharded dim is split evenly over the tp ranks whatever layouts later runs
+    find: not copied or expanded kv heads, not a merged (batch, heads) dim, and not a column
+    output's raw features (their layout, fused or not, is settled only by later runs, while
+    a request holds for every run after it)."""
+    mark = prop.heads.get(a.name)
+    if mark is not None and (mark.replicated or mark.expanded):
+        return False
+    return a.name not in prop.strided and a.name not in prop.raw

@@ -44,12 +44,13 @@ import torch.fx as fx
 
 from ..graph_facts import as_linear, aten, module_path, same, shape
 from .dtensor import NO_RULE, dtensor_rule
-from .heads import factory_rule
+from .heads import factory_rule, request_broadcast
 from ...plan.layouts import InterleavedHeads
 from .layouts import fuse_slices, view_rule
 from .placements import CONFLICT, REPLICATE, Conflict, Shard, shard_dim
-from .rules import DTENSOR_FIRST, KEEP_HEADS, KEEP_RAW, RULES, pointwise_rule
+from .rules import BROADCASTING, DTENSOR_FIRST, KEEP_HEADS, KEEP_RAW, RULES, pointwise_rule
 from .strided import carry_strided, check_sizes, narrowed, request_narrow
+from .weights import path_rule, weight_paths
 from .state import (Propagation, add_constraint, dim_of, inputs_of, mark_not_replicable,
                     placement, record_use)
 
@@ -81,7 +82,7 @@ def propagate(graph: fx.Graph, column: set, row: set, tp: int, layouts: Optional
                        narrow=dict(narrow or {}))
     for (kind, name), v in (per_head or {}).items():
         (prop.per_head if kind == "param" else prop.per_head_factories)[name] = v
-    weight_dims, weight_views = {}, set()
+    weight_dims, paths = {}, {}
     for node in graph.nodes:
         site = as_linear(node)
         if site and site.weight in column:
@@ -90,13 +91,13 @@ def propagate(graph: fx.Graph, column: set, row: set, tp: int, layouts: Optional
                 prop.column_biases[site.bias] = site.weight
         elif site and site.weight in row:
             weight_dims[site.weight] = site.in_dim
-        if site and site.w_node is not None and site.w_node.op == "call_function":
-            weight_views.add(site.w_node.name)  # W.T read by the product: the linear rule's
+        if site:
+            paths.update(weight_paths(site, column, row))
     for node in graph.nodes:
-        if node.name in weight_views:
-            prop.placements[node.name], prop.groups[node.name] = REPLICATE, frozenset()
-            continue
-        placement, groups = _rule(node, prop, column, row, weight_dims, tp)
+        if node.name in paths:  # a weight read through casts, views, transposes
+            placement, groups = path_rule(node, prop, tp, paths[node.name])
+        else:
+            placement, groups = _rule(node, prop, column, row, weight_dims, tp)
         prop.placements[node.name] = placement
         # a replicated value (e.g. after g) carries no shard: a conflict further down the
         # residual stream must not blame the pairs upstream of it
@@ -163,6 +164,8 @@ def _rule(node: fx.Node, prop: Propagation, column, row, weight_dims, tp):
         source, out = fn, fn(node, prop, tp)
     if out is NO_RULE or out == CONFLICT:
         request_narrow(node, prop, groups)
+        if fn in BROADCASTING:
+            request_broadcast(node, prop, groups, tp)
     elif fn is not view_rule and not carry_strided(node, prop, out):
         return _conflict(prop, node, groups, "a (batch, heads) merged dim meets a dim sharded "
                                              "another way")
@@ -239,8 +242,7 @@ def _linear(node, site, prop, column, row, groups):
         if placement(prop, node.args[0]) != REPLICATE:
             return _conflict(prop, node, groups, "replicated linear got a sharded input")
         return REPLICATE, groups
-    x, wt = site.x, site.weight
-    w = site.w_node if site.w_node.op == "get_attr" else site.w_node.args[0]
+    x, wt, w = site.x, site.weight, site.param
     px = placement(prop, x)
     mod = module_path(node)
     if x.name in prop.raw:

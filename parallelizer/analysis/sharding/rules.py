@@ -10,6 +10,7 @@ from .heads import embedding_rule, request_heads
 from .layouts import expand_rule, index_rule, slice_rule, split_rule, view_rule
 from .placements import CONFLICT, REPLICATE, PerOutput, Shard, shard
 from .state import dim_arg, dim_of, inputs_of, placement
+from .relayout import complex_view_rule, flatten_rule, repeat_interleave_rule
 from .strided import repeat_rule
 
 
@@ -18,7 +19,8 @@ _SAME_AS_INPUT = {
     aten.contiguous.default, aten.alias.default, aten.detach.default, aten.dropout.default,
     aten.type_as.default, aten.lift_fresh_copy.default, aten.to.device,
 }
-_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+# unflatten is a view whose sizes are those of the dims it splits (state.sizes_arg)
+_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unflatten.int}
 _SOFTMAX = {aten.softmax.int, aten._softmax.default, aten.log_softmax.int,
             aten._log_softmax.default}
 _REDUCE = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default}
@@ -193,6 +195,9 @@ RULES = {
     aten.embedding.default: embedding_rule,
     aten.index.Tensor: index_rule,
     aten.repeat.default: repeat_rule,
+    aten.repeat_interleave.self_int: repeat_interleave_rule,
+    aten.view_as_complex.default: complex_view_rule, aten.view_as_real.default: complex_view_rule,
+    aten.flatten.using_ints: flatten_rule,
     operator.getitem: _getitem,
 }
 
@@ -201,10 +206,15 @@ RULES = {
 # ``lift_fresh_copy``, ...). The others decide layouts, rewrite constants or request
 # per-head tensors, which DTensor does not express.
 DTENSOR_FIRST = frozenset({_same, pointwise_rule, _masked_fill, _transpose, _permute, _unsqueeze,
-                           _squeeze, _select, _cat, _matmul, _softmax, _reduce})
+                           _squeeze, _select, _cat, _matmul, _softmax, _reduce,
+                           complex_view_rule, flatten_rule})
+
+# elementwise rules whose replicated operand may be sharded like the sharded one (heads.request_broadcast)
+BROADCASTING = frozenset({pointwise_rule, _masked_fill})
 
 # rules through which a raw value stays raw, and replicated kv heads stay replicated
 KEEP_RAW = frozenset({_same, pointwise_rule, _masked_fill, view_rule, _transpose, _permute,
                       _unsqueeze, _squeeze, slice_rule, _select})
 KEEP_HEADS = frozenset({_same, pointwise_rule, _masked_fill, _transpose, _permute, _unsqueeze,
-                        _squeeze, slice_rule, _select, _cat, split_rule, _getitem})
+                        _squeeze, slice_rule, _select, _cat, split_rule, _getitem,
+                        complex_view_rule, flatten_rule})

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 
 from ...plan.layouts import InterleavedHeads, layout_json
-from ..graph_facts import shape
+from ..graph_facts import aten, shape
 from .placements import REPLICATE, shard_dim
 
 
@@ -154,11 +154,24 @@ def add_constraint(prop, size, what, module, detail, weights=frozenset()):
 
 
 def add_rewrite(prop, node, arg_index, list_index, new):
+    """Set ``node.args[arg_index]`` (its item ``list_index``) to ``new`` in the tp pass; for
+    ``unflatten`` the output dim ``list_index`` of :func:`sizes_arg` is its sizes' item."""
+    if node.target is aten.unflatten.int and arg_index == 1:
+        arg_index, list_index = 2, list_index - _unflatten_dim(node)
     prop.rewrites.setdefault(node.name, []).append((arg_index, list_index, new))
 
 
 def sizes_arg(node):
+    """The output sizes a view-like op spells: view/reshape/expand's, or for ``unflatten(x,
+    dim, sizes)`` one per output dim (None for the dims it keeps)."""
+    if node.target is aten.unflatten.int:
+        dim, sizes = _unflatten_dim(node), list(node.args[2])
+        return [None] * dim + sizes + [None] * (len(shape(node)) - dim - len(sizes))
     return list(node.args[1])
+
+
+def _unflatten_dim(node) -> int:
+    return node.args[1] % len(shape(node.args[0]))
 
 
 def dim_arg(node, i, rank=None):

@@ -5,6 +5,7 @@ One process, a gloo group of one rank holding both stages of a real
 ``torch.distributed.pipelining`` schedule (looped BFS), so stage 1 gets its inputs through
 torch's same-rank metadata path (``_forward_metadata_inference`` -> ``_to_tensor``).
 """
+import copy
 import socket
 
 import pytest
@@ -66,3 +67,39 @@ def test_integer_input_used_as_index_in_a_later_stage(one_rank_group):
     schedule.step(ids, labels, target=torch.zeros(4), losses=losses)
     assert len(losses) == 2
     assert torch.allclose(torch.stack(losses), want.view(2, 2, 6).mean(dim=(1, 2)), atol=1e-6)
+
+
+class ToComplex(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):  # a complex activation carrying gradient crosses the stages
+        return torch.view_as_complex(self.lin(x).unflatten(-1, (4, 2)))
+
+
+class FromComplex(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, z):
+        return self.lin(torch.view_as_real(z).flatten(-2))
+
+
+def test_complex_activation_carries_gradient_across_stages(one_rank_group):
+    """torch's shape inference (``TensorMeta.to_tensor``) sets requires_grad on floating-point
+    inputs only: a complex stage input then had no gradient buffer and the first backward
+    stopped ("backward metadata for this grad slot is None")."""
+    torch.manual_seed(0)
+    first, last = ToComplex(), FromComplex()
+    x = torch.randn(4, 6, 8)
+    ref_first, ref_last = copy.deepcopy(first), copy.deepcopy(last)
+    ref_last(ref_first(x)).pow(2).mean().backward()
+    stages = [SplitBackwardPipelineStage(m, i, 2, torch.device("cpu"))
+              for i, m in enumerate((first, last))]
+    schedule = ScheduleLoopedBFS(stages, n_microbatches=2, loss_fn=lambda out, _t: out.pow(2).mean())
+    schedule.step(x, target=torch.zeros(4))
+    for got, want in ((first, ref_first), (last, ref_last)):
+        for (n, p), q in zip(got.named_parameters(), want.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=n)  # the schedule scales by 1/2

@@ -1,0 +1,69 @@
+"""Any weight path (issue 23, part 4): linears whose weight is cast, viewed or transposed
+before the matmul are found by their algebra and sharded Megatron-style; the tp ranks run
+in lockstep in one process (tests/tp_lockstep.py) and give the unmodified model's outputs,
+every gradient and the parameters after one SGD step (fp32, 1e-5).
+Models: tests/tp_weight_path_models.py; the check: tests/tp_check.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from parallelizer.analysis.graph_facts import as_linear
+from parallelizer.plan.layouts import Fused
+from tp_check import plan_and_check
+from tp_small_models import captured
+from tp_weight_path_models import CastNet, SplitQKVNet, x_batch
+
+MODES = ["to", "type_as", "view", "io", "matmul_to", "float_T"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_linear_found_through_casts_views_and_transposes(mode):
+    torch.manual_seed(0)
+    cap = captured(CastNet(mode), x_batch())
+    sites = {s.weight: s for s in map(as_linear, cap.gm.graph.nodes) if s is not None}
+    assert len(sites) == 12, sorted(sites)
+    up = sites["layers.0.up.weight"]
+    assert up.bias == "layers.0.up.bias" and up.param.target == up.weight
+    assert up.out_dim == (1 if mode == "io" else 0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("tp", [2, 4])
+def test_cast_weights_shard_column_row_and_match(mode, tp):
+    torch.manual_seed(0)
+    model = CastNet(mode)
+    d = plan_and_check(model, x_batch(3, 5, seed=1), tp)
+    for i in range(2):
+        p = f"layers.{i}."
+        assert {p + f"attn.{n}.weight" for n in "qkv"} | {p + "up.weight"} <= d.column
+        assert {p + "attn.o.weight", p + "down.weight"} <= d.row
+    assert d.dims["layers.0.up.weight"] == (1 if mode == "io" else 0)
+    assert d.dims["layers.0.up.bias"] == 0
+
+
+@pytest.mark.parametrize("kv, tp", [(2, 2), (4, 4), (4, 2)])
+def test_fused_qkv_split_by_sizes_with_per_head_gains(kv, tp):
+    """``torch.split(qkv, [q, k, v])`` with unequal sizes (GQA), then a learned gain per
+    query head and per kv head: the fused weight is column_parallel per part (each rank
+    holds its block of q, of k and of v), the gains are sharded along their heads (they
+    were refused: "aten.mul.Tensor cannot take a sharded input here"), and the ranks match."""
+    torch.manual_seed(0)
+    d = plan_and_check(SplitQKVNet(kv), x_batch(3, 5, seed=1), tp)
+    for i in range(2):
+        p = f"layers.{i}."
+        assert p + "qkv.weight" in d.column and p + "o.weight" in d.row
+        assert d.layouts[p + "qkv.weight"] == Fused((32, 8 * kv, 8 * kv))
+        assert d.per_head[p + "q_gain"] == d.per_head[p + "k_gain"] == 0
+
+
+def test_per_kv_head_gain_at_tp_above_kv_heads_keeps_attention_replicated():
+    """At tp 4 with 2 kv heads the kv heads would be copied, not split, and a gain per kv
+    head has no even split: that attention stays replicated (reported, naming the op), the
+    MLPs are sharded, and the ranks still match."""
+    torch.manual_seed(0)
+    d = plan_and_check(SplitQKVNet(2), x_batch(3, 5, seed=1), 4)
+    assert not any(f.startswith("layers.") for f in d.column | d.row | set(d.per_head))
+    assert {"ups.0.weight", "ups.1.weight"} <= d.column
+    assert any(r.startswith("kept replicated: layers.0.o.weight, layers.0.qkv.weight (at mul")
+               for r in d.report), d.report
