@@ -137,6 +137,12 @@ def expert_params(stage, plan) -> list:
             if getattr(plan.tensors.get(plan.aliases.get(name, name)), "experts", None) is not None]
 
 
+def dense_params(stage, plan) -> list:
+    """The parameters of ``stage`` not split over ep: the ones dp averages."""
+    mine = {id(p) for p in expert_params(stage, plan)}
+    return [p for p in stage.parameters() if id(p) not in mine]
+
+
 def expert_modules(stage, plan) -> list:
     """The modules directly holding expert parameters (DDP's ``ignored_modules``)."""
     mine = {id(p) for p in expert_params(stage, plan)}

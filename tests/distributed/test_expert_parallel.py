@@ -12,6 +12,7 @@ and run on two gloo ranks.
   by, optimizer.max_norm) equal to ``torch.nn.utils.clip_grad_norm_`` of the unmodified model
   within 1e-6 over two clipped SGD steps; the experts counted twice (once per ep rank or once
   per replica) or one ep rank's experts left out would each be more than 100 x that away.
+- Experts inside pipeline stages (pp2 x dp2, ep2, DDP): ``--verify`` at 1e-5.
 - A per-rank save writes each ep rank's expert rows (its chunk of dim 0); ``reshard --ep 1``
   merges them, and ``export`` gives back the model's own weights bit for bit (real
   safetensors files on both sides).
@@ -99,6 +100,23 @@ def test_verify_with_two_expert_replicas(edp2, tools):
     errs = tools.verify_errors(res.stdout)
     assert "PASS" in res.stdout and len(errs) == 4 and max(errs.values()) <= 1e-5, res.explain()
     assert "verify: mesh pp=1 x dp=4 (ep=2) x tp=1" in res.stdout, res.explain()
+    tools.check_exit(res)
+
+
+@pytest.mark.timeout(300)
+def test_verify_with_experts_in_pipeline_stages(tmp_path, tools):
+    """pp2 x dp2, ep2 under DDP (zero_stage 0): each stage holds one layer's experts, split
+    over the stage's ep group; the gradients averaged over dp after the schedule leave the
+    experts out (their dp ranks hold other experts)."""
+    overrides = ["mesh.pp=2", "mesh.dp=2", "mesh.ep=2", "zero_stage=0", "pipeline.microbatches=2"]
+    program = _compile("mixtral_train", tmp_path / "out", overrides)
+    stage_of = {f: st.index for st in program.plan.stages for f in st.fqns}
+    assert stage_of["model.layers.0.mlp.experts.gate_up_proj"] == 0
+    assert stage_of["model.layers.1.mlp.experts.gate_up_proj"] == 1
+    res = tools.torchrun(tmp_path / "out", 4, "--verify", timeout=240)
+    errs = tools.verify_errors(res.stdout)
+    assert "PASS" in res.stdout and len(errs) == 4 and max(errs.values()) <= 1e-5, res.explain()
+    assert "verify: mesh pp=2 x dp=2 (ep=2) x tp=1" in res.stdout, res.explain()
     tools.check_exit(res)
 
 

@@ -107,3 +107,16 @@ def test_compiled_program_holds_one_ep_rank_of_the_experts():
 def test_max_norm_under_ep_is_accepted():
     # runtime/clip.py counts each expert once over ep (tests/distributed/test_expert_parallel.py)
     assert load_spec(SPEC, ["mesh.dp=2", "mesh.ep=2", "optimizer.max_norm=1.0"]).optimizer.max_norm == 1.0
+
+
+@pytest.mark.parametrize("override, got", [("mesh.tp=2", "zero_stage 3, mesh.tp 2"),
+                                           ("zero_stage=1", "zero_stage 1, mesh.tp 1")])
+def test_ep_with_tp_or_zero1_is_refused_naming_the_keys(override, got):
+    with pytest.raises(Exception, match=rf"mesh.ep=2 runs with zero_stage 0, 2 or 3 and mesh.tp 1 "
+                                        rf"so far \(got {got}\)"):
+        load_spec(SPEC, ["mesh.dp=2", "mesh.ep=2", override])
+
+
+def test_ep_inside_pipeline_stages_is_accepted():
+    # each stage's ep group splits that stage's experts (tests/distributed/test_expert_parallel.py)
+    assert load_spec(SPEC, ["mesh.dp=2", "mesh.ep=2", "mesh.pp=2"]).mesh.pp == 2
