@@ -13,6 +13,9 @@ and run on two gloo ranks.
   within 1e-6 over two clipped SGD steps; the experts counted twice (once per ep rank or once
   per replica) or one ep rank's experts left out would each be more than 100 x that away.
 - Experts inside pipeline stages (pp2 x dp2, ep2, DDP): ``--verify`` at 1e-5.
+- ``run.py --train --profile``'s MEMORY lines at dp2 x ep2, ZeRO-3, AdamW equal
+  ``parallelize estimate``'s parameters, gradients, optimizer state and buffers per rank, byte
+  for byte (each rank half the experts, outside FSDP2).
 - A per-rank save writes each ep rank's expert rows (its chunk of dim 0); ``reshard --ep 1``
   merges them, and ``export`` gives back the model's own weights bit for bit (real
   safetensors files on both sides).
@@ -145,6 +148,25 @@ def test_grad_norm_counts_every_expert_once(edp2, tools):
                         ("ep rank 1's experts left out (dp rank 0's only)", total - rank1)):
         print(f"\n{name}: norm {wrong ** 0.5:.9f}, {abs(wrong ** 0.5 - want[0][1]):.2e} away", end="")
         assert abs(wrong ** 0.5 - want[0][1]) > 100 * tol, name
+    tools.check_exit(res)
+
+
+@pytest.mark.timeout(300)
+def test_profile_memory_equals_estimate_at_ep2(tmp_path, tools):
+    from parallelizer.advisor.memory import estimate_model_file
+    overrides = EP2 + ["zero_stage=3", "optimizer.name=adamw"]
+    _compile("mixtral_train", tmp_path / "out", overrides)
+    res = tools.torchrun(tmp_path / "out", 2, "--train", "--steps", "1", "--profile", timeout=240)
+    lines = [json.loads(m) for m in re.findall(r"MEMORY (\{.*?\})$", res.stdout, re.MULTILINE)]
+    _, ranks = estimate_model_file(MODELS / "mixtral_train.py", load_spec(MODELS / "spec.yaml", overrides))
+    assert sorted(line["rank"] for line in lines) == [0, 1], res.explain()
+    keys = ("parameters", "gradients", "optimizer", "buffers")
+    for line in lines:
+        est = ranks[line["rank"]]
+        print(f"\nrank {line['rank']}: measured {[line[k] for k in keys]}, estimated "
+              f"{[getattr(est, k) for k in keys]}, all-to-all buffers {est.alltoall_buffers}", end="")
+        assert [line[k] for k in keys] == [getattr(est, k) for k in keys], (line, est)
+        assert line["optimizer"] > 0 and est.alltoall_buffers > 0
     tools.check_exit(res)
 
 
