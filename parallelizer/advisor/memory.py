@@ -140,8 +140,9 @@ def model_states(stage, plan: ParallelPlan, dp_rank: int, optimizer: str) -> dic
     local = {id(p): p.numel() if id(p) in experts else local_numel(p, shards, index)
              for p in params}
     param_bytes = sum(local[id(p)] * elem[id(p)] for p in params)
-    if z == 1 and dp > 1:
-        mine = zero1_partition(params, dp)[dp_rank]
+    edp = dp // plan.ep  # ZeRO-1's group under ep: the ranks holding the same experts
+    if z == 1 and edp > 1:
+        mine = zero1_partition(params, edp)[dp_rank // plan.ep]
         opt = sum(_optimizer_bytes([p.numel()], p.element_size(), optimizer) for p in mine)
     else:
         opt = sum(_optimizer_bytes([local[id(p)]], elem[id(p)], optimizer) for p in params)

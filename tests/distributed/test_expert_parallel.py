@@ -15,7 +15,8 @@ and run on two gloo ranks.
 - Experts inside pipeline stages (pp2 x dp2, ep2, DDP): ``--verify`` at 1e-5.
 - ``run.py --train --profile``'s MEMORY lines at dp2 x ep2, ZeRO-3, AdamW equal
   ``parallelize estimate``'s parameters, gradients, optimizer state and buffers per rank, byte
-  for byte (each rank half the experts, outside FSDP2).
+  for byte (each rank half the experts, outside FSDP2); likewise at dp4 x ep2 under ZeRO-1,
+  whose optimizer is partitioned over the expert replicas (``--verify`` PASS there too).
 - A per-rank save writes each ep rank's expert rows (its chunk of dim 0); ``reshard --ep 1``
   merges them, and ``export`` gives back the model's own weights bit for bit (real
   safetensors files on both sides).
@@ -151,15 +152,14 @@ def test_grad_norm_counts_every_expert_once(edp2, tools):
     tools.check_exit(res)
 
 
-@pytest.mark.timeout(300)
-def test_profile_memory_equals_estimate_at_ep2(tmp_path, tools):
+def _profile_equals_estimate(out: Path, overrides: list, world: int, tools) -> list:
+    """``--train --steps 1 --profile``'s MEMORY lines against estimate's ranks, byte for byte
+    (parameters, gradients, optimizer state, buffers); returns the lines."""
     from parallelizer.advisor.memory import estimate_model_file
-    overrides = EP2 + ["zero_stage=3", "optimizer.name=adamw"]
-    _compile("mixtral_train", tmp_path / "out", overrides)
-    res = tools.torchrun(tmp_path / "out", 2, "--train", "--steps", "1", "--profile", timeout=240)
+    res = tools.torchrun(out, world, "--train", "--steps", "1", "--profile", timeout=240)
     lines = [json.loads(m) for m in re.findall(r"MEMORY (\{.*?\})$", res.stdout, re.MULTILINE)]
     _, ranks = estimate_model_file(MODELS / "mixtral_train.py", load_spec(MODELS / "spec.yaml", overrides))
-    assert sorted(line["rank"] for line in lines) == [0, 1], res.explain()
+    assert sorted(line["rank"] for line in lines) == list(range(world)), res.explain()
     keys = ("parameters", "gradients", "optimizer", "buffers")
     for line in lines:
         est = ranks[line["rank"]]
@@ -168,6 +168,30 @@ def test_profile_memory_equals_estimate_at_ep2(tmp_path, tools):
         assert [line[k] for k in keys] == [getattr(est, k) for k in keys], (line, est)
         assert line["optimizer"] > 0 and est.alltoall_buffers > 0
     tools.check_exit(res)
+    return lines
+
+
+@pytest.mark.timeout(300)
+def test_profile_memory_equals_estimate_at_ep2(tmp_path, tools):
+    overrides = EP2 + ["zero_stage=3", "optimizer.name=adamw"]
+    _compile("mixtral_train", tmp_path / "out", overrides)
+    _profile_equals_estimate(tmp_path / "out", overrides, 2, tools)
+
+
+@pytest.mark.timeout(400)
+def test_zero1_partitions_over_the_expert_replicas(tmp_path, tools):
+    """ZeRO-1 at dp4 x ep2: ZeroRedundancyOptimizer over edp (the 2 ranks holding the same
+    experts), so its broadcasts never copy one ep rank's experts onto another's: --verify at
+    1e-5, and the optimizer state split over the pair as estimate predicts."""
+    overrides = ["mesh.dp=4", "mesh.ep=2", "zero_stage=1", "pipeline.microbatches=1", "optimizer.name=adamw"]
+    _compile("mixtral_train", tmp_path / "out", overrides)
+    res = tools.torchrun(tmp_path / "out", 4, "--verify", timeout=240)
+    errs = tools.verify_errors(res.stdout)
+    assert "PASS" in res.stdout and len(errs) == 4 and max(errs.values()) <= 1e-5, res.explain()
+    tools.check_exit(res)
+    lines = {line["dp"]: line for line in _profile_equals_estimate(tmp_path / "out", overrides, 4, tools)}
+    # dp ranks 0 and 2 are ep rank 0 of replicas 0 and 1: they split one state between them
+    assert lines[0]["optimizer"] != lines[2]["optimizer"] and lines[0]["optimizer"] == lines[1]["optimizer"]
 
 
 @pytest.mark.timeout(300)
