@@ -15,6 +15,7 @@ size (an approximation: normalisations that upcast save some fp32 tensors).
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_unflatten, treespec_loads
 
 from ..frontend.model_file import call_loss_fn
@@ -73,28 +74,49 @@ def _microbatch(plan: ParallelPlan, batch, mode) -> list:
 
 
 def stage_activations(stages: list, plan: ParallelPlan, batch, loss_fn, mode,
-                      per_block: dict | None = None) -> list[tuple[int, int]]:
+                      per_block: dict | None = None,
+                      alltoall: list | None = None) -> list[tuple[int, int]]:
     """Per stage: (bytes kept per microbatch, transient bytes of one block's recompute).
-    ``per_block``, if given, gets block FQN -> bytes its forward saved (not checkpointed)."""
-    from ..runtime import sequence, tp
+    ``per_block``, if given, gets block FQN -> bytes its forward saved (not checkpointed);
+    ``alltoall``, if given, gets per stage the bytes of its largest expert-parallel
+    dispatch or combine (runtime/expert_parallel.py ``BalancedShapes``; 0 without ep)."""
+    from ..runtime import expert_parallel, sequence, tp
     group = tp.tp_group()
     tp.set_tp_group(None)  # f and g as identities: no collective on FakeTensors
     try:
         # sequence-parallel regions hold 1/tp of the sequence: their operators give the
-        # shapes a tp rank has (Korthikanti et al. 2022, Table 2: sbh/t (34 + 5as/h))
-        with sequence.using_comm(sequence.ShapeComm(plan.mesh["tp"])):
-            return _stage_activations(stages, plan, batch, loss_fn, mode, per_block)
+        # shapes a tp rank has (Korthikanti et al. 2022, Table 2: sbh/t (34 + 5as/h));
+        # dispatch and combine give an ep rank's rows under balanced routing
+        with sequence.using_comm(sequence.ShapeComm(plan.mesh["tp"])), \
+                expert_parallel.balanced_shapes(plan.ep) as balanced, _CpuIntegerHistc():
+            return _stage_activations(stages, plan, batch, loss_fn, mode, per_block, balanced,
+                                      alltoall)
     finally:
         tp.set_tp_group(group)
 
 
+class _CpuIntegerHistc(TorchDispatchMode):
+    """``aten.histc`` of an integer tensor, run on its float copy (same (bins,) shape, cast
+    back). estimate compiles on the meta device, where a model may take its non-CPU branch
+    (transformers' MoE counts rows per expert with ``histc`` of the integer ids off CPU, of
+    their float copy on CPU), and the fake forward here follows CPU kernels, which refuse
+    integer ``histc``."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.histc.default and not args[0].is_floating_point():
+            return func(args[0].float(), *args[1:], **kwargs).to(args[0].dtype)
+        return func(*args, **kwargs)
+
+
 def _stage_activations(stages: list, plan: ParallelPlan, batch, loss_fn, mode,
-                       per_block: dict | None) -> list[tuple[int, int]]:
+                       per_block: dict | None, balanced, alltoall: list | None) -> list[tuple[int, int]]:
     scale = DTYPE_BYTES[plan.param_dtype] / 4
     inputs = _microbatch(plan, batch, mode)
     target = None
     out = []
     for index, stage in enumerate(stages):
+        balanced.peak = 0
         rec = _Recorder(stage, scale)
         block_inputs, input_seen = {}, set()
         hooks = []
@@ -124,6 +146,8 @@ def _stage_activations(stages: list, plan: ParallelPlan, batch, loss_fn, mode,
             else:
                 kept += saved
         out.append((kept, recompute))
+        if alltoall is not None:
+            alltoall.append(int(balanced.peak * scale) if plan.ep > 1 else 0)
         inputs = [t.detach().requires_grad_(differentiable(t.dtype)) for t in flat]
     return out
 

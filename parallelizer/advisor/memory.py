@@ -27,6 +27,13 @@ bytes per microbatch, a full backward (or, under the zero-bubble schedules' spli
 backward, the weight-gradient action, which still needs the saved inputs) frees them.
 That gives all ``m`` microbatches under GPipe and ``min(pp - stage, m)`` under 1F1B
 (Narayanan et al. 2021, §2.2), and the interleaved and V schedules' counts likewise.
+
+Under expert parallelism (``mesh.ep``) the emitted stage already holds a rank's E/ep
+experts, which no FSDP2 unit shards or gathers (they sit outside it, as at run time), so an
+expert weight, its gradient and its optimizer state count 1/ep of the layer's experts on
+every rank, at any ZeRO stage; the forward gives an ep rank's shapes under balanced routing,
+and ``alltoall_buffers`` is the largest dispatch or combine (send, receive and regrouped
+rows) alive at once.
 """
 from __future__ import annotations
 
@@ -38,6 +45,7 @@ import torch
 
 from .activations import DTYPE_BYTES, stage_activations
 from ..plan.parallel_plan import ParallelPlan
+from ..runtime.data_parallel import expert_params
 
 ADAM_STATES = 2  # exp_avg, exp_avg_sq (Loshchilov & Hutter 2019)
 STEP_BYTES = 4   # AdamW's per-parameter ``step``: a float32 scalar tensor
@@ -84,6 +92,7 @@ class RankEstimate:
     microbatches_in_flight: int  # (stage, microbatch) pairs held at the activation peak
     activations: int  # peak held over the schedule + one block's recompute under checkpointing
     total: int
+    alltoall_buffers: int = 0  # transient: the largest expert-parallel dispatch / combine
 
 
 def fsdp_rows(n: int, shards: int, index: int) -> int:
@@ -127,10 +136,13 @@ def model_states(stage, plan: ParallelPlan, dp_rank: int, optimizer: str) -> dic
     shards = dp // plan.dp_replicate if z >= 2 else 1
     index = dp_rank % shards
     elem = {id(p): p.element_size() for p in params}
-    local = {id(p): local_numel(p, shards, index) for p in params}
+    experts = {id(p) for p in expert_params(stage, plan)}  # E/ep rows, outside FSDP2
+    local = {id(p): p.numel() if id(p) in experts else local_numel(p, shards, index)
+             for p in params}
     param_bytes = sum(local[id(p)] * elem[id(p)] for p in params)
-    if z == 1 and dp > 1:
-        mine = zero1_partition(params, dp)[dp_rank]
+    edp = dp // plan.ep  # ZeRO-1's group under ep: the ranks holding the same experts
+    if z == 1 and edp > 1:
+        mine = zero1_partition(params, edp)[dp_rank // plan.ep]
         opt = sum(_optimizer_bytes([p.numel()], p.element_size(), optimizer) for p in mine)
     else:
         opt = sum(_optimizer_bytes([local[id(p)]], elem[id(p)], optimizer) for p in params)
@@ -148,8 +160,10 @@ def gathered_bytes(stage, plan: ParallelPlan) -> int:
         return 0
     elem = DTYPE_BYTES[plan.param_dtype]
     blocks = [b for _, b in stage.emitted_blocks()]
-    sizes = sorted((sum(p.numel() for p in b.parameters()) for b in blocks), reverse=True)
-    total = sum(p.numel() for p in stage.parameters())
+    experts = {id(p) for p in expert_params(stage, plan)}  # never all-gathered
+    sizes = sorted((sum(p.numel() for p in b.parameters() if id(p) not in experts)
+                    for b in blocks), reverse=True)
+    total = sum(p.numel() for p in stage.parameters() if id(p) not in experts)
     if plan.zero_stage == 2:
         return total * elem
     root = total - sum(sizes)
@@ -202,7 +216,8 @@ def estimate_program(plan: ParallelPlan, sources: dict, batch, loss_fn, optimize
     m = plan.mesh
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         stages = [load_stage(sources[f"program/{st.module}.py"], st.index) for st in plan.stages]
-        acts = stage_activations(stages, plan, batch, loss_fn, mode)
+        alltoall: list = []
+        acts = stage_activations(stages, plan, batch, loss_fn, mode, alltoall=alltoall)
     held = held_activations(plan, {s: kept for s, (kept, _) in enumerate(acts)})
     out = []
     for p in range(m["pp"]):
@@ -212,6 +227,7 @@ def estimate_program(plan: ParallelPlan, sources: dict, batch, loss_fn, optimize
         peak, flight = held[p]
         activations = peak + max(acts[s][1] for s in indices)
         gathered = gathered_bytes(local, plan)
+        buffers = max(alltoall[s] for s in indices)
         for d in range(m["dp"]):
             states = model_states(local, plan, d, optimizer)
             for t in range(m["tp"]):
@@ -219,7 +235,8 @@ def estimate_program(plan: ParallelPlan, sources: dict, batch, loss_fn, optimize
                 out.append(RankEstimate(rank, p, d, t, **states, gathered_parameters=gathered,
                                         activations_per_microbatch=per_mb,
                                         microbatches_in_flight=flight, activations=activations,
-                                        total=sum(states.values()) + gathered + activations))
+                                        total=sum(states.values()) + gathered + activations + buffers,
+                                        alltoall_buffers=buffers))
     return out
 
 
@@ -237,7 +254,7 @@ def estimate_model_file(model_path: Path, spec) -> tuple[ParallelPlan, list[Rank
 
 
 def as_json(plan: ParallelPlan, ranks: list[RankEstimate]) -> dict:
-    return {"mesh": plan.mesh, "zero_stage": plan.zero_stage, "dp_replicate": plan.dp_replicate,
+    return {"mesh": plan.mesh, "ep": plan.ep, "zero_stage": plan.zero_stage, "dp_replicate": plan.dp_replicate,
             "param_dtype": plan.param_dtype, "activation_checkpointing": plan.activation_checkpointing,
             "schedule": plan.schedule, "microbatches": plan.microbatches,
             "virtual_stages": plan.virtual_stages,

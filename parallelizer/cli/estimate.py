@@ -84,16 +84,19 @@ def _table(plan, ranks) -> str:
     m = plan.mesh
     in_bytes = max(r.total for r in ranks) < BYTES_BELOW
     unit, fmt = ("bytes", "{:,}".format) if in_bytes else ("MiB", lambda n: f"{n / 2**20:.2f}")
-    head = (f"memory per rank ({unit}), mesh pp={m['pp']} x dp={m['dp']} x tp={m['tp']}, zero_stage "
+    ep = f" (ep={plan.ep})" if plan.ep > 1 else ""
+    head = (f"memory per rank ({unit}), mesh pp={m['pp']} x dp={m['dp']}{ep} x tp={m['tp']}, zero_stage "
             f"{plan.zero_stage}, param_dtype {plan.param_dtype}, activation_checkpointing "
             f"{plan.activation_checkpointing}, schedule {plan.schedule} x {plan.microbatches} "
             f"microbatches, {plan.virtual_stages} stage(s) per pp rank")
+    a2a = plan.ep > 1  # the all-to-all buffers' column only under expert parallelism
     cols = ("rank", "pp", "dp", "tp", "params", "grads", "optim", "buffers", "gathered",
-            "act/mb", "in flight", "act", "total")
+            "act/mb", "in flight", "act") + (("all-to-all",) if a2a else ()) + ("total",)
     rows = [cols] + [(str(r.rank), str(r.pp), str(r.dp), str(r.tp), fmt(r.parameters),
                       fmt(r.gradients), fmt(r.optimizer), fmt(r.buffers),
                       fmt(r.gathered_parameters), fmt(r.activations_per_microbatch),
-                      str(r.microbatches_in_flight), fmt(r.activations), fmt(r.total))
+                      str(r.microbatches_in_flight), fmt(r.activations))
+                     + ((fmt(r.alltoall_buffers),) if a2a else ()) + (fmt(r.total),)
                      for r in ranks]
     widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
     lines = [head] + ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]

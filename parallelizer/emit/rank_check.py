@@ -54,7 +54,7 @@ def check_ranks(plan, sources: dict, batch, graphs: list) -> None:
 
     tp = plan.mesh["tp"]
     with FakeTensorMode(allow_non_fake_inputs=True), using_transport(ShapeTransport(tp)), \
-            sequence.using_comm(sequence.ShapeComm(tp)), expert_parallel.shape_stand_in(plan.ep), \
+            sequence.using_comm(sequence.ShapeComm(tp)), expert_parallel.balanced_shapes(plan.ep), \
             warnings.catch_warnings():
         warnings.simplefilter("ignore")
         inputs = _microbatch(plan, batch)

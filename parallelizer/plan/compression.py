@@ -137,19 +137,13 @@ def payload_bytes(shapes: list[tuple], settings: dict, dtype: str = "fp32") -> d
     return {"method": method, "uncompressed": full, "compressed": full, "ops": "all-reduce"}
 
 
-def _local_shapes(plan, pp_rank: int) -> list[tuple]:
-    """tp-local shapes of the parameters pp rank ``pp_rank`` holds (tp rank 0's)."""
-    from .layouts import local_length  # the tp piece arithmetic the checkpoint uses
-    stages, tp, out = set(plan.local_stages(pp_rank)), plan.mesh["tp"], []
-    for t in plan.tensors.values():
-        if t.is_buffer or not stages & set(t.stages):
-            continue
-        shape = list(t.shape)
-        if t.tp_dim is not None and tp > 1:
-            d = t.tp_dim % len(shape)
-            shape[d] = local_length(shape[d], t.layout, tp)
-        out.append(tuple(shape))
-    return out
+def _local_shapes(plan, pp_rank: int, experts: bool = False) -> list[tuple]:
+    """tp-local shapes of the parameters pp rank ``pp_rank`` holds (tp rank 0's): the ones dp
+    reduces, or with ``experts`` the expert weights split over ep (their E/ep rows)."""
+    stages, tp = set(plan.local_stages(pp_rank)), plan.mesh["tp"]
+    # the tp piece arithmetic the checkpoint uses, cut to this ep rank's experts
+    return [tuple(t.rank_shape(tp)) for t in plan.tensors.values()
+            if not t.is_buffer and stages & set(t.stages) and (t.experts is not None) == experts]
 
 
 def dp_collectives(plan) -> list[dict]:
@@ -160,7 +154,9 @@ def dp_collectives(plan) -> list[dict]:
     algorithms (all-reduce 2(N-1)/N of the buffer, reduce-scatter (N-1)/N, all-gather of a
     payload p (N-1) p; Patarasuk & Yuan 2009). PowerSGD counts its compressed steps (the
     first ``start_iter`` steps are uncompressed). FSDP2's parameter all-gathers are not
-    gradient collectives and are left out. Empty when dp = 1."""
+    gradient collectives and are left out. Under expert parallelism the expert weights are
+    in neither: their gradients are all-reduced, uncompressed, over the ``dp / ep`` ranks
+    holding the same experts (group ``edp``; none when ep = dp). Empty when dp = 1."""
     dp, rep, z = plan.mesh["dp"], plan.dp_replicate, plan.zero_stage
     if dp == 1:
         return []
@@ -168,6 +164,10 @@ def dp_collectives(plan) -> list[dict]:
     rdt = plan.reduce_dtype if z >= 2 else "fp32"
     for pp_rank in range(plan.mesh["pp"]):
         shapes = _local_shapes(plan, pp_rank)
+        experts = _local_shapes(plan, pp_rank, experts=True)
+        if experts and dp // plan.ep > 1:
+            rows.append(_row(pp_rank, "all-reduce", "edp", dp // plan.ep,
+                             payload_bytes(experts, {"method": "none"})))
         if z < 2:
             rows.append(_row(pp_rank, "all-reduce", "dp", dp, payload_bytes(shapes, settings)))
             continue

@@ -4,7 +4,8 @@
   parallelism DDP's reducer cannot follow several forwards before their backwards (1F1B),
   so there the gradients are averaged over dp after the schedule's step instead
   (:func:`all_reduce_grads`), which is what DDP computes, without the overlap;
-- 1: DDP + ``ZeroRedundancyOptimizer`` (optimizer state partitioned over dp);
+- 1: DDP + ``ZeroRedundancyOptimizer`` (optimizer state partitioned over dp; under
+  expert parallelism over edp, :func:`zero1_group`);
 - 2: FSDP2 ``fully_shard`` per block with ``reshard_after_forward=False`` (gradients and
   optimizer state sharded; parameters stay gathered between forward and backward);
 - 3: FSDP2 per block with ``reshard_after_forward=True`` (parameters sharded too).
@@ -122,19 +123,37 @@ def set_prefetch(blocks: list, forward: int, backward: int) -> None:
 
 def make_stage_optimizer(params, name: str, lr: float, weight_decay: float, zero_stage: int,
                          ctx: RankContext) -> torch.optim.Optimizer:
-    """The spec's optimizer; under ZeRO-1 with dp > 1, partitioned over the dp group."""
-    if zero_stage == 1 and ctx.mesh["dp"].size() > 1:
+    """The spec's optimizer; under ZeRO-1 with dp > 1, partitioned over the dp group, or
+    under expert parallelism over the expert-data-parallel group (:func:`zero1_group`)."""
+    group = zero1_group(ctx)
+    if zero_stage == 1 and group.size() > 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer  # imports torch.jit: lazily
         cls = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[name]
-        return ZeroRedundancyOptimizer(list(params), optimizer_class=cls, process_group=ctx.group("dp"),
+        return ZeroRedundancyOptimizer(list(params), optimizer_class=cls, process_group=group.get_group(),
                                        lr=lr, weight_decay=weight_decay)
     return make_optimizer(params, name, lr, weight_decay)
+
+
+def zero1_group(ctx: RankContext):
+    """The 1-D mesh ZeRO-1 partitions the optimizer over: dp; under expert parallelism edp,
+    the ``dp / ep`` ranks holding the same experts. ``ZeroRedundancyOptimizer`` broadcasts
+    each updated parameter from the rank owning its state, which over all of dp would copy
+    one ep rank's experts onto another's; within edp every rank holds the same tensors (the
+    dense ones, averaged over dp, too). Megatron-LM's distributed optimizer likewise shards
+    expert state over the expert-data-parallel group."""
+    return ctx.ep_mesh["edp"] if ctx.ep_mesh is not None else ctx.mesh["dp"]
 
 
 def expert_params(stage, plan) -> list:
     """The parameters of ``stage`` split over ep (``TensorPlan.experts``), in order."""
     return [p for name, p in stage.named_parameters()
             if getattr(plan.tensors.get(plan.aliases.get(name, name)), "experts", None) is not None]
+
+
+def dense_params(stage, plan) -> list:
+    """The parameters of ``stage`` not split over ep: the ones dp averages."""
+    mine = {id(p) for p in expert_params(stage, plan)}
+    return [p for p in stage.parameters() if id(p) not in mine]
 
 
 def expert_modules(stage, plan) -> list:

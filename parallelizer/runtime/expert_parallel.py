@@ -26,19 +26,20 @@ equal the unsharded layer's up to summation order. Shapes: ``x`` (S, ...) with S
 experts receive; ``ep_combine`` takes (R, ...) and returns (S, ...).
 
 The ep process group is set once per process (:func:`set_ep_group`), as the tp group is.
+Without one, under :func:`balanced_shapes` (``parallelize estimate``'s forward on
+FakeTensors), the same calls give one rank's shapes under balanced routing and record the
+all-to-all buffers' bytes.
 """
 from __future__ import annotations
 
-import contextlib
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
 _EP_GROUP = None
-_STAND_IN: Optional[int] = None  # ep degree of the compile's rank check (no process group)
 
 
 def set_ep_group(group) -> None:
@@ -51,19 +52,33 @@ def ep_group():
     return _EP_GROUP
 
 
-@contextlib.contextmanager
-def shape_stand_in(ep: int):
-    """Within the block, dispatch and combine are shape-faithful stand-ins for one of ``ep``
-    ranks, without communicating (the compile's rank check on FakeTensors,
-    emit/rank_check.py): every row stays on its rank and the local experts' offsets are
-    ``offs[:E/ep]``, so the grouped matmuls meet the rank's (E/ep, ...) weights. Row counts
-    are data-dependent at run time; the check is of every other dim."""
-    global _STAND_IN
-    before, _STAND_IN = _STAND_IN, ep
+class BalancedShapes:
+    """Routing without a process group, for shapes and bytes only: every ep rank receives as
+    many rows as it sends (the router's load balanced, what its auxiliary loss aims at;
+    dropless routing can receive up to ``ep`` times that). ``peak``: the largest
+    dispatch or combine, in bytes: its send buffer, the all-to-all's receive buffer and the
+    rows regrouped by expert (or back into place), alive together."""
+
+    def __init__(self, ep: int):
+        self.ep, self.peak = ep, 0
+
+    def record(self, x: torch.Tensor) -> None:
+        self.peak = max(self.peak, 3 * x.numel() * x.element_size())
+
+
+_BALANCED: BalancedShapes | None = None
+
+
+@contextmanager
+def balanced_shapes(ep: int):
+    """Within: ep_route / ep_dispatch / ep_combine without collectives (see
+    :class:`BalancedShapes`, which the context yields)."""
+    global _BALANCED
+    before, _BALANCED = _BALANCED, BalancedShapes(ep)
     try:
-        yield
+        yield _BALANCED
     finally:
-        _STAND_IN = before
+        _BALANCED = before
 
 
 @dataclass
@@ -73,7 +88,7 @@ class Route:
     Attributes:
         send: rows sent to each ep rank (this rank's rows of that rank's experts).
         recv: rows received from each ep rank.
-        order: (R,) index (None under :func:`shape_stand_in`): row ``i`` of the expert-grouped local input is row ``order[i]``
+        order: (R,) index: row ``i`` of the expert-grouped local input is row ``order[i]``
             of the received rows (grouped by source rank, then by expert).
         local_offsets: (E/ep,) cumulative received rows per local expert, ``offs``' dtype.
     """
@@ -92,12 +107,12 @@ def ep_route(offs: torch.Tensor, num_experts: int) -> Route:
         ValueError: ``num_experts`` is not a multiple of the ep group's size (the planner
             refuses it first, naming ``mesh.ep``).
     """
-    ep = _STAND_IN or dist.get_world_size(_EP_GROUP)
+    ep = _BALANCED.ep if _BALANCED is not None else dist.get_world_size(_EP_GROUP)
     if num_experts % ep or offs.numel() != num_experts:
         raise ValueError(f"{num_experts} experts (offs of {offs.numel()}) over ep = {ep} ranks")
     local = num_experts // ep
-    if _STAND_IN:
-        return Route([], [], None, offs[:local])
+    if _BALANCED is not None:  # shapes only: rows stay as many, in place
+        return Route(None, None, None, offs.new_zeros(local))
     counts = torch.diff(offs.long(), prepend=offs.new_zeros(1).long())  # (E,) rows per expert
     got = torch.empty_like(counts)
     dist.all_to_all_single(got, counts.contiguous(), group=_EP_GROUP)  # got[s*local + j]: from s, for my j
@@ -121,16 +136,16 @@ def ep_local_offsets(route: Route) -> torch.Tensor:
 def ep_dispatch(x: torch.Tensor, route: Route) -> torch.Tensor:
     """(S, ...) rows sorted by expert -> (R, ...) rows of this rank's experts, grouped by
     local expert. Differentiable (backward: the reverse all-to-all)."""
-    if route.order is None:  # shape_stand_in
-        return x
+    if route.send is None:
+        return _balanced(x)
     return _all_to_all(x, route.recv, route.send)[route.order]
 
 
 def ep_combine(y: torch.Tensor, route: Route) -> torch.Tensor:
     """(R, ...) outputs of the local experts -> (S, ...) back on the rows' own ranks, in the
     order :func:`ep_dispatch` took them. Differentiable (backward dispatches)."""
-    if route.order is None:  # shape_stand_in
-        return y
+    if route.send is None:
+        return _balanced(y)
     return _all_to_all(_scatter_rows(y, route.order), route.send, route.recv)
 
 
@@ -145,3 +160,10 @@ def _scatter_rows(y: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     return y[inverse]
+
+
+def _balanced(x: torch.Tensor) -> torch.Tensor:
+    """Under :func:`balanced_shapes`: the rows as they arrive (as many as sent), through a
+    row index as the real regrouping (so autograd saves the same index)."""
+    _BALANCED.record(x)
+    return x.clone()[torch.arange(x.shape[0], device=x.device)]

@@ -12,6 +12,11 @@ and run on two gloo ranks.
   by, optimizer.max_norm) equal to ``torch.nn.utils.clip_grad_norm_`` of the unmodified model
   within 1e-6 over two clipped SGD steps; the experts counted twice (once per ep rank or once
   per replica) or one ep rank's experts left out would each be more than 100 x that away.
+- Experts inside pipeline stages (pp2 x dp2, ep2, DDP): ``--verify`` at 1e-5.
+- ``run.py --train --profile``'s MEMORY lines at dp2 x ep2, ZeRO-3, AdamW equal
+  ``parallelize estimate``'s parameters, gradients, optimizer state and buffers per rank, byte
+  for byte (each rank half the experts, outside FSDP2); likewise at dp4 x ep2 under ZeRO-1,
+  whose optimizer is partitioned over the expert replicas (``--verify`` PASS there too).
 - A per-rank save writes each ep rank's expert rows (its chunk of dim 0); ``reshard --ep 1``
   merges them, and ``export`` gives back the model's own weights bit for bit (real
   safetensors files on both sides).
@@ -103,6 +108,23 @@ def test_verify_with_two_expert_replicas(edp2, tools):
 
 
 @pytest.mark.timeout(300)
+def test_verify_with_experts_in_pipeline_stages(tmp_path, tools):
+    """pp2 x dp2, ep2 under DDP (zero_stage 0): each stage holds one layer's experts, split
+    over the stage's ep group; the gradients averaged over dp after the schedule leave the
+    experts out (their dp ranks hold other experts)."""
+    overrides = ["mesh.pp=2", "mesh.dp=2", "mesh.ep=2", "zero_stage=0", "pipeline.microbatches=2"]
+    program = _compile("mixtral_train", tmp_path / "out", overrides)
+    stage_of = {f: st.index for st in program.plan.stages for f in st.fqns}
+    assert stage_of["model.layers.0.mlp.experts.gate_up_proj"] == 0
+    assert stage_of["model.layers.1.mlp.experts.gate_up_proj"] == 1
+    res = tools.torchrun(tmp_path / "out", 4, "--verify", timeout=240)
+    errs = tools.verify_errors(res.stdout)
+    assert "PASS" in res.stdout and len(errs) == 4 and max(errs.values()) <= 1e-5, res.explain()
+    assert "verify: mesh pp=2 x dp=2 (ep=2) x tp=1" in res.stdout, res.explain()
+    tools.check_exit(res)
+
+
+@pytest.mark.timeout(300)
 def test_grad_norm_counts_every_expert_once(edp2, tools):
     program, out = edp2
     tol, ep = 1e-6, 2
@@ -128,6 +150,48 @@ def test_grad_norm_counts_every_expert_once(edp2, tools):
         print(f"\n{name}: norm {wrong ** 0.5:.9f}, {abs(wrong ** 0.5 - want[0][1]):.2e} away", end="")
         assert abs(wrong ** 0.5 - want[0][1]) > 100 * tol, name
     tools.check_exit(res)
+
+
+def _profile_equals_estimate(out: Path, overrides: list, world: int, tools) -> list:
+    """``--train --steps 1 --profile``'s MEMORY lines against estimate's ranks, byte for byte
+    (parameters, gradients, optimizer state, buffers); returns the lines."""
+    from parallelizer.advisor.memory import estimate_model_file
+    res = tools.torchrun(out, world, "--train", "--steps", "1", "--profile", timeout=240)
+    lines = [json.loads(m) for m in re.findall(r"MEMORY (\{.*?\})$", res.stdout, re.MULTILINE)]
+    _, ranks = estimate_model_file(MODELS / "mixtral_train.py", load_spec(MODELS / "spec.yaml", overrides))
+    assert sorted(line["rank"] for line in lines) == list(range(world)), res.explain()
+    keys = ("parameters", "gradients", "optimizer", "buffers")
+    for line in lines:
+        est = ranks[line["rank"]]
+        print(f"\nrank {line['rank']}: measured {[line[k] for k in keys]}, estimated "
+              f"{[getattr(est, k) for k in keys]}, all-to-all buffers {est.alltoall_buffers}", end="")
+        assert [line[k] for k in keys] == [getattr(est, k) for k in keys], (line, est)
+        assert line["optimizer"] > 0 and est.alltoall_buffers > 0
+    tools.check_exit(res)
+    return lines
+
+
+@pytest.mark.timeout(300)
+def test_profile_memory_equals_estimate_at_ep2(tmp_path, tools):
+    overrides = EP2 + ["zero_stage=3", "optimizer.name=adamw"]
+    _compile("mixtral_train", tmp_path / "out", overrides)
+    _profile_equals_estimate(tmp_path / "out", overrides, 2, tools)
+
+
+@pytest.mark.timeout(400)
+def test_zero1_partitions_over_the_expert_replicas(tmp_path, tools):
+    """ZeRO-1 at dp4 x ep2: ZeroRedundancyOptimizer over edp (the 2 ranks holding the same
+    experts), so its broadcasts never copy one ep rank's experts onto another's: --verify at
+    1e-5, and the optimizer state split over the pair as estimate predicts."""
+    overrides = ["mesh.dp=4", "mesh.ep=2", "zero_stage=1", "pipeline.microbatches=1", "optimizer.name=adamw"]
+    _compile("mixtral_train", tmp_path / "out", overrides)
+    res = tools.torchrun(tmp_path / "out", 4, "--verify", timeout=240)
+    errs = tools.verify_errors(res.stdout)
+    assert "PASS" in res.stdout and len(errs) == 4 and max(errs.values()) <= 1e-5, res.explain()
+    tools.check_exit(res)
+    lines = {line["dp"]: line for line in _profile_equals_estimate(tmp_path / "out", overrides, 4, tools)}
+    # dp ranks 0 and 2 are ep rank 0 of replicas 0 and 1: they split one state between them
+    assert lines[0]["optimizer"] != lines[2]["optimizer"] and lines[0]["optimizer"] == lines[1]["optimizer"]
 
 
 @pytest.mark.timeout(300)

@@ -185,3 +185,32 @@ def test_estimate_divides_the_vocabulary_by_tp(tools, vocab_parallel):
     want = [(2 * block + table) * 4, (2 * block + table + h) * 4]  # + the final norm
     assert [r.parameters for r in ranks[::tp]] == want
     assert all(r.parameters == want[r.pp] for r in ranks)
+
+
+def _moe_estimate(*overrides):
+    from pathlib import Path
+    from parallelizer.advisor.memory import estimate_model_file
+    models = Path(__file__).resolve().parents[2] / "distributed" / "user_models"
+    return estimate_model_file(models / "mixtral_train.py",
+                               load_spec(models / "spec.yaml", ["optimizer.name=adamw", *overrides]))
+
+
+def test_estimate_counts_experts_per_ep_rank():
+    """Mixtral (2 layers of 4 experts: gate_up (4, 128, 32), down (4, 32, 64) each, fp32) on
+    the meta device (its integer histc) at dp2: at ep2 every rank holds half of each layer's
+    experts, at ZeRO-0 and at ZeRO-3 (the experts sit outside FSDP2: neither sharded nor
+    gathered), AdamW's two states likewise; the all-to-all buffers are 3 x the dispatched rows
+    (4 rows x 8 tokens x top-2) x hidden 32 x 4 bytes. run.py --profile's MEMORY lines agree
+    (tests/distributed/test_expert_parallel_verify.py)."""
+    experts = 2 * (4 * 128 * 32 + 4 * 32 * 64) * 4  # bytes of all experts
+    plan, ep1 = _moe_estimate("mesh.dp=2", "zero_stage=0")
+    assert plan.ep == 1 and ep1[0].alltoall_buffers == 0
+    _, ep2 = _moe_estimate("mesh.dp=2", "mesh.ep=2", "zero_stage=0")
+    for a, b in zip(ep1, ep2):
+        assert a.parameters - b.parameters == experts // 2 == a.gradients - b.gradients
+        assert a.optimizer - b.optimizer == 2 * experts // 2
+        assert b.alltoall_buffers == 3 * (4 * 8 * 2) * 32 * 4
+    _, z3 = _moe_estimate("mesh.dp=2", "mesh.ep=2", "zero_stage=3")
+    dense = ep1[0].parameters - experts  # FSDP2-sharded over the 2 dp ranks
+    assert [r.parameters for r in z3] == [dense // 2 + experts // 2] * 2
+    assert all(r.gathered_parameters <= dense for r in z3)  # experts never all-gathered

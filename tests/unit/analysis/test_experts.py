@@ -107,3 +107,13 @@ def test_compiled_program_holds_one_ep_rank_of_the_experts():
 def test_max_norm_under_ep_is_accepted():
     # runtime/clip.py counts each expert once over ep (tests/distributed/test_expert_parallel_verify.py)
     assert load_spec(SPEC, ["mesh.dp=2", "mesh.ep=2", "optimizer.max_norm=1.0"]).optimizer.max_norm == 1.0
+
+
+def test_ep_with_tp_is_refused_naming_the_key():
+    with pytest.raises(Exception, match=r"mesh.ep=2 runs with mesh.tp 1 so far \(got mesh.tp 2\)"):
+        load_spec(SPEC, ["mesh.dp=2", "mesh.ep=2", "mesh.tp=2"])
+
+
+def test_ep_inside_pipeline_stages_is_accepted():
+    # each stage's ep group splits that stage's experts (tests/distributed/test_expert_parallel_verify.py)
+    assert load_spec(SPEC, ["mesh.dp=2", "mesh.ep=2", "mesh.pp=2"]).mesh.pp == 2

@@ -199,3 +199,23 @@ def test_compression_state_files_refuse_another_program(tmp_path, monkeypatch):
             load_state(fresh, plan, tmp_path, 0, torch.device("cpu"), files={name: entry})
     finally:
         dist.destroy_process_group()
+
+
+def test_dp_collectives_under_ep_all_reduce_experts_over_their_replicas():
+    """Mixtral (experts of 2 layers: 2 x (4x128x32 + 4x32x64) fp32) at dp4 x ep2, ZeRO-3: the
+    expert gradients leave FSDP2's reduce-scatter and are all-reduced over the 2 ranks
+    holding the same experts (each rank its 2 of 4); at dp2 x ep2 no rank shares its experts."""
+    from pathlib import Path
+    from parallelizer.compiler import compile_model
+    from parallelizer.plan.compression import dp_collectives
+    models = Path(__file__).resolve().parents[2] / "distributed" / "user_models"
+    experts = 2 * (4 * 128 * 32 + 4 * 32 * 64) * 4
+
+    def rows(*overrides):
+        spec = load_spec(models / "spec.yaml", ["pipeline.microbatches=1", *overrides])
+        plan = compile_model(models / "mixtral_train.py", spec, weights=False).plan
+        return {(r["collective"], r["group"], r["ranks"]): r["bytes"] for r in dp_collectives(plan)}
+    ep1, ep2 = rows("mesh.dp=4"), rows("mesh.dp=4", "mesh.ep=2")
+    dense = ep1[("reduce-scatter", "dp", 4)] - experts
+    assert ep2 == {("all-reduce", "edp", 2): experts // 2, ("reduce-scatter", "dp", 4): dense}
+    assert rows("mesh.dp=2", "mesh.ep=2") == {("reduce-scatter", "dp", 2): dense}
