@@ -52,10 +52,11 @@ def check_spec(spec, cluster, memory_bytes: float | None = None, memory_detail: 
                            f"GPUs, which tp x pp = {m.tp * m.pp} does not divide; pick tp and pp "
                            f"dividing {cluster.world}"))
     if m.tp > gpn:
+        net = (f"at {cluster.inter_node.bandwidth_gb_s:g} GB/s " if cluster.inter_node is not None
+               else "")
         out.append(Finding("warning", "mesh.tp", f"tp = {m.tp} spans {-(-m.tp // gpn)} nodes of "
-                           f"{gpn} GPUs: its all-reduces cross the network at "
-                           f"{cluster.inter_node.bandwidth_gb_s:g} GB/s instead of NVLink; use tp <= "
-                           f"{gpn} and put the rest into pp or dp"))
+                           f"{gpn} GPUs: its all-reduces cross the network {net}instead of "
+                           f"NVLink; use tp <= {gpn} and put the rest into pp or dp"))
     mb = pipe.microbatches
     if m.pp > 1 and mb < 2 * m.pp:
         bubble = (m.pp - 1) / (mb + m.pp - 1)
