@@ -32,10 +32,13 @@ from parallelizer.advisor.step_time import Candidate, predict
 from parallelizer.advisor.workload import eq3_flops, from_shape
 
 TABLE = Path(__file__).resolve().parent / "data" / "megatron_sc21_table1.csv"
-# what Megatron-LM ran in 2021: no sequence parallelism (Korthikanti et al. 2022 came later),
-# gradients all-reduced after the backward (local DDP; --overlap-grad-reduce came in 2023),
-# attention scores materialised (from_shape(..., attention="eager"))
-MEGATRON_2021 = dict(sequence_parallel=False, overlap_grad_reduce=False)
+# what Megatron-LM ran in 2021 (its megatron/training.py and p2p_communication.py then): no
+# sequence parallelism (Korthikanti et al. 2022 came later); gradients all-reduced after the
+# backward (DDP_impl local: allreduce_gradients() after forward_backward_func;
+# --overlap-grad-reduce came in 2023); blocking point-to-point exchanges (batch_isend_irecv
+# then wait; --overlap-p2p-communication came later); attention scores materialised
+# (from_shape(..., attention="eager"))
+MEGATRON_2021 = dict(sequence_parallel=False, overlap_grad_reduce=False, p2p_blocking=True)
 SELENE = dict(gpus_per_node=8, gpu="a100-80gb", dtype="fp16",
               intra_node=dict(bandwidth_gb_s=300, latency_us=3),
               inter_node=dict(bandwidth_gb_s=25, latency_us=5))

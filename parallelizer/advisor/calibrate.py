@@ -78,8 +78,19 @@ class Timer:
         while t < self.sizes.min_s and inner < 1 << 16:
             inner *= max(2, min(64, int(self.sizes.min_s / max(t, 1e-9))))
             t = self._once(fn, inner)
-        times = [t] + [self._once(fn, inner) for _ in range(self.sizes.reps - 1)]
+        inner = self.agree(inner)   # every rank the same count: all of them busy together
+        times = []
+        for _ in range(self.sizes.reps):
+            self.barrier()
+            times.append(self._once(fn, inner))
         return self.across_ranks(statistics.median(times) / inner)
+
+    def agree(self, inner: int) -> int:
+        if self.world == 1:
+            return inner
+        t = torch.tensor([inner], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
 
     def _once(self, fn, inner: int) -> float:
         t0 = time.perf_counter()
@@ -135,29 +146,18 @@ def attention_grid(timer: Timer, dtype: str) -> list:
     return out
 
 
-def elementwise(timer: Timer) -> dict:
-    """Per-op latency of forward and backward ops under autograd, of a view, and the
-    bandwidth of large ops (a least-squares fit of time = latency + bytes / bandwidth)."""
-    dev = timer.device
-    x = torch.randn(64, device=dev, requires_grad=True)
-    chain = 40
+def elementwise(timer: Timer, matmul: list, attention: list) -> dict:
+    """Per-op latency of forward and backward ops, of a view, and the bandwidth of large ops.
 
-    def forward():
-        y = x
-        for i in range(chain):
-            y = torch.nn.functional.silu(y) if i % 2 else y * 1.01
-        return y
-    with OpRecorder() as rec_f:
-        y = forward()
-    n_fwd = len(rec_f.kernels)
-    g = torch.ones_like(y)
-    with OpRecorder(True) as rec_b:
-        torch.autograd.grad(y, x, g)
-    n_bwd = len(rec_b.kernels)
-    t_fwd = timer(forward)
-    t_both = timer(lambda: torch.autograd.grad(forward(), x, g))
-    base = x.detach().view(8, 8)
-    t_view = timer(lambda: [base.t() for _ in range(chain)]) / chain
+    The bandwidth is a least-squares fit of time = latency + bytes / bandwidth over large
+    ``torch.add`` calls. The latencies come from four small Llama-like blocks (norm, q/k/v,
+    SDPA, output projection, SwiGLU MLP, residuals; 32 tokens, hidden 64) run forward and
+    backward as the emitted programs run them (``torch.ops.aten`` overloads, autograd on):
+    their time less what the matmul and attention grids give for their matmuls and attention
+    calls, the views and the bytes, over their other ops, counted by the same
+    :class:`~parallelizer.advisor.kernels.OpRecorder` the step-time model's inventory uses."""
+    from .measured import Lookups, Measured
+    dev = timer.device
     sizes, times = [], []
     for n in timer.sizes.elem:
         a, b = torch.randn(n, device=dev), torch.randn(n, device=dev)
@@ -165,9 +165,69 @@ def elementwise(timer: Timer) -> dict:
         sizes.append(12.0 * n)  # two fp32 reads, one write
         times.append(timer(lambda: torch.add(a, b, out=c)))
     _, inv_bw = fit_line(sizes, times)
-    return {"latency_us": round(t_fwd / n_fwd * 1e6, 3),
-            "backward_latency_us": round(max(t_both - t_fwd, 0.0) / max(n_bwd, 1) * 1e6, 3),
+    base = torch.randn(32, 64, device=dev)
+    t_view = timer(lambda: [torch.ops.aten.t.default(base) for _ in range(40)]) / 40
+    block = _Blocks(dev)
+    with OpRecorder() as rec_f:
+        y = block()
+    seed = torch.ones_like(y)
+    with OpRecorder(True) as rec_b:
+        torch.autograd.grad(y, block.inputs, seed)
+    t_fwd = timer(block)
+    y = block()
+    t_bwd = timer(lambda: torch.autograd.grad(y, block.inputs, seed, retain_graph=True))
+    table = Lookups(Measured(date="", device="", backend="", ranks=1, matmul={"fp32": matmul},
+                             attention={"fp32": attention}))
+    lat_f = _per_op(rec_f.kernels, t_fwd, table, t_view, inv_bw, False)
+    lat_b = _per_op(rec_b.kernels, t_bwd, table, t_view, inv_bw, True)
+    return {"latency_us": round(lat_f * 1e6, 3), "backward_latency_us": round(lat_b * 1e6, 3),
             "view_us": round(t_view * 1e6, 3), "bandwidth_gb_s": round(1 / inv_bw / 1e9, 3)}
+
+
+def _per_op(kernels, seconds, table, view_s, inv_bw, backward) -> float:
+    """(seconds - matmuls - attention - views - bytes / bandwidth) / other ops."""
+    rest, ops = seconds, 0
+    for k in kernels:
+        if k.kind == "mm":
+            rest -= table.matmul_s(k.dims[1], k.dims[2], k.dims[3], "fp32", k.dims[0]) or 0.0
+        elif k.kind == "attn":
+            rest -= table.attention_s(k.dims[0], k.dims[1], k.dims[3], k.flops, "fp32", backward) or 0.0
+        elif k.kind == "view":
+            rest -= view_s
+        else:
+            rest -= k.bytes * inv_bw
+            ops += 1
+    return max(rest / max(ops, 1), 0.5e-6)
+
+
+class _Blocks:
+    """Four small Llama-like blocks in ``torch.ops.aten`` calls (see :func:`elementwise`)."""
+
+    def __init__(self, device):
+        g = torch.Generator().manual_seed(0)
+        mk = lambda *s: torch.randn(*s, generator=g).to(device).requires_grad_()  # noqa: E731
+        self.x = mk(2, 16, 64)
+        self.w = [mk(64, 64) for _ in range(4)] + [mk(128, 64), mk(64, 128)]
+        self.norm = mk(64)
+        self.inputs = [self.x, self.norm] + self.w
+
+    def __call__(self):
+        y = self.x
+        for _ in range(4):
+            y = self._block(y)
+        return y
+
+    def _block(self, x):
+        aten, w = torch.ops.aten, self.w
+        v = aten.mean.dim(aten.pow.Tensor_Scalar(x, 2), [-1], True)
+        h = aten.mul.Tensor(aten.mul.Tensor(x, aten.rsqrt.default(aten.add.Tensor(v, 1e-6))), self.norm)
+        q, k, vv = (aten.transpose.int(aten.view.default(aten.linear.default(h, w[i]), [2, 16, 4, 16]), 1, 2)
+                    for i in range(3))
+        a = aten.scaled_dot_product_attention.default(q, k, vv, is_causal=True)
+        x = aten.add.Tensor(x, aten.linear.default(aten.reshape.default(aten.transpose.int(a, 1, 2),
+                                                                        [2, 16, 64]), w[3]))
+        u = aten.linear.default(x, w[4])
+        return aten.add.Tensor(x, aten.linear.default(aten.mul.Tensor(aten.silu.default(u), u), w[5]))
 
 
 def optimizer(timer: Timer, mesh=None) -> dict:

@@ -63,7 +63,46 @@ def _measure(op, group, ranks, g, sizes, device, reps):
         xs.append(moved_fraction(op, g) * n)
         ys.append(t)
     a, b = fit_line(xs, ys)
-    return {"latency_us": round(a * 1e6, 3), "bandwidth_gb_s": round(1 / b / 1e9, 4)}
+    busy = _busy(op, group, ranks, g, sizes[0], device, reps) - xs[0] * b
+    return {"latency_us": round(a * 1e6, 3), "bandwidth_gb_s": round(1 / b / 1e9, 4),
+            "busy_latency_us": round(max(busy, 0.0) * 1e6, 3)}
+
+
+BURST_S = 1.5e-3  # compute between two collectives of a step (a block's attention or MLP)
+
+
+def _busy(op, group, ranks, g, nbytes, device, reps) -> float:
+    """Seconds a call adds between bursts of compute (``BURST_S`` of small matmuls): the
+    slowest rank's median of (burst + call) - burst."""
+    n = max(g, int(nbytes) // 4 // g * g)
+    call = _call(op, group, ranks, g, torch.ones(n, device=device))
+    a, b = torch.randn(128, 64, device=device), torch.randn(64, 64, device=device)
+    t0 = time.perf_counter()
+    for _ in range(8):
+        torch.mm(a, b)
+    _sync(device)
+    inner = max(1, int(round(_slowest(BURST_S / max((time.perf_counter() - t0) / 8, 1e-7), device))))
+
+    def burst():
+        for _ in range(inner):
+            torch.mm(a, b)
+    both, alone = [], []
+    for _ in range(reps):
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        for _ in range(8):
+            burst()
+            call()
+        _sync(device)
+        both.append((time.perf_counter() - t0) / 8)
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        for _ in range(8):
+            burst()
+        _sync(device)
+        alone.append((time.perf_counter() - t0) / 8)
+    extra = statistics.median(both) - statistics.median(alone)
+    return _slowest(max(extra, 0.0), device) / (2 if op == "send_recv" else 1)
 
 
 def _time(op, group, ranks, g, nbytes, device, reps) -> float | None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .capture import capture_workload
 from .cluster import load_cluster
-from .step_time import Candidate, predict
+from .step_time import Candidate, memory_of
 
 
 @dataclass(frozen=True)
@@ -104,8 +104,9 @@ def run_check(model_path, spec, cluster, global_batch=None, seq=None, micro_batc
     pf = spec.fsdp.prefetch
     lay = Candidate(m.tp, m.pp, m.dp, micro_batch or 1, mbs, spec.zero_stage, pipe.virtual_stages,
                  spec.activation_checkpointing.mode != "none", m.dp_replicate,
-                 1 if pf.forward is None else pf.forward)
-    pred = predict(workload, at_precision, lay)
-    detail = ", ".join(f"{k} {v / 1e9:.1f} GB" for k, v in pred.memory.items() if k != "pp_rank")
-    detail += f", pp rank {pred.memory['pp_rank']}, micro-batch {lay.micro_batch} x {workload.seq} tokens"
-    return check_spec(spec, cluster, pred.memory_bytes, detail, global_batch, micro_batch)
+                 1 if pf.forward is None else pf.forward, pipe.schedule if m.pp > 1 else None,
+                 spec.tensor_parallel.sequence_parallel_mode != "false", spec.optimizer.name)
+    mem, parts = memory_of(workload, at_precision, lay)
+    detail = ", ".join(f"{k} {v / 1e9:.1f} GB" for k, v in parts.items() if k != "pp_rank")
+    detail += f", pp rank {parts['pp_rank']}, micro-batch {lay.micro_batch} x {workload.seq} tokens"
+    return check_spec(spec, cluster, mem, detail, global_batch, micro_batch)

@@ -117,12 +117,13 @@ class Cluster(BaseModel):
                              f"{{name, memory_gb, tflops: {{bf16, fp16, fp32}}}} and intra_node")
         if (info.context or {}).get("calibrating"):  # calibrate measures the links itself
             return self
-        if not isinstance(self.gpu, str) and self.intra_node is None and not self._measured("intra_node"):
+        if (not isinstance(self.gpu, str) and self.intra_node is None and self.gpus_per_node > 1
+                and not self._measured("intra_node")):
             raise ValueError("intra_node: a GPU given by numbers needs intra_node "
                              "{bandwidth_gb_s, latency_us} (there is no NVLink figure to default to), "
                              "or a measured: section from `parallelize calibrate`")
         if self.nodes > 1 and self.inter_node is None and not self._measured("inter_node"):
-            raise ValueError(f"inter_node: a cluster of {self.nodes} nodes needs inter_node: "
+            raise ValueError(f"inter_node is missing: a cluster of {self.nodes} nodes needs inter_node: "
                              f"{{bandwidth_gb_s: B, latency_us: L}} (the network per GPU per "
                              f"direction, e.g. {{bandwidth_gb_s: 25, latency_us: 5}} for one "
                              f"200 Gb/s NIC per GPU), or a measured: section from `parallelize "

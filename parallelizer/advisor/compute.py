@@ -31,6 +31,10 @@ MATMUL_EFFICIENCY = {"a100-40gb": 0.859, "a100-80gb": 0.859, "h100-sxm": 0.801,
                      "h200": 0.830, "b200": 0.801}
 SMS = {"a100-40gb": 108, "a100-80gb": 108, "h100-sxm": 132, "h200": 132, "b200": 148}
 TILE = (256, 128)
+# a tensor-core GEMM tile loads stages x tile_k elements of k before its first MMA and writes
+# its output tile after the last: CUTLASS's default A100 kernel (256 x 128 x 32, 4 stages)
+# fills 128; the k loop's efficiency is k / (k + K_FILL)
+K_FILL = 128
 ATTENTION_EFFICIENCY = 0.6
 MEMORY_EFFICIENCY = 0.9
 LAUNCH_S = 5e-6
@@ -140,7 +144,8 @@ class Device:
             tiles = b * math.ceil(m / TILE[0]) * math.ceil(n / TILE[1])
             waves = math.ceil(tiles / self.sms)
             useful = (b * m * n) / (waves * self.sms * TILE[0] * TILE[1])
-            compute = k.flops / (self.peak * self.mm_eff * min(1.0, useful))
+            fill = k.dims[3] / (k.dims[3] + K_FILL)   # the k loop's pipeline fill and epilogue
+            compute = k.flops / (self.peak * self.mm_eff * min(1.0, useful) * fill)
             return max(compute, memory, LAUNCH_S)
         if k.kind == "attn":
             return max(k.flops / (self.peak * ATTENTION_EFFICIENCY), memory, LAUNCH_S)

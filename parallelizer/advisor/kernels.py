@@ -30,6 +30,7 @@ aten = torch.ops.aten
 ROLES = ("column", "row", "shard", "seq", "replicated")
 _MM = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm}
 _FREE = {aten.sym_size, aten.sym_stride, aten.sym_numel, aten.sym_storage_offset}
+_ALIASES = {aten.detach, aten.alias, aten.lift_fresh, aten._unsafe_view}  # no data moved
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,7 @@ class OpRecorder(TorchDispatchMode):
             return Kernel("mm", flops, moved, dims, wg, bw)
         if is_attention(func):
             return _attention_kernel(func, ins, moved, bw)
-        if func.is_view or func.overloadpacket in (aten.detach, aten.alias, aten.lift_fresh):
+        if func.is_view or func.overloadpacket in _ALIASES:
             return Kernel("view", backward=bw)
         return Kernel("elem", 0.0, moved, backward=bw)
 

@@ -51,12 +51,18 @@ def moved_fraction(op: str, g: int) -> float:
 
 
 class Fit(BaseModel):
+    """``latency_us``: per call, back to back; ``busy_latency_us``: per call between bursts of
+    compute, as a training step interleaves them (on a CPU whose cores the ranks share, a
+    rank waiting in a collective waits for its peers to be scheduled); the step-time model
+    uses the busy figure when there is one."""
     model_config = _STRICT
     latency_us: float = Field(ge=0, description="a number >= 0 (microseconds per call)")
     bandwidth_gb_s: float = Field(gt=0, description="a number > 0 (GB/s of bus bandwidth)")
+    busy_latency_us: Optional[float] = Field(None, ge=0, description="null or a number >= 0")
 
     def seconds(self, moved_bytes: float) -> float:
-        return self.latency_us * 1e-6 + moved_bytes / (self.bandwidth_gb_s * 1e9)
+        lat = self.latency_us if self.busy_latency_us is None else max(self.latency_us, self.busy_latency_us)
+        return lat * 1e-6 + moved_bytes / (self.bandwidth_gb_s * 1e9)
 
 
 class Elementwise(BaseModel):
@@ -171,8 +177,9 @@ class Lookups:
         # a group size not measured: the nearest measured one (latency grows ~ with g - 1)
         near = min(sizes, key=lambda x: abs(math.log(x) - math.log(g)))
         fit = fits[near]
-        return Fit(latency_us=fit.latency_us * (g - 1) / max(near - 1, 1),
-                   bandwidth_gb_s=fit.bandwidth_gb_s)
+        scale = (g - 1) / max(near - 1, 1)
+        return Fit(latency_us=fit.latency_us * scale, bandwidth_gb_s=fit.bandwidth_gb_s,
+                   busy_latency_us=None if fit.busy_latency_us is None else fit.busy_latency_us * scale)
 
 
 def _grid(points, value):

@@ -110,7 +110,7 @@ def search(w: Workload, cluster: Cluster, global_batch: int, fix: dict | None = 
         if key not in stats_cache:
             stats_cache[key] = rank_stats(w, lay.pp, lay.virtual_stages, lay.schedule)
         considered += 1
-        mem = memory_of(w, cluster, lay, stats_cache[key])
+        mem = memory_of(w, cluster, lay, stats_cache[key])[0]
         if mem <= mem_cap:
             fitting.append(predict(w, cluster, lay, stats_cache[key], global_batch, screen=True))
         elif smallest_mem is None or mem < smallest_mem[0]:

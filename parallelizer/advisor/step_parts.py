@@ -61,22 +61,12 @@ def data_parallel(model, lay, costs, stats, end_split) -> DPResult:
         else:
             _fsdp(model, lay, per_unit, params, e, res)
     else:
-        cache = model.__dict__.setdefault("_pipelined", {})
-        for s, c in enumerate(costs):
-            key = (c.units, lay.tp, lay.dp, lay.dp_replicate, lay.zero_stage, lay.micro_batch,
-                   lay.microbatches, lay.prefetch, lay.sequence_parallel, lay.virtual_stages, end_split)
-            if key not in cache:
-                part = DPResult(per_microbatch=[0.0])
-                _pipelined(model, lay, 0, c, _local_params(model, lay, list(c.units), end_split), e, part)
-                cache[key] = part
-            part = cache[key]
-            res.exposed += part.exposed
-            res.calls += part.calls
-            res.per_microbatch[s] = part.per_microbatch[0]
+        _pipelined_ranks(model, lay, costs, end_split, e, res)
     if lay.zero_stage == 1:
-        n = sum(st.tensors for st in stats) / max(1, len(stats))
+        # ZeroRedundancyOptimizer broadcasts every parameter from the rank that updated it,
+        # all asynchronously, then waits: one gather's volume, its latency once
         bytes_ = max(st.block_params / lay.tp + st.end_params / end_split for st in stats) * e
-        bc = model.comm.call("all_gather", "dp", bytes_ / max(n, 1), lay.dp, lay.tp, calls=max(n, 1))
+        bc = model.comm.call("all_gather", "dp", bytes_, lay.dp, lay.tp)
         res.calls.append(bc)
         res.exposed += bc.total
     return res
@@ -105,8 +95,12 @@ def _ddp(model, lay, per_unit, params, e, res) -> None:
     grads = [p * e for p in params][::-1]
     reduce = lambda n: model.comm.call("all_reduce", "dp", n, lay.dp, lay.tp)  # noqa: E731
     exposed, calls = ddp_exposed(bwd, grads, reduce)
-    res.calls += calls
-    res.exposed += exposed
+    # find_unused_parameters=True (runtime/data_parallel.py): DDP all-reduces its bitmap of
+    # used parameters after the backward, one int per parameter tensor
+    used = model.comm.call("all_reduce", "dp (used-parameter map)", 4.0 * sum(model.w.tensors or (1,)),
+                           lay.dp, lay.tp)
+    res.calls += calls + [used]
+    res.exposed += exposed + used.total
     res.hidden += sum(c.total for c in calls) - exposed
 
 
@@ -142,34 +136,54 @@ def _fsdp(model, lay, per_unit, params, e, res) -> None:
     res.hidden += max(0.0, total_comm - exposed)
 
 
-def _pipelined(model, lay, s, cost, params, e, res) -> None:
-    """Stage ``s`` under pp > 1 (``dp_time`` module docstring)."""
-    c = model.comm
-    if lay.zero_stage <= 1:
-        ar = c.call("all_reduce", "dp", sum(params) * e, lay.dp, lay.tp)
-        res.calls.append(ar)
-        res.exposed += ar.total / _stages_per_rank(lay)
-        return
+def _pipelined_ranks(model, lay, costs, end_split, e, res) -> None:
+    """pp > 1 (``dp_time`` module docstring): per pp rank, its stages' reductions after the
+    schedule; the step waits for the slowest rank. Per-stage results are cached."""
+    from ..plan.schedules import stage_ranks
+    owner = stage_ranks(lay.schedule, lay.pp, lay.virtual_stages)
+    cache = model.__dict__.setdefault("_pipelined", {})
+    worst, worst_calls = -1.0, []
+    for r in range(lay.pp):
+        mine = [s for s in range(len(costs)) if owner[s] == r]
+        exposed, calls = 0.0, []
+        if lay.zero_stage <= 1:   # one coalesced all-reduce of all this rank's gradients
+            n = sum(sum(_local_params(model, lay, list(costs[s].units), end_split)) for s in mine)
+            ar = model.comm.call("all_reduce", "dp", n * e, lay.dp, lay.tp)
+            exposed, calls = ar.total, [ar]
+        for s in (mine if lay.zero_stage >= 2 else ()):
+            c = costs[s]
+            key = (c.units, lay.tp, lay.dp, lay.dp_replicate, lay.zero_stage, lay.micro_batch,
+                   lay.microbatches, lay.prefetch, lay.sequence_parallel, end_split)
+            if key not in cache:
+                cache[key] = _fsdp_stage(model, lay, c, _local_params(model, lay, list(c.units), end_split), e)
+            x, cs, per_mb = cache[key]
+            exposed += x
+            calls += cs
+            res.per_microbatch[s] = per_mb
+        if exposed > worst:
+            worst, worst_calls = exposed, calls
+    res.exposed += worst
+    res.calls += worst_calls
+
+
+def _fsdp_stage(model, lay, cost, params, e) -> tuple:
+    """One stage under FSDP2 and a pipeline schedule: (exposed seconds after the schedule:
+    its reduce-scatters and first forward's gathers, calls, ZeRO-3 gathers per microbatch)."""
     per_unit = [model.stages.unit(u, lay.micro_batch, lay.tp, lay.sequence_parallel and lay.tp > 1,
                                   model.w.source.units(lay.micro_batch)) for u in cost.units]
-    gathers, calls = [], []
+    gathers, calls, exposed = [], [], 0.0
     for p in params:
         ag, rs, extra = _fsdp_calls(model, lay, p * e)
         gathers.append(ag.seconds)
         calls += [rs] + extra
-        res.exposed += (rs.total + sum(x.total for x in extra)) / _stages_per_rank(lay)
-        res.calls.append(Call(ag.op, ag.dim, ag.group, lay.microbatches if lay.zero_stage == 3 else 1,
-                              ag.nbytes, ag.seconds))
-    res.calls += calls
-    first = overlapped_gathers([f.total for f, _ in per_unit], gathers, lay.prefetch)
-    res.exposed += first / _stages_per_rank(lay)
+        exposed += rs.total + sum(x.total for x in extra)
+        calls.append(Call(ag.op, ag.dim, ag.group, lay.microbatches if lay.zero_stage == 3 else 1,
+                          ag.nbytes, ag.seconds))
+    exposed += overlapped_gathers([f.total for f, _ in per_unit], gathers, lay.prefetch)
+    per_mb = 0.0
     if lay.zero_stage == 3:
-        res.per_microbatch[s] = overlapped_gathers([b.total for _, b in per_unit][::-1], gathers[::-1],
-                                                   lay.prefetch)
-
-
-def _stages_per_rank(lay) -> int:
-    return max(1, lay.virtual_stages)
+        per_mb = overlapped_gathers([b.total for _, b in per_unit][::-1], gathers[::-1], lay.prefetch)
+    return exposed, calls, per_mb
 
 
 def pipeline(model, lay, costs, extra, split: bool = False, uniform: bool = False) -> PipeResult:
@@ -184,7 +198,13 @@ def pipeline(model, lay, costs, extra, split: bool = False, uniform: bool = Fals
     stages = [StageTimes(c.fwd_s, c.bwd_s + x, c.wgrad_s) for c, x in zip(costs, extra)]
     nbytes = _send_bytes(model, lay)
     sc = model.comm.call("send_recv", "pp", nbytes, 2, lay.tp * lay.dp)
-    with_send = simulate(lay.schedule, lay.pp, lay.virtual_stages, m, stages, sc.seconds, uniform)
+    if lay.p2p_blocking:  # the sender waits for its send: the stage is busy meanwhile
+        last = len(stages) - 1
+        sent = [StageTimes(st.fwd + (sc.seconds if i < last else 0.0), st.bwd + (sc.seconds if i else 0.0),
+                           st.wgrad) for i, st in enumerate(stages)]
+        with_send = simulate(lay.schedule, lay.pp, lay.virtual_stages, m, sent, 0.0, uniform)
+    else:
+        with_send = simulate(lay.schedule, lay.pp, lay.virtual_stages, m, stages, sc.seconds, uniform)
     without = (simulate(lay.schedule, lay.pp, lay.virtual_stages, m, stages, 0.0, uniform) if split
                else with_send)
     rank = max(range(lay.pp), key=lambda r: without.busy[r])

@@ -53,6 +53,9 @@ class Candidate:
     # pp = 1, ZeRO 0/1: DDP's bucketed all-reduce overlaps the backward (our runtime); False:
     # one all-reduce after it (Megatron-LM's local DDP before --overlap-grad-reduce, 2023)
     overlap_grad_reduce: bool = True
+    # pp > 1: sends overlap the sender's next action (torch.distributed.pipelining's isend);
+    # True: the sender waits for each (Megatron-LM before --overlap-p2p-communication, 2023)
+    p2p_blocking: bool = False
 
     @property
     def world(self) -> int:
@@ -157,10 +160,11 @@ def predict(w: Workload, cluster: Cluster, lay: Candidate, stats: list | None = 
     return timed(model, lay, stats, end_split, mem, parts, global_batch, screen)
 
 
-def memory_of(w: Workload, cluster: Cluster, lay: Candidate, stats: list | None = None) -> float:
-    """The fullest rank's bytes alone (the search filters on it before timing a layout)."""
+def memory_of(w: Workload, cluster: Cluster, lay: Candidate, stats: list | None = None) -> tuple:
+    """The fullest rank's bytes and parts alone (the search filters on them before timing a
+    layout; ``check`` needs nothing else)."""
     stats = stats or step_model(w, cluster).stats(lay.pp, lay.virtual_stages, lay.schedule)
-    return layout_memory(w, cluster, lay, stats, lay.tp if w.ends_tp_sharded else 1)[0]
+    return layout_memory(w, cluster, lay, stats, lay.tp if w.ends_tp_sharded else 1)
 
 
 def timed(model: StepModel, lay: Candidate, stats, end_split, mem, parts,

@@ -103,9 +103,9 @@ def _measure(cluster, mode: str, device, world: int, local: int) -> dict:
     dtypes = list(dict.fromkeys([cluster.dtype, *sizes.dtypes]))
     out = {"backend": "nccl" if device.type == "cuda" else ("gloo" if world > 1 else "none"),
            "device_type": device.type, "ranks": world, "nodes": max(1, world // max(local, 1)),
-           "matmul": {d: cal.matmul_grid(timer, d) for d in dtypes},
-           "attention": {d: cal.attention_grid(timer, d) for d in dtypes[:1]},
-           "elementwise": cal.elementwise(timer)}
+           "matmul": {d: cal.matmul_grid(timer, d) for d in dict.fromkeys(["fp32", *dtypes])},
+           "attention": {d: cal.attention_grid(timer, d) for d in dict.fromkeys(["fp32", dtypes[0]])}}
+    out["elementwise"] = cal.elementwise(timer, out["matmul"]["fp32"], out["attention"]["fp32"])
     mesh = None
     if world > 1:
         from torch.distributed.device_mesh import init_device_mesh
