@@ -11,7 +11,7 @@
 - :func:`check_stages`: each stage's blocks, and the split checked against the plan;
 - :func:`emit`: program sources, weights, reference step and report.
 
-Planners read facts and return data; passes read a plan and rewrite the graph (DESIGN.md §6).
+Planners read facts and return data; passes read a plan and rewrite the graph (docs/architecture.md).
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ from .planning.tensors import alias_map, build_plan, pipeline_structure, tied_gr
 from .planning.sequence import plan_sequence_parallel
 from .planning.tp import plan_tp, tp_summary
 from .planning.vocab import plan_vocab, vocab_summary
-from .emit.program import Program
+from .emit.program import Program, check_replaceable
 from .emit.reference import compute_reference
 from .emit.report import render_report, stage_sends
 from .frontend.spec import Spec
@@ -66,6 +66,7 @@ def compile_to_dir(model_path: Path, spec: Spec, out_dir: Path, weights: bool = 
     the compiler's warnings go to stderr. ``topology`` (:class:`parallelizer.emit.launch.Topology`,
     default one node) gives OUT/launch.sh, OUT/launch.sbatch and report.md's placement table."""
     from .emit.launch import launch_files, one_node, placement_lines
+    check_replaceable(Path(out_dir))  # before the compile: a refusal costs no minute
     program = compile_model(Path(model_path), spec, weights, dump_passes)
     topology = topology or one_node(program.plan.mesh)
     program.sources.update(launch_files(topology))
@@ -299,14 +300,17 @@ def emit(analysis: Analysis, planned: Planned, checked: Checked,
         if reference:
             stepped = model if owns_model else copy.deepcopy(model)
             ref = compute_reference(stepped, batch, loss_fn or default_loss,
-                                    analysis.captured.input_names, spec)
+                                    analysis.captured.input_names, spec, model_file)
     tp = planned.tp
     tp_lines = planned.notes + tp.warnings + list(plan_.tp_report) + sequence.report
-    report = render_report(plan_, analysis.captured.route, tp_lines, planned.summary,
+    # what each stage sends, as module and per-rank shape (report.md, pipeline.json, inspect)
+    summary = {**planned.summary, "stages": [
+        {**st, "sends": checked.sends.get(st["index"], [])} for st in planned.summary["stages"]]}
+    report = render_report(plan_, analysis.captured.route, tp_lines, summary,
                            checked.notes + describe_dropout(planned.dropout), pp_warnings,
-                           attention=analysis.attention, sends=checked.sends)
+                           attention=analysis.attention)
     return Program(plan_, sources, report, model_file, spec.to_dict(), state, ref,
-                   warnings=list(tp.warnings) + pp_warnings, pipeline=planned.summary,
+                   warnings=list(tp.warnings) + pp_warnings, pipeline=summary,
                    notes=planned.notes)
 
 

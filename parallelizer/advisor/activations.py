@@ -17,7 +17,14 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_unflatten, treespec_loads
 
+from ..frontend.model_file import call_loss_fn
 from ..plan.parallel_plan import ParallelPlan
+
+# estimate runs loss_fn on one tp rank's logit columns as plain tensors (run.py hands it a
+# DTensor Shard(-1) instead), so a loss_fn hard-coding the vocabulary size fails here only
+_ESTIMATE_LOSS = ("; parallelize estimate ran it on one tp rank's vocabulary columns of the "
+                  "logits (vocab_parallel), as plain tensors: write the vocabulary size as "
+                  "logits.size(-1), not a constant (docs/limits.md)")
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -101,7 +108,8 @@ def _stage_activations(stages: list, plan: ParallelPlan, batch, loss_fn, mode,
             flat = tuple(flat) if isinstance(flat, (tuple, list)) else (flat,)
             if index == len(stages) - 1:
                 target = _loss_target(plan, batch, mode)
-                loss_fn(tree_unflatten(list(flat), treespec_loads(plan.out_spec)), target)
+                outputs = tree_unflatten(list(flat), treespec_loads(plan.out_spec))
+                call_loss_fn(loss_fn, outputs, target, None, _ESTIMATE_LOSS if plan.vocab_outputs else "")
         for h in hooks:
             h.remove()
         kept, recompute = rec.saved.get(None, 0), 0

@@ -2,7 +2,7 @@
 sharded safetensors writer and reader, the manifest schema, the format's names
 (``format.py``) and atomic publishing (``publish.py``).
 
-Layout on disk (DESIGN.md §4, format in format.py): ``pp{p}-tp{t}.safetensors`` per (pp, tp)
+Layout on disk (docs/checkpoints.md, format in format.py): ``pp{p}-tp{t}.safetensors`` per (pp, tp)
 coordinate plus ``manifest.json`` with every tensor's placement, layout and pieces, the
 pipeline structure and a sha256 per file. Conversions between layouts are in
 :mod:`parallelizer.convert`.

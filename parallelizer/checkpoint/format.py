@@ -1,6 +1,6 @@
 """The checkpoint format (version 2): file names, manifest keys, the layout hash and the file
 checksum, shared by the writer, the reader, ``reshard`` / ``export`` and the per-rank saves
-of ``run.py`` (DESIGN.md §4, docs/checkpoints.md).
+of ``run.py`` (docs/checkpoints.md).
 
 A checkpoint folder::
 

@@ -5,7 +5,7 @@
   pipeline stage it runs (dp replicas share it), checked against the manifest's sha256 and the plan hash.
 - :func:`load_tensor`: any region of one logical tensor, read lazily with
   ``safe_open(...).get_slice`` from only the pieces that overlap it, so resharding needs memory
-  for the requested region only (DESIGN.md §4).
+  for the requested region only (docs/checkpoints.md).
 - :func:`load_full`: every logical tensor reassembled, for tests and for export.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Write a state_dict resharded for a ParallelPlan: one safetensors file per (pipeline
 stage, tp rank) plus ``manifest.json``, in the format of :mod:`parallelizer.checkpoint.format`
-(DESIGN.md §4). :class:`FileLayout` is what decides those files: the mesh and every stored
+(docs/checkpoints.md). :class:`FileLayout` is what decides those files: the mesh and every stored
 tensor's placement.
 
 The write is atomic (:mod:`parallelizer.checkpoint.publish`): everything goes to a hidden

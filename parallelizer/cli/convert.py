@@ -74,8 +74,8 @@ def reshard_main(argv: list[str]) -> int:
     stats = reshard(ns.src, ns.out, tp, pp, plan, ns.force, show_progress=not ns.no_progress,
                     virtual_stages=v)
     gb = stats["bytes_written"] / 1e9
-    print(f"resharded {ns.src} -> {ns.out}: {plural(stats['files'], 'file')}, {gb:.3f} GB in "
-          f"{stats['seconds']:.2f} s ({gb / max(stats['seconds'], 1e-9):.2f} GB/s)")
+    print(f"resharded {ns.src} -> {ns.out}: {plural(stats['files'], 'file')}, {gb:.3g} GB in "
+          f"{stats['seconds']:.2f} s ({gb / max(stats['seconds'], 1e-9):.3g} GB/s)")
     return 0
 
 

@@ -30,10 +30,11 @@ from parallelizer.plan.layouts import segments
 
 
 def progress_bar(total: int, desc: str, enabled: bool):
-    """A tqdm bar counting bytes (stderr), or a no-op when disabled."""
+    """A tqdm bar counting bytes (stderr), or a no-op when disabled or when stderr is not a
+    terminal (a log file would collect every redrawn frame)."""
     from tqdm import tqdm
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=not enabled,
-                leave=False)
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True,
+                disable=None if enabled else True, leave=False)
 
 
 def cores() -> int:

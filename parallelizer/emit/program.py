@@ -42,7 +42,7 @@ class Program:
             UserError: OUT exists and is not a parallelizer output folder.
         """
         out_dir = Path(out_dir)
-        _check_replaceable(out_dir)
+        check_replaceable(out_dir)
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         tmp = temp_sibling(out_dir)
         try:
@@ -92,7 +92,7 @@ EMITTED = {"run.py", "launch.sh", "launch.sbatch", "program", "checkpoint", "pla
            "pipeline_schedule.png"}
 
 
-def _check_replaceable(out_dir: Path) -> None:
+def check_replaceable(out_dir: Path) -> None:
     """OUT may be replaced only when it holds nothing but a previous compile's output.
 
     Raises:

@@ -8,11 +8,13 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from ..frontend.capture import split_args
+from ..frontend.model_file import call_loss_fn
 from ..runtime.optim import make_optimizer
 from ..runtime.rng import EagerDropoutOff
 
 
-def compute_reference(model: torch.nn.Module, batch, loss_fn, input_names, spec) -> dict:
+def compute_reference(model: torch.nn.Module, batch, loss_fn, input_names, spec,
+                      model_file=None) -> dict:
     """Run one training step of ``model`` (mutates it: call after snapshotting weights)
     with ``spec.verify.optimizer`` at ``spec.optimizer.lr``."""
     args, kwargs = split_args(batch)
@@ -21,7 +23,8 @@ def compute_reference(model: torch.nn.Module, batch, loss_fn, input_names, spec)
     model.zero_grad(set_to_none=True)
     with EagerDropoutOff():
         outputs = model(*args, **kwargs)
-    loss = loss_fn(outputs, batch)
+    loss = call_loss_fn(loss_fn, outputs, batch, model_file,
+                        " (the reference step: the unmodified model's outputs on example_inputs())")
     loss.backward()
     flat_out, _ = tree_flatten(outputs)
     ref["loss"] = loss.detach().reshape(())

@@ -24,10 +24,9 @@ def _fsdp_options(plan: ParallelPlan) -> str:
 
 
 def render_report(plan: ParallelPlan, route: str, tp_lines, pipeline: dict, notes,
-                  pp_warnings=(), attention=(), sends=None) -> str:
+                  pp_warnings=(), attention=()) -> str:
     """report.md. ``attention``: ``(module FQN, changes)`` of the SDPA calls the
-    eager_attention pass rewrote; ``sends``: stage index -> what it sends (:func:`stage_sends`;
-    default the boundary node names)."""
+    eager_attention pass rewrote."""
     m = plan.mesh
     lines = ["# parallelizer report", "",
              f"- mesh: pp={m['pp']} x dp={m['dp']} x tp={m['tp']} = {plan.world_size} ranks "
@@ -43,16 +42,22 @@ def render_report(plan: ParallelPlan, route: str, tp_lines, pipeline: dict, note
     sharded = [t for t in plan.tensors.values() if t.tp_dim is not None]
     lines += ["", "| tensor | shape | placement | role |", "|---|---|---|---|"]
     for t in sharded:
-        layout = f", {t.layout.kind}" if t.layout else ""
+        layout = f", {t.layout.kind}" if t.layout and not _unpadded(t) else ""
         lines.append(f"| {t.fqn} | {list(t.shape)} | Shard({t.tp_dim}){layout} | {t.role} |")
     lines += dp_section(plan)
-    lines += pipeline_section(plan, pipeline, pp_warnings, sends=sends)
+    lines += pipeline_section(plan, pipeline, pp_warnings)
     tied = [t.fqn for t in plan.tensors.values() if len(t.stages) > 1]
     if tied:
         lines += ["", f"Tied across stages (gradients summed between them): {', '.join(tied)}"]
     if notes:
         lines += [""] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
+
+
+def _unpadded(t) -> bool:
+    """A vocabulary table whose padded layout adds no rows (tp divides the vocabulary): the
+    report shows it as the even split it is."""
+    return t.layout.kind == "padded" and t.layout.padded_size == t.shape[t.tp_dim]
 
 
 def dp_section(plan: ParallelPlan) -> list[str]:
@@ -74,10 +79,10 @@ _SPLIT = {"balanced": "balanced by forward + backward FLOPs (contiguous min-max 
           "pipeline.layers_per_stage": "fixed by pipeline.layers_per_stage"}
 
 
-def pipeline_section(plan: ParallelPlan, pipeline: dict, pp_warnings=(), pictures=True,
-                     sends=None) -> list[str]:
+def pipeline_section(plan: ParallelPlan, pipeline: dict, pp_warnings=(), pictures=True) -> list[str]:
     """``## Pipeline stages``: per-stage cost table, imbalance, theoretical bubble, pictures;
-    ``sends``: stage index -> the values it sends (:func:`stage_sends`)."""
+    what a stage sends is its summary's ``sends`` (:func:`stage_sends`), else its boundary
+    node names."""
     p, m, v = pipeline["pp"], pipeline["microbatches"], pipeline["virtual_stages"]
     formula = f"(P-1)/(v*M+P-1), v={v}" if v > 1 else "(P-1)/(M+P-1)"
     batch = "x".join(str(d) for d in pipeline["batch_shape"]) or "?"
@@ -96,7 +101,7 @@ def pipeline_section(plan: ParallelPlan, pipeline: dict, pp_warnings=(), picture
         blocks = _blocks_cell(st.blocks, s.get("children", {}))
         lines.append(f"| {st.index} | {blocks} | {s['fwd_flops'] / 1e9:.4g} | {s['bwd_flops'] / 1e9:.4g} "
                      f"| {s['param_bytes']:,} | {s['activation_bytes_sent']:,} "
-                     f"| {'; '.join((sends or {}).get(st.index, st.outputs)) or 'outputs'} |")
+                     f"| {'; '.join(s.get('sends') or st.outputs) or 'outputs'} |")
     lines += [f"- warning: {w}" for w in pp_warnings]
     lines += [f"- {n}" for n in pipeline["notes"]]
     if pictures:
@@ -160,8 +165,10 @@ def stage_sends(stages, inputs, region: dict, tp: int) -> dict[int, list[str]]:
     out = {}
     for st in stages[:-1]:
         by_name = {n.name: n for n in st.graph.nodes}
-        out[st.index] = [_send_text(by_name[o], names, region.get(o), tp) if o in by_name else o
-                         for o in st.outputs]
+        texts = [_send_text(by_name[o], names, region.get(o), tp) if o in by_name else o
+                 for o in st.outputs]
+        counts = {t: texts.count(t) for t in texts}  # two values of one module and shape
+        out[st.index] = [t if n == 1 else f"{t} (x{n})" for t, n in counts.items()]
     return out
 
 
@@ -190,4 +197,5 @@ def _send_text(node, names: dict, seq_place, tp: int) -> str:
         d = seq_place[0]
         dims[d] = f"{dims[d]}/{tp}" if re.fullmatch(r"\w+", dims[d]) else f"({dims[d]})/{tp}"
     dtype = str(val.dtype).removeprefix("torch.")
-    return f"{module_path(node) or node.name}: ({', '.join(dims)}) {dtype}"
+    where = module_path(node) or f"{node.name} (root module)"
+    return f"{where}: ({', '.join(dims)}) {dtype}"

@@ -83,8 +83,10 @@ def module_source(header: str, classes: list[str], imports: list[str]) -> str:
 
 RUN_PY = '''"""Entry point of the program parallelizer emitted for {model}.
 
-    torchrun --nproc-per-node {world} {{this file}} --verify
-    torchrun --nproc-per-node {world} {{this file}} --train --steps 10 [--save DIR]
+    torchrun --nproc-per-node {world} OUT/run.py --verify
+    torchrun --nproc-per-node {world} OUT/run.py --train --steps 10 [--save DIR]
+
+(OUT is this file's folder; ``python OUT/run.py --help`` lists every flag, docs/run.md.)
 
 Mesh: pp={pp} x dp={dp} x tp={tp}. NCCL with one GPU per rank when CUDA is available,
 gloo on CPU otherwise (--device overrides).

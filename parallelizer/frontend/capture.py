@@ -63,6 +63,9 @@ def capture(model: torch.nn.Module, batch: tuple | dict, model_file: Path) -> Ca
             ep = torch.export.export(traced, args, kwargs, dynamic_shapes=dyn, strict=False)
             route = "symbolic_trace+torch.export"
         except Exception:
+            eager = _eager_failure(model, args, kwargs)
+            if eager is not None:  # not a tracing problem: the model fails as it is
+                raise CaptureError(_eager_message(eager, model_file)) from eager
             raise CaptureError(_capture_message(export_error, model_file)) from export_error
     gm = ep.module()
     out_spec = gm._out_spec
@@ -94,6 +97,23 @@ def _to_flat_calling(gm: torch.fx.GraphModule) -> None:
     output.args = (tuple(flat),)
     graph.lint()
     gm.recompile()
+
+
+def _eager_failure(model: torch.nn.Module, args, kwargs) -> Exception | None:
+    """The exception of a plain forward of ``model`` on the example batch, or None."""
+    try:
+        with torch.no_grad():
+            model(*args, **kwargs)
+    except Exception as e:
+        return e
+    return None
+
+
+def _eager_message(e: Exception, model_file: Path) -> str:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return (f"the model from {model_file} fails on example_inputs() when it runs as it is, "
+            f"without parallelizer: {type(e).__name__}: {first}{user_frame(e, model_file)}\n"
+            f"Fix: the model or example_inputs() (parallelizer compiles what the model computes).")
 
 
 def _capture_message(e: Exception, model_file: Path) -> str:

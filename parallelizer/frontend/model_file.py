@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 from torch.utils._pytree import tree_flatten
 
-from ..errors import ModelFileError
+from ..errors import ModelFileError, UserError
 from ..plan.parallel_plan import MODEL_MODULE
 
 REQUIRED = ("build_model", "example_inputs")
@@ -126,6 +126,31 @@ def example_batch(module: ModuleType) -> tuple | dict:
                                  f"batch dim (dim 0); got {type(v).__name__} "
                                  f"{tuple(v.shape) if isinstance(v, torch.Tensor) else ''}")
     return batch
+
+
+def call_loss_fn(loss_fn: Callable, outputs, batch, model_file: Path | None,
+                 where: str = "") -> torch.Tensor:
+    """``loss_fn(outputs, batch)``, checked to be a 0-dim floating-point tensor.
+
+    Raises:
+        ModelFileError: loss_fn raised (naming model.py's line, and ``where`` it was called:
+            what the outputs were) or returned something else.
+    """
+    try:
+        loss = loss_fn(outputs, batch)
+    except UserError:
+        raise
+    except Exception as e:
+        name = getattr(loss_fn, "__name__", "loss_fn")
+        raise ModelFileError(f"{name}(outputs, batch){f' in {model_file}' if model_file else ''} "
+                             f"raised {type(e).__name__}: {e}{user_frame(e, model_file or Path('model.py'))}"
+                             f"{where}") from e
+    if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point()):
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ModelFileError(f"loss_fn(outputs, batch){f' in {model_file}' if model_file else ''} "
+                             f"must return one floating-point number as a tensor (a mean over samples), "
+                             f"got {shape}")
+    return loss
 
 
 def user_frame(e: BaseException, model_file: Path) -> str:

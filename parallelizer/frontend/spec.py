@@ -35,7 +35,7 @@ import importlib.util
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional, Sequence, Union
+from typing import Annotated, Any, Literal, Optional, Sequence
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -187,7 +187,7 @@ class TensorParallel(BaseModel):
             "A vocabulary tp does not divide is padded. Logits returned by the model reach "
             "loss_fn as a DTensor Shard(-1) under loss_parallel; an in-graph cross-entropy is "
             "computed on the shards (docs/tensor-parallel.md)."))
-    sequence_parallel: Union[Literal["auto"], bool] = Field(
+    sequence_parallel: Literal["auto", True, False] = Field(
         "auto", description="one of 'auto', true, false (sequence parallelism, Korthikanti et "
                             "al. 2022 §4.2.2: norms, dropout and residual adds between the "
                             "tensor-parallel regions run on 1/tp of the sequence; auto: on "

@@ -1,7 +1,7 @@
 """The planners' decisions that the passes read, as data: weights by parameter FQN, blocks
 by module FQN, shape-constant rewrites by node name of the captured graph (the one the
 passes rewrite). ``passes/``
-depends on this module, never on ``planning/`` (DESIGN.md §6: plans are data, passes read
+depends on this module, never on ``planning/`` (docs/architecture.md: plans are data, passes read
 plans, passes never choose).
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Build the ParallelPlan from the graph facts and the planners' decisions, before any
-rewrite (data only; DESIGN.md §1)."""
+rewrite (data only; docs/architecture.md)."""
 from __future__ import annotations
 
 import dataclasses

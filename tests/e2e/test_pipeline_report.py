@@ -67,6 +67,13 @@ def test_inspect_json_shape(inspected):
     assert summary["imbalance"] == pytest.approx(max(s["flops"] for s in stages) / mean)
     assert summary["bubble"] == pytest.approx(3 / 7)               # (P-1)/(M+P-1), M=4
     assert [s["activation_bytes_sent"] > 0 for s in stages] == [True, True, True, False]
+    # what a stage sends, by module and shape per rank: the residual stream of the last block
+    # it holds; from inside the cut block both the residual and the normed value the mlp
+    # reads; the last stage returns the outputs
+    assert [s["sends"] for s in stages] == [
+        ["model.layers.0: (batch, seq, 64) float32"],
+        ["model.layers.2.post_attention_layernorm: (batch, seq, 64) float32 (x2)"],
+        ["model.layers.2: (batch, seq, 64) float32"], []], [s["sends"] for s in stages]
 
 
 def test_inspect_warns_and_draws(inspected):

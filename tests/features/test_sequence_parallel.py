@@ -304,3 +304,19 @@ def test_example_batch_not_divisible_by_tp_turns_auto_off_and_fails_true():
     with pytest.raises(PlanError, match=r"sequence_parallel=true cannot apply: the example "
                                         r"batch's sequence length \(6\)"):
         plan_sequence_parallel(cap.gm.graph, 4, "true", d.placements, example_seq=6)
+
+
+def test_spec_value_other_than_auto_true_false_is_one_spec_error(tmp_path):
+    """The allowed phrase, once (not one pydantic line per member of a union)."""
+    from parallelizer.errors import SpecError
+    from parallelizer.frontend.spec import load_spec
+    path = tmp_path / "spec.yaml"
+    path.write_text("tensor_parallel: {sequence_parallel: maybe}\n")
+    with pytest.raises(SpecError) as e:
+        load_spec(path)
+    msg = str(e.value)
+    assert "tensor_parallel.sequence_parallel must be one of 'auto', true, false" in msg, msg
+    assert "got 'maybe'" in msg and "literal" not in msg and msg.count(" must be ") == 1, msg
+    modes = [load_spec(path, [f"tensor_parallel.sequence_parallel={v}"]).tensor_parallel
+             .sequence_parallel_mode for v in ("true", "false", "auto")]
+    assert modes == ["true", "false", "auto"]

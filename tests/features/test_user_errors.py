@@ -110,6 +110,21 @@ def test_output_folder_with_foreign_files_is_kept(tmp_path):
     assert oct(out.stat().st_mode & 0o777) == oct(0o755)  # a plain mkdir's, not mkdtemp's 0o700
 
 
+def test_cli_refuses_a_foreign_output_folder_before_compiling(tmp_path, capsys, monkeypatch):
+    """The CLI checks -o first: a refusal costs no compile (the model is never built)."""
+    from parallelizer.cli.parallelize import main
+    out = tmp_path / "notes"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep")
+    model = tmp_path / "model.py"
+    model.write_text("def build_model():\n    raise AssertionError('built')\n"
+                     "def example_inputs():\n    raise AssertionError('called')\n")
+    assert main([str(model), str(GPT / "spec.yaml"), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"error: output folder {out} holds files parallelizer did not write (notes.txt)" in err
+    assert (out / "notes.txt").read_text() == "keep"
+
+
 def test_save_never_replaces_foreign_files_or_a_program(tmp_path):
     mine = tmp_path / "mine"
     mine.mkdir()
@@ -243,3 +258,27 @@ def test_output_without_batch_dim_is_refused_under_pp(tmp_path):
     assert plan.scalar_outputs == (1,)
 
 
+
+
+def test_loss_fn_raising_at_compile_is_a_model_file_error_naming_its_line(tmp_path):
+    """The compile's reference step calls loss_fn: a bug in it is one error naming model.py's
+    line, not a traceback (exit 2 from the CLI)."""
+    source = (GPT / "model.py").read_text().replace("F.cross_entropy(", "F.cross_entropi(")
+    assert "F.cross_entropi(" in source
+    path = tmp_path / "model.py"
+    path.write_text(source)
+    line = next(i for i, text in enumerate(source.splitlines(), 1) if "F.cross_entropi(" in text)
+    with pytest.raises(ModelFileError) as e:
+        compile_model(path, load_spec(GPT / "spec.yaml", ["mesh.tp=1"]))
+    msg = str(e.value)
+    assert msg.startswith(f"loss_fn(outputs, batch) in {path} raised AttributeError"), msg
+    assert f"{path}:{line}" in msg and "the reference step" in msg, msg
+
+
+def test_loss_fn_returning_no_scalar_is_a_model_file_error(tmp_path):
+    source = (GPT / "model.py").read_text() + "\n\ndef loss_fn(outputs, batch):\n    return outputs\n"
+    path = tmp_path / "model.py"
+    path.write_text(source)
+    with pytest.raises(ModelFileError, match=r"loss_fn\(outputs, batch\) in .* must return one "
+                                             r"floating-point number as a tensor .* got \(8, 16, 96\)"):
+        compile_model(path, load_spec(GPT / "spec.yaml", ["mesh.tp=1"]))

@@ -1,4 +1,4 @@
-"""The package layers of DESIGN.md §6 hold: import-linter's contracts in pyproject.toml
+"""The package layers of docs/architecture.md hold: import-linter's contracts in pyproject.toml
 (cli -> api | advisor | convert -> compiler -> planning | passes | emit -> analysis ->
 runtime -> frontend -> checkpoint -> plan -> errors; the runtime reads only the front end's
 model.py loader; checkpoint conversion imports no model code; no import cycles).

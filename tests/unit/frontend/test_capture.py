@@ -66,6 +66,22 @@ def test_capture_error_names_model_file_and_line(tmp_path, body, failing):
     assert "Fix:" in msg and "data-dependent" in msg
 
 
+def test_a_model_failing_eagerly_is_not_called_untraceable(tmp_path):
+    """A plain shape bug fails without parallelizer too: the error says so and names the line,
+    instead of advising to make it traceable."""
+    failing = "return y.reshape(2, 4, 17)"
+    path = write(tmp_path, DATA_DEPENDENT.format(body=failing))
+    module = load_model_file(path)
+    model = build_model(module, on_meta=False)
+    with pytest.raises(CaptureError) as e:
+        capture(model, example_batch(module), path)
+    msg = str(e.value)
+    assert msg.startswith(f"the model from {path} fails on example_inputs() when it runs as it "
+                          f"is, without parallelizer: RuntimeError: shape '[2, 4, 17]' is invalid"), msg
+    assert f"{path.resolve()}:{line_of(path, failing)}: {failing}" in msg
+    assert "data-dependent" not in msg
+
+
 # --- capture: success ------------------------------------------------------------------------
 
 class TwoInputs(nn.Module):
