@@ -24,11 +24,11 @@ def explain(pred, index: int = 1) -> str:
     rank = f" (pp rank {b['busiest_pp_rank']}, the busiest)" if pred.candidate.pp > 1 else ""
     lines = [f"explain #{index} {pred.candidate.short()}: step {_ms(step)}{rank}"]
     for key, seconds in b["terms"].items():
-        if seconds:
+        if abs(seconds) > 1e-6 * step:
             lines.append(f"  {TERM_NAMES.get(key, key):34s} {_ms(seconds):>10s}  {seconds / step:6.1%}")
     lines.append("  compute by kind (of compute):")
     for key, seconds in b["compute"].items():
-        if seconds:
+        if abs(seconds) > 1e-6 * step:
             lines.append(f"    {key:32s} {_ms(seconds):>10s}")
     if b["collectives"]:
         lines.append("  collectives (per step on this rank; exposed = on the critical path):")

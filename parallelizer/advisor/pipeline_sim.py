@@ -114,7 +114,9 @@ def _simulate(schedule, pp, v, m, stages, send_s) -> PipelineTime:
     else:
         a = _run(_graph(schedule, pp, v, m1), pp, stages, send_s)
         b = _run(_graph(schedule, pp, v, m2), pp, stages, send_s)
-        makespan = b + (m - m2) * (b - a) / (m2 - m1)
+        # no rank finishes before its own work: the linear extension can undershoot that
+        # by a fraction of a round where the steady state has no idle slot (zero bubble)
+        makespan = max(b + (m - m2) * (b - a) / (m2 - m1), max(busy))
     return PipelineTime(makespan, busy, makespan - max(busy))
 
 

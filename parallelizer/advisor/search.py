@@ -37,7 +37,8 @@ def candidates(w: Workload, cluster: Cluster, global_batch: int, zero_stages=(0,
     """Every layout the search considers (see the module docstring). Micro-batching: at
     pp = 1 one microbatch per step unless ``accumulate`` (parallelizer's runtime runs no
     gradient accumulation at pp = 1; Megatron-LM does); at pp > 1 M >= pp, and M a
-    multiple of pp when interleaved (Narayanan et al. 2021, §2.2.2). Schedules: 1F1B,
+    multiple of pp when interleaved (Narayanan et al. 2021, §2.2.2); micro-batch sizes up to
+    ``max_micro_batch`` where there is a choice. Schedules: 1F1B,
     interleaved 1F1B with v > 1 and, with ``zero_bubble``, ZB-V at v = 2 (Qi et al. 2024).
     ``fields``: Candidate fields every layout takes (e.g. ``sequence_parallel=False``)."""
     for lay in _candidates(w, cluster, global_batch, zero_stages, max_micro_batch, virtual, accumulate):
@@ -59,9 +60,12 @@ def _candidates(w, cluster, global_batch, zero_stages, max_micro_batch, virtual,
             if global_batch % dp:
                 continue
             per_dp = global_batch // dp
-            for micro in divisors(per_dp):
+            # pp = 1 without accumulation: the step is one microbatch of every sequence a dp
+            # rank gets, whatever its size (memory decides); otherwise sizes up to the cap
+            micros = [per_dp] if pp == 1 and not accumulate else divisors(per_dp)
+            for micro in micros:
                 m = per_dp // micro
-                if micro > max_micro_batch or (pp == 1 and m != 1 and not accumulate) or (pp > 1 and m < pp):
+                if (micro > max_micro_batch and len(micros) > 1) or (pp > 1 and m < pp):
                     continue
                 for v in virtual if pp > 1 else (1,):
                     if v > 1 and (m % pp or pp * v > w.layers):

@@ -172,7 +172,7 @@ def _row(p, cluster, tokens, why_text) -> dict:
            "schedule": lay.schedule if lay.pp > 1 else None,
            "sequence_parallel": lay.sequence_parallel and lay.tp > 1,
            "comm_gb_per_gpu": {k: v / 1e9 for k, v in p.volumes.items()},
-           "terms_text": ", ".join(f"{k} {v:.3g} s" for k, v in p.terms.items() if v)}
+           "terms_text": ", ".join(f"{k} {v:.3g} s" for k, v in p.terms.items() if abs(v) > 1e-6 * p.step_s)}
     if tokens:
         row["days"] = tokens / p.tokens_per_s / 86400
     return row

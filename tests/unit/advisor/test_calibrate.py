@@ -2,6 +2,7 @@
 reduced calibration on 2 processes writes the cluster file's ``measured:`` section, and the
 planner then predicts from it; launch and file errors name the key and the fix.
 """
+import datetime
 import time
 from pathlib import Path
 
@@ -36,6 +37,7 @@ def test_calibrate_then_predict_on_two_processes(tools, tmp_path):
     cluster = load_cluster(path)
     m = cluster.measured
     assert m.ranks == 2 and m.backend == "gloo" and m.device_type == "cpu" and m.date
+    assert m.device.endswith(f"2 rank(s) on 1 node(s), torch {__import__('torch').__version__}")
     assert len(m.matmul["fp32"]) == 8 and all(p[3] > 0 for p in m.matmul["fp32"])   # 2 x 2 x 2 grid
     fits = m.collectives["intra_node"]
     assert set(fits) == set(COLLECTIVES) and all(f[2].bandwidth_gb_s > 0 for f in fits.values())
@@ -47,6 +49,21 @@ def test_calibrate_then_predict_on_two_processes(tools, tmp_path):
     assert {c["source"] for c in b["collectives"]} == {"measured"}
     assert sum(b["terms"].values()) == pytest.approx(pred.step_s, rel=1e-9)
     assert time.perf_counter() - t0 < 60
+
+
+def test_quick_calibration_takes_under_two_minutes(tools, tmp_path):
+    # the default mode, as a user runs it: torchrun, gloo, 2 processes
+    path = tmp_path / "cpu2.yaml"
+    path.write_text(CPU2)
+    t0 = time.perf_counter()
+    res = tools.launch(ENTRY, 2, path, "quick", timeout=150).wait()
+    seconds = time.perf_counter() - t0
+    assert res.code == 0, res.explain()
+    m = load_cluster(path).measured
+    assert m.mode == "quick" and m.ranks == 2 and "2 rank(s) on 1 node(s)" in m.device
+    assert datetime.datetime.fromisoformat(m.date).date() == datetime.date.today()
+    assert len(m.matmul["fp32"]) == 64 and set(m.collectives["intra_node"]) == set(COLLECTIVES)
+    assert seconds < 120, f"quick calibration took {seconds:.0f} s"
 
 
 def test_calibrate_launch_errors(tmp_path, monkeypatch):
