@@ -16,7 +16,7 @@ this machine (same run, ratios only).
 4. Print predicted vs measured per layout, the ratio, and Kendall's τ between the two
    orders; the 1-minute load average is recorded at every launch.
 
-    python -m benchmarks.planner_vs_measured [--quick] [--rounds 2] [--steps 30] [--json PATH]
+    python -m benchmarks.planner_vs_measured [--quick] [--rounds 2] [--steps 8] [--json PATH]
 """
 from __future__ import annotations
 
@@ -105,23 +105,9 @@ def step_times(out: Path, steps: int, warmup: int) -> tuple[list[float], float]:
 
 
 def kendall_tau(xs: list[float], ys: list[float]) -> float:
-    """Kendall's τ-b of two sequences (ties counted on either side)."""
-    conc = disc = tx = ty = 0
-    for i in range(len(xs)):
-        for j in range(i + 1, len(xs)):
-            dx, dy = xs[i] - xs[j], ys[i] - ys[j]
-            if dx == 0 and dy == 0:
-                continue
-            if dx == 0:
-                tx += 1
-            elif dy == 0:
-                ty += 1
-            elif (dx > 0) == (dy > 0):
-                conc += 1
-            else:
-                disc += 1
-    denom = ((conc + disc + tx) * (conc + disc + ty)) ** 0.5
-    return (conc - disc) / denom if denom else 0.0
+    """Kendall's τ-b of the two orders (``scipy.stats.kendalltau``)."""
+    from scipy.stats import kendalltau
+    return float(kendalltau(xs, ys).statistic)
 
 
 def predict_all(cluster_path: Path, names: list[str]) -> dict:
@@ -140,12 +126,12 @@ def predict_all(cluster_path: Path, names: list[str]) -> dict:
 def main() -> None:
     p = base_parser(__doc__.splitlines()[0], "planner_vs_measured")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 2; quick 1)")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per run (default 30; quick 6)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per run (default 8; quick 6)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=None)
     a = p.parse_args()
     names = a.layouts or (list(QUICK) if a.quick else list(LAYOUTS))
-    rounds, steps = a.rounds or (1 if a.quick else 2), a.steps or (6 if a.quick else 30)
+    rounds, steps = a.rounds or (1 if a.quick else 2), a.steps or (6 if a.quick else 8)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         load0 = os.getloadavg()[0]

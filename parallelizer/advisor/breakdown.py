@@ -34,7 +34,7 @@ def rank_breakdown(model, lay, costs, pipe, dp, other) -> dict:
     extra = m * sum(dp.per_microbatch[s] for s in mine)
     terms = {"compute": m * (times.total + recompute.total),
              "tp": sum(c.total for c in tp_calls),
-             "bubble": pipe.bubble, "pp": pipe.pp_exposed,
+             "bubble": pipe.bubble, "pp": pipe.pp_exposed, "pp_runtime": pipe.runtime,
              "dp": dp.exposed + extra, "optimizer": dp.optimizer,
              "other": sum(c.total for c in other)}
     collectives = ([_row(c, c.total, model) for c in tp_calls]

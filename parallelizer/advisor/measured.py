@@ -19,6 +19,7 @@ lookups the step-time model makes in it.
       collectives:            # scope -> op -> group size -> time = latency + bus bytes / bandwidth
         intra_node:
           all_reduce: {2: {latency_us: 150.0, bandwidth_gb_s: 1.9}, 4: {...}}
+      pipeline: {action_us: 900.0}   # torch.distributed.pipelining's host time per compute action
 
 Every figure is what all ranks achieved at once (they run each measurement together, as
 the ranks of a training job share the node), the median over ranks. Collective bandwidths are
@@ -79,6 +80,13 @@ class Optimizer(BaseModel):
     bandwidth_gb_s: float = Field(gt=0, description="a number > 0 (parameter bytes per s)")
 
 
+class Pipeline(BaseModel):
+    """Host seconds torch's pipelining runtime adds to each compute action
+    (``advisor/calibrate_pipe.py``)."""
+    model_config = _STRICT
+    action_us: float = Field(ge=0, description="a number >= 0 (microseconds per action)")
+
+
 class Measured(BaseModel):
     """The ``measured:`` section (module docstring)."""
     model_config = _STRICT
@@ -94,6 +102,7 @@ class Measured(BaseModel):
     elementwise: Optional[Elementwise] = None
     optimizer: dict[str, Optimizer] = Field(default_factory=dict)
     collectives: dict[str, dict[str, dict[int, Fit]]] = Field(default_factory=dict)
+    pipeline: Optional[Pipeline] = None
 
 
 class Grid:

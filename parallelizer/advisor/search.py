@@ -15,7 +15,7 @@ from .step_time import Candidate, Prediction, memory_of, predict, rank_stats
 from .workload import Workload
 
 TERM_NAMES = {"compute": "compute", "bubble": "pipeline bubble", "tp": "tensor-parallel collectives",
-              "pp": "pipeline sends", "dp": "data-parallel communication", "optimizer": "optimizer step",
+              "pp": "pipeline sends", "pp_runtime": "pipeline runtime per action", "dp": "data-parallel communication", "optimizer": "optimizer step",
               "other": "loss and tied-weight all-reduces"}
 
 

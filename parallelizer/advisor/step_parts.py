@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from .collectives import Call
 from .compute import DTYPE_BYTES
 from .dp_time import ddp_exposed, fsdp_exposed, optimizer_seconds, overlapped_gathers
+from ..plan.schedules import stage_ranks
 from .pipeline_sim import StageTimes, simulate
 
 
@@ -29,6 +30,7 @@ class PipeResult:
     busy: tuple
     rank: int                       # the busiest pp rank
     send_calls: list = field(default_factory=list)
+    runtime: float = 0.0            # the busiest rank's pipelining-runtime time per action, summed
 
 
 def _local_params(model, lay, units, end_split) -> list[float]:
@@ -139,7 +141,6 @@ def _fsdp(model, lay, per_unit, params, e, res) -> None:
 def _pipelined_ranks(model, lay, costs, end_split, e, res) -> None:
     """pp > 1 (``dp_time`` module docstring): per pp rank, its stages' reductions after the
     schedule; the step waits for the slowest rank. Per-stage results are cached."""
-    from ..plan.schedules import stage_ranks
     owner = stage_ranks(lay.schedule, lay.pp, lay.virtual_stages)
     cache = model.__dict__.setdefault("_pipelined", {})
     worst, worst_calls = -1.0, []
@@ -195,7 +196,9 @@ def pipeline(model, lay, costs, extra, split: bool = False, uniform: bool = Fals
         c = costs[0]
         busy = m * (c.fwd_s + c.bwd_s + extra[0])
         return PipeResult(busy, 0.0, 0.0, (busy,), 0)
-    stages = [StageTimes(c.fwd_s, c.bwd_s + x, c.wgrad_s) for c, x in zip(costs, extra)]
+    # the pipelining runtime's host time per forward / backward action, where calibrated
+    o = _action_s(model)
+    stages = [StageTimes(c.fwd_s + o, c.bwd_s + x + o, c.wgrad_s) for c, x in zip(costs, extra)]
     nbytes = _send_bytes(model, lay)
     sc = model.comm.call("send_recv", "pp", nbytes, 2, lay.tp * lay.dp)
     if lay.p2p_blocking:  # the sender waits for its send: the stage is busy meanwhile
@@ -209,8 +212,14 @@ def pipeline(model, lay, costs, extra, split: bool = False, uniform: bool = Fals
                else with_send)
     rank = max(range(lay.pp), key=lambda r: without.busy[r])
     sends = Call("send_recv", "pp", 2, 2 * m * lay.virtual_stages, nbytes, sc.seconds)
+    mine = sum(1 for r in stage_ranks(lay.schedule, lay.pp, lay.virtual_stages) if r == rank)
     return PipeResult(with_send.makespan, without.bubble, with_send.makespan - without.makespan,
-                      without.busy, rank, [sends])
+                      without.busy, rank, [sends], 2 * m * mine * o)
+
+
+def _action_s(model) -> float:
+    m = model.cluster.measured
+    return 0.0 if m is None or m.pipeline is None else m.pipeline.action_us * 1e-6
 
 
 def _send_bytes(model, lay) -> float:

@@ -114,6 +114,11 @@ def _measure(cluster, mode: str, device, world: int, local: int) -> dict:
     if world > 1:
         from ..advisor.calibrate_comm import measure_collectives
         out["collectives"] = measure_collectives(sizes.comm, device, world, local, sizes.reps)
+        from ..advisor.calibrate_pipe import measure_pipeline
+        from ..advisor.measured import Fit
+        fits = out["collectives"].get("intra_node" if local > 1 else "inter_node", {}).get("send_recv", {})
+        send_s = Fit(**fits[2]).seconds(4.0 * 16) if 2 in fits else 0.0   # one 16-float activation
+        out["pipeline"] = measure_pipeline(device, sizes.reps, send_s)
     return out
 
 
@@ -176,6 +181,8 @@ def summary(m: dict, seconds: float, out: Path) -> str:
             text = ", ".join(f"g={g}: {f['latency_us']:.3g} us + {f['bandwidth_gb_s']:.3g} GB/s"
                              for g, f in sorted(fits.items()))
             lines.append(f"  {scope} {op}: {text}")
+    if m.get("pipeline"):
+        lines.append(f"  pipeline: {m['pipeline']['action_us']:.3g} us per compute action (torch.distributed.pipelining)")
     if not m.get("collectives"):
         lines.append("  collectives: not measured (one process; launch with torchrun --nproc-per-node G)")
     return "\n".join(lines)

@@ -48,6 +48,11 @@ def test_calibrate_then_predict_on_two_processes(tools, tmp_path):
     assert b["sources"]["compute"] == "measured" and b["sources"]["collectives"] == "measured"
     assert {c["source"] for c in b["collectives"]} == {"measured"}
     assert sum(b["terms"].values()) == pytest.approx(pred.step_s, rel=1e-9)
+    # torch's pipelining runtime per compute action: each of a rank's 2 x M actions pays it
+    assert m.pipeline is not None and m.pipeline.action_us >= 0
+    pipe = predict(w, cluster, Candidate(1, 2, 1, 1, 4))
+    assert pipe.terms["pp_runtime"] == pytest.approx(2 * 4 * m.pipeline.action_us * 1e-6, rel=1e-9)
+    assert sum(pipe.terms.values()) == pytest.approx(pipe.step_s, rel=1e-9)
     assert time.perf_counter() - t0 < 60
 
 
