@@ -32,6 +32,13 @@ from parallelizer.advisor.step_time import Candidate, predict
 from parallelizer.advisor.workload import eq3_flops, from_shape
 
 TABLE = Path(__file__).resolve().parent / "data" / "megatron_sc21_table1.csv"
+# what Megatron-LM ran in 2021 (its megatron/training.py and p2p_communication.py then): no
+# sequence parallelism (Korthikanti et al. 2022 came later); gradients all-reduced after the
+# backward (DDP_impl local: allreduce_gradients() after forward_backward_func;
+# --overlap-grad-reduce came in 2023); blocking point-to-point exchanges (batch_isend_irecv
+# then wait; --overlap-p2p-communication came later); attention scores materialised
+# (from_shape(..., attention="eager"))
+MEGATRON_2021 = dict(sequence_parallel=False, overlap_grad_reduce=False, p2p_blocking=True)
 SELENE = dict(gpus_per_node=8, gpu="a100-80gb", dtype="fp16",
               intra_node=dict(bandwidth_gb_s=300, latency_us=3),
               inter_node=dict(bandwidth_gb_s=25, latency_us=5))
@@ -47,13 +54,15 @@ def evaluate(row: dict, efficiency=None) -> dict:
     shape = {k: n[k] for k in ("layers", "hidden", "heads", "vocab", "seq")}
     cluster = cluster_from_dict({**SELENE, "nodes": max(1, n["gpus"] // 8), "efficiency": efficiency},
                                 row["name"])
-    w = from_shape(shape, row["name"])
+    w = from_shape(shape, row["name"], attention="eager")
     batch, dp, mb = n["global_batch"], n["dp"], n["micro_batch"]
-    published = Candidate(n["tp"], n["pp"], dp, mb, batch // (dp * mb), 0, n["virtual_stages"], True)
+    published = Candidate(n["tp"], n["pp"], dp, mb, batch // (dp * mb), 0, n["virtual_stages"], True,
+                          **MEGATRON_2021)
     pred = predict(w, cluster, published, global_batch=batch)
     tflops = eq3_flops(shape, batch) / (pred.step_s * n["gpus"]) / 1e12
     t0 = time.perf_counter()
-    result = search(w, cluster, batch, virtual=(1, 2, 3, 4), zero_stages=(0,), accumulate=True)
+    result = search(w, cluster, batch, virtual=(1, 2, 3, 4), zero_stages=(0,), accumulate=True,
+                    zero_bubble=False, **MEGATRON_2021)
     seconds = time.perf_counter() - t0
     best = result.ranked[0]
     same = [(i, p) for i, p in enumerate(result.ranked)

@@ -1,4 +1,4 @@
-"""The advisor's view of a model file: its per-unit FLOPs and parameters as a
+"""The advisor's view of a model file: its per-unit FLOPs, parameters and kernels as a
 :class:`~parallelizer.advisor.workload.Workload`, captured once on the meta device."""
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 from ..compiler import analyse, measure
 from ..frontend.model_file import load_model
 from ..passes.manager import PassManager
+from .inventory import GraphInventory, requires_grad_nodes, tensor_roles
 from .workload import Workload
 
 _WORKLOADS: dict = {}
@@ -28,29 +29,57 @@ def _capture_workload(model_path: Path, seq: int | None):
     example's; 2 rather than 1 so that export keeps the batch dim dynamic) with the
     compiler's front end (:func:`parallelizer.compiler.analyse` and ``measure``: the same
     capture, attention rewrite and costs), and turn its per-unit costs, halved to one
-    sequence, into a Workload."""
+    sequence, into a Workload whose kernels (``advisor/inventory.py``) the step-time model
+    evaluates at any micro-batch size."""
     loaded = load_model(model_path, on_meta=True)
     model = loaded.model
     batch = _meta_batch(loaded.batch, seq)
     first = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
     seq = first.shape[1]
     passes = PassManager()
-    costs = measure(analyse(model, batch, Path(model_path), passes), passes).costs
-    seen, params, tied = set(), [], 0.0
+    analysis = analyse(model, batch, Path(model_path), passes)
+    cfg = getattr(model, "config", None)
+    heads = getattr(cfg, "num_attention_heads", None)
+    symbols = _symbols(analysis.gm)
+    roles, sites, notes = tensor_roles(analysis.gm.graph, heads or 1, analysis.canonical, symbols)
+    measured = measure(analysis, passes)
+    costs, partition = measured.costs, measured.partition
+    seen, params, tied, tensors = set(), [], 0.0, []
     for i, u in enumerate(costs.units):
         new = [f for f in u.params if f not in seen]
         if i == len(costs.units) - 1:
             tied = sum(costs.param_bytes[f] for f in u.params if f in seen) / 4
         seen.update(new)
         params.append(sum(costs.param_bytes[f] for f in new) / 4)   # fp32 model: 4 bytes each
-    cfg = getattr(model, "config", None)
+        tensors.append(float(len(new)))
     hidden = getattr(cfg, "hidden_size", None) or max(1, int(costs.cut_bytes[1] // (2 * seq * 4)))
-    heads = getattr(cfg, "num_attention_heads", None) or max(1, hidden // 64)
+    heads = heads or max(1, hidden // 64)
     vocab = getattr(cfg, "vocab_size", 0) or 0
+    vocab_sharded = any(r == "shard" for n, (r, _) in roles.items()
+                        if n.target is torch.ops.aten.embedding.default)
+    inventory = GraphInventory(analysis.gm, partition.unit_of, len(costs.units), roles, sites, symbols,
+                               seq, (loaded.loss_fn, analysis.captured.out_spec, loaded.batch,
+                                     "shard" if vocab_sharded else "replicated"),
+                               requires_grad_nodes(analysis.gm.graph), list(notes))
     return Workload(f"{Path(model_path).parent.name}/{Path(model_path).name}", seq, hidden, heads, vocab,
                     tuple(u.fwd_flops / 2 for u in costs.units),
                     tuple(u.bwd_flops / 2 for u in costs.units), tuple(params), tied,
-                    ends_tp_sharded=False, flash=True)
+                    ends_tp_sharded=vocab_sharded, flash=True, attention="graph",
+                    tensors=tuple(tensors), cut_bytes=tuple(c / 2 for c in costs.cut_bytes),
+                    notes=tuple(notes), source=inventory)
+
+
+def _symbols(gm) -> dict:
+    """The sympy symbols of the batch (dim 0) and sequence (dim 1) of the graph's inputs."""
+    out = {}
+    for node in gm.graph.nodes:
+        val = node.meta.get("val") if node.op == "placeholder" else None
+        if isinstance(val, torch.Tensor):
+            for dim, kind in ((0, "batch"), (1, "seq")):
+                if val.dim() > dim and isinstance(val.shape[dim], torch.SymInt):
+                    for sym in val.shape[dim].node.expr.free_symbols:
+                        out.setdefault(sym, kind)
+    return out
 
 
 def _meta_batch(batch, seq):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .capture import capture_workload
 from .cluster import load_cluster
-from .step_time import Candidate, predict
+from .step_time import Candidate, memory_of
 
 
 @dataclass(frozen=True)
@@ -52,10 +52,11 @@ def check_spec(spec, cluster, memory_bytes: float | None = None, memory_detail: 
                            f"GPUs, which tp x pp = {m.tp * m.pp} does not divide; pick tp and pp "
                            f"dividing {cluster.world}"))
     if m.tp > gpn:
+        net = (f"at {cluster.inter_node.bandwidth_gb_s:g} GB/s " if cluster.inter_node is not None
+               else "")
         out.append(Finding("warning", "mesh.tp", f"tp = {m.tp} spans {-(-m.tp // gpn)} nodes of "
-                           f"{gpn} GPUs: its all-reduces cross the network at "
-                           f"{cluster.inter_node.bandwidth_gb_s:g} GB/s instead of NVLink; use tp <= "
-                           f"{gpn} and put the rest into pp or dp"))
+                           f"{gpn} GPUs: its all-reduces cross the network {net}instead of "
+                           f"NVLink; use tp <= {gpn} and put the rest into pp or dp"))
     mb = pipe.microbatches
     if m.pp > 1 and mb < 2 * m.pp:
         bubble = (m.pp - 1) / (mb + m.pp - 1)
@@ -103,8 +104,9 @@ def run_check(model_path, spec, cluster, global_batch=None, seq=None, micro_batc
     pf = spec.fsdp.prefetch
     lay = Candidate(m.tp, m.pp, m.dp, micro_batch or 1, mbs, spec.zero_stage, pipe.virtual_stages,
                  spec.activation_checkpointing.mode != "none", m.dp_replicate,
-                 1 if pf.forward is None else pf.forward)
-    pred = predict(workload, at_precision, lay)
-    detail = ", ".join(f"{k} {v / 1e9:.1f} GB" for k, v in pred.memory.items() if k != "pp_rank")
-    detail += f", pp rank {pred.memory['pp_rank']}, micro-batch {lay.micro_batch} x {workload.seq} tokens"
-    return check_spec(spec, cluster, pred.memory_bytes, detail, global_batch, micro_batch)
+                 1 if pf.forward is None else pf.forward, pipe.schedule if m.pp > 1 else None,
+                 spec.tensor_parallel.sequence_parallel_mode != "false", spec.optimizer.name)
+    mem, parts = memory_of(workload, at_precision, lay)
+    detail = ", ".join(f"{k} {v / 1e9:.1f} GB" for k, v in parts.items() if k != "pp_rank")
+    detail += f", pp rank {parts['pp_rank']}, micro-batch {lay.micro_batch} x {workload.seq} tokens"
+    return check_spec(spec, cluster, mem, detail, global_batch, micro_batch)

@@ -1,17 +1,22 @@
-"""The cluster file: GPUs, links and achieved efficiency (YAML, pydantic-validated).
+"""The cluster file: GPUs, links and, once calibrated, what was measured on them (YAML,
+pydantic-validated).
 
     nodes: 64
     gpus_per_node: 8
     gpu: a100-80gb          # a name from GPUS, or {name, memory_gb, memory_bandwidth_gb_s, tflops: {bf16, fp16, fp32}}
     dtype: bf16             # compute dtype: which peak the step runs at
     intra_node: {bandwidth_gb_s: 300, latency_us: 3}   # per GPU, per direction (NVLink/NVSwitch)
-    inter_node: {bandwidth_gb_s: 25, latency_us: 5}    # per GPU, per direction (its NIC share)
-    efficiency: null        # achieved fraction of peak in matmuls; null = the GPU's figure
+    inter_node: {bandwidth_gb_s: 25, latency_us: 5}    # per GPU, per direction; only with nodes > 1
+    efficiency: null        # matmul efficiency at large shapes; null = the GPU's published figure
     usable_memory: 0.9      # fraction of device memory a rank may plan for
+    measured: ...           # written by `parallelize calibrate` (advisor/measured.py)
 
 Bandwidths are what one GPU can send while receiving the same (the β of a ring collective,
-Thakur et al. 2005); 1 GB = 1e9 bytes. ``efficiency`` is one number per GPU type: the
-planner never fits it per model (see ``GPU_EFFICIENCY``).
+Thakur et al. 2005); 1 GB = 1e9 bytes. ``efficiency`` is the fraction of the dense peak the
+largest matmuls reach (the planner never fits it per model): by default the GPU's maximum
+achievable matmul FLOPS as published (``advisor/compute.py``); smaller matmuls lose more to
+tile and wave quantization. A ``measured:`` section replaces the datasheet by what the
+calibration measured wherever it has a figure.
 """
 from __future__ import annotations
 
@@ -20,9 +25,11 @@ from pathlib import Path
 from typing import Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 
 from ..errors import ClusterError
+from .compute import MATMUL_EFFICIENCY
+from .measured import Measured
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
 
@@ -59,12 +66,11 @@ GPUS: dict[str, GpuType] = {g.name: g for g in (
             "1.44 TB HBM3e per board = 180 GB at 8 TB/s, NVLink 5 1.8 TB/s"),
 )}
 
-# Achieved fraction of the dense peak in the transformer's matmuls, one figure per GPU type.
-# A100: the round figure that makes the planner's prediction of Megatron-LM's own layouts
-# match SC'21 Table 1 on average (python -m benchmarks.planner prints the per-row error); the
-# other types have no published table here and take the same figure (an assumption, stated).
-GPU_EFFICIENCY = {"a100-40gb": 0.6, "a100-80gb": 0.6, "h100-sxm": 0.6, "h200": 0.6, "b200": 0.6}
-DEFAULT_EFFICIENCY = 0.6
+# Fraction of the dense peak the largest matmuls reach, per GPU type: the published maximum
+# achievable matmul FLOPS (advisor/compute.py, MATMUL_EFFICIENCY, with its source); a GPU
+# given by numbers takes DEFAULT_EFFICIENCY unless the file sets efficiency.
+GPU_EFFICIENCY = dict(MATMUL_EFFICIENCY)
+DEFAULT_EFFICIENCY = 0.8
 
 
 class Link(BaseModel):
@@ -97,21 +103,35 @@ class Cluster(BaseModel):
                                      "{name, memory_gb, memory_bandwidth_gb_s, tflops: {bf16, fp16, fp32}}")
     dtype: Literal["bf16", "fp16", "fp32"] = Field("bf16", description="one of 'bf16', 'fp16', 'fp32'")
     intra_node: Optional[Link] = None   # None: the GPU's NVLink figure, 3 us
-    inter_node: Link
+    inter_node: Optional[Link] = None   # needed only when nodes > 1
     efficiency: Optional[float] = Field(None, gt=0, le=1, description="null or a number in (0, 1]")
+    measured: Optional[Measured] = None
     usable_memory: float = Field(0.9, gt=0, le=1, description="a number in (0, 1] (fraction of "
                                  "device memory a rank may plan for; the rest: CUDA context, NCCL "
                                  "buffers, allocator fragmentation)")
 
     @model_validator(mode="after")
-    def _known_gpu(self) -> "Cluster":
+    def _known_gpu(self, info: ValidationInfo) -> "Cluster":
         if isinstance(self.gpu, str) and self.gpu.lower() not in GPUS:
             raise ValueError(f"gpu: unknown GPU '{self.gpu}'; use one of {', '.join(GPUS)} or give "
                              f"{{name, memory_gb, tflops: {{bf16, fp16, fp32}}}} and intra_node")
-        if not isinstance(self.gpu, str) and self.intra_node is None:
+        if (info.context or {}).get("calibrating"):  # calibrate measures the links itself
+            return self
+        if (not isinstance(self.gpu, str) and self.intra_node is None and self.gpus_per_node > 1
+                and not self._measured("intra_node")):
             raise ValueError("intra_node: a GPU given by numbers needs intra_node "
-                             "{bandwidth_gb_s, latency_us} (there is no NVLink figure to default to)")
+                             "{bandwidth_gb_s, latency_us} (there is no NVLink figure to default to), "
+                             "or a measured: section from `parallelize calibrate`")
+        if self.nodes > 1 and self.inter_node is None and not self._measured("inter_node"):
+            raise ValueError(f"inter_node is missing: a cluster of {self.nodes} nodes needs inter_node: "
+                             f"{{bandwidth_gb_s: B, latency_us: L}} (the network per GPU per "
+                             f"direction, e.g. {{bandwidth_gb_s: 25, latency_us: 5}} for one "
+                             f"200 Gb/s NIC per GPU), or a measured: section from `parallelize "
+                             f"calibrate` on {self.nodes} nodes; a one-node cluster needs none")
         return self
+
+    def _measured(self, scope: str) -> bool:
+        return self.measured is not None and bool(self.measured.collectives.get(scope))
 
     @property
     def world(self) -> int:
@@ -132,8 +152,11 @@ class Cluster(BaseModel):
     @property
     def peak_flops(self) -> float:
         """Dense peak FLOP/s of one GPU in ``dtype``."""
+        return self.peak_flops_for(self.dtype)
+
+    def peak_flops_for(self, dtype: str) -> float:
         table = GPUS[self.gpu_name].tflops if isinstance(self.gpu, str) else self.gpu.tflops.model_dump()
-        return table[self.dtype] * 1e12
+        return table[dtype] * 1e12
 
     @property
     def hbm_bytes_per_s(self) -> float:
@@ -141,23 +164,29 @@ class Cluster(BaseModel):
         return gb * 1e9
 
     @property
-    def achieved_efficiency(self) -> float:
+    def matmul_efficiency(self) -> float:
+        """Fraction of the dense peak the largest matmuls reach (module docstring)."""
         if self.efficiency is not None:
             return self.efficiency
         return GPU_EFFICIENCY.get(self.gpu_name, DEFAULT_EFFICIENCY)
 
+    achieved_efficiency = matmul_efficiency
+
     def link(self, group: int, stride: int) -> Link:
         """The link a collective over ``group`` ranks ``stride`` apart crosses (ranks
         numbered node by node): NVLink when the group fits in one node, else the network."""
-        if group <= 1 or group * stride <= self.gpus_per_node:
+        if group <= 1 or group * stride <= self.gpus_per_node or self.inter_node is None:
             if self.intra_node is not None:
                 return self.intra_node
-            return Link(bandwidth_gb_s=GPUS[self.gpu_name].nvlink_gb_s, latency_us=3.0)
+            if isinstance(self.gpu, str):
+                return Link(bandwidth_gb_s=GPUS[self.gpu_name].nvlink_gb_s, latency_us=3.0)
+            return Link(bandwidth_gb_s=self.gpu.memory_bandwidth_gb_s, latency_us=3.0)
         return self.inter_node
 
 
-def load_cluster(path: str | Path) -> Cluster:
-    """Read and validate a cluster YAML file.
+def load_cluster(path: str | Path, calibrating: bool = False) -> Cluster:
+    """Read and validate a cluster YAML file (``calibrating``: without the links that
+    ``parallelize calibrate`` is about to measure).
 
     Raises:
         ClusterError: missing or unreadable file, bad YAML, an unknown key, a wrong type or
@@ -166,7 +195,8 @@ def load_cluster(path: str | Path) -> Cluster:
     path = Path(path)
     if not path.is_file():
         raise ClusterError(f"cluster file {path} does not exist (or is not a file); pass a YAML "
-                           f"file with nodes, gpus_per_node, gpu, inter_node (see specs/clusters/)")
+                           f"file with nodes, gpus_per_node, gpu (and inter_node for several nodes; see "
+                           f"specs/clusters/)")
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
@@ -176,13 +206,13 @@ def load_cluster(path: str | Path) -> Cluster:
                            f"{getattr(e, 'problem', None) or e}") from None
     if not isinstance(data, dict):
         raise ClusterError(f"cluster file {path} must be a YAML mapping, got {type(data).__name__}")
-    return cluster_from_dict(data, str(path))
+    return cluster_from_dict(data, str(path), calibrating)
 
 
-def cluster_from_dict(data: dict, where: str = "cluster") -> Cluster:
+def cluster_from_dict(data: dict, where: str = "cluster", calibrating: bool = False) -> Cluster:
     """Validate ``data``. Raises ClusterError naming each bad key."""
     try:
-        return Cluster.model_validate(data)
+        return Cluster.model_validate(data, context={"calibrating": calibrating})
     except ValidationError as e:
         msgs = []
         for d in e.errors(include_url=False):

@@ -7,15 +7,16 @@ cluster's GPUs and whose global batch splits exactly; those that fit each rank's
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import UserError
 from .cluster import Cluster
-from .step_time import Candidate, Prediction, predict, rank_stats
+from .step_time import Candidate, Prediction, memory_of, predict, rank_stats
 from .workload import Workload
 
-TERM_NAMES = {"compute": "compute", "bubble": "pipeline bubble", "tp": "tensor-parallel all-reduces",
-              "pp": "pipeline sends", "dp": "data-parallel communication"}
+TERM_NAMES = {"compute": "compute", "bubble": "pipeline bubble", "tp": "tensor-parallel collectives",
+              "pp": "pipeline sends", "pp_runtime": "pipeline runtime per action", "dp": "data-parallel communication", "optimizer": "optimizer step",
+              "other": "loss and tied-weight all-reduces"}
 
 
 @dataclass(frozen=True)
@@ -31,11 +32,23 @@ def divisors(n: int) -> list[int]:
 
 
 def candidates(w: Workload, cluster: Cluster, global_batch: int, zero_stages=(0, 1, 2, 3),
-               max_micro_batch: int = 16, virtual=(1, 2, 4), accumulate: bool = False):
+               max_micro_batch: int = 16, virtual=(1, 2, 4), accumulate: bool = False,
+               zero_bubble: bool = True, **fields):
     """Every layout the search considers (see the module docstring). Micro-batching: at
     pp = 1 one microbatch per step unless ``accumulate`` (parallelizer's runtime runs no
     gradient accumulation at pp = 1; Megatron-LM does); at pp > 1 M >= pp, and M a
-    multiple of pp when interleaved (Narayanan et al. 2021, §2.2.2)."""
+    multiple of pp when interleaved (Narayanan et al. 2021, §2.2.2); micro-batch sizes up to
+    ``max_micro_batch`` where there is a choice. Schedules: 1F1B,
+    interleaved 1F1B with v > 1 and, with ``zero_bubble``, ZB-V at v = 2 (Qi et al. 2024).
+    ``fields``: Candidate fields every layout takes (e.g. ``sequence_parallel=False``)."""
+    for lay in _candidates(w, cluster, global_batch, zero_stages, max_micro_batch, virtual, accumulate):
+        lay = replace(lay, **fields) if fields else lay
+        yield lay
+        if zero_bubble and lay.pp > 1 and lay.virtual_stages == 2:
+            yield replace(lay, schedule_name="zbv")
+
+
+def _candidates(w, cluster, global_batch, zero_stages, max_micro_batch, virtual, accumulate):
     world, gpn = cluster.world, cluster.gpus_per_node
     for tp in divisors(world):
         if w.heads % tp or tp > max(gpn, 1) * 2:
@@ -47,9 +60,12 @@ def candidates(w: Workload, cluster: Cluster, global_batch: int, zero_stages=(0,
             if global_batch % dp:
                 continue
             per_dp = global_batch // dp
-            for micro in divisors(per_dp):
+            # pp = 1 without accumulation: the step is one microbatch of every sequence a dp
+            # rank gets, whatever its size (memory decides); otherwise sizes up to the cap
+            micros = [per_dp] if pp == 1 and not accumulate else divisors(per_dp)
+            for micro in micros:
                 m = per_dp // micro
-                if micro > max_micro_batch or (pp == 1 and m != 1 and not accumulate) or (pp > 1 and m < pp):
+                if (micro > max_micro_batch and len(micros) > 1) or (pp > 1 and m < pp):
                     continue
                 for v in virtual if pp > 1 else (1,):
                     if v > 1 and (m % pp or pp * v > w.layers):
@@ -90,35 +106,90 @@ def search(w: Workload, cluster: Cluster, global_batch: int, fix: dict | None = 
     stats_cache: dict = {}
     fitting, considered, smallest = [], 0, None
     mem_cap = cluster.usable_memory_bytes
+    smallest_mem = None
     for lay in candidates(w, cluster, global_batch, **options):
         if fix and any(getattr(lay, k) != v for k, v in fix.items()):
             continue
-        key = (lay.pp, lay.virtual_stages)
+        key = (lay.pp, lay.virtual_stages, lay.schedule)
         if key not in stats_cache:
-            stats_cache[key] = rank_stats(w, lay.pp, lay.virtual_stages)
-        pred = predict(w, cluster, lay, stats_cache[key], global_batch)
+            stats_cache[key] = rank_stats(w, lay.pp, lay.virtual_stages, lay.schedule)
         considered += 1
-        if smallest is None or pred.memory_bytes < smallest.memory_bytes:
-            smallest = pred
-        if pred.memory_bytes <= mem_cap:
-            fitting.append(pred)
-    if not considered and fix:
-        raise UserError(f"no layout has {fix} for --global-batch {global_batch} on {cluster.world} "
-                        f"GPUs (degrees must multiply to the GPUs, dp x microbatches x micro-batch "
-                        f"size to the batch); loosen --fix")
+        mem = memory_of(w, cluster, lay, stats_cache[key])[0]
+        if mem <= mem_cap:
+            fitting.append(predict(w, cluster, lay, stats_cache[key], global_batch, screen=True))
+        elif smallest_mem is None or mem < smallest_mem[0]:
+            smallest_mem = (mem, lay, stats_cache[key])
+    if smallest_mem is not None and not fitting:
+        smallest = predict(w, cluster, smallest_mem[1], smallest_mem[2], global_batch)
     if not considered:
-        raise UserError(f"no layout splits --global-batch {global_batch} over {cluster.world} GPUs "
-                        f"(dp must divide the batch, tp the {w.heads} heads, pp <= {w.layers} "
-                        f"blocks); use a global batch divisible by a larger power of two")
+        near = nearest_batches(w, cluster, global_batch, fix, **options)
+        hint = (f"; the nearest global batches that do: {' or '.join(map(str, near))}" if near
+                else "; loosen --fix" if fix else "")
+        what = f"no layout has {_fix_text(fix)}" if fix else "no layout splits"
+        raise UserError(f"{what} for --global-batch {global_batch} on {cluster.world} GPUs "
+                        f"(degrees multiply to the GPUs; dp x microbatches x micro-batch size is "
+                        f"the batch; tp divides the {w.heads} heads; pp <= {w.layers} blocks){hint}")
     if not fitting:
         s = smallest
         raise UserError(f"no layout fits {cluster.usable_memory_bytes / 1e9:.4g} GB per GPU (usable_memory "
                         f"{cluster.usable_memory:g} of {cluster.memory_bytes / 1e9:.4g} GB): the smallest, "
                         f"{s.candidate.short()}, needs {s.memory_bytes / 1e9:.4g} GB on its fullest rank; "
                         f"add GPUs (nodes), use a GPU with more memory, or a smaller model")
-    # ties (communication fully hidden in both) go to the layout that sends less, then uses less memory
-    fitting.sort(key=lambda p: (p.step_s, sum(p.volumes.values()), p.memory_bytes))
-    return SearchResult(fitting, considered, len(fitting), smallest)
+    fitting.sort(key=lambda p: p.step_s)
+    fitting = _retime(w, cluster, fitting, stats_cache, global_batch)
+    return SearchResult(_break_ties(fitting), considered, len(fitting), smallest)
+
+
+SCREEN_KEEP = 48        # layouts re-timed on their own stage costs after the screen
+SCREEN_MARGIN = 0.15    # ... and every one within this fraction of the screen's best
+
+
+def _retime(w, cluster, screened: list, stats_cache: dict, global_batch) -> list:
+    """The screen's leaders predicted again with each stage's own costs (the screen times a
+    pipeline as if every stage were the busiest, which can only overestimate it), ranked."""
+    if not screened:
+        return screened
+    cut = screened[0].step_s * (1 + SCREEN_MARGIN)
+    n = max(SCREEN_KEEP, sum(1 for p in screened if p.step_s <= cut))
+    lead = [p if p.candidate.pp == 1 else
+            predict(w, cluster, p.candidate, stats_cache[(p.candidate.pp, p.candidate.virtual_stages,
+                                                          p.candidate.schedule)], global_batch)
+            for p in screened[:n]]
+    lead.sort(key=lambda p: p.step_s)
+    return lead + screened[n:]
+
+
+def _break_ties(ranked: list) -> list:
+    """Layouts with the same step time (communication fully hidden in both) ordered by what
+    each GPU sends, then by memory."""
+    out, i = [], 0
+    while i < len(ranked):
+        j = i + 1
+        while j < len(ranked) and ranked[j].step_s <= ranked[i].step_s * (1 + 1e-12):
+            j += 1
+        group = ranked[i:j]
+        if len(group) > 1:
+            group.sort(key=lambda p: (sum(p.volumes.values()), p.memory_bytes))
+        out += group
+        i = j
+    return out
+
+
+def _fix_text(fix: dict) -> str:
+    back = {v: k for k, v in FIX_KEYS.items()}
+    return ",".join(f"{back.get(k, k)}={int(v)}" for k, v in fix.items())
+
+
+def nearest_batches(w: Workload, cluster: Cluster, global_batch: int, fix: dict | None,
+                    span: int = 4096, **options) -> list[int]:
+    """The closest global batch below and above ``global_batch`` that some layout (with the
+    ``fix`` values) splits exactly: dp x microbatches x micro-batch size."""
+    def splits(batch: int) -> bool:
+        return batch > 0 and any(not fix or all(getattr(lay, k) == v for k, v in fix.items())
+                                 for lay in candidates(w, cluster, batch, **options))
+    below = next((b for b in range(global_batch - 1, max(0, global_batch - span), -1) if splits(b)), None)
+    above = next((b for b in range(global_batch + 1, global_batch + span) if splits(b)), None)
+    return [b for b in (below, above) if b is not None]
 
 
 def why(pred: Prediction, runner_up: Prediction | None) -> str:

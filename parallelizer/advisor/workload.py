@@ -39,6 +39,11 @@ class Workload:
     flash: bool = False               # attention scores not stored (fused SDPA)
     tp_allreduces_per_block: int = 2  # Megatron f/g: attention + MLP (forward; backward again)
     notes: tuple[str, ...] = field(default=())
+    attention: str = "graph"          # flash | eager (a shape), graph (what the model file runs)
+    tensors: tuple[float, ...] = ()   # parameter tensors per unit
+    cut_bytes: tuple[float, ...] = () # fp32 bytes per sequence crossing each unit boundary
+    # per-unit kernels at any micro-batch size: .units(b) -> tuple of inventory.UnitKernels
+    source: object = field(default=None, compare=False, hash=False, repr=False)
 
     @property
     def layers(self) -> int:
@@ -56,14 +61,17 @@ class Workload:
             total += sum(self.fwd_flops[1:-1])
         return total * sequences
 
-    def layer_activation_bytes(self, tp: int, recompute: bool, elem: int = 2) -> float:
+    def layer_activation_bytes(self, tp: int, recompute: bool, elem: int = 2,
+                               sequence_parallel: bool = False) -> float:
         """Saved activations of one block for one sequence on one tp rank (Korthikanti et
-        al. 2022, Table 2), scaled from their 16-bit activations to ``elem`` bytes."""
+        al. 2022, Table 2: ``10 + 24/t`` without sequence parallelism, ``34/t`` with it),
+        scaled from their 16-bit activations to ``elem`` bytes."""
         s, h, a = self.seq, self.hidden, self.heads
         if recompute:
-            return 2 * s * h * elem / 2
+            return 2 * s * h * elem / 2 / (tp if sequence_parallel else 1)
         scores = 0 if self.flash else 5 * a * s / (h * tp)
-        return s * h * (10 + 24 / tp + scores) * elem / 2
+        replicated = 10 / tp if sequence_parallel else 10
+        return s * h * (replicated + 24 / tp + scores) * elem / 2
 
     def logits_bytes(self, tp: int) -> float:
         """The LM head's output kept for the loss: fp32 logits of one sequence."""
@@ -99,9 +107,16 @@ def parse_shape(text: str) -> dict:
     return out
 
 
-def from_shape(shape: dict, name: str = "") -> Workload:
+ATTENTION = ("flash", "eager")
+
+
+def from_shape(shape: dict, name: str = "", attention: str = "flash") -> Workload:
     """A GPT/Llama-style decoder of ``shape`` (see :func:`parse_shape`); GPT by default
     (ffn = 4 h, no gating, kv_heads = heads, learned positions, tied embedding).
+    ``attention``: ``flash`` (fused SDPA / FlashAttention: the scores are neither stored for
+    backward nor written to memory) or ``eager`` (scores, softmax and dropout materialised,
+    Korthikanti's 5 a s / h term stored; Megatron-LM in 2021). Its kernels:
+    :mod:`parallelizer.advisor.shape_kernels`.
 
     Forward FLOPs per block and sequence: 2 x (matmul parameters) x s + 4 s^2 h (attention
     scores and context), which for GPT is eq. 3's 24 s h^2 (1 + s / 6h); backward twice the
@@ -123,7 +138,14 @@ def from_shape(shape: dict, name: str = "") -> Workload:
     head = float(2 * h + (V * h if glu else 0))
     params = (float(embed),) + (float(block_params),) * L + (head,)
     label = name or f"shape {','.join(f'{k}={v}' for k, v in shape.items())}"
-    return Workload(label, s, h, a, V, fwd, bwd, params, tied_params=0.0 if glu else float(V * h))
+    if attention not in ATTENTION:
+        raise UserError(f"attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
+    from .shape_kernels import ShapeKernels
+    per_block = 9.0 if glu else 12.0   # weights (+ biases) and norm parameters
+    tensors = ((1.0 if glu else 2.0),) + (per_block,) * L + ((2.0 if glu else 2.0),)
+    return Workload(label, s, h, a, V, fwd, bwd, params, tied_params=0.0 if glu else float(V * h),
+                    flash=attention == "flash", attention=attention, tensors=tensors,
+                    cut_bytes=(4.0 * s * h,) * (L + 1), source=ShapeKernels(dict(shape), attention))
 
 
 def eq3_flops(shape: dict, batch: int) -> float:

@@ -6,6 +6,7 @@
     parallelize estimate MODEL SPEC [--json] [KEY=VALUE ...] | --params PSI --dp N
     parallelize plan MODEL SPEC --cluster C.yaml --global-batch B ... | --model-shape ...
     parallelize check MODEL SPEC --cluster C.yaml [--global-batch B]
+    torchrun --nproc-per-node G -m parallelizer calibrate --cluster C.yaml [--thorough]
 
 A user error (:class:`parallelizer.errors.UserError`) prints ``error: <message>`` to stderr
 and exits with 2; anything else is a bug in parallelizer and keeps its traceback.
@@ -54,9 +55,10 @@ def _estimate(argv: list[str]) -> int:
 
 
 SUBCOMMANDS["estimate"] = _estimate
-SUBCOMMANDS.update({  # the layout planner (parallelizer/cli/plan.py)
+SUBCOMMANDS.update({  # the layout planner (parallelizer/cli/plan.py, cli/calibrate.py)
     "plan": _lazy("parallelizer.cli.plan", "plan_main"),
     "check": _lazy("parallelizer.cli.plan", "check_main"),
+    "calibrate": _lazy("parallelizer.cli.calibrate", "main"),
 })
 
 

@@ -22,6 +22,7 @@ import yaml
 
 from ..advisor.capture import capture_workload
 from ..advisor.check import run_check
+from ..advisor.explain import REP_LEGEND, explain, sources_line
 from ..advisor.layout_spec import exact_memory, layout_spec
 from ..errors import ModelFileError, UserError
 
@@ -42,12 +43,19 @@ def _plan_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--model-shape", metavar="layers=..,hidden=..", help="a GPT/Llama-style shape "
                    "instead of MODEL SPEC: layers, hidden, heads, vocab, seq[, ffn, kv_heads, glu]")
+    p.add_argument("--attention", choices=("flash", "eager"), default=None, help="with "
+                   "--model-shape: how attention runs: flash (default: a fused SDPA / FlashAttention "
+                   "kernel, scores not stored) or eager (scores, softmax and dropout materialised)")
+    p.add_argument("--explain", type=int, nargs="?", const=1, metavar="K", help="print the time "
+                   "breakdown of layout #K (default 1): compute, each collective, bubble, exposed "
+                   "communication")
     p.add_argument("--top", type=int, default=5, metavar="K", help="layouts to print (default 5)")
     p.add_argument("-o", "--out", type=Path, metavar="spec.yaml", help="write the best layout as a spec")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--tokens", type=float, metavar="T", help="training tokens: add days to train")
     p.add_argument("--fix", metavar="tp=..,pp=..", help="keep only layouts with these values "
-                   "(keys tp, pp, dp, zero, mb, m, v, ac, rep), e.g. --fix tp=1,pp=1,zero=3")
+                   "(keys tp, pp, dp, zero, mb, m, v, ac, rep; rep=R: HSDP with R replica groups), "
+                   "e.g. --fix tp=1,pp=1,zero=3")
     p.add_argument("--exact", action="store_true", help="also compile the best layout on the meta "
                    "device and print the exact per-rank memory estimate beside the analytical one")
     return p
@@ -69,12 +77,18 @@ def plan_main(argv: list[str]) -> int:
         shape = parse_shape(ns.model_shape)
         if ns.seq:
             shape["seq"] = ns.seq
-        workload, options = from_shape(shape), {"accumulate": True}
+        workload = from_shape(shape, attention=ns.attention or "flash")
+    elif ns.attention is not None:
+        raise UserError(f"--attention {ns.attention} goes with --model-shape: a model file's "
+                        f"attention is what its graph runs; drop --attention")
     else:
         spec = _load(ns)
         workload = capture_workload(ns.model, ns.seq)
-        # the runtime computes in bf16/fp16 only under FSDP2 (spec: mixed_precision needs 2/3)
-        options = {"zero_stages": (0, 1, 2, 3) if cluster.dtype == "fp32" else (2, 3)}
+    # what the runtime executes: bf16/fp16 only under FSDP2 (the spec's mixed_precision needs
+    # ZeRO 2/3), one microbatch at pp = 1 (run.py has no gradient accumulation)
+    options = {"zero_stages": (0, 1, 2, 3) if cluster.dtype == "fp32" else (2, 3), "accumulate": False}
+    if spec is not None:
+        options["sequence_parallel"] = spec.tensor_parallel.sequence_parallel_mode != "false"
     result = search(workload, cluster, ns.global_batch, fix=parse_fix(ns.fix), **options)
     if spec is not None:
         result = _runnable(result)
@@ -85,17 +99,20 @@ def plan_main(argv: list[str]) -> int:
     if ns.out is not None:
         ns.out.write_text(yaml.safe_dump(layout_spec(spec, top[0].candidate, cluster), sort_keys=False))
     if ns.json:
-        print(json.dumps({"model": workload.name, "cluster": cluster.model_dump(mode="json"),
+        print(json.dumps({"model": workload.name, "cluster": cluster.model_dump(mode="json", exclude={"measured"}),
+                          "calibrated": None if cluster.measured is None else
+                          {"date": cluster.measured.date, "device": cluster.measured.device},
+                          "figures": sources_line(cluster, workload), "attention": workload.attention,
                           "considered": result.considered, "fitting": result.fitting,
                           "layouts": rows, "exact_memory": exact}, indent=1))
         return 0
     n = workload.param_count
     count = f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n:,.0f}"
     print(f"{workload.name}: {count} parameters, {cluster.world} x "
-          f"{cluster.gpu_name} ({cluster.dtype}, efficiency {cluster.achieved_efficiency:g}), "
+          f"{cluster.gpu_name} ({cluster.dtype}), "
           f"global batch {ns.global_batch} x {workload.seq} tokens; {result.considered} layouts "
           f"considered, {result.fitting} fit {_gb(cluster.usable_memory_bytes / 1e9)} "
-          f"(usable_memory {cluster.usable_memory:g})")
+          f"(usable_memory {cluster.usable_memory:g})\n{sources_line(cluster, workload)}")
     for i, r in enumerate(rows):
         days = f", {r['days']:.1f} days for {ns.tokens:.3g} tokens" if ns.tokens else ""
         print(f"#{i + 1} {r['layout']}: step {r['step_s']:.3g} s, {r['tokens_per_s']:,.0f} tokens/s, "
@@ -103,6 +120,11 @@ def plan_main(argv: list[str]) -> int:
               f"{_gb(r['memory_gb'])}{days}\n   terms: {r['terms_text']}\n   sent per GPU: "
               f"{_volumes(r['comm_gb_per_gpu'])}\n   memory: {_volumes(r['memory_parts_gb'])}\n"
               f"   why: {r['why']}")
+    if any(p.candidate.dp_replicate > 1 for p in top):
+        print(REP_LEGEND)
+    if ns.explain:
+        k = min(max(1, ns.explain), len(result.ranked))
+        print(explain(result.ranked[k - 1], k))
     if exact:
         print(f"exact estimate of #1 (compiled on the meta device): fullest rank {_gb(exact['exact_gb'])} "
               f"vs analytical {_gb(exact['analytic_gb'])} ({exact['ratio']:.2f}x)")
@@ -146,9 +168,11 @@ def _row(p, cluster, tokens, why_text) -> dict:
            "step_s": p.step_s, "tokens_per_s": p.tokens_per_s, "tflops_per_gpu": p.tflops_per_gpu,
            "mfu": p.mfu, "memory_gb": p.memory_bytes / 1e9,
            "memory_parts_gb": {k: v / 1e9 for k, v in p.memory.items() if k != "pp_rank"},
-           "terms_s": p.terms, "why": why_text,
+           "terms_s": p.terms, "why": why_text, "breakdown": p.breakdown,
+           "schedule": lay.schedule if lay.pp > 1 else None,
+           "sequence_parallel": lay.sequence_parallel and lay.tp > 1,
            "comm_gb_per_gpu": {k: v / 1e9 for k, v in p.volumes.items()},
-           "terms_text": ", ".join(f"{k} {v:.3g} s" for k, v in p.terms.items() if v)}
+           "terms_text": ", ".join(f"{k} {v:.3g} s" for k, v in p.terms.items() if abs(v) > 1e-6 * p.step_s)}
     if tokens:
         row["days"] = tokens / p.tokens_per_s / 86400
     return row

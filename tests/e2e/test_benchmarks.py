@@ -96,3 +96,28 @@ def test_device_cuda_without_gpu_is_a_clear_error(tmp_path):
     p = subprocess.run([sys.executable, "-m", "benchmarks.step_time", "--device", "cuda"], cwd=REPO, env=ENV,
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "--device cuda needs a CUDA GPU" in p.stderr and "--device cpu" in p.stderr
+
+
+def test_planner_vs_measured_predicts_the_layouts_it_compiles():
+    # what the benchmark predicts is what the overrides compile: same degrees, ZeRO stage,
+    # microbatches, schedule, checkpointing, optimizer and sequence parallelism; >= 8 layouts
+    # on <= 4 ranks, covering tp, pp, dp, ZeRO, microbatches and checkpointing
+    from benchmarks.planner_vs_measured import BATCH, LAYOUTS, SPEC, candidate, kendall_tau, overrides
+    from parallelizer.frontend.spec import load_spec
+    assert len(LAYOUTS) >= 8
+    for name, layout in LAYOUTS.items():
+        spec, c = load_spec(SPEC, overrides(layout)), candidate(layout)
+        m = spec.mesh
+        assert (m.tp, m.pp, m.dp) == (c.tp, c.pp, c.dp) and c.world <= 4, name
+        assert spec.zero_stage == c.zero_stage and spec.optimizer.name == c.optimizer, name
+        assert (spec.activation_checkpointing.mode != "none") == c.recompute, name
+        assert spec.tensor_parallel.sequence_parallel_mode != "false" and c.sequence_parallel, name
+        if c.pp > 1:
+            assert (spec.pipeline.microbatches, spec.pipeline.virtual_stages, spec.pipeline.schedule) == \
+                (c.microbatches, c.virtual_stages, c.schedule), name
+        assert c.micro_batch * c.microbatches * c.dp == BATCH, name
+    kinds = list(LAYOUTS.values())
+    assert {k[0] > 1 for k in kinds} == {k[1] > 1 for k in kinds} == {k[2] > 1 for k in kinds} == {True, False}
+    assert {k[3] for k in kinds} >= {0, 1, 3} and any(k[6] for k in kinds) and len({k[4] for k in kinds}) >= 3
+    assert kendall_tau([1, 2, 3, 4], [10, 20, 30, 40]) == 1.0
+    assert kendall_tau([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(2 / 3)

@@ -8,7 +8,7 @@ import pytest
 from parallelizer.errors import UserError
 from parallelizer.advisor.cluster import cluster_from_dict
 from parallelizer.advisor.search import search, why
-from parallelizer.advisor.step_time import Candidate, predict
+from parallelizer.advisor.step_time import Candidate, predict, step_model
 from parallelizer.advisor.workload import from_shape, parse_shape
 
 A100 = dict(nodes=4, gpus_per_node=8, gpu="a100-80gb", inter_node={"bandwidth_gb_s": 25, "latency_us": 5})
@@ -22,8 +22,12 @@ def test_pipeline_bubble_and_memory_follow_the_schedule():
     w = from_shape(parse_shape("layers=16,hidden=4096,heads=32,vocab=51200,seq=2048"))
     c = cluster_from_dict(A100)
     p4 = predict(w, c, Candidate(1, 4, 8, 1, 16))
-    t_mb = (p4.terms["compute"] + p4.terms["pp"] + p4.terms["tp"]) / 16
-    assert p4.terms["bubble"] == pytest.approx(3 * t_mb)        # (p-1) t_mb: 3 / (16 + 3) of 1F1B
+    # 1F1B: the busiest rank (the last: four blocks, the head and the loss) idles while the
+    # other p - 1 stages fill and drain, one microbatch's forward and backward each
+    model = step_model(w, c)
+    costs = [model.stages.stage(r, 1, 1, False, False) for r in model.parts(4)]
+    assert p4.breakdown["busiest_pp_rank"] == 3
+    assert p4.terms["bubble"] == pytest.approx(sum(s.fwd_s + s.bwd_s for s in costs[:3]), rel=1e-3)
     inter = predict(w, c, Candidate(1, 4, 8, 1, 16, virtual_stages=2))
     assert inter.terms["bubble"] < p4.terms["bubble"] * 0.55    # (p-1)/v
     z = [predict(w, c, Candidate(1, 1, 32, 1, 1, zero_stage=s)).memory["states"] for s in (0, 1, 3)]

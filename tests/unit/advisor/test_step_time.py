@@ -33,11 +33,15 @@ def test_shape_flops_are_eq3_and_parameters_are_gpt3():
 
 
 def test_korthikanti_activation_forms():
-    w = from_shape(parse_shape("layers=2,hidden=1024,heads=16,vocab=1000,seq=512"))
+    shape = parse_shape("layers=2,hidden=1024,heads=16,vocab=1000,seq=512")
+    w = from_shape(shape, attention="eager")      # scores materialised: Korthikanti's form
     s, h, a = 512, 1024, 16
     assert w.layer_activation_bytes(1, False) == pytest.approx(s * h * (34 + 5 * a * s / h))
     assert w.layer_activation_bytes(4, False) == pytest.approx(s * h * (10 + 24 / 4 + 5 * a * s / (h * 4)))
     assert w.layer_activation_bytes(4, True) == pytest.approx(2 * s * h)
+    flash = from_shape(shape)                      # the default: fused attention, no scores
+    assert flash.attention == "flash"
+    assert flash.layer_activation_bytes(1, False) == pytest.approx(s * h * 34)
 
 
 @pytest.mark.parametrize("text, words", [
