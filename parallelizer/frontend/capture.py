@@ -8,6 +8,9 @@ both routes end in the same IR.
 """
 from __future__ import annotations
 
+import operator
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,7 +81,75 @@ def capture(model: torch.nn.Module, batch: tuple | dict, model_file: Path) -> Ca
     names = tuple(kwargs) if kwargs else tuple(
         n.name for n in gm.graph.nodes if n.op == "placeholder")
     _to_flat_calling(gm)
+    _inline_no_grad_regions(gm)
+    _refuse_subgraphs(gm, model_file)
     return Captured(gm, names, bool(kwargs), out_spec, route)
+
+
+def _inline_no_grad_regions(gm: torch.fx.GraphModule) -> None:
+    """Inline the subgraphs torch.export keeps for ``torch.no_grad()`` regions of forward
+    (``wrap_with_set_grad_enabled(False, submod, *args)``), their outputs detached: the same
+    values, none of them carrying gradient, as the region computed them. Every planner and
+    pass then reads one flat graph of ATen ops."""
+    from torch._higher_order_ops.wrap import wrap_with_set_grad_enabled
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not wrap_with_set_grad_enabled \
+                or node.args[0] is not False:
+            continue
+        attr = node.args[1]
+        sub = getattr(gm, attr.target)
+        env, outs = {}, None
+        with graph.inserting_before(node):
+            args = iter(node.args[2:])
+            for n in sub.graph.nodes:
+                if n.op == "placeholder":
+                    env[n] = next(args)
+                elif n.op == "output":
+                    outs = n.args[0]
+                elif n.op == "get_attr":
+                    env[n] = graph.get_attr(n.target)
+                else:
+                    env[n] = graph.node_copy(n, lambda a: env[a])
+            detached = [_detach(graph, env[o]) for o in outs]
+        for user in list(node.users):
+            assert user.target is operator.getitem, user  # export unpacks the region's tuple
+            user.replace_all_uses_with(detached[user.args[1]])
+            graph.erase_node(user)
+        graph.erase_node(node)
+        if not attr.users:
+            graph.erase_node(attr)
+            delattr(gm, attr.target)
+    graph.lint()
+    gm.recompile()
+
+
+def _detach(graph: torch.fx.Graph, value: torch.fx.Node) -> torch.fx.Node:
+    out = graph.call_function(torch.ops.aten.detach.default, (value,))
+    out.meta = {**value.meta}
+    return out
+
+
+def _refuse_subgraphs(gm: torch.fx.GraphModule, model_file: Path) -> None:
+    """Refuse a higher-order op that calls a subgraph (a ``torch.autograd.Function``,
+    ``torch.cond``, an autocast region, as torch.export keeps them): the planners read one
+    flat graph of ATen ops, and no sharding rule covers a subgraph.
+
+    Raises:
+        CaptureError: names the op, the model line and the fix.
+    """
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and isinstance(getattr(gm, node.target, None), torch.nn.Module):
+            user = next(iter(node.users), node)
+            frames = re.findall(r'File "([^"]+)", line (\d+)', user.meta.get("stack_trace") or "")
+            line = next((f"{os.path.basename(f)}:{n}" for f, n in reversed(frames)
+                         if f"{os.sep}torch{os.sep}" not in f and not f.startswith("<")), "")
+            raise CaptureError(
+                f"{model_file}: the model calls {getattr(user.target, '__name__', user.target)} on "
+                f"a subgraph{f' at {line}' if line else ''} (a torch.autograd.Function, torch.cond "
+                f"or an autocast region, as torch.export keeps it); parallelizer rewrites one flat "
+                f"graph of ATen ops: write that code as plain tensor operations, or leave it to "
+                f"eager mode outside the model's forward")
 
 
 def _to_flat_calling(gm: torch.fx.GraphModule) -> None:

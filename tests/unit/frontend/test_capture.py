@@ -171,3 +171,78 @@ def test_captured_graph_has_metadata_the_passes_need(two_inputs_model):
     # the guard call and the pytree codegen are gone: flat in, flat tuple out
     assert not any(n.op == "call_module" for n in cap.gm.graph.nodes)
     assert isinstance(cap.gm.graph.output_node().args[0], tuple)
+
+
+# --- capture: regions torch.export keeps as subgraphs ----------------------------------------
+
+NO_GRAD_REGION = """
+import torch
+from torch import nn
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        with torch.no_grad():
+            scale = h.abs().amax(-1, keepdim=True) + 1.0
+        return self.out(h / scale)
+
+def build_model():
+    return Model()
+
+def example_inputs():
+    return (torch.randn(2, 3, 8),)
+"""
+
+
+def test_a_no_grad_region_is_inlined_with_its_gradients_as_eager(tmp_path):
+    path = write(tmp_path, NO_GRAD_REGION)
+    module = load_model_file(path)
+    torch.manual_seed(0)
+    model = build_model(module, on_meta=False).train()
+    (x,) = example_batch(module)
+    gm = capture(model, (x,), path).gm
+    assert not [n for n in gm.graph.nodes if n.op == "get_attr" and not n.target.count(".")], \
+        "a subgraph is left"
+    got = gm(x)[0]
+    got.square().sum().backward()
+    grads = {n: p.grad.clone() for n, p in gm.named_parameters()}
+    model.zero_grad()
+    want = model(x)
+    want.square().sum().backward()
+    assert torch.equal(got, want)
+    for name, p in model.named_parameters():
+        assert torch.equal(grads[name], p.grad), name  # scale carries no gradient in either
+
+
+COND_REGION = """
+import torch
+from torch import nn
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.cond(h.sum() > 0, lambda t: t * 2, lambda t: t - 1, (h,))
+
+def build_model():
+    return Model()
+
+def example_inputs():
+    return (torch.randn(2, 3, 8),)
+"""
+
+
+def test_a_subgraph_op_is_refused_naming_the_line(tmp_path):
+    path = write(tmp_path, COND_REGION)
+    module = load_model_file(path)
+    model = build_model(module, on_meta=False).train()
+    with pytest.raises(CaptureError, match=rf"calls cond on a subgraph at model.py:{line_of(path, 'torch.cond')}"):
+        capture(model, example_batch(module), path)
