@@ -15,11 +15,11 @@ size (an approximation: normalisations that upcast save some fp32 tensors).
 from __future__ import annotations
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_unflatten, treespec_loads
 
 from ..frontend.model_file import call_loss_fn
 from ..plan.dtypes import differentiable
+from ..runtime.fake_kernels import IntegerHistcOnFloat
 from ..plan.parallel_plan import ParallelPlan
 
 # estimate runs loss_fn on one tp rank's logit columns as plain tensors (run.py hands it a
@@ -88,25 +88,11 @@ def stage_activations(stages: list, plan: ParallelPlan, batch, loss_fn, mode,
         # shapes a tp rank has (Korthikanti et al. 2022, Table 2: sbh/t (34 + 5as/h));
         # dispatch and combine give an ep rank's rows under balanced routing
         with sequence.using_comm(sequence.ShapeComm(plan.mesh["tp"])), \
-                expert_parallel.balanced_shapes(plan.ep) as balanced, _CpuIntegerHistc():
+                expert_parallel.balanced_shapes(plan.ep) as balanced, IntegerHistcOnFloat():
             return _stage_activations(stages, plan, batch, loss_fn, mode, per_block, balanced,
                                       alltoall)
     finally:
         tp.set_tp_group(group)
-
-
-class _CpuIntegerHistc(TorchDispatchMode):
-    """``aten.histc`` of an integer tensor, run on its float copy (same (bins,) shape, cast
-    back). estimate compiles on the meta device, where a model may take its non-CPU branch
-    (transformers' MoE counts rows per expert with ``histc`` of the integer ids off CPU, of
-    their float copy on CPU), and the fake forward here follows CPU kernels, which refuse
-    integer ``histc``."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.ops.aten.histc.default and not args[0].is_floating_point():
-            return func(args[0].float(), *args[1:], **kwargs).to(args[0].dtype)
-        return func(*args, **kwargs)
 
 
 def _stage_activations(stages: list, plan: ParallelPlan, batch, loss_fn, mode,

@@ -32,6 +32,7 @@ from ..analysis.graph_facts import module_path, source_line
 from ..errors import PlanError
 from ..runtime import expert_parallel, sequence
 from ..runtime.batching import flatten
+from ..runtime.fake_kernels import IntegerHistcOnFloat
 from ..runtime.stage_builder import stage_class_from_source
 from ..runtime.tp import ShapeTransport, using_transport
 
@@ -55,7 +56,7 @@ def check_ranks(plan, sources: dict, batch, graphs: list) -> None:
     tp = plan.mesh["tp"]
     with FakeTensorMode(allow_non_fake_inputs=True), using_transport(ShapeTransport(tp)), \
             sequence.using_comm(sequence.ShapeComm(tp)), expert_parallel.balanced_shapes(plan.ep), \
-            warnings.catch_warnings():
+            IntegerHistcOnFloat(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         inputs = _microbatch(plan, batch)
         for st in plan.stages:
@@ -64,20 +65,16 @@ def check_ranks(plan, sources: dict, batch, graphs: list) -> None:
 
 
 def _microbatch(plan, batch) -> list:
-    """One microbatch of one dp rank, as FakeTensors on the batch's device: the CPU, or the
-    meta device when the model was captured there (compile without weights), whose code
-    took the branches of a device other than the CPU (transformers' MoE runs histc on int
-    ids off the CPU), so the CPU's kernel restrictions do not apply to it."""
+    """One microbatch of one dp rank, as FakeTensors on the CPU."""
     flat = flatten(plan, batch)
     m = plan.microbatches if plan.mesh["pp"] > 1 else 1
     rows = max(1, flat[0].shape[0] // (plan.mesh["dp"] * m))
-    return [torch.empty((rows,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device) for t in flat]
+    return [torch.empty((rows,) + tuple(t.shape[1:]), dtype=t.dtype) for t in flat]
 
 
 def _run_stage(plan, st, source: str, inputs: list, graphs) -> list:
     filename = f"<compile check of program/{st.module}.py>"
-    device = next((t.device for t in inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
-    module = stage_class_from_source(source, st.index, filename)(device)
+    module = stage_class_from_source(source, st.index, filename)("cpu")
     _check_shapes(plan, module, st, "parameter", lambda p: p)
     _replay_repeated_blocks(module)
     try:
