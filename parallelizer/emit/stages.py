@@ -53,9 +53,11 @@ def class_source(name: str, graph: fx.Graph, tensors: tuple, submodules: list,
     """A subclass of EmittedModule with the given tensors and the graph as forward."""
     fwd, imports = forward_source(graph)
     lines = [f"class {name}(EmittedModule):", f'    """{doc}"""', ""]
-    params, buffers, tied = tensors
+    params, buffers, tied, frozen = tensors
     lines.append(_tuple_attr("PARAMETERS", params))
     lines.append(_tuple_attr("BUFFERS", buffers))
+    if frozen:
+        lines.append(f"    FROZEN = {tuple(frozen)!r}")
     if tied:
         lines.append("    TIED = (\n" + "".join(f"        ({a!r}, {n!r}),\n" for a, n in tied) + "    )")
     if submodules:
@@ -101,10 +103,11 @@ if __name__ == "__main__":
 '''
 
 
-def _tensor_entries(names, prefix, plan, canonical) -> tuple[list, list, list]:
-    """(parameters, buffers, tied aliases) of one emitted module; a second name of the same
-    canonical tensor in the module becomes a TIED alias, never a second parameter."""
-    params, buffers, tied, first = [], [], [], {}
+def _tensor_entries(names, prefix, plan, canonical) -> tuple[list, list, list, list]:
+    """(parameters, buffers, tied aliases, frozen parameter names) of one emitted module; a
+    second name of the same canonical tensor in the module becomes a TIED alias, never a
+    second parameter."""
+    params, buffers, tied, first, frozen = [], [], [], {}, []
     tp = plan.mesh["tp"]
     for name in names:
         fqn = canonical.get(prefix + name, prefix + name)
@@ -115,7 +118,9 @@ def _tensor_entries(names, prefix, plan, canonical) -> tuple[list, list, list]:
         tplan = plan.tensors[fqn]
         entry = (name, tplan.rank_shape(tp), tplan.dtype)
         (buffers if tplan.is_buffer else params).append(entry)
-    return params, buffers, tied
+        if tplan.frozen and not tplan.is_buffer:
+            frozen.append(name)
+    return params, buffers, tied, frozen
 
 
 def stage_sources(plan, stages, block_graphs, model, model_path) -> dict:

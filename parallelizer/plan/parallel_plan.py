@@ -54,6 +54,9 @@ class TensorPlan:
         layout: how the tp pieces tile ``tp_dim`` beyond Megatron's even split (fused q|k|v,
             replicated kv heads, padded vocab): a :mod:`parallelizer.plan.layouts` class,
             None for the even split; its JSON form in plan.json (:meth:`to_dict`).
+        frozen: a parameter the model does not train (``requires_grad`` False, as RoFormer's
+            sinusoidal position table): the program registers it with ``requires_grad``
+            False too, so it gets no gradient and no optimizer update, as in the model.
     """
 
     fqn: str
@@ -65,6 +68,7 @@ class TensorPlan:
     role: str = "replicate"
     layout: Optional[EvenSplit] = None
     experts: Optional[Experts] = None  # an expert weight split over ep (plan/experts.py)
+    frozen: bool = False
 
     def to_dict(self) -> dict:
         """The JSON-ready fields (``layout`` as its JSON form), as plan.json stores them."""

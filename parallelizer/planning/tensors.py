@@ -85,7 +85,7 @@ def build_plan(spec, captured, gm, model, groups, tp: TPDecision, vocab: VocabDe
     p = spec.pipeline
     ranks = stage_ranks(p.schedule, spec.mesh.pp, p.virtual_stages)
     assert len(ranks) == pipe.num_stages, (len(ranks), pipe.num_stages)
-    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    params = dict(model.named_parameters(remove_duplicate=False))
     # tensors some node reads (export may leave a get_attr nothing uses: no stage holds it)
     order = [f for f in dict.fromkeys(canonical.get(t, t) for t in attr_targets(gm.graph))
              if structure["uses"].get(f) or structure.get("part_uses", {}).get(f)]
@@ -103,7 +103,8 @@ def build_plan(spec, captured, gm, model, groups, tp: TPDecision, vocab: VocabDe
         tensors[fqn] = TensorPlan(fqn, tuple(t.shape), str(t.dtype).removeprefix("torch."), tp_dim,
                                   stages_of.get(fqn, (0,)), fqn not in params,
                                   "experts" if is_expert else role, layout,
-                                  experts if is_expert else None)
+                                  experts if is_expert else None,
+                                  fqn in params and not params[fqn].requires_grad)
     stage_plans = tuple(
         StagePlan(s, f"stage{s}", tuple(f for f in order if s in tensors[f].stages), (), (),
                   tuple(pipe.blocks[i] for i in pipe.block_range(s)), ranks[s])

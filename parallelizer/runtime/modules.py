@@ -36,6 +36,7 @@ class EmittedModule(nn.Module):
     BUFFERS: tuple = ()
     SUBMODULES: tuple = ()
     TIED: tuple = ()
+    FROZEN: tuple = ()
 
     def __init__(self, device: torch.device | str = "cpu"):
         super().__init__()
@@ -46,7 +47,7 @@ class EmittedModule(nn.Module):
         for name, shape, dtype in self.PARAMETERS:
             parent, leaf = _parent(self, name)
             t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-            parent.register_parameter(leaf, nn.Parameter(t))
+            parent.register_parameter(leaf, nn.Parameter(t, requires_grad=name not in self.FROZEN))
         for name, shape, dtype in self.BUFFERS:
             parent, leaf = _parent(self, name)
             parent.register_buffer(leaf, torch.empty(shape, dtype=getattr(torch, dtype), device=device))

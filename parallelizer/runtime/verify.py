@@ -63,14 +63,18 @@ class _Tally:
         self.count = {c: 0 for c in CATEGORIES}
         self.worst = {c: "" for c in CATEGORIES}
 
+    def mismatch(self, cat, what):
+        """A tensor that cannot be compared (a shape, or a gradient only one side has):
+        counted, named as the worst, error inf (a NaN would hide it behind the others)."""
+        self.bad[cat] += 1
+        self.worst[cat], self.err[cat] = what, float("inf")
+
     def add(self, cat, name, got, want, bound=None):
         """Compare elementwise at (atol, rtol), or, with ``bound``, by the 2-norm of the
         difference against ``bound`` + atol (Top-K's rule, :func:`compression_rule`)."""
         got, want = got.detach().float().cpu(), want.float()
         if got.shape != want.shape:
-            self.bad[cat] += 1
-            self.worst[cat] = f"{name}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
-            self.err[cat] = float("inf")
+            self.mismatch(cat, f"{name}: shape {tuple(got.shape)} vs {tuple(want.shape)}")
             return
         e = (got - want).abs().max().item() if got.numel() else 0.0
         self.count[cat] += 1
@@ -172,7 +176,9 @@ def _compare_tensors(tally, cat, key, stage, plan, ctx, ref, pick, bound=None):
         t, want = pick(param), ref.get(f"{key}.{fqn}")
         if t is None or want is None:  # no gradient (a weight the loss does not use)
             if (t is None) != (want is None):
-                tally.add(cat, name, torch.full((1,), float("nan")), torch.zeros(1))
+                tally.mismatch(cat, f"{name}: {key} {'None' if t is None else 'present'} in "
+                                    f"the program, {'None' if want is None else 'present'} in "
+                                    f"the reference")
             continue
         full = full_tensor(t, plan.tensors[fqn], ctx, tp)
         tally.add(cat, name, full, want, bound(fqn, want) if bound else None)

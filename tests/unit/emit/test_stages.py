@@ -220,3 +220,37 @@ def test_report_names_replicated_linears_sends_and_attention_rewrites():
     bert = compile_example(minilm, ["mesh.tp=2", "mesh.pp=1"], weights=False).report
     assert "; replicated: 1 linears (pooler.dense.weight)" in bert
     assert "## Attention" not in bert  # its padding mask is an input: nothing to prove
+
+
+class _FrozenTable(torch.nn.Module):
+    """A trained linear plus a table the model does not train (``requires_grad`` False, as
+    RoFormer's sinusoidal position embedding)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.table = torch.nn.Parameter(torch.randn(5, 8), requires_grad=False)
+
+    def forward(self, x):
+        return self.fc(x) + self.table[: x.shape[1]]
+
+
+def test_frozen_parameter_stays_frozen_in_the_program():
+    """A parameter with ``requires_grad`` False is planned ``frozen`` and emitted in FROZEN:
+    the program's copy gets no gradient and no update, as the model's (it got a gradient
+    before, and --verify counted it as a mismatch against the reference's None)."""
+    from parallelizer.compiler import compile_module
+    from parallelizer.frontend.spec import Spec
+    model, x = _FrozenTable(), torch.randn(2, 5, 8)
+    program = compile_module(model, (x,), Spec.model_validate({}), reference=False)
+    assert program.plan.tensors["table"].frozen and not program.plan.tensors["fc.weight"].frozen
+    src = program.sources["program/stage0.py"]
+    assert "FROZEN = ('table',)" in src
+    path = Path(__file__).parent / f"_emitted_frozen_{next(_counter)}.py"
+    try:
+        path.write_text(src)
+        stage = import_stage(path, 0)()
+    finally:
+        path.unlink()
+    assert not stage.get_parameter("table").requires_grad
+    assert stage.get_parameter("fc.weight").requires_grad
