@@ -53,7 +53,7 @@ from .analysis.partition import GraphPartition
 from .plan.decisions import (EPDecision, PipelineDecision, SequenceParallelDecision, TPDecision,
                              VocabDecision)
 from .plan.parallel_plan import ParallelPlan
-from .planning.dropout import describe as describe_dropout, plan_dropout
+from .planning.dropout import check_random_ops, describe as describe_dropout, plan_dropout
 from .planning.experts import ep_summary, plan_ep
 from .planning.pipeline import find_blocks, plan_from_costs
 from .planning.pipeline_summary import (check_microbatches, check_placement, summarize,
@@ -224,6 +224,7 @@ def plan(analysis: Analysis, spec: Spec, passes: PassManager) -> Planned:
     ep = plan_ep(*find_expert_layers(graph), mesh.ep)  # raises early, naming the module
     if mesh.ep > 1:
         notes.append(ep_summary(ep))
+    check_random_ops(graph, mesh.tp)  # raises: a random op tp cannot keep consistent
     dropout = plan_dropout(graph, tp.placements)
     measured = measure(analysis, passes)
     costs, blocks = measured.costs, analysis.blocks

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.fx as fx
 
+from ..analysis.graph_facts import module_path, source_line
 from ..analysis.sharding.placements import is_replicated
+from ..errors import PlanError
 from ..plan.parallel_plan import DROPOUT_OPS, REPLICATED, TP_LOCAL
 
 
@@ -45,6 +48,35 @@ def plan_dropout(graph: fx.Graph, placements: dict) -> tuple[DropoutSite, ...]:
                                  float(p) if isinstance(p, (int, float)) else None,
                                  TP_LOCAL if sharded else REPLICATED))
     return tuple(sites)
+
+
+def check_random_ops(graph: fx.Graph, tp: int) -> None:
+    """Refuse, at tp > 1, a random op of ``graph`` that is not a dropout (ATen's
+    ``nondeterministic_seeded`` tag outside :data:`DROPOUT_OPS`: the ``torch.rand`` of a
+    stochastic-depth drop path, a ``bernoulli``, a ``randn`` noise). The program would draw
+    it from each rank's default generator, with no stream keeping the tp replicas of a
+    replicated value equal (they drift apart) and nothing turning it off under --verify, so
+    the emitted program would be wrong; at tp = 1 it draws in eager's order.
+
+    Raises:
+        PlanError: names the op, the module FQN and the model's source line, and the fix.
+    """
+    if tp == 1:
+        return
+    for node in graph.nodes:
+        target = node.target
+        if (node.op != "call_function" or not isinstance(target, torch._ops.OpOverload)
+                or str(target) in DROPOUT_OPS
+                or torch.Tag.nondeterministic_seeded not in target.tags):
+            continue
+        where = source_line(node)
+        raise PlanError(
+            f"mesh.tp={tp}: {target} ({node.name}) in {module_path(node) or 'the root module'}"
+            f"{f' at {where}' if where else ''} draws random numbers outside a dropout (a "
+            f"stochastic-depth drop path, noise): tensor parallelism gives such a draw no "
+            f"random stream (the tp ranks' copies would drift apart) and --verify cannot turn "
+            f"it off. Make it inactive in build_model (a drop_path_rate / stochastic depth of "
+            f"0 in the config) or compile with mesh.tp=1")
 
 
 def _probability(node: fx.Node, op: str):

@@ -13,6 +13,8 @@ plan or rewrite must be compile-time errors naming what is wrong.
   microbatch: the reduce-scatter's output fed into the model's in-place ``add_`` ("Output 0
   of Op is a view and is being modified inplace", issue 23) is caught the same way with the
   runtime operator as it was (a view), and compiles with the operator as it is.
+- A random op outside a dropout (a drop path's ``torch.rand``) at tp2: refused, naming the
+  op and the line (planning/dropout.check_random_ops); at tp1 it compiles.
 """
 from __future__ import annotations
 
@@ -147,3 +149,29 @@ def test_falcon_view_returned_by_reduce_scatter_is_caught_at_compile_time(monkey
                                         r"stage 0: RuntimeError: Output 0 of Op is a view and "
                                         r"is being modified inplace"):
         check_program(analysis, checked, batch)
+
+
+class DropPathMLP(torch.nn.Module):
+    """A residual MLP with a stochastic-depth drop path (timm's / BEiT's and Swin's
+    ``drop_path``): a ``torch.rand`` per sample, not a dropout."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
+
+    def forward(self, x):
+        y = self.down(torch.relu(self.up(x)))
+        keep = (0.9 + torch.rand(x.shape[0], 1, 1, dtype=x.dtype)).floor_()
+        return x + y.div(0.9) * keep
+
+
+def test_random_op_outside_a_dropout_is_refused_at_tp2():
+    """A random draw that is not a dropout gets no random stream: at tp2 the compiler
+    refuses it, naming the op and the model's line (it emitted a program whose --verify
+    FAILed, BEiT's drop path at tp2); at tp1 it compiles."""
+    line = line_of(__file__, "keep = (0.9 + torch.rand(")
+    with pytest.raises(PlanError, match=rf"mesh.tp=2: aten.rand.default \(rand\) in the root "
+                                        rf"module at test_compile_checks.py:{line} draws random "
+                                        rf"numbers outside a dropout .* drop_path_rate"):
+        compile_steps(DropPathMLP(), x_batch(4, 6), TP2)
+    compile_steps(DropPathMLP(), x_batch(4, 6), {"mesh": {"tp": 1}})
