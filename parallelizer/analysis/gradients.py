@@ -66,6 +66,18 @@ _NO_GRADIENT = {aten.detach.default, aten.new_ones.default, aten.new_zeros.defau
                 aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int}
 
 
+# ops that read an argument for its dtype alone (``x.type_as(other)``, ``x.to(other)``): no
+# value or shape of it reaches the output, and no gradient reaches it
+_DTYPE_ONLY_ARG = {aten.type_as.default: 1, aten.to.other: 1}
+
+
+def _reads(u: fx.Node) -> list:
+    """The inputs of ``u`` whose values its output depends on."""
+    k = _DTYPE_ONLY_ARG.get(u.target)
+    skip = u.args[k] if k is not None and len(u.args) > k else None
+    return [a for a in u.all_input_nodes if a is not skip]
+
+
 @dataclass(frozen=True)
 class Mixed:
     """A gradient placement DTensor has no name for: a replicated value whose gradient is
@@ -180,7 +192,7 @@ def derive(graph: fx.Graph, fwd: Forward, outputs: Optional[list] = None,
                 if n.target in flow.params else cot
         if n.op != "call_function":
             continue
-        for a in n.all_input_nodes:
+        for a in _reads(n):
             if not carry.get(a):
                 continue
             c = _contribution(fwd, n, a, cot, data, flow, place_f, forced)
@@ -203,7 +215,7 @@ def _contribution(fwd, u, a, cot, data, flow, place_f, forced) -> Cot:
                                                     "reaches an op that needs a whole one")
     if role == "after_g":
         return cot
-    sharded = fwd.varying(u) or any(fwd.varying(i) for i in u.all_input_nodes)
+    sharded = fwd.varying(u) or any(fwd.varying(i) for i in _reads(u))
     if not sharded:
         return cot
     if cot.kind != WHOLE:
