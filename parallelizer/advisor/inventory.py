@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..analysis.graph_facts import RUNTIME_DEVICE
 from ..errors import PlanError
+from ..plan.dtypes import differentiable
 from .kernels import record
 
 
@@ -111,7 +112,7 @@ class GraphInventory:
                 return concrete(v, subs)
             if isinstance(v, torch.Tensor):
                 return ("T", tuple(concrete(s, subs) for s in v.shape), str(v.dtype),
-                        grad and v.dtype.is_floating_point, a.op == "get_attr")
+                        grad and differentiable(v.dtype), a.op == "get_attr")
             return v if isinstance(v, (int, float, bool, str, type(None))) else repr(v)
         return tree_map(one, a.meta["val"])
 
@@ -131,7 +132,7 @@ class GraphInventory:
                 return v
             with mode:
                 t = torch.empty([concrete(s, subs) for s in v.shape], dtype=v.dtype, device="cpu")
-            return t.requires_grad_(grad and v.dtype.is_floating_point)
+            return t.requires_grad_(grad and differentiable(v.dtype))
         return tree_map(fresh, a.meta["val"])
 
     def _loss(self, subs, mode, b):
@@ -159,7 +160,7 @@ class GraphInventory:
         if not isinstance(val, torch.Tensor):
             return val
         t = torch.empty([concrete(s, subs) for s in val.shape], dtype=val.dtype, device="cpu")
-        return t.requires_grad_(val.dtype.is_floating_point)
+        return t.requires_grad_(differentiable(val.dtype))
 
 
 class _NoValue(Exception):
@@ -203,12 +204,12 @@ def _key(tree) -> tuple:
 
 
 def requires_grad_nodes(graph: fx.Graph) -> set:
-    """Nodes whose value autograd tracks: trainable parameters and floating-point results
+    """Nodes whose value autograd tracks: trainable parameters and floating-point or complex results
     computed from one (export's node values do not carry requires_grad past the inputs)."""
     out = set()
     for n in graph.nodes:
         vals = [v for v in tree_flatten(n.meta.get("val"))[0] if isinstance(v, torch.Tensor)]
-        if not any(v.dtype.is_floating_point for v in vals):
+        if not any(differentiable(v.dtype) for v in vals):
             continue
         if n.op == "get_attr" and any(v.requires_grad for v in vals):
             out.add(n)
