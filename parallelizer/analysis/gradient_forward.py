@@ -7,7 +7,10 @@ its value varies over the tp ranks, and the role each op plays for its inputs' g
   "whole"; their biases are sharded with them), a parameter varies when the decision shards
   it (``dims``; a transpose of a sharded weight too), a row_parallel linear's bias is added after its g (role "after_g"), and a value
   cut to each rank's heads (``TPDecision.narrows``) is replicated compute followed by a
-  scatter (role "split").
+  scatter (role "split"). A redistribution (``TPDecision.redistributions``) is on its
+  edges: a reader of a gathered value reads it whole (role "gather", not varying there), a
+  reader of a cut one reads the rank's block (role "split", varying there); a reduced
+  Partial output is whole (its placement is Replicate).
 - :class:`ProgramForward`: the rewritten stage graphs, from the plan alone. A parameter
   varies when the plan shards it (``tp_dim``); an op's value varies when an input does,
   except at the operators that make it whole again (g, the gathers, the vocab-parallel loss)
@@ -23,7 +26,8 @@ import torch
 import torch.fx as fx
 
 from ..runtime import sequence as sp
-from ..runtime.tp import copy_to_tp_region, reduce_from_tp_region, scatter_to_tp_region
+from ..runtime.tp import (copy_to_tp_region, gather_from_tp_dim, reduce_from_tp_region,
+                          reduce_partial_from_tp, scatter_to_tp_region)
 from ..runtime.vocab import gather_from_tp_region, vocab_parallel_lookup
 from ..runtime.vocab_loss import vocab_parallel_cross_entropy
 from .graph_facts import aten, linear_sites
@@ -31,6 +35,7 @@ from .sharding.placements import PerOutput, Replicate
 
 # operators whose output is the same on every tp rank whatever their inputs
 _WHOLE_OUTPUT = {reduce_from_tp_region, gather_from_tp_region, vocab_parallel_cross_entropy,
+                 gather_from_tp_dim, reduce_partial_from_tp,
                  sp.all_gather_from_sequence_parallel_region,
                  sp.gather_from_sequence_parallel_region}
 # operators whose output is this rank's piece of a replicated input
@@ -55,6 +60,13 @@ class PlannedForward:
     def __init__(self, graph: fx.Graph, decision):
         self.placements = decision.placements
         self.narrows = set(decision.narrows)
+        self.gathered, self.cut = set(), set()
+        for r in decision.redistributions:
+            edges = {(u, r.producer) for u in r.readers}
+            if r.kind == "all_gather":
+                self.gathered |= edges
+            elif r.kind == "scatter":
+                self.cut |= edges
         self.sharded = set(decision.dims)  # parameters the plan shards (column biases too)
         self.column_in, self.row_bias, self.weight_views = {}, {}, set()
         for site in linear_sites(graph):
@@ -76,9 +88,18 @@ class PlannedForward:
         return node in self.weight_views or varies(self.placements.get(node.name)) or (
             node.op == "get_attr" and node.target in self.sharded)
 
+    def varying_input(self, node: fx.Node, arg: fx.Node) -> bool:
+        if (node.name, arg.name) in self.gathered:
+            return False
+        return (node.name, arg.name) in self.cut or self.varying(arg)
+
     def role(self, node: fx.Node, arg: fx.Node) -> str:
         if arg in self.column_in.get(node, ()):
             return "whole"
+        if (node.name, arg.name) in self.gathered:
+            return "gather"
+        if (node.name, arg.name) in self.cut:
+            return "split"
         if self.row_bias.get(node) is arg:
             return "after_g"
         if node.name in self.narrows:
@@ -126,6 +147,9 @@ class ProgramForward:
 
     def varying(self, node: fx.Node) -> bool:
         return self._varies.get(node, False)
+
+    def varying_input(self, node: fx.Node, arg: fx.Node) -> bool:
+        return self.varying(arg)
 
     def role(self, node: fx.Node, arg: fx.Node) -> str:
         if node.target in _F:

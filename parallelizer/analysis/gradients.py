@@ -102,10 +102,17 @@ class Forward(Protocol):
     def varying(self, node: fx.Node) -> bool:
         """The value differs over the tp ranks (a shard, a Partial sum, a rank's heads)."""
 
+    def varying_input(self, node: fx.Node, arg: fx.Node) -> bool:
+        """``node`` reads input ``arg`` as a value that differs over the tp ranks (``arg``
+        varies, unless a planned gather makes it whole on that edge, or a planned cut of a
+        replicated ``arg`` gives each rank its block)."""
+
     def role(self, node: fx.Node, arg: fx.Node) -> str:
-        """How ``node`` treats input ``arg``'s gradient: "f" | "split" | "whole" (a planned
-        f: the input's cotangent is whole) | "after_g" (a row bias added after g: the output
-        cotangent, unchanged) | "compute" (the rules of the module docstring)."""
+        """How ``node`` treats input ``arg``'s gradient: "f" | "split" (a cut: each rank's
+        block, the gradient all-gathered) | "gather" (an all-gather: the rank's slice of the
+        gradient) | "whole" (a planned f: the input's cotangent is whole) | "after_g" (a row
+        bias added after g: the output cotangent, unchanged) | "compute" (the rules of the
+        module docstring)."""
 
 
 @dataclass
@@ -210,12 +217,12 @@ def _contribution(fwd, u, a, cot, data, flow, place_f, forced) -> Cot:
         return _WHOLE if cot.kind == PARTIAL else Cot(
             MIXED, u.name, "an f whose output gradient is already whole (its all-reduce "
                            "counts it tp times)")
-    if role in ("split", "whole"):
+    if role in ("split", "gather", "whole"):
         return _WHOLE if cot.kind == WHOLE else Cot(MIXED, u.name, "a Partial gradient "
                                                     "reaches an op that needs a whole one")
     if role == "after_g":
         return cot
-    sharded = fwd.varying(u) or any(fwd.varying(i) for i in _reads(u))
+    sharded = fwd.varying(u) or any(fwd.varying_input(u, i) for i in _reads(u))
     if not sharded:
         return cot
     if cot.kind != WHOLE:

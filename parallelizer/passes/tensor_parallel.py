@@ -13,6 +13,9 @@
 - a replicated per-head value the planner marked (``decision.narrows``: BLOOM's ALiBi slopes
   before their repeat over the batch) is followed by ``scatter_to_tp_region``, each rank
   keeping its block of heads.
+- the redistributions where no sharded rule takes a value as it is
+  (``decision.redistributions``): ``gather_from_tp_dim`` / ``scatter_to_tp_region`` before
+  the readers named, ``reduce_partial_from_tp`` after an op with a Partial output.
 Parameter shapes themselves are the checkpoint's business (plan ``tp_dim``); the graph only
 reads them with get_attr.
 """
@@ -21,7 +24,8 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ..plan.decisions import TP_OPERATOR, TPDecision
-from ..runtime.tp import copy_to_tp_region, reduce_from_tp_region, scatter_to_tp_region
+from ..runtime.tp import (copy_to_tp_region, gather_from_tp_dim, reduce_from_tp_region,
+                          reduce_partial_from_tp, scatter_to_tp_region)
 from ..analysis.graph_facts import Linear, aten, linear_sites
 
 
@@ -32,6 +36,7 @@ def apply_tensor_parallel(gm: fx.GraphModule, decision: TPDecision) -> bool:
     graph = gm.graph
     _rewrite_constants(graph, decision.rewrites)
     _insert_narrows(graph, decision.narrows)
+    _insert_redistributions(graph, decision.redistributions)
     sites = linear_sites(graph)
     _insert_fs(graph, _f_readers(graph, sites, decision))
     for site in sites:
@@ -65,6 +70,26 @@ def _insert_narrows(graph: fx.Graph, narrows: dict) -> None:
             cut = graph.call_function(scatter_to_tp_region, (node, dim))
         cut.meta = dict(node.meta)
         node.replace_all_uses_with(cut, delete_user_cb=lambda u, c=cut: u is not c)
+
+
+def _insert_redistributions(graph: fx.Graph, redistributions: list) -> None:
+    by_name = {n.name: n for n in graph.nodes}
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for r in redistributions:
+        node = by_name[r.producer]
+        if r.kind == "all_reduce":
+            with graph.inserting_after(node):
+                new = graph.call_function(reduce_partial_from_tp, (node, r.reduce_op))
+            new.meta = dict(node.meta)
+            node.replace_all_uses_with(new, delete_user_cb=lambda u, c=new: u is not c)
+            continue
+        readers = [by_name[n] for n in r.readers]
+        fn = gather_from_tp_dim if r.kind == "all_gather" else scatter_to_tp_region
+        with graph.inserting_before(min(readers, key=order.__getitem__)):
+            new = graph.call_function(fn, (node, r.dim))
+        new.meta = dict(node.meta)
+        for u in readers:
+            u.replace_input_with(node, new)
 
 
 def _f_readers(graph: fx.Graph, sites: list, decision: TPDecision) -> dict:

@@ -15,6 +15,28 @@ from typing import Optional
 TP_OPERATOR = "tp_operator"
 
 
+@dataclass(frozen=True)
+class Redistribution:
+    """A redistribution the tp planner inserts where no sharded rule takes a value as it is
+    (analysis/sharding/redistribute.py), applied by the tensor_parallel pass.
+
+    ``kind``: "all_gather" (Shard(dim) -> Replicate; runtime/tp.py gather_from_tp_dim),
+    "scatter" (Replicate -> Shard(dim), each rank's block; scatter_to_tp_region) or
+    "all_reduce" (the Partial output of ``producer``, ``reduce_op`` "sum" | "avg";
+    reduce_partial_from_tp). ``producer``: node name of the value; ``readers``: the nodes
+    that read it so (all of its readers for an all_reduce). ``bytes``: what one rank sends
+    per forward + backward at the example's shapes (ring collectives: an all-gather moves
+    (tp - 1) / tp of the whole value, an all-reduce twice that). ``why``: the op and source
+    line that needed it."""
+    kind: str
+    producer: str
+    readers: tuple
+    dim: Optional[int] = None
+    reduce_op: Optional[str] = None
+    bytes: int = 0
+    why: str = ""
+
+
 @dataclass
 class TPDecision:
     """Column/row weight FQNs (get_attr targets), the shape-constant rewrites and the
@@ -37,6 +59,8 @@ class TPDecision:
     # node name -> dim: a replicated per-head value (ALiBi slopes) each rank cuts to its block
     # of heads (runtime/tp.py scatter_to_tp_region), inserted after that node
     narrows: dict = field(default_factory=dict)
+    # Redistribution, in graph order of the producers
+    redistributions: list = field(default_factory=list)
     # node name -> placement of the settled propagation (analysis/sharding/placements.py:
     # Replicate() | Shard(dim) | PerOutput of them); empty at tp=1
     placements: dict = field(default_factory=dict)

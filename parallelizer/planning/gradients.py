@@ -65,5 +65,6 @@ def _edges_into_sharded(flow, fwd) -> set:
     for c in flow.mixed_params().values():
         node = flow.nodes.get(c.origin)
         if c.kind == MIXED and node is not None:
-            out |= {(a.name, node.name) for a in node.all_input_nodes if not fwd.varying(a)}
+            out |= {(a.name, node.name) for a in node.all_input_nodes
+                    if not fwd.varying_input(node, a)}
     return out

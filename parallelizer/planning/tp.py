@@ -25,6 +25,7 @@ from ..errors import PlanError
 from ..analysis.graph_facts import aten, linear_sites, source_line
 from ..analysis.sharding.propagate import Propagation, propagate
 from .gradients import plan_gradients
+from .redistributions import redistributions, report_lines
 
 _STOP = {aten.embedding.default, aten.native_layer_norm.default, aten.layer_norm.default}
 # A mixture-of-experts router (Mixtral's and Qwen2-MoE's ``mlp.gate``) picks experts with
@@ -78,6 +79,8 @@ def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False) -> TPDecis
         decision.narrows[name] = d
         decision.report.append(f"cut to each rank's heads (dim {d}): {_op_text(by_name[name])} "
                                f"(a per-head value tiled over the batch)")
+    decision.redistributions = redistributions(graph, prop, tp)
+    decision.report += report_lines(decision.redistributions)
     for w, layout in sorted(decision.layouts.items()):
         if w in column:
             decision.report.append(f"layout {layout.text()}: {w}")
@@ -179,12 +182,14 @@ def _settle(graph, pairs: dict, column: set, row: set, tp: int, decision) -> Pro
     """Propagate until the layouts found are the layouts assumed (the rewrites follow them)
     and no conflict is left; groups in conflict are removed from ``column``/``row``."""
     layouts, no_replication, per_head, narrow = {}, frozenset(), {}, {}
+    edges, reduces = {}, {}
     by_name = {n.name: n for n in graph.nodes}
-    for _ in range(4 * (len(column) + len(row)) + 8):
+    for _ in range(4 * (len(column) + len(row)) + len(by_name) + 8):
         # a per-head tensor whose attention was kept replicated stays replicated too
         per_head = {k: v for k, v in per_head.items() if v[1] & column}
         narrow = {k: v for k, v in narrow.items() if v[1] & column}
-        prop = propagate(graph, column, row, tp, layouts, no_replication, per_head, narrow)
+        prop = propagate(graph, column, row, tp, layouts, no_replication, per_head, narrow,
+                         edges, reduces)
         if prop.not_replicable - no_replication:
             no_replication |= prop.not_replicable
             continue
@@ -204,6 +209,8 @@ def _settle(graph, pairs: dict, column: set, row: set, tp: int, decision) -> Pro
                                       for w, n, r in prop.layout_conflicts()]
         if not conflicts:
             return prop
+        if _redistribute(prop, edges, reduces):
+            continue
         node, module, groups, reason = conflicts[0]
         bad = _component(pairs, groups or column)
         op = _op_text(by_name[node]) if node in by_name else node
@@ -213,6 +220,15 @@ def _settle(graph, pairs: dict, column: set, row: set, tp: int, decision) -> Pro
         column -= bad
         row -= bad
     raise AssertionError("tp planning did not settle")  # each round removes or fixes something
+
+
+def _redistribute(prop: Propagation, edges: dict, reduces: dict) -> bool:
+    """Take the redistributions the run asked for (analysis/sharding/redistribute.py) into
+    ``edges`` / ``reduces`` for the next run; False when it asked for none."""
+    for (consumer, producer), want in prop.edge_requests.items():
+        edges.setdefault(consumer, {})[producer] = want
+    reduces.update(prop.reduce_requests)
+    return bool(prop.edge_requests or prop.reduce_requests)
 
 
 def _seed_pairs(sites: list) -> dict:

@@ -6,7 +6,13 @@ placed before column_parallel linears, whose replicated input feeds every rank.
 row_parallel linears, whose outputs are Partial sums.
 ``scatter_to_tp_region``: each rank keeps its block of a replicated value along a dim
 (Megatron's scatter-to-model-parallel-region; all-gather of the gradient in backward);
-placed after a per-head value that must meet the rank's heads (BLOOM's ALiBi slopes).
+placed after a per-head value that must meet the rank's heads (BLOOM's ALiBi slopes), and
+where a replicated value re-enters sharded compute (a redistribution).
+``gather_from_tp_dim``: the whole value of one sharded along a dim (Megatron's
+gather-from-model-parallel-region; backward keeps the rank's slice), before an op with no
+sharded rule. ``reduce_partial_from_tp``: the all-reduce (sum or average) of an op's Partial
+output (a mean over a sharded dim). Both are DTensor's redistributions
+(``Shard -> Replicate``, ``Partial -> Replicate``), placed by the planner.
 
 The tp process group is set once per process by the emitted program (``set_tp_group``), so
 the generated stage source reads like the paper: ``reduce_from_tp_region(linear(x, w))``.
@@ -140,3 +146,51 @@ def scatter_to_tp_region(x: torch.Tensor, dim: int) -> torch.Tensor:
     """This tp rank's block ``[r * n / tp, (r + 1) * n / tp)`` of ``x`` along ``dim`` (size
     ``n``, divisible by tp): Replicate -> Shard(dim), no communication in forward."""
     return x if _tp_size() == 1 else _ScatterToTPRegion.apply(x, dim)
+
+
+def _all_gather_cat(x: torch.Tensor, dim: int) -> torch.Tensor:
+    x = x.contiguous()
+    if _TRANSPORT is not None:
+        return torch.cat(_TRANSPORT.all_gather(x), dim=dim)
+    parts = [torch.empty_like(x) for _ in range(_tp_size())]
+    dist.all_gather(parts, x, group=_TP_GROUP)
+    return torch.cat(parts, dim=dim)
+
+
+class _GatherFromTPDim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim):
+        ctx.dim, ctx.n = dim, x.shape[dim]
+        return _all_gather_cat(x, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.narrow(ctx.dim, _tp_rank() * ctx.n, ctx.n).contiguous(), None
+
+
+def gather_from_tp_dim(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """The tp ranks' blocks of ``x`` along ``dim`` concatenated in rank order: Shard(dim) ->
+    Replicate, ``x.shape[dim] * tp`` long (a new tensor, never a view). Backward: this rank's
+    block of the gradient."""
+    return x if _tp_size() == 1 else _GatherFromTPDim.apply(x, dim)
+
+
+class _ReducePartial(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, average):
+        ctx.average = average
+        out = _all_reduce(x)
+        return out / _tp_size() if average else out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad / _tp_size() if ctx.average else grad), None
+
+
+def reduce_partial_from_tp(x: torch.Tensor, reduce_op: str) -> torch.Tensor:
+    """Partial -> Replicate: the sum ("sum") or the mean ("avg") over the tp ranks of their
+    ``x`` (any shape; a mean over a sharded dim is the average of the ranks' means).
+    Backward: the gradient as it is ("sum", as Megatron's g), or divided by tp ("avg")."""
+    if reduce_op not in ("sum", "avg"):
+        raise ValueError(f"reduce_partial_from_tp: reduce_op {reduce_op!r} is not 'sum' or 'avg'")
+    return x if _tp_size() == 1 else _ReducePartial.apply(x, reduce_op == "avg")

@@ -5,8 +5,10 @@ at compile time first for every op whose table rule is only a placement map
 DTensor's ``ShardingPropagator`` holds a strategy for nearly every ATen op, maintained with
 torch. We ask it the question our propagation asks: given these input placements on a 1-D
 tp mesh, is there a strategy that takes them as they are, and what is the output placement?
-An answer that needs a redistribution of an input, or gives a Partial output, is a conflict
-(Partial never flows here: only a row_parallel linear's g resolves one). Our placements
+An answer that needs a redistribution of an input, or gives a Partial output, is a
+:class:`Wants`: a conflict for this run, which names the redistribution DTensor would insert
+(:mod:`.redistribute` turns it into gathers, cuts and reductions for the next run; Partial
+never flows on). Our placements
 (:mod:`.placements`) are DTensor's ``Shard`` / ``Replicate``, handed over as they are. No DTensor is ever
 created and nothing runs: the mesh is a ``DeviceMesh`` built without a process group
 (``_init_backend=False``), and the specs carry the example's concrete sizes.
@@ -18,6 +20,8 @@ sharded last dim (seen here; with ``dim=2`` it asks for Replicate).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.fx as fx
@@ -27,6 +31,25 @@ from .placements import CONFLICT, REPLICATE, PerOutput
 from .state import placement
 
 NO_RULE = object()
+
+
+@dataclass(frozen=True)
+class Wants:
+    """DTensor's answer when it takes the inputs only after a redistribution, or gives a
+    Partial output: ``inputs`` the placement it wants for each tensor argument, by its path
+    in (args, kwargs) (``(0,)``: args[0]; ``(0, 2)``: args[0][2]; ``("dim",)``: a kwarg);
+    ``out`` the output's placement once they are so; ``partial`` the output's reduce op
+    ("sum", "avg", ...) when it is Partial, else None."""
+    inputs: tuple
+    out: object
+    partial: Optional[str] = None
+
+    def __eq__(self, other):  # a conflict, for the rules that compare with CONFLICT
+        return other is CONFLICT or (isinstance(other, Wants) and self.inputs == other.inputs
+                                     and self.out == other.out and self.partial == other.partial)
+
+    def __hash__(self):
+        return hash((self.inputs, self.partial))
 _DIM_ARGS = {"dim", "dims", "dim0", "dim1", "start_dim", "end_dim"}
 _OUTPUT_DIM_OPS = {torch.ops.aten.unsqueeze.default, torch.ops.aten.stack.default}
 
@@ -151,10 +174,40 @@ def _key(x):
 
 
 def _answer(result):
-    if result.redistribute_schema is not None or getattr(result, "needs_redistribute", False):
-        return CONFLICT
     spec = result.output_spec
+    redistribute = result.redistribute_schema is not None or getattr(
+        result, "needs_redistribute", False)
     if isinstance(spec, (list, tuple)):
         outs = tuple(_out(s) for s in spec)
-        return CONFLICT if CONFLICT in outs else PerOutput(outs)
-    return _out(spec)
+        if redistribute or CONFLICT in outs:
+            return CONFLICT  # a multi-output op: no redistribution is asked for it
+        return PerOutput(outs)
+    out, partial = _out(spec), _partial(spec)
+    if not redistribute and partial is None:
+        return out
+    if out == CONFLICT and partial is None:
+        return CONFLICT
+    wanted = () if not redistribute else tuple(_wanted(result.redistribute_schema))
+    return Wants(wanted, REPLICATE if partial else out, partial)
+
+
+def _partial(spec) -> Optional[str]:
+    from torch.distributed.tensor import Partial
+    p = spec.placements[0] if spec is not None else None
+    return p.reduce_op if isinstance(p, Partial) else None
+
+
+def _wanted(schema):
+    """(path, placement) of every tensor argument of a redistribute schema."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    def walk(x, path):
+        if isinstance(x, DTensorSpec):
+            yield path, _out(x)
+        elif isinstance(x, (list, tuple)):
+            for i, y in enumerate(x):
+                yield from walk(y, path + (i,))
+    for i, a in enumerate(schema.args_schema):
+        yield from walk(a, (i,))
+    for k, a in schema.kwargs_schema.items():
+        yield from walk(a, (k,))

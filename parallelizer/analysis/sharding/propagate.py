@@ -5,8 +5,10 @@ order and give every tensor value a placement over the tp mesh dim (:mod:`.place
 ``Replicate()`` or ``Shard(d)`` (of the *global* shape recorded by export). A row_parallel
 linear turns Shard(-1) into Partial, which the Megatron g operator resolves at once, so
 Partial never flows on. Ops without a rule accept only Replicate inputs; a sharded value reaching
-one is a *conflict*, never a silent mis-sharding: the planner then keeps that layer group
-replicated and says so in the report.
+one is a *conflict*, never a silent mis-sharding. A conflict asks the next run for the
+redistribution DTensor would insert (:mod:`.redistribute`: an all-gather, a cut of a
+replicated value, an all-reduce of a Partial output); where none can resolve it the planner
+keeps that layer group replicated and says so in the report.
 
 Integer shape constants in view/reshape/expand that land on a sharded dim (the heads or the
 hidden size) are recorded for division by the tp degree, and every sharded size is recorded
@@ -44,6 +46,7 @@ import torch.fx as fx
 
 from ..graph_facts import as_linear, aten, module_path, same, shape
 from .dtensor import NO_RULE, dtensor_rule
+from . import redistribute
 from .heads import factory_rule, request_broadcast
 from ...plan.layouts import InterleavedHeads
 from .layouts import fuse_slices, view_rule
@@ -59,7 +62,8 @@ __all__ = ["CONFLICT", "Propagation", "propagate"]
 
 def propagate(graph: fx.Graph, column: set, row: set, tp: int, layouts: Optional[dict] = None,
               no_replication=frozenset(), per_head: Optional[dict] = None,
-              narrow: Optional[dict] = None) -> Propagation:
+              narrow: Optional[dict] = None, edges: Optional[dict] = None,
+              reduces: Optional[dict] = None) -> Propagation:
     """Placements for every node of ``graph`` under the given column/row weight sets.
 
     Args:
@@ -77,9 +81,14 @@ def propagate(graph: fx.Graph, column: set, row: set, tp: int, layouts: Optional
         narrow: node name -> (dim, column groups): replicated per-head values each rank cuts
             to its block of heads (the ``narrow_requests`` of previous runs,
             :mod:`.strided`).
+        edges: consumer node name -> {producer node name: placement it reads it in}, and
+        reduces: node name -> reduce op of the all-reduce after it: the redistributions of
+            previous runs (the ``edge_requests`` / ``reduce_requests``, :mod:`.redistribute`).
     """
     prop = Propagation(layouts=dict(layouts or {}), no_replication=frozenset(no_replication),
-                       narrow=dict(narrow or {}))
+                       narrow=dict(narrow or {}), edges={k: dict(v) for k, v in
+                                                         (edges or {}).items()},
+                       reduces=dict(reduces or {}))
     for (kind, name), v in (per_head or {}).items():
         (prop.per_head if kind == "param" else prop.per_head_factories)[name] = v
     weight_dims, paths = {}, {}
@@ -94,10 +103,11 @@ def propagate(graph: fx.Graph, column: set, row: set, tp: int, layouts: Optional
         if site:
             paths.update(weight_paths(site, column, row))
     for node in graph.nodes:
-        if node.name in paths:  # a weight read through casts, views, transposes
-            placement, groups = path_rule(node, prop, tp, paths[node.name])
-        else:
-            placement, groups = _rule(node, prop, column, row, weight_dims, tp)
+        with redistribute.seen(node, prop):
+            if node.name in paths:  # a weight read through casts, views, transposes
+                placement, groups = path_rule(node, prop, tp, paths[node.name])
+            else:
+                placement, groups = _rule(node, prop, column, row, weight_dims, tp)
         prop.placements[node.name] = placement
         # a replicated value (e.g. after g) carries no shard: a conflict further down the
         # residual stream must not blame the pairs upstream of it
@@ -159,13 +169,14 @@ def _rule(node: fx.Node, prop: Propagation, column, row, weight_dims, tp):
         tags = getattr(node.target, "tags", ())
         fn = pointwise_rule if torch.Tag.pointwise in tags else dtensor_rule
     source = dtensor_rule if fn in DTENSOR_FIRST and not _copied_heads_in(node, prop) else fn
-    out = source(node, prop, tp)
+    out = redistribute.reduced(node, prop, source(node, prop, tp))
     if out is NO_RULE and source is not fn:  # DTensor has no strategy: our rule
         source, out = fn, fn(node, prop, tp)
     if out is NO_RULE or out == CONFLICT:
         request_narrow(node, prop, groups)
         if fn in BROADCASTING:
             request_broadcast(node, prop, groups, tp)
+        redistribute.request(node, prop, tp, out)
     elif fn is not view_rule and not carry_strided(node, prop, out):
         return _conflict(prop, node, groups, "a (batch, heads) merged dim meets a dim sharded "
                                              "another way")
@@ -240,6 +251,7 @@ def _conflict(prop, node, groups, reason):
 def _linear(node, site, prop, column, row, groups):
     if site is None:  # aten.linear on a weight that is not a parameter
         if placement(prop, node.args[0]) != REPLICATE:
+            redistribute.gather_all(node, prop)
             return _conflict(prop, node, groups, "replicated linear got a sharded input")
         return REPLICATE, groups
     x, wt, w = site.x, site.weight, site.param
@@ -257,14 +269,21 @@ def _linear(node, site, prop, column, row, groups):
             add_constraint(prop, shape(w)[site.out_dim], "features", mod, f"out_features of {wt}",
                         {wt})
         if px != REPLICATE:
+            redistribute.gather_all(node, prop)
             return _conflict(prop, node, groups, "column_parallel linear needs a replicated input")
         prop.raw[node.name] = frozenset({wt})
         return Shard(len(shape(node)) - 1), groups | {wt}
     if wt in row:
         add_constraint(prop, shape(w)[site.in_dim], "features", mod, f"in_features of {wt}")
-        if px != Shard(len(shape(x)) - 1):
+        last = len(shape(x)) - 1
+        if px != Shard(last):
+            if px == REPLICATE:  # each rank takes its block of the input features
+                redistribute.cut(node, prop, x, last)
+            else:
+                redistribute.gather_all(node, prop)
             return _conflict(prop, node, groups, "row_parallel linear needs Shard(-1) input")
         return REPLICATE, groups  # Partial, resolved by the g after it at once
     if px != REPLICATE:
+        redistribute.gather_all(node, prop)
         return _conflict(prop, node, groups, "replicated linear got a sharded input")
     return REPLICATE, groups

@@ -73,6 +73,16 @@ class Propagation:
     per_head: dict = field(default_factory=dict)
     per_head_factories: dict = field(default_factory=dict)
     head_requests: dict = field(default_factory=dict)  # ("param"|"factory", name) -> (dim, groups)
+    # redistributions where no sharded rule takes a value as it is (redistribute.py):
+    # consumer node name -> {producer node name: the placement the consumer reads it in}
+    # (an all-gather to Replicate, or a cut of a replicated value to Shard), and node name ->
+    # the reduce op ("sum" | "avg") of the all-reduce after an op with a Partial output
+    edges: dict = field(default_factory=dict)
+    reduces: dict = field(default_factory=dict)
+    edge_requests: dict = field(default_factory=dict)    # (consumer, producer) -> placement
+    reduce_requests: dict = field(default_factory=dict)  # node name -> reduce op
+    applied: dict = field(default_factory=dict)          # the edges this run used
+    applied_reduces: dict = field(default_factory=dict)  # the reduces this run used
 
     def found_layouts(self) -> dict:
         """weight fqn -> its one non-even layout (weights used in several ways excluded:

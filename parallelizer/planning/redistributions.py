@@ -1,0 +1,68 @@
+"""The redistributions of a settled tp propagation, as plan data (TPDecision.redistributions)
+with report.md's lines: each names the op and source line that needed it and the bytes it
+moves per rank per step (analysis/sharding/redistribute.py decides them)."""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ..analysis.graph_facts import source_line
+from ..plan.decisions import Redistribution
+
+_RING = {"all_gather": 1.0, "scatter": 1.0, "all_reduce": 2.0}
+
+
+def redistributions(graph: fx.Graph, prop, tp: int) -> list:
+    """Redistribution per (producer, placement read) of ``prop.applied`` and per reduce of
+    ``prop.applied_reduces``, in graph order of the producers."""
+    order = {n.name: i for i, n in enumerate(graph.nodes)}
+    by_name = {n.name: n for n in graph.nodes}
+    readers: dict = {}
+    for consumer, edges in prop.applied.items():
+        for producer, want in edges.items():
+            readers.setdefault((producer, want), []).append(consumer)
+    out = []
+    for (producer, want), names in readers.items():
+        names = tuple(sorted(names, key=order.__getitem__))
+        gather = not hasattr(want, "dim")
+        dim = prop.placements[producer].dim if gather else want.dim
+        kind = "all_gather" if gather else "scatter"
+        out.append(Redistribution(kind, producer, names, dim=dim,
+                                  bytes=_bytes(by_name[producer], kind, tp),
+                                  why=_why(by_name[names[0]])))
+    for name, op in prop.applied_reduces.items():
+        node = by_name[name]
+        out.append(Redistribution("all_reduce", name, tuple(u.name for u in node.users),
+                                  reduce_op=op, bytes=_bytes(node, "all_reduce", tp),
+                                  why=_why(node)))
+    return sorted(out, key=lambda r: (order[r.producer], r.kind))
+
+
+def report_lines(redistributions: list) -> list:
+    """One report.md line per redistribution."""
+    lines = []
+    for r in redistributions:
+        what = {"all_gather": f"all-gather (Shard({r.dim}) -> Replicate)",
+                "scatter": f"each rank's block (Replicate -> Shard({r.dim}); backward all-gathers "
+                           f"the gradient)",
+                "all_reduce": f"all-reduce ({r.reduce_op}) of a Partial output"}[r.kind]
+        lines.append(f"redistribution: {what} of {r.producer} -> {', '.join(r.readers)} "
+                     f"(no sharded rule takes it as it is: {r.why}); {r.bytes} bytes per rank "
+                     f"per step")
+    return lines
+
+
+def _bytes(node: fx.Node, kind: str, tp: int) -> int:
+    """Bytes one rank sends for ``node``'s whole value (the example's shapes)."""
+    v = node.meta.get("val")
+    if not isinstance(v, torch.Tensor):
+        return 0
+    numel = 1
+    for s in v.shape:
+        numel *= int(s)
+    return int(_RING[kind] * (tp - 1) / tp * numel * v.element_size())
+
+
+def _why(node: fx.Node) -> str:
+    where = source_line(node)
+    return f"{node.target} ({node.name}){f' at {where}' if where else ''}"
