@@ -34,6 +34,7 @@ _STOP = {aten.embedding.default, aten.native_layer_norm.default, aten.layer_norm
 # took them as its rows, leaving that attention replicated).
 _ROUTING = {aten.topk.default}
 _WALK_LIMIT = 400
+_ADDS = {aten.add.Tensor, aten.add_.Tensor}
 
 
 def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False) -> TPDecision:
@@ -266,9 +267,41 @@ def _walk(start: fx.Node, is_linear: dict) -> set:
                 if is_linear[user].x is node:
                     reached.add(is_linear[user].weight)
                 continue
-            if user.target not in _STOP:
+            if user.target not in _STOP and not _residual_add(user, seen):
                 frontier.append(user)
     return reached
+
+
+def _residual_add(node: fx.Node, seen: set) -> bool:
+    """An add of the walked value to an activation of the same shape that the walk did not
+    come from: the residual stream, where a block ends. A walk going on would pair the last
+    linear of a block (an output projection whose input the walk of another column took) as
+    a column with the next block's linears, a shard that only redistributing the residual
+    stream could keep."""
+    if node.target not in _ADDS:
+        return False
+    out = node.meta.get("val")
+    return any(isinstance(a, fx.Node) and a not in seen and a.op != "get_attr"
+               and _same_shape(a.meta.get("val"), out) and not _constant(a)
+               for a in node.args[:2])
+
+
+def _same_shape(a, b) -> bool:
+    return getattr(a, "shape", None) is not None and getattr(b, "shape", None) is not None \
+        and tuple(a.shape) == tuple(b.shape)
+
+
+def _constant(node: fx.Node) -> bool:
+    """Computed from parameters, buffers and constants alone (no placeholder upstream)."""
+    todo, seen = [node], set()
+    while todo:
+        n = todo.pop()
+        if n.op == "placeholder":
+            return False
+        if n not in seen:
+            seen.add(n)
+            todo += n.all_input_nodes
+    return True
 
 
 def _component(pairs: dict, seeds) -> set:

@@ -36,9 +36,8 @@ NO_RULE = object()
 @dataclass(frozen=True)
 class Wants:
     """DTensor's answer when it takes the inputs only after a redistribution, or gives a
-    Partial output: ``inputs`` the placement it wants for each tensor argument, by its path
-    in (args, kwargs) (``(0,)``: args[0]; ``(0, 2)``: args[0][2]; ``("dim",)``: a kwarg);
-    ``out`` the output's placement once they are so; ``partial`` the output's reduce op
+    Partial output: ``inputs`` the placement it wants for each tensor argument, in the
+    order of :func:`tensor_args` (empty: none redistributed); ``out`` the output's placement once they are so; ``partial`` the output's reduce op
     ("sum", "avg", ...) when it is Partial, else None."""
     inputs: tuple
     out: object
@@ -146,10 +145,20 @@ def dtensor_rule(node: fx.Node, prop, tp: int):
             _ANSWERS.clear()
         try:
             _ANSWERS[key] = _answer(_propagator().propagate_op_sharding_non_cached(
-                OpSchema(op, tuple(args), kwargs)))
+                OpSchema(op, tuple(args), kwargs, schema_info=_schema_info(op))))
         except Exception:  # noqa: BLE001 - no strategy, or one that cannot take these args
             _ANSWERS[key] = NO_RULE
     return _ANSWERS[key]
+
+
+def _schema_info(op):
+    """The op's RuntimeSchemaInfo, as DTensor's dispatcher passes it (torch 2.13
+    _dispatch.py ``unwrap_to_op_info``): without it an op taking a list of tensors (cat,
+    stack) is asked with the list unread, and answers with no redistribution whatever its
+    inputs' placements (seen here: cat of a Shard(2) and a Replicate along dim 2 gave
+    Replicate, needing nothing)."""
+    p = _propagator()
+    return p.op_to_schema_info.get(op) or p.op_to_schema_info_for_single_dim_strategy.get(op)
 
 
 # Answers by (op, tp, argument specs): the repeated blocks of a model ask the same questions
@@ -187,7 +196,7 @@ def _answer(result):
         return out
     if out == CONFLICT and partial is None:
         return CONFLICT
-    wanted = () if not redistribute else tuple(_wanted(result.redistribute_schema))
+    wanted = () if not redistribute else _wanted(result.redistribute_schema)
     return Wants(wanted, REPLICATE if partial else out, partial)
 
 
@@ -198,16 +207,17 @@ def _partial(spec) -> Optional[str]:
 
 
 def _wanted(schema):
-    """(path, placement) of every tensor argument of a redistribute schema."""
+    """The placement wanted for each tensor argument of a redistribute schema, in the order
+    of :func:`tensor_args` (DTensor flattens a list of tensors into its arguments)."""
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from torch.utils._pytree import tree_leaves
+    leaves = tree_leaves(list(schema.args_schema)) + tree_leaves(list(schema.kwargs_schema.values()))
+    return tuple(_out(x) for x in leaves if isinstance(x, DTensorSpec))
 
-    def walk(x, path):
-        if isinstance(x, DTensorSpec):
-            yield path, _out(x)
-        elif isinstance(x, (list, tuple)):
-            for i, y in enumerate(x):
-                yield from walk(y, path + (i,))
-    for i, a in enumerate(schema.args_schema):
-        yield from walk(a, (i,))
-    for k, a in schema.kwargs_schema.items():
-        yield from walk(a, (k,))
+
+def tensor_args(node: fx.Node) -> list:
+    """``node``'s tensor arguments in the order DTensor reads them (args, then kwargs, lists
+    flattened): the order of :attr:`Wants.inputs`."""
+    from torch.utils._pytree import tree_leaves
+    leaves = tree_leaves(list(node.args)) + tree_leaves(list(node.kwargs.values()))
+    return [a for a in leaves if isinstance(a, fx.Node) and is_tensor(a)]

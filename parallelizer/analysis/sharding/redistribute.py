@@ -29,7 +29,7 @@ import contextlib
 import torch.fx as fx
 
 from ..graph_facts import expr, is_tensor, module_path, shape
-from .dtensor import Wants, dtensor_rule
+from .dtensor import Wants, dtensor_rule, tensor_args
 from .placements import REPLICATE, Shard
 from .state import add_constraint, inputs_of, placement, record_use
 
@@ -106,23 +106,28 @@ def gather_all(node: fx.Node, prop) -> bool:
 
 
 def cut(node: fx.Node, prop, a: fx.Node, dim: int) -> bool:
-    """``node`` reads the replicated ``a`` as each rank's block along ``dim``."""
-    return _edges(node, prop, {a: Shard(dim)})
+    """``node`` reads the replicated ``a`` as each rank's block along ``dim`` (False for a
+    dim whose size is not known at compile time: tp's division of it cannot be checked)."""
+    return _static(a, dim) and _edges(node, prop, {a: Shard(dim)})
+
+
+def _static(a: fx.Node, dim: int) -> bool:
+    return expr(shape(a)[dim]).is_number
 
 
 def _ask(node, prop, wants: Wants) -> bool:
     changes = {}
-    for path, want in wants.inputs:
-        a = _arg_at(node, path)
-        if not isinstance(a, fx.Node) or not is_tensor(a):
-            continue
+    args = tensor_args(node)
+    if wants.inputs and len(args) != len(wants.inputs):
+        return False
+    for a, want in zip(args, wants.inputs):
         p = placement(prop, a)
         if p == want:
             continue
         if p == REPLICATE and type(want) is Shard:
-            if prop.edges.get(node.name, {}).get(a.name) == REPLICATE:
-                return False  # gathered already: DTensor wants a Shard(d) -> Shard(e)
-            changes[a] = want
+            if prop.edges.get(node.name, {}).get(a.name) == REPLICATE or not _static(a, want.dim):
+                return False  # gathered already (DTensor wants Shard(d) -> Shard(e)), or a
+            changes[a] = want  # cut along a dynamic dim (the sequence)
         elif type(p) is Shard and gatherable(a, prop):
             changes[a] = REPLICATE  # Shard(d) -> Shard(e) too: gathered, cut next run
         else:
@@ -138,6 +143,8 @@ def _ask(node, prop, wants: Wants) -> bool:
 def _edges(node, prop, changes: dict) -> bool:
     """Request the new edges of ``changes``; an edge once asked for is never changed (so the
     runs cannot flip it back and forth)."""
+    if any(_written(node, a) for a in changes):
+        return False  # the op would write into the copy, not the value (DTensor refuses too)
     have = prop.edges.get(node.name, {})
     new = {a.name: w for a, w in changes.items() if a.name not in have}
     for name, w in new.items():
@@ -145,13 +152,16 @@ def _edges(node, prop, changes: dict) -> bool:
     return bool(new)
 
 
-def _arg_at(node, path):
-    x = node.args[path[0]] if isinstance(path[0], int) else node.kwargs.get(path[0])
-    for i in path[1:]:
-        if not isinstance(x, (list, tuple)) or i >= len(x):
-            return None
-        x = x[i]
-    return x
+def _written(node: fx.Node, a: fx.Node) -> bool:
+    """``node`` (an in-place op: ``copy_``, ``add_``) writes into its argument ``a``."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return False
+    for i, arg in enumerate(schema.arguments):
+        v = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+        if v is a and arg.alias_info is not None and arg.alias_info.is_write:
+            return True
+    return False
 
 
 def reduced(node: fx.Node, prop, out):
