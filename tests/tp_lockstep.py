@@ -23,7 +23,8 @@ from parallelizer.checkpoint.slicing import local_piece
 from parallelizer.plan.layouts import ReplicatedHeads, copied_heads, copied_runs
 from parallelizer.plan.parallel_plan import TensorPlan
 from parallelizer.runtime import sequence as sp
-from parallelizer.runtime.tp import copy_to_tp_region, reduce_from_tp_region, scatter_to_tp_region
+from parallelizer.runtime.tp import (copy_to_tp_region, gather_from_tp_dim, reduce_from_tp_region,
+                                     reduce_partial_from_tp, scatter_to_tp_region)
 from parallelizer.runtime.vocab import (GatherLastDim, gather_from_tp_region, local_lookup,
                                         vocab_parallel_lookup)
 from parallelizer.runtime.vocab_loss import VocabParallelCrossEntropy, vocab_parallel_cross_entropy
@@ -137,6 +138,33 @@ class _Scatter(torch.autograd.Function):
         return ctx.comm(ctx.rank, full), None, None, None
 
 
+class _GatherDim(torch.autograd.Function):
+    """runtime/tp.py gather_from_tp_dim over threads: the ranks' blocks side by side;
+    backward: the rank's block of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, dim, comm, rank):
+        ctx.dim, ctx.rank, ctx.n = dim, rank, x.shape[dim]
+        return torch.cat(comm.gather(rank, x.contiguous()), dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.narrow(ctx.dim, ctx.rank * ctx.n, ctx.n).contiguous(), None, None, None
+
+
+class _ReducePartial(torch.autograd.Function):
+    """runtime/tp.py reduce_partial_from_tp over threads ("sum" or "avg")."""
+
+    @staticmethod
+    def forward(ctx, x, op, comm, rank):
+        ctx.scale = 1.0 / comm.tp if op == "avg" else 1.0
+        return comm(rank, x.contiguous()) * ctx.scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None, None, None
+
+
 class _Rank(fx.Interpreter):
     def __init__(self, gm, rank, comm, leaves):
         super().__init__(gm)
@@ -162,6 +190,10 @@ class _Rank(fx.Interpreter):
             return target(*args, comm=_RankComm(self.comm, self.rank), **kwargs)
         if target is scatter_to_tp_region:
             return _Scatter.apply(args[0], args[1], self.comm, self.rank)
+        if target is gather_from_tp_dim:
+            return _GatherDim.apply(args[0], args[1], self.comm, self.rank)
+        if target is reduce_partial_from_tp:
+            return _ReducePartial.apply(args[0], args[1], self.comm, self.rank)
         if target is vocab_parallel_lookup:  # the runtime's lookup at this rank
             return local_lookup(*args, self.rank)
         if target is vocab_parallel_cross_entropy:

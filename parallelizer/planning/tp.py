@@ -18,6 +18,7 @@ split into parts (q|k|v), ``replicated_heads`` for GQA kv heads when tp exceeds 
 """
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from ..plan.decisions import TPDecision
@@ -54,10 +55,7 @@ def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False) -> TPDecis
             decision.biases[site.weight] = site.bias
     if tp == 1:
         return decision
-    pairs = _seed_pairs(sites)
-    column = {c for c, rows in pairs.items() if rows}
-    row = {r for rows in pairs.values() for r in rows}
-    prop = _settle(graph, pairs, column, row, tp, decision)
+    pairs, column, row, prop = _pairs_settled(graph, sites, tp, decision)
     _check_divisible(prop, tp)
     layouts = prop.found_layouts()
     decision.column, decision.row, decision.rewrites = column, row, prop.rewrites
@@ -97,6 +95,46 @@ def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False) -> TPDecis
     else:  # the backward's f edges and Partial gradients, derived (planning/gradients.py)
         plan_gradients(graph, decision)
     return decision
+
+
+def _pairs_settled(graph, sites, tp: int, decision: TPDecision):
+    """Seed the pairs with walks that end at residual adds (a pair within a block, as
+    Megatron-LM's), settle them; where that needs redistributions, also the pairs of walks
+    that go on through the residual stream (a model whose residual stream is itself sharded
+    between blocks), kept when they settle with none and shard no fewer linears: the
+    cheaper program by communication."""
+    first = _candidate(graph, _seed_pairs(sites, True), tp, decision)
+    if first[1] and not (first[3].applied or first[3].applied_reduces):
+        return first
+    other = _seed_pairs(sites, False)
+    if other == first[0]:
+        return first
+    scratch = TPDecision(tp=tp, linears=decision.linears, biases=decision.biases)
+    second = _candidate(graph, other, tp, scratch)
+    size = _weight_sizes(graph)
+    if first[1] and (second[3].applied or second[3].applied_reduces or sum(
+            size.get(w, 0) for w in second[1] | second[2]) < sum(
+            size.get(w, 0) for w in first[1] | first[2])):
+        return first
+    decision.blockers, decision.report = scratch.blockers, scratch.report
+    return second
+
+
+def _weight_sizes(graph) -> dict:
+    """get_attr target -> its number of elements."""
+    out = {}
+    for n in graph.nodes:
+        v = n.meta.get("val")
+        if n.op == "get_attr" and isinstance(v, torch.Tensor):
+            out[n.target] = v.numel()
+    return out
+
+
+def _candidate(graph, pairs: dict, tp: int, decision: TPDecision):
+    column = {c for c, rows in pairs.items() if rows}
+    row = {r for rows in pairs.values() for r in rows}
+    prop = _settle(graph, pairs, column, row, tp, decision)
+    return pairs, column, row, prop
 
 
 def linear_counts(decision: TPDecision, vocab_heads=()) -> str:
@@ -191,6 +229,7 @@ def _settle(graph, pairs: dict, column: set, row: set, tp: int, decision) -> Pro
         narrow = {k: v for k, v in narrow.items() if v[1] & column}
         prop = propagate(graph, column, row, tp, layouts, no_replication, per_head, narrow,
                          edges, reduces)
+
         if prop.not_replicable - no_replication:
             no_replication |= prop.not_replicable
             continue
@@ -232,8 +271,9 @@ def _redistribute(prop: Propagation, edges: dict, reduces: dict) -> bool:
     return bool(prop.edge_requests or prop.reduce_requests)
 
 
-def _seed_pairs(sites: list) -> dict:
-    """column weight FQN -> row weight FQNs its output reaches as their input."""
+def _seed_pairs(sites: list, residual_stop: bool) -> dict:
+    """column weight FQN -> row weight FQNs its output reaches as their input (walks ending
+    at residual adds when ``residual_stop``)."""
     pairs, taken = {}, set()
     is_linear = {s.node: s for s in sites}
     for site in sites:
@@ -242,7 +282,7 @@ def _seed_pairs(sites: list) -> dict:
             pairs[w] = set()
             continue
         # one output feature (Qwen2-MoE's shared_expert_gate): nothing to shard
-        reached = _walk(site.node, is_linear) if _out_features(site) != 1 else set()
+        reached = _walk(site.node, is_linear, residual_stop) if _out_features(site) != 1 else set()
         pairs[w] = reached
         taken |= reached
     return pairs
@@ -253,7 +293,7 @@ def _out_features(site) -> int | None:
     return int(val.shape[-1]) if val is not None and val.dim() else None
 
 
-def _walk(start: fx.Node, is_linear: dict) -> set:
+def _walk(start: fx.Node, is_linear: dict, residual_stop: bool) -> set:
     seen, frontier, reached = {start}, [start], set()
     while frontier and len(seen) < _WALK_LIMIT:
         node = frontier.pop()
@@ -267,7 +307,7 @@ def _walk(start: fx.Node, is_linear: dict) -> set:
                 if is_linear[user].x is node:
                     reached.add(is_linear[user].weight)
                 continue
-            if user.target not in _STOP and not _residual_add(user, seen):
+            if user.target not in _STOP and not (residual_stop and _residual_add(user, seen)):
                 frontier.append(user)
     return reached
 

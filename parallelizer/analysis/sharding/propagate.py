@@ -172,23 +172,25 @@ def _rule(node: fx.Node, prop: Propagation, column, row, weight_dims, tp):
     out = redistribute.reduced(node, prop, source(node, prop, tp))
     if out is NO_RULE and source is not fn:  # DTensor has no strategy: our rule
         source, out = fn, fn(node, prop, tp)
+    why = ""
     if out is NO_RULE or out == CONFLICT:
         request_narrow(node, prop, groups)
         if fn in BROADCASTING:
             request_broadcast(node, prop, groups, tp)
-        redistribute.request(node, prop, tp, out)
+        if not redistribute.request(node, prop, tp, out):
+            why = redistribute.why_not(node, prop)
     elif fn is not view_rule and not carry_strided(node, prop, out):
         return _conflict(prop, node, groups, "a (batch, heads) merged dim meets a dim sharded "
                                              "another way")
     if out is NO_RULE:
         _consume_markers(node, prop, None, CONFLICT)
         return _conflict(prop, node, groups, f"no sharding rule for {node.target} (ours or "
-                                             f"DTensor's)")
+                                             f"DTensor's){why}")
     if out == CONFLICT:
         _consume_markers(node, prop, None, CONFLICT)
         return _conflict(prop, node, groups, f"{node.target} cannot take a sharded input here"
                          + (" (DTensor's strategy would redistribute it)"
-                            if source is dtensor_rule else ""))
+                            if source is dtensor_rule else "") + why)
     _consume_markers(node, prop, fn, out)
     return out, groups
 
@@ -251,7 +253,7 @@ def _conflict(prop, node, groups, reason):
 def _linear(node, site, prop, column, row, groups):
     if site is None:  # aten.linear on a weight that is not a parameter
         if placement(prop, node.args[0]) != REPLICATE:
-            redistribute.gather_all(node, prop)
+            redistribute.gather_all(node, prop, [node.args[0]])
             return _conflict(prop, node, groups, "replicated linear got a sharded input")
         return REPLICATE, groups
     x, wt, w = site.x, site.weight, site.param
@@ -269,7 +271,7 @@ def _linear(node, site, prop, column, row, groups):
             add_constraint(prop, shape(w)[site.out_dim], "features", mod, f"out_features of {wt}",
                         {wt})
         if px != REPLICATE:
-            redistribute.gather_all(node, prop)
+            redistribute.gather_all(node, prop, [x])
             return _conflict(prop, node, groups, "column_parallel linear needs a replicated input")
         prop.raw[node.name] = frozenset({wt})
         return Shard(len(shape(node)) - 1), groups | {wt}
@@ -280,10 +282,10 @@ def _linear(node, site, prop, column, row, groups):
             if px == REPLICATE:  # each rank takes its block of the input features
                 redistribute.cut(node, prop, x, last)
             else:
-                redistribute.gather_all(node, prop)
+                redistribute.gather_all(node, prop, [x])
             return _conflict(prop, node, groups, "row_parallel linear needs Shard(-1) input")
         return REPLICATE, groups  # Partial, resolved by the g after it at once
     if px != REPLICATE:
-        redistribute.gather_all(node, prop)
+        redistribute.gather_all(node, prop, [x])
         return _conflict(prop, node, groups, "replicated linear got a sharded input")
     return REPLICATE, groups

@@ -45,10 +45,16 @@ def seen(node: fx.Node, prop):
         yield
         return
     by_name = {a.name: a for a in inputs_of(node)}
+    gathers = {n for n, w in edges.items() if w == REPLICATE and n in by_name
+               and gatherable(by_name[n], prop)}
+    # a cut exists to meet a sharded input: with none left (its layer group kept
+    # replicated since) it would shard a replicated op
+    meets = any(placement(prop, b) != REPLICATE for b in by_name.values()
+                if is_tensor(b) and b.name not in gathers)
     saved = {}
     for name, want in edges.items():
         a = by_name.get(name)
-        if a is None or not _applies(a, want, prop):
+        if a is None or (name not in gathers and not (meets and placement(prop, a) == REPLICATE)):
             continue
         saved[name] = (prop.placements.get(name), prop.groups.get(name))
         if want == REPLICATE:
@@ -69,11 +75,6 @@ def seen(node: fx.Node, prop):
             prop.groups[name] = g
 
 
-def _applies(a, want, prop) -> bool:
-    p = placement(prop, a)
-    return gatherable(a, prop) if want == REPLICATE else p == REPLICATE
-
-
 def gatherable(a: fx.Node, prop) -> bool:
     """``a`` is an even split of its global value along one dim, so a concatenation of the
     ranks' pieces in rank order is the value itself."""
@@ -83,7 +84,10 @@ def gatherable(a: fx.Node, prop) -> bool:
     mark = prop.heads.get(a.name)
     if mark is not None and (mark.replicated or mark.expanded):
         return False
-    return not any(prop.layouts.get(w) is not None for w in prop.raw.get(a.name, ()))
+    # a piece of a fused q|k|v (or of copied kv heads) is laid out per rank, not as the
+    # global tensor's blocks, through any view: every column it comes from must split evenly
+    weights = prop.raw.get(a.name, frozenset()) | prop.groups.get(a.name, frozenset())
+    return not any(prop.layouts.get(w) is not None for w in weights) and a.name not in prop.head_raw
 
 
 def request(node: fx.Node, prop, tp: int, answer=None) -> bool:
@@ -91,15 +95,19 @@ def request(node: fx.Node, prop, tp: int, answer=None) -> bool:
     strategy would (``answer``, a rule's conflict, when it is DTensor's :class:`~.dtensor.Wants`;
     else DTensor is asked), or by a gather of every sharded input. False when no
     redistribution can do it (the caller then keeps the layer group replicated)."""
+    if any(prop.heads[a.name].replicated for a in inputs_of(node) if a.name in prop.heads):
+        return False  # copied kv heads: a "Shard" each rank holds whole, DTensor cannot say
     wants = answer if isinstance(answer, Wants) else dtensor_rule(node, prop, tp)
     if isinstance(wants, Wants) and _ask(node, prop, wants):
         return True
     return gather_all(node, prop)
 
 
-def gather_all(node: fx.Node, prop) -> bool:
-    """All-gather every sharded tensor input of ``node`` (False if one cannot be)."""
-    sharded = [a for a in inputs_of(node) if is_tensor(a) and placement(prop, a) != REPLICATE]
+def gather_all(node: fx.Node, prop, only=None) -> bool:
+    """All-gather every sharded tensor input of ``node`` (of ``only``, when given: a linear's
+    activation, never its weight, whose shard is the linear's role), False if one cannot be."""
+    sharded = [a for a in (inputs_of(node) if only is None else only)
+               if is_tensor(a) and placement(prop, a) != REPLICATE]
     if not sharded or not all(gatherable(a, prop) for a in sharded):
         return False
     return _edges(node, prop, {a: REPLICATE for a in sharded})
@@ -150,6 +158,13 @@ def _edges(node, prop, changes: dict) -> bool:
     for name, w in new.items():
         prop.edge_requests[(node.name, name)] = w
     return bool(new)
+
+
+def why_not(node: fx.Node, prop) -> str:
+    """Why no redistribution can stand in at ``node`` ("" when one might)."""
+    if any(_written(node, a) for a in inputs_of(node) if placement(prop, a) != REPLICATE):
+        return "; it writes into its sharded input in place, which no gathered copy can stand in for"
+    return ""
 
 
 def _written(node: fx.Node, a: fx.Node) -> bool:

@@ -168,17 +168,19 @@ def _nothing_shardable():
 
 
 def test_tp_that_shards_nothing_is_a_plan_error_naming_the_op():
-    """The only pair has a cumsum over the sharded features: nothing could be sharded, so
-    tp=2 would only add all-reduces; the error names the op, its source line and the key."""
+    """The only pair has an in-place cumsum over the sharded features (no gathered copy can
+    stand in for a value written in place): nothing could be sharded, so tp=2 would only
+    add all-reduces; the error names the op, its source line, why, and the key."""
     cap = _nothing_shardable()
     with pytest.raises(PlanError) as e:
         plan_tp(cap.gm.graph, 2)
     msg = str(e.value)
-    line = line_of(__file__, "torch.cumsum(h, dim=-1)  # the blocking op")
+    line = line_of(__file__, "h.cumsum_(dim=-1)  # the blocking op")
     assert msg.startswith("mesh.tp=2 but no weight matrix could be sharded; the first op that "
-                          f"stopped it: aten.cumsum.default at test_tensor_parallel.py:{line} in 1: "
-                          "aten.cumsum.default cannot take a sharded input here (DTensor's "
-                          "strategy would redistribute it)."), msg
+                          f"stopped it: aten.cumsum_.default at test_tensor_parallel.py:{line} in 1: "
+                          "no sharding rule for aten.cumsum_.default (ours or DTensor's); it "
+                          "writes into its sharded input in place, which no gathered copy can "
+                          "stand in for."), msg
     assert "tensor_parallel.allow_replicated=true" in msg and "mesh.tp=1" in msg
 
 
@@ -188,13 +190,13 @@ def test_tp_that_shards_nothing_allowed_warns():
     assert not decision.column and not decision.row
     assert len(decision.warnings) == 1
     assert decision.warnings[0].startswith("mesh.tp=2 but no weight matrix could be sharded "
-                                           "(the first op that stopped it: aten.cumsum.default")
+                                           "(the first op that stopped it: aten.cumsum_.default")
     assert not plan_tp(cap.gm.graph, 1).warnings
 
 
 class _Cumsum(nn.Module):
     def forward(self, h):
-        return torch.cumsum(h, dim=-1)  # the blocking op
+        return h.cumsum_(dim=-1)  # the blocking op
 
 
 # --- GPT-2 (transformers' GPT2LMHeadModel: Conv1D, fused q|k|v in c_attn) --------------------

@@ -181,15 +181,30 @@ def _conflict_plan(op):
     return plan_tp(cap.gm.graph, 2)
 
 
-def test_cumsum_between_pair_keeps_it_replicated_and_reports_why():
-    d = _conflict_plan(lambda h: torch.cumsum(h, dim=-1))
-    assert d.column == {"second.fc1.weight"} and d.row == {"second.fc2.weight"}
-    kept = [line for line in d.report if line.startswith("kept replicated:")]
+def _gathered_and_equal(op):
+    """TwoMLPs with ``op`` between the first pair: both pairs shard, the first with an
+    all-gather before ``op`` (its report line names the op and line), and the ranks' outputs
+    equal the unmodified model's."""
+    torch.manual_seed(0)
+    model = TwoMLPs(op).eval()
+    cap = captured(model, x_batch())
+    d = plan_tp(cap.gm.graph, 2)
+    assert d.column == {"first.fc1.weight", "second.fc1.weight"}
+    assert d.row == {"first.fc2.weight", "second.fc2.weight"}
+    assert not any(line.startswith("kept replicated:") for line in d.report)
+    apply_tensor_parallel(cap.gm, d)
+    x = x_batch(3, 7, seed=1)
+    with torch.no_grad():
+        ref = model(*x)
+    for out in forward_ranks(cap.gm, d, 2, list(x)):
+        torch.testing.assert_close(out[0], ref, rtol=1e-5, atol=1e-5)
+    return [line for line in d.report if line.startswith("redistribution: all-gather")]
+
+
+def test_cumsum_over_the_sharded_dim_is_gathered_not_replicated():
+    lines = _gathered_and_equal(lambda h: torch.cumsum(h, dim=-1))
     line = line_of(__file__, "h = self.first.fc2(self.op(self.first.fc1(x)))")
-    assert kept == ["kept replicated: first.fc1.weight, first.fc2.weight (at cumsum = "
-                    f"aten.cumsum.default at test_tp.py:{line} in the root module: "
-                    "aten.cumsum.default cannot take a sharded input here (DTensor's strategy "
-                    "would redistribute it))"]
+    assert len(lines) == 1 and f"aten.cumsum.default (cumsum) at test_tp.py:{line}" in lines[0]
 
 
 def test_dtensor_strategy_shards_an_op_our_table_lacks():
@@ -207,17 +222,9 @@ def test_dtensor_strategy_shards_an_op_our_table_lacks():
     assert_lockstep_matches(model, cap.gm, d, x)
 
 
-def test_sort_between_pair_keeps_it_replicated():
-    d = _conflict_plan(lambda h: torch.sort(h, dim=-1).values)
-    assert d.column == {"second.fc1.weight"} and d.row == {"second.fc2.weight"}
-    assert any(line.startswith("kept replicated: first.fc1.weight, first.fc2.weight")
-               for line in d.report)
-
-
-def test_sort_between_pair_report_names_sort():
-    d = _conflict_plan(lambda h: torch.sort(h, dim=-1).values)
-    kept = next(line for line in d.report if line.startswith("kept replicated:"))
-    assert "sort" in kept
+def test_sort_over_the_sharded_dim_is_gathered_not_replicated():
+    lines = _gathered_and_equal(lambda h: torch.sort(h, dim=-1).values)
+    assert len(lines) == 1 and "aten.sort" in lines[0]
 
 
 def test_max_over_sharded_hidden_is_not_silently_sharded():
@@ -241,7 +248,7 @@ def test_max_over_sharded_hidden_is_not_silently_sharded():
     # today: each rank is off by up to ~0.9, and the two ranks disagree
     for out in forward_ranks(cap.gm, d, 2, list(x)):
         torch.testing.assert_close(out[0], ref, rtol=1e-5, atol=1e-5)
-    assert any("max" in line for line in d.report if line.startswith("kept replicated:"))
+    assert any("max" in line for line in d.report if line.startswith("redistribution:"))
 
 
 # --- the compile's tp summary line and the nothing-sharded error (the real CLI, in process) --
@@ -306,15 +313,15 @@ def test_compile_prints_tp_summary_line(tmp_path, capsys):
 
 
 def test_compile_with_nothing_sharded_exits_2_naming_the_op(tmp_path, capsys):
-    code, io = _compile_cli(tmp_path, capsys, "(lambda h: torch.cumsum(h, -1))")
+    code, io = _compile_cli(tmp_path, capsys, "(lambda h: h.cumsum_(-1))")
     assert code == 2
     assert io.err.startswith("error: mesh.tp=2 but no weight matrix could be sharded; the first "
-                             "op that stopped it: aten.cumsum.default at model.py:12 in "
-                             "blocks.0: aten.cumsum.default cannot take a sharded input here "
-                             "(DTensor's strategy would redistribute it)."), io.err
+                             "op that stopped it: aten.cumsum_.default at model.py:12 in "
+                             "blocks.0: no sharding rule for aten.cumsum_.default (ours or "
+                             "DTensor's); it writes into its sharded input in place"), io.err
     assert "tensor_parallel.allow_replicated=true" in io.err
     assert not (tmp_path / "out").exists()
-    code, io = _compile_cli(tmp_path, capsys, "(lambda h: torch.cumsum(h, -1))",
+    code, io = _compile_cli(tmp_path, capsys, "(lambda h: h.cumsum_(-1))",
                             "tensor_parallel.allow_replicated=true")
     assert code == 0, io.err
     assert "tensor parallel: 0 of 4 weight matrices in blocks sharded (0 % of parameters)" in io.out

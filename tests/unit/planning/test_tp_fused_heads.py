@@ -1,8 +1,9 @@
 """Attention written as Falcon and BLOOM write it, on small hand-written modules: a fused
 q|k|v whose heads view is cut by a slice and constant indices (one kv head copied to every
 rank), and heads merged into the batch dim for batched matmuls (a strided shard). Each
-either shards and equals the unmodified model (outputs, gradients, one SGD step; fp32,
-1e-5) or stays replicated with the op that stopped it in the report, never mis-sharded."""
+either shards (with redistributions where a rule is missing) and equals the unmodified
+model (outputs, gradients, one SGD step; fp32, 1e-5) or stays replicated with the op that
+stopped it in the report, never mis-sharded."""
 from pathlib import Path
 
 import pytest
@@ -122,10 +123,14 @@ def test_heads_merged_into_batch_shard_strided_with_slopes_cut_to_the_rank(tp=2)
     _matches(model, cap, d, tp)
 
 
-def test_heads_merged_outside_the_batch_do_not_meet_slopes_tiled_inside_it():
+def test_heads_merged_outside_the_batch_are_gathered_before_the_slopes():
     """(heads, batch) -> heads * batch is the even split of the merged dim, but the slopes
-    are tiled batch-major (b * H + h): no rank holds matching rows, so it stays replicated."""
+    are tiled batch-major (b * H + h): no rank holds matching rows, so the merged scores
+    are all-gathered (a redistribution) and the attention between q|k|v and o runs whole;
+    the projections stay sharded and the ranks equal the unmodified model."""
     torch.manual_seed(0)
-    with pytest.raises(PlanError, match=r"no weight matrix could be sharded; the first op that "
-                                        r"stopped it: aten\.baddbmm\.default"):
-        _plan(MergedHeads(heads_outer=True), 2)
+    model = MergedHeads(heads_outer=True)
+    cap, d = _plan(model, 2)
+    assert d.column == {"q.weight", "k.weight", "v.weight"} and d.row == {"o.weight"}
+    assert any(r.kind == "all_gather" and "baddbmm" in r.why for r in d.redistributions)
+    _matches(model, cap, d, 2)

@@ -1,0 +1,135 @@
+"""Redistribution instead of refusing (analysis/sharding/redistribute.py): where no sharded
+rule takes a value as it is, the planner inserts the redistribution DTensor would (an
+all-gather, each rank's block of a replicated value, the all-reduce of a Partial output)
+and the block keeps its sharded matmuls. Each model here was kept replicated before; each
+is checked with the tp ranks in lockstep against the unmodified model (outputs, every
+gradient, the parameters after one SGD step; fp32, 1e-5: tests/tp_check.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parallelizer.planning.tp import plan_tp
+from tp_check import plan_and_check
+from tp_small_models import H, captured, x_batch
+
+
+class ProjectionNormAttention(nn.Module):
+    """q and k normalised over the whole projection before the heads view (OLMo-2's
+    q_norm / k_norm): the RMS mean runs over the sharded dim (Partial -> all-reduce)."""
+
+    def __init__(self, heads=4):
+        super().__init__()
+        self.heads, self.hd = heads, H // heads
+        self.q, self.k, self.v, self.o = (nn.Linear(H, H, bias=False) for _ in range(4))
+        self.q_w = nn.Parameter(torch.rand(H) + 0.5)
+        self.k_w = nn.Parameter(torch.rand(H) + 0.5)
+
+    @staticmethod
+    def _norm(t, w):
+        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self._norm(self.q(x), self.q_w).view(b, s, self.heads, self.hd).transpose(1, 2)
+        k = self._norm(self.k(x), self.k_w).view(b, s, self.heads, self.hd).transpose(1, 2)
+        v = self.v(x).view(b, s, self.heads, self.hd).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.o(y.transpose(1, 2).reshape(b, s, H))
+
+
+class DepthwiseConvMixer(nn.Module):
+    """A causal depthwise conv over the channels of a column projection (Mamba's conv1d):
+    gathered before the conv, cut again before the row projection."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.out = nn.Linear(H, 2 * H), nn.Linear(2 * H, H)
+        self.conv = nn.Conv1d(2 * H, 2 * H, 3, groups=2 * H, padding=2)
+
+    def forward(self, x):
+        h = self.inp(x).transpose(1, 2)
+        h = self.conv(h)[..., :x.shape[1]].transpose(1, 2)
+        return x + self.out(F.silu(h))
+
+
+class ConcatBranch(nn.Module):
+    """A sharded hidden concatenated with the replicated input along the sharded dim
+    (ConvBERT's context | conv output): DTensor wants both replicated."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(H, 64), nn.Linear(64 + H, H)
+
+    def forward(self, x):
+        return x + self.down(torch.cat([F.gelu(self.up(x)), torch.tanh(x)], dim=-1))
+
+
+def _sharded(decision) -> set:
+    return decision.column | decision.row
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_norm_over_a_sharded_projection_is_reduced_not_replicated(tp):
+    torch.manual_seed(0)
+    model = ProjectionNormAttention()
+    d = plan_and_check(model, x_batch(), tp)
+    assert _sharded(d) == {f"{n}.weight" for n in "qkvo"}
+    kinds = {(r.kind, r.reduce_op) for r in d.redistributions}
+    assert ("all_reduce", "avg") in kinds
+    lines = [s for s in d.report if s.startswith("redistribution:")]
+    assert len(lines) == len(d.redistributions) and all("bytes per rank per step" in s
+                                                        for s in lines)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_conv_over_sharded_channels_is_gathered(tp):
+    torch.manual_seed(0)
+    model = DepthwiseConvMixer()
+    d = plan_and_check(model, x_batch(t=6), tp)
+    assert _sharded(d) == {"inp.weight", "out.weight"}
+    assert {r.kind for r in d.redistributions} >= {"all_gather", "scatter"}
+    gather = next(r for r in d.redistributions if r.kind == "all_gather")
+    b, t = 2, 6
+    assert gather.bytes == (tp - 1) * b * t * 2 * H * 4 // tp  # fp32, the whole value
+
+
+def test_cat_along_the_sharded_dim_gathers_the_shard():
+    torch.manual_seed(0)
+    d = plan_and_check(ConcatBranch(), x_batch(), 2)
+    assert _sharded(d) == {"up.weight", "down.weight"}
+    assert any(r.kind == "all_gather" and "aten.cat" in r.why for r in d.redistributions)
+
+
+class LowRankThenMLP(nn.Module):
+    """A low-rank pair (a -> norm -> b), a linear after it that nothing pairs, the residual,
+    then an MLP: the walk from ``after`` must stop at the residual add, or it pairs ``after``
+    (as column) with the MLP's ``up`` (as row) and ``down`` with nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.after = nn.Linear(H, 16), nn.Linear(16, H), nn.Linear(H, H)
+        self.up, self.down = nn.Linear(H, 64), nn.Linear(64, H)
+
+    def forward(self, x):
+        h = self.a(x)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        x = x + self.after(F.gelu(self.b(h)))
+        return x + self.down(F.gelu(self.up(x)))
+
+
+def test_a_column_is_not_paired_across_the_residual_stream():
+    torch.manual_seed(0)
+    model = LowRankThenMLP()
+    d = plan_and_check(model, x_batch(), 2)
+    assert "up.weight" in d.column and "down.weight" in d.row
+    assert "after.weight" not in d.column | d.row
+
+
+def test_report_names_each_redistribution_with_its_op_and_line():
+    model = ProjectionNormAttention()
+    d = plan_tp(captured(model, x_batch()).gm.graph, 2)
+    line = next(s for s in d.report if "all-reduce (avg)" in s)
+    assert "aten.mean.dim" in line and "test_redistribution.py:" in line
