@@ -53,7 +53,8 @@ from .analysis.partition import GraphPartition
 from .plan.decisions import (EPDecision, PipelineDecision, SequenceParallelDecision, TPDecision,
                              VocabDecision)
 from .plan.parallel_plan import ParallelPlan
-from .planning.dropout import check_random_ops, describe as describe_dropout, plan_dropout
+from .planning.dropout import (describe as describe_dropout, describe_random, plan_dropout,
+                               plan_random_ops)
 from .planning.experts import ep_summary, plan_ep
 from .planning.pipeline import find_blocks, plan_from_costs
 from .planning.pipeline_summary import (check_microbatches, check_placement, summarize,
@@ -203,6 +204,7 @@ class Planned:
     notes: list                   # the compile's one-line summaries (printed by the CLI)
     warnings: list                # check_placement's (report.md, stderr)
     ep: EPDecision = None
+    random: tuple = ()            # planning/dropout.plan_random_ops: RandomSite each
 
 
 def plan(analysis: Analysis, spec: Spec, passes: PassManager) -> Planned:
@@ -224,7 +226,7 @@ def plan(analysis: Analysis, spec: Spec, passes: PassManager) -> Planned:
     ep = plan_ep(*find_expert_layers(graph), mesh.ep)  # raises early, naming the module
     if mesh.ep > 1:
         notes.append(ep_summary(ep))
-    check_random_ops(graph, mesh.tp)  # raises: a random op tp cannot keep consistent
+    random = plan_random_ops(graph, tp.placements, mesh.tp)  # raises: one tp cannot draw alike
     dropout = plan_dropout(graph, tp.placements)
     measured = measure(analysis, passes)
     costs, blocks = measured.costs, analysis.blocks
@@ -234,13 +236,13 @@ def plan(analysis: Analysis, spec: Spec, passes: PassManager) -> Planned:
     structure = pipeline_structure(graph, analysis.model, blocks, costs, analysis.canonical,
                                    measured.partition)
     built = build_plan(spec, analysis.captured, analysis.gm, analysis.model, analysis.groups, tp,
-                       vocab, dropout, pipeline, structure, ep)
+                       vocab, dropout, pipeline, structure, ep, random)
     summary = summarize(pipeline, costs, pipe.schedule, mesh.pp, pipe.microbatches,
                         virtual_stages_of(pipe))
     params = {n for n, _ in analysis.model.named_parameters(remove_duplicate=False)}
     warnings = check_placement(summary, [st.fqns for st in built.stages], params,
                                analysis.canonical)
-    return Planned(built, tp, vocab, dropout, pipeline, summary, notes, warnings, ep)
+    return Planned(built, tp, vocab, dropout, pipeline, summary, notes, warnings, ep, random)
 
 
 def apply_passes(analysis: Analysis, planned: Planned, spec: Spec, batch,
@@ -260,7 +262,8 @@ def apply_passes(analysis: Analysis, planned: Planned, spec: Spec, batch,
     passes.run("tensor_parallel", apply_tensor_parallel, gm, planned.tp)
     passes.run("vocab_parallel", apply_vocab_parallel, gm, planned.vocab)
     passes.run("untie", apply_untie, gm, analysis.groups)
-    passes.run("rng_streams", apply_rng_streams, gm, planned.dropout)  # costs saw the ATen ops
+    # costs saw the ATen ops
+    passes.run("rng_streams", apply_rng_streams, gm, planned.dropout + planned.random)
     # plan on the rewritten graph (see above); raises for "true"
     sequence = plan_sequence_parallel(gm.graph, spec.mesh.tp,
                                       spec.tensor_parallel.sequence_parallel_mode,
@@ -346,9 +349,9 @@ def emit(analysis: Analysis, planned: Planned, checked: Checked,
     # what each stage sends, as module and per-rank shape (report.md, pipeline.json, inspect)
     summary = {**planned.summary, "stages": [
         {**st, "sends": checked.sends.get(st["index"], [])} for st in planned.summary["stages"]]}
+    streams = describe_dropout(planned.dropout) + describe_random(planned.random)
     report = render_report(plan_, analysis.captured.route, tp_lines, summary,
-                           checked.notes + describe_dropout(planned.dropout), pp_warnings,
-                           attention=analysis.attention)
+                           checked.notes + streams, pp_warnings, attention=analysis.attention)
     return Program(plan_, sources, report, model_file, spec.to_dict(), state, ref,
                    warnings=list(tp.warnings) + pp_warnings, pipeline=summary,
                    notes=planned.notes)

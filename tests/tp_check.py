@@ -10,7 +10,7 @@ import torch
 from parallelizer.passes.cleanup import apply_cleanup
 from parallelizer.passes.tensor_parallel import apply_tensor_parallel
 from parallelizer.planning.tp import plan_tp
-from tp_lockstep import local, run_ranks
+from tp_lockstep import RankStreams, local, run_ranks
 from tp_small_models import captured
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -24,15 +24,20 @@ def weighted_loss(outs):
                if isinstance(o, torch.Tensor) and o.is_floating_point())
 
 
-def assert_tp_matches(model, batch, tp, decision, gm):
+def assert_tp_matches(model, batch, tp, decision, gm, seed=None):
     """Each simulated rank's outputs, gradients and SGD-stepped parameters of the rewritten
-    ``gm`` equal the unmodified ``model``'s (its pieces for sharded tensors)."""
+    ``gm`` equal the unmodified ``model``'s (its pieces for sharded tensors). ``seed``: the
+    model draws after ``torch.manual_seed(seed)`` and each rank from its own streams seeded
+    as ``init`` seeds them (tp_lockstep.RankStreams); returns the model's outputs."""
     ref = copy.deepcopy(model)
+    if seed is not None:
+        torch.manual_seed(seed)
     outs = ref(*batch)
     outs = outs if isinstance(outs, tuple) else (outs,)
     weighted_loss(outs).backward()
     params = dict(ref.named_parameters())
-    for r, res in enumerate(run_ranks(gm, decision, tp, list(batch), weighted_loss, LR)):
+    streams = None if seed is None else RankStreams(seed, tp)
+    for r, res in enumerate(run_ranks(gm, decision, tp, list(batch), weighted_loss, LR, streams)):
         for got, want in zip(res.outputs, outs):
             torch.testing.assert_close(got, want, **TOL)
         for fqn, grad in res.grads.items():
@@ -42,6 +47,7 @@ def assert_tp_matches(model, batch, tp, decision, gm):
             stepped = params[fqn].detach() - LR * want
             torch.testing.assert_close(res.params[fqn], local(stepped, fqn, decision, tp, r),
                                        **TOL, msg=lambda m: f"rank {r} {fqn}: {m}")
+    return outs
 
 
 def plan_and_check(model, batch, tp):

@@ -9,10 +9,12 @@ Replicated kv heads (whole tensors, or the copied parts of a fused q|k|v) then s
 gradients over the ranks holding one head, and parameters whose gradient is Partial over tp
 (``TPDecision.partial``) over all ranks, as ``runtime/step.py`` does. The vocab_parallel
 operators run the runtime's own local lookup and gather (runtime/vocab.py) with the
-transport swapped likewise.
+transport swapped likewise. Random ops (runtime/rng.py) draw from each rank's own streams
+when given (:class:`RankStreams`).
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
 
@@ -22,7 +24,7 @@ import torch.fx as fx
 from parallelizer.checkpoint.slicing import local_piece
 from parallelizer.plan.layouts import ReplicatedHeads, copied_heads, copied_runs
 from parallelizer.plan.parallel_plan import TensorPlan
-from parallelizer.runtime import sequence as sp
+from parallelizer.runtime import rng, sequence as sp
 from parallelizer.runtime.tp import (copy_to_tp_region, gather_from_tp_dim, reduce_from_tp_region,
                                      reduce_partial_from_tp, scatter_to_tp_region)
 from parallelizer.runtime.vocab import (GatherLastDim, gather_from_tp_region, local_lookup,
@@ -165,16 +167,51 @@ class _ReducePartial(torch.autograd.Function):
         return grad * ctx.scale, None, None, None
 
 
+class RankStreams:
+    """Each simulated rank's own random streams (runtime/rng.py), seeded as ``init`` seeds
+    tp rank r of (pp 0, dp 0) from ``seed``: the replicated stream is ``seed`` on every rank,
+    as after ``torch.manual_seed(seed)`` in eager. rng's streams are process globals, so a
+    rank's draw runs under a lock with its own streams swapped in."""
+
+    _lock = threading.Lock()
+
+    def __init__(self, seed: int, tp: int):
+        self.states = [(rng.stream_seeds(seed, 0, 0, r, tp), {}) for r in range(tp)]
+
+    @contextlib.contextmanager
+    def of(self, rank: int):
+        with self._lock:
+            saved = dict(rng._seeds), dict(rng._generators)
+            seeds, gens = self.states[rank]
+            rng._seeds.clear(), rng._seeds.update(seeds)
+            rng._generators.clear(), rng._generators.update(gens)
+            try:
+                yield
+            finally:
+                gens.clear(), gens.update(rng._generators)
+                rng._seeds.clear(), rng._seeds.update(saved[0])
+                rng._generators.clear(), rng._generators.update(saved[1])
+
+
+_RANDOM = {rng.random_op, sp.random_op_on_tp_shard, sp.random_op_on_sequence_shard}
+
+
 class _Rank(fx.Interpreter):
-    def __init__(self, gm, rank, comm, leaves):
+    def __init__(self, gm, rank, comm, leaves, streams=None):
         super().__init__(gm)
-        self.rank, self.comm, self.leaves = rank, comm, leaves
+        self.rank, self.comm, self.leaves, self.streams = rank, comm, leaves, streams
+
+    def call_function(self, target, args, kwargs):
+        if target in _RANDOM and self.streams is not None:
+            with self.streams.of(self.rank):
+                return self._call(target, args, kwargs)
+        return self._call(target, args, kwargs)
 
     def get_attr(self, target, args, kwargs):
         return self.leaves.get(target, None) if target in self.leaves else \
             super().get_attr(target, args, kwargs)
 
-    def call_function(self, target, args, kwargs):
+    def _call(self, target, args, kwargs):
         if target is copy_to_tp_region:
             return _F.apply(args[0], self.comm, self.rank)
         if target is reduce_from_tp_region:
@@ -186,7 +223,7 @@ class _Rank(fx.Interpreter):
             shard, dim, seq, kinds, *params = args
             return sp.GatheredLinears.apply(shard, dim, seq, _RankComm(self.comm, self.rank),
                                             kinds, *params)
-        if target is sp.random_op_on_sequence_shard:
+        if target in (sp.random_op_on_sequence_shard, sp.random_op_on_tp_shard):
             return target(*args, comm=_RankComm(self.comm, self.rank), **kwargs)
         if target is scatter_to_tp_region:
             return _Scatter.apply(args[0], args[1], self.comm, self.rank)
@@ -248,9 +285,11 @@ def assert_lockstep_matches(model, gm, decision, x, tp: int = 2):
         torch.testing.assert_close(out[0], ref, rtol=1e-5, atol=1e-5)
 
 
-def run_ranks(gm: fx.GraphModule, decision, tp: int, flat_inputs: list, loss_of, lr: float):
+def run_ranks(gm: fx.GraphModule, decision, tp: int, flat_inputs: list, loss_of, lr: float,
+              streams: RankStreams | None = None):
     """Each rank: forward, ``loss_of(outputs).backward()``, SGD step (``loss_of`` None: the
-    forward only). Returns RankResults. ``decision``: as for :func:`local`."""
+    forward only). Returns RankResults. ``decision``: as for :func:`local`. ``streams``:
+    each rank's random streams (None: the process's, shared by the ranks)."""
     comm = _AllReduce(tp)
     targets = sorted({n.target for n in gm.graph.nodes if n.op == "get_attr"})
     leaves = []
@@ -268,7 +307,7 @@ def run_ranks(gm: fx.GraphModule, decision, tp: int, flat_inputs: list, loss_of,
 
     def work(r):
         try:
-            outs = _Rank(gm, r, comm, leaves[r]).run(*flat_inputs)
+            outs = _Rank(gm, r, comm, leaves[r], streams).run(*flat_inputs)
             if loss_of is not None:
                 loss_of(outs).backward()
             results[r] = outs

@@ -1,7 +1,9 @@
 """Reference results of the unmodified model on its example inputs, for ``run.py --verify``:
 inputs, flat outputs, loss, gradients and parameters after one optimizer step, all fp32 on
 CPU, keyed ``input.NAME``, ``output.I``, ``loss``, ``grad.FQN``, ``param.FQN``. Dropout is
-inactive (the model stays in training mode), as in the program under ``--verify``."""
+inactive (the model stays in training mode) and every other random op gives its fixed
+stand-in (``runtime.rng.RandomStandIns``: a drop path's ``torch.rand`` is 0.5), as in the
+program under ``--verify``."""
 from __future__ import annotations
 
 import torch
@@ -10,7 +12,7 @@ from torch.utils._pytree import tree_flatten
 from ..frontend.capture import split_args
 from ..frontend.model_file import call_loss_fn
 from ..runtime.optim import make_optimizer
-from ..runtime.rng import EagerDropoutOff
+from ..runtime.rng import EagerDropoutOff, RandomStandIns
 
 
 def compute_reference(model: torch.nn.Module, batch, loss_fn, input_names, spec,
@@ -21,7 +23,7 @@ def compute_reference(model: torch.nn.Module, batch, loss_fn, input_names, spec,
     flat_in, _ = tree_flatten((args, kwargs))
     ref = {f"input.{n}": t.detach().clone().contiguous() for n, t in zip(input_names, flat_in)}
     model.zero_grad(set_to_none=True)
-    with EagerDropoutOff():
+    with EagerDropoutOff(), RandomStandIns():
         outputs = model(*args, **kwargs)
     loss = call_loss_fn(loss_fn, outputs, batch, model_file,
                         " (the reference step: the unmodified model's outputs on example_inputs())")

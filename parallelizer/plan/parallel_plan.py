@@ -38,6 +38,32 @@ DROPOUT_OPS = {
     "aten.scaled_dot_product_attention.default": (4, "dropout_p"),
 }
 
+# The other random ops (ATen's ``nondeterministic_seeded`` tag) the program draws from the
+# streams too (planning/dropout.plan_random_ops, runtime/rng.py), by what their values
+# depend on: "factory" (a size only: ``torch.rand(B, 1, 1)``), "template" (the shape of
+# their first tensor, whose values they ignore or overwrite: ``rand_like``, ``exponential_``),
+# "values" (the values of a tensor input: ``bernoulli(p)``, ``normal(mean)``). A sharded
+# "template" draw can be drawn whole and sliced; a sharded "values" draw cannot.
+RANDOM_OPS = {
+    **dict.fromkeys(("aten.rand.default", "aten.randn.default", "aten.randint.default",
+                     "aten.randint.low", "aten.randperm.default", "aten.normal.float_float"),
+                    "factory"),
+    **dict.fromkeys(("aten.rand_like.default", "aten.randn_like.default",
+                     "aten.randint_like.default", "aten.randint_like.low_dtype",
+                     "aten.uniform.default", "aten.uniform_.default", "aten.normal_.default",
+                     "aten.exponential.default", "aten.exponential_.default",
+                     "aten.cauchy.default", "aten.cauchy_.default", "aten.log_normal.default",
+                     "aten.log_normal_.default", "aten.geometric.default",
+                     "aten.geometric_.default", "aten.bernoulli_.float", "aten.bernoulli.p"),
+                    "template"),
+    **dict.fromkeys(("aten.bernoulli.default", "aten.bernoulli.Tensor", "aten.bernoulli_.Tensor",
+                     "aten.normal.Tensor_float", "aten.normal.float_Tensor",
+                     "aten.normal.Tensor_Tensor", "aten.poisson.default",
+                     "aten.multinomial.default", "aten._standard_gamma.default",
+                     "aten.rrelu_with_noise.default", "aten.rrelu_with_noise_.default",
+                     "aten.rrelu_with_noise_functional.default"), "values"),
+}
+
 
 @dataclass(frozen=True)
 class TensorPlan:
@@ -179,6 +205,10 @@ class ParallelPlan:
     # Dropouts of the program and their random streams (planning/dropout.py, runtime/rng.py):
     # {"node", "module", "op", "p", "stream": "replicated" | "tp"} each; read by --verify
     dropout: tuple = ()
+    # The other random ops (planning/dropout.plan_random_ops): {"node", "module", "op",
+    # "stream": "replicated", "dim": None | the tp shard dim (drawn whole, this rank's slice
+    # kept), "line"} each; --verify runs them on fixed stand-ins (runtime/rng.py)
+    random: tuple = ()
     # vocab_parallel logits handed to loss_fn sharded (planning/vocab.py): (flat output index,
     # vocabulary size) pairs; the last stage returns this rank's Shard(-1) columns for them
     vocab_outputs: tuple = ()
@@ -228,6 +258,7 @@ class ParallelPlan:
         d["imports"] = tuple(d.get("imports", ()))
         d["scalar_outputs"] = tuple(d.get("scalar_outputs", ()))
         d["dropout"] = tuple(d.get("dropout", ()))
+        d["random"] = tuple(d.get("random", ()))
         d["vocab_outputs"] = tuple(tuple(p) for p in d.get("vocab_outputs", ()))
         d["expert_layers"] = tuple(d.get("expert_layers", ()))
         return ParallelPlan(tensors=tensors, stages=stages, **d)

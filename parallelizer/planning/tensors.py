@@ -63,7 +63,7 @@ def _placement(name: str, tp: TPDecision, vocab: VocabDecision) -> tuple:
 
 def build_plan(spec, captured, gm, model, groups, tp: TPDecision, vocab: VocabDecision,
                dropout: tuple, pipe: PipelineDecision, structure: dict,
-               ep: EPDecision | None = None) -> ParallelPlan:
+               ep: EPDecision | None = None, random: tuple = ()) -> ParallelPlan:
     """The whole plan, before any rewrite: placements from the TP and vocab_parallel
     decisions, stages of every tensor from the pipeline decision
     (:func:`~parallelizer.planning.stages.tensor_stages`, the function ``reshard --pp``
@@ -127,7 +127,8 @@ def build_plan(spec, captured, gm, model, groups, tp: TPDecision, vocab: VocabDe
         structure=structure, settings=run_settings(spec, token_vocab(gm)),
         imports=modules_needed(gm.graph, captured.out_spec, MODEL_MODULE),
         scalar_outputs=scalar_outputs(gm), vocab_outputs=tuple(sorted(vocab.outputs.items())),
-        dropout=tuple(dataclasses.asdict(d) for d in dropout), ep=ep.ep,
+        dropout=tuple(dataclasses.asdict(d) for d in dropout),
+        random=tuple(dataclasses.asdict(r) for r in random), ep=ep.ep,
         expert_layers=tuple({k: layer[k] for k in ("module", "experts", "weights", "router")}
                             for layer in ep.layers))
     partial = tuple(sorted({canonical.get(f, f) for f in tp.partial}))

@@ -1,6 +1,6 @@
-"""Model-parallel random streams for dropout (Megatron-LM, Shoeybi et al. 2019, §3, and its
-``tensor_parallel.random.get_cuda_rng_tracker``; Korthikanti et al. 2022, §4.2, for dropout
-in sequence-parallel regions).
+"""Model-parallel random streams for dropout and the other random ops (Megatron-LM,
+Shoeybi et al. 2019, §3, and its ``tensor_parallel.random.get_cuda_rng_tracker``;
+Korthikanti et al. 2022, §4.2, for dropout in sequence-parallel regions).
 
 The compiler rewrites every dropout of the captured graph (``aten.dropout`` and its
 variants, ``scaled_dot_product_attention`` with ``dropout_p`` > 0) into
@@ -20,19 +20,27 @@ dropout's input (``planning/dropout.py``):
   each tp rank draws its own mask. Seeded from (seed, pp, dp, tp rank). At tp = 1 it is the
   replicated generator itself: one stream, drawn in graph order.
 
+The other random ops of the graph (:data:`RANDOM_OPS`: a drop path's ``torch.rand``,
+``bernoulli``, Gumbel noise) run through ``random_op`` on the ``replicated`` stream, the same
+values on every tp rank; one whose output is sharded over tp is drawn whole and sliced
+(``runtime/sequence.random_op_on_tp_shard``).
+
 The streams' states are this rank's RNG state for ``--save`` / ``--resume``
-(:func:`state_dict`); ``--verify`` runs with dropout inactive (:func:`dropout_active`) and
-computes the reference under :class:`EagerDropoutOff`.
+(:func:`state_dict`); ``--verify`` runs with dropout inactive and the other random ops on
+fixed stand-ins (:func:`dropout_active`) and computes the reference under
+:class:`EagerDropoutOff` and :class:`RandomStandIns`.
 """
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..plan.parallel_plan import DROPOUT_OPS, REPLICATED, TP_LOCAL  # noqa: F401  (re-exported)
+from ..plan.parallel_plan import DROPOUT_OPS, RANDOM_OPS, REPLICATED, TP_LOCAL  # noqa: F401  (re-exported)
 
 
 _seeds: dict[str, int] = {}          # stream -> seed
@@ -96,24 +104,29 @@ def _first_tensor(args, kwargs):
 
 
 def random_op(stream: str, op: str, *args, **kwargs):
-    """Run ATen ``op`` (a key of :data:`DROPOUT_OPS`) on ``args`` drawing from ``stream``.
+    """Run ATen ``op`` (a key of :data:`DROPOUT_OPS` or :data:`RANDOM_OPS`) on ``args``
+    drawing from ``stream``.
 
     Outputs are ``op``'s (same shapes). Eager-identical when the stream's generator is in
     the state the default generator would be in. Without seeded streams (a stage module
     used outside ``init``), under FakeTensor/meta tracing, or on a device without a default
-    generator, it is ``op`` itself on the default generator. With dropout made inactive
-    (:func:`dropout_active`) the probability is 0 and nothing is drawn.
+    generator, it is ``op`` itself on the default generator. Made inactive
+    (:func:`dropout_active`), a dropout runs with probability 0 and draws nothing, any other
+    random op gives its :class:`RandomStandIns` value.
     """
     fn = _ops.get(op)
     if fn is None:
         fn = _ops[op] = _resolve(op)
     if not _active:
+        if op not in DROPOUT_OPS:
+            with RandomStandIns():
+                return fn(*args, **kwargs)
         args, kwargs = _without_dropout(op, args, kwargs)
         return fn(*args, **kwargs)
-    x = _first_tensor(args, kwargs)
-    if x is None or x.is_meta or isinstance(x, torch._subclasses.FakeTensor):
+    device = _device(args, kwargs)
+    if device is None:
         return fn(*args, **kwargs)
-    gen, default = _generator(stream, x.device), _default_generator(x.device)
+    gen, default = _generator(stream, device), _default_generator(device)
     if gen is None or default is None:
         return fn(*args, **kwargs)
     saved = default.get_state()
@@ -123,6 +136,19 @@ def random_op(stream: str, op: str, *args, **kwargs):
     finally:
         gen.set_state(default.get_state())
         default.set_state(saved)
+
+
+def _device(args, kwargs):
+    """The device ``op`` draws on: its first tensor's, a factory's ``device`` (cpu by
+    default); None under FakeTensor/meta tracing (nothing real is drawn)."""
+    x = _first_tensor(args, kwargs)
+    if x is not None:
+        fake = x.is_meta or isinstance(x, torch._subclasses.FakeTensor)
+        return None if fake else x.device
+    if torch._guards.detect_fake_mode() is not None:
+        return None
+    device = torch.device(kwargs.get("device") or "cpu")
+    return None if device.type == "meta" else device
 
 
 def _resolve(op: str):
@@ -141,10 +167,16 @@ def _without_dropout(op: str, args, kwargs) -> tuple[list, dict]:
     return args, kwargs
 
 
+def drawing() -> bool:
+    """Whether :func:`random_op` draws (False under ``dropout_active(False)``: --verify)."""
+    return _active
+
+
 @contextlib.contextmanager
 def dropout_active(active: bool):
-    """Within the block, ``random_op`` runs dropout with probability 0 when not ``active``
-    (``--verify``: the reference runs under :class:`EagerDropoutOff`)."""
+    """Within the block, ``random_op`` runs dropout with probability 0 and the other random
+    ops on their stand-ins when not ``active`` (``--verify``: the reference runs under
+    :class:`EagerDropoutOff` and :class:`RandomStandIns`)."""
     global _active
     before, _active = _active, active
     try:
@@ -248,3 +280,95 @@ class EagerDropoutOff(TorchFunctionMode):
         if func is torch.nn.functional.scaled_dot_product_attention:
             args, kwargs = _without_dropout("aten.scaled_dot_product_attention.default", args, kwargs)
         return func(*args, **kwargs)
+
+
+# --verify's value of each random op outside dropout (:class:`RandomStandIns`), from its
+# bound arguments: its distribution's mean (for integer draws the mean rounded down, a
+# permutation the identity, multinomial the most probable categories).
+_STAND_INS = {
+    **dict.fromkeys(("aten.rand.default", "aten.rand_like.default"), lambda a: 0.5),
+    **dict.fromkeys(("aten.randn.default", "aten.randn_like.default"), lambda a: 0.0),
+    **dict.fromkeys(("aten.randint.default", "aten.randint_like.default"),
+                    lambda a: (a["high"] - 1) // 2),
+    **dict.fromkeys(("aten.randint.low", "aten.randint_like.low_dtype"),
+                    lambda a: (a["low"] + a["high"] - 1) // 2),
+    "aten.randperm.default": lambda a: torch.arange(a["n"]),
+    **dict.fromkeys(("aten.uniform.default", "aten.uniform_.default"),
+                    lambda a: (a["from"] + a["to"]) / 2),
+    **dict.fromkeys(("aten.normal_.default", "aten.normal.float_float", "aten.normal.Tensor_float",
+                     "aten.normal.float_Tensor", "aten.normal.Tensor_Tensor"),
+                    lambda a: a["mean"]),
+    **dict.fromkeys(("aten.exponential.default", "aten.exponential_.default"),
+                    lambda a: 1.0 / a["lambd"]),
+    **dict.fromkeys(("aten.cauchy.default", "aten.cauchy_.default"), lambda a: a["median"]),
+    **dict.fromkeys(("aten.log_normal.default", "aten.log_normal_.default"),
+                    lambda a: math.exp(a["mean"] + a["std"] ** 2 / 2)),
+    **dict.fromkeys(("aten.geometric.default", "aten.geometric_.default"),
+                    lambda a: float(math.floor(1.0 / a["p"]))),
+    **dict.fromkeys(("aten.bernoulli_.float", "aten.bernoulli.p", "aten.bernoulli.Tensor",
+                     "aten.bernoulli_.Tensor"), lambda a: a["p"]),
+    **dict.fromkeys(("aten.bernoulli.default", "aten.poisson.default",
+                     "aten._standard_gamma.default"), lambda a: a["self"]),
+    "aten.multinomial.default": lambda a: _most_probable(a["self"], a["num_samples"],
+                                                         a["replacement"]),
+    # rrelu: the slope of its inference mode, (lower + upper) / 2 (None: rerun the op so)
+    **dict.fromkeys(("aten.rrelu_with_noise.default", "aten.rrelu_with_noise_.default",
+                     "aten.rrelu_with_noise_functional.default"), None),
+}
+
+
+def _most_probable(probs: torch.Tensor, n: int, replacement: bool) -> torch.Tensor:
+    """multinomial's stand-in: the ``n`` most probable categories of each row (the most
+    probable ``n`` times with replacement)."""
+    if replacement:
+        return probs.argmax(-1, keepdim=True).expand(*probs.shape[:-1], n)
+    return probs.topk(n, -1).indices
+
+
+def _bound(func, args, kwargs) -> dict:
+    """``func``'s arguments by schema name, defaults filled in."""
+    out = {}
+    for i, arg in enumerate(func._schema.arguments):
+        if i < len(args) and not arg.kwarg_only:
+            out[arg.name] = args[i]
+        elif arg.name in kwargs:
+            out[arg.name] = kwargs[arg.name]
+        elif arg.has_default_value():
+            out[arg.name] = arg.default_value
+    return out
+
+
+class RandomStandIns(TorchDispatchMode):
+    """Every random op of :data:`RANDOM_OPS` gives a fixed value instead of a draw (its
+    distribution's mean, :data:`_STAND_INS`), the same for any shape or slice, on any rank:
+    ``--verify``'s reference (``emit/reference.py``) and program (:func:`random_op` under
+    ``dropout_active(False)``) run under it, so the comparison stays exact as dropout's does
+    with dropout inactive. Dispatch level, below autograd: each op keeps its own gradient
+    formula. The op still runs (and draws) first, so output dtype, device and memory format
+    are its own; then its output is overwritten."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = str(func)
+        if name not in _STAND_INS:
+            return func(*args, **kwargs)
+        value = _STAND_INS[name]
+        if value is None:  # rrelu
+            args, kwargs = _with_arg(func, args, kwargs, "training", False)
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        v = value(_bound(func, args, kwargs))
+        if isinstance(v, torch.Tensor):
+            out.copy_(v)
+        else:
+            out.fill_(v)
+        return out
+
+
+def _with_arg(func, args, kwargs, name: str, value) -> tuple:
+    """(args, kwargs) of ``func`` with argument ``name`` set to ``value`` (in place of a
+    positional one, else as a keyword)."""
+    i = [a.name for a in func._schema.arguments].index(name)
+    if i < len(args):
+        return (*args[:i], value, *args[i + 1:]), kwargs
+    return args, {**kwargs, name: value}

@@ -303,3 +303,26 @@ def random_op_on_sequence_shard(stream: str, op: str, dim: int, seq, *args, comm
     if isinstance(drawn, tuple):  # native_dropout: (ones * mask * scale, mask)
         return x * mine(drawn[0]), mine(drawn[1])
     return x * mine(drawn)
+
+
+def random_op_on_tp_shard(stream: str, op: str, dim: int, *args, comm=None, **kwargs):
+    """A random op (``rng.random_op``, a "template" op of ``RANDOM_OPS``: ``rand_like``,
+    ``exponential_``, ...) whose output is sharded over tp on ``dim``: the full tensor the
+    unsharded program draws is drawn from ``stream`` (the replicated one: equal on every tp
+    rank) and this rank's block of ``dim`` kept, as :func:`random_op_on_sequence_shard`
+    keeps its slice of a dropout mask. ``args[0]`` is this rank's shard (the op's template;
+    an in-place op writes its block into it). Costs one full-shape draw per call
+    (transient). Under ``--verify`` (``rng.dropout_active(False)``) the op's stand-in is the
+    same for any shape, so the local op gives it."""
+    x, rest = args[0], args[1:]
+    comm = comm or COMM
+    tp = comm.size()
+    if tp == 1 or not rng.drawing():
+        return rng.random_op(stream, op, *args, **kwargs)
+    full = list(x.shape)
+    n, full[dim] = x.shape[dim], x.shape[dim] * tp
+    drawn = rng.random_op(stream, op, x.new_empty(full), *rest, **kwargs)
+    mine = drawn.narrow(dim, comm.rank() * n, n)
+    if op.split(".")[1].endswith("_"):  # in place: the op's output is its template
+        return x.copy_(mine)
+    return mine.contiguous()

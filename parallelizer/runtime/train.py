@@ -90,7 +90,7 @@ def load_optimizer_state(opt, stages, plan: ParallelPlan, ctx: RankContext, ckpt
     states = manifest["train"].get("rng") or []
     restored = len(states) == dist.get_world_size() and isinstance(states[ctx.rank], dict) and \
         set_rng_state(states[ctx.rank], ctx.device, plan.mesh)
-    if not restored and plan.dropout:
+    if not restored and (plan.dropout or plan.random):
         reseed_dropout(plan, ctx, step)
     return step
 

@@ -6,8 +6,10 @@ and updated parameters (each gathered back to full shape) are compared with
 directly: AdamW's first step is nearly invariant to a uniform gradient scale, so checking
 only the updated parameters would miss a wrongly scaled gradient. The tp ranks' copies of a
 replicated kv head (layout ``replicated_heads``) must agree, in gradients and parameters.
-Dropout is inactive in the step, as it was in the reference (``emit/reference.py``), so the
-comparison stays exact; the report says so when the model has dropout.
+Dropout is inactive in the step, as it was in the reference (``emit/reference.py``), and
+every other random op (a drop path's ``torch.rand``, Gumbel noise) gives the same fixed
+stand-in there as here (``runtime.rng.RandomStandIns``), so the comparison stays exact; the
+report says so when the model has either.
 """
 from __future__ import annotations
 
@@ -210,6 +212,10 @@ def _report(tally: _Tally, plan, opt_name, loss, ref_loss, ctx, skipped=()) -> i
             print(f"verify: dropout inactive in the reference and the program ({len(plan.dropout)} "
                   f"dropout sites; --train draws them from the {' and '.join(streams)} "
                   f"stream(s))")
+        if plan.random:
+            print(f"verify: {len(plan.random)} random op(s) outside dropout on fixed stand-ins "
+                  f"(their distribution's mean) in the reference and the program; --train draws "
+                  f"them from the replicated stream")
         print(f"verify: loss {loss.item():.6f} (reference {ref_loss.item():.6f}) max abs err {errs[0]:.3g}")
         print(f"verify: outputs max abs err {errs[1]:.3g}" + (
             f" (not compared, no batch dim to split over dp/microbatches: {', '.join(skipped)})"

@@ -13,8 +13,9 @@ plan or rewrite must be compile-time errors naming what is wrong.
   microbatch: the reduce-scatter's output fed into the model's in-place ``add_`` ("Output 0
   of Op is a view and is being modified inplace", issue 23) is caught the same way with the
   runtime operator as it was (a view), and compiles with the operator as it is.
-- A random op outside a dropout (a drop path's ``torch.rand``) at tp2: refused, naming the
-  op and the line (planning/dropout.check_random_ops); at tp1 it compiles.
+- A random op that tp cannot draw alike on every rank (planning/dropout.plan_random_ops): a
+  draw sharded over tp from its input's values (``bernoulli(p)``), an op with no stream and
+  no --verify stand-in (an LSTM's dropout): refused at tp2, naming the op and the line.
 """
 from __future__ import annotations
 
@@ -151,27 +152,55 @@ def test_falcon_view_returned_by_reduce_scatter_is_caught_at_compile_time(monkey
         check_program(analysis, checked, batch)
 
 
-class DropPathMLP(torch.nn.Module):
-    """A residual MLP with a stochastic-depth drop path (timm's / BEiT's and Swin's
-    ``drop_path``): a ``torch.rand`` per sample, not a dropout."""
+class SampledGate(torch.nn.Module):
+    """A column/row linear pair whose hidden units are gated by a Bernoulli sample of their
+    own sigmoid (a stochastic binary unit): a draw from the values of a tensor sharded over
+    tp."""
 
     def __init__(self):
         super().__init__()
         self.up, self.down = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
 
     def forward(self, x):
-        y = self.down(torch.relu(self.up(x)))
-        keep = (0.9 + torch.rand(x.shape[0], 1, 1, dtype=x.dtype)).floor_()
-        return x + y.div(0.9) * keep
+        h = self.up(x)
+        return x + self.down(h * torch.bernoulli(torch.sigmoid(h)))
 
 
-def test_random_op_outside_a_dropout_is_refused_at_tp2():
-    """A random draw that is not a dropout gets no random stream: at tp2 the compiler
-    refuses it, naming the op and the model's line (it emitted a program whose --verify
-    FAILed, BEiT's drop path at tp2); at tp1 it compiles."""
-    line = line_of(__file__, "keep = (0.9 + torch.rand(")
-    with pytest.raises(PlanError, match=rf"mesh.tp=2: aten.rand.default \(rand\) in the root "
-                                        rf"module at test_compile_checks.py:{line} draws random "
-                                        rf"numbers outside a dropout .* drop_path_rate"):
-        compile_steps(DropPathMLP(), x_batch(4, 6), TP2)
-    compile_steps(DropPathMLP(), x_batch(4, 6), {"mesh": {"tp": 1}})
+def test_sharded_draw_from_its_inputs_values_is_refused_at_tp2():
+    """A random op whose output is sharded over tp and whose values depend on its input's
+    (``bernoulli(p)``): no rank holds the whole ``p`` to draw the unsharded program's tensor
+    and keep its block, so the compiler refuses it, naming the op and the model's line; at
+    tp1 it compiles (one rank draws it whole). A drop path (replicated) compiles at tp2:
+    tests/features/test_random_streams.py."""
+    line = line_of(__file__, "h * torch.bernoulli(torch.sigmoid(h))")
+    with pytest.raises(PlanError, match=rf"mesh.tp=2: aten.bernoulli.default \(bernoulli\) in "
+                                        rf"the root module at test_compile_checks.py:{line} "
+                                        rf"draws a tensor sharded over tp \(Shard\(2\)\) from "
+                                        rf"the values of its input"):
+        compile_steps(SampledGate(), x_batch(4, 6), TP2)
+    _analysis, planned, _stages, _seq = compile_steps(SampledGate(), x_batch(4, 6),
+                                                      {"mesh": {"tp": 1}})
+    assert [(r["op"], r["dim"]) for r in planned.plan.random] == [("aten.bernoulli.default", None)]
+
+
+class LSTMHead(torch.nn.Module):
+    """An LSTM with dropout between its layers, then a linear pair."""
+
+    def __init__(self, dropout: float):
+        super().__init__()
+        self.lstm = torch.nn.LSTM(32, 32, num_layers=2, dropout=dropout, batch_first=True)
+        self.up, self.down = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(self.lstm(x)[0])))
+
+
+def test_random_op_without_a_stand_in_is_refused_at_tp2():
+    """An op that draws with no stream and no --verify stand-in (``aten.lstm``'s dropout
+    between layers) is refused at tp2, naming it; with ``dropout=0`` the LSTM draws nothing
+    and compiles."""
+    line = line_of(__file__, "return self.down(torch.relu(self.up(self.lstm(x)[0])))")
+    with pytest.raises(PlanError, match=rf"mesh.tp=2: aten.lstm.input \(lstm\) in lstm at "
+                                        rf"test_compile_checks.py:{line} has no random stream"):
+        compile_steps(LSTMHead(0.1), x_batch(4, 6), TP2)
+    compile_steps(LSTMHead(0.0), x_batch(4, 6), TP2)
