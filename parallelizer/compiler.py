@@ -61,6 +61,7 @@ from .planning.pipeline_summary import (check_microbatches, check_placement, sum
                                         virtual_stages_of)
 from .planning.tensors import alias_map, build_plan, pipeline_structure, tied_groups
 from .planning.sequence import plan_sequence_parallel
+from .passes.explicit_sizes import apply_explicit_sizes
 from .planning.tp import plan_tp, tp_summary
 from .planning.vocab import plan_vocab, vocab_summary
 from .emit.program import Program, check_replaceable
@@ -170,6 +171,7 @@ def analyse(model: torch.nn.Module, batch, name: Path, passes: PassManager,
         check_outputs_have_batch_dim(captured.gm, captured.input_names)
     rewritten: list = []
     passes.run("eager_attention", apply_eager_attention, captured.gm, rewritten)
+    passes.run("explicit_sizes", apply_explicit_sizes, captured.gm)
     groups = tied_groups(model)
     return Analysis(model, captured, groups, alias_map(groups), find_blocks(model), name,
                     tuple(rewritten))
