@@ -141,17 +141,24 @@ class _Scatter(torch.autograd.Function):
 
 
 class _GatherDim(torch.autograd.Function):
-    """runtime/tp.py gather_from_tp_dim over threads: the ranks' blocks side by side;
-    backward: the rank's block of the gradient."""
+    """runtime/tp.py gather_from_tp_dim over threads: the ranks' blocks side by side (along
+    the inner factor of a merged dim when ``inner``); backward: the rank's block."""
 
     @staticmethod
-    def forward(ctx, x, dim, comm, rank):
-        ctx.dim, ctx.rank, ctx.n = dim, rank, x.shape[dim]
-        return torch.cat(comm.gather(rank, x.contiguous()), dim=dim)
+    def forward(ctx, x, dim, inner, comm, rank):
+        ctx.dim, ctx.rank, ctx.n, ctx.inner, ctx.tp = dim, rank, x.shape[dim], inner, comm.tp
+        if not inner:
+            return torch.cat(comm.gather(rank, x.contiguous()), dim=dim)
+        parts = comm.gather(rank, x.unflatten(dim, (-1, inner // comm.tp)).contiguous())
+        return torch.cat(parts, dim=dim + 1).flatten(dim, dim + 1)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.narrow(ctx.dim, ctx.rank * ctx.n, ctx.n).contiguous(), None, None, None
+        if not ctx.inner:
+            return grad.narrow(ctx.dim, ctx.rank * ctx.n, ctx.n).contiguous(), *[None] * 4
+        block = ctx.inner // ctx.tp
+        mine = grad.unflatten(ctx.dim, (-1, ctx.inner)).narrow(ctx.dim + 1, ctx.rank * block, block)
+        return mine.flatten(ctx.dim, ctx.dim + 1).contiguous(), *[None] * 4
 
 
 class _ReducePartial(torch.autograd.Function):
@@ -228,7 +235,7 @@ class _Rank(fx.Interpreter):
         if target is scatter_to_tp_region:
             return _Scatter.apply(args[0], args[1], self.comm, self.rank)
         if target is gather_from_tp_dim:
-            return _GatherDim.apply(args[0], args[1], self.comm, self.rank)
+            return _GatherDim.apply(args[0], args[1], (list(args) + [0])[2], self.comm, self.rank)
         if target is reduce_partial_from_tp:
             return _ReducePartial.apply(args[0], args[1], self.comm, self.rank)
         if target is vocab_parallel_lookup:  # the runtime's lookup at this rank

@@ -84,9 +84,10 @@ def _insert_redistributions(graph: fx.Graph, redistributions: list) -> None:
             node.replace_all_uses_with(new, delete_user_cb=lambda u, c=new: u is not c)
             continue
         readers = [by_name[n] for n in r.readers]
-        fn = gather_from_tp_dim if r.kind == "all_gather" else scatter_to_tp_region
+        gather = r.kind == "all_gather"
         with graph.inserting_before(min(readers, key=order.__getitem__)):
-            new = graph.call_function(fn, (node, r.dim))
+            new = graph.call_function(gather_from_tp_dim, (node, r.dim, r.inner)) if gather \
+                else graph.call_function(scatter_to_tp_region, (node, r.dim))
         new.meta = dict(node.meta)
         for u in readers:
             u.replace_input_with(node, new)

@@ -27,11 +27,14 @@ class Redistribution:
     that read it so (all of its readers for an all_reduce). ``bytes``: what one rank sends
     per forward + backward at the example's shapes (ring collectives: an all-gather moves
     (tp - 1) / tp of the whole value, an all-reduce twice that). ``why``: the op and source
-    line that needed it."""
+    line that needed it. ``inner``: for an all_gather of a (outer, inner) merged dim whose
+    inner factor is sharded (a (batch, heads) merge), the inner factor's global size; 0
+    for a plain Shard."""
     kind: str
     producer: str
     readers: tuple
     dim: Optional[int] = None
+    inner: int = 0
     reduce_op: Optional[str] = None
     bytes: int = 0
     why: str = ""

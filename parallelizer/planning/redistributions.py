@@ -27,7 +27,8 @@ def redistributions(graph: fx.Graph, prop, tp: int) -> list:
         gather = not hasattr(want, "dim")
         dim = prop.placements[producer].dim if gather else want.dim
         kind = "all_gather" if gather else "scatter"
-        out.append(Redistribution(kind, producer, names, dim=dim,
+        inner = int(prop.strided.get(producer, 0)) if gather else 0
+        out.append(Redistribution(kind, producer, names, dim=dim, inner=inner,
                                   bytes=_bytes(by_name[producer], kind, tp),
                                   why=_why(by_name[names[0]])))
     for name, op in prop.applied_reduces.items():

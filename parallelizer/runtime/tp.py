@@ -149,30 +149,51 @@ def scatter_to_tp_region(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def _all_gather_cat(x: torch.Tensor, dim: int) -> torch.Tensor:
-    x = x.contiguous()
-    if _TRANSPORT is not None:
-        return torch.cat(_TRANSPORT.all_gather(x), dim=dim)
-    parts = [torch.empty_like(x) for _ in range(_tp_size())]
-    dist.all_gather(parts, x, group=_TP_GROUP)
-    return torch.cat(parts, dim=dim)
+    return torch.cat(_all_gather_list(x), dim=dim)
 
 
 class _GatherFromTPDim(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim):
-        ctx.dim, ctx.n = dim, x.shape[dim]
-        return _all_gather_cat(x, dim)
+    def forward(ctx, x, dim, inner):
+        ctx.dim, ctx.n, ctx.inner = dim, x.shape[dim], inner
+        if not inner:
+            return _all_gather_cat(x, dim)
+        tp = _tp_size()
+        parts = _all_gather_list(_split_merged(x, dim, inner // tp))
+        return torch.cat(parts, dim=dim + 1).flatten(dim, dim + 1)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.narrow(ctx.dim, _tp_rank() * ctx.n, ctx.n).contiguous(), None
+        if not ctx.inner:
+            return grad.narrow(ctx.dim, _tp_rank() * ctx.n, ctx.n).contiguous(), None, None
+        block = ctx.inner // _tp_size()
+        mine = _split_merged(grad, ctx.dim, ctx.inner).narrow(ctx.dim + 1, _tp_rank() * block,
+                                                               block)
+        return mine.flatten(ctx.dim, ctx.dim + 1).contiguous(), None, None
 
 
-def gather_from_tp_dim(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """The tp ranks' blocks of ``x`` along ``dim`` concatenated in rank order: Shard(dim) ->
-    Replicate, ``x.shape[dim] * tp`` long (a new tensor, never a view). Backward: this rank's
-    block of the gradient."""
-    return x if _tp_size() == 1 else _GatherFromTPDim.apply(x, dim)
+def _split_merged(x: torch.Tensor, dim: int, inner: int) -> torch.Tensor:
+    """``x`` with its merged dim ``dim`` (``outer * inner``) split into (outer, inner)."""
+    return x.unflatten(dim, (x.shape[dim] // inner, inner))
+
+
+def _all_gather_list(x: torch.Tensor) -> list:
+    x = x.contiguous()
+    if _TRANSPORT is not None:
+        return _TRANSPORT.all_gather(x)
+    parts = [torch.empty_like(x) for _ in range(_tp_size())]
+    dist.all_gather(parts, x, group=_TP_GROUP)
+    return parts
+
+
+def gather_from_tp_dim(x: torch.Tensor, dim: int, inner: int = 0) -> torch.Tensor:
+    """The tp ranks' blocks of ``x`` along ``dim`` put together: Shard(dim) -> Replicate,
+    ``x.shape[dim] * tp`` long (a new tensor, never a view). ``inner`` > 0: ``dim`` merges
+    (outer, inner) with the inner factor sharded (DTensor's ``_StridedShard``: BLOOM's
+    ``batch * heads``, a ``repeat`` of sharded heads), ``inner`` its global size; each rank's
+    piece is ``outer * (inner / tp)`` and the blocks interleave along the inner factor.
+    Backward: this rank's block of the gradient."""
+    return x if _tp_size() == 1 else _GatherFromTPDim.apply(x, dim, inner)
 
 
 class _ReducePartial(torch.autograd.Function):

@@ -133,3 +133,33 @@ def test_report_names_each_redistribution_with_its_op_and_line():
     d = plan_tp(captured(model, x_batch()).gm.graph, 2)
     line = next(s for s in d.report if "all-reduce (avg)" in s)
     assert "aten.mean.dim" in line and "test_redistribution.py:" in line
+
+
+class RepeatedKV(nn.Module):
+    """kv heads repeated over the query groups by ``repeat`` (JetMoE's ``key.repeat(1,
+    top_k, 1, 1)``: head ``g * K + h``, a (group, heads) merge with the heads sharded) and
+    reversed along the heads, which has no sharded rule: the merged value is gathered with
+    its blocks interleaved along the heads."""
+
+    def __init__(self, heads=4, kv=2):
+        super().__init__()
+        self.heads, self.kv, self.hd = heads, kv, H // heads
+        self.q, self.o = nn.Linear(H, H, bias=False), nn.Linear(H, H, bias=False)
+        self.k, self.v = (nn.Linear(H, kv * self.hd, bias=False) for _ in range(2))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, self.heads, self.hd).transpose(1, 2)
+        k, v = (p(x).view(b, t, self.kv, self.hd).transpose(1, 2) for p in (self.k, self.v))
+        n = self.heads // self.kv
+        k, v = k.repeat(1, n, 1, 1).flip(1), v.repeat(1, n, 1, 1).flip(1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.o(y.transpose(1, 2).reshape(b, t, H))
+
+
+def test_a_merged_heads_value_is_gathered_with_its_blocks_interleaved():
+    torch.manual_seed(0)
+    d = plan_and_check(RepeatedKV(), x_batch(), 2)
+    gathers = [r for r in d.redistributions if r.kind == "all_gather" and r.inner]
+    assert gathers and all(r.inner == 2 for r in gathers), d.redistributions
+    assert {"k.weight", "v.weight"} <= d.column

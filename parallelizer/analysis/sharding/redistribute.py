@@ -16,8 +16,9 @@ at an op asks the next run (:func:`parallelizer.planning.tp._settle`) for
 What to redistribute is DTensor's answer where it has a strategy (its choice minimises the
 redistribution's cost, torch/distributed/tensor/_ops/utils.py ``generate_redistribute_costs``:
 a cut is free, a gather costs the bytes moved), else every sharded input is gathered. A
-value that is not an even split of the global tensor (a (batch, heads) merge, copied kv
-heads, a piece of a fused q|k|v) cannot be gathered by a concatenation: its layer group is
+value that is not an even split of the global tensor (copied kv heads, a piece of a fused
+q|k|v) cannot be gathered by a concatenation (a (batch, heads) merge is: its blocks
+interleave along the heads): its layer group is
 then kept replicated, as before. The requests are keyed by node name and applied on the
 edge only while the producer is still placed as the request assumed (a group kept
 replicated later turns its gathers off); ``applied`` records what the settled run used.
@@ -79,7 +80,9 @@ def gatherable(a: fx.Node, prop) -> bool:
     """``a`` is an even split of its global value along one dim, so a concatenation of the
     ranks' pieces in rank order is the value itself."""
     p = placement(prop, a)
-    if type(p) is not Shard or not is_tensor(a) or a.name in prop.strided:
+    if type(p) is not Shard or not is_tensor(a):
+        return False
+    if a.name in prop.strided and not _merged_evenly(a, p.dim, prop.strided[a.name]):
         return False
     mark = prop.heads.get(a.name)
     if mark is not None and (mark.replicated or mark.expanded):
@@ -88,6 +91,13 @@ def gatherable(a: fx.Node, prop) -> bool:
     # global tensor's blocks, through any view: every column it comes from must split evenly
     weights = prop.raw.get(a.name, frozenset()) | prop.groups.get(a.name, frozenset())
     return not any(prop.layouts.get(w) is not None for w in weights) and a.name not in prop.head_raw
+
+
+def _merged_evenly(a, dim: int, inner: int) -> bool:
+    """A (outer, inner) merged dim whose inner factor (global ``inner``) is sharded: the
+    gather interleaves the ranks' blocks along it (runtime/tp.py gather_from_tp_dim)."""
+    size = expr(shape(a)[dim])
+    return bool(size.is_number) and int(size) % inner == 0
 
 
 def request(node: fx.Node, prop, tp: int, answer=None) -> bool:
