@@ -72,6 +72,9 @@ def _insert_narrows(graph: fx.Graph, narrows: dict) -> None:
         node.replace_all_uses_with(cut, delete_user_cb=lambda u, c=cut: u is not c)
 
 
+_WHERE = ("nn_module_stack", "stack_trace", "source_fn_stack", "fwd_nn_module_stack")
+
+
 def _insert_redistributions(graph: fx.Graph, redistributions: list) -> None:
     by_name = {n.name: n for n in graph.nodes}
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -85,10 +88,13 @@ def _insert_redistributions(graph: fx.Graph, redistributions: list) -> None:
             continue
         readers = [by_name[n] for n in r.readers]
         gather = r.kind == "all_gather"
-        with graph.inserting_before(min(readers, key=order.__getitem__)):
+        first = min(readers, key=order.__getitem__)
+        with graph.inserting_before(first):
             new = graph.call_function(gather_from_tp_dim, (node, r.dim, r.inner)) if gather \
                 else graph.call_function(scatter_to_tp_region, (node, r.dim))
-        new.meta = dict(node.meta)
+        # the value's meta, in the reader's module and line (a parameter has neither: the
+        # block and stage splits place a node by its module)
+        new.meta = {**node.meta, **{k: first.meta[k] for k in _WHERE if k in first.meta}}
         for u in readers:
             u.replace_input_with(node, new)
 
@@ -115,7 +121,9 @@ def _insert_fs(graph: fx.Graph, readers: dict) -> None:
     for x in sorted(readers, key=lambda v: order[firsts[v]]):
         with graph.inserting_before(firsts[x]):
             f = graph.call_function(copy_to_tp_region, (x,))
-        f.meta = dict(x.meta)
+        # in its first reader's module: an f on a value of the block before (an activation
+        # entering the next block's sharded compute) belongs to the block that reads it
+        f.meta = {**x.meta, **{k: firsts[x].meta[k] for k in _WHERE if k in firsts[x].meta}}
         f.meta[TP_OPERATOR] = "f"
         for u in readers[x]:
             u.replace_input_with(x, f)

@@ -56,6 +56,12 @@ def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False) -> TPDecis
     if tp == 1:
         return decision
     pairs, column, row, prop = _pairs_settled(graph, sites, tp, decision)
+    if (prop.applied or prop.applied_reduces) and not _divisible(prop, tp):
+        # a group kept by redistributions needs a size tp does not divide (3 heads at tp 2):
+        # plan as without them, that group then replicated (its conflict names why)
+        decision.blockers, decision.report = [], []
+        pairs = _seed_pairs(sites, True)
+        pairs, column, row, prop = _candidate(graph, pairs, tp, decision, redistribute=False)
     _check_divisible(prop, tp)
     layouts = prop.found_layouts()
     decision.column, decision.row, decision.rewrites = column, row, prop.rewrites
@@ -130,10 +136,10 @@ def _weight_sizes(graph) -> dict:
     return out
 
 
-def _candidate(graph, pairs: dict, tp: int, decision: TPDecision):
+def _candidate(graph, pairs: dict, tp: int, decision: TPDecision, redistribute: bool = True):
     column = {c for c, rows in pairs.items() if rows}
     row = {r for rows in pairs.values() for r in rows}
-    prop = _settle(graph, pairs, column, row, tp, decision)
+    prop = _settle(graph, pairs, column, row, tp, decision, redistribute)
     return pairs, column, row, prop
 
 
@@ -217,7 +223,8 @@ def tp_summary(decision: TPDecision, model, vocab=None) -> str:
             f"({100 * split / total:.0f} % of parameters)")
 
 
-def _settle(graph, pairs: dict, column: set, row: set, tp: int, decision) -> Propagation:
+def _settle(graph, pairs: dict, column: set, row: set, tp: int, decision,
+            redistribute: bool = True) -> Propagation:
     """Propagate until the layouts found are the layouts assumed (the rewrites follow them)
     and no conflict is left; groups in conflict are removed from ``column``/``row``."""
     layouts, no_replication, per_head, narrow = {}, frozenset(), {}, {}
@@ -249,7 +256,7 @@ def _settle(graph, pairs: dict, column: set, row: set, tp: int, decision) -> Pro
                                       for w, n, r in prop.layout_conflicts()]
         if not conflicts:
             return prop
-        if _redistribute(prop, edges, reduces):
+        if redistribute and _redistribute(prop, edges, reduces):
             continue
         node, module, groups, reason = conflicts[0]
         bad = _component(pairs, groups or column)
@@ -354,6 +361,11 @@ def _component(pairs: dict, seeds) -> set:
                 comp |= {c} | rows
                 changed = True
     return comp
+
+
+def _divisible(prop: Propagation, tp: int) -> bool:
+    kv = frozenset(prop.kv_weights)
+    return all(c.allows(tp, kv) for c in prop.constraints)
 
 
 def _check_divisible(prop: Propagation, tp: int) -> None:
