@@ -163,3 +163,25 @@ def test_a_merged_heads_value_is_gathered_with_its_blocks_interleaved():
     gathers = [r for r in d.redistributions if r.kind == "all_gather" and r.inner]
     assert gathers and all(r.inner == 2 for r in gathers), d.redistributions
     assert {"k.weight", "v.weight"} <= d.column
+
+
+def test_mobilebert_at_tp2_compiles_with_its_blocks_found():
+    """MobileBERT's bottleneck feeds q and k: the f on a value of one block read by the next
+    block's sharded compute took the next block's module (it sat inside that block with
+    the previous block's: split_blocks found the blocks interleaved, an internal error)."""
+    transformers = pytest.importorskip("transformers")
+    from parallelizer.api import compile as compile_program
+    from parallelizer.frontend.spec import Spec
+    torch.manual_seed(0)
+    cfg = transformers.MobileBertConfig(
+        vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=64, pad_token_id=0, embedding_size=16,
+        intra_bottleneck_size=16, true_hidden_size=16, num_feedforward_networks=2,
+        attn_implementation="sdpa")
+    model = transformers.MobileBertForMaskedLM(cfg)
+    ids = torch.randint(3, 96, (4, 16), generator=torch.Generator().manual_seed(1))
+    spec = Spec.model_validate({"mesh": {"tp": 2}})
+    program = compile_program(model, spec, {"input_ids": ids, "labels": ids.clone()},
+                              reference=False)
+    assert program.plan.stages[0].blocks == ("mobilebert.encoder.layer.0",
+                                             "mobilebert.encoder.layer.1")
