@@ -48,8 +48,9 @@ def report_lines(redistributions: list) -> list:
                            f"the gradient)",
                 "all_reduce": f"all-reduce ({r.reduce_op}) of a Partial output"}[r.kind]
         lines.append(f"redistribution: {what} of {r.producer} -> {', '.join(r.readers)} "
-                     f"(no sharded rule takes it as it is: {r.why}); {r.bytes} bytes per rank "
-                     f"per step")
+                     f"(no sharded rule takes it as it is: {r.why}); "
+                     + (f"{r.bytes} bytes per rank per step" if r.bytes else
+                        "bytes per step not known at compile time (a data-dependent size)"))
     return lines
 
 
@@ -60,7 +61,10 @@ def _bytes(node: fx.Node, kind: str, tp: int) -> int:
         return 0
     numel = 1
     for s in v.shape:
-        numel *= int(s)
+        hint = s.node.hint if isinstance(s, torch.SymInt) else s
+        if hint is None:  # a data-dependent size (an MoE layer's tokens): not known here
+            return 0
+        numel *= int(hint)
     return int(_RING[kind] * (tp - 1) / tp * numel * v.element_size())
 
 

@@ -26,13 +26,14 @@ replicated later turns its gathers off); ``applied`` records what the settled ru
 from __future__ import annotations
 
 import contextlib
+import operator
 
 import torch.fx as fx
 
-from ..graph_facts import expr, is_tensor, module_path, shape
+from ..graph_facts import aten, expr, is_tensor, module_path, shape
 from .dtensor import Wants, dtensor_rule, tensor_args
 from .placements import REPLICATE, Shard
-from .state import add_constraint, inputs_of, placement, record_use
+from .state import add_constraint, dim_of, inputs_of, placement, record_use
 
 _REDUCIBLE = ("sum", "avg")
 
@@ -87,10 +88,49 @@ def gatherable(a: fx.Node, prop) -> bool:
     mark = prop.heads.get(a.name)
     if mark is not None and (mark.replicated or mark.expanded):
         return False
-    # a piece of a fused q|k|v (or of copied kv heads) is laid out per rank, not as the
-    # global tensor's blocks, through any view: every column it comes from must split evenly
-    weights = prop.raw.get(a.name, frozenset()) | prop.groups.get(a.name, frozenset())
-    return not any(prop.layouts.get(w) is not None for w in weights) and a.name not in prop.head_raw
+    return not _piece(a, prop, {})
+
+
+_CUTS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
+         aten.unbind.int, aten.slice.Tensor, aten.index.Tensor, aten.select.int,
+         aten.narrow.default}
+
+
+def _piece(a: fx.Node, prop, memo: dict) -> bool:
+    """``a`` holds the rank's piece of a fused q|k|v (each rank's q | k | v parts side by
+    side), not a block of a global tensor: the output of a linear with a non-even layout
+    (or its view into heads) and what is computed from it before an op cuts the parts."""
+    if a.name in memo:
+        return memo[a.name]
+    memo[a.name] = False
+    if a.name in prop.head_raw or any(prop.layouts.get(w) is not None
+                                      for w in prop.raw.get(a.name, ())):
+        memo[a.name] = True
+    elif not _cut(a, prop):
+        memo[a.name] = any(_piece(b, prop, memo) for b in inputs_of(a)
+                           if is_tensor(b) and type(placement(prop, b)) is Shard)
+    return memo[a.name]
+
+
+def _cut(a: fx.Node, prop) -> bool:
+    """``a`` is a part cut out of its input along the input's sharded dim (a split's item,
+    a slice, an index)."""
+    src = a.args[0] if a.target is operator.getitem else a
+    if not isinstance(src, fx.Node) or src.target not in _CUTS or not src.args:
+        return False
+    x = src.args[0]
+    d = dim_of(prop, x)
+    if d is None:
+        return False
+    if src.target is aten.index.Tensor:
+        idx = src.args[1]
+        return d < len(idx) and idx[d] is not None
+    dim = src.args[1] if len(src.args) > 1 and src.target in _DIM_AT_1 else \
+        src.kwargs.get("dim", src.args[2] if len(src.args) > 2 else 0)
+    return isinstance(dim, int) and dim % len(shape(x)) == d
+
+
+_DIM_AT_1 = {aten.slice.Tensor, aten.select.int, aten.narrow.default, aten.unbind.int}
 
 
 def _merged_evenly(a, dim: int, inner: int) -> bool:
