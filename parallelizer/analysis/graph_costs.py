@@ -18,6 +18,8 @@ from operator import attrgetter
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import (GuardOnDataDependentSymNode, guarding_hint_or_throw,
+                                                   optimization_hint)
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_backward_flop, sdpa_flop
 
@@ -120,16 +122,32 @@ def _batch_shape(graph: fx.Graph) -> tuple[int, ...]:
 
 
 def _hint(size) -> int:
-    """A concrete size: the example's value of a symbolic size (SymInt)."""
+    """A concrete size: the example's value of a symbolic size (SymInt), also of an
+    expression of data-dependent sizes that the capture's checks fix (JetMoE's expert sizes
+    sum to tokens x top_k).
+
+    Raises:
+        _DataDependent: the size depends on values (an unbacked SymInt from ``.tolist()``,
+            ``nonzero``), so the example has no value for it.
+    """
     if isinstance(size, torch.SymInt):
-        return int(size.node.hint)
+        try:
+            return int(guarding_hint_or_throw(size))
+        except GuardOnDataDependentSymNode as e:
+            raise _DataDependent(str(size)) from e
     return int(size)
 
 
 def _bytes(t: torch.Tensor) -> int:
+    """Bytes of ``t``; a data-dependent size counts as torch's estimate for memory planning
+    (``optimization_hint``: 8192 unless the shape env says better), so a cut that would
+    send such a tensor looks dear rather than free."""
     n = 1
     for s in t.shape:
-        n *= _hint(s)
+        try:
+            n *= _hint(s)
+        except _DataDependent:
+            n *= int(optimization_hint(s))
     return n * t.element_size()
 
 
@@ -149,6 +167,10 @@ class _FlopCounter:
         try:
             args, kwargs = tree_map(self._concrete, (node.args, node.kwargs))
         except _NoValue:
+            return 0, 0
+        except _DataDependent as e:  # no example value to count with (MoE expert sizes)
+            self.notes.append(f"FLOPs of {node.name} ({op}) not counted: its input's size {e} "
+                              f"depends on values")
             return 0, 0
         key = (op, _key((args, kwargs)))
         if key not in self.cache:
@@ -210,6 +232,10 @@ def _requires_grad(graph: fx.Graph) -> set:
 
 class _NoValue(Exception):
     pass
+
+
+class _DataDependent(Exception):
+    """A size the example has no value for (an unbacked SymInt)."""
 
 
 def _may_count(op: torch._ops.OpOverload) -> bool:

@@ -52,9 +52,12 @@ def check_ranks(plan, sources: dict, batch, graphs: list) -> None:
             model's source line), or a parameter or gradient has another shape than planned.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     tp = plan.mesh["tp"]
-    with FakeTensorMode(allow_non_fake_inputs=True), using_transport(ShapeTransport(tp)), \
+    # a shape env: a value read from a tensor (``.item()``, ``.tolist()``: MoE expert sizes)
+    # is a data-dependent SymInt there, as in the capture, not an exception
+    with FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()), using_transport(ShapeTransport(tp)), \
             sequence.using_comm(sequence.ShapeComm(tp)), expert_parallel.balanced_shapes(plan.ep), \
             IntegerHistcOnFloat(), warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -39,9 +39,14 @@ went back, the previous stage allocated no buffer for it, and the first backward
 (``PipeliningMetadataError``: "buffer is not None but tensor_meta is None"). The inference
 input is given the metadata's ``requires_grad`` whatever its dtype.
 
-Contiguous sends. gloo and NCCL send only contiguous tensors; torch sends the gradients of a
-stage's inputs as autograd returns them, which may be strided views (the compiler makes
-forward outputs contiguous in the emitted stage, ``passes/split_stages.py``).
+Contiguous sends. gloo and NCCL send and receive only contiguous tensors; torch sends the
+gradients of a stage's inputs as autograd returns them, which may be strided views (the
+compiler makes forward outputs contiguous in the emitted stage, ``passes/split_stages.py``).
+The receiver's gradient buffer is ``torch.empty_strided`` of the metadata the sender's
+shape-inference backward reported (``_backward_metadata_inference``), so that metadata must
+be the contiguous layout too: ConvNeXt's stage input, read through
+``permute(0, 2, 3, 1)``, has a channels-last gradient, and the previous rank's ``irecv``
+into a channels-last buffer failed ("input tensor has to be contiguous").
 """
 from __future__ import annotations
 
@@ -86,6 +91,12 @@ class SplitBackwardPipelineStage(PipelineStage):
         # its backward may recompute checkpointed blocks of that forward: same mode
         with dropout_active(False):
             return super()._backward_metadata_inference(*args, **kwargs)
+
+    def _compute_input_grads(self, *args, **kwargs):
+        # shape inference only: the gradient metadata sent back is what get_bwd_send_ops
+        # sends, contiguous (see "Contiguous sends" in the module docstring)
+        grads = super()._compute_input_grads(*args, **kwargs)
+        return tuple(g.contiguous() if isinstance(g, torch.Tensor) else g for g in grads)
 
     def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True,
                            last_backward: bool = False):

@@ -103,3 +103,35 @@ def test_complex_activation_carries_gradient_across_stages(one_rank_group):
     for got, want in ((first, ref_first), (last, ref_last)):
         for (n, p), q in zip(got.named_parameters(), want.parameters()):
             torch.testing.assert_close(p.grad, q.grad, msg=n)  # the schedule scales by 1/2
+
+
+def test_strided_input_gradient_is_reported_contiguous(one_rank_group):
+    """ConvNeXt's second stage reads its input through ``permute(0, 2, 3, 1)`` (the
+    downsampling LayerNorm over channels), so autograd returns a channels-last gradient for
+    it. torch allocates the previous rank's gradient receive buffer with the strides the
+    shape-inference backward reports; a channels-last buffer failed gloo's ``irecv`` ("input
+    tensor has to be contiguous", the zoo's convnext at pp2). The reported metadata is the
+    contiguous layout that ``get_bwd_send_ops`` sends."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.ConvNextConfig(num_channels=3, patch_size=4, num_stages=2, hidden_sizes=[8, 16],
+                                      depths=[1, 1], image_size=32, num_labels=4)
+    model = transformers.ConvNextModel(cfg).train()
+    first = nn.Sequential(model.embeddings, model.encoder.stages[0])
+    last = model.encoder.stages[1]
+    x = torch.randn(4, 3, 32, 32)
+    ref_first, ref_last = copy.deepcopy(first), copy.deepcopy(last)
+    h = ref_first(x).detach().requires_grad_(True)
+    ref_last(h).pow(2).mean().backward()
+    assert not h.grad.is_contiguous()  # the case: a strided input gradient
+    ref_last.zero_grad()
+    ref_last(ref_first(x)).pow(2).mean().backward()
+    stages = [SplitBackwardPipelineStage(m, i, 2, torch.device("cpu"))
+              for i, m in enumerate((first, last))]
+    schedule = ScheduleLoopedBFS(stages, n_microbatches=2, loss_fn=lambda out, _t: out.pow(2).mean())
+    schedule.step(x, target=torch.zeros(4))
+    (meta,) = stages[1]._stage_meta.input_grads
+    assert meta.stride == torch.empty(meta.shape).stride()
+    for got, want in ((first, ref_first), (last, ref_last)):
+        for (n, p), q in zip(got.named_parameters(), want.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=n)
