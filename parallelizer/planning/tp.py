@@ -107,8 +107,10 @@ def _pairs_settled(graph, sites, tp: int, decision: TPDecision):
     """Seed the pairs with walks that end at residual adds (a pair within a block, as
     Megatron-LM's), settle them; where that needs redistributions, also the pairs of walks
     that go on through the residual stream (a model whose residual stream is itself sharded
-    between blocks), kept when they settle with none and shard no fewer linears: the
-    cheaper program by communication."""
+    between blocks), kept when they settle with none and shard no fewer elements: the
+    cheaper program by communication. (Through the residual stream with redistributions,
+    the walks pair a block's output projection with the next block's linears and cut the
+    residual stream to meet them.)"""
     first = _candidate(graph, _seed_pairs(sites, True), tp, decision)
     if first[1] and not (first[3].applied or first[3].applied_reduces):
         return first
@@ -118,9 +120,9 @@ def _pairs_settled(graph, sites, tp: int, decision: TPDecision):
     scratch = TPDecision(tp=tp, linears=decision.linears, biases=decision.biases)
     second = _candidate(graph, other, tp, scratch)
     size = _weight_sizes(graph)
-    if first[1] and (second[3].applied or second[3].applied_reduces or sum(
+    if second[3].applied or second[3].applied_reduces or sum(
             size.get(w, 0) for w in second[1] | second[2]) < sum(
-            size.get(w, 0) for w in first[1] | first[2])):
+            size.get(w, 0) for w in first[1] | first[2]):
         return first
     decision.blockers, decision.report = scratch.blockers, scratch.report
     return second
