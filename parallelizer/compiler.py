@@ -224,7 +224,7 @@ def plan(analysis: Analysis, spec: Spec, passes: PassManager) -> Planned:
     mesh, pipe, graph = spec.mesh, spec.pipeline, analysis.gm.graph
     tp = plan_tp(graph, mesh.tp, spec.tensor_parallel.allow_replicated)  # raises early
     vocab = plan_vocab(graph, mesh.tp, spec.tensor_parallel.vocab_parallel, analysis.canonical, tp)
-    notes = [tp_summary(tp, analysis.model, vocab), vocab_summary(vocab)] if mesh.tp > 1 else []
+    notes = [tp_summary(tp, analysis.model, vocab, analysis.blocks), vocab_summary(vocab)] if mesh.tp > 1 else []
     ep = plan_ep(*find_expert_layers(graph), mesh.ep)  # raises early, naming the module
     if mesh.ep > 1:
         notes.append(ep_summary(ep))

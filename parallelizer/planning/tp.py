@@ -201,21 +201,24 @@ def _nothing_sharded(decision: TPDecision, tp: int, allow_replicated: bool) -> N
         f"whole model (tensor_parallel.allow_replicated); see report.md")
 
 
-def block_matrices(model) -> dict:
-    """fqn -> numel of the 2-D parameters under an item of an ``nn.ModuleList`` (the
-    repeated blocks: decoder layers, T5's encoder and decoder blocks)."""
+def block_matrices(model, blocks=()) -> dict:
+    """fqn -> numel of the 2-D parameters in the model's blocks: the items of every
+    ``nn.ModuleList`` (T5's encoder and decoder blocks) and ``blocks`` (module FQNs,
+    planning/blocks.py find_blocks: an ``nn.Sequential``'s or ``ModuleDict``'s items too)."""
     import torch.nn as nn
-    prefixes = tuple(f"{name}.{i}." for name, m in model.named_modules()
-                     if isinstance(m, nn.ModuleList) for i in range(len(m)))
+    prefixes = tuple(f"{b}." for b in blocks) + tuple(
+        f"{name}.{i}." for name, m in model.named_modules()
+        if isinstance(m, nn.ModuleList) for i in range(len(m)))
     return {n: p.numel() for n, p in model.named_parameters()
             if p.dim() == 2 and n.startswith(prefixes)}
 
 
-def tp_summary(decision: TPDecision, model, vocab=None) -> str:
+def tp_summary(decision: TPDecision, model, vocab=None, blocks=()) -> str:
     """``tensor parallel: N of M weight matrices in blocks sharded (P % of parameters)``:
     P counts the elements of every parameter (embeddings and norms too) that tp shards, the
-    vocabulary tables of ``vocab`` (a VocabDecision) too."""
-    mats = block_matrices(model)
+    vocabulary tables of ``vocab`` (a VocabDecision) too; the blocks are ``blocks`` where
+    given (see :func:`block_matrices`)."""
+    mats = block_matrices(model, blocks)
     dims = {**decision.dims, **(vocab.dims if vocab is not None else {})}
     sharded = [n for n in mats if n in dims]
     params = dict(model.named_parameters())

@@ -326,3 +326,29 @@ def test_compile_with_nothing_sharded_exits_2_naming_the_op(tmp_path, capsys):
     assert code == 0, io.err
     assert "tensor parallel: 0 of 4 weight matrices in blocks sharded (0 % of parameters)" in io.out
     assert "warning: mesh.tp=2 but no weight matrix could be sharded" in io.err
+
+
+def test_block_matrices_count_sequential_blocks_and_every_module_list():
+    """timm's ViT keeps its blocks in an nn.Sequential (find_blocks finds them): the summary
+    counted 0 of 0 matrices; an encoder-decoder's two ModuleLists both count."""
+    from parallelizer.planning.blocks import find_blocks
+    from parallelizer.planning.tp import block_matrices
+
+    class Seq(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.Sequential(*(MLP() for _ in range(3)))
+
+        def forward(self, x):
+            return self.blocks(x)
+
+    class EncDec(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc = nn.ModuleList(MLP() for _ in range(2))
+            self.dec = nn.ModuleList(MLP() for _ in range(3))
+
+    seq = Seq()
+    assert len(block_matrices(seq, find_blocks(seq))) == 6 and not block_matrices(seq)
+    encdec = EncDec()
+    assert len(block_matrices(encdec, find_blocks(encdec))) == 10
