@@ -28,7 +28,10 @@ from ..analysis.sharding.propagate import Propagation, propagate
 from .gradients import plan_gradients
 from .redistributions import redistributions, report_lines
 
-_STOP = {aten.embedding.default, aten.native_layer_norm.default, aten.layer_norm.default}
+_STOP = {aten.embedding.default}
+# A LayerNorm over the walked value's whole features (a block's input norm) ends the walk; one
+# over a part of them (StableLM's per-head q/k LayerNorm over head_dim) is inside the pair
+_NORMS = {aten.native_layer_norm.default, aten.layer_norm.default}
 # A mixture-of-experts router (Mixtral's and Qwen2-MoE's ``mlp.gate``) picks experts with
 # top-k over all its logits, so it stays replicated: a walk reaching top-k pairs nothing
 # (else it went on through the combine and the residual into the next block's q/k/v and
@@ -319,9 +322,19 @@ def _walk(start: fx.Node, is_linear: dict, residual_stop: bool) -> set:
                 if is_linear[user].x is node:
                     reached.add(is_linear[user].weight)
                 continue
+            if user.target in _NORMS and _whole_features(user, start):
+                continue
             if user.target not in _STOP and not (residual_stop and _residual_add(user, seen)):
                 frontier.append(user)
     return reached
+
+
+def _whole_features(norm: fx.Node, start: fx.Node) -> bool:
+    """``norm`` normalises as many features as ``start`` (a linear) outputs, or more."""
+    x, out = norm.args[0].meta.get("val"), start.meta.get("val")
+    if x is None or out is None or not x.dim() or not out.dim():
+        return True
+    return x.shape[-1] == out.shape[-1] or not (out.shape[-1] % x.shape[-1] == 0)
 
 
 def _residual_add(node: fx.Node, seen: set) -> bool:
