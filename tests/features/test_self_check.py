@@ -122,6 +122,7 @@ def test_a_rank_failing_is_a_compile_error_naming_the_rank(monkeypatch):
 
 MODEL_PY = '''
 import torch
+from torch import nn
 
 
 class MLP(nn.Module):
