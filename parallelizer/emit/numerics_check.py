@@ -23,8 +23,9 @@ batch, in the model's fp32:
   each rank's piece against the same piece of the reference (which is the comparison of the
   gathered tensor, and also holds every copy of a replicated value to the reference).
 
-Dropout is inactive on both sides, as under ``run.py --verify`` (``rng.dropout_active`` in
-the program, ``rng.EagerDropoutOff`` in the model). An element differs when
+Dropout is inactive and every other random op gives its fixed stand-in on both sides, as
+under ``run.py --verify`` (``rng.dropout_active(False)`` in the program,
+``rng.EagerDropoutOff`` and ``rng.RandomStandIns`` in the model). An element differs when
 ``|got - want| > ATOL * max(1, max|want|) + RTOL * |want|`` (the absolute part scaled by the
 tensor's magnitude: a gradient summed over many tokens keeps fp32's relative rounding).
 A difference is a PlanError naming the first tensor that differs (output index or parameter
@@ -164,13 +165,14 @@ def check_numerics(plan, sources: dict, model: torch.nn.Module, batch, state: di
 
 
 def reference(model: torch.nn.Module, batch, seed: int = 0) -> Reference:
-    """The model's forward on ``batch`` (dropout off) and the gradients of its parameters for
+    """The model's forward on ``batch`` (dropout off, random ops on their stand-ins, as
+    ``emit/reference.py`` runs it) and the gradients of its parameters for
     a seeded standard normal cotangent on every floating-point output."""
     args, kwargs = split_args(batch)
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     saved = {n: b.detach().clone() for n, b in model.named_buffers()}
     try:
-        with torch.random.fork_rng(devices=[]), rng.EagerDropoutOff():
+        with torch.random.fork_rng(devices=[]), rng.EagerDropoutOff(), rng.RandomStandIns():
             flat, _ = tree_flatten(model(*args, **kwargs))
         # the outputs autograd tracks in the model get a cotangent in the program too
         cot = [c if c is not None and o.requires_grad else None
