@@ -12,6 +12,8 @@
   syncs, each stage's blocks, and the split checked against the plan;
 - :func:`check_program`: the program sources, each stage executed for one tp rank on
   FakeTensors, forward and backward, before anything is written;
+- :func:`self_check`: (small models, or ``--self-check``) every tp rank of the program on
+  real fp32 tensors in one process, compared with the unmodified model;
 - :func:`emit`: weights, reference step and report.
 
 Planners read facts and return data; passes read a plan and rewrite the graph (docs/architecture.md).
@@ -66,6 +68,7 @@ from .planning.tp import plan_tp, tp_summary
 from .planning.vocab import plan_vocab, vocab_summary
 from .emit.program import Program, check_replaceable
 from .emit.rank_check import check_ranks
+from .emit.numerics_check import check_numerics, when as self_check_when
 from .emit.reference import compute_reference
 from .emit.report import render_report, stage_sends
 from .frontend.spec import Spec
@@ -132,9 +135,12 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
     stages, sequence = apply_passes(analysis, planned, spec, batch, passes)
     checked = check_stages(analysis, planned, stages, sequence)
     sources = check_program(analysis, checked, batch)
-    return emit(analysis, planned, checked, sequence, spec, batch, loss_fn, sources,
-                model_file=model_file, weights=weights, reference=reference,
-                owns_model=owns_model, pp_warnings=pp_warnings + planned.warnings)
+    checked_note = self_check(analysis, checked, spec, batch, sources, weights)
+    program = emit(analysis, planned, checked, sequence, spec, batch, loss_fn, sources,
+                   model_file=model_file, weights=weights, reference=reference,
+                   owns_model=owns_model, pp_warnings=pp_warnings + planned.warnings)
+    program.notes = program.notes + checked_note  # printed, not in report.md (it has seconds)
+    return program
 
 
 @dataclass
@@ -330,6 +336,23 @@ def check_program(analysis: Analysis, checked: Checked, batch) -> dict:
               for st, blocks in zip(checked.stages, checked.block_graphs)]
     check_ranks(plan_, sources, batch, graphs)
     return sources
+
+
+def self_check(analysis: Analysis, checked: Checked, spec: Spec, batch, sources: dict,
+               weights: bool) -> list[str]:
+    """The numerics self-check (emit/numerics_check.py) when ``spec.self_check`` asks for it:
+    every tp rank of the program run on the example batch in one process, outputs and
+    gradients compared with the unmodified model. Returns the compile's note about it.
+
+    Raises:
+        PlanError: a tensor differs (a bug in parallelizer, naming it), or
+            ``self_check.mode`` true on a program it cannot check.
+    """
+    run, note = self_check_when(spec.self_check, checked.plan, analysis.model, batch, weights)
+    if not run:
+        return [note] if note else []
+    state = {fqn: attrgetter(fqn)(analysis.gm) for fqn in checked.plan.tensors}
+    return [check_numerics(checked.plan, sources, analysis.model, batch, state, spec.seed).note()]
 
 
 def emit(analysis: Analysis, planned: Planned, checked: Checked,

@@ -1,6 +1,6 @@
 """``parallelize`` command line.
 
-    parallelize MODEL SPEC -o OUT [--no-weights] [--dump-passes DIR] [KEY=VALUE ...]
+    parallelize MODEL SPEC -o OUT [--no-weights] [--dump-passes DIR] [--[no-]self-check] [KEY=VALUE ...]
     parallelize SUBCOMMAND ...        (a name registered in SUBCOMMANDS, e.g. inspect)
     parallelize inspect MODEL SPEC [--json] [--plots DIR] [KEY=VALUE ...]
     parallelize estimate MODEL SPEC [--json] [KEY=VALUE ...] | --params PSI --dp N
@@ -109,6 +109,14 @@ def _compile_parser() -> argparse.ArgumentParser:
                    "--gpus-per-node; instead of --cluster): OUT/launch.sh and launch.sbatch use "
                    "them, and a tp group crossing nodes is refused")
     p.add_argument("--gpus-per-node", type=int, metavar="G", help="processes (GPUs) per node")
+    check = p.add_mutually_exclusive_group()
+    check.add_argument("--self-check", dest="self_check", action="store_const", const="true",
+                       help="run the numerics self-check whatever the model's size "
+                            "(self_check.mode=true): every tp rank of the program against the "
+                            "unmodified model on the example batch, before OUT is written")
+    check.add_argument("--no-self-check", dest="self_check", action="store_const", const="false",
+                       help="skip it (self_check.mode=false); by default (auto) it runs at "
+                            "mesh.tp > 1 for models within self_check.max_params")
     return p
 
 
@@ -126,7 +134,9 @@ def _compile(argv: list[str]) -> int:
     if not ns.model.is_file():
         raise ModelFileError(f"model file {ns.model} does not exist (or is not a file); "
                              f"pass the path to a model.py defining build_model() and example_inputs()")
-    spec = load_spec(ns.spec, ns.overrides)
+    # the flag wins over the spec file and its overrides, as the last override
+    flags = [f"self_check.mode={ns.self_check}"] if ns.self_check else []
+    spec = load_spec(ns.spec, list(ns.overrides) + flags)
     if ns.cluster is not None:
         from parallelizer.cli.plan import check_before_compile
         if not check_before_compile(ns.model, spec, ns.cluster, ns.global_batch):

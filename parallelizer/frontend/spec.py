@@ -22,6 +22,7 @@ Defaults::
            eval: null, eval_batches: 8}
     compile: false
     verify: {atol: 1.0e-5, rtol: 1.0e-5, optimizer: sgd}
+    self_check: {mode: auto, max_params: 50000000, max_input_elements: 4096}
     activation_checkpointing: {mode: none, every: 2}
     fsdp: {prefetch: {forward: null, backward: null}, offload: false}   # null prefetch = 1
     mixed_precision: {param_dtype: fp32, reduce_dtype: null}          # null = param_dtype
@@ -203,6 +204,31 @@ class TensorParallel(BaseModel):
         return v if isinstance(v, str) else ("true" if v else "false")
 
 
+class SelfCheck(BaseModel):
+    model_config = _STRICT
+    mode: Literal["auto", True, False] = Field(
+        "auto", description="'auto', true or false (the compile's numerics self-check: every tp "
+                            "rank of the program run in one process on the example batch and "
+                            "compared with the unmodified model, outputs and every gradient, "
+                            "before OUT/ is written; auto: when mesh.tp > 1 and the model and "
+                            "batch are within the bounds below; true: always (parallelize "
+                            "--self-check); false: never (--no-self-check))",
+        json_schema_extra=_doc(
+            "A difference is a compile error naming the first tensor that differs, a bug in "
+            "parallelizer (docs/tensor-parallel.md). It needs the weights in fp32 and "
+            "mesh.ep = 1: under auto it is skipped otherwise (a note says why), under true that "
+            "is an error."))
+    max_params: int = Field(
+        50_000_000, ge=0, description="an integer >= 0 (auto runs the self-check only for "
+                                      "models of at most this many parameters)",
+        json_schema_extra=_doc("The check costs about one fp32 forward and backward of the "
+                               "model on the CPU, and of each tp rank's share."))
+    max_input_elements: int = Field(
+        4096, ge=0, description="an integer >= 0 (auto runs the self-check only when the "
+                                "example batch's largest input has at most this many elements, "
+                                "e.g. batch x sequence length of the token ids)")
+
+
 class ActivationCheckpointing(BaseModel):
     model_config = _STRICT
     mode: Literal["none", "full", "selective"] = Field(
@@ -323,6 +349,9 @@ class Spec(BaseModel):
         TensorParallel(), description="options of tensor parallelism (mesh.tp > 1): the "
                                       "vocabulary, the sequence, a model nothing of which shards "
                                       "(docs/tensor-parallel.md)")
+    self_check: SelfCheck = Field(
+        SelfCheck(), description="the compile's numerics self-check of the program against the "
+                                 "model (docs/tensor-parallel.md)")
     data_parallel: DataParallel = Field(
         DataParallel(), description="gradient compression of the data-parallel reduction "
                                     "(docs/data-parallel.md)")

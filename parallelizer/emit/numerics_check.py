@@ -1,0 +1,381 @@
+"""The numerics self-check: every tp rank of the emitted program run on real tensors in one
+process and compared with the unmodified model, before OUT/ is written (issue 23).
+
+The shape check (emit/rank_check.py) and the gradient accounting catch a wrong shape or a
+gradient summed in the wrong place; a wrong value of the right shape (the pieces of a fused
+q|k|v concatenated in another order, a missing sum) needs the values. So, on the example
+batch, in the model's fp32:
+
+- the unmodified model runs eagerly, forward and backward (:func:`reference`);
+- every tp rank runs each stage's emitted module (``program/stage{i}.py``, the source run.py
+  imports), stages chained in pipeline order on the whole batch (no microbatches), each
+  rank holding its pieces of the tensors as the checkpoint writer cuts them
+  (``checkpoint.slicing.local_piece`` from the plan's ``tp_dim`` and layout). The ranks are
+  threads and the runtime's own tp operators communicate between them
+  (emit/tp_threads.py). vocab_parallel outputs are gathered over tp as ``run.py`` returns
+  them;
+- both backward from the same seeded cotangent of every floating-point output (a fixed
+  random direction, so every output's backward is exercised, not only what a loss reads);
+- the program's gradients are synchronised as ``runtime/step.py`` does: a weight held by
+  several stages summed over its copies, ``plan.grad_sync``'s ``replicated_heads`` runs over
+  the ranks holding one kv head and its ``partial_tp`` parameters over all tp ranks;
+- every output (a 0-dim one is the model's loss) and every parameter gradient is compared,
+  each rank's piece against the same piece of the reference (which is the comparison of the
+  gathered tensor, and also holds every copy of a replicated value to the reference).
+
+Dropout is inactive and every other random op gives its fixed stand-in on both sides, as
+under ``run.py --verify`` (``rng.dropout_active(False)`` in the program,
+``rng.EagerDropoutOff`` and ``rng.RandomStandIns`` in the model). An element differs when
+``|got - want| > ATOL * max(1, max|want|) + RTOL * |want|`` (the absolute part scaled by the
+tensor's magnitude: a gradient summed over many tokens keeps fp32's relative rounding).
+A difference is a PlanError naming the first tensor that differs (output index or parameter
+FQN) and its max abs error: a bug in parallelizer, with mesh.tp=1 as the workaround.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from ..checkpoint.slicing import local_piece
+from ..errors import PlanError
+from ..frontend.capture import split_args
+from ..plan.dtypes import differentiable
+from ..plan.layouts import copied_heads, copied_runs
+from ..runtime import rng
+from ..runtime.batching import flatten
+from ..runtime.stage_builder import stage_class_from_source
+from ..runtime.vocab import gather_from_tp_region
+from .tp_threads import rank_threads, run_ranks
+
+ATOL = RTOL = 1e-4
+_BUG = "internal error (a bug in parallelizer, please report it): "
+_FIX = "; compile with mesh.tp=1 meanwhile"
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The unmodified model's flat outputs, the cotangent given to each (None: not a
+    floating-point tensor) and its parameters' gradients (canonical FQN -> tensor or None)."""
+    outputs: list
+    cotangents: list
+    grads: dict
+
+
+@dataclass(frozen=True)
+class Checked:
+    """What :func:`check_numerics` compared, for the compile's note."""
+    tp: int
+    outputs: int
+    gradients: int
+    output_err: float
+    gradient_err: float
+    margin: float  # the largest |got - want| / tolerance of an element (< 1: passed)
+    seconds: float
+
+    def note(self) -> str:
+        return (f"self-check: {self.tp} tp rank(s) of the program against the model on the "
+                f"example batch (fp32): {self.outputs} output(s) max abs err "
+                f"{self.output_err:.2g}, {self.gradients} gradient(s) max abs err "
+                f"{self.gradient_err:.2g}, at most {100 * self.margin:.2g}% of the tolerance "
+                f"({self.seconds:.1f} s)")
+
+
+def when(cfg, plan, model: torch.nn.Module, batch, weights: bool) -> tuple[bool, str]:
+    """Whether to run the self-check under the spec's ``self_check`` section ``cfg``, and the
+    note saying why not when ``auto`` skips it at mesh.tp > 1 ("" otherwise).
+
+    Raises:
+        PlanError: ``self_check.mode`` true on a program it cannot check (no weights, a
+            non-fp32 parameter, mesh.ep > 1), naming the reason.
+    """
+    mode = cfg.mode
+    if mode is False:
+        return False, ""
+    blocker = _blocker(plan, model, weights)
+    if mode is True:
+        if blocker:
+            raise PlanError(f"self_check.mode=true (--self-check) cannot run: {blocker}; drop "
+                            f"--self-check, or set self_check.mode=auto to skip it then")
+        return True, ""
+    if plan.mesh["tp"] == 1:
+        return False, ""
+    if blocker:
+        return False, f"self-check: skipped ({blocker})"
+    params = sum(p.numel() for p in model.parameters())
+    largest = max((t.numel() for t in flatten(plan, batch) if isinstance(t, torch.Tensor)),
+                  default=0)
+    if params > cfg.max_params:
+        blocker = f"{params:,} parameters > self_check.max_params ({cfg.max_params:,})"
+    elif largest > cfg.max_input_elements:
+        blocker = (f"the example batch's largest input has {largest:,} elements > "
+                   f"self_check.max_input_elements ({cfg.max_input_elements:,})")
+    return not blocker, (f"self-check: skipped ({blocker}; --self-check forces it)"
+                         if blocker else "")
+
+
+def _blocker(plan, model: torch.nn.Module, weights: bool) -> str:
+    if not weights:
+        return "the model has no weights (--no-weights or a meta-device model)"
+    if plan.ep > 1:
+        return f"mesh.ep={plan.ep} (expert parallelism is not simulated, only tp ranks)"
+    other = next((n for n, p in model.named_parameters() if p.is_floating_point()
+                  and p.dtype != torch.float32), None)
+    if other is not None:
+        return (f"it compares in fp32 and {other} is "
+                f"{str(model.get_parameter(other).dtype).replace('torch.', '')}")
+    return ""
+
+
+def check_numerics(plan, sources: dict, model: torch.nn.Module, batch, state: dict,
+                   seed: int = 0) -> Checked:
+    """Run every tp rank of the program and the model on ``batch`` and compare them.
+
+    Args:
+        sources: the emitted sources (``program/stage{i}.py``).
+        model: the unmodified model (not changed: its gradients are returned, not
+            accumulated, and its buffers restored).
+        state: canonical FQN -> full tensor, what the checkpoint writer cuts.
+
+    Raises:
+        PlanError: an output or gradient differs (naming it and the max abs error), or the
+            program fails on a rank.
+    """
+    start = time.perf_counter()
+    tp = plan.mesh["tp"]
+    want = reference(model, batch, seed)
+    classes = _stage_classes(plan, sources)
+    try:
+        modules = [[_rank_stage(classes[st.index], plan, state, tp, r) for st in plan.stages]
+                   for r in range(tp)]
+    finally:
+        for st in plan.stages:
+            sys.modules.pop(f"parallelizer_program_stage{st.index}", None)
+    outputs = _run_program(plan, modules, flatten(plan, batch), want.cotangents)
+    grads = [_rank_grads(plan, mods) for mods in modules]
+    _sync_grads(plan, grads, tp)
+    margin = [0.0]
+    out_err = _compare_outputs(outputs, want, margin)
+    grad_err = _compare_grads(plan, grads, want, tp, margin)
+    return Checked(tp, len(want.outputs), len([g for g in want.grads.values() if g is not None]),
+                   out_err, grad_err, margin[0], time.perf_counter() - start)
+
+
+def reference(model: torch.nn.Module, batch, seed: int = 0) -> Reference:
+    """The model's forward on ``batch`` (dropout off, random ops on their stand-ins, as
+    ``emit/reference.py`` runs it) and the gradients of its parameters for
+    a seeded standard normal cotangent on every floating-point output."""
+    args, kwargs = split_args(batch)
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    saved = {n: b.detach().clone() for n, b in model.named_buffers()}
+    try:
+        with torch.random.fork_rng(devices=[]), rng.EagerDropoutOff(), rng.RandomStandIns():
+            flat, _ = tree_flatten(model(*args, **kwargs))
+        # the outputs autograd tracks in the model get a cotangent in the program too
+        cot = [c if c is not None and o.requires_grad else None
+               for o, c in zip(flat, cotangents(flat, seed))]
+        pairs = [(o, c) for o, c in zip(flat, cot) if c is not None]
+        grads = dict.fromkeys(params)
+        if pairs and params:
+            found = torch.autograd.grad([o for o, _ in pairs], list(params.values()),
+                                        [c for _, c in pairs], allow_unused=True)
+            grads = dict(zip(params, found))
+    finally:
+        # train-mode running statistics as they were; after the backward, which may read
+        # a buffer the forward saved (Gemma's embedding normalizer)
+        with torch.no_grad():
+            for n, b in model.named_buffers():
+                if not torch.equal(b, saved[n]):
+                    b.copy_(saved[n])
+    return Reference([o.detach() if isinstance(o, torch.Tensor) else o for o in flat], cot, grads)
+
+
+def cotangents(flat: list, seed: int) -> list:
+    """A standard normal tensor like each floating-point (or complex) output, seeded by
+    ``seed`` and the output's index; None for the others."""
+    out = []
+    for i, o in enumerate(flat):
+        if isinstance(o, torch.Tensor) and differentiable(o.dtype):
+            g = torch.Generator().manual_seed(seed * 1000 + i)
+            out.append(torch.randn(o.shape, generator=g, dtype=o.dtype))
+        else:
+            out.append(None)
+    return out
+
+
+def _stage_classes(plan, sources: dict) -> dict:
+    return {st.index: stage_class_from_source(sources[f"program/{st.module}.py"], st.index,
+                                              f"<numerics self-check of program/{st.module}.py>")
+            for st in plan.stages}
+
+
+@torch.no_grad()
+def _rank_stage(cls, plan, state: dict, tp: int, rank: int) -> torch.nn.Module:
+    """Stage module of ``cls`` holding tp rank ``rank``'s pieces of ``state``."""
+    module = cls("cpu")
+    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+        fqn = plan.aliases.get(name, name)
+        if fqn not in state or fqn not in plan.tensors:
+            raise PlanError(f"{_BUG}the program's tensor {name} is not a tensor of the plan "
+                            f"(numerics self-check){_FIX}")
+        t.copy_(local_piece(state[fqn].detach(), plan.tensors[fqn], tp, rank))
+    return module
+
+
+def _run_program(plan, modules: list, flat_in: list, cot: list) -> list:
+    """Each rank's flat outputs (vocab_parallel ones gathered), after its backward from
+    ``cot``. Raises PlanError when a rank fails."""
+    tp, vocab = plan.mesh["tp"], dict(plan.vocab_outputs)
+    where = ["forward of stage 0"] * tp
+
+    def work(rank: int) -> list:
+        inputs = [t.clone() if isinstance(t, torch.Tensor) else t for t in flat_in]
+        for st, module in zip(plan.stages, modules[rank]):
+            where[rank] = f"forward of stage {st.index}"
+            out = module(*inputs)
+            inputs = list(out) if isinstance(out, (tuple, list)) else [out]
+        whole = [gather_from_tp_region(t, vocab[i]) if i in vocab else t
+                 for i, t in enumerate(inputs)]
+        if len(whole) != len(cot):
+            raise PlanError(f"{_BUG}the program returns {len(whole)} outputs, the model "
+                            f"{len(cot)} (numerics self-check){_FIX}")
+        pairs = [(o, c) for o, c in zip(whole, cot) if c is not None and
+                 isinstance(o, torch.Tensor) and o.requires_grad and o.shape == c.shape]
+        where[rank] = "backward"
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [c for _, c in pairs])
+        return [o.detach() if isinstance(o, torch.Tensor) else o for o in whole]
+
+    with rank_threads(tp) as ex, rng.dropout_active(False):
+        try:
+            return run_ranks(ex, work)
+        except PlanError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any failure here is the compiler's
+            r = getattr(e, "tp_rank", 0)
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise PlanError(f"{_BUG}the program fails in the numerics self-check on tp rank "
+                            f"{r} in the {where[r]}: {type(e).__name__}: {first}{_FIX}") from e
+
+
+def _rank_grads(plan, modules: list) -> dict:
+    """Canonical FQN -> this rank's gradient, summed over the stages holding a copy (a tied
+    weight across stages, as runtime/step.py sums them); None when no copy got one."""
+    out: dict = {}
+    for module in modules:
+        for name, p in module.named_parameters():
+            fqn = plan.aliases.get(name, name)
+            if not p.requires_grad:
+                continue
+            g = p.grad  # the modules are this check's own: their gradients can be summed into
+            if fqn not in out or out[fqn] is None:
+                out[fqn] = g
+            elif g is not None:
+                out[fqn] = out[fqn] + g
+    return out
+
+
+def _sync_grads(plan, grads: list, tp: int) -> None:
+    """``plan.grad_sync`` over the tp ranks (those of pp rank 0, dp rank 0: global ranks
+    0..tp-1), in place: copied kv-head runs summed over the ranks holding the head,
+    ``partial_tp`` parameters over all tp ranks (runtime/step.py ``_sum_shared_grads``)."""
+    for entry in plan.grad_sync:
+        groups = [g for g in entry["ranks"] if all(r < tp for r in g)]
+        if entry["kind"] == "partial_tp":
+            for fqn in entry["key"]:
+                _sum(grads, groups, fqn, None)
+        elif entry["kind"] == "replicated_heads":
+            for fqn, tplan in plan.tensors.items():
+                if entry["key"] not in copied_heads(tplan.layout):
+                    continue
+                d = tplan.tp_dim % len(tplan.shape)
+                for offset, length, heads in copied_runs(tplan.shape[d], tplan.layout, tp):
+                    if heads == entry["key"]:
+                        _sum(grads, groups, fqn, (d, offset, length))
+
+
+def _sum(grads: list, groups: list, fqn: str, run) -> None:
+    for group in groups:
+        parts = [grads[r].get(fqn) for r in group]
+        if any(p is None for p in parts):
+            continue
+        if run is not None:
+            parts = [p.narrow(*run) for p in parts]
+        total = parts[0].clone()
+        for p in parts[1:]:
+            total += p
+        for p in parts:
+            p.copy_(total)
+
+
+def _error(got: torch.Tensor, want: torch.Tensor, margin: list) -> tuple[float, bool]:
+    """(max abs error, whether some element differs beyond the tolerance); ``margin[0]``
+    raised to the largest ratio of an element's error to its tolerance."""
+    got, want = got.detach(), want.detach()
+    if not got.numel():
+        return 0.0, False
+    diff = (got - want).abs_()
+    bound = want.abs().mul_(RTOL)
+    bound += ATOL * max(1.0, want.abs().max().item())
+    ratio = diff.div(bound).max().item()
+    margin[0] = max(margin[0], ratio)
+    return diff.max().item(), not ratio <= 1.0  # NaN differs
+
+
+def _mismatch(what: str, detail: str) -> PlanError:
+    return PlanError(f"{_BUG}the numerics self-check (every tp rank of the program against the "
+                     f"unmodified model on the example batch, fp32, atol={ATOL:g} scaled by "
+                     f"the tensor's magnitude, rtol={RTOL:g}) differs first at {what}: "
+                     f"{detail}{_FIX}")
+
+
+def _compare_outputs(ranks: list, want: Reference, margin: list) -> float:
+    worst = 0.0
+    for i, w in enumerate(want.outputs):
+        for r, outs in enumerate(ranks):
+            got = outs[i]
+            if not isinstance(w, torch.Tensor):
+                continue
+            label = f"output {i}" + (" (the model's loss)" if w.dim() == 0 and
+                                     w.is_floating_point() else "")
+            if not isinstance(got, torch.Tensor) or got.shape != w.shape:
+                shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+                raise _mismatch(label, f"shape {shape} on tp rank {r}, the model's "
+                                       f"{tuple(w.shape)}")
+            if not differentiable(w.dtype):
+                if not torch.equal(got, w):
+                    raise _mismatch(label, f"other values on tp rank {r} (dtype {w.dtype})")
+                continue
+            err, bad = _error(got, w, margin)
+            worst = max(worst, err)
+            if bad:
+                raise _mismatch(label, f"max abs error {err:.3g} on tp rank {r}")
+    return worst
+
+
+def _compare_grads(plan, grads: list, want: Reference, tp: int, margin: list) -> float:
+    """Each rank's gradient piece against the same piece of the reference gradient (None on
+    either side: zeros); a parameter of the model the program does not hold must get none."""
+    worst = 0.0
+    for fqn, w in want.grads.items():
+        tplan = plan.tensors.get(plan.aliases.get(fqn, fqn))
+        held = [g for g in grads if tplan is not None and tplan.fqn in g]
+        if not held:
+            if w is not None and w.abs().max().item() > 0:
+                raise _mismatch(f"the gradient of {fqn}", "the program holds no such parameter")
+            continue
+        full = torch.zeros(tplan.shape, dtype=w.dtype if w is not None else torch.float32) \
+            if w is None else w
+        for r, mine in enumerate(grads):
+            piece = local_piece(full, tplan, tp, r)
+            got = mine[tplan.fqn]
+            got = torch.zeros_like(piece) if got is None else got
+            err, bad = _error(got, piece, margin)
+            worst = max(worst, err)
+            if bad:
+                raise _mismatch(f"the gradient of {fqn}", f"max abs error {err:.3g} on tp "
+                                                          f"rank {r}'s piece")
+    return worst

@@ -1,0 +1,208 @@
+"""The numerics self-check (emit/numerics_check.py, compiler.self_check; issue 23 part 3):
+every tp rank of the emitted program run in one process on the example batch and compared
+with the unmodified model, outputs and every gradient, before OUT/ is written.
+
+- Real transformers models pass at tp2: Qwen3 (its per-head q_norm / k_norm gradients
+  Partial, summed by plan.grad_sync), GPT-2 (fused q|k|v of Conv1D), and a tied-embedding
+  Llama at tp2 x pp2 (stages chained, the tied copies' gradients summed).
+- Broken programs the shape check and the gradient accounting pass are compile errors
+  naming the tensor: GPT-2's fused c_attn cut as an even split (pieces in the wrong order:
+  output 0 differs), a partial_tp entry dropped after the accounting (q_norm's gradient
+  differs), the tensor_parallel pass dropping a g (through the CLI: exit 2, nothing written).
+- ``auto`` skips a model above ``self_check.max_params`` (the broken program then compiles);
+  ``--no-self-check`` skips it; ``--self-check`` on a program it cannot check is an error.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+
+import pytest
+import torch
+
+from parallelizer import compiler
+from parallelizer.cli import parallelize as cli
+from parallelizer.emit import numerics_check
+from parallelizer.emit.tp_threads import Exchange
+from parallelizer.errors import PlanError
+from parallelizer.frontend.spec import SelfCheck, Spec
+from parallelizer.runtime.tp import reduce_from_tp_region
+import tp_zoo_models as zoo
+from test_tp_gradients import HeadNormAttention
+from tp_small_models import compile_steps, ids_batch, tiny_llama, x_batch
+
+TP2 = {"mesh": {"tp": 2}}
+NOTE = r"self-check: 2 tp rank\(s\) of the program against the model on the example batch"
+DIFFERS = r"internal error \(a bug in parallelizer, please report it\): the numerics self-check"
+
+
+def _zoo(name):
+    model, ids, _ = getattr(zoo, name)()
+    return model, ids(2, 8)
+
+
+@pytest.mark.parametrize("name, spec", [
+    ("qwen3", TP2), ("gpt2", TP2),
+    ("llama", {"mesh": {"tp": 2, "pp": 2}, "pipeline": {"microbatches": 2}})])
+def test_real_models_pass_the_self_check(name, spec):
+    model, batch = (tiny_llama().train(), ids_batch(4, 8)) if name == "llama" else _zoo(name)
+    program = compiler.compile_module(model, batch, Spec.model_validate(spec), reference=False)
+    (note,) = [n for n in program.notes if n.startswith("self-check")]
+    assert re.match(NOTE, note), note
+    if name == "qwen3":  # the sums the check applies before comparing
+        assert any(e["kind"] == "partial_tp" for e in program.plan.grad_sync)
+    if name == "llama":
+        assert any(e["kind"] == "tied" for e in program.plan.grad_sync)
+
+
+def _checked(model, batch, spec, mutate_plan=None, mutate_stages=None):
+    """The compiler's steps through check_program (both earlier checks pass), with the plan
+    or the stage graphs broken after the gradient accounting."""
+    analysis, planned, stages, seq = compile_steps(model, batch, spec)
+    checked = compiler.check_stages(analysis, planned, stages, seq)
+    if mutate_plan is not None:
+        checked = dataclasses.replace(checked, plan=mutate_plan(checked.plan))
+    if mutate_stages is not None:
+        mutate_stages(checked.stages)
+    sources = compiler.check_program(analysis, checked, batch)
+    return lambda: compiler.self_check(analysis, checked, Spec.model_validate(spec), batch,
+                                       sources, True)
+
+
+def test_fused_qkv_cut_in_the_wrong_order_is_a_compile_error():
+    """GPT-2's c_attn (32, 96) is q|k|v along dim 1 (layout fused): cut as an even split,
+    rank 0 holds q and half of k, with the shapes of the right cut."""
+    fqn = "transformer.h.0.attn.c_attn.weight"
+
+    def even_split(plan):
+        assert plan.tensors[fqn].layout is not None
+        return dataclasses.replace(plan, tensors={
+            k: dataclasses.replace(v, layout=None) if k == fqn else v
+            for k, v in plan.tensors.items()})
+
+    run = _checked(*_zoo("gpt2"), TP2, mutate_plan=even_split)
+    with pytest.raises(PlanError, match=rf"{DIFFERS} .* differs first at output 0: max abs error "
+                                        rf"[\d.e+-]+ on tp rank 0; compile with mesh.tp=1"):
+        run()
+
+
+def test_missing_partial_sum_names_the_parameter():
+    """q_norm's gradient is Partial over tp; a grad_sync without it (past the accounting)
+    leaves each rank its heads' share: the check names the parameter."""
+    def without_q_norm(plan):
+        return dataclasses.replace(plan, grad_sync=tuple(
+            {**e, "key": [k for k in e["key"] if k != "q_norm"]} if e["kind"] == "partial_tp"
+            else e for e in plan.grad_sync))
+
+    torch.manual_seed(0)
+    run = _checked(HeadNormAttention(), x_batch(4, 6), TP2, mutate_plan=without_q_norm)
+    with pytest.raises(PlanError, match=rf"{DIFFERS} .* differs first at the gradient of q_norm: "
+                                        rf"max abs error [\d.e+-]+ on tp rank 0's piece"):
+        run()
+
+
+def test_a_rank_failing_is_a_compile_error_naming_the_rank(monkeypatch):
+    """Rank 1 raising in its first collective: its error is the one reported (rank 0's
+    broken barrier is the consequence)."""
+    real = Exchange.exchange
+
+    def fails_on_rank_1(self, what, t):
+        if self.rank() == 1:
+            raise RuntimeError("lost rank")
+        return real(self, what, t)
+
+    torch.manual_seed(0)
+    run = _checked(HeadNormAttention(), x_batch(4, 6), TP2)
+    monkeypatch.setattr(Exchange, "exchange", fails_on_rank_1)
+    with pytest.raises(PlanError, match=r"fails in the numerics self-check on tp rank 1 in the "
+                                        r"forward of stage 0: RuntimeError: lost rank"):
+        run()
+
+
+MODEL_PY = '''
+import torch
+from torch import nn
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(32, 64, bias=False)
+        self.down = nn.Linear(64, 32, bias=False)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def build_model():
+    return MLP()
+
+
+def example_inputs():
+    return (torch.randn(2, 4, 32, generator=torch.Generator().manual_seed(0)),)
+'''
+
+
+@pytest.fixture
+def drops_a_g(monkeypatch):
+    """The tensor_parallel pass, then its first g removed (the row linear's Partial output
+    left unsummed: no bias, so no gradient shows it to the accounting)."""
+    real = compiler.apply_tensor_parallel
+
+    def broken(gm, decision):
+        changed = real(gm, decision)
+        g = next(n for n in gm.graph.nodes if n.target is reduce_from_tp_region)
+        g.replace_all_uses_with(g.args[0])
+        gm.graph.erase_node(g)
+        gm.recompile()
+        return changed
+
+    monkeypatch.setattr(compiler, "apply_tensor_parallel", broken)
+
+
+def _cli(tmp_path, capsys, *flags):
+    (tmp_path / "model.py").write_text(MODEL_PY)
+    (tmp_path / "spec.yaml").write_text("mesh: {tp: 2}\n")
+    out = tmp_path / "out"
+    code = cli.main([str(tmp_path / "model.py"), str(tmp_path / "spec.yaml"), "-o", str(out),
+                     *flags])
+    return code, capsys.readouterr(), out
+
+
+def test_dropped_g_fails_the_compile_and_writes_nothing(tmp_path, capsys, drops_a_g):
+    code, io, out = _cli(tmp_path, capsys)
+    assert code == 2 and not out.exists(), io
+    assert io.err.startswith("error: internal error (a bug in parallelizer")
+    assert "differs first at output 0: max abs error" in io.err
+    assert "compile with mesh.tp=1 meanwhile" in io.err
+
+
+def test_no_self_check_flag_and_auto_bound_skip_it(tmp_path, capsys, drops_a_g):
+    code, io, out = _cli(tmp_path, capsys, "--no-self-check")
+    assert code == 0 and out.exists() and "self-check" not in io.out, io
+    code, io, _ = _cli(tmp_path, capsys, "self_check.max_params=1000")
+    assert code == 0, io
+    assert ("self-check: skipped (4,096 parameters > self_check.max_params (1,000); "
+            "--self-check forces it)") in io.out
+    code, io, _ = _cli(tmp_path, capsys, "self_check.max_params=1000", "--self-check")
+    assert code == 2 and "differs first at output 0" in io.err, io
+
+
+def test_forced_self_check_it_cannot_run_is_an_error():
+    """--self-check needs the weights, fp32 and mesh.ep = 1 (auto skips, saying why)."""
+    model = HeadNormAttention()
+    forced, auto = SelfCheck(mode=True), SelfCheck()
+    tp2 = types.SimpleNamespace(ep=1, mesh={"tp": 2}, input_names=("x",), inputs_are_kwargs=False)
+    cases = [(model, tp2, False, "the model has no weights"),
+             (HeadNormAttention().double(), tp2, True, r"it compares in fp32 and q_norm is float64"),
+             (model, types.SimpleNamespace(ep=2, mesh={"tp": 1}), True,
+              r"mesh.ep=2 \(expert parallelism is not simulated")]
+    for m, plan, weights, why in cases:
+        with pytest.raises(PlanError, match=rf"self_check.mode=true \(--self-check\) cannot "
+                                            rf"run: {why}"):
+            numerics_check.when(forced, plan, m, x_batch(2, 4), weights)
+    assert numerics_check.when(auto, tp2, model, x_batch(2, 4), False) == (
+        False, "self-check: skipped (the model has no weights (--no-weights or a meta-device "
+               "model))")
+    assert numerics_check.when(auto, tp2, model, x_batch(2, 4), True) == (True, "")
