@@ -79,9 +79,8 @@ class Exchange:
         self.barrier.abort()
 
 
-class RankTransport:
-    """runtime/tp.py's transport (``ShapeTransport``'s interface) over an :class:`Exchange`:
-    f, g, scatter, the vocab-parallel lookup, gather and cross-entropy."""
+class _OverExchange:
+    """A transport of the calling thread's rank over an :class:`Exchange`."""
 
     def __init__(self, exchange: Exchange):
         self.ex = exchange
@@ -91,6 +90,11 @@ class RankTransport:
 
     def rank(self) -> int:
         return self.ex.rank()
+
+
+class RankTransport(_OverExchange):
+    """runtime/tp.py's transport (``ShapeTransport``'s interface) over an :class:`Exchange`:
+    f, g, scatter, the vocab-parallel lookup, gather and cross-entropy."""
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         parts = self.ex.exchange(f"all_reduce({op})", t)
@@ -105,19 +109,10 @@ class RankTransport:
         return [p.clone() for p in self.ex.exchange("all_gather", t)]
 
 
-class RankComm:
+class RankComm(_OverExchange):
     """runtime/sequence.py's transport (``ProcessGroupComm``'s interface) over an
     :class:`Exchange`: gathers concatenate along dim 0, reduce-scatters sum and keep this
     rank's 1/tp of dim 0."""
-
-    def __init__(self, exchange: Exchange):
-        self.ex = exchange
-
-    def size(self) -> int:
-        return self.ex.tp
-
-    def rank(self) -> int:
-        return self.ex.rank()
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         return torch.cat(self.ex.exchange("sequence all_gather", t), 0)

@@ -8,7 +8,9 @@ column over heads, output projection row). Then sharding propagation checks the 
 graph; a pair group whose shard reaches an op with no rule is kept replicated, with the
 reason in the report. Divisibility of every sharded size by tp is checked last; then the
 gradients' placements are derived (:mod:`.gradients`): f edges beyond the column linears'
-inputs, and the parameters whose gradients are summed over tp.
+inputs, and the parameters whose gradients are summed over tp. The walks are in
+:mod:`.tp_seeds`; where no sharded rule takes a value, propagation redistributes it
+(analysis/sharding/redistribute.py) before a group is kept replicated.
 
 Linears are ``aten.linear`` (nn.Linear, weight (out, in)) and ``aten.addmm`` on a parameter
 (GPT-2's Conv1D, weight (in, out)): column_parallel shards the output-features dim of the
@@ -27,18 +29,8 @@ from ..analysis.graph_facts import aten, linear_sites, source_line
 from ..analysis.sharding.propagate import Propagation, propagate
 from .gradients import plan_gradients
 from .redistributions import redistributions, report_lines
+from .tp_seeds import seed_pairs
 
-_STOP = {aten.embedding.default}
-# A LayerNorm over the walked value's whole features (a block's input norm) ends the walk; one
-# over a part of them (StableLM's per-head q/k LayerNorm over head_dim) is inside the pair
-_NORMS = {aten.native_layer_norm.default, aten.layer_norm.default}
-# A mixture-of-experts router (Mixtral's and Qwen2-MoE's ``mlp.gate``) picks experts with
-# top-k over all its logits, so it stays replicated: a walk reaching top-k pairs nothing
-# (else it went on through the combine and the residual into the next block's q/k/v and
-# took them as its rows, leaving that attention replicated).
-_ROUTING = {aten.topk.default}
-_WALK_LIMIT = 400
-_ADDS = {aten.add.Tensor, aten.add_.Tensor}
 
 
 def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False) -> TPDecision:
@@ -63,7 +55,7 @@ def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False) -> TPDecis
         # a group kept by redistributions needs a size tp does not divide (3 heads at tp 2):
         # plan as without them, that group then replicated (its conflict names why)
         decision.blockers, decision.report = [], []
-        pairs = _seed_pairs(sites, True)
+        pairs = seed_pairs(sites, True)
         pairs, column, row, prop = _candidate(graph, pairs, tp, decision, redistribute=False)
     _check_divisible(prop, tp)
     layouts = prop.found_layouts()
@@ -114,10 +106,10 @@ def _pairs_settled(graph, sites, tp: int, decision: TPDecision):
     cheaper program by communication. (Through the residual stream with redistributions,
     the walks pair a block's output projection with the next block's linears and cut the
     residual stream to meet them.)"""
-    first = _candidate(graph, _seed_pairs(sites, True), tp, decision)
+    first = _candidate(graph, seed_pairs(sites, True), tp, decision)
     if first[1] and not (first[3].applied or first[3].applied_reduces):
         return first
-    other = _seed_pairs(sites, False)
+    other = seed_pairs(sites, False)
     if other == first[0]:
         return first
     scratch = TPDecision(tp=tp, linears=decision.linears, biases=decision.biases)
@@ -284,89 +276,6 @@ def _redistribute(prop: Propagation, edges: dict, reduces: dict) -> bool:
         edges.setdefault(consumer, {})[producer] = want
     reduces.update(prop.reduce_requests)
     return bool(prop.edge_requests or prop.reduce_requests)
-
-
-def _seed_pairs(sites: list, residual_stop: bool) -> dict:
-    """column weight FQN -> row weight FQNs its output reaches as their input (walks ending
-    at residual adds when ``residual_stop``)."""
-    pairs, taken = {}, set()
-    is_linear = {s.node: s for s in sites}
-    for site in sites:
-        w = site.weight
-        if w in taken:
-            pairs[w] = set()
-            continue
-        # one output feature (Qwen2-MoE's shared_expert_gate): nothing to shard
-        reached = _walk(site.node, is_linear, residual_stop) if _out_features(site) != 1 else set()
-        pairs[w] = reached
-        taken |= reached
-    return pairs
-
-
-def _out_features(site) -> int | None:
-    val = site.node.meta.get("val")
-    return int(val.shape[-1]) if val is not None and val.dim() else None
-
-
-def _walk(start: fx.Node, is_linear: dict, residual_stop: bool) -> set:
-    seen, frontier, reached = {start}, [start], set()
-    while frontier and len(seen) < _WALK_LIMIT:
-        node = frontier.pop()
-        for user in node.users:
-            if user in seen or user.op != "call_function":
-                continue
-            if user.target in _ROUTING:
-                return set()
-            seen.add(user)
-            if user in is_linear:
-                if is_linear[user].x is node:
-                    reached.add(is_linear[user].weight)
-                continue
-            if user.target in _NORMS and _whole_features(user, start):
-                continue
-            if user.target not in _STOP and not (residual_stop and _residual_add(user, seen)):
-                frontier.append(user)
-    return reached
-
-
-def _whole_features(norm: fx.Node, start: fx.Node) -> bool:
-    """``norm`` normalises as many features as ``start`` (a linear) outputs, or more."""
-    x, out = norm.args[0].meta.get("val"), start.meta.get("val")
-    if x is None or out is None or not x.dim() or not out.dim():
-        return True
-    return x.shape[-1] == out.shape[-1] or not (out.shape[-1] % x.shape[-1] == 0)
-
-
-def _residual_add(node: fx.Node, seen: set) -> bool:
-    """An add of the walked value to an activation of the same shape that the walk did not
-    come from: the residual stream, where a block ends. A walk going on would pair the last
-    linear of a block (an output projection whose input the walk of another column took) as
-    a column with the next block's linears, a shard that only redistributing the residual
-    stream could keep."""
-    if node.target not in _ADDS:
-        return False
-    out = node.meta.get("val")
-    return any(isinstance(a, fx.Node) and a not in seen and a.op != "get_attr"
-               and _same_shape(a.meta.get("val"), out) and not _constant(a)
-               for a in node.args[:2])
-
-
-def _same_shape(a, b) -> bool:
-    return getattr(a, "shape", None) is not None and getattr(b, "shape", None) is not None \
-        and tuple(a.shape) == tuple(b.shape)
-
-
-def _constant(node: fx.Node) -> bool:
-    """Computed from parameters, buffers and constants alone (no placeholder upstream)."""
-    todo, seen = [node], set()
-    while todo:
-        n = todo.pop()
-        if n.op == "placeholder":
-            return False
-        if n not in seen:
-            seen.add(n)
-            todo += n.all_input_nodes
-    return True
 
 
 def _component(pairs: dict, seeds) -> set:
