@@ -43,15 +43,21 @@ def _zoo(name):
 
 
 @pytest.mark.parametrize("name, spec", [
-    ("qwen3", TP2), ("gpt2", TP2),
+    ("qwen3", TP2), ("qwen3", {"mesh": {"tp": 4}}), ("gpt2", TP2),
     ("llama", {"mesh": {"tp": 2, "pp": 2}, "pipeline": {"microbatches": 2}})])
 def test_real_models_pass_the_self_check(name, spec):
     model, batch = (tiny_llama().train(), ids_batch(4, 8)) if name == "llama" else _zoo(name)
     program = compiler.compile_module(model, batch, Spec.model_validate(spec), reference=False)
     (note,) = [n for n in program.notes if n.startswith("self-check")]
-    assert re.match(NOTE, note), note
+    tp = spec["mesh"]["tp"]
+    assert re.match(NOTE.replace("2", str(tp), 1), note), note
     if name == "qwen3":  # the sums the check applies before comparing
         assert any(e["kind"] == "partial_tp" for e in program.plan.grad_sync)
+    if name == "qwen3" and tp == 4:  # 2 kv heads at tp 4: each copied to 2 ranks, also
+        # through k_norm's mean over head_dim (it ended the copies: "must divide the heads")
+        k = program.plan.tensors["model.layers.0.self_attn.k_proj.weight"]
+        assert k.layout is not None and k.layout.kind == "replicated_heads", k.layout
+        assert any(e["kind"] == "replicated_heads" for e in program.plan.grad_sync)
     if name == "llama":
         assert any(e["kind"] == "tied" for e in program.plan.grad_sync)
 

@@ -224,7 +224,7 @@ def _consume_markers(node, prop, fn, out) -> None:
     marks = [prop.heads[a.name] for a in sharded if a.name in prop.heads]
     if marks:
         if fn in KEEP_HEADS and len(marks) == len(sharded) and len(set(marks)) == 1 \
-                and not marks[0].expanded:
+                and not marks[0].expanded and out != REPLICATE:
             prop.heads[node.name] = marks[0]
         else:
             mark_not_replicable(prop, marks)

@@ -212,9 +212,11 @@ DTENSOR_FIRST = frozenset({_same, pointwise_rule, _masked_fill, _transpose, _per
 # elementwise rules whose replicated operand may be sharded like the sharded one (heads.request_broadcast)
 BROADCASTING = frozenset({pointwise_rule, _masked_fill})
 
-# rules through which a raw value stays raw, and replicated kv heads stay replicated
+# rules through which a raw value stays raw, and replicated kv heads stay replicated (a
+# reduction only over other dims, e.g. a per-head q/k norm's mean over head_dim, keeps each
+# rank's copy whole: propagate._consume_markers keeps no mark on a Replicate output)
 KEEP_RAW = frozenset({_same, pointwise_rule, _masked_fill, view_rule, _transpose, _permute,
                       _unsqueeze, _squeeze, slice_rule, _select})
 KEEP_HEADS = frozenset({_same, pointwise_rule, _masked_fill, _transpose, _permute, _unsqueeze,
                         _squeeze, slice_rule, _select, _cat, split_rule, _getitem,
-                        complex_view_rule, flatten_rule})
+                        complex_view_rule, flatten_rule, _reduce})
