@@ -150,6 +150,22 @@ def roberta():
     return _seeded(lambda: T.RobertaModel(cfg, add_pooling_layer=False)), batch, _hidden
 
 
+def electra():
+    """ELECTRA with embedding_size < hidden_size: ``embeddings_project`` maps the embeddings
+    to the blocks' width, and its output is the residual stream the first block adds to its
+    attention output (it seeded a pair with that block's q/k/v, which left the block's
+    output projection replicated: 11 of 12)."""
+    import transformers as T
+    cfg = T.ElectraConfig(vocab_size=V, embedding_size=16, hidden_size=32, num_hidden_layers=2,
+                          num_attention_heads=4, intermediate_size=64, max_position_embeddings=64,
+                          hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                          attn_implementation="sdpa", pad_token_id=0)
+
+    def batch(b=2, t=8, seed=0):
+        return {"input_ids": _ids(b, t, seed)["input_ids"].clamp(min=3)}
+    return _seeded(lambda: T.ElectraModel(cfg)), batch, _hidden
+
+
 class MixtralAttentionStack(nn.Module):
     """Two of Mixtral's attention layers (4 heads, 2 kv heads) over a hidden-state input,
     with the model's rotary embedding; the sparse MoE is not in the zoo."""
@@ -180,7 +196,7 @@ def mixtral_attention():
 
 
 ZOO = {f.__name__: f for f in (gpt_neox, falcon, phi, gemma, opt, bloom, mistral, qwen2, gpt2,
-                               t5, vit, roberta, mixtral_attention)}
+                               t5, vit, roberta, electra, mixtral_attention)}
 
 
 def _without_dropout(model):

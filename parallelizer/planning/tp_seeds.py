@@ -5,7 +5,8 @@ A linear whose output reaches another linear's input through ops that keep a sha
 (elementwise, gating, view, attention over heads) is the column half of a pair and the
 reached linear its row half (Megatron-LM §3). A walk ends at a block's boundary: a residual
 add, a LayerNorm over all the walked features, an embedding, a mixture-of-experts router's
-top-k. Reads the graph, never changes it.
+top-k. A linear whose output is the residual stream itself (a projection of the embeddings
+into the blocks' width) seeds nothing. Reads the graph, never changes it.
 """
 from __future__ import annotations
 
@@ -36,8 +37,12 @@ def seed_pairs(sites: list, residual_stop: bool) -> dict:
         if w in taken:
             pairs[w] = set()
             continue
-        # one output feature (Qwen2-MoE's shared_expert_gate): nothing to shard
-        reached = _walk(site.node, is_linear, residual_stop) if _out_features(site) != 1 else set()
+        # one output feature (Qwen2-MoE's shared_expert_gate): nothing to shard; an output
+        # that is itself the residual stream (ELECTRA's embeddings_project, added to the first
+        # block's attention output) is no column: a shard of it would have to be gathered
+        # for the stream, and the linears it feeds would lose their own pairs
+        reached = set() if _out_features(site) == 1 or residual_stop and _feeds_residual(
+            site.node, is_linear) else _walk(site.node, is_linear, residual_stop)
         pairs[w] = reached
         taken |= reached
     return pairs
@@ -67,6 +72,29 @@ def _walk(start: fx.Node, is_linear: dict, residual_stop: bool) -> set:
             if user.target not in _STOP and not (residual_stop and _residual_add(user, seen)):
                 frontier.append(user)
     return reached
+
+
+def _feeds_residual(node: fx.Node, is_linear: dict) -> bool:
+    """``node``'s value is an operand of a residual add (:func:`_residual_add`) whose other
+    operand is independent of it or computed from it through a linear (a block's output,
+    ``x + f(x)``), not by elementwise ops alone (GELU's ``x + 0.044715 x^3``)."""
+    return any(_residual_add(u, {node}) and not any(
+        isinstance(a, fx.Node) and a is not node and _local(a, node, is_linear)
+        for a in u.args[:2]) for u in node.users if u.op == "call_function")
+
+
+def _local(node: fx.Node, source: fx.Node, is_linear: dict) -> bool:
+    """``node`` is computed from ``source`` without a linear on the way (searched downstream
+    of ``source``, stopping at linears, within _WALK_LIMIT nodes)."""
+    todo, seen = [source], set()
+    while todo and len(seen) < _WALK_LIMIT:
+        n = todo.pop()
+        if n is node:
+            return True
+        if n not in seen:
+            seen.add(n)
+            todo += [u for u in n.users if u not in is_linear]
+    return False
 
 
 def _whole_features(norm: fx.Node, start: fx.Node) -> bool:

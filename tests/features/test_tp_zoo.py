@@ -34,7 +34,7 @@ LR = 0.1
 SHARDED = {
     "gpt_neox": (8, 8), "falcon": (8, 8), "phi": (12, 12), "gemma": (14, 14), "opt": (12, 12),
     "bloom": (8, 8), "mistral": (14, 14), "qwen2": (14, 14), "gpt2": (8, 8), "t5": (34, 34),
-    "vit": (12, 12), "roberta": (12, 12), "mixtral_attention": (8, 8),
+    "vit": (12, 12), "roberta": (12, 12), "electra": (12, 12), "mixtral_attention": (8, 8),
     "example_gpt": (24, 24), "example_gpt2": (16, 16), "example_llama": (28, 28),
     "example_minilm": (36, 36),
 }
@@ -62,6 +62,7 @@ VOCAB = {
     "t5": (["decoder.embed_tokens.weight", "encoder.embed_tokens.weight", "lm_head.weight",
             "shared.weight"], ["lm_head.weight"]),
     "vit": ([], []),  # no embedding
+    "electra": (["embeddings.position_embeddings.weight", "embeddings.word_embeddings.weight"], []),
 }
 
 
