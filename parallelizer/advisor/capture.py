@@ -71,7 +71,9 @@ def _capture_workload(model_path: Path, seq: int | None):
                     tuple(params), tied,
                     ends_tp_sharded=vocab_sharded, flash=True, attention="graph",
                     tensors=tuple(tensors), cut_bytes=tuple(c / 2 for c in costs.cut_bytes),
-                    notes=tuple(notes), moe=moe, source=inventory)
+                    notes=tuple(notes), moe=moe,
+                    balance=tuple(u.fwd_flops + u.bwd_flops for u in costs.units) if moe else (),
+                    source=inventory)
 
 
 def _moe_layers(gm, unit_of, param_bytes, symbols, seq) -> tuple[tuple, dict, dict]:

@@ -53,11 +53,12 @@ def stage_units(w, stages: int) -> list[range]:
     """Units of each stage: the compiler's FLOP-balanced min-max split (fewer stages when
     there are fewer units); cached per unit costs."""
     n = len(w.fwd_flops)
-    key = (w.fwd_flops, w.bwd_flops, min(stages, n))
+    key = (w.fwd_flops, w.bwd_flops, w.balance, min(stages, n))
     if key not in _PARTS:
         if len(_PARTS) > 512:
             _PARTS.clear()
-        _PARTS[key] = min_max_ranges([f + b for f, b in zip(w.fwd_flops, w.bwd_flops)], key[2])
+        costs = w.balance or [f + b for f, b in zip(w.fwd_flops, w.bwd_flops)]
+        _PARTS[key] = min_max_ranges(list(costs), key[3])
     return _PARTS[key]
 
 

@@ -69,6 +69,9 @@ class Workload:
     tensors: tuple[float, ...] = ()   # parameter tensors per unit
     cut_bytes: tuple[float, ...] = () # fp32 bytes per sequence crossing each unit boundary
     moe: tuple = ()                   # MoELayer per mixture-of-experts layer (what ep splits)
+    # per-unit costs the compiler's pipeline split balances (a model file's graph costs, which
+    # see no FLOPs inside a grouped matmul); () = fwd + bwd FLOPs
+    balance: tuple[float, ...] = ()
     # per-unit kernels at any micro-batch size: .units(b) -> tuple of inventory.UnitKernels
     source: object = field(default=None, compare=False, hash=False, repr=False)
 

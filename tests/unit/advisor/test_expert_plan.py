@@ -94,6 +94,10 @@ def test_alltoall_term_is_bytes_over_bandwidth_plus_latency(measured):
                        if x["op"] == "reduce-scatter")
     assert rs(ep1) - rs(pred) == pytest.approx(2 * 6 * expert * 2, rel=1e-9)   # bf16, all experts
     assert not _ep_rows(ep1) and ep1.terms["ep"] == 0
+    from parallelizer.advisor.explain import explain
+    text = explain(pred)
+    assert "expert-parallel all-to-alls" in text and "ep           all-to-all      group 2    8 x" in text
+    assert "edp          all-reduce" in text and "dp=4 ep=2 zero=3" in text
 
 
 MODELS = Path(__file__).resolve().parents[2] / "distributed" / "user_models"
