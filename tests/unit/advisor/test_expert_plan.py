@@ -134,3 +134,25 @@ def test_memory_equals_estimate_for_the_compiled_layout(mixtral, zero):
         assert parts["states"] == states
         assert parts["gathered"] == r.gathered_parameters
         assert parts["all-to-all"] == r.alltoall_buffers == 3 * 4 * 8 * 2 * 32 * 4
+
+
+@pytest.mark.parametrize("text, words", [
+    ("layers=2,hidden=64,heads=4,vocab=128,seq=16,topk=2", "topk needs experts=E"),
+    ("layers=2,hidden=64,heads=4,vocab=128,seq=16,moe_ffn=128", "moe_ffn needs experts=E"),
+    ("layers=2,hidden=64,heads=4,vocab=128,seq=16,experts=4,topk=5", "topk (5) must be <= experts (4)"),
+])
+def test_model_shape_moe_errors(text, words):
+    with pytest.raises(UserError, match=__import__("re").escape(words)):
+        parse_shape(text)
+
+
+def test_model_shape_moe_counts_experts_and_the_tokens_flops():
+    """A Mixtral-like shape: E experts' parameters, but a token's FLOPs are the router's and
+    k experts'; without the MoE keys the shape is the dense one it was."""
+    base = "layers=2,hidden=64,heads=4,vocab=128,seq=16,glu=1,ffn=256"
+    dense, moe = from_shape(parse_shape(base)), from_shape(parse_shape(base + ",experts=8,topk=2"))
+    expert = 3 * 64 * 256
+    assert moe.params[1] - dense.params[1] == 7 * expert + 64 * 8
+    assert moe.fwd_flops[1] - dense.fwd_flops[1] == 2 * 16 * (expert + 64 * 8)
+    assert moe.expert_params == (0.0, 8 * expert, 8 * expert, 0.0) and not dense.moe
+    assert dense.ep_choices(8) == [1] and moe.ep_choices(8) == [1, 2, 4, 8]
