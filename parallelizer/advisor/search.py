@@ -72,6 +72,7 @@ def _candidates(w, cluster, global_batch, zero_stages, max_micro_batch, virtual,
             if global_batch % dp:
                 continue
             per_dp = global_batch // dp
+            eps = w.ep_choices(dp)
             # pp = 1 without accumulation: the step is one microbatch of every sequence a dp
             # rank gets, whatever its size (memory decides); otherwise sizes up to the cap
             micros = [per_dp] if pp == 1 and not accumulate else divisors(per_dp)
@@ -86,7 +87,7 @@ def _candidates(w, cluster, global_batch, zero_stages, max_micro_batch, virtual,
                         reps = [1]
                         if z >= 2 and tp < gpn and dp * tp > gpn and dp % (gpn // tp) == 0:
                             reps.append(dp // (gpn // tp))    # shard inside a node, replicate across
-                        for ep in w.ep_choices(dp):
+                        for ep in eps:
                             if not runtime_accepts(tp, ep, pp, z):
                                 continue
                             for rep in reps:

@@ -95,8 +95,10 @@ class Workload:
         """The expert-parallel degrees for ``dp`` data-parallel ranks: divisors of dp that
         divide every layer's experts (``mesh.ep``'s rule, docs/expert-parallel.md); [1]
         for a dense model."""
+        if not self.moe:
+            return [1]
         return [e for e in range(1, dp + 1) if dp % e == 0
-                and (e == 1 or (self.moe and all(layer.experts % e == 0 for layer in self.moe)))]
+                and all(layer.experts % e == 0 for layer in self.moe)]
 
     def model_flops(self, sequences: int, recompute: bool) -> float:
         """FLOPs of a step over ``sequences``; with ``recompute`` one more forward of every
