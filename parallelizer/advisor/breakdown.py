@@ -2,7 +2,9 @@
 planner's JSON carries (``Prediction.breakdown``).
 
 ``terms`` add up to the step (seconds): ``compute`` (kernels, recomputation included),
-``tp`` (tensor-parallel collectives, on the critical path), ``bubble`` (the schedule's idle
+``tp`` (tensor-parallel collectives, on the critical path), ``ep`` (expert-parallel
+all-to-alls: each MoE layer's dispatch and combine, forward and backward, on the critical
+path), ``bubble`` (the schedule's idle
 time on the busiest rank), ``pp`` (what the point-to-point sends add to the critical path),
 ``dp`` (data-parallel communication the compute does not hide), ``optimizer``, ``other``
 (the loss's 0-dim all-reduces, tied-weight gradient sums). ``compute`` splits into matmul,
@@ -32,8 +34,10 @@ def rank_breakdown(model, lay, costs, pipe, dp, other) -> dict:
         tp_calls += [_times(x, m) for x in c.fwd_calls + c.bwd_calls]
     tp_calls = merge_calls(tp_calls)
     extra = m * sum(dp.per_microbatch[s] for s in mine)
+    ep_calls = [c for c in tp_calls if c.dim.startswith("ep")]
     terms = {"compute": m * (times.total + recompute.total),
-             "tp": sum(c.total for c in tp_calls),
+             "tp": sum(c.total for c in tp_calls if not c.dim.startswith("ep")),
+             "ep": sum(c.total for c in ep_calls),
              "bubble": pipe.bubble, "pp": pipe.pp_exposed, "pp_runtime": pipe.runtime,
              "dp": dp.exposed + extra, "optimizer": dp.optimizer,
              "other": sum(c.total for c in other)}

@@ -9,8 +9,9 @@ import torch
 from ..compiler import analyse, measure
 from ..frontend.model_file import load_model
 from ..passes.manager import PassManager
-from .inventory import GraphInventory, requires_grad_nodes, tensor_roles
-from .workload import Workload
+from ..analysis.experts import find_expert_layers
+from .inventory import GraphInventory, concrete, requires_grad_nodes, tensor_roles
+from .workload import MoELayer, Workload
 
 _WORKLOADS: dict = {}
 
@@ -57,16 +58,52 @@ def _capture_workload(model_path: Path, seq: int | None):
     vocab = getattr(cfg, "vocab_size", 0) or 0
     vocab_sharded = any(r == "shard" for n, (r, _) in roles.items()
                         if n.target is torch.ops.aten.embedding.default)
+    moe, grouped, expert_flops = _moe_layers(analysis.gm, partition.unit_of, costs.param_bytes,
+                                             symbols, seq)
     inventory = GraphInventory(analysis.gm, partition.unit_of, len(costs.units), roles, sites, symbols,
                                seq, (loaded.loss_fn, analysis.captured.out_spec, loaded.batch,
                                      "shard" if vocab_sharded else "replicated"),
-                               requires_grad_nodes(analysis.gm.graph), list(notes))
+                               requires_grad_nodes(analysis.gm.graph), list(notes),
+                               experts=grouped)
     return Workload(f"{Path(model_path).parent.name}/{Path(model_path).name}", seq, hidden, heads, vocab,
-                    tuple(u.fwd_flops / 2 for u in costs.units),
-                    tuple(u.bwd_flops / 2 for u in costs.units), tuple(params), tied,
+                    tuple(u.fwd_flops / 2 + expert_flops.get(i, 0.0) for i, u in enumerate(costs.units)),
+                    tuple(u.bwd_flops / 2 + 2 * expert_flops.get(i, 0.0) for i, u in enumerate(costs.units)),
+                    tuple(params), tied,
                     ends_tp_sharded=vocab_sharded, flash=True, attention="graph",
                     tensors=tuple(tensors), cut_bytes=tuple(c / 2 for c in costs.cut_bytes),
-                    notes=tuple(notes), source=inventory)
+                    notes=tuple(notes), moe=moe,
+                    balance=tuple(u.fwd_flops + u.bwd_flops for u in costs.units) if moe else (),
+                    source=inventory)
+
+
+def _moe_layers(gm, unit_of, param_bytes, symbols, seq) -> tuple[tuple, dict, dict]:
+    """The graph's mixture-of-experts layers (``analysis.experts``) as :class:`MoELayer`s,
+    grouped-matmul node -> E for the inventory, and unit -> forward FLOPs of its grouped
+    matmuls per sequence (the graph's cost model counts none: the op is opaque to it). Per
+    sequence: top-k = rows / tokens at one sequence of ``seq`` tokens; a row's elements from
+    the rows entering the region."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    subs = {sym: (1 if kind == "batch" else seq) for sym, kind in symbols.items()}
+    layers, grouped, flops = [], {}, {}
+    for layer in find_expert_layers(gm.graph)[0]:
+        first = nodes[layer.matmuls[0]]
+        for name in layer.matmuls:
+            node = nodes[name]
+            grouped[node] = layer.num_experts
+            rows_in = next(a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)
+                           and a.meta["val"].dim() == 2 and a.meta["val"].is_floating_point())
+            out = node.meta["val"]
+            flops[unit_of[node]] = flops.get(unit_of[node], 0.0) + 2.0 * concrete(out.shape[0], subs) \
+                * concrete(out.shape[1], subs) * concrete(rows_in.meta["val"].shape[1], subs)
+        rows = concrete(first.meta["val"].shape[0], subs)
+        entering = nodes[layer.inputs[0]].meta["val"] if layer.inputs else first.meta["val"]
+        width = 1
+        for d in entering.shape[1:]:
+            width *= concrete(d, subs)
+        layers.append(MoELayer(unit_of[first], layer.num_experts, rows / seq,
+                               sum(param_bytes.get(w, 0) for w in layer.weights) / 4, float(width),
+                               layer.module))
+    return tuple(layers), grouped, flops
 
 
 def _symbols(gm) -> dict:

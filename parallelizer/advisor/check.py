@@ -105,7 +105,8 @@ def run_check(model_path, spec, cluster, global_batch=None, seq=None, micro_batc
     lay = Candidate(m.tp, m.pp, m.dp, micro_batch or 1, mbs, spec.zero_stage, pipe.virtual_stages,
                  spec.activation_checkpointing.mode != "none", m.dp_replicate,
                  1 if pf.forward is None else pf.forward, pipe.schedule if m.pp > 1 else None,
-                 spec.tensor_parallel.sequence_parallel_mode != "false", spec.optimizer.name)
+                 spec.tensor_parallel.sequence_parallel_mode != "false", spec.optimizer.name,
+                 ep=m.ep)
     mem, parts = memory_of(workload, at_precision, lay)
     detail = ", ".join(f"{k} {v / 1e9:.1f} GB" for k, v in parts.items() if k != "pp_rank")
     detail += f", pp rank {parts['pp_rank']}, micro-batch {lay.micro_batch} x {workload.seq} tokens"

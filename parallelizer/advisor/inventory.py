@@ -10,6 +10,11 @@ role of every node comes from the compiler's own planners (``planning.tp.plan_tp
 ``plan_vocab`` at the smallest tp the model allows), and so do the Megatron f / g sites
 whose collectives the step pays: one per distinct input of the column-parallel linears (f),
 one per row-parallel output (g), the vocab-parallel embedding (g) and head (f).
+
+A grouped matmul of a mixture-of-experts layer (``experts``: node -> E) is not run: its
+rows per expert are data (the router's choice), so its kernels are written out at balanced
+routing (:func:`~parallelizer.advisor.kernels.grouped_mm`: rows / E per expert), which
+expert parallelism regroups per rank (``Kernel.regrouped``).
 """
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from ..analysis.graph_facts import RUNTIME_DEVICE
 from ..errors import PlanError
 from ..plan.dtypes import differentiable
-from .kernels import record
+from .kernels import grouped_mm, record
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,7 @@ class GraphInventory:
     loss: object = None              # (loss_fn, out_spec, batch template, role) or None
     requires_grad: set = field(default_factory=set)
     notes: list = field(default_factory=list)
+    experts: dict = field(default_factory=dict)   # grouped-matmul node -> experts E
     _cache: dict = field(default_factory=dict)
 
     def units(self, b: int) -> tuple[UnitKernels, ...]:
@@ -68,7 +74,8 @@ class GraphInventory:
                 continue
             u = self.unit_of[node]
             role = self.roles.get(node, ("replicated", 0))
-            f, bk = self._node(node, subs, mode, seen)
+            f, bk = (self._grouped(node, subs) if node in self.experts
+                     else self._node(node, subs, mode, seen))
             fwd[u] += [(role[0], role[1], k) for k in f]
             bwd[u] += [(role[0], role[1], k) for k in bk]
             if node in self.sites:
@@ -96,6 +103,17 @@ class GraphInventory:
                                   f"{type(e).__name__}: {e}")
                 seen[key] = ([], [])
         return seen[key]
+
+    def _grouped(self, node, subs) -> tuple[list, list]:
+        """A grouped matmul's kernels at balanced routing (module docstring): rows (S, k) x
+        (E, k, n) -> (S, n)."""
+        out = node.meta["val"]
+        rows = next(a for a in node.all_input_nodes
+                    if isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].dim() == 2
+                    and a.meta["val"].is_floating_point())
+        f, b = grouped_mm(self.experts[node], concrete(out.shape[0], subs),
+                          concrete(out.shape[1], subs), concrete(rows.meta["val"].shape[1], subs))
+        return [f], list(b)
 
     def _shape_of(self, subs, a):
         """What identifies an argument's fresh value: shapes, dtypes and requires_grad."""

@@ -44,12 +44,28 @@ class Kernel:
     dims: tuple = ()
     weight_grad: bool = False
     backward: bool = False
+    experts: int = 0      # a grouped matmul over this many experts (batch dim), else 0
+    rows_at: int = 1      # which of ``dims`` is each expert's rows (3 for the weight gradient)
+
+    def regrouped(self, ep: int) -> "Kernel":
+        """A grouped matmul on one of ``ep`` ranks at balanced routing: E/ep experts, each
+        with ep x the rows (the ep group's rows routed to it); FLOPs unchanged, the weights'
+        bytes 1/ep. Other kernels unchanged."""
+        if ep == 1 or not self.experts:
+            return self
+        dims = list(self.dims)
+        dims[0], dims[self.rows_at] = dims[0] / ep, dims[self.rows_at] * ep
+        return replace(self, dims=tuple(dims), bytes=_grouped_bytes(*dims))
 
     def sharded(self, role: str, size: int, tp: int, sp: bool) -> "Kernel":
         """This kernel on one of ``tp`` ranks for a node of ``role`` (``size``: the features a
         column/row linear splits)."""
         if tp == 1 or role == "replicated" or (role == "seq" and not sp):
             return self
+        if self.experts:   # stacked expert weights stay whole under tp: rows split (sp) only
+            dims = list(self.dims)
+            dims[self.rows_at] = dims[self.rows_at] / tp
+            return replace(self, flops=self.flops / tp, dims=tuple(dims), bytes=_grouped_bytes(*dims))
         if role in ("column", "row") and self.kind == "mm":
             dims = list(self.dims)
             for i in (2, 3, 1):  # n, k, then m: the first that is the split features
@@ -66,6 +82,23 @@ class Kernel:
         if self.kind == "view":
             return self
         return replace(self, flops=self.flops / tp, bytes=self.bytes / tp)
+
+
+def _grouped_bytes(b, m, n, k) -> float:
+    """fp32 bytes of a batched (b, m, n, k) matmul: both operands and the result."""
+    return 4.0 * b * (m * k + k * n + m * n)
+
+
+def grouped_mm(experts: int, rows: float, n: int, k: int) -> tuple[Kernel, tuple]:
+    """A grouped matmul (rows sorted by expert) x (experts, k, n) weights -> (rows, n), with
+    rows / experts per expert (balanced routing), and its backward: the input gradient and
+    the weight gradient (``weight_grad``). All marked ``experts`` for :meth:`Kernel.regrouped`."""
+    m = rows / experts
+    dims = (experts, m, n, k)
+    f = Kernel("mm", 2.0 * rows * n * k, _grouped_bytes(*dims), dims, experts=experts)
+    dgrad = Kernel("mm", f.flops, f.bytes, (experts, m, k, n), False, True, experts=experts)
+    wgrad = Kernel("mm", f.flops, f.bytes, (experts, n, k, m), True, True, experts=experts, rows_at=3)
+    return f, (dgrad, wgrad)
 
 
 def _nbytes(t) -> float:

@@ -7,6 +7,15 @@ Korthikanti et al. 2022 activations (``Workload.layer_activation_bytes``; divide
 sequence parallelism) for the microbatches a rank holds at the peak of the schedule's own
 action order (:func:`parallelizer.advisor.pipeline_sim.peak_in_flight`), plus the last
 stage's fp32 logits.
+
+Mixture-of-experts layers (``Workload.moe``) keep their stacked expert weights whole under tp
+(docs/expert-parallel.md). Under expert parallelism (ep > 1) a rank holds E/ep of each layer's
+experts outside DDP / FSDP2, as ``parallelize estimate`` counts them (``advisor/memory.py``):
+weight, gradient and AdamW state (16 bytes a parameter) 1/ep at every ZeRO stage, never
+sharded over dp nor all-gathered; ZeRO-1 partitions the optimizer over edp = dp / ep (the
+ranks holding the same experts), not dp. The all-to-all buffers are the largest dispatch or
+combine (send, receive and regrouped rows: 3 x b s k rows x the row's elements) at balanced
+routing, ``runtime/expert_parallel.py``'s ``BalancedShapes``.
 """
 from __future__ import annotations
 
@@ -28,6 +37,9 @@ class RankStats:
     max_block: float       # elements of its largest block (ZeRO-3 gathers one at a time)
     last: bool             # holds the LM head (logits)
     tensors: float = 0.0   # parameter tensors
+    experts: float = 0.0   # elements of its blocks' stacked expert weights (of block_params)
+    max_block_experts: float = 0.0  # of max_block: its expert weights
+    alltoall: float = 0.0  # elements of its largest MoE layer's dispatched rows, per sequence
 
 
 def rank_stats(w, pp: int, virtual: int, schedule: str | None = None) -> list[RankStats]:
@@ -40,17 +52,24 @@ def rank_stats(w, pp: int, virtual: int, schedule: str | None = None) -> list[Ra
     owner = (stage_ranks(schedule, pp, virtual) if schedule and len(parts) == pp * virtual
              else [s % pp for s in range(len(parts))])
     tensors = w.tensors or (0.0,) * n
+    experts = w.expert_params
+    rows = {}
+    for layer in w.moe:
+        rows[layer.unit] = max(rows.get(layer.unit, 0.0), w.seq * layer.top_k * layer.row_elems)
     out = []
     for r in range(pp):
         units = [u for s, rg in enumerate(parts) if owner[s] == r for u in rg]
         blocks = [u for u in units if 0 < u < n - 1]
         ends = [u for u in units if u in (0, n - 1)]
         tied = w.tied_params if (n - 1 in units and 0 not in units) else 0.0
+        big = max(blocks, key=lambda u: w.params[u], default=None)
         out.append(RankStats(sum(w.fwd_flops[u] for u in units), sum(w.bwd_flops[u] for u in units),
                              sum(w.fwd_flops[u] for u in blocks), len(blocks),
                              sum(w.params[u] for u in blocks), sum(w.params[u] for u in ends) + tied,
-                             max((w.params[u] for u in blocks), default=0.0), n - 1 in units,
-                             sum(tensors[u] for u in units)))
+                             0.0 if big is None else w.params[big], n - 1 in units,
+                             sum(tensors[u] for u in units), sum(experts[u] for u in blocks),
+                             0.0 if big is None else experts[big],
+                             max((rows.get(u, 0.0) for u in blocks), default=0.0)))
     return out
 
 
@@ -62,20 +81,29 @@ def layout_memory(w, cluster, lay, stats, end_split) -> tuple[float, dict]:
     sp = lay.sequence_parallel and t > 1
     shards = d // (lay.dp_replicate if z >= 2 else 1)
     flight = peak_in_flight(lay.schedule, p, v, m) if p > 1 else (1,)
+    ep = lay.ep
     best = (-1.0, {})
     for i, r in enumerate(stats):
-        psi = r.block_params / t + r.end_params / end_split
+        # dense parameters split by tp; expert weights whole under tp, 1/ep under ep
+        dense = (r.block_params - r.experts) / t + r.end_params / end_split
+        mine = r.experts / ep
+        psi = dense + mine
         if z == 0:
             states = 16 * psi
-        elif z == 1:
-            states = 2 * e * psi + (16 - 2 * e) * psi / d
-        else:
+        elif z == 1:   # ZeroRedundancyOptimizer over dp, or over edp under ep
+            group = d if ep == 1 else d // ep
+            states = 2 * e * psi + (16 - 2 * e) * psi / group
+        elif ep == 1:
             states = 16 * psi / shards
+        else:          # experts outside FSDP2: not sharded over dp
+            states = 16 * dense / shards + 16 * mine
+        sharded = psi if ep == 1 else dense   # what FSDP2 gathers
         gathered = 0.0
         if z == 2 and shards > 1:
-            gathered = e * psi
+            gathered = e * sharded
         elif z == 3 and shards > 1:
-            gathered = e * (r.end_params / end_split + (1 + lay.prefetch) * r.max_block / t)
+            block = (r.max_block - r.max_block_experts) / t + (r.max_block_experts if ep == 1 else 0.0)
+            gathered = e * (r.end_params / end_split + (1 + lay.prefetch) * block)
         # per-stage microbatches held at the peak, over this rank's stages (in block units)
         held = flight[i] / max(1, v) if p > 1 else 1
         acts = b * r.blocks * w.layer_activation_bytes(t, lay.recompute, e, sp) * held
@@ -83,7 +111,11 @@ def layout_memory(w, cluster, lay, stats, end_split) -> tuple[float, dict]:
             acts += b * w.layer_activation_bytes(t, False, e, sp)
         if r.last:
             acts += b * w.logits_bytes(t)
-        total = states + gathered + acts
+        alltoall = 3 * b * r.alltoall * e / (t if sp else 1) if ep > 1 else 0.0
+        total = states + gathered + acts + alltoall
         if total > best[0]:
-            best = (total, {"states": states, "gathered": gathered, "activations": acts, "pp_rank": i})
+            parts = {"states": states, "gathered": gathered, "activations": acts}
+            if ep > 1:
+                parts["all-to-all"] = alltoall
+            best = (total, {**parts, "pp_rank": i})
     return best

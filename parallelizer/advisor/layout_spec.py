@@ -14,7 +14,8 @@ from .memory import estimate_program
 def layout_spec(spec, lay, cluster) -> dict:
     """The spec (a dict) that compiles ``lay``: ``spec``'s other keys unchanged."""
     out = spec.to_dict()
-    out["mesh"] = {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "dp_replicate": lay.dp_replicate}
+    out["mesh"] = {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "dp_replicate": lay.dp_replicate,
+                   "ep": lay.ep}
     out["pipeline"] = {**out["pipeline"], "microbatches": lay.microbatches if lay.pp > 1 else 1,
                        "schedule": lay.schedule, "virtual_stages": lay.virtual_stages,
                        "split_points": None, "layers_per_stage": None}

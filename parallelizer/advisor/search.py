@@ -1,9 +1,12 @@
 """Enumerate 3D layouts for a Workload on a Cluster and rank them by predicted step time.
 
-Pure search on data (no graph): every (tp, pp, dp, dp_replicate, ZeRO stage, micro-batch
+Pure search on data (no graph): every (tp, pp, dp, dp_replicate, ep, ZeRO stage, micro-batch
 size x count, virtual stages, activation checkpointing) whose degrees multiply to the
 cluster's GPUs and whose global batch splits exactly; those that fit each rank's memory
-(``step_time.predict``'s analytical estimate) are ranked by predicted step time.
+(``step_time.predict``'s analytical estimate) are ranked by predicted step time. ep (expert
+parallelism, carved out of dp) takes the divisors of dp that divide every mixture-of-experts
+layer's experts (``Workload.ep_choices``: only 1 for a dense model), where
+:func:`runtime_accepts` says the emitted program runs it.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from .step_time import Candidate, Prediction, memory_of, predict, rank_stats
 from .workload import Workload
 
 TERM_NAMES = {"compute": "compute", "bubble": "pipeline bubble", "tp": "tensor-parallel collectives",
+              "ep": "expert-parallel all-to-alls",
               "pp": "pipeline sends", "pp_runtime": "pipeline runtime per action", "dp": "data-parallel communication", "optimizer": "optimizer step",
               "other": "loss and tied-weight all-reduces"}
 
@@ -25,6 +29,14 @@ class SearchResult:
     considered: int
     fitting: int
     smallest: Prediction | None  # the layout needing the least memory (for the error message)
+
+
+def runtime_accepts(tp: int, ep: int, pp: int, zero: int) -> bool:
+    """Whether the emitted program runs this (tp, ep, pp, ZeRO stage): the spec's own rule
+    (``frontend/spec.py``, ``_check_data_parallel``): ep > 1 only at tp = 1 (tensor
+    parallelism inside the experts is not done, docs/expert-parallel.md); any pp and ZeRO
+    stage. The one place to change when the runtime accepts more."""
+    return ep == 1 or tp == 1
 
 
 def divisors(n: int) -> list[int]:
@@ -60,6 +72,7 @@ def _candidates(w, cluster, global_batch, zero_stages, max_micro_batch, virtual,
             if global_batch % dp:
                 continue
             per_dp = global_batch // dp
+            eps = w.ep_choices(dp)
             # pp = 1 without accumulation: the step is one microbatch of every sequence a dp
             # rank gets, whatever its size (memory decides); otherwise sizes up to the cap
             micros = [per_dp] if pp == 1 and not accumulate else divisors(per_dp)
@@ -74,13 +87,17 @@ def _candidates(w, cluster, global_batch, zero_stages, max_micro_batch, virtual,
                         reps = [1]
                         if z >= 2 and tp < gpn and dp * tp > gpn and dp % (gpn // tp) == 0:
                             reps.append(dp // (gpn // tp))    # shard inside a node, replicate across
-                        for rep in reps:
-                            for rc in (False, True):
-                                yield Candidate(tp, pp, dp, micro, m, z, v, rc, rep)
+                        for ep in eps:
+                            if not runtime_accepts(tp, ep, pp, z):
+                                continue
+                            for rep in reps:
+                                for rc in (False, True):
+                                    yield Candidate(tp, pp, dp, micro, m, z, v, rc, rep, ep=ep)
 
 
 FIX_KEYS = {"tp": "tp", "pp": "pp", "dp": "dp", "zero": "zero_stage", "mb": "micro_batch",
-            "m": "microbatches", "v": "virtual_stages", "ac": "recompute", "rep": "dp_replicate"}
+            "m": "microbatches", "v": "virtual_stages", "ac": "recompute", "rep": "dp_replicate",
+            "ep": "ep"}
 
 
 def parse_fix(text: str) -> dict:
@@ -128,7 +145,8 @@ def search(w: Workload, cluster: Cluster, global_batch: int, fix: dict | None = 
         what = f"no layout has {_fix_text(fix)}" if fix else "no layout splits"
         raise UserError(f"{what} for --global-batch {global_batch} on {cluster.world} GPUs "
                         f"(degrees multiply to the GPUs; dp x microbatches x micro-batch size is "
-                        f"the batch; tp divides the {w.heads} heads; pp <= {w.layers} blocks){hint}")
+                        f"the batch; tp divides the {w.heads} heads; pp <= {w.layers} blocks; ep "
+                        f"divides dp and {_experts_text(w)}){hint}")
     if not fitting:
         s = smallest
         raise UserError(f"no layout fits {cluster.usable_memory_bytes / 1e9:.4g} GB per GPU (usable_memory "
@@ -173,6 +191,12 @@ def _break_ties(ranked: list) -> list:
         out += group
         i = j
     return out
+
+
+def _experts_text(w: Workload) -> str:
+    counts = sorted({layer.experts for layer in w.moe})
+    return (f"the experts ({', '.join(map(str, counts))}), at tp 1" if counts
+            else "the model has no mixture-of-experts layer: ep 1")
 
 
 def _fix_text(fix: dict) -> str:

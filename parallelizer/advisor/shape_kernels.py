@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
 from .inventory import UnitKernels
-from .kernels import Kernel
+from .kernels import Kernel, grouped_mm
 
 E = 4  # bytes of an element in the fp32 units the device model scales
 
@@ -79,12 +79,32 @@ class ShapeKernels:
         add("row", h, _mm(T, h, h))                              # output projection
         add("seq", 0, _elem(2 * T * h + h, T * h * (1 if glu else 1.25)))    # (bias-dropout-)add
         add("seq", 0, _elem(T * h, T * h))                       # post-attention norm
-        add("column", (2 if glu else 1) * f, _mm(T, (2 if glu else 1) * f, h))
-        add("shard", 0, _elem(2 * T * f, T * f) if glu else _elem(T * f + f, T * f))  # SwiGLU / bias-GeLU
-        add("row", f, _mm(T, h, f))
+        sites = (("f", E * T * h), ("g", E * T * h))
+        if self.shape.get("experts"):   # experts replicated under tp: no f / g around them
+            self._moe(add, T, h, glu)
+        else:
+            add("column", (2 if glu else 1) * f, _mm(T, (2 if glu else 1) * f, h))
+            add("shard", 0, _elem(2 * T * f, T * f) if glu else _elem(T * f + f, T * f))  # SwiGLU / bias-GeLU
+            add("row", f, _mm(T, h, f))
+            sites += (("f", E * T * h), ("g", E * T * h))
         add("seq", 0, _elem(2 * T * h + h, T * h * (1 if glu else 1.25)))
-        sites = (("f", E * T * h), ("g", E * T * h), ("f", E * T * h), ("g", E * T * h))
         return UnitKernels(tuple(fwd), tuple(bwd), sites)
+
+    def _moe(self, add, T, h, glu):
+        """A mixture-of-experts MLP (Mixtral's, transformers' grouped-mm experts): the router,
+        its softmax and top-k, the (token, expert) rows gathered in expert order, two grouped
+        matmuls (gate|up, down) with the activation between, and the rows weighted by the
+        router and summed back per token. Balanced routing: T k / experts rows per expert."""
+        x, k = self.shape["experts"], self.shape.get("topk", 2)
+        f = self.shape.get("moe_ffn", self.shape.get("ffn", 4 * h))
+        R = T * k
+        add("seq", 0, _mm(T, x, h))                                   # router
+        add("seq", 0, _elem(T * x, T * x + 2 * T * k))                # softmax, top-k
+        add("seq", 0, _elem(T * h, R * h))                            # rows in expert order
+        add("seq", 0, grouped_mm(x, R, (2 if glu else 1) * f, h))     # gate|up (or fc1)
+        add("seq", 0, _elem(2 * R * f, R * f) if glu else _elem(R * f, R * f))   # SwiGLU / GeLU
+        add("seq", 0, grouped_mm(x, R, h, f))                         # down (or fc2)
+        add("seq", 0, _elem(R * h + R, T * h))                        # weighted, summed per token
 
     def _attention(self, add, b, s, a, kv, d):
         if self.attention == "flash":

@@ -9,6 +9,13 @@ Under full activation checkpointing each block's forward, collectives included, 
 in backward. A vocab-parallel loss (torch's ``loss_parallel`` / Megatron's vocab-parallel
 cross-entropy) all-reduces three values per token over tp in forward (row max, target logit,
 sum of exponentials).
+
+Expert parallelism (ep > 1): a mixture-of-experts layer's grouped matmuls on one ep rank
+(``Kernel.regrouped``: E/ep experts, ep x the rows each, at balanced routing), and its
+all-to-alls over ep on the critical path (``runtime/expert_parallel.py``): in forward the
+router's per-expert counts (E int64 values: ``ep_route``), the dispatch and the combine of
+the rank's b s k rows; in backward the combine's and the dispatch's reverse all-to-alls;
+under full activation checkpointing the forward three again.
 """
 from __future__ import annotations
 
@@ -46,11 +53,12 @@ def stage_units(w, stages: int) -> list[range]:
     """Units of each stage: the compiler's FLOP-balanced min-max split (fewer stages when
     there are fewer units); cached per unit costs."""
     n = len(w.fwd_flops)
-    key = (w.fwd_flops, w.bwd_flops, min(stages, n))
+    key = (w.fwd_flops, w.bwd_flops, w.balance, min(stages, n))
     if key not in _PARTS:
         if len(_PARTS) > 512:
             _PARTS.clear()
-        _PARTS[key] = min_max_ranges([f + b for f, b in zip(w.fwd_flops, w.bwd_flops)], key[2])
+        costs = w.balance or [f + b for f, b in zip(w.fwd_flops, w.bwd_flops)]
+        _PARTS[key] = min_max_ranges(list(costs), key[3])
     return _PARTS[key]
 
 
@@ -62,24 +70,43 @@ class StageModel:
         self._units: dict = {}
         self._stages: dict = {}
 
-    def unit(self, u: int, b: int, tp: int, sp: bool, kernels) -> tuple[Times, Times]:
-        key = (id(kernels[u]), b, tp, sp)
+    def unit(self, u: int, b: int, tp: int, sp: bool, kernels, ep: int = 1) -> tuple[Times, Times]:
+        key = (id(kernels[u]), b, tp, sp, ep)
         hit = self._units.get(key)
         if hit is None:
             uk = kernels[u]
-            fwd = [k.sharded(r, n, tp, sp) for r, n, k in uk.fwd]
-            bwd = [k.sharded(r, n, tp, sp) for r, n, k in uk.bwd]
+            fwd = [k.sharded(r, n, tp, sp).regrouped(ep) for r, n, k in uk.fwd]
+            bwd = [k.sharded(r, n, tp, sp).regrouped(ep) for r, n, k in uk.bwd]
             hit = self._units[key] = (self.device.times(fwd, False), self.device.times(bwd, True))
         return hit
 
-    def stage(self, units: range, b: int, tp: int, sp: bool, recompute: bool) -> StageCost:
-        key = (units.start, units.stop, b, tp, sp, recompute)
+    def stage(self, units: range, b: int, tp: int, sp: bool, recompute: bool, ep: int = 1) -> StageCost:
+        key = (units.start, units.stop, b, tp, sp, recompute, ep)
         hit = self._stages.get(key)
         if hit is None:
-            hit = self._stages[key] = self._stage(units, b, tp, sp, recompute)
+            hit = self._stages[key] = self._stage(units, b, tp, sp, recompute, ep)
         return hit
 
-    def _stage(self, units, b, tp, sp, recompute) -> StageCost:
+    def alltoalls(self, u: int, b: int, tp: int, sp: bool, ep: int) -> tuple[list, list]:
+        """The ep all-to-alls of unit ``u``'s MoE layers for one microbatch of ``b``
+        sequences: (forward calls, backward calls); none at ep 1. Bytes per call: the full
+        tensor of one rank (b s k rows x the row's elements, in the compute dtype), of
+        which (ep - 1) / ep leaves the rank at balanced routing."""
+        if ep == 1:
+            return [], []
+        fwd, bwd = [], []
+        rows_split = tp if sp else 1
+        for layer in self.w.moe:
+            if layer.unit != u:
+                continue
+            rows = b * self.w.seq * layer.top_k / rows_split
+            nbytes = rows * layer.row_elems * 4 * self.device.byte_scale
+            call = self.comm.call("all_to_all", "ep", nbytes, ep, tp)
+            fwd += [self.comm.call("all_to_all", "ep (counts)", 8.0 * layer.experts, ep, tp), call, call]
+            bwd += [call, call]
+        return fwd, bwd
+
+    def _stage(self, units, b, tp, sp, recompute, ep=1) -> StageCost:
         w = self.w
         kernels = w.source.units(b)
         scale = self.device.byte_scale
@@ -87,11 +114,16 @@ class StageModel:
         fwd, bwd, again = Times(), Times(), Times()
         fcalls, bcalls, rcalls = [], [], []
         for u in units:
-            f, bk = self.unit(u, b, tp, sp, kernels)
+            f, bk = self.unit(u, b, tp, sp, kernels, ep)
             fwd, bwd = fwd + f, bwd + bk
             block = 0 < u < last
             if recompute and block:
                 again = again + f
+            fa, ba = self.alltoalls(u, b, tp, sp, ep)
+            fcalls += fa
+            bcalls += ba
+            if recompute and block:
+                rcalls += fa
             for kind, nbytes in kernels[u].sites:
                 fc, bc = self._site(kind, nbytes * scale, tp, sp)
                 fcalls += fc

@@ -1,7 +1,12 @@
 """The parts of :func:`parallelizer.advisor.step_time.predict`: data parallelism and the
 optimizer (``dp_time``'s rules on this layout's units), the pipeline (the schedule simulated
 on the stage costs), and the breakdown of the busiest rank that ``--explain`` prints and the
-planner's JSON carries."""
+planner's JSON carries.
+
+Under expert parallelism (ep > 1) the expert weights are no part of DDP's buckets nor of
+FSDP2's units (``runtime/data_parallel.py``): dp reduces the dense parameters only, and the
+experts' fp32 gradients are all-reduced over edp = dp / ep after the step
+(``sync_expert_grads``, exposed); ZeRO-1 partitions and broadcasts over edp."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -34,11 +39,17 @@ class PipeResult:
 
 
 def _local_params(model, lay, units, end_split) -> list[float]:
-    """Parameter elements this rank holds per unit (blocks split by tp, ends by vocab tp)."""
+    """Parameter elements data parallelism reduces per unit on this rank: a block's dense
+    weights split by tp, its expert weights whole (they stay replicated under tp) at ep 1 and
+    left out at ep > 1 (reduced over edp instead); the ends split by vocab tp."""
     w, last = model.w, len(model.w.fwd_flops) - 1
+    experts = w.expert_params
     out = []
     for u in units:
-        n = w.params[u] / (lay.tp if 0 < u < last else end_split)
+        if 0 < u < last:
+            n = (w.params[u] - experts[u]) / lay.tp + (experts[u] if lay.ep == 1 else 0.0)
+        else:
+            n = w.params[u] / end_split
         if u == last and 0 not in units:
             n += w.tied_params / end_split
         out.append(n)
@@ -56,7 +67,7 @@ def data_parallel(model, lay, costs, stats, end_split) -> DPResult:
     if lay.pp == 1:
         units = rank_units
         per_unit = [model.stages.unit(u, lay.micro_batch, lay.tp, lay.sequence_parallel and lay.tp > 1,
-                                      model.w.source.units(lay.micro_batch)) for u in units]
+                                      model.w.source.units(lay.micro_batch), lay.ep) for u in units]
         params = _local_params(model, lay, units, end_split)
         if lay.zero_stage <= 1:
             _ddp(model, lay, per_unit, params, e, res)
@@ -64,25 +75,48 @@ def data_parallel(model, lay, costs, stats, end_split) -> DPResult:
             _fsdp(model, lay, per_unit, params, e, res)
     else:
         _pipelined_ranks(model, lay, costs, end_split, e, res)
-    if lay.zero_stage == 1:
+    group = lay.dp if lay.ep == 1 else lay.edp
+    if lay.zero_stage == 1 and group > 1:
         # ZeroRedundancyOptimizer broadcasts every parameter from the rank that updated it,
-        # all asynchronously, then waits: one gather's volume, its latency once
-        bytes_ = max(st.block_params / lay.tp + st.end_params / end_split for st in stats) * e
-        bc = model.comm.call("all_gather", "dp", bytes_, lay.dp, lay.tp)
+        # all asynchronously, then waits: one gather's volume, its latency once; under ep
+        # over edp (the ranks holding the same experts)
+        bytes_ = max(_rank_params(st, lay, end_split) for st in stats) * e
+        bc = model.comm.call("all_gather", "dp" if lay.ep == 1 else "edp", bytes_, group,
+                             lay.tp * (1 if lay.ep == 1 else lay.ep))
         res.calls.append(bc)
         res.exposed += bc.total
+    if lay.ep > 1 and lay.edp > 1:
+        # sync_expert_grads: one flat all-reduce of this rank's fp32 expert gradients over
+        # the edp replicas, after the backward (pp = 1) or the schedule
+        ar = model.comm.call("all_reduce", "edp", max(st.experts for st in stats) / lay.ep * 4,
+                             lay.edp, lay.tp * lay.ep)
+        res.calls.append(ar)
+        res.exposed += ar.total
     return res
+
+
+def _rank_params(st, lay, end_split) -> float:
+    """Parameter elements a pp rank holds: dense ones split by tp, E/ep of each layer's experts."""
+    return (st.block_params - st.experts) / lay.tp + st.end_params / end_split + st.experts / lay.ep
 
 
 def _optimizer(model, lay, stats, end_split, res) -> None:
     z, d = lay.zero_stage, lay.dp
     shards = d // (lay.dp_replicate if z >= 2 else 1)
+    group = d if lay.ep == 1 else lay.edp   # ZeRO-1's partition: dp, or edp under ep
     worst = 0.0
     for st in stats:
-        params = st.block_params / lay.tp + st.end_params / end_split
-        div = 1 if z == 0 else (d if z == 1 else shards)
-        tensors = st.tensors / (d if z == 1 else 1)
-        worst = max(worst, optimizer_seconds(model.cluster, model.device, tensors, 4 * params / div,
+        params = _rank_params(st, lay, end_split)
+        if z == 0:
+            mine = params
+        elif z == 1:
+            mine = params / group
+        elif lay.ep == 1:
+            mine = params / shards
+        else:   # experts outside FSDP2: whole E/ep on every rank
+            mine = (params - st.experts / lay.ep) / shards + st.experts / lay.ep
+        tensors = st.tensors / (group if z == 1 else 1)
+        worst = max(worst, optimizer_seconds(model.cluster, model.device, tensors, 4 * mine,
                                              lay.optimizer, dtensor=z >= 2))
     res.optimizer = worst
 
@@ -154,7 +188,7 @@ def _pipelined_ranks(model, lay, costs, end_split, e, res) -> None:
         for s in (mine if lay.zero_stage >= 2 else ()):
             c = costs[s]
             key = (c.units, lay.tp, lay.dp, lay.dp_replicate, lay.zero_stage, lay.micro_batch,
-                   lay.microbatches, lay.prefetch, lay.sequence_parallel, end_split)
+                   lay.microbatches, lay.prefetch, lay.sequence_parallel, end_split, lay.ep)
             if key not in cache:
                 cache[key] = _fsdp_stage(model, lay, c, _local_params(model, lay, list(c.units), end_split), e)
             x, cs, per_mb = cache[key]
@@ -171,7 +205,7 @@ def _fsdp_stage(model, lay, cost, params, e) -> tuple:
     """One stage under FSDP2 and a pipeline schedule: (exposed seconds after the schedule:
     its reduce-scatters and first forward's gathers, calls, ZeRO-3 gathers per microbatch)."""
     per_unit = [model.stages.unit(u, lay.micro_batch, lay.tp, lay.sequence_parallel and lay.tp > 1,
-                                  model.w.source.units(lay.micro_batch)) for u in cost.units]
+                                  model.w.source.units(lay.micro_batch), lay.ep) for u in cost.units]
     gathers, calls, exposed = [], [], 0.0
     for p in params:
         ag, rs, extra = _fsdp_calls(model, lay, p * e)

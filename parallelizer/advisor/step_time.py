@@ -14,7 +14,15 @@ A step (Narayanan et al. 2021, §2.2 and §3.3), as the emitted program runs it:
 
 Collectives: :mod:`~.collectives` (measured α/β per op and group size, else the ring model
 on the cluster's links). ``Prediction.breakdown`` holds every part; ``terms`` add up to the
-step: compute, tp, bubble, pp, dp, optimizer, other.
+step: compute, tp, ep, bubble, pp, dp, optimizer, other.
+
+Expert parallelism (``Candidate.ep``, :mod:`~.stages`): at balanced routing (every rank
+receives as many (token, expert) rows as it sends, what a router's load-balancing loss aims
+at; dropless routing can receive up to ep times that) a rank's expert compute is its own
+``b s k`` rows, grouped into E/ep experts of ``ep b s k / E`` rows; each MoE layer's
+dispatch and combine are all-to-alls over ep in forward and again in backward (and in
+recomputation), the router's counts one small all-to-all; expert gradients are all-reduced
+over edp = dp / ep after the step instead of joining dp's (:mod:`~.step_parts`).
 """
 from __future__ import annotations
 
@@ -36,7 +44,10 @@ class Candidate:
     """One layout the search considers: mesh degrees, micro-batching, ZeRO stage, virtual
     stages, recomputation, schedule (a candidate, not a tp layout nor a checkpoint's placement).
     ``dp_replicate`` (HSDP) is how many replicas of the ZeRO 2/3 shard group there are:
-    dp = dp_replicate x dp_shard, sharded inside a node, replicated across nodes."""
+    dp = dp_replicate x dp_shard, sharded inside a node, replicated across nodes. ``ep``
+    (expert parallelism) is carved out of dp: each mixture-of-experts layer's experts split
+    over ep consecutive dp ranks, the dp / ep expert-data-parallel (edp) replicas summing
+    their gradients."""
     tp: int
     pp: int
     dp: int
@@ -56,6 +67,12 @@ class Candidate:
     # pp > 1: sends overlap the sender's next action (torch.distributed.pipelining's isend);
     # True: the sender waits for each (Megatron-LM before --overlap-p2p-communication, 2023)
     p2p_blocking: bool = False
+    ep: int = 1                     # expert-parallel degree (divides dp and every layer's experts)
+
+    @property
+    def edp(self) -> int:
+        """Ranks holding the same experts (dp / ep)."""
+        return self.dp // self.ep
 
     @property
     def world(self) -> int:
@@ -72,7 +89,8 @@ class Candidate:
         if self.schedule_name and self.schedule_name not in ("1f1b", "interleaved_1f1b"):
             extra += f" {self.schedule_name}"
         rep = f" rep={self.dp_replicate}" if self.dp_replicate > 1 else ""
-        return (f"tp={self.tp} pp={self.pp} dp={self.dp}{rep} zero={self.zero_stage} "
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
+        return (f"tp={self.tp} pp={self.pp} dp={self.dp}{rep}{ep} zero={self.zero_stage} "
                 f"mb={self.micro_batch}x{self.microbatches}{extra}{' ac' if self.recompute else ''}")
 
 
@@ -171,7 +189,7 @@ def timed(model: StepModel, lay: Candidate, stats, end_split, mem, parts,
           global_batch: int | None, screen: bool = False) -> Prediction:
     w, cluster = model.w, model.cluster
     sp = lay.sequence_parallel and lay.tp > 1
-    costs = [model.stages.stage(r, lay.micro_batch, lay.tp, sp, lay.recompute)
+    costs = [model.stages.stage(r, lay.micro_batch, lay.tp, sp, lay.recompute, lay.ep)
              for r in model.parts(lay.pp * lay.virtual_stages)]
     dp = data_parallel(model, lay, costs, stats, end_split)
     pipe = pipeline(model, lay, costs, dp.per_microbatch, uniform=screen)

@@ -12,6 +12,11 @@ without tensor parallelism, ``s b h (10 + 24/t + 5 a s / (h t))`` with it (no se
 parallelism: LayerNorm and dropout inputs stay replicated), and ``2 s b h`` per layer under
 full recomputation (the block input). With fused attention (SDPA / flash) the ``5 a s / h``
 score term is not stored (``flash=True``).
+
+Mixture-of-experts layers (:class:`MoELayer`, ``Workload.moe``): a model file's come from the
+graph (``analysis/experts.py``: stacked (E, a, b) weights read by grouped matmuls); a shape's
+from ``experts=E,topk=k[,moe_ffn=f]`` (every block's MLP replaced by a router and E experts of
+feed-forward f, Mixtral / GShard style). They are what the search's ``ep`` splits.
 """
 from __future__ import annotations
 
@@ -19,7 +24,28 @@ from dataclasses import dataclass, field
 
 from ..errors import UserError
 
-SHAPE_KEYS = ("layers", "hidden", "heads", "vocab", "seq", "ffn", "kv_heads", "glu")
+SHAPE_KEYS = ("layers", "hidden", "heads", "vocab", "seq", "ffn", "kv_heads", "glu",
+              "experts", "topk", "moe_ffn")
+
+
+@dataclass(frozen=True)
+class MoELayer:
+    """One mixture-of-experts layer, per sequence of the workload.
+
+    Attributes:
+        unit: the unit holding it (a block index into ``Workload.fwd_flops``).
+        experts: E, the experts its stacked weights hold (dim 0).
+        top_k: rows per token (the router's k): ``rows = seq x top_k`` per sequence.
+        params: elements of its stacked expert weights (all E experts).
+        row_elems: elements of one dispatched row (the hidden size for Mixtral).
+        module: FQN of the module holding the experts ('' for a shape).
+    """
+    unit: int
+    experts: int
+    top_k: float
+    params: float
+    row_elems: float
+    module: str = ""
 
 
 @dataclass(frozen=True)
@@ -42,6 +68,10 @@ class Workload:
     attention: str = "graph"          # flash | eager (a shape), graph (what the model file runs)
     tensors: tuple[float, ...] = ()   # parameter tensors per unit
     cut_bytes: tuple[float, ...] = () # fp32 bytes per sequence crossing each unit boundary
+    moe: tuple = ()                   # MoELayer per mixture-of-experts layer (what ep splits)
+    # per-unit costs the compiler's pipeline split balances (a model file's graph costs, which
+    # see no FLOPs inside a grouped matmul); () = fwd + bwd FLOPs
+    balance: tuple[float, ...] = ()
     # per-unit kernels at any micro-batch size: .units(b) -> tuple of inventory.UnitKernels
     source: object = field(default=None, compare=False, hash=False, repr=False)
 
@@ -52,6 +82,23 @@ class Workload:
     @property
     def param_count(self) -> float:
         return sum(self.params)
+
+    @property
+    def expert_params(self) -> tuple[float, ...]:
+        """Per unit: elements of its stacked expert weights (of ``params``; 0 for dense units)."""
+        out = [0.0] * len(self.params)
+        for layer in self.moe:
+            out[layer.unit] += layer.params
+        return tuple(out)
+
+    def ep_choices(self, dp: int) -> list[int]:
+        """The expert-parallel degrees for ``dp`` data-parallel ranks: divisors of dp that
+        divide every layer's experts (``mesh.ep``'s rule, docs/expert-parallel.md); [1]
+        for a dense model."""
+        if not self.moe:
+            return [1]
+        return [e for e in range(1, dp + 1) if dp % e == 0
+                and all(layer.experts % e == 0 for layer in self.moe)]
 
     def model_flops(self, sequences: int, recompute: bool) -> float:
         """FLOPs of a step over ``sequences``; with ``recompute`` one more forward of every
@@ -79,10 +126,13 @@ class Workload:
 
 
 def parse_shape(text: str) -> dict:
-    """``layers=96,hidden=12288,heads=96,vocab=51200,seq=2048[,ffn=..,kv_heads=..,glu=1]``.
+    """``layers=96,hidden=12288,heads=96,vocab=51200,seq=2048[,ffn=..,kv_heads=..,glu=1]``
+    ``[,experts=E,topk=k,moe_ffn=f]`` (a mixture of experts in every block: E experts of
+    feed-forward ``moe_ffn`` (default ``ffn``), k per token (default 2)).
 
     Raises:
-        UserError: a malformed item, an unknown key, a missing key or a value < 1.
+        UserError: a malformed item, an unknown key, a missing key, a value < 1, or topk /
+            moe_ffn without experts, or topk > experts.
     """
     out = {}
     for item in filter(None, (s.strip() for s in text.split(","))):
@@ -104,6 +154,13 @@ def parse_shape(text: str) -> dict:
         raise UserError(f"--model-shape: values must be >= 1, got {', '.join(bad)}")
     if out["hidden"] % out["heads"]:
         raise UserError(f"--model-shape: heads ({out['heads']}) must divide hidden ({out['hidden']})")
+    moe = [k for k in ("topk", "moe_ffn") if k in out]
+    if moe and "experts" not in out:
+        raise UserError(f"--model-shape: {', '.join(moe)} needs experts=E (the experts of each "
+                        f"block's mixture-of-experts layer); e.g. experts=8,topk=2")
+    if "experts" in out and out.get("topk", 2) > out["experts"]:
+        raise UserError(f"--model-shape: topk ({out.get('topk', 2)}) must be <= experts "
+                        f"({out['experts']})")
     return out
 
 
@@ -120,15 +177,24 @@ def from_shape(shape: dict, name: str = "", attention: str = "flash") -> Workloa
 
     Forward FLOPs per block and sequence: 2 x (matmul parameters) x s + 4 s^2 h (attention
     scores and context), which for GPT is eq. 3's 24 s h^2 (1 + s / 6h); backward twice the
-    forward; the head 2 s h V forward. Parameters per GPT block 12 h^2 + 13 h.
+    forward; the head 2 s h V forward. Parameters per GPT block 12 h^2 + 13 h. With
+    ``experts=E`` the MLP is a router (h x E) and E experts of ``moe_ffn`` (gated under
+    ``glu``), of which a token runs ``topk``: the matmul parameters a token uses are the
+    router's and k experts'.
     """
     L, h, a, V, s = (shape[k] for k in ("layers", "hidden", "heads", "vocab", "seq"))
     ffn, kv, glu = shape.get("ffn", 4 * h), shape.get("kv_heads", a), shape.get("glu", 0)
+    E, topk = shape.get("experts", 0), shape.get("topk", 2)
     attn_mm = 2 * h * h + 2 * h * (h * kv // a)
-    mlp_mm = (3 if glu else 2) * h * ffn
-    biases = 0 if glu else 3 * h + 2 * h * kv // a + ffn   # q, k, v, out, fc1, fc2
+    if E:   # router (h x E) and E experts; a token runs the router and k experts
+        expert = (3 if glu else 2) * h * shape.get("moe_ffn", ffn)
+        mlp_mm, mlp_used = E * expert + h * E, topk * expert + h * E
+        biases = 0 if glu else 2 * h + 2 * h * kv // a   # q, out, k, v (experts without)
+    else:
+        mlp_mm = mlp_used = (3 if glu else 2) * h * ffn
+        biases = 0 if glu else 3 * h + 2 * h * kv // a + ffn   # q, k, v, out, fc1, fc2
     block_params = attn_mm + mlp_mm + (2 if glu else 4) * h + biases
-    block_fwd = 2 * (attn_mm + mlp_mm) * s + 4 * s * s * h
+    block_fwd = 2 * (attn_mm + mlp_used) * s + 4 * s * s * h
     embed = V * h + (s * h if not glu else 0)   # learned positions for GPT, rotary for Llama
     head_fwd = 2 * s * h * V
     fwd = (0.0,) + (float(block_fwd),) * L + (float(head_fwd),)
@@ -141,11 +207,13 @@ def from_shape(shape: dict, name: str = "", attention: str = "flash") -> Workloa
     if attention not in ATTENTION:
         raise UserError(f"attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
     from .shape_kernels import ShapeKernels
-    per_block = 9.0 if glu else 12.0   # weights (+ biases) and norm parameters
+    per_block = (9.0 if glu else 10.0) if E else (9.0 if glu else 12.0)   # weights (+ biases), norms
     tensors = ((1.0 if glu else 2.0),) + (per_block,) * L + ((2.0 if glu else 2.0),)
+    moe = tuple(MoELayer(1 + i, E, float(topk), float(E * expert), float(h)) for i in range(L)) if E else ()
     return Workload(label, s, h, a, V, fwd, bwd, params, tied_params=0.0 if glu else float(V * h),
                     flash=attention == "flash", attention=attention, tensors=tensors,
-                    cut_bytes=(4.0 * s * h,) * (L + 1), source=ShapeKernels(dict(shape), attention))
+                    cut_bytes=(4.0 * s * h,) * (L + 1), moe=moe,
+                    source=ShapeKernels(dict(shape), attention))
 
 
 def eq3_flops(shape: dict, batch: int) -> float:

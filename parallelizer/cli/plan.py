@@ -42,7 +42,8 @@ def _plan_parser() -> argparse.ArgumentParser:
                                 "microbatches and checkpointing for a model on a cluster.")
     _common(p)
     p.add_argument("--model-shape", metavar="layers=..,hidden=..", help="a GPT/Llama-style shape "
-                   "instead of MODEL SPEC: layers, hidden, heads, vocab, seq[, ffn, kv_heads, glu]")
+                   "instead of MODEL SPEC: layers, hidden, heads, vocab, seq[, ffn, kv_heads, glu]"
+                   "[, experts, topk, moe_ffn: a mixture of experts in every block]")
     p.add_argument("--attention", choices=("flash", "eager"), default=None, help="with "
                    "--model-shape: how attention runs: flash (default: a fused SDPA / FlashAttention "
                    "kernel, scores not stored) or eager (scores, softmax and dropout materialised)")
@@ -54,7 +55,8 @@ def _plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--tokens", type=float, metavar="T", help="training tokens: add days to train")
     p.add_argument("--fix", metavar="tp=..,pp=..", help="keep only layouts with these values "
-                   "(keys tp, pp, dp, zero, mb, m, v, ac, rep; rep=R: HSDP with R replica groups), "
+                   "(keys tp, pp, dp, zero, mb, m, v, ac, rep, ep; rep=R: HSDP with R replica groups; "
+                   "ep=E: expert parallelism, carved out of dp), "
                    "e.g. --fix tp=1,pp=1,zero=3")
     p.add_argument("--exact", action="store_true", help="also compile the best layout on the meta "
                    "device and print the exact per-rank memory estimate beside the analytical one")
@@ -162,7 +164,7 @@ def _gb(x: float) -> str:
 def _row(p, cluster, tokens, why_text) -> dict:
     lay = p.candidate
     row = {"layout": lay.short(), "tp": lay.tp, "pp": lay.pp, "dp": lay.dp,
-           "dp_replicate": lay.dp_replicate, "zero_stage": lay.zero_stage,
+           "dp_replicate": lay.dp_replicate, "ep": lay.ep, "zero_stage": lay.zero_stage,
            "micro_batch": lay.micro_batch, "microbatches": lay.microbatches,
            "virtual_stages": lay.virtual_stages, "activation_checkpointing": lay.recompute,
            "step_s": p.step_s, "tokens_per_s": p.tokens_per_s, "tflops_per_gpu": p.tflops_per_gpu,
