@@ -187,7 +187,7 @@ def tables(runs: list[dict], quick: bool) -> str:
                      ["config", "dp rank", "rows sent (dispatch)", "rows received (dispatch)",
                       "row all-to-alls", "MiB measured", "MiB analytical", "equal (rows and counts)",
                       "largest expert's share of rows"], per_rank)
-    return t1 + "\n\n" + t2
+    return t1 + "\n" + t2  # as printed
 
 
 def main(quick: bool, json_path, configs=None) -> None:
