@@ -45,7 +45,9 @@ def buffer_bytes(op: str, in_bytes: int, out_bytes: int) -> int:
 def wire_bytes(op: str, buffer: int, n: int) -> float:
     """Bytes one rank sends for a collective of ``buffer`` bytes over ``n`` ranks with the ring
     algorithms (Patarasuk & Yuan 2009; Megatron-LM §3 cites them): all-reduce 2(n-1)/n,
-    all-gather and reduce-scatter (n-1)/n, a send its buffer."""
+    all-gather and reduce-scatter (n-1)/n, a send its buffer. An all-to-all's buffer is what
+    leaves the rank already (the recorder subtracts the rows it addresses to itself: see
+    :func:`all_to_all_wire_bytes`)."""
     if n <= 1:
         return 0.0
     if "allreduce" in op:
@@ -53,6 +55,20 @@ def wire_bytes(op: str, buffer: int, n: int) -> float:
     if "allgather" in op or "reduce_scatter" in op:
         return (n - 1) / n * buffer
     return float(buffer)
+
+
+def all_to_all_wire_bytes(input: torch.Tensor, input_split_sizes, me: int, n: int) -> int:
+    """Bytes one rank sends in an all-to-all of ``input`` over ``n`` ranks, ``me`` its place in
+    the group: everything but the rows addressed to itself, which never leave it (the ring
+    convention's "sent": a ring all-reduce's 2(n-1)/n leaves out the rank's own chunk too).
+    ``input_split_sizes``: rows per destination, empty for equal splits (c10d's rule)."""
+    total = _nbytes(input)
+    if n <= 1:
+        return 0
+    if not input_split_sizes:
+        return total - total // n
+    row = total // input.shape[0] if input.shape[0] else 0
+    return total - int(input_split_sizes[me]) * row
 
 
 # c10d: what torch.distributed calls (FSDP2, pipelining, our runtime); _c10d_functional:
@@ -63,10 +79,10 @@ _CANONICAL = {"all_reduce": "allreduce_", "all_reduce_": "allreduce_",
               "all_gather_into_tensor_coalesced": "allgather_into_tensor_coalesced_",
               "reduce_scatter_tensor": "_reduce_scatter_base_",
               "reduce_scatter_tensor_coalesced": "reduce_scatter_tensor_coalesced_",
-              "broadcast": "broadcast_"}
+              "broadcast": "broadcast_", "all_to_all_single": "alltoall_base_"}
 
 
-_FUNCTIONAL = set(_CANONICAL) | {"all_to_all_single"}
+_FUNCTIONAL = set(_CANONICAL)
 
 
 def _canonical(op: str) -> str:
@@ -133,9 +149,15 @@ class CollectiveRecorder(TorchDispatchMode):
         in_bytes, out_bytes = _nbytes(ins), _nbytes(outs)
         if "group_size" in named and "gather" in op:  # functional: the output is not an argument
             out_bytes = in_bytes * named["group_size"]
-        self._add(op, ranks, ins or outs, in_bytes, out_bytes)
+        wire = None
+        if op == "alltoall_base_":  # rows to itself stay on the rank
+            wire = all_to_all_wire_bytes(named["input"], named["input_split_sizes"],
+                                         ranks.index(dist.get_rank()), len(ranks))
+        self._add(op, ranks, ins or outs, in_bytes, out_bytes, wire)
 
-    def _add(self, op: str, ranks: list, tensors, in_bytes: int, out_bytes: int) -> None:
+    def _add(self, op: str, ranks: list, tensors, in_bytes: int, out_bytes: int, wire=None) -> None:
         buf = buffer_bytes(op, in_bytes, out_bytes)
+        if wire is None:
+            wire = wire_bytes(op, buf, len(ranks) if op != "send" else 2)
         self.records.append({"op": op, "ranks": ranks, "dtype": _dtype(tensors), "bytes": buf,
-                             "wire_bytes": wire_bytes(op, buf, len(ranks) if op != "send" else 2)})
+                             "wire_bytes": wire, "rank": dist.get_rank()})

@@ -46,7 +46,13 @@ indices per tensor, all-gathered (each rank sends (N-1) x its payload). Under HS
 reduce-scatter inside the shard group is untouched by PowerSGD/Top-K, and FSDP2's parameter
 all-gathers are not gradient collectives (left out).
 
-    python -m benchmarks.communication [--quick] [--compression]
+Expert parallelism rows (``--moe``, benchmarks/_moe_comm.py): a Mixtral at dp2 x ep2 (the
+init's routing and a skewed one) and dp4 x ep2; the all-to-alls of dispatch, combine, their
+backward and ``ep_route``'s counts, beside the figure computed from the unmodified model's
+own routers on the same batch: per rank 2 (rows sent off-rank + rows received) x hidden x
+4 bytes per layer (rows a rank routes to its own experts are not sent).
+
+    python -m benchmarks.communication [--quick] [--compression] [--moe]
 """
 from __future__ import annotations
 
@@ -204,7 +210,13 @@ def main() -> None:
     p = base_parser(__doc__.splitlines()[0], "communication")
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     p.add_argument("--compression", action="store_true", help="only the gradient-compression rows")
+    p.add_argument("--moe", action="store_true", help="only the expert-parallel (all-to-all) rows")
+    p.add_argument("--moe-configs", nargs="+", choices=("dp2-ep2", "dp2-ep2-skewed", "dp4-ep2"),
+                   default=None, help="with --moe (default: all; --quick: the dp2 x ep2 ones)")
     a = p.parse_args()
+    if a.moe:
+        from ._moe_comm import main as moe_main
+        return moe_main(a.quick, a.json, a.moe_configs)
     if a.compression:
         from ._compression_bench import main as compression_main
         return compression_main(a.quick, a.json)

@@ -6,14 +6,17 @@ Both run in the same torchrun job, stepped alternately on the same batches with 
 loss must be equal at every step (benchmarks/_worker.py asserts it). Figure: median step
 time over ``--steps`` steps after ``--warmup``; ratio ours / native, target <= 1.0.
 
-    python -m benchmarks.step_time [--quick] [--device cuda] [--steps N]
+``--moe`` (benchmarks/_moe_step.py): a Mixtral at dp2 x ep2 against tp2 (experts
+replicated), world 2, CPU: ratio ep2 / tp2 of the median step.
+
+    python -m benchmarks.step_time [--quick] [--device cuda] [--steps N] [--moe]
 """
 from __future__ import annotations
 
 import tempfile
 from pathlib import Path
 
-from ._common import (BENCH_MODEL, bench_env, base_parser, check_device, compile_program, main_guard,
+from ._common import (BENCH_MODEL, BenchmarkError, bench_env, base_parser, check_device, compile_program, main_guard,
                       median, mesh_overrides, print_table, run_worker, write_json)
 
 CONFIGS = {"tp2-dp2-fsdp": dict(tp=2, dp=2, pp=1), "tp2-pp2": dict(tp=2, dp=1, pp=2)}
@@ -40,7 +43,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None, help="timed steps per side (default 7; quick 3)")
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     p.add_argument("--perturb-baseline", type=float, default=0.0, help="(testing) see _worker.py")
+    p.add_argument("--moe", action="store_true", help="Mixtral: dp2 x ep2 against tp2 (CPU only)")
     a = p.parse_args()
+    if a.moe:
+        from ._moe_step import main as moe_main
+        if a.device != "cpu":
+            raise BenchmarkError("--moe runs on CPU (gloo) only; drop --device cuda")
+        return moe_main(a.quick, a.json, a.steps)
     check_device(a.device, 4)
     steps = a.steps or (3 if a.quick else 7)
     extra = ["--perturb-baseline", str(a.perturb_baseline)] if a.perturb_baseline else []

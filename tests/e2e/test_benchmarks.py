@@ -22,7 +22,9 @@ def bench(name: str, tmp_path: Path, *args: str) -> tuple[dict, str]:
                        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     data = json.loads(out.read_text())
-    assert data["benchmark"] == name and data["quick"] and "cpu" in data["machine"]
+    # --moe / --compression write NAME_moe / NAME_compression (their own default JSON files)
+    assert data["benchmark"] in (name, f"{name}_{args[0].lstrip('-')}" if args else name)
+    assert data["quick"] and "cpu" in data["machine"]
     assert data["table"] in p.stdout  # the printed table is the one in the JSON
     return data, p.stdout
 
@@ -121,3 +123,47 @@ def test_planner_vs_measured_predicts_the_layouts_it_compiles():
     assert {k[3] for k in kinds} >= {0, 1, 3} and any(k[6] for k in kinds) and len({k[4] for k in kinds}) >= 3
     assert kendall_tau([1, 2, 3, 4], [10, 20, 30, 40]) == 1.0
     assert kendall_tau([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(2 / 3)
+
+
+def test_communication_moe_quick_skewed(tmp_path):
+    # the skewed router sends every token to experts 0 and 1 (ep rank 0's): rank 0 sends no
+    # row, rank 1 all of its (token, expert) rows, and the rank 1 experts get none at all;
+    # the measured all-to-all bytes equal those from the unmodified model's routers, per rank
+    data, out = bench("communication", tmp_path, "--moe", "--moe-configs", "dp2-ep2-skewed")
+    (run,) = data["runs"]
+    assert data["met"] and run["met"] and "measured == analytical: yes" in out
+    rank0, rank1 = run["analytical"]
+    layers, rows = 2, 4 * 8 * 2  # quick: 2 layers; 4 rows x 8 tokens per rank, top-2
+    assert rank0["sent_rows"] == [0] * layers and rank1["sent_rows"] == [rows] * layers
+    for m, a in zip(run["measured"], run["analytical"]):
+        assert m["rows"] == a["rows"] and m["rows"]["calls"] == 4 * layers  # dispatch, combine, 2 backward
+        assert m["counts"] == a["counts"] == {"calls": layers, "wire_bytes": layers * 2 * 8}
+        assert a["rows"]["wire_bytes"] == 2 * rows * layers * 32 * 4  # hidden 32, fp32
+
+
+def test_moe_analytical_counts_off_rank_rows_only():
+    # dp2 x ep2, 4 experts (rank 0 holds 0-1, rank 1 2-3), one layer, hidden 8: rank 0
+    # routes 3 rows off-rank, rank 1 two; rows for a rank's own experts are not sent
+    import torch
+    from benchmarks._comm import all_to_all_wire_bytes
+    from benchmarks._moe_comm import analytical
+    rows = [[torch.tensor([0, 1, 2, 3, 3])], [torch.tensor([0, 0, 2])]]
+    r0, r1 = analytical(rows, experts=4, ep=2, hidden=8)
+    assert (r0["sent_rows"], r0["received_rows"], r1["sent_rows"], r1["received_rows"]) == ([3], [2], [2], [3])
+    assert r0["rows"] == r1["rows"] == {"calls": 4, "wire_bytes": 2 * (3 + 2) * 8 * 4}
+    assert r0["counts"] == {"calls": 1, "wire_bytes": 2 * 8}
+    # the recorder's side: a (5, 8) fp32 send buffer split [2, 3] from rank 0 sends 3 rows
+    x = torch.zeros(5, 8)
+    assert all_to_all_wire_bytes(x, [2, 3], 0, 2) == 3 * 32 and all_to_all_wire_bytes(x, [2, 3], 1, 2) == 2 * 32
+    assert all_to_all_wire_bytes(torch.zeros(4, dtype=torch.int64), [], 0, 2) == 16  # equal splits
+
+
+def test_step_time_moe_quick(tmp_path):
+    data, out = bench("step_time", tmp_path, "--moe")
+    run = data["run"]
+    assert run["meshes"]["ep2"]["dp"] == run["meshes"]["ep2"]["ep"] == 2 and run["meshes"]["ep2"]["tp"] == 1
+    assert run["meshes"]["tp2"]["tp"] == 2 and run["meshes"]["tp2"]["ep"] == 1
+    assert run["checked_steps"] == 3 + 1 and run["max_loss_diff"] <= 1e-5
+    assert all(len(t) == 3 and min(t) > 0 for t in run["times"].values())
+    assert run["ratio"] == pytest.approx(run["median_s"]["ep2"] / run["median_s"]["tp2"])
+    assert "ep2/tp2" in out
