@@ -21,7 +21,6 @@ import types
 from pathlib import Path
 
 import pytest
-import torch
 
 from parallelizer import compiler
 from parallelizer.errors import PlanError
