@@ -21,6 +21,7 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 
 from parallelizer import compiler
 from parallelizer.errors import PlanError
@@ -137,3 +138,49 @@ def test_ep_with_tp_holds_both_splits_and_dispatches_inside_f_and_g():
                                     "tp.reduce_from_tp_region(grouped_mm_fallback_default_1)",
                                     "expert_parallel.ep_combine(reduce_from_tp_region")]
     assert order == sorted(order), order
+
+
+def test_compiled_checkpoint_with_both_splits_reshards_and_exports_bit_exact(tmp_path):
+    """The compiled (stage, tp) files hold every expert's tp piece (fused gate | up blocks);
+    ``reshard --tp 1 --ep 1`` and ``export`` give the model's own weights back, bit for bit."""
+    from safetensors.torch import load_file, save_file
+    from parallelizer.convert.export import export_hf
+    from parallelizer.convert.reshard import reshard
+    model, batch = _user("mixtral_auto")
+    original = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    program = _compile(model, batch, {"mesh": {"tp": 2, "dp": 2, "ep": 2}})
+    program.save(tmp_path / "out")
+    piece = load_file(str(tmp_path / "out" / "checkpoint" / "pp0-tp1.safetensors"))
+    gate_up = original["model.layers.0.mlp.experts.gate_up_proj"]  # (4, 128, 32): gate | up
+    assert torch.equal(piece["model.layers.0.mlp.experts.gate_up_proj"],
+                       torch.cat([gate_up[:, 32:64], gate_up[:, 96:128]], 1))  # rank 1's blocks
+    reshard(tmp_path / "out" / "checkpoint", tmp_path / "one", tp=1, pp=1, ep=1)
+    export_hf(tmp_path / "one", tmp_path / "hf")
+    save_file(original, str(tmp_path / "original.safetensors"))
+    want = load_file(str(tmp_path / "original.safetensors"))
+    got = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert sorted(got) == sorted(want)
+    assert [k for k in want if not torch.equal(got[k], want[k])] == []
+
+
+def test_estimate_counts_one_ep_x_tp_block_of_the_experts_per_rank():
+    """``parallelize estimate``: an expert weight, its gradient and AdamW's two states are
+    1/(ep x tp) of the layer's experts on every rank (by hand, the MEMORY lines of
+    ``run.py --train --steps 1 --profile`` at dp2 x ep2 x tp2 ZeRO-3 equal these: 60,224
+    parameter bytes per rank; docs/expert-parallel.md)."""
+    from parallelizer.advisor.memory import estimate_model_file
+    from parallelizer.frontend.spec import load_spec
+
+    def ranks(*overrides):
+        spec = load_spec(MODELS / "spec.yaml", ["optimizer.name=adamw", "mesh.dp=2", *overrides])
+        return estimate_model_file(MODELS / "mixtral_train.py", spec)[1]
+
+    experts = 2 * (4 * 128 * 32 + 4 * 32 * 64) * 4  # bytes of all experts of the 2 layers
+    tp2, both = ranks("mesh.tp=2", "zero_stage=0"), ranks("mesh.tp=2", "mesh.ep=2", "zero_stage=0")
+    assert len(both) == 4
+    for a, b in zip(tp2, both):  # tp alone holds experts / 2, ep x tp experts / 4
+        assert a.parameters - b.parameters == experts // 4 == a.gradients - b.gradients
+        assert a.optimizer - b.optimizer == 2 * experts // 4
+    z3 = ranks("mesh.tp=2", "mesh.ep=2", "zero_stage=3")
+    assert [(r.parameters, r.gradients, r.optimizer, r.buffers) for r in z3] == [
+        (60224, 60224, 120532, 16)] * 4
