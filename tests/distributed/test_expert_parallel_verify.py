@@ -255,3 +255,20 @@ def test_verify_and_save_at_ep2_x_tp2(tmp_path, tools):
         for t in (0, 1)]
     assert load_file(str(tmp_path / "ck" / "pp0-tp1-dp1.safetensors"))[EXPERT].shape == (2, 64, 32)
     _export_bit_exact(tmp_path / "ck", tmp_path)
+
+
+@pytest.mark.timeout(300)
+def test_grad_norm_at_ep2_x_tp2_counts_every_expert_shard_once(tmp_path, tools):
+    """dp2 x ep2 x tp2: each tp rank of ep ranks [0, ep) counts its own block of its experts
+    (runtime/clip.py owned_regions), so the clipped norm is the unmodified model's."""
+    out = tmp_path / "out"
+    _compile("mixtral_train", out, ["mesh.dp=2", "mesh.ep=2", "mesh.tp=2",
+                                    "pipeline.microbatches=1", "optimizer.max_norm=0.5"])
+    res = tools.torchrun(out, 4, "--train", "--steps", "2", "--log-every", "1", timeout=240)
+    logged = [(int(s), float(loss), float(n)) for s, loss, n in _LOG.findall(res.stdout)]
+    want, _ = _eager(2, 0.5, 0.1)
+    assert [s for s, _, _ in logged] == [1, 2], res.explain()
+    for (step, loss, norm), (ref_loss, ref_norm) in zip(logged, want):
+        print(f"\nstep {step}: grad norm {norm:.9f} original model {ref_norm:.9f}", end="")
+        assert abs(norm - ref_norm) <= 1e-6 and abs(loss - ref_loss) <= 1e-5, (step, norm, ref_norm)
+    tools.check_exit(res)
