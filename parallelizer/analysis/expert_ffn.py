@@ -137,7 +137,7 @@ def _walk(facts: ExpertFFN, region: list, members: set, info: dict) -> dict:
             rows, w = info[n]
             if w in facts.column:
                 origin[n] = (w, 0, shape(n)[1])
-            elif rows not in origin:
+            elif not isinstance(origin.get(rows), tuple):
                 raise _Blocked(f"{_where(n)}: its rows are not computed from the first projection")
         elif n.target is operator.getitem:
             src = origin.get(n.args[0])
@@ -177,7 +177,7 @@ _CUTS = {aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default,
 
 def _cut(facts: ExpertFFN, n: fx.Node, origin: dict, cuts: dict):
     src = origin.get(n.args[0])
-    if not isinstance(src, tuple) or src[0] == "*" or src[1] != 0:
+    if not isinstance(src, tuple) or src[0] == "*" or (src[1], src[2]) != (0, facts.widths[src[0]]):
         raise _Blocked(f"{_where(n)}: cuts features that are not one projection's whole output")
     w, _, width = src
     if _dim(n) % 2 != 1:

@@ -138,6 +138,8 @@ def test_ep_with_tp_holds_both_splits_and_dispatches_inside_f_and_g():
                                     "tp.reduce_from_tp_region(grouped_mm_fallback_default_1)",
                                     "expert_parallel.ep_combine(reduce_from_tp_region")]
     assert order == sorted(order), order
+    assert ("| model.layers.0.mlp.experts.gate_up_proj | [4, 128, 32] | Shard(1), fused; experts "
+            "(dim 0 over ep=2) | experts |") in program.report
 
 
 def test_compiled_checkpoint_with_both_splits_reshards_and_exports_bit_exact(tmp_path):
