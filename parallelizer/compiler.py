@@ -49,6 +49,7 @@ from .passes.split_stages import split_stages
 from .passes.sequence_parallel import apply_sequence_parallel
 from .passes.tensor_parallel import apply_tensor_parallel
 from .passes.vocab_parallel import apply_vocab_parallel
+from .analysis.expert_ffn import expert_ffn
 from .analysis.experts import find_expert_layers
 from .analysis.graph_costs import collect_costs
 from .analysis.partition import GraphPartition
@@ -231,8 +232,8 @@ def plan(analysis: Analysis, spec: Spec, passes: PassManager) -> Planned:
     tp = plan_tp(graph, mesh.tp, spec.tensor_parallel.allow_replicated)  # raises early
     vocab = plan_vocab(graph, mesh.tp, spec.tensor_parallel.vocab_parallel, analysis.canonical, tp)
     notes = [tp_summary(tp, analysis.model, vocab, analysis.blocks), vocab_summary(vocab)] if mesh.tp > 1 else []
-    ep = plan_ep(*find_expert_layers(graph), mesh.ep)  # raises early, naming the module
-    if mesh.ep > 1:
+    ep = _plan_experts(graph, mesh)  # raises early, naming the module
+    if ep_summary(ep):
         notes.append(ep_summary(ep))
     random = plan_random_ops(graph, tp.placements, mesh.tp)  # raises: one tp cannot draw alike
     dropout = plan_dropout(graph, tp.placements)
@@ -251,6 +252,14 @@ def plan(analysis: Analysis, spec: Spec, passes: PassManager) -> Planned:
     warnings = check_placement(summary, [st.fqns for st in built.stages], params,
                                analysis.canonical)
     return Planned(built, tp, vocab, dropout, pipeline, summary, notes, warnings, ep, random)
+
+
+def _plan_experts(graph, mesh) -> EPDecision:
+    """Expert parallelism over ``mesh.ep`` and, at ``mesh.tp`` > 1, the experts' FFN dim over
+    tp (planning/experts.py)."""
+    layers, unsupported = find_expert_layers(graph)
+    ffn = [expert_ffn(graph, layer) for layer in layers] if mesh.tp > 1 else None
+    return plan_ep(layers, unsupported, mesh.ep, mesh.tp, ffn)
 
 
 def apply_passes(analysis: Analysis, planned: Planned, spec: Spec, batch,

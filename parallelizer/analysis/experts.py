@@ -186,13 +186,26 @@ def _row_wise(u: fx.Node, rows, offs: fx.Node) -> bool:
         return False
     if u.target is operator.getitem:
         return isinstance(u.args[1], int) and _is_rows(u, rows)
+    if full_row_slice(u):  # x[:, ...]: every row, as it is
+        return _is_rows(u, rows)
     if u.target in _ROW_SPLITS:
         dim = u.args[2] if len(u.args) > 2 else u.kwargs.get("dim", 0)
+        if u.target in (aten.slice.Tensor, aten.narrow.default):
+            dim = u.args[1] if len(u.args) > 1 else u.kwargs.get("dim", 0)
         return dim % len(shape(u.args[0])) != 0
     if u.target in _ROW_KEEPING:
         return _is_rows(u, rows)
     pointwise = torch.Tag.pointwise in getattr(u.target, "tags", ())
     return pointwise and _is_rows(u, rows)
+
+
+def full_row_slice(u: fx.Node) -> bool:
+    """``u`` is ``x[:]`` along dim 0 (what ``x[:, :f]`` records first): the rows unchanged."""
+    if u.op != "call_function" or u.target is not aten.slice.Tensor:
+        return False
+    args = list(u.args) + [None] * 4
+    dim, lo, hi, step = args[1] or 0, args[2] or 0, args[3], args[4] or 1
+    return dim == 0 and lo == 0 and step == 1 and (hi is None or (isinstance(hi, int) and hi >= 2 ** 62))
 
 
 def _router(offs: fx.Node) -> str:

@@ -43,7 +43,8 @@ def render_report(plan: ParallelPlan, route: str, tp_lines, pipeline: dict, note
     lines += ["", "| tensor | shape | placement | role |", "|---|---|---|---|"]
     for t in sharded:
         layout = f", {t.layout.kind}" if t.layout and not _unpadded(t) else ""
-        lines.append(f"| {t.fqn} | {list(t.shape)} | Shard({t.tp_dim}){layout} | {t.role} |")
+        ep = f"; {t.experts.text()}" if t.experts is not None else ""  # ep x tp: both cuts
+        lines.append(f"| {t.fqn} | {list(t.shape)} | Shard({t.tp_dim}){layout}{ep} | {t.role} |")
     lines += dp_section(plan)
     lines += pipeline_section(plan, pipeline, pp_warnings)
     tied = [t.fqn for t in plan.tensors.values() if len(t.stages) > 1]

@@ -389,9 +389,6 @@ class Spec(BaseModel):
                              f"the experts over ep of the data-parallel ranks (each keeps its own "
                              f"tokens); set mesh.dp to a multiple of {ep} (e.g. mesh.dp={ep}), or "
                              f"mesh.ep in {divisors}.")
-        if ep > 1 and self.mesh.tp > 1:
-            raise ValueError(f"mesh.ep={ep} runs with mesh.tp 1 so far (got mesh.tp "
-                             f"{self.mesh.tp}); docs/expert-parallel.md lists what is not done yet.")
         if z in (0, 1):
             mp = self.mixed_precision
             needs = [("mesh.dp_replicate", rep, rep != 1),

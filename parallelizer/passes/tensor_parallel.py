@@ -34,7 +34,7 @@ def apply_tensor_parallel(gm: fx.GraphModule, decision: TPDecision) -> bool:
     if not decision.column and not decision.row:
         return False
     graph = gm.graph
-    _rewrite_constants(graph, decision.rewrites)
+    rewrite_constants(graph, decision.rewrites)
     _insert_narrows(graph, decision.narrows)
     _insert_redistributions(graph, decision.redistributions)
     sites = linear_sites(graph)
@@ -47,7 +47,7 @@ def apply_tensor_parallel(gm: fx.GraphModule, decision: TPDecision) -> bool:
     return True
 
 
-def _rewrite_constants(graph: fx.Graph, rewrites: dict) -> None:
+def rewrite_constants(graph: fx.Graph, rewrites: dict) -> None:
     by_name = {n.name: n for n in graph.nodes}
     for name, edits in rewrites.items():
         node = by_name[name]

@@ -203,16 +203,28 @@ class SequenceParallelDecision:
 
 @dataclass
 class EPDecision:
-    """Expert parallelism (planning/experts.py), read by the expert_parallel pass and the plan.
+    """Expert parallelism and tensor parallelism inside the experts (planning/experts.py),
+    read by the expert_parallel pass and the plan.
 
     ``ep``: ranks each layer's experts are split over (1: off). ``layers``: one per expert
-    layer, ``{"module", "experts", "weights", "offsets", "inputs", "outputs", "matmuls",
-    "router"}``, node names of the captured graph (analysis/experts.py ExpertLayer).
+    layer the pass rewrites (every layer at ep > 1; at ep = 1 those split over tp),
+    ``{"module", "experts", "weights", "offsets", "inputs", "outputs", "matmuls", "region",
+    "router", "tp"}``, node names of the captured graph (analysis/experts.py ExpertLayer);
+    ``"tp"``: whether the layer's FFN dim is split over tp (an f on each row tensor entering
+    its region, a g on each leaving it). ``tp``: the tp degree planned for. ``dims``: expert
+    weight fqn -> its FFN dim (``tp_dim``) for the layers split over tp; ``layouts``: fqn ->
+    its :class:`~parallelizer.plan.layouts.Fused` layout (a gate | up weight; absent: the
+    even split); ``rewrites``: node name -> ``[(arg index, list index or None, local size)]``
+    of the explicit FFN sizes in the regions (the tensor_parallel pass's format).
     ``report``: report.md lines."""
 
     ep: int = 1
     layers: list = field(default_factory=list)
     report: list = field(default_factory=list)
+    tp: int = 1
+    dims: dict = field(default_factory=dict)
+    layouts: dict = field(default_factory=dict)
+    rewrites: dict = field(default_factory=dict)
 
     @property
     def weights(self) -> set:

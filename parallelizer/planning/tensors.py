@@ -77,7 +77,8 @@ def build_plan(spec, captured, gm, model, groups, tp: TPDecision, vocab: VocabDe
         dropout: the DropoutSite records of planning/dropout.py.
         structure: :func:`pipeline_structure` of the captured graph.
         ep: the expert-parallel decision (planning/experts.py): its stacked weights get the
-            ``experts`` layout (dim 0 over ep).
+            ``experts`` layout (dim 0 over ep), and those it splits over tp their FFN dim as
+            ``tp_dim`` (with a fused gate | up layout).
     """
     ep = ep or EPDecision()
     experts = Experts(ep.ep) if ep.ep > 1 else None
@@ -99,6 +100,8 @@ def build_plan(spec, captured, gm, model, groups, tp: TPDecision, vocab: VocabDe
         tp_dim, role, layout = next((_placement(n, tp, vocab) for n in names
                                      if _placement(n, tp, vocab)[0] is not None),
                                     _placement(fqn, tp, vocab))
+        if fqn in ep.dims:  # an expert weight split over tp along its FFN dim
+            tp_dim, role, layout = ep.dims[fqn], "experts", ep.layouts.get(fqn)
         is_expert = experts is not None and fqn in ep.weights
         tensors[fqn] = TensorPlan(fqn, tuple(t.shape), str(t.dtype).removeprefix("torch."), tp_dim,
                                   stages_of.get(fqn, (0,)), fqn not in params,

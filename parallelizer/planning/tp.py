@@ -25,6 +25,7 @@ import torch.fx as fx
 
 from ..plan.decisions import TPDecision
 from ..errors import PlanError
+from ..analysis.experts import find_expert_layers
 from ..analysis.graph_facts import aten, linear_sites, source_line
 from ..analysis.sharding.propagate import Propagation, propagate
 from .gradients import plan_gradients
@@ -156,9 +157,11 @@ def linear_counts(decision: TPDecision, vocab_heads=()) -> str:
 
 
 def custom_op_weights(graph: fx.Graph) -> list[str]:
-    """Report lines for parameters read by operators outside ATen (Mixtral's experts through
-    ``transformers::grouped_mm_fallback``): no sharding rule covers them, so they stay
-    replicated on every tp rank."""
+    """Report lines for parameters read by operators outside ATen: no sharding rule covers
+    them, so they stay replicated on every tp rank. The stacked weights of an expert layer
+    (Mixtral's through ``transformers::grouped_mm_fallback``) are left to the experts
+    planner, which splits them over tp or says why not (planning/experts.py)."""
+    experts = {w for layer in find_expert_layers(graph)[0] for w in layer.weights}
     found: dict = {}
     for node in graph.nodes:
         if node.op == "call_function" and getattr(node.target, "namespace", "aten") not in (
@@ -169,7 +172,7 @@ def custom_op_weights(graph: fx.Graph) -> list[str]:
                         aten.transpose.int, aten.t.default, aten.permute.default,
                         aten._to_copy.default, aten.view.default, aten.reshape.default):
                     src = src.args[0]
-                if src.op == "get_attr":
+                if src.op == "get_attr" and src.target not in experts:
                     found.setdefault(str(node.target).rsplit(".", 1)[0], []).append(src.target)
     return [f"kept replicated: {', '.join(sorted(set(ws)))} (read by {op}, an operator with no "
             f"tensor-parallel sharding rule)" for op, ws in found.items()]

@@ -210,7 +210,12 @@ def test_save_at_ep2_reshard_to_ep1_and_export_bit_exact(tmp_path, tools):
     with pytest.raises(CheckpointError, match=r"--ep 3 does not divide the 4 experts of "
                                               r"model.layers.\d.mlp.experts.\w+; ep values that fit: 1, 2, 4"):
         reshard(tmp_path / "ck", tmp_path / "ep3", tp=1, pp=1, ep=3)
-    reshard(tmp_path / "ck", tmp_path / "ep1", tp=1, pp=1, ep=1)
+    _export_bit_exact(tmp_path / "ck", tmp_path)
+
+
+def _export_bit_exact(ck: Path, tmp_path: Path) -> None:
+    """``reshard CK --tp 1 --pp 1 --ep 1`` then ``export``: mixtral_auto's own weights."""
+    reshard(ck, tmp_path / "ep1", tp=1, pp=1, ep=1)
     merged = json.loads((tmp_path / "ep1" / "manifest.json").read_text())["tensors"][EXPERT]
     assert "experts" not in merged and merged["role"] == "experts"
     export_hf(tmp_path / "ep1", tmp_path / "hf")
@@ -226,3 +231,44 @@ def test_save_at_ep2_reshard_to_ep1_and_export_bit_exact(tmp_path, tools):
     assert sorted(exported) == sorted(original)
     different = [k for k in original if not torch.equal(exported[k], original[k])]
     assert different == []
+
+
+@pytest.mark.timeout(400)
+def test_verify_and_save_at_ep2_x_tp2(tmp_path, tools):
+    """dp2 x ep2 x tp2 (4 ranks, ZeRO-3): each rank holds its tp block (gate | up fused, down
+    along F) of its ep rank's two experts and dispatches over its own ep group (the dp ranks
+    of its tp index). --verify at 1e-5; a per-rank --save writes each (tp, ep) piece once,
+    and reshard --tp 1 --ep 1 + export give the model's weights back bit for bit."""
+    out = tmp_path / "out"
+    _compile("mixtral_auto", out, EP2 + ["mesh.tp=2"])
+    res = tools.torchrun(out, 4, "--verify", timeout=240)
+    errs = tools.verify_errors(res.stdout)
+    assert "PASS" in res.stdout and len(errs) == 4 and max(errs.values()) <= 1e-5, res.explain()
+    tools.check_exit(res)
+    res = tools.torchrun(out, 4, "--train", "--steps", "0", "--save", str(tmp_path / "ck"),
+                         timeout=240)
+    tools.check_exit(res)
+    entry = json.loads((tmp_path / "ck" / "manifest.json").read_text())["tensors"][EXPERT]
+    assert entry["experts"]["ep"] == 2 and entry["layout"] == {"kind": "fused", "parts": [64, 64]}
+    assert [[(c["file"], c["rows"]) for c in p["chunks"]] for p in entry["pieces"]] == [
+        [(f"pp0-tp{t}-dp0.safetensors", [0, 2]), (f"pp0-tp{t}-dp1.safetensors", [2, 4])]
+        for t in (0, 1)]
+    assert load_file(str(tmp_path / "ck" / "pp0-tp1-dp1.safetensors"))[EXPERT].shape == (2, 64, 32)
+    _export_bit_exact(tmp_path / "ck", tmp_path)
+
+
+@pytest.mark.timeout(300)
+def test_grad_norm_at_ep2_x_tp2_counts_every_expert_shard_once(tmp_path, tools):
+    """dp2 x ep2 x tp2: each tp rank of ep ranks [0, ep) counts its own block of its experts
+    (runtime/clip.py owned_regions), so the clipped norm is the unmodified model's."""
+    out = tmp_path / "out"
+    _compile("mixtral_train", out, ["mesh.dp=2", "mesh.ep=2", "mesh.tp=2",
+                                    "pipeline.microbatches=1", "optimizer.max_norm=0.5"])
+    res = tools.torchrun(out, 4, "--train", "--steps", "2", "--log-every", "1", timeout=240)
+    logged = [(int(s), float(loss), float(n)) for s, loss, n in _LOG.findall(res.stdout)]
+    want, _ = _eager(2, 0.5, 0.1)
+    assert [s for s, _, _ in logged] == [1, 2], res.explain()
+    for (step, loss, norm), (ref_loss, ref_norm) in zip(logged, want):
+        print(f"\nstep {step}: grad norm {norm:.9f} original model {ref_norm:.9f}", end="")
+        assert abs(norm - ref_norm) <= 1e-6 and abs(loss - ref_loss) <= 1e-5, (step, norm, ref_norm)
+    tools.check_exit(res)
