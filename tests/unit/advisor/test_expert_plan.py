@@ -1,8 +1,9 @@
 """The planner searches expert parallelism (advisor/search.py, layout_memory.py, stages.py,
 step_parts.py): ep only for a model with mixture-of-experts layers, only divisors of dp and
-of every layer's experts, at tp 1 (what the spec accepts); chosen when the experts do not fit
-otherwise; its memory is ``parallelize estimate``'s for the compiled layout; its all-to-alls
-are the α-β model of the rows each rank dispatches.
+of every layer's experts, at any tp (what the spec accepts: the experts' FFN dim split over
+tp); chosen when the experts do not fit otherwise; its memory is ``parallelize estimate``'s
+for the compiled layout, ep x tp included; its all-to-alls are the α-β model of the rows each
+rank dispatches, its tp all-reduces the f and g around the experts.
 """
 from pathlib import Path
 
@@ -27,11 +28,13 @@ def test_ep_only_divides_dp_and_the_experts_and_only_for_moe():
     eps = {(lay.dp, lay.ep) for lay in moe}
     assert {e for _, e in eps} == {1, 2}          # 6 experts: 4 and 8 divide dp, not E
     assert all(lay.dp % lay.ep == 0 and 6 % lay.ep == 0 for lay in moe)
-    assert all(lay.tp == 1 for lay in moe if lay.ep > 1)   # the spec refuses ep with tp > 1
+    assert any(lay.tp > 1 for lay in moe if lay.ep > 1)   # the spec accepts ep with tp > 1
+    assert {(lay.tp, lay.dp, lay.ep) for lay in moe} >= {(2, 4, 2), (4, 2, 2), (2, 2, 2)}
     assert (8, 2) in eps and (1, 1) in eps
     dense = list(candidates(from_shape(parse_shape("layers=2,hidden=256,heads=4,vocab=512,seq=64")), c, 8))
     assert dense and all(lay.ep == 1 for lay in dense)
-    assert runtime_accepts(1, 4, 2, 3) and not runtime_accepts(2, 2, 1, 0) and runtime_accepts(2, 1, 1, 0)
+    assert all(runtime_accepts(t, e, p, z) for t in (1, 2, 4) for e in (1, 2) for p in (1, 2)
+               for z in (0, 1, 2, 3))
 
 
 def test_search_proposes_ep_when_the_experts_do_not_fit_replicated():
@@ -109,31 +112,45 @@ def mixtral():
     return capture_workload(MODELS / "mixtral_train.py", None)
 
 
-@pytest.mark.parametrize("zero", [0, 3])
-def test_memory_equals_estimate_for_the_compiled_layout(mixtral, zero):
-    """mixtral_train.py (2 layers of 4 experts, fp32, AdamW) at dp2 x ep2: the planner's
-    states, FSDP2 gathers and all-to-all buffers are what ``parallelize estimate`` counts for
-    the layout it writes (estimate adds AdamW's 4-byte ``step`` per tensor and the buffers;
-    the activations are Korthikanti's formula, not compared)."""
+@pytest.mark.parametrize("zero, tp, ep", [(0, 1, 2), (3, 1, 2), (3, 2, 2), (0, 2, 2), (3, 2, 1),
+                                          (0, 2, 1)])
+def test_memory_equals_estimate_for_the_compiled_layout(mixtral, zero, tp, ep):
+    """mixtral_train.py (2 layers of 4 experts, fp32, AdamW) at dp2 x ep2, dp2 x ep2 x tp2
+    and dp2 x tp2: the planner's states, FSDP2 gathers and all-to-all buffers are what
+    ``parallelize estimate`` counts for the layout it writes (estimate adds AdamW's 4-byte
+    ``step`` per tensor and the buffers; the activations are Korthikanti's formula, not
+    compared). At tp2 the experts' FFN dim is split: 1/(ep x tp) of them per rank."""
     from parallelizer.advisor.layout_spec import layout_spec
     from parallelizer.advisor.memory import STEP_BYTES, estimate_model_file
     from parallelizer.frontend.spec import Spec, load_spec
     w = mixtral
     assert [(l.experts, l.top_k, l.params, l.row_elems) for l in w.moe] == [(4, 2.0, 24576.0, 32.0)] * 2
-    c = cluster_from_dict({"nodes": 1, "gpus_per_node": 2, "dtype": "fp32", "gpu": {
+    c = cluster_from_dict({"nodes": 1, "gpus_per_node": 2 * tp, "dtype": "fp32", "gpu": {
         "name": "cpu", "memory_gb": 4, "memory_bandwidth_gb_s": 10,
         "tflops": {"bf16": 0.05, "fp16": 0.05, "fp32": 0.1}}, "intra_node": {"bandwidth_gb_s": 5, "latency_us": 20}})
-    lay = Candidate(1, 1, 2, 4, 1, zero_stage=zero, ep=2)      # the example's 8 rows over dp 2
+    assert all(l.tp_split(2) for l in w.moe)
+    lay = Candidate(tp, 1, 2, 4, 1, zero_stage=zero, ep=ep)      # the example's 8 rows over dp 2
     mem, parts = memory_of(w, c, lay)
     spec = Spec.model_validate(layout_spec(load_spec(MODELS / "spec.yaml", ["optimizer.name=adamw"]), lay, c))
-    assert spec.mesh.ep == 2
+    assert (spec.mesh.ep, spec.mesh.tp) == (ep, tp)
     plan, ranks = estimate_model_file(MODELS / "mixtral_train.py", spec)
-    assert plan.ep == 2
+    assert plan.ep == ep and len(ranks) == 2 * tp
+    # the planner divides every dense block parameter by tp (Megatron's approximation);
+    # the run keeps the norms and the router whole on every tp rank: 2 layers x (2 norms of
+    # 32 + the router's 4 x 32) + the final norm's 32 = 416 elements, of which the planner
+    # misses (1 - 1/tp), 16 bytes each at ZeRO-0, over the dp shards at ZeRO-3
+    whole = 416 * (1 - 1 / tp) * 16 / (2 if zero == 3 else 1)
     for r in ranks:
         states = r.parameters + r.gradients + r.optimizer - STEP_BYTES * sum(w.tensors)
-        assert parts["states"] == states
-        assert parts["gathered"] == r.gathered_parameters
-        assert parts["all-to-all"] == r.alltoall_buffers == 3 * 4 * 8 * 2 * 32 * 4
+        assert parts["states"] + whole == pytest.approx(states, rel=1e-12)
+        gap = 416 * (1 - 1 / tp) * 4 if zero == 3 else 0.0   # the same, all-gathered in fp32
+        assert parts["gathered"] + gap == pytest.approx(r.gathered_parameters, rel=1e-12)
+        if ep > 1:
+            assert parts["all-to-all"] == r.alltoall_buffers == 3 * 4 * 8 * 2 * 32 * 4
+    if (zero, tp, ep) == (3, 2, 2):   # docs/expert-parallel.md's figures
+        assert {r.parameters for r in ranks} == {60_224}
+        experts = sum(l.params for l in w.moe) * 4
+        assert experts == 196_608 and experts / (ep * tp) == 49_152
 
 
 @pytest.mark.parametrize("text, words", [
