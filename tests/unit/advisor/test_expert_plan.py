@@ -42,15 +42,16 @@ def test_search_proposes_ep_when_the_experts_do_not_fit_replicated():
     ep 1 FSDP2 gathers a whole block's 64 experts on top (29 GB in bf16; 2 of them under
     ZeRO-3's prefetch, all under ZeRO-2), so nothing fits 72 GB, at pp 2 neither (4 ranks
     share a block's states, 58 GB, and gather it, 29 GB). At ep = dp a rank holds its experts
-    outside FSDP2 (the same 58 GB) and gathers the dense weights only."""
+    outside FSDP2 (the same 58 GB) and gathers the dense weights only. (Without ``tp=1``
+    tp splits the experts' FFN dim too: tp 8 fits without ep, as the last test shows.)"""
     w = from_shape(parse_shape(BIG_MOE))
     c = cluster_from_dict(A100)
     options = dict(zero_stages=(2, 3), accumulate=False)
-    r = search(w, c, 8, **options)
+    r = search(w, c, 8, fix={"tp": 1}, **options)
     assert r.ranked[0].candidate.ep > 1
     assert all(p.candidate.ep > 1 for p in r.ranked)
     with pytest.raises(UserError, match="no layout fits"):
-        search(w, c, 8, fix={"ep": 1}, **options)
+        search(w, c, 8, fix={"tp": 1, "ep": 1}, **options)
     best = r.ranked[0]
     assert best.memory["all-to-all"] > 0 and best.terms["ep"] > 0
     assert "ep=" in best.candidate.short()
@@ -173,3 +174,53 @@ def test_model_shape_moe_counts_experts_and_the_tokens_flops():
     assert moe.fwd_flops[1] - dense.fwd_flops[1] == 2 * 16 * (expert + 64 * 8)
     assert moe.expert_params == (0.0, 8 * expert, 8 * expert, 0.0) and not dense.moe
     assert dense.ep_choices(8) == [1] and moe.ep_choices(8) == [1, 2, 4, 8]
+
+
+def test_ep_with_tp_splits_the_experts_ffn_and_pays_their_f_and_g():
+    """dp2 x ep2 x tp2, b = 2 sequences of 64 tokens, top-2, hidden 256, bf16, sequence
+    parallel: each MoE layer all-reduces b s k h x 2 bytes over tp once in forward (g, on the
+    experts' output) and once in backward (f, on the rows entering them), all-reduces under sp
+    too; each tp rank's all-to-alls move the same bytes as at tp 1 (it dispatches all its rows
+    over its own ep group); a grouped matmul runs on F / tp features."""
+    from parallelizer.advisor.kernels import grouped_mm
+    c = cluster_from_dict(dict(A100, nodes=1, gpus_per_node=4))
+    w = from_shape(parse_shape(SMALL_MOE))
+    n = 2 * 64 * 2 * 256 * 2
+    at = {t: predict(w, cluster_from_dict(dict(A100, nodes=1, gpus_per_node=2 * t)),
+                     Candidate(t, 1, 2, 2, 1, zero_stage=3, ep=2)) for t in (1, 2)}
+    ars = [x for x in at[2].breakdown["collectives"] if x["dim"] == "tp" and x["op"] == "all-reduce"
+           and x["bytes_per_call"] != 4.0 * 2 * 64]   # not the vocab-parallel loss's three
+    assert [(x["bytes_per_call"], x["calls"], x["group"]) for x in ars] == [(n, 2 * 2, 2)]   # 2 layers
+    assert [(x["bytes_per_call"], x["calls"]) for x in _ep_rows(at[2])] == \
+        [(x["bytes_per_call"], x["calls"]) for x in _ep_rows(at[1])] == [(n, 8)]
+    f, (dgrad, wgrad) = grouped_mm(6, 256, 1024, 256, 1024, (512,))
+    for k in (f, dgrad, wgrad):
+        half = k.sharded("seq", 0, 2, False)
+        assert half.flops == k.flops / 2 and sorted(half.dims) == sorted(k.dims[:1] + tuple(
+            d / 2 if d == 1024 else d for d in k.dims[1:]))
+    # tp 3 does not divide F = 512: kept whole on every tp rank, no f / g
+    f, _ = grouped_mm(6, 256, 1024, 256, 1024, (512,))
+    assert f.sharded("seq", 0, 3, False) is f
+    layer = w.moe[0]
+    assert layer.tp_split(2) and layer.tp_split(4) and not layer.tp_split(3)
+    assert w.expert_shard(2)[1] == w.expert_params[1] / 2 and w.expert_shard(3) == w.expert_params
+    _, parts = memory_of(w, c, Candidate(2, 1, 2, 2, 1, zero_stage=0, ep=2))
+    _, whole = memory_of(w, c, Candidate(1, 1, 2, 2, 1, zero_stage=0, ep=2))
+    assert parts["all-to-all"] == whole["all-to-all"] > 0
+
+
+def test_search_proposes_ep_with_tp():
+    """BIG_MOE at tp 2 (fixed): ep > 1 layouts are searched and ranked with it (each rank
+    holds 1/(ep x tp) of the experts); tp 8 alone now fits too (the experts 1/8 per rank)."""
+    w = from_shape(parse_shape(BIG_MOE))
+    c = cluster_from_dict(A100)
+    options = dict(zero_stages=(2, 3), accumulate=False)
+    r = search(w, c, 8, fix={"tp": 2}, **options)
+    assert any(p.candidate.ep > 1 for p in r.ranked)
+    assert all(p.candidate.tp == 2 for p in r.ranked)
+    both = search(w, c, 8, fix={"tp": 2, "ep": 4}, **options).ranked[0]
+    assert "tp=2" in both.candidate.short() and "ep=4" in both.candidate.short()
+    assert both.memory["all-to-all"] > 0 and both.terms["ep"] > 0
+    free = search(w, c, 8, **options)
+    assert any(p.candidate.ep > 1 and p.candidate.tp > 1 for p in free.ranked)
+    assert any(p.candidate.tp == 8 and p.candidate.ep == 1 for p in free.ranked)
