@@ -154,6 +154,25 @@ def test_memory_equals_estimate_for_the_compiled_layout(mixtral, zero, tp, ep):
         assert experts == 196_608 and experts / (ep * tp) == 49_152
 
 
+def test_captured_experts_take_the_tp_split_the_compiler_makes(mixtral):
+    """mixtral_train.py's layers: analysis/expert_ffn.py finds no blocker (gate | up 128 = two
+    parts of 64, down 64), so tp 2 splits them and tp 3 does not; at dp2 x ep2 x tp2 each
+    layer all-reduces its 4 x 8 x 2 rows x 32 x 4 bytes over tp in forward and in backward,
+    and its grouped matmuls run half the FLOPs."""
+    w = mixtral
+    assert [(l.tp_sizes, l.tp_blocker) for l in w.moe] == [((128, 64, 64, 64), "")] * 2
+    assert all(l.tp_split(2) and not l.tp_split(3) for l in w.moe)
+    c = cluster_from_dict({"nodes": 1, "gpus_per_node": 4, "dtype": "fp32", "gpu": {
+        "name": "cpu", "memory_gb": 4, "memory_bandwidth_gb_s": 10,
+        "tflops": {"bf16": 0.05, "fp16": 0.05, "fp32": 0.1}}, "intra_node": {"bandwidth_gb_s": 5, "latency_us": 20}})
+    p = predict(w, c, Candidate(2, 1, 2, 4, 1, zero_stage=3, ep=2))
+    ars = [(x["bytes_per_call"], x["calls"]) for x in p.breakdown["collectives"]
+           if x["dim"] == "tp" and x["op"] == "all-reduce"]
+    assert (4 * 8 * 2 * 32 * 4, 2 * 2) in ars
+    grouped = [k for _, _, k in w.source.units(4)[1].fwd if k.experts]
+    assert len(grouped) == 2 and all(k.sharded("seq", 0, 2, False).flops == k.flops / 2 for k in grouped)
+
+
 @pytest.mark.parametrize("text, words", [
     ("layers=2,hidden=64,heads=4,vocab=128,seq=16,topk=2", "topk needs experts=E"),
     ("layers=2,hidden=64,heads=4,vocab=128,seq=16,moe_ffn=128", "moe_ffn needs experts=E"),
