@@ -9,6 +9,7 @@ import torch
 from ..compiler import analyse, measure
 from ..frontend.model_file import load_model
 from ..passes.manager import PassManager
+from ..analysis.expert_ffn import expert_ffn
 from ..analysis.experts import find_expert_layers
 from .inventory import GraphInventory, concrete, requires_grad_nodes, tensor_roles
 from .workload import MoELayer, Workload
@@ -58,8 +59,9 @@ def _capture_workload(model_path: Path, seq: int | None):
     vocab = getattr(cfg, "vocab_size", 0) or 0
     vocab_sharded = any(r == "shard" for n, (r, _) in roles.items()
                         if n.target is torch.ops.aten.embedding.default)
-    moe, grouped, expert_flops = _moe_layers(analysis.gm, partition.unit_of, costs.param_bytes,
-                                             symbols, seq)
+    moe, grouped, expert_flops, expert_sites = _moe_layers(analysis.gm, partition.unit_of,
+                                                           costs.param_bytes, symbols, seq)
+    sites = {**sites, **expert_sites}
     inventory = GraphInventory(analysis.gm, partition.unit_of, len(costs.units), roles, sites, symbols,
                                seq, (loaded.loss_fn, analysis.captured.out_spec, loaded.batch,
                                      "shard" if vocab_sharded else "replicated"),
@@ -76,34 +78,46 @@ def _capture_workload(model_path: Path, seq: int | None):
                     source=inventory)
 
 
-def _moe_layers(gm, unit_of, param_bytes, symbols, seq) -> tuple[tuple, dict, dict]:
+def _moe_layers(gm, unit_of, param_bytes, symbols, seq) -> tuple[tuple, dict, dict, dict]:
     """The graph's mixture-of-experts layers (``analysis.experts``) as :class:`MoELayer`s,
-    grouped-matmul node -> E for the inventory, and unit -> forward FLOPs of its grouped
-    matmuls per sequence (the graph's cost model counts none: the op is opaque to it). Per
+    grouped-matmul node -> (E, the rows' width, tp sizes or None) for the inventory, and
+    unit -> forward FLOPs of its grouped matmuls per sequence (the graph's cost model counts none: the op is opaque to it). Per
     sequence: top-k = rows / tokens at one sequence of ``seq`` tokens; a row's elements from
-    the rows entering the region."""
+    the rows entering the region; and the tp f / g sites around each layer tp can split
+    (``analysis/expert_ffn.py``: node -> "ef" | "eg")."""
     nodes = {n.name: n for n in gm.graph.nodes}
     subs = {sym: (1 if kind == "batch" else seq) for sym, kind in symbols.items()}
-    layers, grouped, flops = [], {}, {}
+    layers, grouped, flops, sites = [], {}, {}, {}
     for layer in find_expert_layers(gm.graph)[0]:
         first = nodes[layer.matmuls[0]]
-        for name in layer.matmuls:
-            node = nodes[name]
-            grouped[node] = layer.num_experts
-            rows_in = next(a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)
-                           and a.meta["val"].dim() == 2 and a.meta["val"].is_floating_point())
-            out = node.meta["val"]
-            flops[unit_of[node]] = flops.get(unit_of[node], 0.0) + 2.0 * concrete(out.shape[0], subs) \
-                * concrete(out.shape[1], subs) * concrete(rows_in.meta["val"].shape[1], subs)
-        rows = concrete(first.meta["val"].shape[0], subs)
+        ffn = expert_ffn(gm.graph, layer)   # what plan_expert_tp decides the tp split from
+        sizes = (*ffn.widths.values(), *(p for parts in ffn.parts.values() for p in parts or ()),
+                 *(size for *_, size in ffn.sizes))
         entering = nodes[layer.inputs[0]].meta["val"] if layer.inputs else first.meta["val"]
         width = 1
         for d in entering.shape[1:]:
             width *= concrete(d, subs)
+        for name in layer.matmuls:
+            node = nodes[name]
+            grouped[node] = (layer.num_experts, width, None if ffn.blocker else tuple(sizes))
+            rows_in = _rows_in(node)
+            out = node.meta["val"]
+            flops[unit_of[node]] = flops.get(unit_of[node], 0.0) + 2.0 * concrete(out.shape[0], subs) \
+                * concrete(out.shape[1], subs) * concrete(rows_in.meta["val"].shape[1], subs)
+        rows = concrete(first.meta["val"].shape[0], subs)
+        if not ffn.blocker:   # tp's f on the rows entering the experts, g on their output
+            sites[_rows_in(first)] = "ef"
+            sites[nodes[layer.matmuls[-1]]] = "eg"
         layers.append(MoELayer(unit_of[first], layer.num_experts, rows / seq,
                                sum(param_bytes.get(w, 0) for w in layer.weights) / 4, float(width),
-                               layer.module))
-    return tuple(layers), grouped, flops
+                               layer.module, tuple(sizes), ffn.blocker))
+    return tuple(layers), grouped, flops, sites
+
+
+def _rows_in(node):
+    """A grouped matmul's rows operand (the 2-D floating input)."""
+    return next(a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)
+                and a.meta["val"].dim() == 2 and a.meta["val"].is_floating_point())
 
 
 def _symbols(gm) -> dict:

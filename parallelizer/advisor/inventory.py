@@ -54,7 +54,8 @@ class GraphInventory:
     loss: object = None              # (loss_fn, out_spec, batch template, role) or None
     requires_grad: set = field(default_factory=set)
     notes: list = field(default_factory=list)
-    experts: dict = field(default_factory=dict)   # grouped-matmul node -> experts E
+    # grouped-matmul node -> (experts E, the rows' width, tp_sizes or None when tp cannot split it)
+    experts: dict = field(default_factory=dict)
     _cache: dict = field(default_factory=dict)
 
     def units(self, b: int) -> tuple[UnitKernels, ...]:
@@ -111,8 +112,10 @@ class GraphInventory:
         rows = next(a for a in node.all_input_nodes
                     if isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].dim() == 2
                     and a.meta["val"].is_floating_point())
-        f, b = grouped_mm(self.experts[node], concrete(out.shape[0], subs),
-                          concrete(out.shape[1], subs), concrete(rows.meta["val"].shape[1], subs))
+        experts, hidden, sizes = self.experts[node]
+        n, k = concrete(out.shape[1], subs), concrete(rows.meta["val"].shape[1], subs)
+        ffn = 0.0 if sizes is None else (k if n == hidden else n)   # the dim that is not the rows'
+        f, b = grouped_mm(experts, concrete(out.shape[0], subs), n, k, ffn, sizes or ())
         return [f], list(b)
 
     def _shape_of(self, subs, a):

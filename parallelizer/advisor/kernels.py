@@ -46,6 +46,8 @@ class Kernel:
     backward: bool = False
     experts: int = 0      # a grouped matmul over this many experts (batch dim), else 0
     rows_at: int = 1      # which of ``dims`` is each expert's rows (3 for the weight gradient)
+    ffn: float = 0.0      # a grouped matmul's FFN-dim length, which tp splits (0: kept whole)
+    tp_sizes: tuple = ()  # sizes tp must divide for that split (``MoELayer.tp_sizes``)
 
     def regrouped(self, ep: int) -> "Kernel":
         """A grouped matmul on one of ``ep`` ranks at balanced routing: E/ep experts, each
@@ -60,9 +62,18 @@ class Kernel:
     def sharded(self, role: str, size: int, tp: int, sp: bool) -> "Kernel":
         """This kernel on one of ``tp`` ranks for a node of ``role`` (``size``: the features a
         column/row linear splits)."""
+        if tp > 1 and self.experts and self.ffn and all(int(n) % tp == 0 for n in self.tp_sizes):
+            # the experts' FFN dim split over tp (gate | up column, down row parallel): every
+            # tp rank runs all its rows (replicated; all-gathered under sp) on F / tp features
+            dims = list(self.dims)
+            i = next((i for i in (1, 2, 3) if i != self.rows_at and dims[i] == self.ffn), None)
+            if i is None:
+                return replace(self, flops=self.flops / tp, bytes=self.bytes / tp)
+            dims[i] = dims[i] / tp
+            return replace(self, flops=self.flops / tp, dims=tuple(dims), bytes=_grouped_bytes(*dims))
         if tp == 1 or role == "replicated" or (role == "seq" and not sp):
             return self
-        if self.experts:   # stacked expert weights stay whole under tp: rows split (sp) only
+        if self.experts:   # experts tp cannot split stay whole under tp: rows split (sp) only
             dims = list(self.dims)
             dims[self.rows_at] = dims[self.rows_at] / tp
             return replace(self, flops=self.flops / tp, dims=tuple(dims), bytes=_grouped_bytes(*dims))
@@ -89,15 +100,18 @@ def _grouped_bytes(b, m, n, k) -> float:
     return 4.0 * b * (m * k + k * n + m * n)
 
 
-def grouped_mm(experts: int, rows: float, n: int, k: int) -> tuple[Kernel, tuple]:
+def grouped_mm(experts: int, rows: float, n: int, k: int, ffn: float = 0.0,
+               tp_sizes: tuple = ()) -> tuple[Kernel, tuple]:
     """A grouped matmul (rows sorted by expert) x (experts, k, n) weights -> (rows, n), with
     rows / experts per expert (balanced routing), and its backward: the input gradient and
-    the weight gradient (``weight_grad``). All marked ``experts`` for :meth:`Kernel.regrouped`."""
+    the weight gradient (``weight_grad``). All marked ``experts`` for :meth:`Kernel.regrouped`;
+    ``ffn`` (n or k: the FFN dim) and ``tp_sizes`` for :meth:`Kernel.sharded`'s tp split."""
     m = rows / experts
     dims = (experts, m, n, k)
-    f = Kernel("mm", 2.0 * rows * n * k, _grouped_bytes(*dims), dims, experts=experts)
-    dgrad = Kernel("mm", f.flops, f.bytes, (experts, m, k, n), False, True, experts=experts)
-    wgrad = Kernel("mm", f.flops, f.bytes, (experts, n, k, m), True, True, experts=experts, rows_at=3)
+    tag = dict(experts=experts, ffn=float(ffn), tp_sizes=tuple(tp_sizes))
+    f = Kernel("mm", 2.0 * rows * n * k, _grouped_bytes(*dims), dims, **tag)
+    dgrad = Kernel("mm", f.flops, f.bytes, (experts, m, k, n), False, True, **tag)
+    wgrad = Kernel("mm", f.flops, f.bytes, (experts, n, k, m), True, True, rows_at=3, **tag)
     return f, (dgrad, wgrad)
 
 

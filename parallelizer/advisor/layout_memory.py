@@ -8,14 +8,18 @@ sequence parallelism) for the microbatches a rank holds at the peak of the sched
 action order (:func:`parallelizer.advisor.pipeline_sim.peak_in_flight`), plus the last
 stage's fp32 logits.
 
-Mixture-of-experts layers (``Workload.moe``) keep their stacked expert weights whole under tp
-(docs/expert-parallel.md). Under expert parallelism (ep > 1) a rank holds E/ep of each layer's
+Mixture-of-experts layers (``Workload.moe``): at tp > 1 a layer's stacked expert weights are
+split over tp along their FFN dim (1/tp per tp rank, inside DDP / FSDP2 at ep 1) when
+``MoELayer.tp_split`` says the compiler splits it (``planning/experts.py`` ``plan_expert_tp``),
+else whole on every tp rank (docs/expert-parallel.md, "Tensor parallelism inside the experts").
+Under expert parallelism (ep > 1) a rank holds E/ep of each layer's (tp piece of the)
 experts outside DDP / FSDP2, as ``parallelize estimate`` counts them (``advisor/memory.py``):
-weight, gradient and AdamW state (16 bytes a parameter) 1/ep at every ZeRO stage, never
+weight, gradient and AdamW state (16 bytes a parameter) 1/(ep x tp) at every ZeRO stage, never
 sharded over dp nor all-gathered; ZeRO-1 partitions the optimizer over edp = dp / ep (the
 ranks holding the same experts), not dp. The all-to-all buffers are the largest dispatch or
 combine (send, receive and regrouped rows: 3 x b s k rows x the row's elements) at balanced
-routing, ``runtime/expert_parallel.py``'s ``BalancedShapes``.
+routing, the same on every tp rank (each dispatches its tp-replicated rows over its own ep
+group; under sequence parallelism the MoE input is all-gathered before the router), ``runtime/expert_parallel.py``'s ``BalancedShapes``.
 """
 from __future__ import annotations
 
@@ -40,6 +44,17 @@ class RankStats:
     experts: float = 0.0   # elements of its blocks' stacked expert weights (of block_params)
     max_block_experts: float = 0.0  # of max_block: its expert weights
     alltoall: float = 0.0  # elements of its largest MoE layer's dispatched rows, per sequence
+    block_units: tuple = ()  # its blocks' unit indices
+    max_block_unit: int = -1  # the unit of max_block (-1: no block)
+
+    def expert_shard(self, w, tp: int) -> tuple[float, float]:
+        """Elements of its blocks' expert weights on one tp rank, and of its largest block's
+        (``Workload.expert_shard``: split layers 1/tp, the others whole)."""
+        if tp == 1:
+            return self.experts, self.max_block_experts
+        shard = w.expert_shard(tp)
+        return (sum(shard[u] for u in self.block_units),
+                shard[self.max_block_unit] if self.max_block_unit >= 0 else 0.0)
 
 
 def rank_stats(w, pp: int, virtual: int, schedule: str | None = None) -> list[RankStats]:
@@ -69,7 +84,8 @@ def rank_stats(w, pp: int, virtual: int, schedule: str | None = None) -> list[Ra
                              0.0 if big is None else w.params[big], n - 1 in units,
                              sum(tensors[u] for u in units), sum(experts[u] for u in blocks),
                              0.0 if big is None else experts[big],
-                             max((rows.get(u, 0.0) for u in blocks), default=0.0)))
+                             max((rows.get(u, 0.0) for u in blocks), default=0.0),
+                             tuple(blocks), -1 if big is None else big))
     return out
 
 
@@ -84,9 +100,10 @@ def layout_memory(w, cluster, lay, stats, end_split) -> tuple[float, dict]:
     ep = lay.ep
     best = (-1.0, {})
     for i, r in enumerate(stats):
-        # dense parameters split by tp; expert weights whole under tp, 1/ep under ep
+        # dense parameters split by tp; expert weights 1/tp where tp splits them, 1/ep under ep
+        tp_experts, tp_big_experts = r.expert_shard(w, t)
         dense = (r.block_params - r.experts) / t + r.end_params / end_split
-        mine = r.experts / ep
+        mine = tp_experts / ep
         psi = dense + mine
         if z == 0:
             states = 16 * psi
@@ -102,7 +119,7 @@ def layout_memory(w, cluster, lay, stats, end_split) -> tuple[float, dict]:
         if z == 2 and shards > 1:
             gathered = e * sharded
         elif z == 3 and shards > 1:
-            block = (r.max_block - r.max_block_experts) / t + (r.max_block_experts if ep == 1 else 0.0)
+            block = (r.max_block - r.max_block_experts) / t + (tp_big_experts if ep == 1 else 0.0)
             gathered = e * (r.end_params / end_split + (1 + lay.prefetch) * block)
         # per-stage microbatches held at the peak, over this rank's stages (in block units)
         held = flight[i] / max(1, v) if p > 1 else 1
@@ -111,7 +128,8 @@ def layout_memory(w, cluster, lay, stats, end_split) -> tuple[float, dict]:
             acts += b * w.layer_activation_bytes(t, False, e, sp)
         if r.last:
             acts += b * w.logits_bytes(t)
-        alltoall = 3 * b * r.alltoall * e / (t if sp else 1) if ep > 1 else 0.0
+        # every tp rank dispatches all its rows (under sp the MoE input is all-gathered first)
+        alltoall = 3 * b * r.alltoall * e if ep > 1 else 0.0
         total = states + gathered + acts + alltoall
         if total > best[0]:
             parts = {"states": states, "gathered": gathered, "activations": acts}

@@ -33,10 +33,11 @@ class SearchResult:
 
 def runtime_accepts(tp: int, ep: int, pp: int, zero: int) -> bool:
     """Whether the emitted program runs this (tp, ep, pp, ZeRO stage): the spec's own rule
-    (``frontend/spec.py``, ``_check_data_parallel``): ep > 1 only at tp = 1 (tensor
-    parallelism inside the experts is not done, docs/expert-parallel.md); any pp and ZeRO
-    stage. The one place to change when the runtime accepts more."""
-    return ep == 1 or tp == 1
+    (``frontend/spec.py``, ``_check_data_parallel``): ep divides dp (the candidates' ep
+    choices already do), with any tp (the experts' FFN dim split over tp,
+    docs/expert-parallel.md), pp and ZeRO stage. The one place to change when the runtime
+    accepts less or more."""
+    return ep >= 1 and tp >= 1 and pp >= 1 and zero in (0, 1, 2, 3)
 
 
 def divisors(n: int) -> list[int]:

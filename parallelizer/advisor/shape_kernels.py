@@ -80,8 +80,10 @@ class ShapeKernels:
         add("seq", 0, _elem(2 * T * h + h, T * h * (1 if glu else 1.25)))    # (bias-dropout-)add
         add("seq", 0, _elem(T * h, T * h))                       # post-attention norm
         sites = (("f", E * T * h), ("g", E * T * h))
-        if self.shape.get("experts"):   # experts replicated under tp: no f / g around them
+        if self.shape.get("experts"):   # experts' FFN dim split over tp: f / g on their rows
             self._moe(add, T, h, glu)
+            rows = T * self.shape.get("topk", 2)
+            sites += (("ef", E * rows * h), ("eg", E * rows * h))
         else:
             add("column", (2 if glu else 1) * f, _mm(T, (2 if glu else 1) * f, h))
             add("shard", 0, _elem(2 * T * f, T * f) if glu else _elem(T * f + f, T * f))  # SwiGLU / bias-GeLU
@@ -101,9 +103,10 @@ class ShapeKernels:
         add("seq", 0, _mm(T, x, h))                                   # router
         add("seq", 0, _elem(T * x, T * x + 2 * T * k))                # softmax, top-k
         add("seq", 0, _elem(T * h, R * h))                            # rows in expert order
-        add("seq", 0, grouped_mm(x, R, (2 if glu else 1) * f, h))     # gate|up (or fc1)
-        add("seq", 0, _elem(2 * R * f, R * f) if glu else _elem(R * f, R * f))   # SwiGLU / GeLU
-        add("seq", 0, grouped_mm(x, R, h, f))                         # down (or fc2)
+        n = (2 if glu else 1) * f
+        add("seq", 0, grouped_mm(x, R, n, h, n, (f,)))                # gate|up (or fc1)
+        add("shard", 0, _elem(2 * R * f, R * f) if glu else _elem(R * f, R * f))  # SwiGLU / GeLU
+        add("seq", 0, grouped_mm(x, R, h, f, f, (f,)))                # down (or fc2)
         add("seq", 0, _elem(R * h + R, T * h))                        # weighted, summed per token
 
     def _attention(self, add, b, s, a, kv, d):

@@ -10,11 +10,17 @@ in backward. A vocab-parallel loss (torch's ``loss_parallel`` / Megatron's vocab
 cross-entropy) all-reduces three values per token over tp in forward (row max, target logit,
 sum of exponentials).
 
+Tensor parallelism inside the experts (docs/expert-parallel.md): a mixture-of-experts layer
+whose FFN dim tp splits has its grouped matmuls on F / tp features (``Kernel.sharded``), an f
+on the rows entering the experts (an all-reduce of b s k rows x hidden in backward) and a g
+on their output (one in forward), all-reduces under sequence parallelism too (the MoE block
+runs on the all-gathered rows): sites ``ef`` / ``eg``.
+
 Expert parallelism (ep > 1): a mixture-of-experts layer's grouped matmuls on one ep rank
 (``Kernel.regrouped``: E/ep experts, ep x the rows each, at balanced routing), and its
 all-to-alls over ep on the critical path (``runtime/expert_parallel.py``): in forward the
 router's per-expert counts (E int64 values: ``ep_route``), the dispatch and the combine of
-the rank's b s k rows; in backward the combine's and the dispatch's reverse all-to-alls;
+the rank's b s k rows (every tp rank its own, over its own ep group); in backward the combine's and the dispatch's reverse all-to-alls;
 under full activation checkpointing the forward three again.
 """
 from __future__ import annotations
@@ -95,11 +101,12 @@ class StageModel:
         if ep == 1:
             return [], []
         fwd, bwd = [], []
-        rows_split = tp if sp else 1
         for layer in self.w.moe:
             if layer.unit != u:
                 continue
-            rows = b * self.w.seq * layer.top_k / rows_split
+            # every tp rank dispatches the whole rows over its own ep group (under sp the
+            # MoE input is all-gathered before the router: docs/expert-parallel.md)
+            rows = b * self.w.seq * layer.top_k
             nbytes = rows * layer.row_elems * 4 * self.device.byte_scale
             call = self.comm.call("all_to_all", "ep", nbytes, ep, tp)
             fwd += [self.comm.call("all_to_all", "ep (counts)", 8.0 * layer.experts, ep, tp), call, call]
@@ -139,6 +146,9 @@ class StageModel:
         if tp == 1:
             return [], []
         c = self.comm
+        if kind in ("ef", "eg"):   # the experts' f / g: all-reduces even under sp (docs)
+            ar = c.call("all_reduce", "tp", nbytes, tp)
+            return ([], [ar]) if kind == "ef" else ([ar], [])
         if sp:
             ag, rs = c.call("all_gather", "tp", nbytes, tp), c.call("reduce_scatter", "tp", nbytes, tp)
             return ([ag], [rs]) if kind == "f" else ([rs], [ag])

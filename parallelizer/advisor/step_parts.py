@@ -40,14 +40,15 @@ class PipeResult:
 
 def _local_params(model, lay, units, end_split) -> list[float]:
     """Parameter elements data parallelism reduces per unit on this rank: a block's dense
-    weights split by tp, its expert weights whole (they stay replicated under tp) at ep 1 and
-    left out at ep > 1 (reduced over edp instead); the ends split by vocab tp."""
+    weights split by tp, its expert weights' tp piece (1/tp where tp splits them, else whole:
+    ``Workload.expert_shard``) at ep 1 and left out at ep > 1 (reduced over edp instead); the
+    ends split by vocab tp."""
     w, last = model.w, len(model.w.fwd_flops) - 1
-    experts = w.expert_params
+    experts, shard = w.expert_params, w.expert_shard(lay.tp)
     out = []
     for u in units:
         if 0 < u < last:
-            n = (w.params[u] - experts[u]) / lay.tp + (experts[u] if lay.ep == 1 else 0.0)
+            n = (w.params[u] - experts[u]) / lay.tp + (shard[u] if lay.ep == 1 else 0.0)
         else:
             n = w.params[u] / end_split
         if u == last and 0 not in units:
@@ -80,7 +81,7 @@ def data_parallel(model, lay, costs, stats, end_split) -> DPResult:
         # ZeroRedundancyOptimizer broadcasts every parameter from the rank that updated it,
         # all asynchronously, then waits: one gather's volume, its latency once; under ep
         # over edp (the ranks holding the same experts)
-        bytes_ = max(_rank_params(st, lay, end_split) for st in stats) * e
+        bytes_ = max(_rank_params(st, lay, end_split, model.w) for st in stats) * e
         bc = model.comm.call("all_gather", "dp" if lay.ep == 1 else "edp", bytes_, group,
                              lay.tp * (1 if lay.ep == 1 else lay.ep))
         res.calls.append(bc)
@@ -88,16 +89,19 @@ def data_parallel(model, lay, costs, stats, end_split) -> DPResult:
     if lay.ep > 1 and lay.edp > 1:
         # sync_expert_grads: one flat all-reduce of this rank's fp32 expert gradients over
         # the edp replicas, after the backward (pp = 1) or the schedule
-        ar = model.comm.call("all_reduce", "edp", max(st.experts for st in stats) / lay.ep * 4,
+        mine = max(st.expert_shard(model.w, lay.tp)[0] for st in stats) / lay.ep
+        ar = model.comm.call("all_reduce", "edp", mine * 4,
                              lay.edp, lay.tp * lay.ep)
         res.calls.append(ar)
         res.exposed += ar.total
     return res
 
 
-def _rank_params(st, lay, end_split) -> float:
-    """Parameter elements a pp rank holds: dense ones split by tp, E/ep of each layer's experts."""
-    return (st.block_params - st.experts) / lay.tp + st.end_params / end_split + st.experts / lay.ep
+def _rank_params(st, lay, end_split, w) -> float:
+    """Parameter elements a pp rank holds: dense ones split by tp, E/ep of each layer's
+    experts' tp piece."""
+    return ((st.block_params - st.experts) / lay.tp + st.end_params / end_split
+            + st.expert_shard(w, lay.tp)[0] / lay.ep)
 
 
 def _optimizer(model, lay, stats, end_split, res) -> None:
@@ -106,15 +110,16 @@ def _optimizer(model, lay, stats, end_split, res) -> None:
     group = d if lay.ep == 1 else lay.edp   # ZeRO-1's partition: dp, or edp under ep
     worst = 0.0
     for st in stats:
-        params = _rank_params(st, lay, end_split)
+        params = _rank_params(st, lay, end_split, model.w)
         if z == 0:
             mine = params
         elif z == 1:
             mine = params / group
         elif lay.ep == 1:
             mine = params / shards
-        else:   # experts outside FSDP2: whole E/ep on every rank
-            mine = (params - st.experts / lay.ep) / shards + st.experts / lay.ep
+        else:   # experts outside FSDP2: E/ep of their tp piece on every rank
+            held = st.expert_shard(model.w, lay.tp)[0] / lay.ep
+            mine = (params - held) / shards + held
         tensors = st.tensors / (group if z == 1 else 1)
         worst = max(worst, optimizer_seconds(model.cluster, model.device, tensors, 4 * mine,
                                              lay.optimizer, dtensor=z >= 2))

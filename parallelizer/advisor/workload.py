@@ -39,6 +39,9 @@ class MoELayer:
         params: elements of its stacked expert weights (all E experts).
         row_elems: elements of one dispatched row (the hidden size for Mixtral).
         module: FQN of the module holding the experts ('' for a shape).
+        tp_sizes: sizes tp must divide to split its FFN dim (the weights' FFN widths, the
+            parts and explicit sizes the region cuts it into: ``analysis/expert_ffn.py``).
+        tp_blocker: why tp cannot split it at any degree ('' when it can).
     """
     unit: int
     experts: int
@@ -46,6 +49,13 @@ class MoELayer:
     params: float
     row_elems: float
     module: str = ""
+    tp_sizes: tuple = ()
+    tp_blocker: str = ""
+
+    def tp_split(self, tp: int) -> bool:
+        """Whether its experts are split over ``tp`` along their FFN dim (``planning/experts.py``
+        ``plan_expert_tp``'s rule); otherwise they stay whole on every tp rank."""
+        return tp > 1 and not self.tp_blocker and all(int(n) % tp == 0 for n in self.tp_sizes)
 
 
 @dataclass(frozen=True)
@@ -89,6 +99,14 @@ class Workload:
         out = [0.0] * len(self.params)
         for layer in self.moe:
             out[layer.unit] += layer.params
+        return tuple(out)
+
+    def expert_shard(self, tp: int) -> tuple[float, ...]:
+        """Per unit: elements of its stacked expert weights on one tp rank (all E experts):
+        1/tp of each layer tp splits along the FFN dim, the others whole."""
+        out = [0.0] * len(self.params)
+        for layer in self.moe:
+            out[layer.unit] += layer.params / tp if layer.tp_split(tp) else layer.params
         return tuple(out)
 
     def ep_choices(self, dp: int) -> list[int]:
@@ -209,7 +227,9 @@ def from_shape(shape: dict, name: str = "", attention: str = "flash") -> Workloa
     from .shape_kernels import ShapeKernels
     per_block = (9.0 if glu else 10.0) if E else (9.0 if glu else 12.0)   # weights (+ biases), norms
     tensors = ((1.0 if glu else 2.0),) + (per_block,) * L + ((2.0 if glu else 2.0),)
-    moe = tuple(MoELayer(1 + i, E, float(topk), float(E * expert), float(h)) for i in range(L)) if E else ()
+    moe_f = shape.get("moe_ffn", ffn) if E else 0
+    moe = tuple(MoELayer(1 + i, E, float(topk), float(E * expert), float(h), tp_sizes=(moe_f,))
+                for i in range(L)) if E else ()
     return Workload(label, s, h, a, V, fwd, bwd, params, tied_params=0.0 if glu else float(V * h),
                     flash=attention == "flash", attention=attention, tensors=tensors,
                     cut_bytes=(4.0 * s * h,) * (L + 1), moe=moe,
