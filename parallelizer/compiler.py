@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import copy
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import attrgetter
 from pathlib import Path
 from typing import Optional
@@ -42,6 +42,7 @@ from .passes.attention import apply_eager_attention
 from .passes.cleanup import apply_cleanup
 from .passes.dropout import apply_rng_streams
 from .passes.expert_parallel import apply_expert_parallel
+from .passes.stack_experts import apply_stack_experts
 from .passes.manager import PassManager
 from .passes.split_blocks import split_blocks
 from .passes.split_check import check_split, check_written_buffers
@@ -51,6 +52,7 @@ from .passes.tensor_parallel import apply_tensor_parallel
 from .passes.vocab_parallel import apply_vocab_parallel
 from .analysis.expert_ffn import expert_ffn
 from .analysis.experts import find_expert_layers
+from .analysis.expert_modules import find_module_experts
 from .analysis.graph_costs import collect_costs
 from .analysis.partition import GraphPartition
 from .plan.decisions import (EPDecision, PipelineDecision, SequenceParallelDecision, TPDecision,
@@ -70,7 +72,7 @@ from .planning.vocab import plan_vocab, vocab_summary
 from .emit.program import Program, check_replaceable
 from .emit.rank_check import check_ranks
 from .emit.numerics_check import check_numerics, when as self_check_when
-from .emit.reference import compute_reference
+from .emit.reference import compute_reference, stack_reference
 from .emit.report import render_report, stage_sends
 from .frontend.spec import Spec
 
@@ -131,7 +133,7 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
         batch = _to_meta(batch)
     passes = PassManager(dump_passes)
     analysis = analyse(model, batch, model_file or Path("<in-memory model>"), passes,
-                       pp=spec.mesh.pp)
+                       pp=spec.mesh.pp, ep=spec.mesh.ep)
     planned = plan(analysis, spec, passes)
     stages, sequence = apply_passes(analysis, planned, spec, batch, passes)
     checked = check_stages(analysis, planned, stages, sequence)
@@ -156,6 +158,8 @@ class Analysis:
     blocks: tuple
     name: Path  # model.py, or "<in-memory model>": capture's and the program's messages
     attention: tuple = ()  # (module FQN, changes) of each SDPA call the attention pass rewrote
+    stacked: dict = field(default_factory=dict)  # stacked expert FQN -> the experts' FQNs
+    module_experts: tuple = ()  # expert lists the stack_experts pass could not stack (why)
 
     @property
     def gm(self) -> torch.fx.GraphModule:
@@ -163,10 +167,11 @@ class Analysis:
 
 
 def analyse(model: torch.nn.Module, batch, name: Path, passes: PassManager,
-            pp: int = 1) -> Analysis:
+            pp: int = 1, ep: int = 1) -> Analysis:
     """Capture ``model`` in train mode on ``batch`` and rewrite attention as eager runs it, so
     that every planner sees what the model computes (SDPA's is_causal / enable_gqa for the
-    mask and the repeated kv heads export materialised).
+    mask and the repeated kv heads export materialised). At ``ep`` > 1 a list of expert
+    modules becomes one grouped computation on stacked weights (passes/stack_experts.py).
 
     Raises:
         CaptureError: the model cannot be captured. PlanError: ``pp`` > 1 and an output has
@@ -179,9 +184,14 @@ def analyse(model: torch.nn.Module, batch, name: Path, passes: PassManager,
     rewritten: list = []
     passes.run("eager_attention", apply_eager_attention, captured.gm, rewritten)
     passes.run("explicit_sizes", apply_explicit_sizes, captured.gm)
+    stacked: dict = {}
+    unstacked: list = []
+    if ep > 1:
+        lists, unstacked = find_module_experts(captured.gm.graph)
+        passes.run("stack_experts", apply_stack_experts, captured.gm, lists, stacked)
     groups = tied_groups(model)
     return Analysis(model, captured, groups, alias_map(groups), find_blocks(model), name,
-                    tuple(rewritten))
+                    tuple(rewritten), stacked, tuple(unstacked))
 
 
 @dataclass(frozen=True)
@@ -232,7 +242,7 @@ def plan(analysis: Analysis, spec: Spec, passes: PassManager) -> Planned:
     tp = plan_tp(graph, mesh.tp, spec.tensor_parallel.allow_replicated)  # raises early
     vocab = plan_vocab(graph, mesh.tp, spec.tensor_parallel.vocab_parallel, analysis.canonical, tp)
     notes = [tp_summary(tp, analysis.model, vocab, analysis.blocks), vocab_summary(vocab)] if mesh.tp > 1 else []
-    ep = _plan_experts(graph, mesh)  # raises early, naming the module
+    ep = _plan_experts(graph, mesh, analysis.module_experts)  # raises early, naming the module
     if ep_summary(ep):
         notes.append(ep_summary(ep))
     random = plan_random_ops(graph, tp.placements, mesh.tp)  # raises: one tp cannot draw alike
@@ -244,20 +254,25 @@ def plan(analysis: Analysis, spec: Spec, passes: PassManager) -> Planned:
     pipeline = plan_from_costs(costs, num_stages, blocks, pipe, stages_key=stages_key)
     structure = pipeline_structure(graph, analysis.model, blocks, costs, analysis.canonical,
                                    measured.partition)
+    if analysis.stacked:  # parallelize export writes the experts' own names back
+        structure["stacked"] = {k: list(v) for k, v in analysis.stacked.items()}
     built = build_plan(spec, analysis.captured, analysis.gm, analysis.model, analysis.groups, tp,
                        vocab, dropout, pipeline, structure, ep, random)
     summary = summarize(pipeline, costs, pipe.schedule, mesh.pp, pipe.microbatches,
                         virtual_stages_of(pipe))
-    params = {n for n, _ in analysis.model.named_parameters(remove_duplicate=False)}
+    stacked = {m for members in analysis.stacked.values() for m in members}
+    params = {n for n, _ in analysis.model.named_parameters(remove_duplicate=False)
+              if n not in stacked} | set(analysis.stacked)
     warnings = check_placement(summary, [st.fqns for st in built.stages], params,
                                analysis.canonical)
     return Planned(built, tp, vocab, dropout, pipeline, summary, notes, warnings, ep, random)
 
 
-def _plan_experts(graph, mesh) -> EPDecision:
+def _plan_experts(graph, mesh, unstacked: tuple = ()) -> EPDecision:
     """Expert parallelism over ``mesh.ep`` and, at ``mesh.tp`` > 1, the experts' FFN dim over
-    tp (planning/experts.py)."""
+    tp (planning/experts.py); ``unstacked``: expert lists the stack_experts pass refused."""
     layers, unsupported = find_expert_layers(graph)
+    unsupported = list(unsupported) + list(unstacked)
     ffn = [expert_ffn(graph, layer) for layer in layers] if mesh.tp > 1 else None
     return plan_ep(layers, unsupported, mesh.ep, mesh.tp, ffn)
 
@@ -376,8 +391,9 @@ def emit(analysis: Analysis, planned: Planned, checked: Checked,
         state = {fqn: attrgetter(fqn)(gm).detach().clone() for fqn in plan_.tensors}
         if reference:
             stepped = model if owns_model else copy.deepcopy(model)
-            ref = compute_reference(stepped, batch, loss_fn or default_loss,
-                                    analysis.captured.input_names, spec, model_file)
+            ref = stack_reference(compute_reference(stepped, batch, loss_fn or default_loss,
+                                                    analysis.captured.input_names, spec, model_file),
+                                  analysis.stacked)
     tp = planned.tp
     tp_lines = planned.notes + tp.warnings + list(plan_.tp_report) + sequence.report + planned.ep.report
     # what each stage sends, as module and per-rank shape (report.md, pipeline.json, inspect)

@@ -10,7 +10,9 @@ recomputes its saved tensors in backward, one block at a time (Korthikanti et al
 process group), and the emitted stages hold tp-local shapes, so the sizes are per tp rank;
 sequence-parallel operators give a tp rank's shapes (``runtime.sequence.ShapeComm``).
 Under ``mixed_precision`` the saved floating-point bytes are scaled by the ``param_dtype``
-size (an approximation: normalisations that upcast save some fp32 tensors).
+size (an approximation: normalisations that upcast save some fp32 tensors). Rows that the
+model counts at run time (per-module experts) are valued at balanced routing
+(advisor/expert_rows.py).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from torch.utils._pytree import tree_unflatten, treespec_loads
 from ..frontend.model_file import call_loss_fn
 from ..plan.dtypes import differentiable
 from ..runtime.fake_kernels import IntegerHistcOnFloat
+from .expert_rows import BalancedExpertRows
 from ..plan.parallel_plan import ParallelPlan
 
 # estimate runs loss_fn on one tp rank's logit columns as plain tensors (run.py hands it a
@@ -47,11 +50,15 @@ class _Recorder:
         k = _key(t)
         if k not in self.exclude and k not in self.seen:
             self.seen.add(k)
+            # a SymInt where the model counts rows at run time: valued after the forward
             n = t.untyped_storage().nbytes()
-            if t.is_floating_point():
-                n = int(n * self.scale)
-            self.saved[self.current] = self.saved.get(self.current, 0) + n
+            self.saved.setdefault(self.current, []).append((n, t.is_floating_point()))
         return t
+
+    def bytes(self, block, value) -> int:
+        """Bytes ``block`` saved (None: outside blocks), sizes made ints by ``value``."""
+        return sum(int(value(n) * self.scale) if floating else value(n)
+                   for n, floating in self.saved.get(block, []))
 
 
 def _tensor_bytes(args, seen: set) -> int:
@@ -70,7 +77,7 @@ def _microbatch(plan: ParallelPlan, batch, mode) -> list:
     flat = flatten(plan, batch)
     m = plan.microbatches if plan.mesh["pp"] > 1 else 1
     rows = max(1, flat[0].shape[0] // (plan.mesh["dp"] * m))
-    return [mode.from_tensor(t[:rows]) for t in flat]
+    return [mode.from_tensor(t[:rows], static_shapes=True) for t in flat]
 
 
 def stage_activations(stages: list, plan: ParallelPlan, batch, loss_fn, mode,
@@ -88,28 +95,30 @@ def stage_activations(stages: list, plan: ParallelPlan, batch, loss_fn, mode,
         # shapes a tp rank has (Korthikanti et al. 2022, Table 2: sbh/t (34 + 5as/h));
         # dispatch and combine give an ep rank's rows under balanced routing
         with sequence.using_comm(sequence.ShapeComm(plan.mesh["tp"])), \
-                expert_parallel.balanced_shapes(plan.ep) as balanced, IntegerHistcOnFloat():
+                expert_parallel.balanced_shapes(plan.ep) as balanced, IntegerHistcOnFloat(), \
+                BalancedExpertRows() as rows:
             return _stage_activations(stages, plan, batch, loss_fn, mode, per_block, balanced,
-                                      alltoall)
+                                      alltoall, rows.value)
     finally:
         tp.set_tp_group(group)
 
 
 def _stage_activations(stages: list, plan: ParallelPlan, batch, loss_fn, mode,
-                       per_block: dict | None, balanced, alltoall: list | None) -> list[tuple[int, int]]:
+                       per_block: dict | None, balanced, alltoall: list | None,
+                       value) -> list[tuple[int, int]]:
     scale = DTYPE_BYTES[plan.param_dtype] / 4
     inputs = _microbatch(plan, batch, mode)
     target = None
     out = []
     for index, stage in enumerate(stages):
-        balanced.peak = 0
+        balanced.sizes = []
         rec = _Recorder(stage, scale)
         block_inputs, input_seen = {}, set()
         hooks = []
         for name, block in stage.emitted_blocks():
             def pre(mod, args, name=name):
                 rec.current = name
-                block_inputs[name] = int(_tensor_bytes(args, input_seen) * scale)
+                block_inputs[name] = _tensor_bytes(args, input_seen)
             hooks.append(block.register_forward_pre_hook(pre))
             hooks.append(block.register_forward_hook(lambda *a: setattr(rec, "current", None)))
         with torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
@@ -121,19 +130,19 @@ def _stage_activations(stages: list, plan: ParallelPlan, batch, loss_fn, mode,
                 call_loss_fn(loss_fn, outputs, target, None, _ESTIMATE_LOSS if plan.vocab_outputs else "")
         for h in hooks:
             h.remove()
-        kept, recompute = rec.saved.get(None, 0), 0
+        kept, recompute = rec.bytes(None, value), 0
         for name, _ in stage.emitted_blocks():
-            saved = rec.saved.get(name, 0)
+            saved = rec.bytes(name, value)
             if per_block is not None:
                 per_block[name] = saved
             if name in plan.checkpointed:
-                kept += block_inputs.get(name, 0)
+                kept += int(value(block_inputs.get(name, 0)) * scale)
                 recompute = max(recompute, saved)
             else:
                 kept += saved
         out.append((kept, recompute))
         if alltoall is not None:
-            alltoall.append(int(balanced.peak * scale) if plan.ep > 1 else 0)
+            alltoall.append(int(balanced.peak(value) * scale) if plan.ep > 1 else 0)
         inputs = [t.detach().requires_grad_(differentiable(t.dtype)) for t in flat]
     return out
 

@@ -214,7 +214,8 @@ def estimate_program(plan: ParallelPlan, sources: dict, batch, loss_fn, optimize
 
     from ..runtime.stage_builder import LocalStages
     m = plan.mesh
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    with FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()) as mode:
         stages = [load_stage(sources[f"program/{st.module}.py"], st.index) for st in plan.stages]
         alltoall: list = []
         acts = stage_activations(stages, plan, batch, loss_fn, mode, alltoall=alltoall)

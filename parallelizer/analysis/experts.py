@@ -68,11 +68,15 @@ class ExpertLayer:
 
 @dataclass(frozen=True)
 class Unsupported:
-    """Stacked expert weights read in a layout expert parallelism does not run."""
+    """Expert weights read in a layout expert parallelism does not run: stacked ones read
+    other than by a grouped matmul, or a list of expert modules that cannot be stacked
+    (analysis/expert_modules.py); ``fix`` is what the user can change."""
 
     module: str
     weight: str
     reason: str
+    fix: str = ("use transformers' grouped_mm experts implementation (config._experts_implementation"
+                " = 'grouped_mm'), or set mesh.ep=1")
 
 
 def find_expert_layers(graph: fx.Graph) -> tuple[list[ExpertLayer], list[Unsupported]]:
@@ -133,7 +137,7 @@ def _grouped_mm_offs(op: fx.Node, weight: fx.Node, experts: int):
 
 
 def _layer(offs: fx.Node, mms: dict) -> ExpertLayer:
-    region, inputs = _region(list(mms), offs)
+    region, inputs = row_region(list(mms), offs)
     outputs = [n for n in region if any(u not in region and u.target not in _IGNORED for u in n.users)]
     first = min(mms, key=lambda n: _order(n.graph)[n.name])
     weights = tuple(dict.fromkeys(mms[m] for m in sorted(mms, key=lambda n: _order(n.graph)[n.name])))
@@ -144,8 +148,9 @@ def _layer(offs: fx.Node, mms: dict) -> ExpertLayer:
                        tuple(n.name for n in region), _router(offs), source_line(first))
 
 
-def _region(mms: list, offs: fx.Node) -> tuple[list, list]:
-    """The grouped matmuls and the row-wise ops between them; the rows entering from outside."""
+def row_region(mms: list, offs) -> tuple[list, list]:
+    """The matmuls ``mms`` and the row-wise ops between them, in graph order; the rows
+    entering from outside. ``offs`` (a node or None) is never part of the region."""
     rows = shape(mms[0])[0]
     region, frontier, inputs = set(mms), list(mms), []
     while frontier:
@@ -155,7 +160,7 @@ def _region(mms: list, offs: fx.Node) -> tuple[list, list]:
                 region.add(u)
                 frontier.append(u)
     region = _trim(region, set(mms))
-    order = _order(offs.graph)
+    order = _order(mms[0].graph)
     region = sorted(region, key=lambda n: order[n.name])
     for n in region:
         inputs += [a for a in n.all_input_nodes if _is_rows(a, rows) and a not in region]
@@ -180,7 +185,7 @@ def _is_rows(a, rows) -> bool:
     return is_tensor(a) and len(shape(a)) >= 1 and same(shape(a)[0], rows)
 
 
-def _row_wise(u: fx.Node, rows, offs: fx.Node) -> bool:
+def _row_wise(u: fx.Node, rows, offs) -> bool:
     """``u`` computes each output row from the same row of its row inputs only."""
     if u.op != "call_function" or u is offs:
         return False

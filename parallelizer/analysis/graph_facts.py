@@ -63,7 +63,7 @@ def module_path(node: fx.Node) -> str:
     stack = node.meta.get("nn_module_stack") or {}
     for path, _type in reversed(list(stack.values())):
         if not path.startswith("_empty"):
-            return _clean(path)
+            return clean_path(path)
     return ""
 
 
@@ -78,7 +78,8 @@ def block_of(node: fx.Node, blocks) -> Optional[str]:
     return None
 
 
-def _clean(path: str) -> str:
+def clean_path(path: str) -> str:
+    """A module path of ``nn_module_stack`` as an FQN."""
     # export spells ModuleList items as "layers.0" already; older releases used "layers[0]"
     return path.replace("[", ".").replace("]", "").replace("L['self'].", "")
 

@@ -49,16 +49,26 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
+def stacked_members(manifest_or_structure: dict) -> dict:
+    """Expert FQN -> (stacked FQN, its index) for experts the compiler stacked
+    (passes/stack_experts.py; ``structure["stacked"]``), empty otherwise."""
+    structure = manifest_or_structure.get("structure", manifest_or_structure) or {}
+    return {m: (fqn, i) for fqn, members in (structure.get("stacked") or {}).items()
+            for i, m in enumerate(members)}
+
+
 def export_names(manifest: dict) -> list[tuple[str, str]]:
-    """``(state_dict name, stored fqn)`` in the original state_dict order."""
+    """``(state_dict name, stored fqn)`` in the original state_dict order; an expert the
+    compiler stacked is stored as its stacked tensor (:func:`stacked_members`)."""
     aliases = manifest.get("aliases", {})
+    stacked = stacked_members(manifest)
     keys = (manifest.get("structure") or {}).get("state_dict_keys")
     if keys is None:  # checkpoints of plans compiled before the keys were recorded
         model = [k for k, e in manifest["tensors"].items() if e.get("kind", "model") == "model"]
         keys = sorted(model + list(aliases))
     out = []
     for k in keys:
-        fqn = aliases.get(k, k)
+        fqn = stacked[k][0] if k in stacked else aliases.get(k, k)
         if fqn not in manifest["tensors"]:
             raise CheckpointError(f"state_dict key {k} is not stored in the checkpoint (as {fqn})")
         out.append((k, fqn))
@@ -81,7 +91,9 @@ def export_hf(src, dst, max_shard_size: str = "5GB", force: bool = False,
     check_paths(src, dst, force)
     verify_all(src, manifest, show_progress)
     names = export_names(manifest)
-    sizes = {k: _nbytes(manifest["tensors"][f]) for k, f in names}
+    stacked = stacked_members(manifest)
+    shapes = {k: tuple(manifest["tensors"][f]["shape"])[1 if k in stacked else 0:] for k, f in names}
+    sizes = {k: _nbytes(manifest["tensors"][f], shapes[k]) for k, f in names}
     shards: list[list[str]] = [[]]
     acc = 0
     for k, _ in names:  # transformers' greedy split: a new shard when the next would overflow
@@ -96,11 +108,18 @@ def export_hf(src, dst, max_shard_size: str = "5GB", force: bool = False,
 
     def write(tmp: Path, bar) -> None:
         for file, keys in zip(files, shards):
-            specs = [(k, tuple(manifest["tensors"][fqn_of[k]]["shape"]),
-                      getattr(torch, manifest["tensors"][fqn_of[k]]["dtype"])) for k in keys]
+            specs = [(k, shapes[k], getattr(torch, manifest["tensors"][fqn_of[k]]["dtype"]))
+                     for k in keys]
+            last: dict = {}  # the stacked tensor its experts are read from, loaded once
 
             def produce(k):
-                t = load_tensor(src, fqn_of[k], manifest=manifest)
+                if k not in stacked:
+                    t = load_tensor(src, fqn_of[k], manifest=manifest)
+                else:
+                    if fqn_of[k] not in last:
+                        last.clear()
+                        last[fqn_of[k]] = load_tensor(src, fqn_of[k], manifest=manifest)
+                    t = last[fqn_of[k]][stacked[k][1]].clone()
                 bar.update(t.numel() * t.element_size())
                 return t
 
@@ -134,10 +153,14 @@ def import_hf(hf_path, dst, plan, tp: Optional[int] = None, pp: Optional[int] = 
     if dst.exists() and not force:
         raise CheckpointError(f"destination {dst} already exists; choose another folder or pass --force")
     keys = plan.structure.get("state_dict_keys") or list(plan.tensors)
-    stored = [k for k in keys if plan.aliases.get(k, k) in plan.tensors]
-    shapes = {k: plan.tensors[plan.aliases.get(k, k)].shape for k in stored}
+    stacked = stacked_members(plan.structure)
+    stored = [k for k in keys if plan.aliases.get(k, k) in plan.tensors or k in stacked]
+    shapes = {k: plan.tensors[stacked[k][0]].shape[1:] if k in stacked else
+              plan.tensors[plan.aliases.get(k, k)].shape for k in stored}
     matched = match_to_model(load_hf_state_dict(hf_path, lazy=True), stored, plan.aliases, shapes)
-    state = {plan.aliases.get(k, k): v for k, v in matched.items()}
+    state = {plan.aliases.get(k, k): v for k, v in matched.items() if k not in stacked}
+    for fqn, members in (plan.structure.get("stacked") or {}).items():  # experts stacked again
+        state[fqn] = torch.stack([_read(matched[m]) for m in members])
     rest = sorted(set(plan.tensors) - set(state))
     if rest:
         if buffers_from is None or not (Path(buffers_from) / "manifest.json").exists():
@@ -154,7 +177,7 @@ def import_hf(hf_path, dst, plan, tp: Optional[int] = None, pp: Optional[int] = 
 
     def piece(name: str, t: int) -> torch.Tensor:
         # the full tensor is a lazy mapping: only the piece's rows are read, cast as copied
-        full = state[name].read() if isinstance(state[name], HFTensor) else state[name]
+        full = _read(state[name])
         tplan = layout.tensors[name]
         return local_piece(full, tplan, layout.mesh["tp"], t, getattr(torch, tplan.dtype))
 
@@ -162,9 +185,13 @@ def import_hf(hf_path, dst, plan, tp: Optional[int] = None, pp: Optional[int] = 
         return write_layout(layout, piece, dst, overwrite=force, pool=pool)
 
 
-def _nbytes(entry: dict) -> int:
+def _read(t) -> torch.Tensor:
+    return t.read() if isinstance(t, HFTensor) else t
+
+
+def _nbytes(entry: dict, shape=None) -> int:
     n = torch.empty((), dtype=getattr(torch, entry["dtype"])).element_size()
-    for s in entry["shape"]:
+    for s in entry["shape"] if shape is None else shape:
         n *= s
     return n
 

@@ -42,3 +42,20 @@ def compute_reference(model: torch.nn.Module, batch, loss_fn, input_names, spec,
     for name, p in named.items():
         ref[f"param.{name}"] = p.detach().clone()
     return ref
+
+
+def stack_reference(ref: dict, stacked: dict) -> dict:
+    """``ref`` with each group of per-module expert tensors (``grad.<fqn>``, ``param.<fqn>``)
+    stacked along a new dim 0 under the stacked name the program holds
+    (passes/stack_experts.py); an expert without a gradient (no rows) counts zeros."""
+    if not stacked:
+        return ref
+    out = dict(ref)
+    for fqn, members in stacked.items():
+        for kind in ("grad", "param"):
+            parts = [out.pop(f"{kind}.{m}", None) for m in members]
+            if all(p is None for p in parts):
+                continue
+            like = next(p for p in parts if p is not None)
+            out[f"{kind}.{fqn}"] = torch.stack([torch.zeros_like(like) if p is None else p for p in parts])
+    return out

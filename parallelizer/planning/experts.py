@@ -46,14 +46,14 @@ def plan_ep(layers: list[ExpertLayer], unsupported: list[Unsupported], ep: int, 
         u = unsupported[0]
         raise PlanError(f"mesh.ep={ep}: the experts of {u.module} ({u.weight}) are {u.reason}; "
                         f"expert parallelism splits stacked expert weights read by a grouped "
-                        f"matmul (transformers' grouped_mm experts implementation: "
-                        f"config._experts_implementation = 'grouped_mm'). Fix: use that "
-                        f"implementation, or set mesh.ep=1.")
+                        f"matmul, or a list of identical bias-free expert modules it stacks "
+                        f"into one. Fix: {u.fix}.")
     if not layers:
         raise PlanError(f"mesh.ep={ep} but the model has no mixture-of-experts layer: no "
                         f"parameter of shape (experts, in, out) is read by a grouped matmul "
                         f"(rows sorted by expert, the stacked weight, cumulative rows per "
-                        f"expert). Fix: set mesh.ep=1.")
+                        f"expert), and no list of expert modules runs on rows of its own. "
+                        f"Fix: set mesh.ep=1.")
     for l in layers:
         if l.num_experts % ep:
             valid = [d for d in range(1, l.num_experts + 1) if l.num_experts % d == 0]

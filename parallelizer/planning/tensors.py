@@ -86,7 +86,8 @@ def build_plan(spec, captured, gm, model, groups, tp: TPDecision, vocab: VocabDe
     p = spec.pipeline
     ranks = stage_ranks(p.schedule, spec.mesh.pp, p.virtual_stages)
     assert len(ranks) == pipe.num_stages, (len(ranks), pipe.num_stages)
-    params = dict(model.named_parameters(remove_duplicate=False))
+    # the model's, and those a pass made (stacked experts, passes/stack_experts.py)
+    params = {**dict(model.named_parameters(remove_duplicate=False)), **dict(gm.named_parameters())}
     # tensors some node reads (export may leave a get_attr nothing uses: no stage holds it)
     order = [f for f in dict.fromkeys(canonical.get(t, t) for t in attr_targets(gm.graph))
              if structure["uses"].get(f) or structure.get("part_uses", {}).get(f)]

@@ -60,10 +60,16 @@ class BalancedShapes:
     rows regrouped by expert (or back into place), alive together."""
 
     def __init__(self, ep: int):
-        self.ep, self.peak = ep, 0
+        self.ep, self.sizes = ep, []
 
     def record(self, x: torch.Tensor) -> None:
-        self.peak = max(self.peak, 3 * x.numel() * x.element_size())
+        """Keep the bytes of one dispatch or combine (a SymInt where the model counts the rows
+        at run time: per-module experts; the caller gives it a value, see ``peak``)."""
+        self.sizes.append(3 * x.numel() * x.element_size())
+
+    def peak(self, value=int) -> int:
+        """The largest recorded buffer, each size made an int by ``value``."""
+        return max((value(s) for s in self.sizes), default=0)
 
 
 _BALANCED: BalancedShapes | None = None

@@ -152,13 +152,14 @@ def test_grad_norm_counts_every_expert_once(edp2, tools):
     tools.check_exit(res)
 
 
-def _profile_equals_estimate(out: Path, overrides: list, world: int, tools) -> list:
+def _profile_equals_estimate(out: Path, overrides: list, world: int, tools,
+                             name: str = "mixtral_train") -> tuple[list, list]:
     """``--train --steps 1 --profile``'s MEMORY lines against estimate's ranks, byte for byte
-    (parameters, gradients, optimizer state, buffers); returns the lines."""
+    (parameters, gradients, optimizer state, buffers); returns the lines and the ranks."""
     from parallelizer.advisor.memory import estimate_model_file
     res = tools.torchrun(out, world, "--train", "--steps", "1", "--profile", timeout=240)
     lines = [json.loads(m) for m in re.findall(r"MEMORY (\{.*?\})$", res.stdout, re.MULTILINE)]
-    _, ranks = estimate_model_file(MODELS / "mixtral_train.py", load_spec(MODELS / "spec.yaml", overrides))
+    _, ranks = estimate_model_file(MODELS / f"{name}.py", load_spec(MODELS / "spec.yaml", overrides))
     assert sorted(line["rank"] for line in lines) == list(range(world)), res.explain()
     keys = ("parameters", "gradients", "optimizer", "buffers")
     for line in lines:
@@ -168,7 +169,7 @@ def _profile_equals_estimate(out: Path, overrides: list, world: int, tools) -> l
         assert [line[k] for k in keys] == [getattr(est, k) for k in keys], (line, est)
         assert line["optimizer"] > 0 and est.alltoall_buffers > 0
     tools.check_exit(res)
-    return lines
+    return lines, ranks
 
 
 @pytest.mark.timeout(300)
@@ -189,7 +190,7 @@ def test_zero1_partitions_over_the_expert_replicas(tmp_path, tools):
     errs = tools.verify_errors(res.stdout)
     assert "PASS" in res.stdout and len(errs) == 4 and max(errs.values()) <= 1e-5, res.explain()
     tools.check_exit(res)
-    lines = {line["dp"]: line for line in _profile_equals_estimate(tmp_path / "out", overrides, 4, tools)}
+    lines = {line["dp"]: line for line in _profile_equals_estimate(tmp_path / "out", overrides, 4, tools)[0]}
     # dp ranks 0 and 2 are ep rank 0 of replicas 0 and 1: they split one state between them
     assert lines[0]["optimizer"] != lines[2]["optimizer"] and lines[0]["optimizer"] == lines[1]["optimizer"]
 
@@ -213,18 +214,19 @@ def test_save_at_ep2_reshard_to_ep1_and_export_bit_exact(tmp_path, tools):
     _export_bit_exact(tmp_path / "ck", tmp_path)
 
 
-def _export_bit_exact(ck: Path, tmp_path: Path) -> None:
-    """``reshard CK --tp 1 --pp 1 --ep 1`` then ``export``: mixtral_auto's own weights."""
+def _export_bit_exact(ck: Path, tmp_path: Path, name: str = "mixtral_auto",
+                      expert: str = EXPERT) -> None:
+    """``reshard CK --tp 1 --pp 1 --ep 1`` then ``export``: model ``name``'s own weights."""
     reshard(ck, tmp_path / "ep1", tp=1, pp=1, ep=1)
-    merged = json.loads((tmp_path / "ep1" / "manifest.json").read_text())["tensors"][EXPERT]
+    merged = json.loads((tmp_path / "ep1" / "manifest.json").read_text())["tensors"][expert]
     assert "experts" not in merged and merged["role"] == "experts"
     export_hf(tmp_path / "ep1", tmp_path / "hf")
     sys.path.insert(0, str(MODELS))
     try:
-        import mixtral_auto
+        model = importlib.import_module(name).build_model()
     finally:
         sys.path.remove(str(MODELS))
-    save_file({k: v.contiguous() for k, v in mixtral_auto.build_model().state_dict().items()},
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
               str(tmp_path / "original.safetensors"))
     original = load_file(str(tmp_path / "original.safetensors"))
     exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
@@ -255,6 +257,34 @@ def test_verify_and_save_at_ep2_x_tp2(tmp_path, tools):
         for t in (0, 1)]
     assert load_file(str(tmp_path / "ck" / "pp0-tp1-dp1.safetensors"))[EXPERT].shape == (2, 64, 32)
     _export_bit_exact(tmp_path / "ck", tmp_path)
+
+
+@pytest.mark.timeout(400)
+def test_per_module_experts_verify_and_save_at_ep2_x_tp2(tmp_path, tools):
+    """Mistral's reference MoE (an nn.ModuleList of experts and a loop over them, not
+    transformers) at dp2 x ep2 x tp2, ZeRO-3: the stack_experts pass makes each layer's four
+    experts one (4, ...) weight per linear, split over ep (dim 0) and tp (the FFN dim).
+    --verify at 1e-5 against the unmodified loop; --profile's MEMORY lines equal estimate's,
+    whose all-to-all buffers count each expert's rows (a run-time count) at balanced routing;
+    a per-rank --save, reshard --tp 1 --ep 1 and export give back the experts' own
+    per-module weights (experts.{i}.w1.weight) bit for bit."""
+    out, stacked = tmp_path / "out", "layers.0.feed_forward.experts.w1.weight"
+    overrides = EP2 + ["mesh.tp=2", "zero_stage=3", "optimizer.name=adamw"]
+    program = _compile("mistral_moe_reference", out, overrides)
+    t = program.plan.tensors[stacked]
+    assert t.shape == (4, 48, 32) and t.rank_shape(2) == (2, 24, 32) and t.role == "experts"
+    assert not any(".experts.0." in f for f in program.plan.tensors)
+    res = tools.torchrun(out, 4, "--verify", timeout=240)
+    errs = tools.verify_errors(res.stdout)
+    assert "PASS" in res.stdout and len(errs) == 4 and max(errs.values()) <= 1e-5, res.explain()
+    tools.check_exit(res)
+    _, ranks = _profile_equals_estimate(out, overrides, 4, tools, "mistral_moe_reference")
+    # 32 tokens per dp rank x top-2 rows of hidden 32, fp32: send, receive, regrouped
+    assert {r.alltoall_buffers for r in ranks} == {3 * 64 * 32 * 4}
+    res = tools.torchrun(out, 4, "--train", "--steps", "0", "--save", str(tmp_path / "ck"),
+                         timeout=240)
+    tools.check_exit(res)
+    _export_bit_exact(tmp_path / "ck", tmp_path, "mistral_moe_reference", stacked)
 
 
 @pytest.mark.timeout(300)

@@ -1,0 +1,135 @@
+"""Per-module experts (a ``nn.ModuleList`` of expert MLPs and a loop over them) found on the
+graph (analysis/expert_modules.py) and stacked into one grouped computation
+(passes/stack_experts.py): model code from outside transformers (Mistral's and DeepSeek-V3's
+reference MoE layers, tests/distributed/user_models), captured for real."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from parallelizer.analysis.expert_modules import find_module_experts
+from parallelizer.analysis.experts import find_expert_layers
+from parallelizer.compiler import compile_model, compile_module
+from parallelizer.errors import PlanError
+from parallelizer.frontend.capture import capture
+from parallelizer.frontend.spec import load_spec
+from parallelizer.passes.stack_experts import apply_stack_experts
+
+REPO = Path(__file__).resolve().parents[3]
+MODELS = REPO / "tests" / "distributed" / "user_models"
+SPEC = MODELS / "spec.yaml"
+
+
+def _module(name: str):
+    sys.path.insert(0, str(MODELS))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(MODELS))
+
+
+def _captured(name: str, model=None):
+    m = _module(name)
+    return capture(model or m.build_model(), m.example_inputs(), MODELS / f"{name}.py")
+
+
+@pytest.mark.parametrize("name, lists", [
+    ("mistral_moe_reference", ["layers.0.feed_forward.experts", "layers.1.feed_forward.experts"]),
+    ("deepseek_v3_reference", ["layers.1.ffn.experts", "layers.2.ffn.experts"])])
+def test_expert_lists_are_found_and_nothing_else(name, lists):
+    """The experts of every MoE layer; not the list of transformer blocks (each reads the one
+    before), not the dense FFN or the shared expert (one module, no list)."""
+    layers, unsupported = find_module_experts(_captured(name).gm.graph)
+    assert unsupported == []
+    assert [l.module for l in layers] == lists
+    for l in layers:
+        assert l.num_experts == 4 and l.slots == ("w1.weight", "w3.weight", "w2.weight")
+        assert l.weights[3] == tuple(f"{l.module}.3.{s}" for s in l.slots)
+        assert [len(r) for r in l.regions] == [5] * 4  # w1, silu, w3, mul, w2
+        assert all(len(i) == 1 and len(o) == 1 for i, o in zip(l.inputs, l.outputs))
+
+
+@pytest.mark.parametrize("name", ["mistral_moe_reference", "deepseek_v3_reference"])
+def test_stacked_graph_computes_what_the_loop_computes_bit_for_bit(name):
+    """Outputs and gradients of the rewritten graph equal the unmodified model's to 1e-6
+    relative: each expert's segment is the same mm as its F.linear, but the activation
+    (silu) now runs vectorised over every expert's rows at once, whose SIMD tails fall
+    elsewhere (last-bit differences), and the tokens' gradient sums its experts'
+    contributions in another order. The stacked weights' gradients are the experts' own,
+    stacked, and the stacked layer is what analysis/experts.py finds."""
+    m = _module(name)
+    model = m.build_model()
+    captured = _captured(name, model)
+    layers, _ = find_module_experts(captured.gm.graph)
+    stacked: dict = {}
+    assert apply_stack_experts(captured.gm, layers, stacked)
+    assert len(stacked) == 3 * len(layers)
+    found, unsupported = find_expert_layers(captured.gm.graph)
+    assert unsupported == [] and [l.module for l in found] == [l.module for l in layers]
+    assert all(l.router.endswith("gate.weight") for l in found)
+    batch = m.example_inputs()
+    want = model(*batch)
+    m.loss_fn(want, batch).backward()
+    got = captured.gm(*batch)[0]
+    m.loss_fn(got, batch).backward()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    grads = dict(captured.gm.named_parameters())
+    for fqn, members in stacked.items():
+        expected = torch.stack([model.get_parameter(e).grad for e in members])
+        torch.testing.assert_close(grads[fqn].grad, expected, rtol=1e-6, atol=1e-9, msg=fqn)
+    for fqn, p in model.named_parameters():
+        if fqn in grads:
+            torch.testing.assert_close(grads[fqn].grad, p.grad, rtol=1e-6, atol=1e-9, msg=fqn)
+    members = {e for ms in stacked.values() for e in ms}
+    assert members.isdisjoint(grads)
+    assert (set(grads) - set(stacked)) | members == set(dict(model.named_parameters()))
+
+
+def _with_expert(model, index: int, expert: nn.Module):
+    model.layers[0].feed_forward.experts[index] = expert
+    return model
+
+
+class _GeluExpert(nn.Module):
+    def __init__(self, like):
+        super().__init__()
+        self.w1, self.w2, self.w3 = like.w1, like.w2, like.w3
+
+    def forward(self, x):
+        return self.w2(F.gelu(self.w1(x)) * self.w3(x))
+
+
+@pytest.mark.parametrize("change, reason", [
+    (lambda e: setattr(e, "w1", nn.Linear(e.w1.in_features, e.w1.out_features, bias=True)) or e,
+     r"layers.0.feed_forward.experts.1: layers.0.feed_forward.experts.1.w1.weight is read by "
+     r"aten.linear.default \(mistral_moe_reference.py:\d+\), not by a bias-free F.linear"),
+    (_GeluExpert, r"expert 1 of layers.0.feed_forward.experts does not compute what expert 0 computes")])
+def test_expert_list_that_cannot_be_stacked_is_refused_at_ep2_naming_it(change, reason):
+    m = _module("mistral_moe_reference")
+    model = m.build_model()
+    _with_expert(model, 1, change(model.layers[0].feed_forward.experts[1]))
+    _, unsupported = find_module_experts(_captured("mistral_moe_reference", model).gm.graph)
+    assert [u.module for u in unsupported] == ["layers.0.feed_forward.experts"]
+    spec = load_spec(SPEC, ["mesh.dp=2", "mesh.ep=2"])
+    with pytest.raises(PlanError, match=r"mesh.ep=2: the experts of layers.0.feed_forward.experts "
+                                        r"\(layers.0.feed_forward.experts.0.w1.weight\) are a list "
+                                        r"of expert modules that cannot be stacked into one grouped "
+                                        r"computation: " + reason + r".*Fix: make the experts "
+                                        r"bias-free F.linear layers"):
+        compile_module(model, m.example_inputs(), spec, m.loss_fn, reference=False)
+
+
+def test_ep1_keeps_the_expert_modules_as_they_are():
+    """Stacking runs only for expert parallelism: at ep = 1 each expert keeps its own names
+    (tensor parallelism splits each expert's linears as a dense MLP's)."""
+    program = compile_model(MODELS / "mistral_moe_reference.py", load_spec(SPEC, ["mesh.tp=2"]),
+                            weights=False)
+    names = set(program.plan.tensors)
+    assert "layers.0.feed_forward.experts.3.w2.weight" in names
+    assert "layers.0.feed_forward.experts.w2.weight" not in names
+    assert program.plan.tensors["layers.0.feed_forward.experts.3.w2.weight"].role == "row_parallel"
