@@ -239,10 +239,12 @@ def plan(analysis: Analysis, spec: Spec, passes: PassManager) -> Planned:
         PlanError: the spec cannot apply (names the spec key and the fix).
     """
     mesh, pipe, graph = spec.mesh, spec.pipeline, analysis.gm.graph
-    tp = plan_tp(graph, mesh.tp, spec.tensor_parallel.allow_replicated)  # raises early
-    vocab = plan_vocab(graph, mesh.tp, spec.tensor_parallel.vocab_parallel, analysis.canonical, tp)
-    notes = [tp_summary(tp, analysis.model, vocab, analysis.blocks), vocab_summary(vocab)] if mesh.tp > 1 else []
     ep = _plan_experts(graph, mesh, analysis.module_experts)  # raises early, naming the module
+    tp = plan_tp(graph, mesh.tp, spec.tensor_parallel.allow_replicated,  # raises early
+                 experts_split=any(layer["tp"] for layer in ep.layers))
+    vocab = plan_vocab(graph, mesh.tp, spec.tensor_parallel.vocab_parallel, analysis.canonical, tp)
+    notes = [tp_summary(tp, analysis.model, vocab, analysis.blocks, ep.dims, analysis.stacked),
+             vocab_summary(vocab)] if mesh.tp > 1 else []
     if ep_summary(ep):
         notes.append(ep_summary(ep))
     random = plan_random_ops(graph, tp.placements, mesh.tp)  # raises: one tp cannot draw alike

@@ -34,6 +34,9 @@ _ROW_SPLITS = {aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.defa
 _ROW_KEEPING = {aten._to_copy.default, aten.to.dtype, aten.clone.default,
                 aten.contiguous.default, aten.alias.default}
 _IGNORED = {aten._assert_tensor_metadata.default}
+# readers of a 3-D weight that are no experts: a Conv1d's (out, in / groups, kernel) weight
+_NOT_EXPERTS = {aten.conv1d.default, aten.conv1d.padding, aten.convolution.default,
+                aten.conv_transpose1d.default, aten._convolution.default}
 _WALK = 200
 
 
@@ -84,7 +87,10 @@ def find_expert_layers(graph: fx.Graph) -> tuple[list[ExpertLayer], list[Unsuppo
     groups: dict = {}
     unsupported = []
     for param in (n for n in graph.nodes if n.op == "get_attr" and _stacked(n)):
-        for use, via in _uses(param):
+        uses = _uses(param)
+        if any(use.target in _NOT_EXPERTS for use, _ in uses):
+            continue
+        for use, via in uses:
             offs = _grouped_mm_offs(use, via, shape(param)[0])
             if offs is not None:
                 groups.setdefault(offs, {}).setdefault(use, param.target)

@@ -34,13 +34,16 @@ from .tp_seeds import seed_pairs
 
 
 
-def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False) -> TPDecision:
+def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False,
+            experts_split: bool = False) -> TPDecision:
     """Decide the Megatron column/row pairs for ``graph`` at tp degree ``tp``.
+    ``experts_split``: the experts planner splits some expert FFNs over tp
+    (planning/experts.py), so tp shards something even when no pair is found here.
 
     Raises:
         PlanError: tp does not divide a sharded size (heads, kv heads, features); the
             message names ``mesh.tp``, the module and the tp degrees that would work. Or
-            tp > 1 shards nothing and ``allow_replicated`` (the spec's
+            tp > 1 shards nothing, no expert is split and ``allow_replicated`` (the spec's
             ``tensor_parallel.allow_replicated``) is false: names the first op that stopped it.
     """
     decision = TPDecision(tp=tp)
@@ -93,7 +96,7 @@ def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False) -> TPDecis
             decision.report.append(line)
     decision.report += custom_op_weights(graph)
     if not column:
-        _nothing_sharded(decision, tp, allow_replicated)
+        _nothing_sharded(decision, tp, allow_replicated, experts_split)
     else:  # the backward's f edges and Partial gradients, derived (planning/gradients.py)
         plan_gradients(graph, decision)
     return decision
@@ -183,12 +186,20 @@ def _op_text(node: fx.Node) -> str:
     return f"{node.target} at {where}" if where else str(node.target)
 
 
-def _nothing_sharded(decision: TPDecision, tp: int, allow_replicated: bool) -> None:
+def _nothing_sharded(decision: TPDecision, tp: int, allow_replicated: bool,
+                     experts_split: bool = False) -> None:
     """tp > 1 with nothing sharded: every rank would hold the whole model and only add
-    all-reduces. An error unless the spec allows it (then a warning)."""
+    all-reduces. An error unless the spec allows it (then a warning), or a warning that only
+    the experts are split."""
     why = (f"the first op that stopped it: {decision.blockers[0]}" if decision.blockers else
            "no linear layer feeds another (a matmul with a 2-D parameter operand whose output "
            "reaches a second one)")
+    if experts_split:
+        decision.warnings.append(
+            f"mesh.tp={tp} splits only the experts (along their FFN dim): no other weight "
+            f"matrix could be sharded ({why}), so attention and the rest are replicated on "
+            f"every tp rank; see report.md")
+        return
     if not allow_replicated:
         raise PlanError(
             f"mesh.tp={tp} but no weight matrix could be sharded; {why}. Every rank would "
@@ -211,13 +222,19 @@ def block_matrices(model, blocks=()) -> dict:
             if p.dim() == 2 and n.startswith(prefixes)}
 
 
-def tp_summary(decision: TPDecision, model, vocab=None, blocks=()) -> str:
+def tp_summary(decision: TPDecision, model, vocab=None, blocks=(), experts=None,
+               stacked=None) -> str:
     """``tensor parallel: N of M weight matrices in blocks sharded (P % of parameters)``:
     P counts the elements of every parameter (embeddings and norms too) that tp shards, the
-    vocabulary tables of ``vocab`` (a VocabDecision) too; the blocks are ``blocks`` where
-    given (see :func:`block_matrices`)."""
+    vocabulary tables of ``vocab`` (a VocabDecision) and the experts split along their FFN
+    dim (``experts``: fqn -> tp dim, the EPDecision's ``dims``; ``stacked``: a stacked FQN ->
+    the per-module experts it stands for, passes/stack_experts.py) too; the blocks are
+    ``blocks`` where given (see :func:`block_matrices`)."""
     mats = block_matrices(model, blocks)
-    dims = {**decision.dims, **(vocab.dims if vocab is not None else {})}
+    dims = {**decision.dims, **(vocab.dims if vocab is not None else {}), **(experts or {})}
+    for fqn, members in (stacked or {}).items():
+        if fqn in dims:
+            dims.update(dict.fromkeys(members, dims[fqn]))
     sharded = [n for n in mats if n in dims]
     params = dict(model.named_parameters())
     total = sum(p.numel() for p in params.values()) or 1

@@ -144,8 +144,8 @@ def dtensor_rule(node: fx.Node, prop, tp: int):
         if len(_ANSWERS) > _MAX_ANSWERS:
             _ANSWERS.clear()
         try:
-            _ANSWERS[key] = _answer(_propagator().propagate_op_sharding_non_cached(
-                OpSchema(op, tuple(args), kwargs, schema_info=_schema_info(op))))
+            schema = OpSchema(op, tuple(args), kwargs, schema_info=_schema_info(op))
+            _ANSWERS[key] = _answer(_propagator().propagate_op_sharding_non_cached(schema), schema)
         except Exception:  # noqa: BLE001 - no strategy, or one that cannot take these args
             _ANSWERS[key] = NO_RULE
     return _ANSWERS[key]
@@ -182,10 +182,15 @@ def _key(x):
     return x if isinstance(x, (int, float, bool, str, type(None))) else repr(x)
 
 
-def _answer(result):
+def _answer(result, asked=None):
     spec = result.output_spec
     redistribute = result.redistribute_schema is not None or getattr(
         result, "needs_redistribute", False)
+    if redistribute and asked is not None and result.redistribute_schema is not None \
+            and _wanted(result.redistribute_schema) == _wanted(asked):
+        # the same placements under another overload (squeeze.dim asked as squeeze.dims):
+        # nothing moves
+        redistribute = False
     if isinstance(spec, (list, tuple)):
         outs = tuple(_out(s) for s in spec)
         if redistribute or CONFLICT in outs:

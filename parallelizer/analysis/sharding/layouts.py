@@ -50,6 +50,9 @@ def view_rule(node, prop, tp):
     if same(ins[d], outs[e]):
         add_constraint(prop, int(expr(outs[e])), "features", module_path(node), detail)
         local = _local_features(prop, raw, int(expr(outs[e])), tp)
+    elif raw and ratio_split.is_integer and _packed_parts(ins[d], outs, e, tp) \
+            and _parts_taken(node, e):
+        return _split_parts(node, prop, tp, e, raw, detail)
     elif raw and ratio_split.is_integer:
         return _split_heads(node, prop, tp, e, raw, detail)
     elif not isinstance(expr(outs[e]), int) and not expr(outs[e]).is_number:
@@ -63,6 +66,64 @@ def view_rule(node, prop, tp):
     if e < len(sizes) and isinstance(sizes[e], int) and sizes[e] != -1:
         add_rewrite(prop, node, 1, e, local)
     return Shard(e)
+
+
+def _packed_parts(features, outs, e, tp) -> bool:
+    """The view cuts the features into (P, features / P) with P not a multiple of tp but
+    each part is: torch's ``nn.MultiheadAttention`` packs q, k and v in one in_proj and
+    ``unflatten(-1, (3, E))``s its output. Not heads: P heads could not split over tp."""
+    if e + 1 >= len(outs) or not all(isinstance(expr(x), int) or expr(x).is_number
+                                      for x in (features, outs[e], outs[e + 1])):
+        return False
+    parts, part = int(expr(outs[e])), int(expr(outs[e + 1]))
+    return parts > 1 and parts * part == int(expr(features)) and parts % tp != 0 and part % tp == 0
+
+
+_SAME_DIMS = {aten.contiguous.default, aten.clone.default, aten.alias.default}
+
+
+def _parts_taken(node, dim: int, depth: int = 8) -> bool:
+    """Every use of ``node`` takes the parts along ``dim`` one by one (select or unbind),
+    through unsqueeze, squeeze, transpose, permute and copies: q, k and v used apart."""
+    if depth == 0 or not node.users:
+        return False
+    rank = len(shape(node))
+    for u in node.users:
+        if u.op != "call_function" or u.args[0] is not node:
+            return False
+        t = u.target
+        if t in (aten.select.int, aten.unbind.int) and dim_arg(u, 1) == dim:
+            continue
+        if t in _SAME_DIMS:
+            nxt = dim
+        elif t is aten.unsqueeze.default:
+            nxt = dim + (1 if u.args[1] % (rank + 1) <= dim else 0)
+        elif t is aten.squeeze.dim and u.args[1] % rank != dim:
+            nxt = dim - (1 if u.args[1] % rank < dim else 0)
+        elif t is aten.transpose.int:
+            a, b = u.args[1] % rank, u.args[2] % rank
+            nxt = b if dim == a else a if dim == b else dim
+        elif t is aten.permute.default:
+            nxt = [p % rank for p in u.args[1]].index(dim)
+        else:
+            return False
+        if not _parts_taken(u, nxt, depth - 1):
+            return False
+    return True
+
+
+def _split_parts(node, prop, tp, e, raw, detail):
+    """A column output's features viewed as (P, part): the weight becomes ``fused`` with P
+    equal parts, each rank holding its block of every part, so the shard is on the part dim
+    (``e + 1``) and its size constant becomes local."""
+    parts, part = int(expr(shape(node)[e])), int(expr(shape(node)[e + 1]))
+    add_constraint(prop, part, "features", module_path(node), f"a part of {detail}")
+    prop.claimed.add(node.name)
+    record_use(prop, raw, Fused((part,) * parts), node)
+    sizes = sizes_arg(node)
+    if e + 1 < len(sizes) and isinstance(sizes[e + 1], int) and sizes[e + 1] != -1:
+        add_rewrite(prop, node, 1, e + 1, part // tp)
+    return Shard(e + 1)
 
 
 def _one_head(features, outs, e) -> bool:

@@ -34,20 +34,39 @@ _SAME = {aten.to.dtype, aten._to_copy.default, aten.clone.default, aten.contiguo
 
 
 def merge_view(node, prop, tp, d):
-    """view/reshape merging the sharded dim ``d`` (innermost) with dims before it."""
+    """view/reshape merging the sharded dim ``d`` (innermost) with dims before it; or
+    splitting it into (heads, head_dim) and merging the heads with the dims before it
+    (``nn.MultiheadAttention``'s ``q.view(L, B * H, head_dim)`` of q (L, B, E))."""
     src = node.args[0]
     ins, outs = shape(src), shape(node)
-    e = next((e for e in range(len(outs)) if same(prod(outs[:e + 1]), prod(ins[:d + 1]))), None)
-    if e is None or src.name in prop.strided or not any(
-            same(prod(ins[:a]), prod(outs[:e])) for a in range(d)):
+    if src.name in prop.strided or not expr(ins[d]).is_number:
         return CONFLICT
-    heads = int(expr(ins[d]))
+    merged = _merged_at(ins, outs, d, 0) or _merged_at(ins, outs, d, 1)
+    if merged is None:
+        return CONFLICT
+    e, head_dim = merged
+    if int(expr(ins[d])) % head_dim:
+        return CONFLICT
+    heads = int(expr(ins[d])) // head_dim
     add_constraint(prop, heads, "heads", module_path(node),
                    f"dim {e} of the {_op(node)} (batch and heads merged)")
     if not local_merged_size(node, prop, e, heads, tp):
         return CONFLICT
     prop.strided[node.name] = heads
     return Shard(e)
+
+
+def _merged_at(ins, outs, d, split) -> tuple | None:
+    """(e, head_dim): output dim ``e`` merges dims before ``d`` with dim ``d`` (``split`` 0)
+    or with its outer part, its inner part ``outs[e + 1]`` being head_dim (``split`` 1)."""
+    e = next((e for e in range(len(outs) - split)
+              if same(prod(outs[:e + 1 + split]), prod(ins[:d + 1]))), None)
+    if e is None or not any(same(prod(ins[:a]), prod(outs[:e])) for a in range(d)):
+        return None
+    head_dim = expr(outs[e + 1]) if split else 1
+    if split and (not head_dim.is_number or int(head_dim) < 2):
+        return None
+    return e, int(head_dim)
 
 
 def strided_view(node, prop, tp, d):

@@ -133,3 +133,21 @@ def test_ep1_keeps_the_expert_modules_as_they_are():
     assert "layers.0.feed_forward.experts.3.w2.weight" in names
     assert "layers.0.feed_forward.experts.w2.weight" not in names
     assert program.plan.tensors["layers.0.feed_forward.experts.3.w2.weight"].role == "row_parallel"
+
+
+def test_tp_that_splits_only_the_experts_compiles_and_says_so(capsys):
+    """switch_conv.py: a depthwise-conv token mixer (no sharded rule; its 3-D Conv1d weight is
+    no stacked expert weight) and top-1 per-module experts. At dp2 x ep2 x tp2 the experts split over ep and
+    along their FFN dim over tp, so tp shards something: a warning names the op that kept
+    attention replicated instead of the "no weight matrix could be sharded" refusal, and the
+    summary counts the split experts."""
+    program = compile_model(MODELS / "switch_conv.py",
+                            load_spec(SPEC, ["mesh.dp=2", "mesh.ep=2", "mesh.tp=2"]), weights=False)
+    wi = program.plan.tensors["blocks.0.moe.experts.wi.weight"]
+    assert wi.shape == (4, 64, 32) and wi.rank_shape(2) == (2, 32, 32)
+    assert program.plan.tensors["blocks.0.moe.router.weight"].role == "replicate"
+    assert "mesh.tp=2 splits only the experts (along their FFN dim): no other weight matrix " \
+           "could be sharded (no linear layer feeds another" in "\n".join(program.warnings), \
+        program.warnings
+    assert any(n.startswith("tensor parallel: 16 of 18 weight matrices in blocks sharded")
+               for n in program.notes), program.notes

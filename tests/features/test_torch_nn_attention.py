@@ -1,0 +1,80 @@
+"""torch's own attention modules under tensor parallelism: ``nn.MultiheadAttention`` (q, k
+and v packed in one in_proj (3E, E), its output ``unflatten(-1, (3, E))``ed, each part
+selected, and ``view(L, B * H, head_dim)``: the heads merged with the batch) and
+``nn.TransformerEncoderLayer`` built on it, in user-written models (not Hugging Face).
+The in_proj becomes column parallel with a ``fused [E, E, E]`` layout (each rank its block
+of q, of k and of v), out_proj row parallel; the compile's self-check runs every tp rank
+against the model in one process."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from parallelizer.compiler import compile_module
+from parallelizer.frontend.spec import Spec
+
+VOCAB, DIM, HEADS = 64, 32, 4
+
+
+class _PreNorm(nn.Module):
+    """batch_first MultiheadAttention, pre-norm, GELU MLP (torchvision's ViT block shape)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+        self.attn = nn.MultiheadAttention(DIM, HEADS, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM))
+
+    def forward(self, x):
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class _Model(nn.Module):
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.emb = nn.Embedding(VOCAB, DIM)
+        if kind == "multihead_attention":
+            self.blocks = nn.ModuleList(_PreNorm() for _ in range(2))
+        else:  # seq-first, post-norm, ReLU, dropout 0.1 as torch configures it
+            layer = nn.TransformerEncoderLayer(DIM, HEADS, dim_feedforward=64, dropout=0.1)
+            self.enc = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        if self.kind == "multihead_attention":
+            for block in self.blocks:
+                h = block(h)
+            return self.head(h)
+        mask = nn.Transformer.generate_square_subsequent_mask(ids.shape[1])
+        return self.head(self.enc(h.transpose(0, 1), mask=mask, is_causal=True).transpose(0, 1))
+
+
+def _loss(logits, batch):
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), batch[0][:, 1:].reshape(-1))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("kind, prefix", [("multihead_attention", "blocks"),
+                                          ("transformer_encoder", "enc.layers")])
+def test_torch_attention_is_sharded_and_passes_the_self_check(kind, prefix, tp):
+    torch.manual_seed(0)
+    model = _Model(kind)
+    batch = (torch.randint(0, VOCAB, (4, 8), generator=torch.Generator().manual_seed(1)),)
+    program = compile_module(model, batch, Spec.model_validate({"mesh": {"tp": tp}}), _loss,
+                             reference=False)
+    notes = "\n".join(program.notes)
+    assert "tensor parallel: 8 of 8 weight matrices in blocks sharded" in notes, notes
+    assert f"self-check: {tp} tp rank(s) of the program against the model" in notes, notes
+    for i in range(2):
+        qkv = program.plan.tensors[f"{prefix}.{i}.self_attn.in_proj_weight" if prefix == "enc.layers"
+                                   else f"{prefix}.{i}.attn.in_proj_weight"]
+        assert qkv.role == "column_parallel" and qkv.layout.to_json() == {"kind": "fused", "parts": [32, 32, 32]}
+        assert qkv.local_shape(tp) == (96 // tp, 32)
+        out = f"{prefix}.{i}.self_attn.out_proj.weight" if prefix == "enc.layers" else f"{prefix}.{i}.attn.out_proj.weight"
+        assert program.plan.tensors[out].role == "row_parallel"
