@@ -1,7 +1,9 @@
 """torch's own attention modules under tensor parallelism: ``nn.MultiheadAttention`` (q, k
 and v packed in one in_proj (3E, E), its output ``unflatten(-1, (3, E))``ed, each part
 selected, and ``view(L, B * H, head_dim)``: the heads merged with the batch) and
-``nn.TransformerEncoderLayer`` built on it, in user-written models (not Hugging Face).
+``nn.TransformerEncoderLayer`` built on it, in user-written models (not Hugging Face), and
+timm's ViT spelling of the same packing (``qkv(x).reshape(B, N, 3, H, D).permute(2, 0, 3, 1,
+4).unbind(0)``).
 The in_proj becomes column parallel with a ``fused [E, E, E]`` layout (each rank its block
 of q, of k and of v), out_proj row parallel; the compile's self-check runs every tp rank
 against the model in one process."""
@@ -33,6 +35,31 @@ class _PreNorm(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+class _TimmAttention(nn.Module):
+    """timm's ``Attention``: one qkv linear, its output reshaped to (B, N, 3, H, D)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(DIM, 3 * DIM)
+        self.proj = nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, HEADS, c // HEADS).permute(2, 0, 3, 1, 4).unbind(0)
+        return self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, c))
+
+
+class _TimmBlock(_PreNorm):
+    def __init__(self):
+        super().__init__()
+        del self.attn
+        self.attn = _TimmAttention()
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
 class _Model(nn.Module):
     def __init__(self, kind: str):
         super().__init__()
@@ -40,6 +67,8 @@ class _Model(nn.Module):
         self.emb = nn.Embedding(VOCAB, DIM)
         if kind == "multihead_attention":
             self.blocks = nn.ModuleList(_PreNorm() for _ in range(2))
+        elif kind == "timm_attention":
+            self.blocks = nn.ModuleList(_TimmBlock() for _ in range(2))
         else:  # seq-first, post-norm, ReLU, dropout 0.1 as torch configures it
             layer = nn.TransformerEncoderLayer(DIM, HEADS, dim_feedforward=64, dropout=0.1)
             self.enc = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
@@ -47,7 +76,7 @@ class _Model(nn.Module):
 
     def forward(self, ids):
         h = self.emb(ids)
-        if self.kind == "multihead_attention":
+        if self.kind != "transformer_encoder":
             for block in self.blocks:
                 h = block(h)
             return self.head(h)
@@ -60,9 +89,12 @@ def _loss(logits, batch):
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-@pytest.mark.parametrize("kind, prefix", [("multihead_attention", "blocks"),
-                                          ("transformer_encoder", "enc.layers")])
-def test_torch_attention_is_sharded_and_passes_the_self_check(kind, prefix, tp):
+@pytest.mark.parametrize("kind, qkv, out", [
+    ("multihead_attention", "blocks.{i}.attn.in_proj_weight", "blocks.{i}.attn.out_proj.weight"),
+    ("transformer_encoder", "enc.layers.{i}.self_attn.in_proj_weight",
+     "enc.layers.{i}.self_attn.out_proj.weight"),
+    ("timm_attention", "blocks.{i}.attn.qkv.weight", "blocks.{i}.attn.proj.weight")])
+def test_torch_attention_is_sharded_and_passes_the_self_check(kind, qkv, out, tp):
     torch.manual_seed(0)
     model = _Model(kind)
     batch = (torch.randint(0, VOCAB, (4, 8), generator=torch.Generator().manual_seed(1)),)
@@ -72,9 +104,8 @@ def test_torch_attention_is_sharded_and_passes_the_self_check(kind, prefix, tp):
     assert "tensor parallel: 8 of 8 weight matrices in blocks sharded" in notes, notes
     assert f"self-check: {tp} tp rank(s) of the program against the model" in notes, notes
     for i in range(2):
-        qkv = program.plan.tensors[f"{prefix}.{i}.self_attn.in_proj_weight" if prefix == "enc.layers"
-                                   else f"{prefix}.{i}.attn.in_proj_weight"]
-        assert qkv.role == "column_parallel" and qkv.layout.to_json() == {"kind": "fused", "parts": [32, 32, 32]}
-        assert qkv.local_shape(tp) == (96 // tp, 32)
-        out = f"{prefix}.{i}.self_attn.out_proj.weight" if prefix == "enc.layers" else f"{prefix}.{i}.attn.out_proj.weight"
-        assert program.plan.tensors[out].role == "row_parallel"
+        packed = program.plan.tensors[qkv.format(i=i)]
+        assert packed.role == "column_parallel"
+        assert packed.layout.to_json() == {"kind": "fused", "parts": [32, 32, 32]}
+        assert packed.local_shape(tp) == (96 // tp, 32)
+        assert program.plan.tensors[out.format(i=i)].role == "row_parallel"

@@ -68,15 +68,33 @@ def view_rule(node, prop, tp):
     return Shard(e)
 
 
+def _part_dims(features, outs, e) -> int:
+    """How many dims after ``e`` hold one part when the view cuts the features into
+    (P, part) or (P, heads, head_dim); 0 when it does not."""
+    def num(x):
+        return isinstance(expr(x), int) or expr(x).is_number
+    if not num(features) or not num(outs[e]):
+        return 0
+    total, n = int(expr(features)) // max(int(expr(outs[e])), 1), 1
+    for k in range(e + 1, min(e + 3, len(outs))):
+        if not num(outs[k]):
+            return 0
+        n *= int(expr(outs[k]))
+        if n == total:
+            return k - e
+    return 0
+
+
 def _packed_parts(features, outs, e, tp) -> bool:
-    """The view cuts the features into (P, features / P) with P not a multiple of tp but
-    each part is: torch's ``nn.MultiheadAttention`` packs q, k and v in one in_proj and
-    ``unflatten(-1, (3, E))``s its output. Not heads: P heads could not split over tp."""
-    if e + 1 >= len(outs) or not all(isinstance(expr(x), int) or expr(x).is_number
-                                      for x in (features, outs[e], outs[e + 1])):
+    """The view cuts the features into P parts (``(P, part)`` or ``(P, heads, head_dim)``)
+    with P not a multiple of tp but the dim after it is: torch's ``nn.MultiheadAttention``
+    packs q, k and v in one in_proj and ``unflatten(-1, (3, E))``s its output, timm's ViT
+    ``reshape(B, N, 3, H, D)``s its qkv. Not heads: P heads could not split over tp."""
+    k = _part_dims(features, outs, e)
+    if not k:
         return False
-    parts, part = int(expr(outs[e])), int(expr(outs[e + 1]))
-    return parts > 1 and parts * part == int(expr(features)) and parts % tp != 0 and part % tp == 0
+    parts, inner = int(expr(outs[e])), int(expr(outs[e + 1]))
+    return parts > 1 and parts % tp != 0 and inner % tp == 0
 
 
 _SAME_DIMS = {aten.contiguous.default, aten.clone.default, aten.alias.default}
@@ -113,16 +131,19 @@ def _parts_taken(node, dim: int, depth: int = 8) -> bool:
 
 
 def _split_parts(node, prop, tp, e, raw, detail):
-    """A column output's features viewed as (P, part): the weight becomes ``fused`` with P
-    equal parts, each rank holding its block of every part, so the shard is on the part dim
-    (``e + 1``) and its size constant becomes local."""
-    parts, part = int(expr(shape(node)[e])), int(expr(shape(node)[e + 1]))
-    add_constraint(prop, part, "features", module_path(node), f"a part of {detail}")
+    """A column output's features viewed as P parts: the weight becomes ``fused`` with P
+    equal parts, each rank holding its block of every part, so the shard is on the dim after
+    the parts (a part's features, or its heads) and that size constant becomes local."""
+    outs = shape(node)
+    parts, inner = int(expr(outs[e])), int(expr(outs[e + 1]))
+    part = int(expr(shape(node.args[0])[dim_of(prop, node.args[0])])) // parts
+    kind = "features" if _part_dims(part * parts, outs, e) == 1 else "heads"
+    add_constraint(prop, inner, kind, module_path(node), f"a part of {detail}")
     prop.claimed.add(node.name)
     record_use(prop, raw, Fused((part,) * parts), node)
     sizes = sizes_arg(node)
     if e + 1 < len(sizes) and isinstance(sizes[e + 1], int) and sizes[e + 1] != -1:
-        add_rewrite(prop, node, 1, e + 1, part // tp)
+        add_rewrite(prop, node, 1, e + 1, inner // tp)
     return Shard(e + 1)
 
 
