@@ -45,10 +45,10 @@ def apply_stack_experts(gm: fx.GraphModule, layers: list[ModuleExperts], stacked
     Raises:
         PlanError: a stacked name is taken, or an in-place op would change order with a read.
     """
-    for layer in layers:
-        stacked.update(_stack(gm, layer))
     if not layers:
         return False
+    for layer in layers:
+        stacked.update(_stack(gm, layer))
     _reorder(gm.graph)
     gm.graph.lint()
     gm.recompile()
