@@ -13,9 +13,12 @@ parallelism dispatches) and leave it at its exits (what it combines). The **rout
 linear whose output reaches the ``top-k`` that ``offs`` is counted from; the model's own
 weighting by the router probabilities, un-permuting and top-k sum stay outside the region.
 
-Anything else reading stacked weights (a per-row gather ``W[expert_ids]`` as transformers'
-``batched_mm`` does, an ``eager`` per-expert loop) is reported as an unsupported layout with
-the op and the module, so ``mesh.ep`` can refuse it by name.
+A 3-D parameter is a stacked expert weight when a grouped matmul reads it or something takes
+its matrices out along dim 0 (``W[i]``, ``W[expert_ids]``); a Conv1d's weight or a
+(1, tokens, dim) position table is neither. Anything but a grouped matmul reading stacked
+weights (a per-row gather ``W[expert_ids]`` as transformers' ``batched_mm`` does, an ``eager``
+per-expert loop) is reported as an unsupported layout with the op and the module, so
+``mesh.ep`` can refuse it by name.
 """
 from __future__ import annotations
 
@@ -34,9 +37,8 @@ _ROW_SPLITS = {aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.defa
 _ROW_KEEPING = {aten._to_copy.default, aten.to.dtype, aten.clone.default,
                 aten.contiguous.default, aten.alias.default}
 _IGNORED = {aten._assert_tensor_metadata.default}
-# readers of a 3-D weight that are no experts: a Conv1d's (out, in / groups, kernel) weight
-_NOT_EXPERTS = {aten.conv1d.default, aten.conv1d.padding, aten.convolution.default,
-                aten.conv_transpose1d.default, aten._convolution.default}
+# ops taking one expert's matrix (or a row's expert's) out of a stacked weight along dim 0
+_SELECTIONS = {aten.index.Tensor, aten.select.int, aten.index_select.default, aten.unbind.int}
 _WALK = 200
 
 
@@ -87,11 +89,10 @@ def find_expert_layers(graph: fx.Graph) -> tuple[list[ExpertLayer], list[Unsuppo
     groups: dict = {}
     unsupported = []
     for param in (n for n in graph.nodes if n.op == "get_attr" and _stacked(n)):
-        uses = _uses(param)
-        if any(use.target in _NOT_EXPERTS for use, _ in uses):
-            continue
-        for use, via in uses:
-            offs = _grouped_mm_offs(use, via, shape(param)[0])
+        uses = [(use, via, _grouped_mm_offs(use, via, shape(param)[0])) for use, via in _uses(param)]
+        if not any(offs is not None or _selects_experts(use, via) for use, via, offs in uses):
+            continue  # a Conv1d's weight, a (1, tokens, dim) position table: no expert matrices
+        for use, via, offs in uses:
             if offs is not None:
                 groups.setdefault(offs, {}).setdefault(use, param.target)
             elif use.target not in _IGNORED:
@@ -125,6 +126,17 @@ def _uses(param: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
             else:
                 out.append((u, n))
     return out
+
+
+def _selects_experts(op: fx.Node, weight: fx.Node) -> bool:
+    """``op`` takes matrices out of ``weight`` (E, a, b) along dim 0: ``W[i]``, ``W[ids]``,
+    ``W.index_select(0, ids)``, ``W.unbind(0)`` (transformers' eager loop and batched_mm)."""
+    if op.op != "call_function" or op.target not in _SELECTIONS or op.args[0] is not weight:
+        return False
+    if op.target is aten.index.Tensor:
+        return bool(op.args[1]) and op.args[1][0] is not None
+    dim = op.args[1] if len(op.args) > 1 else op.kwargs.get("dim", 0)
+    return dim == 0
 
 
 def _grouped_mm_offs(op: fx.Node, weight: fx.Node, experts: int):

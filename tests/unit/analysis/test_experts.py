@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from parallelizer.analysis.experts import find_expert_layers
 from parallelizer.compiler import compile_model
@@ -120,3 +121,30 @@ def test_ep_with_tp_is_accepted():
 def test_ep_inside_pipeline_stages_is_accepted():
     # each stage's ep group splits that stage's experts (tests/distributed/test_expert_parallel_verify.py)
     assert load_spec(SPEC, ["mesh.dp=2", "mesh.ep=2", "mesh.pp=2"]).mesh.pp == 2
+
+
+class _ThreeDParams(torch.nn.Module):
+    """A (1, tokens, dim) position table, a depthwise Conv1d's (dim, 1, 3) weight and a stack
+    of (dim, dim) matrices taken out one by one (``W[i]``, the eager expert loop's read)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = torch.nn.Parameter(torch.randn(1, 8, 16))
+        self.conv = torch.nn.Conv1d(16, 16, 3, padding=1, groups=16)
+        self.stack = torch.nn.Parameter(torch.randn(4, 16, 16))
+
+    def forward(self, x):
+        x = x + self.pos
+        x = self.conv(x.transpose(1, 2)).transpose(1, 2)
+        return sum(x @ self.stack[i] for i in range(4))
+
+
+def test_only_3d_weights_whose_matrices_are_taken_out_are_expert_weights():
+    """A 3-D parameter read by neither a grouped matmul nor a selection along dim 0 is no
+    expert weight (a model with a position table or a Conv1d must not be refused at ep > 1
+    for it); the per-expert read ``W[i]`` is one, reported by op and source line."""
+    model = _ThreeDParams()
+    graph = capture(model, (torch.randn(2, 8, 16),), Path(__file__)).gm.graph
+    layers, unsupported = find_expert_layers(graph)
+    assert layers == [] and {u.weight for u in unsupported} == {"stack"}
+    assert unsupported[0].reason.startswith("read by aten.select.int at test_experts.py:")
