@@ -9,14 +9,18 @@ pass (passes/stack_experts.py) may rewrite into the stacked form expert parallel
 (rows concatenated, weights (E, out, in), grouped matmuls; analysis/experts.py finds it
 afterwards). The proof, on the graph, not on class names:
 
-- the linears reading ``P.0.*`` ... ``P.{E-1}.*`` (E >= 2 children of one module) are, per
-  child, bias-free ``F.linear``s on 2-D rows; with the row-wise ops between them (what
+- the children ``P.0`` ... ``P.{E-1}`` (E >= 2 of one module) are routed: each reads rows
+  selected for it alone (``x[idx]``, ``x[mask]``, ``index_select``: not the tensor every
+  child reads, as attention heads or parallel branches do) and none reads another's output (a
+  list of transformer layers is not a list of experts: each reads the one before). A routed
+  list failing any rule below is reported with the reason and the fix, not passed over;
+- the linears reading ``P.i.*`` are, per child, bias-free ``F.linear``s on 2-D rows, each
+  called once; with the row-wise ops between them (what
   :func:`~parallelizer.analysis.experts.row_region` keeps) they form the child's region;
 - every region reads only its rows from outside (no other tensor, no size of its own rows)
   and its child's weights, each of them in exactly one linear;
 - the regions are the same computation (op for op, argument for argument, weight slot for
-  weight slot) and none depends on another's output (a list of transformer layers is not a
-  list of experts: each reads the one before).
+  weight slot).
 
 Then ``cat(rows_i)`` through the region with expert ``i``'s weights on its segment, split
 back, computes what the loop computes, row for row.
@@ -68,8 +72,8 @@ class ModuleExperts:
 
 
 def find_module_experts(graph: fx.Graph) -> tuple[list[ModuleExperts], list[Unsupported]]:
-    """The per-module expert layers of ``graph``, and module lists that look like experts
-    (same linears per child, 2-D rows, independent) but cannot be stacked, with the reason."""
+    """The per-module expert layers of ``graph``, and routed module lists (each child on rows
+    of its own, independent of the others) that cannot be stacked, with the reason and fix."""
     by_parent: dict = {}
     for site in linear_sites(graph):
         m = _CHILD.match(site.weight)
@@ -83,22 +87,43 @@ def find_module_experts(graph: fx.Graph) -> tuple[list[ModuleExperts], list[Unsu
         if isinstance(found, ModuleExperts):
             layers.append(found)
         elif found:
+            reason, fix = found if isinstance(found, tuple) else (found, _FIX)
             unsupported.append(Unsupported(
                 parent, children[0][0].weight, f"a list of expert modules that cannot be "
-                f"stacked into one grouped computation: {found}",
-                "make the experts bias-free F.linear layers computing the same thing on their "
-                "rows only, or set mesh.ep=1"))
+                f"stacked into one grouped computation: {reason}", fix))
     return layers, unsupported
 
 
+_FIX = ("make the experts bias-free F.linear layers computing the same thing on their rows "
+        "only, or set mesh.ep=1")
+
+
 def _layer(graph: fx.Graph, parent: str, children: list):
-    """The layer, a reason it cannot be stacked, or '' when ``parent`` is no expert list."""
+    """The layer; a reason it cannot be stacked (or (reason, fix)); '' when ``parent`` is no
+    expert list: its children do not each run on rows selected for it (transformer blocks
+    read the one before, attention heads or parallel branches all read the same tensor)."""
     order = {n: i for i, n in enumerate(graph.nodes)}
-    if not all(_rows_2d(s) for sites in children for s in sites):
-        return ""
     spans = [_span(sites, order) for sites in children]
-    if not _independent(spans, order):
+    closed = _closed(spans, order)
+    if closed is None or not _routed(spans):
         return ""
+    for i, sites in enumerate(children):
+        calls = _calls(parent, i, sites)
+        if calls:
+            return calls
+        if closed[i] is not None:
+            n = closed[i]
+            return (f"{parent}.{i}: {n.target} ({source_line(n)}) between its linears is not an op "
+                    f"that computes each row from the same row alone, so the experts' rows cannot "
+                    f"run through it at once",
+                    "keep only row-wise ops (activations, products, casts) between an expert's "
+                    "linears (dropout after the expert, not inside it), or set mesh.ep=1")
+        flat = next((s for s in sites if not _rows_2d(s)), None)
+        if flat is not None:
+            return (f"{parent}.{i}: {flat.weight}'s linear ({source_line(flat.node)}) runs on rows "
+                    f"of shape {tuple(shape(flat.x))}; experts are stacked on 2-D rows (tokens, dim)",
+                    "call each expert on its (tokens, dim) rows (expert(x[idx]), not "
+                    "expert(x[None, idx])), or set mesh.ep=1")
     parts = [_check(parent, i, sites, *span) for i, (sites, span) in enumerate(zip(children, spans))]
     bad = next((p for p in parts if isinstance(p, str)), None)
     if bad is not None:
@@ -174,19 +199,71 @@ class _Outside(Exception):
         self.arg, self.node = arg, node
 
 
-def _independent(spans: list, order: dict) -> bool:
-    """No child's inputs depend on any child's region (ancestors walked back to the first
-    region node: nothing earlier can depend on one)."""
-    members = {n for region, _ in spans for n in region}
-    start = min(order[n] for n in members)
-    frontier = [x for _, inputs in spans for x in inputs]
-    seen = set()
+def _calls(parent: str, i: int, sites: list):
+    """Why expert ``i`` cannot be stacked when a linear of it runs more than once ('' if none)."""
+    reads: dict = {}
+    for s in sites:
+        reads.setdefault(s.weight, []).append(s.node)
+    weight, nodes = max(reads.items(), key=lambda kv: len(kv[1]))
+    if len(nodes) < 2:
+        return ""
+    where = ", ".join(dict.fromkeys(source_line(n, outer=1) or source_line(n) for n in nodes))
+    return (f"{parent}.{i} is called {len(nodes)} times (at {where}; {weight} is read each "
+            f"time), once per call site or top-k choice; the stacked form runs each expert once "
+            f"on all its rows",
+            "give each expert all its rows in one call (the rows of every top-k choice: "
+            "torch.where(selected == i) on the (tokens, k) choices), or set mesh.ep=1")
+
+
+def _ancestors(inputs: list, start: int, order: dict) -> set:
+    """Every node ``inputs`` depend on from graph position ``start`` on (nothing earlier can
+    depend on a node after it)."""
+    seen, frontier = set(), list(inputs)
     while frontier:
         n = frontier.pop()
-        if n in members:
-            return False
         if n in seen or order[n] < start:
             continue
         seen.add(n)
         frontier += n.all_input_nodes
-    return True
+    return seen
+
+
+def _closed(spans: list, order: dict):
+    """Per child, None or the input of its region that depends on the region itself (an op
+    between its linears that is not row-wise: a dropout); None overall when a child's inputs
+    depend on another child's region (each layer of a stack reads the one before)."""
+    regions = [set(region) for region, _ in spans]
+    start = min(order[n] for region in regions for n in region)
+    out = []
+    for i, (_, inputs) in enumerate(spans):
+        for k, r in enumerate(regions):
+            if k != i and any(a in r for a in _ancestors(inputs, start, order)):
+                return None
+        out.append(next((x for x in inputs if _ancestors([x], start, order) & regions[i]), None))
+    return out
+
+
+_SELECTIONS = {aten.index.Tensor, aten.index_select.default, aten.masked_select.default}
+_ROUTE_DEPTH = 12
+
+
+def _routed(spans: list) -> bool:
+    """Every child reads rows selected for it alone: near its inputs (within a few ops: an
+    RMSNorm inside the expert) is a row selection by a tensor (``x[idx]``, ``x[mask]``,
+    ``index_select``) that no other child's inputs come from."""
+    found = [_selections(inputs) for _, inputs in spans]
+    return all(f - set().union(*(g for k, g in enumerate(found) if k != i))
+               for i, f in enumerate(found))
+
+
+def _selections(inputs: list) -> set:
+    seen, frontier, out = set(), [(x, 0) for x in inputs], set()
+    while frontier:
+        n, depth = frontier.pop()
+        if n in seen or depth > _ROUTE_DEPTH:
+            continue
+        seen.add(n)
+        if n.op == "call_function" and n.target in _SELECTIONS:
+            out.add(n)
+        frontier += [(a, depth + 1) for a in n.all_input_nodes]
+    return out

@@ -283,15 +283,15 @@ def _view_base(node: fx.Node) -> fx.Node:
     return node
 
 
-def source_line(node: fx.Node) -> str:
+def source_line(node: fx.Node, outer: int = 0) -> str:
     """``file.py:line`` of the innermost frame of ``node``'s stack trace outside torch
-    (the model code that produced it), or '' when export recorded none."""
+    (the model code that produced it; ``outer`` = 1: the line that called that code), or ''
+    when export recorded none."""
     trace = node.meta.get("stack_trace") or ""
-    frames = re.findall(r'File "([^"]+)", line (\d+)', trace)
-    for path, line in reversed(frames):
-        if f"{os.sep}torch{os.sep}" not in path:
-            return f"{os.path.basename(path)}:{line}"
-    return ""
+    frames = [f"{os.path.basename(path)}:{line}"
+              for path, line in reversed(re.findall(r'File "([^"]+)", line (\d+)', trace))
+              if f"{os.sep}torch{os.sep}" not in path]
+    return frames[outer] if len(frames) > outer else ""
 
 
 # ops that keep logits sharded along their last (vocabulary) dim column for column: dtype

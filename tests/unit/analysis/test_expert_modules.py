@@ -151,3 +151,104 @@ def test_tp_that_splits_only_the_experts_compiles_and_says_so(capsys):
         program.warnings
     assert any(n.startswith("tensor parallel: 16 of 18 weight matrices in blocks sharded")
                for n in program.notes), program.notes
+
+
+def _rows_3d(self, inputs):
+    weights, selected = torch.topk(self.gate(inputs), 2)
+    weights, results = F.softmax(weights, dim=1), torch.zeros_like(inputs)
+    for i, expert in enumerate(self.experts):
+        batch_idx, nth = torch.where(selected == i)
+        results[batch_idx] += weights[batch_idx, nth, None] * expert(inputs[None, batch_idx])[0]
+    return results
+
+
+def _dropout_inside(self, x):
+    return self.w2(F.dropout(F.silu(self.w1(x)) * self.w3(x), 0.1, self.training))
+
+
+def _patched(layer_forward=None, expert_forward=None):
+    m = _module("mistral_moe_reference")
+    model = m.build_model()
+    for block in model.layers:
+        moe = block.feed_forward
+        if layer_forward:
+            moe.forward = layer_forward.__get__(moe)
+        for e in moe.experts if expert_forward else ():
+            e.forward = expert_forward.__get__(e)
+    return model
+
+
+@pytest.mark.parametrize("layer, expert, reason, fix", [
+    (_rows_3d, None, r"layers.0.feed_forward.experts.0: layers.0.feed_forward.experts.0.w1.weight's "
+     r"linear \(mistral_moe_reference.py:\d+\) runs on rows of shape \(1, u\d+, 32\); experts are "
+     r"stacked on 2-D rows", r"call each expert on its \(tokens, dim\) rows"),
+    (None, _dropout_inside, r"layers.0.feed_forward.experts.0: aten.dropout.default "
+     r"\(\w+.py:\d+\) between its linears is not an op that computes each row",
+     r"keep only row-wise ops .* \(dropout after the expert, not inside it\)")])
+def test_routed_experts_in_a_form_that_cannot_be_stacked_are_refused_with_reason_and_fix(
+        layer, expert, reason, fix):
+    """A list of experts each on rows routed to it, written in a form the stacked program does
+    not run, is named with the line and what to change, not "no mixture-of-experts layer"."""
+    model = _patched(layer, expert)
+    spec = load_spec(SPEC, ["mesh.dp=2", "mesh.ep=2"])
+    with pytest.raises(PlanError, match=r"mesh.ep=2: the experts of layers.0.feed_forward.experts "
+                                        r".* cannot be stacked into one grouped computation: "
+                                        + reason + r".*Fix: " + fix):
+        compile_module(model, _module("mistral_moe_reference").example_inputs(), spec,
+                       _module("mistral_moe_reference").loss_fn, reference=False)
+
+
+def test_expert_called_once_per_top_k_choice_is_refused_naming_the_call(tmp_path):
+    """The loop over top-k choices outside the loop over experts calls each expert k times:
+    the error names the line of the call (in the user's file, not the expert's forward)."""
+    source = (MODELS / "mistral_moe_reference.py").read_text().replace(
+        """        for i, expert in enumerate(self.experts):
+            batch_idx, nth_expert = torch.where(selected_experts == i)
+            results[batch_idx] += weights[batch_idx, nth_expert, None] * expert(inputs[batch_idx])""",
+        """        for k in range(TOP_K):
+            for i, expert in enumerate(self.experts):
+                idx = torch.where(selected_experts[:, k] == i)[0]
+                results[idx] += weights[idx, k, None] * expert(inputs[idx])""")
+    path = tmp_path / "per_choice.py"
+    path.write_text(source)
+    line = source.splitlines().index("                results[idx] += weights[idx, k, None] * "
+                                     "expert(inputs[idx])") + 1
+    with pytest.raises(PlanError, match=rf"layers.0.feed_forward.experts.0 is called 2 times \(at "
+                                        rf"per_choice.py:{line}; layers.0.feed_forward.experts.0.w1"
+                                        rf".weight is read each time\).*Fix: give each expert all "
+                                        rf"its rows in one call"):
+        compile_model(path, load_spec(SPEC, ["mesh.dp=2", "mesh.ep=2"]), weights=False)
+
+
+def _branches(self, inputs):
+    return sum(e(inputs) for e in self.experts) / len(self.experts)
+
+
+class _Head(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.key, self.query, self.value = (nn.Linear(32, 8, bias=False) for _ in range(3))
+
+    def forward(self, x):
+        q, k, v = self.query(x), self.key(x), self.value(x)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class _Heads(nn.Module):
+    """Attention heads as a list of modules (the way nanoGPT's lecture code writes them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.heads = nn.ModuleList(_Head() for _ in range(4))
+
+    def forward(self, x):
+        return torch.cat([h(x) for h in self.heads], dim=-1)
+
+
+def test_lists_of_modules_on_the_same_input_are_no_experts():
+    """Router-less parallel branches and attention heads each read the whole input, not rows
+    routed to them: no expert layer, nothing reported (ep > 1 then says the model has none)."""
+    captured = _captured("mistral_moe_reference", _patched(_branches))
+    assert find_module_experts(captured.gm.graph) == ([], [])
+    heads = capture(_Heads(), (torch.randn(2, 8, 32),), Path(__file__))
+    assert find_module_experts(heads.gm.graph) == ([], [])
