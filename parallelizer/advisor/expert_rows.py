@@ -1,7 +1,7 @@
 """Rows per expert for the estimate's forward when the model counts them at run time.
 
 Per-module experts (a loop over an ``nn.ModuleList``, each expert taking its rows by
-``torch.where``; passes/stack_experts.py) give FakeTensors of unbacked sizes: one symbol per
+``torch.where`` or a boolean mask; passes/stack_experts.py) give FakeTensors of unbacked sizes: one symbol per
 expert, whose value is the routing's. ``parallelize estimate`` assumes balanced routing, as
 it does for the all-to-all buffers (runtime/expert_parallel.py ``BalancedShapes``): each of
 a layer's E experts gets ``1/E`` of the (token, choice) pairs its mask is taken over, i.e.
@@ -16,7 +16,7 @@ from ..runtime import grouped_mm  # noqa: F401  (registers parallelizer::row_off
 
 
 class BalancedExpertRows(TorchDispatchMode):
-    """Records the mask size behind each ``nonzero``'s row symbol and, at the
+    """Records the mask size behind each ``nonzero``'s (or ``x[mask]``'s) row symbol and, at the
     ``parallelizer::row_offsets`` of a stacked layer, sets each of its E experts' row count
     to that size over E; :meth:`value` makes a size an int with them (0 for a symbol no
     stacked layer counted)."""
@@ -28,8 +28,9 @@ class BalancedExpertRows(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func is torch.ops.aten.nonzero.default and isinstance(out.shape[0], torch.SymInt):
-            self.mask_numel[out.shape[0].node.expr] = int(args[0].numel())
+        mask = _mask(func, args)
+        if mask is not None and isinstance(out.shape[0], torch.SymInt):
+            self.mask_numel[out.shape[0].node.expr] = int(mask.numel())
         elif func is torch.ops.parallelizer.row_offsets.default:
             for rows in args[0]:
                 n = rows.shape[0]
@@ -43,3 +44,14 @@ class BalancedExpertRows(TorchDispatchMode):
             return int(size)
         expr = size.node.expr
         return int(expr.xreplace({s: self.values.get(s, 0) for s in expr.free_symbols}))
+
+
+def _mask(func, args):
+    """The routing mask whose true entries an op's rows count: ``nonzero``'s input, or the
+    boolean index of ``x[mask]`` (a bool index reaches the fake kernel as ``aten.index``,
+    which counts its rows without a ``nonzero`` this mode would see)."""
+    if func is torch.ops.aten.nonzero.default:
+        return args[0]
+    if func is torch.ops.aten.index.Tensor:
+        return next((i for i in args[1] if isinstance(i, torch.Tensor) and i.dtype == torch.bool), None)
+    return None

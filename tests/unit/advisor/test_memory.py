@@ -214,3 +214,18 @@ def test_estimate_counts_experts_per_ep_rank():
     dense = ep1[0].parameters - experts  # FSDP2-sharded over the 2 dp ranks
     assert [r.parameters for r in z3] == [dense // 2 + experts // 2] * 2
     assert all(r.gathered_parameters <= dense for r in z3)  # experts never all-gathered
+
+
+@pytest.mark.parametrize("name, rows", [("mistral_moe_reference", 4 * 8 * 2),  # torch.where, top-2
+                                        ("switch_conv", 4 * 8 * 1)])            # x[mask], top-1
+def test_estimate_values_per_module_expert_rows_at_balanced_routing(name, rows):
+    """Per-module experts count their rows at run time (``torch.where`` of the routing mask, or
+    a boolean index ``x[mask]``, which reaches the estimate's fake forward as ``aten.index``
+    without a ``nonzero``): the all-to-all buffers are 3 x the dispatched rows (4 x 8 tokens per
+    rank x top-k) x hidden 32 x 4 bytes, and the experts' activations are counted."""
+    from pathlib import Path
+    from parallelizer.advisor.memory import estimate_model_file
+    models = Path(__file__).resolve().parents[2] / "distributed" / "user_models"
+    spec = load_spec(models / "spec.yaml", ["mesh.dp=2", "mesh.ep=2"])
+    _, ranks = estimate_model_file(models / f"{name}.py", spec)
+    assert {r.alltoall_buffers for r in ranks} == {3 * rows * 32 * 4}
