@@ -7,12 +7,13 @@ program under ``--verify``."""
 from __future__ import annotations
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from ..frontend.capture import split_args
 from ..frontend.model_file import call_loss_fn
 from ..runtime.optim import make_optimizer
 from ..runtime.rng import EagerDropoutOff, RandomStandIns
+from ..runtime.verify import not_sample_mean_text
 
 
 def compute_reference(model: torch.nn.Module, batch, loss_fn, input_names, spec,
@@ -23,6 +24,10 @@ def compute_reference(model: torch.nn.Module, batch, loss_fn, input_names, spec,
     flat_in, _ = tree_flatten((args, kwargs))
     ref = {f"input.{n}": t.detach().clone().contiguous() for n, t in zip(input_names, flat_in)}
     model.zero_grad(set_to_none=True)
+    chunks = spec.mesh.dp * spec.pipeline.microbatches
+    chunked = chunked_loss(model, batch, loss_fn, chunks, model_file)
+    if chunked is not None:
+        ref["loss.chunked"] = chunked
     with EagerDropoutOff(), RandomStandIns():
         outputs = model(*args, **kwargs)
     loss = call_loss_fn(loss_fn, outputs, batch, model_file,
@@ -42,6 +47,48 @@ def compute_reference(model: torch.nn.Module, batch, loss_fn, input_names, spec,
     for name, p in named.items():
         ref[f"param.{name}"] = p.detach().clone()
     return ref
+
+
+def chunked_loss(model: torch.nn.Module, batch, loss_fn, chunks: int, model_file=None):
+    """The mean of the model's loss over ``chunks`` equal row chunks of ``batch`` (in order:
+    the data-parallel ranks' rows, each cut into its microbatches), as the program computes
+    its loss; 0-dim fp32, or None when ``chunks`` is 1 or does not divide the rows. Forward
+    only; buffers a forward updates (BatchNorm's running statistics) and the random number
+    generator's state are put back, so the reference step after it is unchanged.
+
+    A loss that is a mean over samples gives the whole batch's loss back (to rounding); one
+    that is not (a router auxiliary loss over the batch's routing, batch statistics) does not,
+    and no data-parallel program can then equal the whole-batch reference (see
+    runtime/verify.py)."""
+    flat, _ = tree_flatten(batch)
+    rows = next((t.shape[0] for t in flat if isinstance(t, torch.Tensor) and t.dim()), 0)
+    if chunks <= 1 or not rows or rows % chunks:
+        return None
+    n = rows // chunks
+    buffers = {k: b.detach().clone() for k, b in model.named_buffers()}
+    losses = []
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), EagerDropoutOff(), RandomStandIns():
+            for c in range(chunks):
+                part = tree_map(lambda t: t[c * n:(c + 1) * n] if isinstance(t, torch.Tensor)
+                                and t.dim() and t.shape[0] == rows else t, batch)
+                a, kw = split_args(part)
+                losses.append(call_loss_fn(loss_fn, model(*a, **kw), part, model_file).float())
+    finally:
+        for k, b in model.named_buffers():
+            b.copy_(buffers[k])
+    return torch.stack(losses).mean().reshape(())
+
+
+def not_sample_mean(ref: dict, spec) -> list[str]:
+    """A warning when the reference's loss over the program's row chunks (``loss.chunked``)
+    is not its whole-batch loss within ``verify.atol`` / ``verify.rtol``, else []."""
+    chunked = ref.get("loss.chunked")
+    if chunked is None or torch.allclose(chunked, ref["loss"].float(), atol=spec.verify.atol,
+                                         rtol=spec.verify.rtol):
+        return []
+    return [not_sample_mean_text(spec.mesh.dp, spec.pipeline.microbatches, chunked.item(),
+                                 ref["loss"].item())]
 
 
 def stack_reference(ref: dict, stacked: dict) -> dict:

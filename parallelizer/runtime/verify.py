@@ -43,6 +43,19 @@ def tolerances(vcfg: dict, param_dtype: str, compression: str = "none") -> tuple
     return max([vcfg["atol"]] + [a for a, _ in floors]), max([vcfg["rtol"]] + [r for _, r in floors])
 
 
+def not_sample_mean_text(dp: int, microbatches: int, chunked: float, whole: float) -> str:
+    """Why a data-parallel program cannot equal a whole-batch reference whose loss is not a
+    mean over samples (emit/reference.py ``chunked_loss``), and what to verify instead."""
+    return (f"the loss is not a mean over samples: on the batch cut into mesh.dp ({dp}) x "
+            f"pipeline.microbatches ({microbatches}) chunks, as the program computes it, the "
+            f"unmodified model's loss averages to {chunked:.6f}, on the whole batch it is "
+            f"{whole:.6f} (a router auxiliary loss, batch statistics such as BatchNorm's); every "
+            f"data-parallel program, as DDP or FSDP training, computes the chunks' mean, so "
+            f"run.py --verify against the whole-batch reference differs by that much. Verify "
+            f"the layout at mesh.dp=1 pipeline.microbatches=1 (tp, pp with one microbatch) to "
+            f"compare exactly")
+
+
 def compression_rule(plan: ParallelPlan) -> str:
     """How --verify judges gradients and parameters under ``plan.compression`` (printed)."""
     c = plan.compression
@@ -123,7 +136,7 @@ def run_verify(out_dir: Path, plan: ParallelPlan, spec: dict, stage, ctx: RankCo
     param_bound = (lambda fqn, want: 2 * lr * want.numel() ** 0.5) if dropped and not sgd else None
     _compare_tensors(tally, "parameters", "param", stage, plan, ctx, ref,
                      lambda p: p - lr * dropped[id(p)] if sgd and id(p) in dropped else p, param_bound)
-    return _report(tally, plan, vcfg["optimizer"], loss, ref["loss"], ctx, skipped)
+    return _report(tally, plan, vcfg["optimizer"], loss, ref, ctx, skipped)
 
 
 def _mean_residuals(stage, ctx: RankContext, runner: StepRunner) -> dict:
@@ -190,7 +203,8 @@ def _compare_tensors(tally, cat, key, stage, plan, ctx, ref, pick, bound=None):
             tally.add(cat, f"{name} (kv head copies)", torch.tensor([spread]), torch.zeros(1))
 
 
-def _report(tally: _Tally, plan, opt_name, loss, ref_loss, ctx, skipped=()) -> int:
+def _report(tally: _Tally, plan, opt_name, loss, ref: dict, ctx, skipped=()) -> int:
+    ref_loss = ref["loss"]
     errs = torch.tensor([tally.err[c] for c in CATEGORIES], dtype=torch.float64)
     bad = torch.tensor([tally.bad[c] for c in CATEGORIES], dtype=torch.float64)
     dist.all_reduce(errs, op=dist.ReduceOp.MAX)
@@ -226,5 +240,11 @@ def _report(tally: _Tally, plan, opt_name, loss, ref_loss, ctx, skipped=()) -> i
             worst = [f"{c} ({int(b)} mismatched; worst on rank 0: {tally.worst[c] or '-'})"
                      for c, b in zip(CATEGORIES, bad.tolist()) if b]
             print("verify: mismatches in " + "; ".join(worst))
+        if not ok and "loss.chunked" in ref:
+            print(f"verify: {not_sample_mean_text(m['dp'], plan.microbatches, ref['loss.chunked'].item(), ref_loss.item())}"
+                  if not torch.allclose(ref["loss.chunked"], ref_loss.float(), atol=tally.atol,
+                                        rtol=tally.rtol) else
+                  "verify: the unmodified model's loss over this program's dp x microbatch "
+                  "chunks averages to its whole-batch loss, so the loss is a mean over samples")
         print("PASS" if ok else "FAIL", flush=True)
     return 0 if ok else 1

@@ -302,3 +302,21 @@ def test_grad_norm_at_ep2_x_tp2_counts_every_expert_shard_once(tmp_path, tools):
         print(f"\nstep {step}: grad norm {norm:.9f} original model {ref_norm:.9f}", end="")
         assert abs(norm - ref_norm) <= 1e-6 and abs(loss - ref_loss) <= 1e-5, (step, norm, ref_norm)
     tools.check_exit(res)
+
+
+@pytest.mark.timeout(300)
+def test_router_auxiliary_loss_under_dp_verify_fail_says_why(tmp_path, tools):
+    """A router auxiliary loss is over the batch's routing, so the mean over the dp x
+    microbatch chunks every data-parallel program computes is not the whole batch's loss:
+    --verify at dp2 x ep2 FAILs against the whole-batch reference, prints the unmodified
+    model's own loss over those chunks, and that is the program's loss (to 1e-5)."""
+    _compile("mixtral_aux", tmp_path / "out")
+    res = tools.torchrun(tmp_path / "out", 2, "--verify", timeout=240)
+    assert res.code != 0 and "FAIL" in res.stdout, res.explain()
+    got = float(re.search(r"^verify: loss (\S+) \(reference", res.stdout, re.M).group(1))
+    hint = re.search(r"^verify: the loss is not a mean over samples: on the batch cut into "
+                     r"mesh.dp \(2\) x pipeline.microbatches \(2\) chunks, as the program "
+                     r"computes it, the unmodified model's loss averages to (\S+), on the whole "
+                     r"batch it is (\S+) ", res.stdout, re.M)
+    assert hint, res.explain()
+    assert abs(got - float(hint.group(1))) <= 1e-5 < abs(got - float(hint.group(2)))

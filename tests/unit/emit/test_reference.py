@@ -1,0 +1,65 @@
+"""The reference step's loss over the program's row chunks (emit/reference.py): a loss that
+is a mean over samples gives the whole batch's loss back, one over batch statistics does not,
+and the compile says so instead of leaving run.py --verify to FAIL unexplained."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from parallelizer.compiler import compile_model
+from parallelizer.emit.reference import chunked_loss, compute_reference, not_sample_mean
+from parallelizer.frontend.spec import load_spec
+
+MODELS = Path(__file__).resolve().parents[2] / "distributed" / "user_models"
+SPEC = MODELS / "spec.yaml"
+
+
+def _mse(out, batch):
+    return F.mse_loss(out, torch.zeros_like(out))
+
+
+def _batch():
+    return (torch.randn(8, 6, generator=torch.Generator().manual_seed(0)),)
+
+
+@pytest.mark.parametrize("norm, separable", [(nn.LayerNorm, True), (nn.BatchNorm1d, False)])
+def test_loss_over_chunks_is_the_whole_batch_loss_only_for_a_mean_over_samples(norm, separable):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), norm(6), nn.Linear(6, 3)).train()
+    spec = load_spec(SPEC, ["mesh.dp=2", "pipeline.microbatches=2"])
+    ref = compute_reference(model, _batch(), _mse, ["x"], spec)
+    chunked = ref["loss.chunked"]
+    assert chunked.shape == () and torch.isclose(chunked, ref["loss"]) == separable
+    warnings = not_sample_mean(ref, spec)
+    if separable:
+        assert warnings == []
+    else:
+        assert len(warnings) == 1 and warnings[0].startswith(
+            "the loss is not a mean over samples: on the batch cut into mesh.dp (2) x "
+            "pipeline.microbatches (2) chunks") and f"averages to {chunked.item():.6f}" in warnings[0]
+        # the chunks' forwards put BatchNorm's running statistics back: only the reference
+        # step's own forward moved them
+        torch.manual_seed(0)
+        again = nn.Sequential(nn.Linear(6, 6), norm(6), nn.Linear(6, 3)).train()
+        again(_batch()[0])
+        assert torch.equal(model[1].running_mean, again[1].running_mean)
+
+
+def test_one_chunk_or_rows_it_does_not_split_give_no_chunked_loss():
+    model = nn.Linear(6, 3)
+    assert chunked_loss(model, _batch(), _mse, 1) is None
+    assert chunked_loss(model, _batch(), _mse, 3) is None
+
+
+def test_router_auxiliary_loss_under_dp_is_a_compile_warning():
+    """Mixtral returning its load-balancing loss (transformers' own): the mean of the loss over
+    the dp x microbatch chunks is not the whole batch's; the compile warns, naming both."""
+    program = compile_model(MODELS / "mixtral_aux.py", load_spec(SPEC, ["mesh.dp=2"]))
+    text = "\n".join(program.warnings)
+    assert "the loss is not a mean over samples: on the batch cut into mesh.dp (2) x " \
+           "pipeline.microbatches (2) chunks" in text, program.warnings
+    assert "Verify the layout at mesh.dp=1 pipeline.microbatches=1" in text
