@@ -34,6 +34,7 @@ def apply_tensor_parallel(gm: fx.GraphModule, decision: TPDecision) -> bool:
     if not decision.column and not decision.row:
         return False
     graph = gm.graph
+    _copy_global_sizes(graph, decision.size_copies)
     rewrite_constants(graph, decision.rewrites)
     _insert_narrows(graph, decision.narrows)
     _insert_redistributions(graph, decision.redistributions)
@@ -45,6 +46,19 @@ def apply_tensor_parallel(gm: fx.GraphModule, decision: TPDecision) -> bool:
     graph.lint()
     gm.recompile()
     return True
+
+
+def _copy_global_sizes(graph: fx.Graph, copies: dict) -> None:
+    """Before a size node is rewritten to its local value, the ops on replicated values it
+    also sizes read a copy of it that keeps the global value."""
+    by_name = {n.name: n for n in graph.nodes}
+    for name, users in copies.items():
+        size = by_name[name]
+        with graph.inserting_after(size):
+            copy = graph.node_copy(size)
+        copy.meta = dict(size.meta)
+        for u in users:
+            by_name[u].replace_input_with(size, copy)
 
 
 def rewrite_constants(graph: fx.Graph, rewrites: dict) -> None:

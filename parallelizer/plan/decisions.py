@@ -62,6 +62,9 @@ class TPDecision:
     # node name -> dim: a replicated per-head value (ALiBi slopes) each rank cuts to its block
     # of heads (runtime/tp.py scatter_to_tp_region), inserted after that node
     narrows: dict = field(default_factory=dict)
+    # size node rewritten to its local value -> the ops on replicated values it also sizes,
+    # which read a copy keeping the global value (analysis/sharding/strided.py check_sizes)
+    size_copies: dict = field(default_factory=dict)
     # Redistribution, in graph order of the producers
     redistributions: list = field(default_factory=list)
     # node name -> placement of the settled propagation (analysis/sharding/placements.py:

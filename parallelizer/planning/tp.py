@@ -64,6 +64,7 @@ def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False,
     _check_divisible(prop, tp)
     layouts = prop.found_layouts()
     decision.column, decision.row, decision.rewrites = column, row, prop.rewrites
+    decision.size_copies = dict(prop.size_copies)
     by_name = {n.name: n for n in graph.nodes}
     decision.placements = dict(prop.placements)
     for site in sites:

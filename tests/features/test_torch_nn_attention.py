@@ -6,7 +6,10 @@ timm's ViT spelling of the same packing (``qkv(x).reshape(B, N, 3, H, D).permute
 4).unbind(0)``).
 The in_proj becomes column parallel with a ``fused [E, E, E]`` layout (each rank its block
 of q, of k and of v), out_proj row parallel; the compile's self-check runs every tp rank
-against the model in one process."""
+against the model in one process. With a key_padding_mask (the mask expanded over the heads
+keeps the global ``bsz * num_heads``, each rank cuts its heads at SDPA) and with
+need_weights (the heads-outer view back to (L * B, E), the weights' mean over the heads an
+all-reduce) too."""
 from __future__ import annotations
 
 import pytest
@@ -21,17 +24,27 @@ VOCAB, DIM, HEADS = 64, 32, 4
 
 
 class _PreNorm(nn.Module):
-    """batch_first MultiheadAttention, pre-norm, GELU MLP (torchvision's ViT block shape)."""
+    """batch_first MultiheadAttention, pre-norm, GELU MLP (torchvision's ViT block shape).
+    ``padding``: a key_padding_mask (the last two keys), which torch expands over the heads
+    and reshapes by the same ``bsz * num_heads`` it merges q with; ``weights``: need_weights
+    (the default), torch's path without SDPA whose output is viewed (L * B, E) from
+    (L, B * H, head_dim) and whose weights are averaged over the heads."""
 
-    def __init__(self):
+    def __init__(self, padding=False, weights=False):
         super().__init__()
+        self.padding, self.weights = padding, weights
         self.ln1, self.ln2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
         self.attn = nn.MultiheadAttention(DIM, HEADS, batch_first=True)
         self.mlp = nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM))
 
     def forward(self, x):
         h = self.ln1(x)
-        x = x + self.attn(h, h, h, need_weights=False)[0]
+        pad = None
+        if self.padding:
+            pad = torch.zeros(x.shape[:2], dtype=torch.bool)
+            pad[:, -2:] = True
+        out, avg = self.attn(h, h, h, key_padding_mask=pad, need_weights=self.weights)
+        x = x + out + (avg.sum(-1, keepdim=True) if self.weights else 0)
         return x + self.mlp(self.ln2(x))
 
 
@@ -65,8 +78,9 @@ class _Model(nn.Module):
         super().__init__()
         self.kind = kind
         self.emb = nn.Embedding(VOCAB, DIM)
-        if kind == "multihead_attention":
-            self.blocks = nn.ModuleList(_PreNorm() for _ in range(2))
+        if kind.startswith("multihead_attention"):
+            self.blocks = nn.ModuleList(_PreNorm("padding" in kind, "weights" in kind)
+                                        for _ in range(2))
         elif kind == "timm_attention":
             self.blocks = nn.ModuleList(_TimmBlock() for _ in range(2))
         else:  # seq-first, post-norm, ReLU, dropout 0.1 as torch configures it
@@ -76,10 +90,12 @@ class _Model(nn.Module):
 
     def forward(self, ids):
         h = self.emb(ids)
-        if self.kind != "transformer_encoder":
+        if not self.kind.startswith("transformer_encoder"):
             for block in self.blocks:
                 h = block(h)
             return self.head(h)
+        if self.kind == "transformer_encoder_padding":  # token 0 is padding
+            return self.head(self.enc(h.transpose(0, 1), src_key_padding_mask=ids == 0).transpose(0, 1))
         mask = nn.Transformer.generate_square_subsequent_mask(ids.shape[1])
         return self.head(self.enc(h.transpose(0, 1), mask=mask, is_causal=True).transpose(0, 1))
 
@@ -91,13 +107,19 @@ def _loss(logits, batch):
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("kind, qkv, out", [
     ("multihead_attention", "blocks.{i}.attn.in_proj_weight", "blocks.{i}.attn.out_proj.weight"),
+    ("multihead_attention_padding", "blocks.{i}.attn.in_proj_weight", "blocks.{i}.attn.out_proj.weight"),
+    ("multihead_attention_weights", "blocks.{i}.attn.in_proj_weight", "blocks.{i}.attn.out_proj.weight"),
     ("transformer_encoder", "enc.layers.{i}.self_attn.in_proj_weight",
+     "enc.layers.{i}.self_attn.out_proj.weight"),
+    ("transformer_encoder_padding", "enc.layers.{i}.self_attn.in_proj_weight",
      "enc.layers.{i}.self_attn.out_proj.weight"),
     ("timm_attention", "blocks.{i}.attn.qkv.weight", "blocks.{i}.attn.proj.weight")])
 def test_torch_attention_is_sharded_and_passes_the_self_check(kind, qkv, out, tp):
     torch.manual_seed(0)
     model = _Model(kind)
-    batch = (torch.randint(0, VOCAB, (4, 8), generator=torch.Generator().manual_seed(1)),)
+    ids = torch.randint(1, VOCAB, (4, 8), generator=torch.Generator().manual_seed(1))
+    ids[1, -3:] = 0  # padding in one sequence (transformer_encoder_padding's mask)
+    batch = (ids,)
     program = compile_module(model, batch, Spec.model_validate({"mesh": {"tp": tp}}), _loss,
                              reference=False)
     notes = "\n".join(program.notes)

@@ -65,6 +65,7 @@ class Propagation:
     # operands; DTensor's _StridedShard): node name -> global heads; the placement is that dim
     strided: dict = field(default_factory=dict)
     strided_sizes: dict = field(default_factory=dict)  # size node -> views whose dim it sizes
+    size_copies: dict = field(default_factory=dict)  # rewritten size node -> replicated users
     # replicated values each rank cuts to its block along a dim (ALiBi slopes before the
     # repeat that merges them with the batch): node name -> (dim, column groups)
     narrow: dict = field(default_factory=dict)

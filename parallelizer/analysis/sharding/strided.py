@@ -26,8 +26,8 @@ import operator
 import torch.fx as fx
 
 from ..graph_facts import aten, expr, is_tensor, module_path, prod, same, shape
-from .placements import CONFLICT, Shard
-from .state import add_constraint, add_rewrite, dim_of, inputs_of, sizes_arg
+from .placements import CONFLICT, REPLICATE, Shard
+from .state import add_constraint, add_rewrite, dim_of, inputs_of, placement, sizes_arg
 
 _SAME = {aten.to.dtype, aten._to_copy.default, aten.clone.default, aten.contiguous.default,
          aten.alias.default, aten.detach.default, aten.type_as.default}
@@ -78,7 +78,7 @@ def strided_view(node, prop, tp, d):
     sizes = sizes_arg(node)
     e = next((e for e in range(len(outs)) if same(prod(outs[:e + 1]), prod(ins[:d + 1]))), None)
     if e is None:
-        return CONFLICT
+        return _heads_outer(node, prop, tp, d, heads)
     if same(prod(outs[:e]), prod(ins[:d])):  # the merged dim kept as it is
         if not local_merged_size(node, prop, e, heads, tp):
             return CONFLICT
@@ -91,6 +91,27 @@ def strided_view(node, prop, tp, d):
         add_rewrite(prop, node, 1, e, heads // tp)
     elif e < len(sizes) and isinstance(sizes[e], fx.Node):
         return CONFLICT
+    return Shard(e)
+
+
+def _heads_outer(node, prop, tp, d, heads):
+    """A view splitting the merged dim into (batch, heads), the batch merged with the dims
+    before it and the heads with the dims after (``nn.MultiheadAttention``'s
+    ``attn.transpose(0, 1).view(L * B, E)`` of (L, B * H, head_dim)): element ``b * H + h``
+    goes to output dim ``e`` at ``h * rest + ...``, heads outermost, so the output is the
+    plain Shard(e) of whole heads; the size at ``e`` becomes local."""
+    ins, outs = shape(node.args[0]), shape(node)
+    batch = expr(ins[d]) / heads
+    e = next((e for e in range(len(outs)) if same(prod(outs[:e]), prod(ins[:d]) * batch)), None)
+    if e is None or not any(same(outs[e], heads * prod(ins[d + 1:k])) for k in range(d + 1, len(ins) + 1)):
+        return CONFLICT
+    sizes = sizes_arg(node)
+    size = sizes[e] if e < len(sizes) else None
+    if isinstance(size, int) and size != -1:
+        add_rewrite(prop, node, 1, e, size // tp)
+    elif size != -1:
+        return CONFLICT
+    add_constraint(prop, heads, "heads", module_path(node), f"dim {e} of the {_op(node)}")
     return Shard(e)
 
 
@@ -142,15 +163,22 @@ def carry_strided(node, prop, out) -> bool:
 
 
 def check_sizes(graph, prop) -> list:
-    """Size nodes rewritten for a merge but also sizing a view that is not one: (node name,
-    reason) conflicts."""
+    """Size nodes rewritten for a merge that also size other ops. An op on replicated values
+    only (``nn.MultiheadAttention`` reshaping its key_padding_mask, expanded over the heads,
+    by the same ``bsz * num_heads`` it merges q with) gets a copy of the size node that keeps
+    the global value (``prop.size_copies``: size node -> those ops); any other: a
+    (node name, views, reason) conflict."""
     by_name = {n.name: n for n in graph.nodes}
     out = []
     for name, views in prop.strided_sizes.items():
-        others = [u.name for u in by_name[name].users if u.name not in views]
-        if others:
-            out.append((others[0], views, f"the size {name} (batch x heads) also sizes {others[0]}"
-                                          f", which is not a (batch, heads) merge"))
+        others = [u for u in by_name[name].users if u.name not in views]
+        sharded = [u.name for u in others if any(placement(prop, a) != REPLICATE
+                                                 for a in inputs_of(u) if is_tensor(a))]
+        if sharded:
+            out.append((sharded[0], views, f"the size {name} (batch x heads) also sizes "
+                                           f"{sharded[0]}, which is not a (batch, heads) merge"))
+        elif others:
+            prop.size_copies[name] = tuple(u.name for u in others)
     return out
 
 
