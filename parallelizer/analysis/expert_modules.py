@@ -104,8 +104,10 @@ def _layer(graph: fx.Graph, parent: str, children: list):
     read the one before, attention heads or parallel branches all read the same tensor)."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     spans = [_span(sites, order) for sites in children]
+    if not _routed(spans):
+        return ""
     closed = _closed(spans, order)
-    if closed is None or not _routed(spans):
+    if closed is None:
         return ""
     for i, sites in enumerate(children):
         calls = _calls(parent, i, sites)
@@ -236,10 +238,11 @@ def _closed(spans: list, order: dict):
     start = min(order[n] for region in regions for n in region)
     out = []
     for i, (_, inputs) in enumerate(spans):
-        for k, r in enumerate(regions):
-            if k != i and any(a in r for a in _ancestors(inputs, start, order)):
-                return None
-        out.append(next((x for x in inputs if _ancestors([x], start, order) & regions[i]), None))
+        before = _ancestors(inputs, start, order)
+        if any(before & r for k, r in enumerate(regions) if k != i):
+            return None
+        out.append(next((x for x in inputs if _ancestors([x], start, order) & regions[i]), None)
+                   if before & regions[i] else None)
     return out
 
 
