@@ -24,10 +24,6 @@ def compute_reference(model: torch.nn.Module, batch, loss_fn, input_names, spec,
     flat_in, _ = tree_flatten((args, kwargs))
     ref = {f"input.{n}": t.detach().clone().contiguous() for n, t in zip(input_names, flat_in)}
     model.zero_grad(set_to_none=True)
-    chunks = spec.mesh.dp * spec.pipeline.microbatches
-    chunked = chunked_loss(model, batch, loss_fn, chunks, model_file)
-    if chunked is not None:
-        ref["loss.chunked"] = chunked
     with EagerDropoutOff(), RandomStandIns():
         outputs = model(*args, **kwargs)
     loss = call_loss_fn(loss_fn, outputs, batch, model_file,
@@ -41,6 +37,12 @@ def compute_reference(model: torch.nn.Module, batch, loss_fn, input_names, spec,
     for name, p in named.items():
         if p.grad is not None:
             ref[f"grad.{name}"] = p.grad.detach().clone()
+    # the weights before the step; after the whole batch's loss_fn (its errors name the
+    # reference step) and its backward (the chunks put buffers back in place)
+    chunked = chunked_loss(model, batch, loss_fn, spec.mesh.dp * spec.pipeline.microbatches,
+                           model_file)
+    if chunked is not None:
+        ref["loss.chunked"] = chunked
     opt = make_optimizer(named.values(), spec.verify.optimizer, spec.optimizer.lr,
                          spec.optimizer.weight_decay)
     opt.step()
@@ -54,7 +56,7 @@ def chunked_loss(model: torch.nn.Module, batch, loss_fn, chunks: int, model_file
     the data-parallel ranks' rows, each cut into its microbatches), as the program computes
     its loss; 0-dim fp32, or None when ``chunks`` is 1 or does not divide the rows. Forward
     only; buffers a forward updates (BatchNorm's running statistics) and the random number
-    generator's state are put back, so the reference step after it is unchanged.
+    generator's state are put back, so the rest of the reference step is unchanged.
 
     A loss that is a mean over samples gives the whole batch's loss back (to rounding); one
     that is not (a router auxiliary loss over the batch's routing, batch statistics) does not,
