@@ -83,7 +83,7 @@ def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False,
     for name, (d, _groups) in sorted(prop.narrow.items()):
         decision.narrows[name] = d
         decision.report.append(f"cut to each rank's heads (dim {d}): {_op_text(by_name[name])} "
-                               f"(a per-head value tiled over the batch)")
+                               f"(a replicated per-head value merged with the batch)")
     decision.redistributions = redistributions(graph, prop, tp)
     decision.report += report_lines(decision.redistributions)
     for w, layout in sorted(decision.layouts.items()):

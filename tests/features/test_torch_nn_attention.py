@@ -9,7 +9,8 @@ of q, of k and of v), out_proj row parallel; the compile's self-check runs every
 against the model in one process. With a key_padding_mask (the mask expanded over the heads
 keeps the global ``bsz * num_heads``, each rank cuts its heads at SDPA) and with
 need_weights (the heads-outer view back to (L * B, E), the weights' mean over the heads an
-all-reduce) too."""
+all-reduce) too; with both, the mask merged with the batch for ``baddbmm`` is cut to each
+rank's heads before the merge."""
 from __future__ import annotations
 
 import pytest
@@ -109,6 +110,8 @@ def _loss(logits, batch):
     ("multihead_attention", "blocks.{i}.attn.in_proj_weight", "blocks.{i}.attn.out_proj.weight"),
     ("multihead_attention_padding", "blocks.{i}.attn.in_proj_weight", "blocks.{i}.attn.out_proj.weight"),
     ("multihead_attention_weights", "blocks.{i}.attn.in_proj_weight", "blocks.{i}.attn.out_proj.weight"),
+    ("multihead_attention_padding_weights", "blocks.{i}.attn.in_proj_weight",
+     "blocks.{i}.attn.out_proj.weight"),
     ("transformer_encoder", "enc.layers.{i}.self_attn.in_proj_weight",
      "enc.layers.{i}.self_attn.out_proj.weight"),
     ("transformer_encoder_padding", "enc.layers.{i}.self_attn.in_proj_weight",

@@ -200,12 +200,32 @@ def request_narrow(node, prop, groups) -> None:
             continue
         while b.op == "call_function" and b.target in _SAME:
             b = b.args[0]
+        if b.op == "call_function" and b.target in _MERGES:
+            _request_merged(b, k, prop.strided[a.name], prop, groups)
+            continue
         if b.op != "call_function" or b.target is not aten.repeat.default:
             continue
         inner = b.args[0]
         kk = k - (len(b.args[1]) - len(shape(inner)))
         if kk >= 0 and same(shape(inner)[kk], prop.strided[a.name]):
             prop.narrow_requests[inner.name] = (kk, frozenset(groups))
+
+
+_MERGES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+
+
+def _request_merged(b, k, heads, prop, groups) -> None:
+    """``b`` is a view merging dims of its input with a heads dim innermost into its dim
+    ``k`` (``nn.MultiheadAttention``'s key_padding_mask ``expand(B, H, 1, S).reshape(B * H,
+    1, S)``): ask the next run to cut that input along its heads dim, so the view is a
+    (batch, heads) merge like the other operands."""
+    inner = b.args[0]
+    ins, outs = shape(inner), shape(b)
+    for j in range(1, len(ins)):
+        if same(ins[j], heads) and same(prod(ins[:j + 1]), prod(outs[:k + 1])) and \
+                any(same(prod(ins[:i]), prod(outs[:k])) for i in range(j)):
+            prop.narrow_requests[inner.name] = (j, frozenset(groups))
+            return
 
 
 def narrowed(node, prop):
