@@ -1,8 +1,8 @@
 """Rows per expert for the estimate's forward when the model counts them at run time.
 
 Per-module experts (a loop over an ``nn.ModuleList``, each expert taking its rows by
-``torch.where`` or a boolean mask; passes/stack_experts.py) give FakeTensors of unbacked sizes: one symbol per
-expert, whose value is the routing's. ``parallelize estimate`` assumes balanced routing, as
+``torch.where`` or a boolean mask; passes/stack_experts.py) give FakeTensors of unbacked
+sizes: one symbol per expert, whose value is the routing's. ``parallelize estimate`` assumes balanced routing, as
 it does for the all-to-all buffers (runtime/expert_parallel.py ``BalancedShapes``): each of
 a layer's E experts gets ``1/E`` of the (token, choice) pairs its mask is taken over, i.e.
 ``mask.numel() / E`` rows (the mask of ``selected_experts == i`` is (tokens, top_k)).

@@ -133,7 +133,8 @@ _PRODUCTS = {aten.matmul.default, aten.mm.default, aten.bmm.default}
 # same values, same shape: a weight read through these is still the weight
 _CASTS = {aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default,
           aten.type_as.default, aten.contiguous.default, aten.clone.default, aten.alias.default}
-_SAME_SHAPE_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+# a tensor under another shape: view, reshape (the sizes in args[1])
+VIEWS = frozenset({aten.view.default, aten.reshape.default, aten._unsafe_view.default})
 _PATH_LIMIT = 8
 
 
@@ -164,7 +165,7 @@ def weight_source(w, rank: int = 2) -> tuple[Optional[fx.Node], bool]:
         src = w.args[0]
         if w.target in _TRANSPOSES and rank == 2 and _swaps(w):
             transposed = not transposed
-        elif not (w.target in _CASTS or w.target in _SAME_SHAPE_VIEWS) \
+        elif not (w.target in _CASTS or w.target in VIEWS) \
                 or len(shape(src)) != rank or not all(map(same, shape(src), shape(w))):
             return None, False
         w = src

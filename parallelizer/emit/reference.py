@@ -13,7 +13,7 @@ from ..frontend.capture import split_args
 from ..frontend.model_file import call_loss_fn
 from ..runtime.optim import make_optimizer
 from ..runtime.rng import EagerDropoutOff, RandomStandIns
-from ..runtime.verify import not_sample_mean_text
+from ..runtime.verify import not_sample_mean
 
 
 def compute_reference(model: torch.nn.Module, batch, loss_fn, input_names, spec,
@@ -82,15 +82,12 @@ def chunked_loss(model: torch.nn.Module, batch, loss_fn, chunks: int, model_file
     return torch.stack(losses).mean().reshape(())
 
 
-def not_sample_mean(ref: dict, spec) -> list[str]:
-    """A warning when the reference's loss over the program's row chunks (``loss.chunked``)
-    is not its whole-batch loss within ``verify.atol`` / ``verify.rtol``, else []."""
-    chunked = ref.get("loss.chunked")
-    if chunked is None or torch.allclose(chunked, ref["loss"].float(), atol=spec.verify.atol,
-                                         rtol=spec.verify.rtol):
-        return []
-    return [not_sample_mean_text(spec.mesh.dp, spec.pipeline.microbatches, chunked.item(),
-                                 ref["loss"].item())]
+def sample_mean_warnings(ref: dict, spec) -> list[str]:
+    """The compile's warning when the reference's loss is not a mean over samples at
+    ``verify.atol`` / ``verify.rtol`` (:func:`parallelizer.runtime.verify.not_sample_mean`)."""
+    why = not_sample_mean(ref, spec.mesh.dp, spec.pipeline.microbatches, spec.verify.atol,
+                          spec.verify.rtol)
+    return [why] if why else []
 
 
 def stack_reference(ref: dict, stacked: dict) -> dict:

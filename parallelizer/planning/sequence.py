@@ -31,7 +31,7 @@ import torch.fx as fx
 
 from ..plan.decisions import TP_OPERATOR, SequenceParallelDecision
 from ..errors import PlanError
-from ..analysis.graph_facts import aten, expr, module_path, prod, same, shape
+from ..analysis.graph_facts import VIEWS, aten, expr, module_path, prod, same, shape
 from ..analysis.sharding.placements import is_replicated
 
 _COPIES = {aten.clone.default, aten.contiguous.default, aten._to_copy.default,
@@ -40,7 +40,6 @@ _TO = {aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.to.other, aten.
 _NORMS = {aten.layer_norm.default, aten.native_layer_norm.default}
 _REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default,
                aten.var.correction, aten.var_mean.correction}
-_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 # dropouts whose output is the input times a mask (what a sequence shard can slice)
 _MULTIPLICATIVE = {"aten.dropout.default", "aten.native_dropout.default",
                    "aten.feature_dropout.default"}
@@ -159,7 +158,7 @@ def _candidate(facts, n) -> Optional[tuple]:
         nd = n.args[0].meta["val"].dim()
         dims = [dims] if isinstance(dims, int) else list(dims)
         return place if all(d % nd > place[0] for d in dims) else None
-    if t in _VIEWS:
+    if t in VIEWS:
         return place if _view_ok(facts, n, place) else None
     if t in _TO or t in _COPIES or torch.Tag.pointwise in getattr(t, "tags", ()) or _whole_slice(n):
         return place
@@ -211,8 +210,8 @@ def _edge(facts, n, place, a) -> str:
     v = a.meta.get("val")
     if not isinstance(v, torch.Tensor):
         return "broadcast"  # sizes, scalars
-    if a is n.args[0] and (n.target in _VIEWS or n.target in _NORMS or n.target in _REDUCTIONS):
-        want = facts.seq_place(a) if n.target in _VIEWS else place
+    if a is n.args[0] and (n.target in VIEWS or n.target in _NORMS or n.target in _REDUCTIONS):
+        want = facts.seq_place(a) if n.target in VIEWS else place
         if a.name in facts.region:
             return "region" if facts.region[a.name] == want else "bad"
         return "split" if want is not None and facts.seq_place(a) == want else "bad"
@@ -228,7 +227,7 @@ def _edge(facts, n, place, a) -> str:
 
 def _split_place(facts, n, place, a) -> tuple:
     """The placement input ``a`` enters the region with for reader ``n``."""
-    if a is n.args[0] and (n.target in _VIEWS or n.target in _NORMS or n.target in _REDUCTIONS):
+    if a is n.args[0] and (n.target in VIEWS or n.target in _NORMS or n.target in _REDUCTIONS):
         return facts.seq_place(a)
     return (place[0] - (_ndim(n) - a.meta["val"].dim()), place[1])
 
@@ -331,7 +330,7 @@ def _decide(facts, out: SequenceParallelDecision) -> None:
                 out.splits.setdefault(a.name, _split_place(facts, n, place, a))
             elif kind == "broadcast" and _carries_param(a):
                 out.param_inputs.append((name, a.name))
-        if n.target in _VIEWS and place == (1, False):
+        if n.target in VIEWS and place == (1, False):
             sizes = n.args[1]
             if not (isinstance(sizes[1], int) and sizes[1] == -1):
                 out.views[name] = [(1, 1)]

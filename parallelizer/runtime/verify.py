@@ -43,9 +43,15 @@ def tolerances(vcfg: dict, param_dtype: str, compression: str = "none") -> tuple
     return max([vcfg["atol"]] + [a for a, _ in floors]), max([vcfg["rtol"]] + [r for _, r in floors])
 
 
-def not_sample_mean_text(dp: int, microbatches: int, chunked: float, whole: float) -> str:
-    """Why a data-parallel program cannot equal a whole-batch reference whose loss is not a
-    mean over samples (emit/reference.py ``chunked_loss``), and what to verify instead."""
+def not_sample_mean(ref: dict, dp: int, microbatches: int, atol: float, rtol: float) -> str:
+    """Why a data-parallel program cannot equal the whole-batch reference ``ref`` when its
+    loss over the program's row chunks (``loss.chunked``, emit/reference.py ``chunked_loss``)
+    is not its whole-batch loss within ``atol`` / ``rtol``, and what to verify instead; ''
+    when it is (or ``ref`` has no chunked loss)."""
+    chunked = ref.get("loss.chunked")
+    if chunked is None or torch.allclose(chunked, ref["loss"].float(), atol=atol, rtol=rtol):
+        return ""
+    chunked, whole = chunked.item(), ref["loss"].item()
     return (f"the loss is not a mean over samples: on the batch cut into mesh.dp ({dp}) x "
             f"pipeline.microbatches ({microbatches}) chunks, as the program computes it, the "
             f"unmodified model's loss averages to {chunked:.6f}, on the whole batch it is "
@@ -241,9 +247,8 @@ def _report(tally: _Tally, plan, opt_name, loss, ref: dict, ctx, skipped=()) -> 
                      for c, b in zip(CATEGORIES, bad.tolist()) if b]
             print("verify: mismatches in " + "; ".join(worst))
         if not ok and "loss.chunked" in ref:
-            print(f"verify: {not_sample_mean_text(m['dp'], plan.microbatches, ref['loss.chunked'].item(), ref_loss.item())}"
-                  if not torch.allclose(ref["loss.chunked"], ref_loss.float(), atol=tally.atol,
-                                        rtol=tally.rtol) else
+            why = not_sample_mean(ref, m["dp"], plan.microbatches, tally.atol, tally.rtol)
+            print(f"verify: {why}" if why else
                   "verify: the unmodified model's loss over this program's dp x microbatch "
                   "chunks averages to its whole-batch loss, so the loss is a mean over samples")
         print("PASS" if ok else "FAIL", flush=True)

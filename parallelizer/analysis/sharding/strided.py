@@ -25,7 +25,7 @@ import operator
 
 import torch.fx as fx
 
-from ..graph_facts import aten, expr, is_tensor, module_path, prod, same, shape
+from ..graph_facts import VIEWS, aten, expr, is_tensor, module_path, prod, same, shape
 from .placements import CONFLICT, REPLICATE, Shard
 from .state import add_constraint, add_rewrite, dim_of, inputs_of, placement, sizes_arg
 
@@ -200,7 +200,7 @@ def request_narrow(node, prop, groups) -> None:
             continue
         while b.op == "call_function" and b.target in _SAME:
             b = b.args[0]
-        if b.op == "call_function" and b.target in _MERGES:
+        if b.op == "call_function" and b.target in VIEWS:
             _request_merged(b, k, prop.strided[a.name], prop, groups)
             continue
         if b.op != "call_function" or b.target is not aten.repeat.default:
@@ -209,9 +209,6 @@ def request_narrow(node, prop, groups) -> None:
         kk = k - (len(b.args[1]) - len(shape(inner)))
         if kk >= 0 and same(shape(inner)[kk], prop.strided[a.name]):
             prop.narrow_requests[inner.name] = (kk, frozenset(groups))
-
-
-_MERGES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 
 
 def _request_merged(b, k, heads, prop, groups) -> None:

@@ -17,11 +17,10 @@ from typing import Optional
 import torch.fx as fx
 
 from ...plan.layouts import local_length
-from ..graph_facts import Linear, aten, expr, shape, weight_path
+from ..graph_facts import VIEWS, Linear, aten, expr, shape, weight_path
 from .placements import REPLICATE, Shard
 from .state import add_rewrite, dim_of
 
-_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _TRANSPOSES = {aten.t.default, aten.numpy_T.default, aten.transpose.int, aten.permute.default,
                aten.mT.default}
 
@@ -62,7 +61,7 @@ def path_rule(node: fx.Node, prop, tp: int, entry: tuple):
         return REPLICATE, frozenset()
     if node.target in _TRANSPOSES:
         return Shard(1 - d), groups
-    if node.target in _VIEWS:
+    if node.target in VIEWS:
         sizes = list(node.args[1])
         if isinstance(sizes[d], int) and sizes[d] != -1:
             add_rewrite(prop, node, 1, d, _local(prop, owner, int(expr(shape(node)[d])), tp))

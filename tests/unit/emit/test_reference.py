@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from parallelizer.compiler import compile_model
-from parallelizer.emit.reference import chunked_loss, compute_reference, not_sample_mean
+from parallelizer.emit.reference import chunked_loss, compute_reference, sample_mean_warnings
 from parallelizer.frontend.spec import load_spec
 
 MODELS = Path(__file__).resolve().parents[2] / "distributed" / "user_models"
@@ -34,7 +34,7 @@ def test_loss_over_chunks_is_the_whole_batch_loss_only_for_a_mean_over_samples(n
     ref = compute_reference(model, _batch(), _mse, ["x"], spec)
     chunked = ref["loss.chunked"]
     assert chunked.shape == () and torch.isclose(chunked, ref["loss"]) == separable
-    warnings = not_sample_mean(ref, spec)
+    warnings = sample_mean_warnings(ref, spec)
     if separable:
         assert warnings == []
     else:
