@@ -30,7 +30,7 @@ from ..runtime.tp import (copy_to_tp_region, gather_from_tp_dim, reduce_from_tp_
                           reduce_partial_from_tp, scatter_to_tp_region)
 from ..runtime.vocab import gather_from_tp_region, vocab_parallel_lookup
 from ..runtime.vocab_loss import vocab_parallel_cross_entropy
-from .graph_facts import aten, linear_sites
+from .graph_facts import aten, bias_operand, linear_sites
 from .sharding.placements import PerOutput, Replicate
 
 # operators whose output is the same on every tp rank whatever their inputs
@@ -76,9 +76,8 @@ class PlannedForward:
                 self.weight_views.add(site.w_node)  # W.T of a sharded W (propagation: R)
             if site.weight in decision.column:
                 # the planned f before it; its bias inside the op is sharded with it
-                self.column_in[site.node] = {site.x} | {
-                    a for a in site.node.all_input_nodes if a.op == "get_attr"
-                    and a.target == site.bias}
+                self.column_in[site.node] = {site.x} | (
+                    {bias_operand(site)} if site.bias and site.bias_add is None else set())
             elif site.weight in decision.row and site.bias and site.bias_add is None:
                 bias = site.node.args[0] if site.node.target is aten.addmm.default else \
                     site.node.args[2]

@@ -1,6 +1,7 @@
 """Read-only facts about a captured graph: shapes, module paths, parameter uses."""
 from __future__ import annotations
 
+import operator
 import os
 import re
 from typing import NamedTuple, Optional
@@ -111,6 +112,10 @@ class Linear(NamedTuple):
             node of its weight path).
         bias_add: the separate ``add`` of the bias, or None (bias inside the op or absent).
         param: the get_attr node of W.
+        part, bias_part: ``(lo, hi)`` when the linear reads only that static range of W's
+            output-features dim (of the bias): torch's cross-attention
+            ``in_proj_weight.split([E, 2E])``, its kdim/vdim ``in_proj_bias.chunk(3)``;
+            None when it reads the whole parameter (:func:`weight_part`).
     """
 
     node: fx.Node
@@ -121,6 +126,8 @@ class Linear(NamedTuple):
     w_node: Optional[fx.Node] = None
     bias_add: Optional[fx.Node] = None
     param: Optional[fx.Node] = None
+    part: Optional[tuple] = None
+    bias_part: Optional[tuple] = None
 
     @property
     def in_dim(self) -> int:
@@ -153,23 +160,93 @@ def _swaps(n: fx.Node) -> bool:
 
 def weight_source(w, rank: int = 2) -> tuple[Optional[fx.Node], bool]:
     """``(get_attr node, transposed)`` when ``w`` is a parameter of ``rank`` dims read through
-    a weight path: casts and copies (:data:`_CASTS`), views to the same shape and, for 2-D,
-    transposes (``transposed``: an odd number of them); ``(None, False)`` otherwise."""
-    transposed = False
+    a weight path: casts and copies (:data:`_CASTS`), views to the same shape, for 2-D
+    transposes (``transposed``: an odd number of them), and one static piece along a dim
+    (:func:`piece`); ``(None, False)`` otherwise."""
+    param, transposed, _part = _walk_weight(w, rank)
+    return param, transposed
+
+
+def weight_part(w, rank: int = 2) -> Optional[tuple[int, int, int]]:
+    """``(dim, lo, hi)`` of the parameter (its own dims) when the weight path of ``w`` takes
+    only the static range ``[lo, hi)`` of that dim; None for the whole parameter."""
+    return _walk_weight(w, rank)[2]
+
+
+def _walk_weight(w, rank: int):
+    transposed, part = False, None
     for _ in range(_PATH_LIMIT):
         if _param(w, rank):
-            return w, transposed
+            return w, transposed, part
+        cut = piece(w)
+        if cut is not None and part is None and is_tensor(cut[0]) and len(shape(cut[0])) == rank:
+            w, part = cut[0], cut[1:]
+            continue
         if not (is_tensor(w) and w.op == "call_function" and w.args
                 and is_tensor(w.args[0]) and len(shape(w)) == rank):
-            return None, False
+            return None, False, None
         src = w.args[0]
         if w.target in _TRANSPOSES and rank == 2 and _swaps(w):
             transposed = not transposed
+            if part is not None:  # the piece was cut after this transpose: the other dim
+                part = (1 - part[0],) + part[1:]
         elif not (w.target in _CASTS or w.target in VIEWS) \
                 or len(shape(src)) != rank or not all(map(same, shape(src), shape(w))):
-            return None, False
+            return None, False, None
         w = src
-    return None, False
+    return None, False, None
+
+
+# a static piece of a tensor along one dim: ``t.split(sizes)[i]``, ``t.chunk(n)[i]``,
+# ``t[a:b]``, ``t.narrow(d, a, n)``
+PIECE_SPLITS = frozenset({aten.split_with_sizes.default, aten.split.Tensor, aten.chunk.default})
+PIECE_SLICES = frozenset({aten.slice.Tensor, aten.narrow.default})
+
+
+def piece(n) -> Optional[tuple[fx.Node, int, int, int]]:
+    """``(source, dim, lo, hi)`` when ``n`` is the static range ``[lo, hi)`` of its source's
+    dim ``dim`` (step 1, int bounds); None otherwise."""
+    if not isinstance(n, fx.Node) or n.op != "call_function":
+        return None
+    if n.target is operator.getitem and isinstance(n.args[0], fx.Node) \
+            and n.args[0].target in PIECE_SPLITS and isinstance(n.args[1], int):
+        split = n.args[0]
+        src, vals = split.args[0], split.meta.get("val")
+        if not is_tensor(src) or not isinstance(vals, (list, tuple)):
+            return None
+        d = piece_dim(split)
+        sizes = [int(v.shape[d]) if isinstance(v.shape[d], int) else None for v in vals]
+        if None in sizes:
+            return None
+        lo = sum(sizes[:n.args[1]])
+        return src, d, lo, lo + sizes[n.args[1]]
+    if n.target not in PIECE_SLICES or not is_tensor(n.args[0]):
+        return None
+    src = n.args[0]
+    d = piece_dim(n)
+    size = shape(src)[d]
+    args = list(n.args) + [None] * 5
+    if n.target is aten.narrow.default:
+        start, length = args[2], args[3]
+        if not (isinstance(start, int) and isinstance(length, int) and isinstance(size, int)):
+            return None
+        start = start + size if start < 0 else start
+        return src, d, start, start + length
+    start, end, step = args[2] or 0, args[3], args[4] or 1
+    if step != 1 or not isinstance(size, int) or not isinstance(start, int) \
+            or not isinstance(end if end is not None else 0, int):
+        return None
+    lo = max(0, min(start + size if start < 0 else start, size))
+    end = size if end is None else end
+    hi = max(0, min(end + size if end < 0 else end, size))
+    return (src, d, lo, hi) if hi > lo else None
+
+
+def piece_dim(node: fx.Node) -> int:
+    """The dim a split / chunk / slice / narrow node cuts (of its source, non-negative)."""
+    at = 1 if node.target in PIECE_SLICES else 2
+    d = node.args[at] if len(node.args) > at else node.kwargs.get("dim", 0)
+    return d % len(shape(node.args[0]))
 
 
 def weight_path(w: fx.Node) -> list[fx.Node]:
@@ -186,55 +263,81 @@ def _bias_source(b) -> Optional[fx.Node]:
     return weight_source(b, 1)[0] if isinstance(b, fx.Node) else None
 
 
-def _bias_add(n: fx.Node, out_features) -> tuple[Optional[str], Optional[fx.Node]]:
+def _bias_add(n: fx.Node, out_features) -> tuple[Optional[fx.Node], Optional[fx.Node]]:
     """A separate ``add(y, b)`` of a 1-D parameter (or its weight path) of ``out_features``
-    as ``n``'s only use."""
+    as ``n``'s only use: (the operand it adds, the add)."""
     users = list(n.users)
     if len(users) != 1 or users[0].target is not aten.add.Tensor or len(users[0].args) != 2:
         return None, None
     add = users[0]
     other = add.args[1] if add.args[0] is n else add.args[0]
-    src = _bias_source(other)
-    if src is not None and same(shape(src)[0], out_features) and not add.kwargs:
-        return src.target, add
+    # a piece of a bias added on its own (``x @ w.T + b[:n]``) is an add like any other
+    if _bias_source(other) is not None and weight_part(other, 1) is None \
+            and same(shape(other)[0], out_features) and not add.kwargs:
+        return other, add
     return None, None
+
+
+def _range(cut, dim: int, n) -> Optional[tuple]:
+    """The ``(lo, hi)`` of parameter dim ``dim`` (of ``n`` elements) that a weight path with
+    piece ``cut`` (:func:`weight_part`) reads; None for all of it. False: a piece along
+    another dim."""
+    if cut is None or (cut[1], cut[2]) == (0, n):
+        return None
+    return (cut[1], cut[2]) if cut[0] == dim else False
+
+
+def _site(n, x, w, b) -> Optional[Linear]:
+    """The :class:`Linear` of product ``n`` with input ``x``, weight operand ``w`` and bias
+    operand ``b`` (or None), or None when a piece of the weight or bias is cut along its
+    input features (those stay unrecognised: replicated)."""
+    param, transposed, cut = _walk_weight(w, 2)
+    linear = n.target is aten.linear.default
+    if param is None or not linear and (not is_tensor(x) or len(shape(x)) < 2):
+        return None
+    out_dim = 1 if transposed == linear else 0
+    part = _range(cut, out_dim, shape(param)[out_dim])
+    if part is False:
+        return None
+    bias_add = None
+    if b is None:
+        b, bias_add = _bias_add(n, shape(n)[-1])
+    bias, _t, bias_cut = _walk_weight(b, 1) if b is not None else (None, False, None)
+    bias_part = _range(bias_cut, 0, shape(bias)[0]) if bias is not None else None
+    if bias_part is False:
+        return None
+    return Linear(n, x, param.target, bias.target if bias is not None else None, out_dim, w,
+                  bias_add, param, part, bias_part)
 
 
 def as_linear(n: fx.Node) -> Optional[Linear]:
     """``n`` as a :class:`Linear`, or None."""
     if n.op != "call_function":
         return None
-    bias = None
     if n.target is aten.linear.default:
-        x, w = n.args[0], n.args[1]
         b = n.args[2] if len(n.args) > 2 else None
         if b is not None and _bias_source(b) is None:
             return None
-        param, transposed = weight_source(w)
-        if param is None:
-            return None
-        out_dim = 1 if transposed else 0
-        if b is not None:
-            return Linear(n, x, param.target, _bias_source(b).target, out_dim, w, None, param)
-        bias, bias_add = _bias_add(n, shape(param)[out_dim])
-        return Linear(n, x, param.target, bias, out_dim, w, bias_add, param)
+        return _site(n, n.args[0], n.args[1], b)
     if n.target is aten.addmm.default and len(n.args) == 3 and not n.kwargs:
         b, x, w = n.args
         if _bias_source(b) is None:
             return None
-        bias = _bias_source(b).target
-    elif n.target in _PRODUCTS and len(n.args) == 2:
-        x, w = n.args
-    else:
+        return _site(n, x, w, b)
+    if n.target in _PRODUCTS and len(n.args) == 2:
+        return _site(n, n.args[0], n.args[1], None)
+    return None
+
+
+def bias_operand(site: Linear) -> Optional[fx.Node]:
+    """The node the linear (or its separate bias add) reads the bias through."""
+    n = site.node
+    if site.bias_add is not None:
+        a, b = site.bias_add.args
+        return b if a is n else a
+    if site.bias is None:
         return None
-    param, transposed = weight_source(w)
-    if param is None or not is_tensor(x) or len(shape(x)) < 2:
-        return None
-    out_dim = 0 if transposed else 1
-    bias_add = None
-    if bias is None:
-        bias, bias_add = _bias_add(n, shape(param)[out_dim])
-    return Linear(n, x, param.target, bias, out_dim, w, bias_add, param)
+    return n.args[2] if n.target is aten.linear.default else n.args[0]
 
 
 def linear_sites(graph: fx.Graph) -> list[Linear]:

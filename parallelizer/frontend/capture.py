@@ -40,12 +40,37 @@ class Captured:
     route: str
 
 
-def _dynamic_shapes(args: tuple, kwargs: dict) -> Any:
+def _dynamic_shapes(args: tuple, kwargs: dict, shared_batch: bool = True) -> Any:
+    """Dims 0 and 1 of every input tensor dynamic. ``shared_batch``: dim 0 of the inputs
+    with the first input's batch size is one symbol, as the runtime treats it (pipeline
+    microbatches and dp shards cut every input along dim 0): an encoder-decoder's source
+    and target batches are then known equal, so ``nn.MultiheadAttention``'s
+    ``k.view(S, bsz * num_heads, head_dim)`` of the memory keeps head_dim a number."""
+    flat = list(kwargs.values()) if kwargs else list(args)
+    sizes = [v.shape[0] for v in flat if isinstance(v, torch.Tensor) and v.dim()]
+    batch = Dim("batch") if shared_batch and len(sizes) > 1 and sizes.count(sizes[0]) > 1 \
+        and sizes[0] > 1 else None
+
     def dims(t: torch.Tensor) -> dict:
-        return {i: Dim.AUTO for i in range(min(t.dim(), 2))}
+        out = {i: Dim.AUTO for i in range(min(t.dim(), 2))}
+        if batch is not None and t.dim() and t.shape[0] == sizes[0]:
+            out[0] = batch
+        return out
     if kwargs:
         return {k: dims(v) for k, v in kwargs.items()}
     return tuple(dims(a) for a in args)
+
+
+def _export(model, args, kwargs):
+    """torch.export with :func:`_dynamic_shapes`; again with a symbol per input's batch when
+    the model's code does not hold one batch dim for them all (it specialises it, or
+    an input's dim 0 is not the batch)."""
+    try:
+        return torch.export.export(model, args, kwargs, dynamic_shapes=_dynamic_shapes(
+            args, kwargs), strict=False)
+    except Exception:
+        dyn = _dynamic_shapes(args, kwargs, shared_batch=False)
+        return torch.export.export(model, args, kwargs, dynamic_shapes=dyn, strict=False)
 
 
 def capture(model: torch.nn.Module, batch: tuple | dict, model_file: Path) -> Captured:
@@ -56,14 +81,12 @@ def capture(model: torch.nn.Module, batch: tuple | dict, model_file: Path) -> Ca
             gives export's reason and the model source line it failed at, when known.
     """
     args, kwargs = split_args(batch)
-    dyn = _dynamic_shapes(args, kwargs)
     try:
-        ep = torch.export.export(model, args, kwargs, dynamic_shapes=dyn, strict=False)
+        ep = _export(model, args, kwargs)
         route = "torch.export"
     except Exception as export_error:
         try:
-            traced = torch.fx.symbolic_trace(model)
-            ep = torch.export.export(traced, args, kwargs, dynamic_shapes=dyn, strict=False)
+            ep = _export(torch.fx.symbolic_trace(model), args, kwargs)
             route = "symbolic_trace+torch.export"
         except Exception:
             eager = _eager_failure(model, args, kwargs)

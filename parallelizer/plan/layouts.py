@@ -289,6 +289,52 @@ def part_length(part: int, pl: Optional[EvenSplit], tp: int) -> int:
     return _even(part, tp, "a fused part") if pl is None else pl.local_length(part, tp)
 
 
+def local_offset(at: int, layout: Optional[EvenSplit], tp: int) -> int:
+    """Where full offset ``at`` (0, the dim's end or a fused part boundary) lands in a rank's
+    piece: ``at // tp`` unless ``layout`` is :class:`Fused`, else the local lengths of the
+    parts before it."""
+    if not isinstance(layout, Fused):
+        return at // tp
+    full = local = 0
+    for part, pl in layout.pairs():
+        if full >= at:
+            break
+        full, local = full + part, local + part_length(part, pl, tp)
+    return local
+
+
+def side_by_side(n: int, ranges: list) -> Optional[EvenSplit]:
+    """The layout of a dim of ``n`` elements whose ranges ``(lo, hi, layout)`` are each laid
+    out on their own (a parameter cut into pieces, each read by its own linear): one range
+    covering the dim keeps its layout, else a :class:`Fused` of the ranges' parts (a fused
+    range contributes its parts); elements no range covers are an even part of their own.
+
+    Raises:
+        ValueError: ranges overlap, or a range is :class:`Padded` (no fused part can be).
+    """
+    pairs, at = [], 0
+    for lo, hi, layout in sorted(ranges, key=lambda r: r[:2]):
+        if (lo, hi) == (0, n):
+            return layout
+        if lo < at:
+            raise ValueError(f"the range [{lo}, {hi}) overlaps the one before it")
+        if lo > at:
+            pairs.append((lo - at, None))
+        if isinstance(layout, Fused):
+            pairs += layout.pairs()
+        elif layout is None or isinstance(layout, _HEADS):
+            pairs.append((hi - lo, layout))
+        else:
+            raise ValueError(f"a {layout.kind} range [{lo}, {hi}) cannot be a fused part")
+        at = hi
+    if at < n:
+        pairs.append((n - at, None))
+    if len(pairs) == 1:
+        return pairs[0][1]
+    pls = tuple(pl for _p, pl in pairs)
+    return Fused(tuple(p for p, _pl in pairs), pls if any(pls) else None)
+
+
 def copied_runs(n: int, layout: Optional[EvenSplit], tp: int) -> list[tuple[int, int, int]]:
     """:meth:`EvenSplit.copied_runs` of ``layout``; empty when nothing is copied."""
     return (layout or _EVEN).copied_runs(n, tp)

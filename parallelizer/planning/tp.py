@@ -75,8 +75,8 @@ def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False,
             decision.dims[site.bias] = 0
         if w in column and w in layouts:
             decision.layouts[w] = layouts[w]
-            if site.bias:
-                decision.layouts[site.bias] = layouts[w]
+        if w in column and site.bias in layouts:  # its weight's, or its pieces' side by side
+            decision.layouts[site.bias] = layouts[site.bias]
     for fqn, (d, _groups) in sorted(prop.per_head.items()):
         decision.per_head[fqn] = decision.dims[fqn] = d
         decision.report.append(f"sharded along heads (dim {d}): {fqn}")

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from ...plan.layouts import Fused, InterleavedHeads, ReplicatedHeads, local_length, part_length
+from ...plan.layouts import (Fused, InterleavedHeads, ReplicatedHeads, local_length,
+                             local_offset)
 from ..graph_facts import aten, expr, module_path, prod, same, shape
 from .dtensor import dtensor_rule
 from .placements import CONFLICT, PerOutput, Shard, shard
@@ -87,14 +88,16 @@ def _part_dims(features, outs, e) -> int:
 
 def _packed_parts(features, outs, e, tp) -> bool:
     """The view cuts the features into P parts (``(P, part)`` or ``(P, heads, head_dim)``)
-    with P not a multiple of tp but the dim after it is: torch's ``nn.MultiheadAttention``
-    packs q, k and v in one in_proj and ``unflatten(-1, (3, E))``s its output, timm's ViT
-    ``reshape(B, N, 3, H, D)``s its qkv. Not heads: P heads could not split over tp."""
+    with tp dividing the dim after it: torch's ``nn.MultiheadAttention`` packs q, k and v in
+    one in_proj and ``unflatten(-1, (3, E))``s its output (k and v, ``(2, E)``, in
+    cross-attention), timm's ViT ``reshape(B, N, 3, H, D)``s its qkv. The caller also asks
+    that every use takes the parts one by one (:func:`_parts_taken`): as heads, P = tp
+    would hand rank 0 all of k and rank 1 all of v, and each select would gather them."""
     k = _part_dims(features, outs, e)
     if not k:
         return False
     parts, inner = int(expr(outs[e])), int(expr(outs[e + 1]))
-    return parts > 1 and parts % tp != 0 and inner % tp == 0
+    return parts > 1 and inner % tp == 0
 
 
 _SAME_DIMS = {aten.contiguous.default, aten.clone.default, aten.alias.default}
@@ -252,8 +255,8 @@ def cut_heads(node, prop, tp, d, lo, hi):
     part = _part_layout(layout, lo * unit, hi * unit)
     copied = isinstance(part, ReplicatedHeads)
     prop.heads[node.name] = HeadsMark(frozenset(weights), hi - lo, copied)
-    return (Shard(d), _local_offset(lo * unit, layout, tp) // unit,
-            _local_offset(hi * unit, layout, tp) // unit)
+    return (Shard(d), local_offset(lo * unit, layout, tp) // unit,
+            local_offset(hi * unit, layout, tp) // unit)
 
 
 def _part_layout(layout, lo, hi):
@@ -391,27 +394,15 @@ def _slice_part(node, prop, tp, d, start, end):
     layouts = [prop.layouts.get(w) for w in raw]
     layout = layouts[0] if all(x == layouts[0] for x in layouts) else None
     if lo:
-        add_rewrite(prop, node, 2, None, _local_offset(lo, layout, tp))
+        add_rewrite(prop, node, 2, None, local_offset(lo, layout, tp))
     if hi < n and end is not None:
-        add_rewrite(prop, node, 3, None, _local_offset(hi, layout, tp))
+        add_rewrite(prop, node, 3, None, local_offset(hi, layout, tp))
     return Shard(d)
 
 
 def _bound(b: int, n: int) -> int:
     """A slice bound as Python reads it (negative from the end), clamped to ``[0, n]``."""
     return max(0, min(b + n if b < 0 else b, n))
-
-
-def _local_offset(at: int, layout, tp: int) -> int:
-    """Where full offset ``at`` (a part boundary) lands in a rank's fused piece."""
-    if not isinstance(layout, Fused):
-        return at // tp
-    full = local = 0
-    for part, pl in layout.pairs():
-        if full >= at:
-            break
-        full, local = full + part, local + part_length(part, pl, tp)
-    return local
 
 
 def fuse_slices(prop, tp: int) -> None:

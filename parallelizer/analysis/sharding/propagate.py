@@ -53,6 +53,7 @@ from .layouts import fuse_slices, view_rule
 from .placements import CONFLICT, REPLICATE, Conflict, Shard, shard_dim
 from .rules import BROADCASTING, DTENSOR_FIRST, KEEP_HEADS, KEEP_RAW, RULES, pointwise_rule
 from .strided import carry_strided, check_sizes, narrowed, request_narrow
+from .pieces import register, site_key
 from .weights import path_rule, weight_paths
 from .state import (Propagation, add_constraint, dim_of, inputs_of, mark_not_replicable,
                     placement, record_use)
@@ -91,17 +92,21 @@ def propagate(graph: fx.Graph, column: set, row: set, tp: int, layouts: Optional
                        reduces=dict(reduces or {}))
     for (kind, name), v in (per_head or {}).items():
         (prop.per_head if kind == "param" else prop.per_head_factories)[name] = v
-    weight_dims, paths = {}, {}
+    weight_dims, paths, bias_readers = {}, {}, {}
     for node in graph.nodes:
         site = as_linear(node)
         if site and site.weight in column:
             weight_dims[site.weight] = site.out_dim
+            register(prop, site)
             if site.bias_add is not None:  # a separate bias add: the bias is Shard(0), raw
-                prop.column_biases[site.bias] = site.weight
+                prop.column_biases[site.bias] = (site.weight, site_key(site))
         elif site and site.weight in row:
             weight_dims[site.weight] = site.in_dim
         if site:
             paths.update(weight_paths(site, column, row))
+            if site.bias:
+                bias_readers.setdefault(site.bias, []).append(site)
+    _shared_biases(prop, bias_readers, column)
     for node in graph.nodes:
         with redistribute.seen(node, prop):
             if node.name in paths:  # a weight read through casts, views, transposes
@@ -118,6 +123,18 @@ def propagate(graph: fx.Graph, column: set, row: set, tp: int, layouts: Optional
         groups = frozenset().union(*[prop.groups.get(v, frozenset()) for v in views])
         prop.conflicts.append((name, "", groups, reason))
     return prop
+
+
+def _shared_biases(prop, readers: dict, column) -> None:
+    """A bias whose pieces are read by the linears of several weights (torch's kdim/vdim
+    q/k/v weights with ``in_proj_bias.chunk(3)``) is sharded only with all of them."""
+    for bias, sites in readers.items():
+        sharded = {s.weight for s in sites if s.weight in column}
+        if sharded and len(sharded) < len({s.weight for s in sites}):
+            site = next(s for s in sites if s.weight not in column)
+            prop.conflicts.append((site.node.name, module_path(site.node), frozenset(sharded),
+                                   f"its bias {bias} is shared with the replicated linear "
+                                   f"{site.weight}"))
 
 
 def _mark_kv_heads(prop) -> None:
@@ -144,8 +161,8 @@ def _rule(node: fx.Node, prop: Propagation, column, row, weight_dims, tp):
                            f"dim {d} of the per-head {node.target}")
             return Shard(d), g
         if node.target in prop.column_biases:
-            w = prop.column_biases[node.target]
-            prop.raw[node.name] = frozenset({w})
+            w, key = prop.column_biases[node.target]
+            prop.raw[node.name] = frozenset({key})
             return Shard(0), frozenset({w})
         return REPLICATE, frozenset()
     if node.op != "call_function":
@@ -266,14 +283,15 @@ def _linear(node, site, prop, column, row, groups):
     if x.name in prop.strided:
         return _conflict(prop, node, groups, "a linear got a (batch, heads) merged input")
     if wt in column:
-        prop.features[wt] = int(shape(w)[site.out_dim])
-        if wt not in prop.layouts:
-            add_constraint(prop, shape(w)[site.out_dim], "features", mod, f"out_features of {wt}",
-                        {wt})
+        key = site_key(site)  # the weight, or the piece of it this linear reads
+        n = site.part[1] - site.part[0] if site.part else int(shape(w)[site.out_dim])
+        prop.features[key] = n
+        if key not in prop.layouts:
+            add_constraint(prop, n, "features", mod, f"out_features of {key}", {key})
         if px != REPLICATE:
             redistribute.gather_all(node, prop, [x])
             return _conflict(prop, node, groups, "column_parallel linear needs a replicated input")
-        prop.raw[node.name] = frozenset({wt})
+        prop.raw[node.name] = frozenset({key})
         return Shard(len(shape(node)) - 1), groups | {wt}
     if wt in row:
         add_constraint(prop, shape(w)[site.in_dim], "features", mod, f"in_features of {wt}")

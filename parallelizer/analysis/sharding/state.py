@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from ...plan.layouts import InterleavedHeads, layout_json
+from ...plan.layouts import InterleavedHeads, layout_json, side_by_side
 from ..graph_facts import aten, shape
 from .placements import REPLICATE, shard_dim
 
@@ -56,7 +56,11 @@ class Propagation:
     kv_weights: set = field(default_factory=set)     # column weights whose heads reach repeat_kv
     slices: dict = field(default_factory=dict)       # column weight -> [(lo, hi, node, module)]
     head_shapes: dict = field(default_factory=dict)  # column weight -> (heads, head_dim)
-    column_biases: dict = field(default_factory=dict)  # separately added bias -> its weight
+    column_biases: dict = field(default_factory=dict)  # separately added bias -> (weight, key)
+    # column parameters read in pieces (pieces.py): fqn -> (size, {(lo, hi): {keys}}), and a
+    # piece's key ("w[lo:hi]") -> its weight
+    parts: dict = field(default_factory=dict)
+    part_of: dict = field(default_factory=dict)
     # a view of a raw value into (heads, head_dim) whose users all cut the heads dim (Falcon's
     # q heads | k | v): node name -> (weights, head_dim); the cuts are fused parts in heads
     head_raw: dict = field(default_factory=dict)
@@ -86,24 +90,57 @@ class Propagation:
     applied_reduces: dict = field(default_factory=dict)  # the reduces this run used
 
     def found_layouts(self) -> dict:
-        """weight fqn -> its one non-even layout (weights used in several ways excluded:
-        :func:`layout_conflicts` names them)."""
+        """weight fqn (or a piece's key) -> its one non-even layout (weights used in several
+        ways excluded: :func:`layout_conflicts` names them); a parameter read in pieces, and
+        a column linear's bias, the layout of its pieces side by side (pieces.py)."""
         out = {}
         for w, uses in self.uses.items():
             uses = _merged(uses)
             if len(uses) == 1 and next(iter(uses)) is not None:
                 out[w] = next(iter(uses))
+        found = dict(out)
+        for param, (n, reads) in self.parts.items():
+            try:
+                layout = _side_by_side(n, reads, found)
+            except ValueError:  # layout_conflicts names it
+                continue
+            if layout is not None:
+                out[param] = layout
         return out
 
     def layout_conflicts(self) -> list:
-        """(weight, node name, reason) for weights whose output is used in two layouts."""
+        """(weight, node name, reason) for weights whose output is used in two layouts, or
+        whose pieces cannot be laid out side by side."""
         out = []
         for w, uses in sorted(self.uses.items()):
             uses = _merged(uses)
             if len(uses) > 1:
-                out.append((w, sorted(uses.values())[0], f"{w}'s output is used both as "
-                            + " and as ".join(_describe(u) for u in sorted(uses, key=_text))))
+                out.append((self.part_of.get(w, w), sorted(uses.values())[0], f"{w}'s output is "
+                            "used both as " + " and as ".join(_describe(u) for u in
+                                                             sorted(uses, key=_text))))
+        found = self.found_layouts()
+        for param, (n, reads) in sorted(self.parts.items()):
+            try:
+                _side_by_side(n, reads, found)
+            except ValueError as e:
+                keys = sorted(k for ks in reads.values() for k in ks)
+                node = next((u for k in keys for u in self.uses.get(k, {}).values()), param)
+                out.append((self.part_of.get(keys[0], keys[0]), node,
+                            f"{param} cannot be laid out over tp: {e}"))
         return out
+
+
+def _side_by_side(n: int, reads: dict, found: dict):
+    """The layout of a parameter whose ranges are read by the linears of the keys in
+    ``reads`` (their layouts in ``found``); ValueError as :func:`side_by_side`, or when one
+    range is read in two layouts."""
+    ranges = []
+    for (lo, hi), keys in reads.items():
+        layouts = {found.get(k) for k in keys}
+        if len(layouts) > 1:
+            raise ValueError(f"its rows [{lo}, {hi}) are read in {len(layouts)} layouts")
+        ranges.append((lo, hi, layouts.pop()))
+    return side_by_side(n, ranges)
 
 
 def _text(layout) -> str:

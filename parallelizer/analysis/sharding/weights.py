@@ -9,67 +9,79 @@ follows the transposes, and a view's int size on that dim becomes the local size
 layout's local length for a fused or replicated-heads column weight). The linear's own rule
 (:func:`parallelizer.analysis.sharding.propagate._linear`) reads the product as a whole, so
 the path never meets the activation rules (a ``type_as(w, x)`` does not ask what ``x`` is).
+A static piece of the parameter on the path (``in_proj_weight.split([E, 2E])[1]``) has its
+sizes made local by :mod:`.pieces`.
 """
 from __future__ import annotations
-
-from typing import Optional
 
 import torch.fx as fx
 
 from ...plan.layouts import local_length
-from ..graph_facts import VIEWS, Linear, aten, expr, shape, weight_path
-from .placements import REPLICATE, Shard
-from .state import add_rewrite, dim_of
+from ..graph_facts import VIEWS, Linear, aten, bias_operand, expr, piece, shape, weight_path
+from .pieces import piece_rule, site_key
+from .placements import REPLICATE, PerOutput, Shard, shard_dim
+from .state import add_rewrite, dim_of, placement
 
 _TRANSPOSES = {aten.t.default, aten.numpy_T.default, aten.transpose.int, aten.permute.default,
                aten.mT.default}
 
 
-def _bias_operand(site: Linear) -> Optional[fx.Node]:
-    """The node the linear (or its separate bias add) reads the bias through."""
-    n = site.node
-    if site.bias_add is not None:
-        a, b = site.bias_add.args
-        return b if a is n else a
-    if site.bias is None:
-        return None
-    return n.args[2] if n.target is aten.linear.default else n.args[0]
-
-
 def weight_paths(site: Linear, column, row) -> dict:
-    """node name -> (parameter dim the plan shards or None, column weight or None) for
-    every node on the weight and bias paths of ``site``."""
+    """node name -> (parameter dim the plan shards or None, column weight or None, the key
+    of the layout its sizes follow) for every node on the weight and bias paths of
+    ``site``: the parameter's own up to a piece of it (:mod:`.pieces`), the linear's key
+    after."""
     w = site.weight
     owner = w if w in column else None
     dim = site.out_dim if w in column else site.in_dim if w in row else None
-    out = {n.name: (dim, owner) for n in weight_path(site.w_node)}
-    bias = _bias_operand(site)
+    out = _entries(site.w_node, dim, owner, w, site_key(site))
+    bias = bias_operand(site)
     if bias is not None:
-        out.update({n.name: (0 if owner else None, owner) for n in weight_path(bias)})
+        out.update(_entries(bias, 0 if owner else None, owner, site.bias, site_key(site)))
+    return out
+
+
+def _entries(operand, dim, owner, param: str, key: str) -> dict:
+    out, at = {}, param
+    for n in weight_path(operand):
+        out[n.name] = (dim, owner, at)
+        if piece(n) is not None:
+            at = key
+    if at == param:  # read whole: the linear's layout is the parameter's
+        out = {name: (d, o, key) for name, (d, o, _k) in out.items()}
     return out
 
 
 def path_rule(node: fx.Node, prop, tp: int, entry: tuple):
     """(placement, groups) of one weight-path node (see the module docstring)."""
-    dim, owner = entry
+    dim, owner, key = entry
     src = node.args[0]
-    d = dim if src.op == "get_attr" else dim_of(prop, src)
+    p = placement(prop, src)
+    if src.op == "get_attr":
+        d = dim
+    elif isinstance(p, PerOutput):  # a getitem of a split of the parameter
+        d = shard_dim(p[node.args[1]])
+    else:
+        d = dim_of(prop, src)
     groups = frozenset({owner}) if owner else frozenset()
     if src.name in prop.raw:
         prop.raw[node.name] = prop.raw[src.name]
     if d is None:
         return REPLICATE, frozenset()
+    cut = piece_rule(node, prop, tp, d, key, groups)
+    if cut is not None:
+        return cut, groups
     if node.target in _TRANSPOSES:
         return Shard(1 - d), groups
     if node.target in VIEWS:
         sizes = list(node.args[1])
         if isinstance(sizes[d], int) and sizes[d] != -1:
-            add_rewrite(prop, node, 1, d, _local(prop, owner, int(expr(shape(node)[d])), tp))
+            add_rewrite(prop, node, 1, d, _local(prop, key, int(expr(shape(node)[d])), tp))
     return Shard(d), groups
 
 
-def _local(prop, owner, n: int, tp: int) -> int:
-    layout = prop.layouts.get(owner) if owner else None
+def _local(prop, key, n: int, tp: int) -> int:
+    layout = prop.layouts.get(key)
     try:
         return local_length(n, layout, tp)
     except ValueError:  # a layout of another size: the constraints report it

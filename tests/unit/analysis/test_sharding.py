@@ -321,3 +321,44 @@ def test_split_and_cat_follow_the_shard():
     assert placement(prop, splits[0]) == PerOutput((Shard(2), Shard(2)))
     assert placement(prop, splits[1]) == CONFLICT
     assert len(prop.conflicts) == 1 and prop.conflicts[0][0] == splits[1].name
+
+
+class Pieces(nn.Module):
+    """A column weight (48, H) read in pieces by two linears on two inputs, the second
+    piece unflattened into two parts (torch's cross-attention in_proj, its ``split([E, 2E])``
+    spelled three ways), and a row linear after both."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.w = nn.Parameter(torch.randn(48, H))
+        self.out = nn.Linear(16, H)
+
+    def forward(self, x, y):
+        if self.how == "split":
+            wq, wkv = self.w.split([16, 32])
+        elif self.how == "slice":
+            wq, wkv = self.w[:16], self.w[16:]
+        else:
+            wq, wkv = self.w.narrow(0, 0, 16), self.w.narrow(0, 16, 32)
+        k, v = F.linear(y, wkv).unflatten(-1, (2, 16)).unbind(-2)
+        return self.out(F.linear(x, wq) * k.sigmoid() + v)
+
+
+@pytest.mark.parametrize("how", ["split", "slice", "narrow"])
+def test_a_weight_read_in_pieces_is_fused_with_local_piece_sizes(how):
+    from parallelizer.plan.layouts import Fused
+    g = graph_of(Pieces(how), (2, 5, H), (2, 5, H))
+    prop = propagate(g, {"w"}, {"out.weight"}, 2)
+    prop = propagate(g, {"w"}, {"out.weight"}, 2, prop.found_layouts())
+    assert prop.found_layouts()["w"] == Fused((16, 16, 16))
+    assert prop.found_layouts()["w[16:48]"] == Fused((16, 16))
+    assert not prop.conflicts and not prop.layout_conflicts()
+    cut = {aten.split_with_sizes.default: [(1, 0, 8), (1, 1, 16)],
+           aten.slice.Tensor: [(3, None, 8)], aten.narrow.default: [(2, None, 0), (3, None, 8)]}
+    target = {"split": aten.split_with_sizes.default, "slice": aten.slice.Tensor,
+              "narrow": aten.narrow.default}[how]
+    first = nodes(g, target)[0]
+    assert prop.rewrites[first.name] == cut[target]
+    for lin in nodes(g, aten.linear.default)[:2]:
+        assert placement(prop, lin) == Shard(2)

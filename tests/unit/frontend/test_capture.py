@@ -246,3 +246,34 @@ def test_a_subgraph_op_is_refused_naming_the_line(tmp_path):
     model = build_model(module, on_meta=False).train()
     with pytest.raises(CaptureError, match=rf"calls cond on a subgraph at model.py:{line_of(path, 'torch.cond')}"):
         capture(model, example_batch(module), path)
+
+
+def _batch_symbols(gm):
+    return [n.meta["val"].shape[0] for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def test_inputs_with_one_batch_size_share_one_batch_symbol(tmp_path):
+    """An encoder-decoder's source and target: dim 0 is one symbol (the runtime cuts every
+    input along it), so a view sized by one input's batch on the other keeps its sizes."""
+    class Model(nn.Module):
+        def forward(self, tgt, src):
+            return tgt.sum(-1, keepdim=True) + src.sum(-1).mean(-1, keepdim=True)
+
+    gm = capture(Model(), (torch.randn(4, 8), torch.randn(4, 6)), tmp_path / "m.py").gm
+    a, b = _batch_symbols(gm)
+    assert not isinstance(a, int) and str(a) == str(b)
+
+
+def test_an_input_whose_dim_0_is_not_the_batch_keeps_its_own(tmp_path):
+    """A table with as many rows as the batch by chance, that the code reshapes by a
+    constant: one shared symbol cannot hold, so each input keeps its own dims."""
+    class Model(nn.Module):
+        def forward(self, x, table):
+            return x + table.reshape(2, 2, 3).sum((0, 1))
+
+    x, table = torch.randn(4, 3), torch.randn(4, 3)
+    gm = capture(Model(), (x, table), tmp_path / "m.py").gm
+    a, b = _batch_symbols(gm)
+    assert not isinstance(a, int) and b == 4
+    x5 = torch.randn(5, 3)
+    assert torch.allclose(gm(x5, table)[0], Model()(x5, table))

@@ -142,3 +142,26 @@ def test_tensor_plan_dict_round_trip_keeps_the_layout():
     d = t.to_dict()
     assert d["layout"] == {"kind": "fused", "parts": [8, 2, 2], "part_layouts": [None, RH, RH]}
     assert TensorPlan.from_dict(d) == t
+
+
+def test_pieces_side_by_side_are_one_fused_layout():
+    from parallelizer.plan.layouts import local_offset, side_by_side
+    # torch's cross-attention: q rows [0, 32) even, the kv rows [32, 96) fused [32, 32]
+    layout = side_by_side(96, [(32, 96, Fused((32, 32))), (0, 32, None)])
+    assert layout == Fused((32, 32, 32))
+    assert [local_offset(b, layout, 4) for b in (0, 32, 96)] == [0, 8, 24]
+    # a range covering the dim keeps its layout; rows no range reads are an even part
+    assert side_by_side(8, [(0, 8, InterleavedHeads(2))]) == InterleavedHeads(2)
+    assert side_by_side(12, [(0, 4, None)]) == Fused((4, 8))
+    rh = ReplicatedHeads(1, 4)
+    assert side_by_side(12, [(0, 4, None), (4, 8, rh), (8, 12, rh)]) == Fused((4, 4, 4),
+                                                                                (None, rh, rh))
+
+
+@pytest.mark.parametrize("ranges, msg", [
+    ([(0, 8, None), (4, 12, None)], "overlaps"),
+    ([(0, 4, Padded(8)), (4, 12, None)], "cannot be a fused part")])
+def test_pieces_that_cannot_be_side_by_side_are_refused(ranges, msg):
+    from parallelizer.plan.layouts import side_by_side
+    with pytest.raises(ValueError, match=msg):
+        side_by_side(12, ranges)
