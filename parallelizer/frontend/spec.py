@@ -157,8 +157,9 @@ class Verify(BaseModel):
     model_config = _STRICT
     atol: float = Field(1.0e-5, ge=0, description="a number >= 0 (absolute tolerance)",
                         json_schema_extra=_doc(
-                            "Of run.py --verify. Raised to the compute dtype's under "
-                            "mixed_precision (bf16 3e-2, fp16 5e-3) and under fp16/bf16 "
+                            "Of run.py --verify, scaled by each tensor's magnitude "
+                            "(atol * max(1, max|reference|)). Raised to the compute dtype's "
+                            "under mixed_precision (bf16 3e-2, fp16 5e-3) and under fp16/bf16 "
                             "compression; --verify prints which rule it used."))
     rtol: float = Field(1.0e-5, ge=0, description="a number >= 0 (relative tolerance)",
                         json_schema_extra=_doc("Of run.py --verify, as verify.atol."))

@@ -20,3 +20,21 @@ def test_a_shape_difference_is_named():
     tally = _Tally(1e-5, 1e-5)
     tally.add("parameters", "w", torch.ones(2, 3), torch.ones(3, 2))
     assert tally.bad["parameters"] == 1 and tally.worst["parameters"] == "w: shape (2, 3) vs (3, 2)"
+
+
+def test_the_absolute_tolerance_scales_with_the_tensors_magnitude():
+    """DeiT's distillation token gradient at tp2: magnitude 200, an element near zero off by
+    2.3e-4 (fp32 rounding of the terms it is summed from) is within; a wrongly scaled
+    gradient, or one element off by 1e-3 of the magnitude, is not."""
+    from parallelizer.runtime.verify import within
+    want = torch.tensor([200.0, -150.0, 3e-3])
+    assert within(want + torch.tensor([0.0, 0.0, 2.3e-4]), want, 1e-5, 1e-5)
+    assert not torch.allclose(want + torch.tensor([0.0, 0.0, 2.3e-4]), want, atol=1e-5, rtol=1e-5)
+    assert not within(want * 2, want, 1e-5, 1e-5)
+    assert not within(want + torch.tensor([0.0, 0.0, 0.2]), want, 1e-5, 1e-5)
+    small = torch.tensor([0.5, 1e-3])  # magnitude below 1: the spec's atol as given
+    assert not within(small + torch.tensor([0.0, 2e-5]), small, 1e-5, 1e-5)
+    tally = _Tally(1e-5, 1e-5)
+    tally.add("gradients", "deit.embeddings.distillation_token",
+              want + torch.tensor([0.0, 0.0, 2.3e-4]), want)
+    assert tally.bad["gradients"] == 0
