@@ -362,3 +362,46 @@ def test_a_weight_read_in_pieces_is_fused_with_local_piece_sizes(how):
     assert prop.rewrites[first.name] == cut[target]
     for lin in nodes(g, aten.linear.default)[:2]:
         assert placement(prop, lin) == Shard(2)
+
+
+class ChunkedBias(nn.Module):
+    """q/k/v weights of their own and one bias read as ``b.chunk(3)`` (torch's kdim/vdim),
+    or one weight read as ``w.chunk(3)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = (nn.Parameter(torch.randn(16, H)) for _ in range(3))
+        self.b = nn.Parameter(torch.randn(48))
+        self.w = nn.Parameter(torch.randn(48, H))
+        self.out = nn.Linear(16, H)
+
+    def forward(self, x):
+        bq, bk, bv = self.b.chunk(3)
+        wq, wk, wv = self.w.chunk(3)
+        a = F.linear(x, self.q, bq) * F.linear(x, self.k, bk).sigmoid() + F.linear(x, self.v, bv)
+        return self.out(a) + self.out(F.linear(x, wq) + F.linear(x, wk) * F.linear(x, wv))
+
+
+def test_a_bias_shared_with_a_replicated_linear_is_a_conflict():
+    from parallelizer.plan.layouts import Fused
+    g = graph_of(ChunkedBias(), (2, 5, H))
+    prop = propagate(g, {"q", "k", "v", "w"}, {"out.weight"}, 2)
+    assert not prop.conflicts and prop.found_layouts()["b"] == Fused((16, 16, 16))
+    prop = propagate(g, {"q", "k", "w"}, {"out.weight"}, 2)
+    reasons = [c for c in prop.conflicts if "its bias b is shared" in c[3]]
+    assert reasons and reasons[0][2] == frozenset({"q", "k"})
+    assert "the replicated linear v" in reasons[0][3]
+
+
+def test_a_chunk_into_unequal_local_pieces_is_a_conflict():
+    from parallelizer.plan.layouts import Fused, ReplicatedHeads
+    g = graph_of(ChunkedBias(), (2, 5, H))
+    even = propagate(g, {"w", "q", "k", "v"}, {"out.weight"}, 2)
+    assert even.found_layouts()["w"] == Fused((16, 16, 16)) and not even.conflicts
+    # a piece of copied heads (one head of 16 on both ranks): 8, 16, 8 local rows
+    copied = Fused((16, 16, 16), (None, ReplicatedHeads(1, 16), None))
+    prop = propagate(g, {"w", "q", "k", "v"}, {"out.weight"}, 2, {"w": copied})
+    chunk = nodes(g, aten.chunk.default)[1]
+    assert placement(prop, chunk) == CONFLICT
+    assert any(c[0] == chunk.name and "[8, 16, 8] elements on each rank" in c[3]
+               for c in prop.conflicts)
