@@ -174,6 +174,8 @@ def weight_part(w, rank: int = 2) -> Optional[tuple[int, int, int]]:
 
 
 def _walk_weight(w, rank: int):
+    """``(param, transposed, part)`` of :func:`weight_source` and :func:`weight_part`, from
+    one walk back from ``w`` to the parameter."""
     transposed, part = False, None
     for _ in range(_PATH_LIMIT):
         if _param(w, rank):
