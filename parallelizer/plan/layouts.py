@@ -312,10 +312,10 @@ def side_by_side(n: int, ranges: list) -> Optional[EvenSplit]:
     Raises:
         ValueError: ranges overlap, or a range is :class:`Padded` (no fused part can be).
     """
+    if len(ranges) == 1 and tuple(ranges[0][:2]) == (0, n):
+        return ranges[0][2]
     pairs, at = [], 0
     for lo, hi, layout in sorted(ranges, key=lambda r: r[:2]):
-        if (lo, hi) == (0, n):
-            return layout
         if lo < at:
             raise ValueError(f"the range [{lo}, {hi}) overlaps the one before it")
         if lo > at:

@@ -160,6 +160,7 @@ def test_pieces_side_by_side_are_one_fused_layout():
 
 @pytest.mark.parametrize("ranges, msg", [
     ([(0, 8, None), (4, 12, None)], "overlaps"),
+    ([(0, 4, None), (0, 12, None)], "overlaps"),  # a whole read beside a piece of it
     ([(0, 4, Padded(8)), (4, 12, None)], "cannot be a fused part")])
 def test_pieces_that_cannot_be_side_by_side_are_refused(ranges, msg):
     from parallelizer.plan.layouts import side_by_side
