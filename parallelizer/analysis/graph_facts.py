@@ -115,7 +115,7 @@ class Linear(NamedTuple):
         part, bias_part: ``(lo, hi)`` when the linear reads only that static range of W's
             output-features dim (of the bias): torch's cross-attention
             ``in_proj_weight.split([E, 2E])``, its kdim/vdim ``in_proj_bias.chunk(3)``;
-            None when it reads the whole parameter (:func:`weight_part`).
+            None when it reads the whole parameter (:func:`piece`).
     """
 
     node: fx.Node
@@ -167,15 +167,10 @@ def weight_source(w, rank: int = 2) -> tuple[Optional[fx.Node], bool]:
     return param, transposed
 
 
-def weight_part(w, rank: int = 2) -> Optional[tuple[int, int, int]]:
-    """``(dim, lo, hi)`` of the parameter (its own dims) when the weight path of ``w`` takes
-    only the static range ``[lo, hi)`` of that dim; None for the whole parameter."""
-    return _walk_weight(w, rank)[2]
-
-
 def _walk_weight(w, rank: int):
-    """``(param, transposed, part)`` of :func:`weight_source` and :func:`weight_part`, from
-    one walk back from ``w`` to the parameter."""
+    """``(param, transposed, part)``: :func:`weight_source`'s pair and ``part``, ``(dim, lo,
+    hi)`` of the parameter (its own dims) when the path takes only that static range of it
+    (None: the whole parameter), from one walk back from ``w`` to the parameter."""
     transposed, part = False, None
     for _ in range(_PATH_LIMIT):
         if _param(w, rank):
@@ -238,10 +233,13 @@ def piece(n) -> Optional[tuple[fx.Node, int, int, int]]:
     if step != 1 or not isinstance(size, int) or not isinstance(start, int) \
             or not isinstance(end if end is not None else 0, int):
         return None
-    lo = max(0, min(start + size if start < 0 else start, size))
-    end = size if end is None else end
-    hi = max(0, min(end + size if end < 0 else end, size))
+    lo, hi = slice_bound(start, size), slice_bound(size if end is None else end, size)
     return (src, d, lo, hi) if hi > lo else None
+
+
+def slice_bound(b: int, n: int) -> int:
+    """A slice bound as Python reads it (negative from the end), clamped to ``[0, n]``."""
+    return max(0, min(b + n if b < 0 else b, n))
 
 
 def piece_dim(node: fx.Node) -> int:
@@ -273,16 +271,17 @@ def _bias_add(n: fx.Node, out_features) -> tuple[Optional[fx.Node], Optional[fx.
         return None, None
     add = users[0]
     other = add.args[1] if add.args[0] is n else add.args[0]
+    src, _t, cut = _walk_weight(other, 1) if isinstance(other, fx.Node) else (None, False, None)
     # a piece of a bias added on its own (``x @ w.T + b[:n]``) is an add like any other
-    if _bias_source(other) is not None and weight_part(other, 1) is None \
-            and same(shape(other)[0], out_features) and not add.kwargs:
+    if src is not None and cut is None and same(shape(other)[0], out_features) \
+            and not add.kwargs:
         return other, add
     return None, None
 
 
 def _range(cut, dim: int, n) -> Optional[tuple]:
     """The ``(lo, hi)`` of parameter dim ``dim`` (of ``n`` elements) that a weight path with
-    piece ``cut`` (:func:`weight_part`) reads; None for all of it. False: a piece along
+    piece ``cut`` (:func:`_walk_weight`) reads; None for all of it. False: a piece along
     another dim."""
     if cut is None or (cut[1], cut[2]) == (0, n):
         return None

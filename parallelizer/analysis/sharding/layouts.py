@@ -8,7 +8,7 @@ import torch
 
 from ...plan.layouts import (Fused, InterleavedHeads, ReplicatedHeads, local_length,
                              local_offset)
-from ..graph_facts import aten, expr, module_path, prod, same, shape
+from ..graph_facts import aten, expr, module_path, prod, same, shape, slice_bound
 from .dtensor import dtensor_rule
 from .placements import CONFLICT, PerOutput, Shard, shard
 from .strided import local_merged_size, merge_view, strided_view
@@ -377,7 +377,7 @@ def _slice_part(node, prop, tp, d, start, end):
             or not isinstance(start or 0, int) \
             or not isinstance(end if end is not None else n, int):
         return CONFLICT
-    lo, hi = _bound(start or 0, n), _bound(n if end is None else end, n)
+    lo, hi = slice_bound(start or 0, n), slice_bound(n if end is None else end, n)
     if src.name in prop.head_raw:
         out, local_lo, local_hi = cut_heads(node, prop, tp, d, lo, hi)
         if out != CONFLICT:
@@ -398,11 +398,6 @@ def _slice_part(node, prop, tp, d, start, end):
     if hi < n and end is not None:
         add_rewrite(prop, node, 3, None, local_offset(hi, layout, tp))
     return Shard(d)
-
-
-def _bound(b: int, n: int) -> int:
-    """A slice bound as Python reads it (negative from the end), clamped to ``[0, n]``."""
-    return max(0, min(b + n if b < 0 else b, n))
 
 
 def fuse_slices(prop, tp: int) -> None:
