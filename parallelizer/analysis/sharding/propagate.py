@@ -49,7 +49,8 @@ from .dtensor import NO_RULE, dtensor_rule
 from . import redistribute
 from .heads import factory_rule, request_broadcast
 from ...plan.layouts import InterleavedHeads
-from .layouts import fuse_slices, view_rule
+from .cuts import fuse_slices
+from .layouts import view_rule
 from .placements import CONFLICT, REPLICATE, Conflict, Shard, shard_dim
 from .rules import BROADCASTING, DTENSOR_FIRST, KEEP_HEADS, KEEP_RAW, RULES, pointwise_rule
 from .strided import carry_strided, check_sizes, narrowed, request_narrow

@@ -7,7 +7,8 @@ import operator
 
 from ..graph_facts import aten, is_tensor, same, shape
 from .heads import embedding_rule, request_heads
-from .layouts import expand_rule, index_rule, slice_rule, split_rule, view_rule
+from .cuts import index_rule, slice_rule
+from .layouts import expand_rule, split_rule, view_rule
 from .placements import CONFLICT, REPLICATE, PerOutput, Shard, shard
 from .state import dim_arg, dim_of, inputs_of, placement
 from .relayout import complex_view_rule, flatten_rule, repeat_interleave_rule
