@@ -91,6 +91,18 @@ FAMILIES = [
        "XGLMConfig", "XGLMForCausalLM",
        {"vocab_size": VOCAB, "d_model": 32, "num_layers": 2, "attention_heads": 4, "ffn_dim": 64,
         "max_position_embeddings": 64, **IDS}, attn="eager"),
+    hf("falcon_grouped", "decoder", "Falcon-40B's new decoder architecture: one query_key_value "
+       "viewed as (kv groups, queries per group + 2, head_dim), each group's k and v selected out, "
+       "two LayerNorms in parallel", "FalconConfig", "FalconForCausalLM",
+       {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_kv_heads": 2, "new_decoder_architecture": True, "bias": False, "alibi": False,
+        "max_position_embeddings": 64, **IDS}),
+    hf("falcon_alibi", "decoder", "Falcon-RW's ALiBi multi-head attention: q|k|v interleaved "
+       "per head in query_key_value (unflatten + unbind), the ALiBi bias inside the mask, "
+       "sequential attention and MLP", "FalconConfig", "FalconForCausalLM",
+       {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "multi_query": False, "new_decoder_architecture": False, "parallel_attn": False,
+        "bias": True, "alibi": True, "max_position_embeddings": 64, **IDS}),
     hf("openai_gpt", "decoder", "post-LayerNorm GPT-1 with Conv1D c_attn (fused q|k|v), dropout 0.1",
        "OpenAIGPTConfig", "OpenAIGPTLMHeadModel",
        {"vocab_size": VOCAB, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64},

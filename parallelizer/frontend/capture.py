@@ -106,6 +106,7 @@ def capture(model: torch.nn.Module, batch: tuple | dict, model_file: Path) -> Ca
     _to_flat_calling(gm)
     _inline_no_grad_regions(gm)
     _refuse_subgraphs(gm, model_file)
+    _one_op_per_meaning(gm)
     return Captured(gm, names, bool(kwargs), out_spec, route)
 
 
@@ -145,6 +146,23 @@ def _inline_no_grad_regions(gm: torch.fx.GraphModule) -> None:
             delattr(gm, attr.target)
     graph.lint()
     gm.recompile()
+
+
+# ops torch defines as another op with the same arguments (ATen's broadcast_to is
+# ``self.expand(size)``), kept apart by torch.export's pre-dispatch graph: one spelling, so
+# every rule that reads expand's sizes (the local sizes under tp, repeat_kv) reads both
+_SAME_OP = {torch.ops.aten.broadcast_to.default: torch.ops.aten.expand.default}
+
+
+def _one_op_per_meaning(gm: torch.fx.GraphModule) -> None:
+    """Replace each op of :data:`_SAME_OP` by the op it is defined as."""
+    changed = False
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in _SAME_OP:
+            node.target = _SAME_OP[node.target]
+            changed = True
+    if changed:
+        gm.recompile()
 
 
 def _detach(graph: torch.fx.Graph, value: torch.fx.Node) -> torch.fx.Node:

@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from ..graph_facts import is_tensor
 from .placements import CONFLICT, REPLICATE, PerOutput
-from .state import placement
+from .state import add_rewrite, placement
 
 NO_RULE = object()
 
@@ -145,10 +145,53 @@ def dtensor_rule(node: fx.Node, prop, tp: int):
             _ANSWERS.clear()
         try:
             schema = OpSchema(op, tuple(args), kwargs, schema_info=_schema_info(op))
-            _ANSWERS[key] = _answer(_propagator().propagate_op_sharding_non_cached(schema), schema)
+            result = _propagator().propagate_op_sharding_non_cached(schema)
+            _ANSWERS[key] = (_answer(result, schema), _local_args(result, schema))
         except Exception:  # noqa: BLE001 - no strategy, or one that cannot take these args
-            _ANSWERS[key] = NO_RULE
-    return _ANSWERS[key]
+            _ANSWERS[key] = (NO_RULE, ())
+    answer, local_args = _ANSWERS[key]
+    return answer if answer in (NO_RULE, CONFLICT) or _rewrite_local(node, prop, tp, local_args) \
+        else CONFLICT
+
+
+def _local_args(result, asked) -> tuple:
+    """The non-tensor arguments DTensor rewrites from global to local values for the rank
+    (``_sharding_prop.op_to_shape_and_stride_idx``: a view's or a ``new_*`` factory's
+    shape; ``op_to_scalar_shape_adjuster``: group_norm's channels), as (index, asked, local)
+    for each one that differs; the placements of the suggestion equal those asked, so it is
+    no redistribution (:func:`_answer`)."""
+    suggested, p = result.redistribute_schema, _propagator()
+    if suggested is None or suggested.op != asked.op or _wanted(suggested) != _wanted(asked):
+        return ()  # a redistribution, or another op (squeeze.dim asked as squeeze.dims)
+    if asked.op not in p.op_to_shape_and_stride_idx and \
+            asked.op not in getattr(p, "op_to_scalar_shape_adjuster", {}):
+        return ()
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    return tuple((i, old, new) for i, (old, new) in
+                 enumerate(zip(asked.args_schema, suggested.args_schema))
+                 if not isinstance(old, DTensorSpec) and _key(old) != _key(new))
+
+
+def _rewrite_local(node, prop, tp, local_args) -> bool:
+    """Record each of DTensor's local arguments as a rewrite of ``node``'s constant (the tp
+    pass sets it); False when one cannot be written so: the value is symbolic in the graph
+    (a size read at run time), or it is not the global one divided evenly by tp, the only
+    local value the same on every rank."""
+    for i, old, new in local_args:
+        spelled = node.args[i]
+        if isinstance(old, (list, tuple)):
+            if not isinstance(new, (list, tuple)) or len(new) != len(old):
+                return False
+            for j, (o, n) in enumerate(zip(old, new)):
+                if o != n and not (isinstance(spelled[j], int) and o == n * tp):
+                    return False
+                if o != n:
+                    add_rewrite(prop, node, i, j, n)
+        elif isinstance(spelled, int) and old == new * tp:
+            add_rewrite(prop, node, i, None, new)
+        else:
+            return False
+    return True
 
 
 def _schema_info(op):
