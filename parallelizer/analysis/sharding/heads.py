@@ -13,7 +13,8 @@ element ``i``, so its source is sharded along that dim.
 
 Only ops whose dim mapping is unambiguous are walked back: same-shape ops, broadcasting
 elementwise ops with exactly one input holding the dim at full size, unsqueeze, permute,
-transpose, expand and embedding (output last dim = weight dim 1).
+transpose, expand, views that keep the dim whole, embedding (output last dim = weight dim 1)
+and a gather of a table's rows (``table[idx]``: Swin's relative position bias table).
 """
 from __future__ import annotations
 
@@ -22,12 +23,13 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from ..graph_facts import aten, is_tensor, module_path, same, shape, weight_fqn
+from ..graph_facts import aten, is_tensor, module_path, prod, same, shape, weight_fqn
 from .placements import CONFLICT, REPLICATE, Shard
 from .state import add_constraint, add_rewrite, dim_of, inputs_of, placement
 
 _SAME = {aten.contiguous.default, aten.clone.default, aten.to.dtype, aten._to_copy.default,
          aten.alias.default, aten.detach.default, aten.dropout.default, aten.type_as.default}
+_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _FACTORIES = {aten.zeros.default, aten.ones.default, aten.full.default, aten.empty.memory_format}
 
 
@@ -58,6 +60,16 @@ def trace_head_source(node: fx.Node, dim: int, limit: int = 32) -> Optional[tupl
             if dim != len(shape(node)) - 1:
                 return None
             node, dim = node.args[0], 1
+        elif t in _VIEWS:
+            found = _view_source_dim(node, dim)
+            if found is None:
+                return None
+            node, dim = found
+        elif t is aten.index.Tensor:
+            found = _row_gather(node, dim)
+            if found is None:
+                return None
+            node, dim = found
         elif t is aten.expand.default or _elementwise(t):
             found = _full_input(node, dim)
             if found is None:
@@ -66,6 +78,29 @@ def trace_head_source(node: fx.Node, dim: int, limit: int = 32) -> Optional[tupl
         else:
             return None
     return None
+
+
+def _view_source_dim(node: fx.Node, dim: int):
+    """The input dim a view keeps as output dim ``dim``: the same size, after dims of the
+    same total size (``(T * T, heads) -> (T, T, heads)``); None for a split or merged dim."""
+    ins, outs = shape(node.args[0]), shape(node)
+    before = prod(outs[:dim])
+    e = next((e for e in range(len(ins)) if same(prod(ins[:e]), before)), None)
+    if e is None or e >= len(ins) or not same(ins[e], outs[dim]):
+        return None
+    return node.args[0], e
+
+
+def _row_gather(node: fx.Node, dim: int):
+    """``table[idx]`` (one index tensor, on dim 0): the output is idx's dims, then the
+    table's dims after the first, so output dim ``dim`` past idx's is the table's
+    ``dim - idx.ndim + 1`` (BEiT's and Swin's ``relative_position_bias_table[index]``,
+    (T * T, heads) out of (relative positions, heads))."""
+    indices = list(node.args[1])
+    if len(indices) != 1 or not isinstance(indices[0], fx.Node) or not is_tensor(indices[0]):
+        return None
+    k = len(shape(indices[0]))
+    return (node.args[0], dim - k + 1) if dim >= k else None
 
 
 def _elementwise(t) -> bool:
