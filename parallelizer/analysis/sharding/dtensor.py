@@ -174,9 +174,10 @@ def _local_args(result, asked) -> tuple:
 
 def _rewrite_local(node, prop, tp, local_args) -> bool:
     """Record each of DTensor's local arguments as a rewrite of ``node``'s constant (the tp
-    pass sets it); False when one cannot be written so: the value is symbolic in the graph
-    (a size read at run time), or it is not the global one divided evenly by tp, the only
-    local value the same on every rank."""
+    pass sets it); False, recording none, when one cannot be written so: the value is
+    symbolic in the graph (a size read at run time), or it is not the global one divided
+    evenly by tp, the only local value the same on every rank."""
+    rewrites = []
     for i, old, new in local_args:
         spelled = node.args[i]
         if isinstance(old, (list, tuple)):
@@ -186,11 +187,13 @@ def _rewrite_local(node, prop, tp, local_args) -> bool:
                 if o != n and not (isinstance(spelled[j], int) and o == n * tp):
                     return False
                 if o != n:
-                    add_rewrite(prop, node, i, j, n)
+                    rewrites.append((i, j, n))
         elif isinstance(spelled, int) and old == new * tp:
-            add_rewrite(prop, node, i, None, new)
+            rewrites.append((i, None, new))
         else:
             return False
+    for i, j, n in rewrites:
+        add_rewrite(prop, node, i, j, n)
     return True
 
 

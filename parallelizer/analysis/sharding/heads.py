@@ -94,8 +94,8 @@ def _view_source_dim(node: fx.Node, dim: int):
 def _row_gather(node: fx.Node, dim: int):
     """``table[idx]`` (one index tensor, on dim 0): the output is idx's dims, then the
     table's dims after the first, so output dim ``dim`` past idx's is the table's
-    ``dim - idx.ndim + 1`` (BEiT's and Swin's ``relative_position_bias_table[index]``,
-    (T * T, heads) out of (relative positions, heads))."""
+    ``dim - idx.ndim + 1`` (Swin's ``relative_position_bias_table[index]``, (T * T, heads)
+    out of (relative positions, heads))."""
     indices = list(node.args[1])
     if len(indices) != 1 or not isinstance(indices[0], fx.Node) or not is_tensor(indices[0]):
         return None
