@@ -22,7 +22,8 @@ _SPLIT_CUTS = (aten.split.Tensor, aten.split_with_sizes.default)
 
 
 def only_cut_on(node, e) -> bool:
-    """Every user of ``node`` cuts dim ``e`` (a slice, or an index with one tensor at ``e``):
+    """Every user of ``node`` cuts dim ``e`` (a slice, a split along ``e``, or an index with one
+    tensor at ``e``):
     Falcon's ``view(B, T, H + 2, D)`` whose q heads, k head and v head are cut out."""
     def cuts(u):
         if u.op != "call_function" or u.args[0] is not node:
