@@ -154,8 +154,7 @@ def _slice_part(node, prop, tp, d, start, end):
     prop.claimed.add(node.name)
     for w in raw:
         prop.slices.setdefault(w, []).append((lo, hi, node.name, module_path(node)))
-    layouts = [prop.layouts.get(w) for w in raw]
-    layout = layouts[0] if all(x == layouts[0] for x in layouts) else None
+    layout = _common_layout(prop, raw)
     if lo:
         add_rewrite(prop, node, 2, None, local_offset(lo, layout, tp))
     if hi < n and end is not None:

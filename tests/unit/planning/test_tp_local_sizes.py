@@ -13,9 +13,9 @@ from parallelizer.passes.tensor_parallel import apply_tensor_parallel
 from parallelizer.planning.tp import plan_tp
 
 from tp_check import assert_tp_matches
-from tp_small_models import captured, x_batch
+from tp_small_models import H, captured, x_batch
 
-H, HEADS, D = 32, 4, 8
+HEADS, D = 4, 8
 
 
 class NewOnes(nn.Module):
