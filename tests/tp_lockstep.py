@@ -26,7 +26,8 @@ from parallelizer.plan.layouts import ReplicatedHeads, copied_heads, copied_runs
 from parallelizer.plan.parallel_plan import TensorPlan
 from parallelizer.runtime import rng, sequence as sp
 from parallelizer.runtime.tp import (copy_to_tp_region, gather_from_tp_dim, reduce_from_tp_region,
-                                     reduce_partial_from_tp, scatter_to_tp_region)
+                                     reduce_partial_from_tp, scatter_copies_to_tp_region,
+                                     scatter_to_tp_region)
 from parallelizer.runtime.vocab import (GatherLastDim, gather_from_tp_region, local_lookup,
                                         vocab_parallel_lookup)
 from parallelizer.runtime.vocab_loss import VocabParallelCrossEntropy, vocab_parallel_cross_entropy
@@ -140,6 +141,26 @@ class _Scatter(torch.autograd.Function):
         return ctx.comm(ctx.rank, full), None, None, None
 
 
+class _ScatterCopies(torch.autograd.Function):
+    """runtime/tp.py scatter_copies_to_tp_region over threads: the rank's copy of entry
+    ``rank // (tp / n)``; backward: the copies' gradients summed into their entries (a sum of
+    zero-padded entries)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, comm, rank):
+        ctx.dim, ctx.comm, ctx.rank, ctx.n = dim, comm, rank, x.shape[dim]
+        ctx.entry = rank // (comm.tp // ctx.n)
+        return x.narrow(dim, ctx.entry, 1).clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape = list(grad.shape)
+        shape[ctx.dim] = ctx.n
+        full = grad.new_zeros(shape)
+        full.narrow(ctx.dim, ctx.entry, 1).copy_(grad)
+        return ctx.comm(ctx.rank, full), None, None, None
+
+
 class _GatherDim(torch.autograd.Function):
     """runtime/tp.py gather_from_tp_dim over threads: the ranks' blocks side by side (along
     the inner factor of a merged dim when ``inner``); backward: the rank's block."""
@@ -234,6 +255,8 @@ class _Rank(fx.Interpreter):
             return target(*args, comm=_RankComm(self.comm, self.rank), **kwargs)
         if target is scatter_to_tp_region:
             return _Scatter.apply(args[0], args[1], self.comm, self.rank)
+        if target is scatter_copies_to_tp_region:
+            return _ScatterCopies.apply(args[0], args[1], self.comm, self.rank)
         if target is gather_from_tp_dim:
             return _GatherDim.apply(args[0], args[1], (list(args) + [0])[2], self.comm, self.rank)
         if target is reduce_partial_from_tp:

@@ -244,6 +244,18 @@ def qwen3():
     return _seeded(lambda: T.Qwen3ForCausalLM(cfg)), _ids, _logits
 
 
+def olmo2():
+    """OLMo-2: q/k RMS norms over the whole q/k projections (heads x head_dim) before the
+    heads view, 2 kv heads: at tp 4 k_proj is computed whole and attention cuts each rank's
+    copy of its kv head (not in ZOO: tests/features/test_self_check.py runs it)."""
+    import transformers as T
+    cfg = T.Olmo2Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                        use_cache=False, attn_implementation="sdpa", attention_dropout=0.0,
+                        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return _seeded(lambda: T.Olmo2ForCausalLM(cfg)), _ids, _logits
+
+
 def bart():
     """BART: an encoder-decoder whose decoder's row_parallel linears (self- and
     cross-attention out_proj, fc2) have biases, and whose cross-attention k/v read the

@@ -14,8 +14,8 @@
   before their repeat over the batch) is followed by ``scatter_to_tp_region``, each rank
   keeping its block of heads.
 - the redistributions where no sharded rule takes a value as it is
-  (``decision.redistributions``): ``gather_from_tp_dim`` / ``scatter_to_tp_region`` before
-  the readers named, ``reduce_partial_from_tp`` after an op with a Partial output.
+  (``decision.redistributions``): ``gather_from_tp_dim`` / ``scatter_to_tp_region`` /
+  ``scatter_copies_to_tp_region`` before the readers named, ``reduce_partial_from_tp`` after an op with a Partial output.
 Parameter shapes themselves are the checkpoint's business (plan ``tp_dim``); the graph only
 reads them with get_attr.
 """
@@ -25,7 +25,8 @@ import torch.fx as fx
 
 from ..plan.decisions import TP_OPERATOR, TPDecision
 from ..runtime.tp import (copy_to_tp_region, gather_from_tp_dim, reduce_from_tp_region,
-                          reduce_partial_from_tp, scatter_to_tp_region)
+                          reduce_partial_from_tp, scatter_copies_to_tp_region,
+                          scatter_to_tp_region)
 from ..analysis.graph_facts import Linear, aten, linear_sites
 
 
@@ -86,6 +87,7 @@ def _insert_narrows(graph: fx.Graph, narrows: dict) -> None:
         node.replace_all_uses_with(cut, delete_user_cb=lambda u, c=cut: u is not c)
 
 
+_CUTS = {"scatter": scatter_to_tp_region, "scatter_copies": scatter_copies_to_tp_region}
 _WHERE = ("nn_module_stack", "stack_trace", "source_fn_stack", "fwd_nn_module_stack")
 
 
@@ -101,11 +103,10 @@ def _insert_redistributions(graph: fx.Graph, redistributions: list) -> None:
             node.replace_all_uses_with(new, delete_user_cb=lambda u, c=new: u is not c)
             continue
         readers = [by_name[n] for n in r.readers]
-        gather = r.kind == "all_gather"
         first = min(readers, key=order.__getitem__)
         with graph.inserting_before(first):
-            new = graph.call_function(gather_from_tp_dim, (node, r.dim, r.inner)) if gather \
-                else graph.call_function(scatter_to_tp_region, (node, r.dim))
+            new = graph.call_function(gather_from_tp_dim, (node, r.dim, r.inner)) \
+                if r.kind == "all_gather" else graph.call_function(_CUTS[r.kind], (node, r.dim))
         # the value's meta, in the reader's module and line (a parameter has neither: the
         # block and stage splits place a node by its module)
         new.meta = {**node.meta, **{k: first.meta[k] for k in _WHERE if k in first.meta}}

@@ -21,7 +21,9 @@ class Redistribution:
     (analysis/sharding/redistribute.py), applied by the tensor_parallel pass.
 
     ``kind``: "all_gather" (Shard(dim) -> Replicate; runtime/tp.py gather_from_tp_dim),
-    "scatter" (Replicate -> Shard(dim), each rank's block; scatter_to_tp_region) or
+    "scatter" (Replicate -> Shard(dim), each rank's block; scatter_to_tp_region),
+    "scatter_copies" (Replicate -> the copy of one of fewer than tp kv heads along dim that
+    the rank's query heads read; scatter_copies_to_tp_region) or
     "all_reduce" (the Partial output of ``producer``, ``reduce_op`` "sum" | "avg";
     reduce_partial_from_tp). ``producer``: node name of the value; ``readers``: the nodes
     that read it so (all of its readers for an all_reduce). ``bytes``: what one rank sends

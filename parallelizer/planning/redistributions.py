@@ -7,9 +7,10 @@ import torch
 import torch.fx as fx
 
 from ..analysis.graph_facts import source_line
+from ..analysis.sharding.placements import CopiedHeads
 from ..plan.decisions import Redistribution
 
-_RING = {"all_gather": 1.0, "scatter": 1.0, "all_reduce": 2.0}
+_RING = {"all_gather": 1.0, "scatter": 1.0, "scatter_copies": 1.0, "all_reduce": 2.0}
 
 
 def redistributions(graph: fx.Graph, prop, tp: int) -> list:
@@ -26,7 +27,8 @@ def redistributions(graph: fx.Graph, prop, tp: int) -> list:
         names = tuple(sorted(names, key=order.__getitem__))
         gather = not hasattr(want, "dim")
         dim = prop.placements[producer].dim if gather else want.dim
-        kind = "all_gather" if gather else "scatter"
+        kind = "all_gather" if gather else "scatter_copies" if isinstance(
+            want, CopiedHeads) else "scatter"
         inner = int(prop.strided.get(producer, 0)) if gather else 0
         out.append(Redistribution(kind, producer, names, dim=dim, inner=inner,
                                   bytes=_bytes(by_name[producer], kind, tp),
@@ -46,6 +48,9 @@ def report_lines(redistributions: list) -> list:
         what = {"all_gather": f"all-gather (Shard({r.dim}) -> Replicate)",
                 "scatter": f"each rank's block (Replicate -> Shard({r.dim}); backward all-gathers "
                            f"the gradient)",
+                "scatter_copies": f"each rank's copy of the kv head its query heads read "
+                                  f"(Replicate -> copied heads along dim {r.dim}; backward "
+                                  f"all-gathers the gradient and sums each head's copies)",
                 "all_reduce": f"all-reduce ({r.reduce_op}) of a Partial output"}[r.kind]
         lines.append(f"redistribution: {what} of {r.producer} -> {', '.join(r.readers)} "
                      f"(no sharded rule takes it as it is: {r.why}); "

@@ -57,10 +57,9 @@ def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False,
     pairs, column, row, prop = _pairs_settled(graph, sites, tp, decision)
     if (prop.applied or prop.applied_reduces) and not _divisible(prop, tp):
         # a group kept by redistributions needs a size tp does not divide (3 heads at tp 2):
-        # plan as without them, that group then replicated (its conflict names why)
-        decision.blockers, decision.report = [], []
-        pairs = seed_pairs(sites, True)
-        pairs, column, row, prop = _candidate(graph, pairs, tp, decision, redistribute=False)
+        # plan as without them, that group then replicated (its conflict names why), or
+        # with the linears behind copied kv heads kept whole, whichever shards more
+        pairs, column, row, prop = _indivisible(graph, sites, tp, decision, prop)
     _check_divisible(prop, tp)
     layouts = prop.found_layouts()
     decision.column, decision.row, decision.rewrites = column, row, prop.rewrites
@@ -128,6 +127,43 @@ def _pairs_settled(graph, sites, tp: int, decision: TPDecision):
     return second
 
 
+def _indivisible(graph, sites, tp: int, decision: TPDecision, prop):
+    """The plan that settled needs a size tp does not divide. Two plans that do not: without
+    redistributions, and (:func:`_whole_kv`) with the column linears behind heads that tp is
+    a multiple of kept whole; the one sharding more weight elements is taken."""
+    plain = TPDecision(tp=tp, linears=decision.linears, biases=decision.biases)
+    chosen = _candidate(graph, seed_pairs(sites, True), tp, plain, redistribute=False)
+    whole = _whole_kv(graph, seed_pairs(sites, True), tp, decision, prop)
+    size = _weight_sizes(graph)
+    if whole is not None and sum(size.get(w, 0) for w in whole[0][1] | whole[0][2]) > sum(
+            size.get(w, 0) for w in chosen[1] | chosen[2]):
+        chosen, plain = whole
+    decision.blockers, decision.report = plain.blockers, plain.report
+    return chosen
+
+
+def _whole_kv(graph, pairs: dict, tp: int, decision: TPDecision, prop):
+    """A plan keeping whole (replicated) the column linears whose shard reaches a heads view
+    that tp does not divide but is a multiple of (OLMo-2's k: 2 kv heads at tp 4, normed over
+    its whole projection before the view, so no rank can hold a copy of one head through
+    the norm), their attention cutting each rank's copy of its kv head
+    (analysis/sharding/redistribute.py, CopiedHeads): (candidate, its scratch decision), or
+    None when another size is in the way or the plan does not settle divisible."""
+    kept = frozenset()
+    for _ in range(4):
+        kv = frozenset(prop.kv_weights)
+        bad = [c for c in prop.constraints if not c.allows(tp, kv)]
+        if not bad:
+            return None if not kept else (found, scratch)
+        if any(c.what != "heads" or tp % c.size or not c.origin for c in bad):
+            return None
+        kept |= frozenset().union(*[c.origin for c in bad])
+        scratch = TPDecision(tp=tp, linears=decision.linears, biases=decision.biases)
+        found = _candidate(graph, pairs, tp, scratch, kept=kept)
+        prop = found[3]
+    return None
+
+
 def _weight_sizes(graph) -> dict:
     """get_attr target -> its number of elements."""
     out = {}
@@ -138,9 +174,15 @@ def _weight_sizes(graph) -> dict:
     return out
 
 
-def _candidate(graph, pairs: dict, tp: int, decision: TPDecision, redistribute: bool = True):
-    column = {c for c, rows in pairs.items() if rows}
+def _candidate(graph, pairs: dict, tp: int, decision: TPDecision, redistribute: bool = True,
+               kept=frozenset()):
+    """Settle the pairs; ``kept``: column weights left whole (:func:`_whole_kv`), reported."""
+    column = {c for c, rows in pairs.items() if rows} - kept
     row = {r for rows in pairs.values() for r in rows}
+    for w in sorted(kept):
+        decision.report.append(f"kept whole: {w} (its output's heads view is fewer heads than "
+                               f"tp ranks, after an op that spans all of them; attention cuts "
+                               f"each rank's copy of its kv head)")
     prop = _settle(graph, pairs, column, row, tp, decision, redistribute)
     return pairs, column, row, prop
 

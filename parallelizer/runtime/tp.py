@@ -8,6 +8,8 @@ row_parallel linears, whose outputs are Partial sums.
 (Megatron's scatter-to-model-parallel-region; all-gather of the gradient in backward);
 placed after a per-head value that must meet the rank's heads (BLOOM's ALiBi slopes), and
 where a replicated value re-enters sharded compute (a redistribution).
+``scatter_copies_to_tp_region``: the same for fewer entries than tp ranks (GQA kv heads
+computed whole, met by sharded query heads): each rank keeps the copy its query heads read.
 ``gather_from_tp_dim``: the whole value of one sharded along a dim (Megatron's
 gather-from-model-parallel-region; backward keeps the rank's slice), before an op with no
 sharded rule. ``reduce_partial_from_tp``: the all-reduce (sum or average) of an op's Partial
@@ -146,6 +148,29 @@ def scatter_to_tp_region(x: torch.Tensor, dim: int) -> torch.Tensor:
     """This tp rank's block ``[r * n / tp, (r + 1) * n / tp)`` of ``x`` along ``dim`` (size
     ``n``, divisible by tp): Replicate -> Shard(dim), no communication in forward."""
     return x if _tp_size() == 1 else _ScatterToTPRegion.apply(x, dim)
+
+
+class _ScatterCopies(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim):
+        ctx.dim, ctx.n = dim, x.shape[dim]
+        return x.narrow(dim, _tp_rank() // (_tp_size() // ctx.n), 1).clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        parts = _all_gather_list(grad)  # in rank order: the copies of one entry are adjacent
+        copies = len(parts) // ctx.n
+        whole = [torch.stack(parts[h * copies:(h + 1) * copies]).sum(0) for h in range(ctx.n)]
+        return torch.cat(whole, dim=ctx.dim), None
+
+
+def scatter_copies_to_tp_region(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """This tp rank's copy of entry ``r // (tp / n)`` of the ``n`` entries of ``x`` along
+    ``dim`` (tp a multiple of ``n``; GQA kv heads when tp exceeds them, Megatron-LM's
+    ``num_query_groups`` < tp): Replicate -> copied heads, no communication in forward.
+    Backward: the gradient all-gathered over tp and each entry's copies summed (every rank
+    holding a copy contributed its query heads' share)."""
+    return x if _tp_size() == 1 else _ScatterCopies.apply(x, dim)
 
 
 def _all_gather_cat(x: torch.Tensor, dim: int) -> torch.Tensor:

@@ -43,7 +43,7 @@ def _zoo(name):
 
 
 @pytest.mark.parametrize("name, spec", [
-    ("qwen3", TP2), ("qwen3", {"mesh": {"tp": 4}}), ("gpt2", TP2),
+    ("qwen3", TP2), ("qwen3", {"mesh": {"tp": 4}}), ("gpt2", TP2), ("olmo2", {"mesh": {"tp": 4}}),
     ("llama", {"mesh": {"tp": 2, "pp": 2}, "pipeline": {"microbatches": 2}})])
 def test_real_models_pass_the_self_check(name, spec):
     model, batch = (tiny_llama().train(), ids_batch(4, 8)) if name == "llama" else _zoo(name)
@@ -60,6 +60,9 @@ def test_real_models_pass_the_self_check(name, spec):
         assert any(e["kind"] == "replicated_heads" for e in program.plan.grad_sync)
     if name == "llama":
         assert any(e["kind"] == "tied" for e in program.plan.grad_sync)
+    if name == "olmo2":  # k_proj whole, attention cutting each rank's copy of its kv head
+        assert any(n.startswith("tensor parallel: 12 of 14 weight matrices") for n in program.notes)
+        assert program.plan.tensors["model.layers.0.self_attn.k_proj.weight"].tp_dim is None
 
 
 def _checked(model, batch, spec, mutate_plan=None, mutate_stages=None):

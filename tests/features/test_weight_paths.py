@@ -57,13 +57,15 @@ def test_fused_qkv_split_by_sizes_with_per_head_gains(kv, tp):
         assert d.per_head[p + "q_gain"] == d.per_head[p + "k_gain"] == 0
 
 
-def test_per_kv_head_gain_at_tp_above_kv_heads_keeps_attention_replicated():
-    """At tp 4 with 2 kv heads the kv heads would be copied, not split, and a gain per kv
-    head has no even split: that attention stays replicated (reported, naming the op), the
-    MLPs are sharded, and the ranks still match."""
+def test_per_kv_head_gain_at_tp_above_kv_heads_keeps_the_fused_qkv_whole():
+    """At tp 4 with 2 kv heads the k part of the fused q|k|v is split evenly (4 of its 16
+    features a rank), gathered for the gain per kv head, and its view into 2 heads has no
+    even split: the fused q|k|v is computed whole on every rank (reported), attention cuts
+    each rank's query heads and its copy of the kv head, the output projection and the MLPs
+    are sharded, and the ranks still match. (Before: the whole attention replicated.)"""
     torch.manual_seed(0)
     d = plan_and_check(SplitQKVNet(2), x_batch(3, 5, seed=1), 4)
-    assert not any(f.startswith("layers.") for f in d.column | d.row | set(d.per_head))
+    assert not any(f.startswith("layers.") for f in d.column | set(d.per_head))
+    assert {"layers.0.o.weight", "layers.1.o.weight"} <= d.row
     assert {"ups.0.weight", "ups.1.weight"} <= d.column
-    assert any(r.startswith("kept replicated: layers.0.o.weight, layers.0.qkv.weight (at mul")
-               for r in d.report), d.report
+    assert any(r.startswith("kept whole: layers.0.qkv.weight") for r in d.report), d.report

@@ -60,7 +60,8 @@ def view_rule(node, prop, tp):
         add_constraint(prop, int(expr(ins[d])), "heads", module_path(node), detail)
         return Shard(e) if local_merged_size(node, prop, e, int(expr(ins[d])), tp) else CONFLICT
     else:
-        add_constraint(prop, int(expr(outs[e])), "heads", module_path(node), detail)
+        add_constraint(prop, int(expr(outs[e])), "heads", module_path(node), detail,
+                       origin=prop.groups.get(src.name, frozenset()))
         local = int(expr(outs[e])) // tp
     if e < len(sizes) and isinstance(sizes[e], int) and sizes[e] != -1:
         add_rewrite(prop, node, 1, e, local)
@@ -173,7 +174,7 @@ def _split_heads(node, prop, tp, e, raw, detail):
     if only_cut_on(node, e):
         return fused_heads_view(node, prop, tp, e, raw, heads, head_dim)
     replicate = heads % tp != 0 and tp % heads == 0 and not (raw & prop.no_replication)
-    add_constraint(prop, heads, "heads", module_path(node), detail, raw)
+    add_constraint(prop, heads, "heads", module_path(node), detail, raw, origin=raw)
     prop.claimed.add(node.name)
     prop.heads[node.name] = HeadsMark(raw, heads, replicate)
     for w in raw:

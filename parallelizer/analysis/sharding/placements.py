@@ -13,6 +13,12 @@ for:
   placements (the reason is in ``Propagation.conflicts``) and every value computed from it
   has none either.
 
+and one only a redistribution asks for (:mod:`.redistribute`):
+
+- :class:`CopiedHeads`: a replicated value read, on one edge, as the copy of one of its
+  ``heads`` entries along ``dim`` that the rank's query heads read (GQA kv heads when tp is a
+  multiple of them); inside the reader it is a ``Shard(dim)`` with a copied-heads mark.
+
 All compare by value and hash, so they serve as dict values, set members and ``==``
 operands (``Shard(2) == Shard(2)``; ``Shard(2) != 2``).
 """
@@ -42,6 +48,15 @@ class Conflict:
 
 
 CONFLICT = Conflict()
+
+
+@dataclass(frozen=True)
+class CopiedHeads:
+    """Each tp rank keeps entry ``r // (tp / heads)`` of the ``heads`` entries along ``dim``
+    (tp a multiple of ``heads``): the kv head its block of query heads reads."""
+
+    dim: int
+    heads: int
 
 Placement = Union[Shard, Replicate, PerOutput, Conflict]
 

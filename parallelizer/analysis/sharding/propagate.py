@@ -45,7 +45,7 @@ import torch
 import torch.fx as fx
 
 from ..graph_facts import as_linear, aten, module_path, same, shape
-from .dtensor import NO_RULE, dtensor_rule
+from .dtensor import NO_RULE, Wants, dtensor_rule
 from . import redistribute
 from .heads import factory_rule, request_broadcast
 from ...plan.layouts import InterleavedHeads
@@ -56,8 +56,8 @@ from .rules import BROADCASTING, DTENSOR_FIRST, KEEP_HEADS, KEEP_RAW, RULES, poi
 from .strided import carry_strided, check_sizes, narrowed, request_narrow
 from .pieces import register, site_key
 from .weights import path_rule, weight_paths
-from .state import (Propagation, add_constraint, dim_of, inputs_of, mark_not_replicable,
-                    placement, record_use)
+from .state import (HeadsMark, Propagation, add_constraint, dim_of, inputs_of,
+                    mark_not_replicable, placement, record_use)
 
 __all__ = ["CONFLICT", "Propagation", "propagate"]
 
@@ -186,31 +186,74 @@ def _rule(node: fx.Node, prop: Propagation, column, row, weight_dims, tp):
     if fn is None:
         tags = getattr(node.target, "tags", ())
         fn = pointwise_rule if torch.Tag.pointwise in tags else dtensor_rule
-    source = dtensor_rule if fn in DTENSOR_FIRST and not _copied_heads_in(node, prop) else fn
+    copies = _copies_only(node, prop) if fn is dtensor_rule or fn in DTENSOR_FIRST else None
+    if copies is not None and fn not in KEEP_HEADS:
+        out = _on_copies(node, prop, copies)
+        if out == CONFLICT:
+            return _conflict(prop, node, groups, "a per-head operand meets copied kv heads")
+        if out is not None:
+            return out, groups
+    source = dtensor_rule if fn in DTENSOR_FIRST and copies is None and \
+        not _copied_heads_in(node, prop) else fn
     out = redistribute.reduced(node, prop, source(node, prop, tp))
     if out is NO_RULE and source is not fn:  # DTensor has no strategy: our rule
         source, out = fn, fn(node, prop, tp)
-    why = ""
+    if copies is not None and (out is NO_RULE or out == CONFLICT):
+        found = _on_copies(node, prop, copies)
+        if found == CONFLICT:
+            return _conflict(prop, node, groups, "a per-head operand meets copied kv heads")
+        if found is not None:
+            return found, groups
+    why, requested = "", False
     if out is NO_RULE or out == CONFLICT:
         request_narrow(node, prop, groups)
         if fn in BROADCASTING:
             request_broadcast(node, prop, groups, tp)
-        if not redistribute.request(node, prop, tp, out):
-            why = redistribute.why_not(node, prop)
+        requested = redistribute.request(node, prop, tp, out)
+        why = "" if requested else redistribute.why_not(node, prop)
     elif fn is not view_rule and not carry_strided(node, prop, out):
         return _conflict(prop, node, groups, "a (batch, heads) merged dim meets a dim sharded "
                                              "another way")
+    if out is NO_RULE or out == CONFLICT:
+        if not requested:  # else the next run reads the inputs redistributed, marks and all
+            _consume_markers(node, prop, None, CONFLICT)
     if out is NO_RULE:
-        _consume_markers(node, prop, None, CONFLICT)
         return _conflict(prop, node, groups, f"no sharding rule for {node.target} (ours or "
                                              f"DTensor's){why}")
     if out == CONFLICT:
-        _consume_markers(node, prop, None, CONFLICT)
         return _conflict(prop, node, groups, f"{node.target} cannot take a sharded input here"
                          + (" (DTensor's strategy would redistribute it)"
                             if source is dtensor_rule else "") + why)
     _consume_markers(node, prop, fn, out)
     return out, groups
+
+
+def _copies_only(node, prop):
+    """The copied kv heads every sharded input of ``node`` holds (one mark, weights merged),
+    or None (no sharded input, or one sharded otherwise)."""
+    marks = [prop.heads.get(a.name) for a in _sharded_inputs(node, prop)]
+    if not marks or any(m is None or not m.replicated or m.expanded for m in marks) \
+            or len({m.heads for m in marks}) != 1:
+        return None
+    return HeadsMark(frozenset().union(*[m.weights for m in marks]), marks[0].heads, True)
+
+
+def _on_copies(node, prop, mark):
+    """Copied kv heads (K heads at tp a multiple of K: rank r holds head r // (tp / K)) are
+    DTensor's even ``Shard`` over a mesh of K ranks, rank r standing in for rank r // (tp /
+    K): so DTensor's strategy on that mesh answers any op on them (GLM's interleaved rotary:
+    stack then flatten of the rank's head), the local sizes it gives are the copy's. Kept
+    when it shards the output along a dim of K entries (the output's heads, still copied);
+    else None."""
+    out = dtensor_rule(node, prop, mark.heads)
+    if isinstance(out, Wants) and not out.partial and redistribute.cut_copies(node, prop, out,
+                                                                             mark.heads):
+        return CONFLICT  # the next run reads the per-head operand cut to the copies
+    if type(out) is not Shard or not same(shape(node)[out.dim], mark.heads):
+        return None
+    prop.claimed.add(node.name)
+    prop.heads[node.name] = mark
+    return out
 
 
 def _copied_heads_in(node, prop) -> bool:
@@ -241,9 +284,12 @@ def _consume_markers(node, prop, fn, out) -> None:
             record_use(prop, weights, None, node)
     marks = [prop.heads[a.name] for a in sharded if a.name in prop.heads]
     if marks:
-        if fn in KEEP_HEADS and len(marks) == len(sharded) and len(set(marks)) == 1 \
+        if fn in KEEP_HEADS and len(marks) == len(sharded) and len(
+                {(m.heads, m.replicated, m.expanded) for m in marks}) == 1 \
                 and not marks[0].expanded and out != REPLICATE:
-            prop.heads[node.name] = marks[0]
+            # one kind of mark; a per-head operand cut to the copies adds no weights
+            prop.heads[node.name] = HeadsMark(frozenset().union(*[m.weights for m in marks]),
+                                              marks[0].heads, marks[0].replicated)
         else:
             mark_not_replicable(prop, marks)
 

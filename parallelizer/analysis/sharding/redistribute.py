@@ -10,6 +10,9 @@ at an op asks the next run (:func:`parallelizer.planning.tp._settle`) for
   whole value, as eager does, on every rank; backward keeps the rank's slice);
 - ``Replicate -> Shard(d)``: each rank keeps its block of a replicated value on that edge
   (no communication forward; backward all-gathers the gradient);
+- ``Replicate -> CopiedHeads(d, K)``: each rank keeps the one of the K kv heads its query
+  heads read (tp a multiple of K; backward all-gathers the gradient and sums each head's
+  copies), where attention's query heads are sharded and its kv side was computed whole;
 - a ``Partial(sum | avg)`` output (a mean over the sharded dim: an RMS norm over a sharded
   projection): an all-reduce right after the op.
 
@@ -30,10 +33,11 @@ import operator
 
 import torch.fx as fx
 
+from ...plan.layouts import InterleavedHeads
 from ..graph_facts import aten, expr, is_tensor, module_path, shape
 from .dtensor import Wants, dtensor_rule, tensor_args
-from .placements import REPLICATE, Shard
-from .state import add_constraint, dim_of, inputs_of, placement, record_use
+from .placements import REPLICATE, CopiedHeads, Shard
+from .state import HeadsMark, add_constraint, dim_of, inputs_of, placement, record_use
 
 _REDUCIBLE = ("sum", "avg")
 
@@ -58,23 +62,29 @@ def seen(node: fx.Node, prop):
         a = by_name.get(name)
         if a is None or (name not in gathers and not (meets and placement(prop, a) == REPLICATE)):
             continue
-        saved[name] = (prop.placements.get(name), prop.groups.get(name))
+        saved[name] = (prop.placements.get(name), prop.groups.get(name), prop.heads.get(name))
         if want == REPLICATE:
             for w in prop.raw.get(name, ()):  # the gather reassembles the even split
                 record_use(prop, {w}, None, node)
             prop.groups[name] = frozenset()
+        elif isinstance(want, CopiedHeads):  # the reader sees copied kv heads
+            prop.heads[name] = HeadsMark(frozenset(), want.heads, True)
         else:
             add_constraint(prop, int(expr(shape(a)[want.dim])), "elements", module_path(node),
                            f"dim {want.dim} of {name}, cut to each rank's block for "
                            f"{node.target}")
-        prop.placements[name] = want
+        prop.placements[name] = Shard(want.dim) if isinstance(want, CopiedHeads) else want
         prop.applied.setdefault(node.name, {})[name] = want
     try:
         yield
     finally:
-        for name, (p, g) in saved.items():
+        for name, (p, g, mark) in saved.items():
             prop.placements[name] = p
             prop.groups[name] = g
+            if mark is None:
+                prop.heads.pop(name, None)
+            else:
+                prop.heads[name] = mark
 
 
 def gatherable(a: fx.Node, prop) -> bool:
@@ -103,13 +113,19 @@ def _piece(a: fx.Node, prop, memo: dict) -> bool:
     if a.name in memo:
         return memo[a.name]
     memo[a.name] = False
-    if a.name in prop.head_raw or any(prop.layouts.get(w) is not None
+    if a.name in prop.head_raw or any(_uneven(prop.layouts.get(w))
                                       for w in prop.raw.get(a.name, ())):
         memo[a.name] = True
     elif not _cut(a, prop):
         memo[a.name] = any(_piece(b, prop, memo) for b in inputs_of(a)
                            if is_tensor(b) and type(placement(prop, b)) is Shard)
     return memo[a.name]
+
+
+def _uneven(layout) -> bool:
+    """A layout whose rank pieces are not the even split's blocks (interleaved_heads is the
+    even split, recorded for converters)."""
+    return layout is not None and not isinstance(layout, InterleavedHeads)
 
 
 def _cut(a: fx.Node, prop) -> bool:
@@ -145,12 +161,34 @@ def request(node: fx.Node, prop, tp: int, answer=None) -> bool:
     strategy would (``answer``, a rule's conflict, when it is DTensor's :class:`~.dtensor.Wants`;
     else DTensor is asked), or by a gather of every sharded input. False when no
     redistribution can do it (the caller then keeps the layer group replicated)."""
-    if any(prop.heads[a.name].replicated for a in inputs_of(node) if a.name in prop.heads):
+    copied = any(prop.heads[a.name].replicated for a in inputs_of(node) if a.name in prop.heads)
+    if copied and not isinstance(answer, Wants):
         return False  # copied kv heads: a "Shard" each rank holds whole, DTensor cannot say
+    # (a Wants beside copied heads is our rule's: attention cutting a whole k to its copies)
     wants = answer if isinstance(answer, Wants) else dtensor_rule(node, prop, tp)
     if isinstance(wants, Wants) and _ask(node, prop, wants):
         return True
-    return gather_all(node, prop)
+    return not copied and gather_all(node, prop)
+
+
+def cut_copies(node: fx.Node, prop, wants: Wants, heads: int) -> bool:
+    """DTensor's answer for ``node`` over a mesh of ``heads`` ranks (copied kv heads, see
+    propagate._on_copies) that cuts replicated operands along a dim of ``heads`` entries
+    (Cohere's per-head k_norm weight, (kv heads, head_dim)): on the tp mesh each such operand
+    is cut to the copies (:class:`CopiedHeads`). False for any other redistribution."""
+    changes = {}
+    args = tensor_args(node)
+    if len(args) != len(wants.inputs):
+        return False
+    for a, want in zip(args, wants.inputs):
+        p = placement(prop, a)
+        if p == want:
+            continue
+        if p != REPLICATE or type(want) is not Shard or not _static(a, want.dim) \
+                or int(expr(shape(a)[want.dim])) != heads:
+            return False
+        changes[a] = CopiedHeads(want.dim, heads)
+    return bool(changes) and _edges(node, prop, changes)
 
 
 def gather_all(node: fx.Node, prop, only=None) -> bool:
@@ -182,7 +220,7 @@ def _ask(node, prop, wants: Wants) -> bool:
         p = placement(prop, a)
         if p == want:
             continue
-        if p == REPLICATE and type(want) is Shard:
+        if p == REPLICATE and type(want) in (Shard, CopiedHeads):
             if prop.edges.get(node.name, {}).get(a.name) == REPLICATE or not _static(a, want.dim):
                 return False  # gathered already (DTensor wants Shard(d) -> Shard(e)), or a
             changes[a] = want  # cut along a dynamic dim (the sequence)

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import operator
 
-from ..graph_facts import aten, is_tensor, same, shape
+from ..graph_facts import aten, expr, is_tensor, same, shape
+from .dtensor import Wants, tensor_args
 from .heads import embedding_rule, request_heads
 from .cuts import index_rule, slice_rule
 from .layouts import expand_rule, split_rule, view_rule
-from .placements import CONFLICT, REPLICATE, PerOutput, Shard, shard
+from .placements import CONFLICT, REPLICATE, CopiedHeads, PerOutput, Shard, shard
 from .state import dim_arg, dim_of, inputs_of, placement
 from .relayout import complex_view_rule, flatten_rule, repeat_interleave_rule
 from .strided import repeat_rule
@@ -103,7 +104,7 @@ def _sdpa(node, prop, tp):
     q, k, v = node.args[:3]
     heads = len(shape(q)) - 3
     if {placement(prop, q), placement(prop, k), placement(prop, v)} != {Shard(heads)}:
-        return CONFLICT
+        return _sdpa_cuts(node, prop, tp, heads)
     copied = [prop.heads[a.name] for a in (k, v) if a.name in prop.heads
               and prop.heads[a.name].replicated]
     if node.kwargs.get("enable_gqa"):
@@ -127,6 +128,36 @@ def _sdpa(node, prop, tp):
             request_heads(prop, mask, k_, groups)
             return CONFLICT
     return Shard(heads)
+
+
+def _sdpa_cuts(node, prop, tp, heads):
+    """Some of q, k, v sharded along the heads and the others computed whole (a k whose norm
+    spans the whole projection kept its k_proj replicated): DTensor's answer for attention,
+    cut the whole ones to the rank's heads, no communication forward (its strategies shard
+    q, k and v along the heads; it has none for ``scaled_dot_product_attention`` on CPU). A
+    whole k or v of K kv heads under ``enable_gqa`` (or one head broadcast over the query
+    heads) with tp a multiple of K is cut to the copy of the kv head the rank's query heads
+    read (:class:`~.placements.CopiedHeads`). Else CONFLICT."""
+    q, k, v = node.args[:3]
+    wants, sharded = {}, False
+    for a in (q, k, v):
+        p = placement(prop, a)
+        if p == Shard(heads):
+            sharded = True
+            wants[a] = p
+            continue
+        n = int(expr(shape(a)[heads])) if expr(shape(a)[heads]).is_number else 0
+        if p != REPLICATE or not n:
+            return CONFLICT
+        if n % tp == 0:
+            wants[a] = Shard(heads)
+        elif a is not q and tp % n == 0 and (node.kwargs.get("enable_gqa") or n == 1):
+            wants[a] = CopiedHeads(heads, n)
+        else:
+            return CONFLICT
+    if not sharded:
+        return CONFLICT
+    return Wants(tuple(wants.get(a, placement(prop, a)) for a in tensor_args(node)), Shard(heads))
 
 
 def _gqa_kv(node, prop, k, v) -> None:

@@ -22,6 +22,9 @@ class Constraint:
     module: str    # module FQN
     detail: str
     weights: frozenset = frozenset()  # for heads: the column weights whose output they split
+    # the column weights whose shard reaches the value this size splits (a heads view of a
+    # k normed over its whole projection: k_proj), for the planner's plan that keeps them whole
+    origin: frozenset = frozenset()
 
     def replicable(self, kv_weights) -> bool:
         """Heads of weights whose output reaches repeat_kv (GQA kv heads) may be copied."""
@@ -197,8 +200,9 @@ def record_use(prop, weights, layout, node) -> None:
         prop.uses.setdefault(w, {}).setdefault(layout, name)
 
 
-def add_constraint(prop, size, what, module, detail, weights=frozenset()):
-    prop.constraints.append(Constraint(int(size), what, module, detail, frozenset(weights)))
+def add_constraint(prop, size, what, module, detail, weights=frozenset(), origin=frozenset()):
+    prop.constraints.append(Constraint(int(size), what, module, detail, frozenset(weights),
+                                       frozenset(origin)))
 
 
 def add_rewrite(prop, node, arg_index, list_index, new):
