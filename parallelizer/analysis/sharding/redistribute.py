@@ -117,9 +117,16 @@ def _piece(a: fx.Node, prop, memo: dict) -> bool:
                                       for w in prop.raw.get(a.name, ())):
         memo[a.name] = True
     elif not _cut(a, prop):
+        # copied kv heads read by attention (or repeat_kv) leave the query heads' even split
         memo[a.name] = any(_piece(b, prop, memo) for b in inputs_of(a)
-                           if is_tensor(b) and type(placement(prop, b)) is Shard)
+                           if is_tensor(b) and type(placement(prop, b)) is Shard
+                           and not _copies(prop, b))
     return memo[a.name]
+
+
+def _copies(prop, b) -> bool:
+    mark = prop.heads.get(b.name)
+    return mark is not None and (mark.replicated or mark.expanded)
 
 
 def _uneven(layout) -> bool:
