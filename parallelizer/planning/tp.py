@@ -149,7 +149,7 @@ def _whole_kv(graph, pairs: dict, tp: int, decision: TPDecision, prop):
     the norm), their attention cutting each rank's copy of its kv head
     (analysis/sharding/redistribute.py, CopiedHeads): (candidate, its scratch decision), or
     None when another size is in the way or the plan does not settle divisible."""
-    kept = frozenset()
+    kept: dict = {}
     for _ in range(4):
         kv = frozenset(prop.kv_weights)
         bad = [c for c in prop.constraints if not c.allows(tp, kv)]
@@ -157,7 +157,8 @@ def _whole_kv(graph, pairs: dict, tp: int, decision: TPDecision, prop):
             return None if not kept else (found, scratch)
         if any(c.what != "heads" or tp % c.size or not c.origin for c in bad):
             return None
-        kept |= frozenset().union(*[c.origin for c in bad])
+        for c in bad:
+            kept.update({w: c for w in c.origin if w not in kept})
         scratch = TPDecision(tp=tp, linears=decision.linears, biases=decision.biases)
         found = _candidate(graph, pairs, tp, scratch, kept=kept)
         prop = found[3]
@@ -175,14 +176,17 @@ def _weight_sizes(graph) -> dict:
 
 
 def _candidate(graph, pairs: dict, tp: int, decision: TPDecision, redistribute: bool = True,
-               kept=frozenset()):
-    """Settle the pairs; ``kept``: column weights left whole (:func:`_whole_kv`), reported."""
-    column = {c for c, rows in pairs.items() if rows} - kept
+               kept=None):
+    """Settle the pairs; ``kept``: column weights left whole (:func:`_whole_kv`), each with
+    the heads constraint that kept it, reported."""
+    kept = kept or {}
+    column = {c for c, rows in pairs.items() if rows} - set(kept)
     row = {r for rows in pairs.values() for r in rows}
-    for w in sorted(kept):
-        decision.report.append(f"kept whole: {w} (its output's heads view is fewer heads than "
-                               f"tp ranks, after an op that spans all of them; attention cuts "
-                               f"each rank's copy of its kv head)")
+    for w, c in sorted(kept.items()):
+        decision.report.append(
+            f"kept whole: {w} (in {c.module or 'the model'}, {c.detail} holds {c.size} heads, "
+            f"fewer than tp = {tp}, computed from its output by an op over all of them; its "
+            f"readers take it whole, or cut to the rank's heads or its copy of one)")
     prop = _settle(graph, pairs, column, row, tp, decision, redistribute)
     return pairs, column, row, prop
 
