@@ -112,8 +112,10 @@ def capture(model: torch.nn.Module, batch: tuple | dict, model_file: Path) -> Ca
 
 def _inline_no_grad_regions(gm: torch.fx.GraphModule) -> None:
     """Inline the subgraphs torch.export keeps for ``torch.no_grad()`` regions of forward
-    (``wrap_with_set_grad_enabled(False, submod, *args)``), their outputs detached: the same
-    values, none of them carrying gradient, as the region computed them. Every planner and
+    (``wrap_with_set_grad_enabled(False, submod, *args)``), their tensor outputs detached: the
+    same values, none of them carrying gradient, as the region computed them (a SymInt output,
+    ``min(k, x.shape[1])`` computed in the region, is passed on as it is: ``aten.detach``
+    takes tensors only). Every planner and
     pass then reads one flat graph of ATen ops."""
     from torch._higher_order_ops.wrap import wrap_with_set_grad_enabled
     graph = gm.graph
@@ -135,7 +137,7 @@ def _inline_no_grad_regions(gm: torch.fx.GraphModule) -> None:
                     env[n] = graph.get_attr(n.target)
                 else:
                     env[n] = graph.node_copy(n, lambda a: env[a])
-            detached = [_detach(graph, env[o]) for o in outs]
+            detached = [_detach(graph, env[o]) if _is_tensor(env[o]) else env.get(o, o) for o in outs]
         for user in list(node.users):
             assert user.target is operator.getitem, user  # export unpacks the region's tuple
             user.replace_all_uses_with(detached[user.args[1]])
@@ -163,6 +165,10 @@ def _one_op_per_meaning(gm: torch.fx.GraphModule) -> None:
             changed = True
     if changed:
         gm.recompile()
+
+
+def _is_tensor(value) -> bool:
+    return isinstance(value, torch.fx.Node) and isinstance(value.meta.get("val"), torch.Tensor)
 
 
 def _detach(graph: torch.fx.Graph, value: torch.fx.Node) -> torch.fx.Node:

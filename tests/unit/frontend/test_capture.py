@@ -219,6 +219,43 @@ def test_a_no_grad_region_is_inlined_with_its_gradients_as_eager(tmp_path):
         assert torch.equal(grads[name], p.grad), name  # scale carries no gradient in either
 
 
+NO_GRAD_SIZE = """
+import torch
+from torch import nn
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        with torch.no_grad():  # as AXK2's indexer: top-k of a size computed in the region
+            idx = h.topk(min(4, h.shape[1]), dim=1).indices
+        return self.out(h).topk(min(4, h.shape[1]), dim=1).values.sum(1) + idx.sum(1)
+
+def build_model():
+    return Model()
+
+def example_inputs():
+    return (torch.randn(2, 6, 8),)
+"""
+
+
+def test_a_size_computed_in_a_no_grad_region_is_not_detached(tmp_path):
+    """export hands the region's SymInt ``min(4, seq)`` out to the later top-k: it is passed
+    on as it is (``aten.detach`` of an int raised in every program, at every layout)."""
+    path = write(tmp_path, NO_GRAD_SIZE)
+    module = load_model_file(path)
+    torch.manual_seed(0)
+    model = build_model(module, on_meta=False).train()
+    (x,) = example_batch(module)
+    gm = capture(model, (x,), path).gm
+    x = torch.randn(3, 7, 8)
+    assert torch.equal(gm(x)[0], model(x))
+
+
 COND_REGION = """
 import torch
 from torch import nn
