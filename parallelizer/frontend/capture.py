@@ -89,9 +89,11 @@ def capture(model: torch.nn.Module, batch: tuple | dict, model_file: Path) -> Ca
             ep = _export(torch.fx.symbolic_trace(model), args, kwargs)
             route = "symbolic_trace+torch.export"
         except Exception:
-            eager = _eager_failure(model, args, kwargs)
+            eager, opaque = _eager_run(model, args, kwargs)
             if eager is not None:  # not a tracing problem: the model fails as it is
                 raise CaptureError(_eager_message(eager, model_file)) from eager
+            if opaque:  # export cannot return it (a transformers Cache: use_cache on)
+                raise CaptureError(_opaque_message(opaque, model_file)) from export_error
             raise CaptureError(_capture_message(export_error, model_file)) from export_error
     gm = ep.module()
     out_spec = gm._out_spec
@@ -217,14 +219,27 @@ def _to_flat_calling(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
-def _eager_failure(model: torch.nn.Module, args, kwargs) -> Exception | None:
-    """The exception of a plain forward of ``model`` on the example batch, or None."""
+def _eager_run(model: torch.nn.Module, args, kwargs) -> tuple[Exception | None, list[str]]:
+    """A plain forward of ``model`` on the example batch: its exception (or None), and each
+    output that is neither a tensor nor a plain Python value, as ``path (type)``."""
     try:
         with torch.no_grad():
-            model(*args, **kwargs)
+            out = model(*args, **kwargs)
     except Exception as e:
-        return e
-    return None
+        return e, []
+    from torch.utils._pytree import keystr, tree_flatten_with_path
+    plain = (torch.Tensor, int, float, bool, str, type(None))
+    leaves, _ = tree_flatten_with_path(out)
+    return None, [f"outputs{keystr(k)} ({type(v).__module__}.{type(v).__qualname__})"
+                  for k, v in leaves if not isinstance(v, plain)]
+
+
+def _opaque_message(opaque: list[str], model_file: Path) -> str:
+    return (f"the model from {model_file} returns {', '.join(opaque)}: not a tensor, so "
+            f"torch.export cannot capture it.\nFix: return only tensors / ModelOutputs of "
+            f"tensors; a Hugging Face model returns its key/value cache (past_key_values) "
+            f"while use_cache is on: set use_cache=False in its config (and in its text_config, "
+            f"for a config that holds one).")
 
 
 def _eager_message(e: Exception, model_file: Path) -> str:

@@ -66,6 +66,21 @@ def test_capture_error_names_model_file_and_line(tmp_path, body, failing):
     assert "Fix:" in msg and "data-dependent" in msg
 
 
+def test_a_model_returning_a_cache_object_is_told_to_turn_the_cache_off(tmp_path):
+    """A Hugging Face model left with use_cache on returns its DynamicCache: export cannot
+    return it and no model line is at fault; the error names the output and the fix
+    (it said 'make the failing line traceable', naming no line)."""
+    body = ("class Cache:\n            def __init__(self, t):\n                self.t = t\n"
+            "        return {'logits': y, 'past_key_values': Cache(y)}")
+    path = write(tmp_path, DATA_DEPENDENT.format(body=body))
+    module = load_model_file(path)
+    with pytest.raises(CaptureError) as e:
+        capture(build_model(module, on_meta=False), example_batch(module), path)
+    msg = str(e.value)
+    assert f"returns outputs['past_key_values'] (" in msg and "Cache)" in msg, msg
+    assert "use_cache=False" in msg
+
+
 def test_a_model_failing_eagerly_is_not_called_untraceable(tmp_path):
     """A plain shape bug fails without parallelizer too: the error says so and names the line,
     instead of advising to make it traceable."""
