@@ -102,10 +102,10 @@ def _lowered(name: str, default, patterns) -> object | None:
     return None
 
 
-def tiny_kwargs(config_cls, kind: str) -> dict:
+def tiny_kwargs(config_cls, kind: str, sub: bool = False) -> dict:
     """The kwargs of a tiny ``config_cls``: the standard names it has (itself or through its
-    attribute_map), then its own names of the same sizes lowered by pattern; a ``text_config``
-    sub-config likewise (as a dict). Raises ValueError for a multimodal config."""
+    attribute_map), then its own names of the same sizes lowered by pattern; a sub-config
+    (``text_config``, T5Gemma's ``encoder``) likewise, as a dict, with ``use_cache=False``. Raises ValueError for a multimodal config."""
     default = config_cls()
     amap = getattr(config_cls, "attribute_map", {}) or {}
     have = default.to_dict()
@@ -121,9 +121,9 @@ def tiny_kwargs(config_cls, kind: str) -> dict:
     for name, value in have.items():
         if name in mapped or name in kw or name.startswith("_"):
             continue
-        sub = getattr(default, name, None)
-        if isinstance(value, dict) and hasattr(sub, "to_dict") and hasattr(sub, "model_type"):
-            kw[name] = tiny_kwargs(type(sub), kind)  # a sub-config (text_config, encoder, ...)
+        inner = getattr(default, name, None)
+        if isinstance(value, dict) and hasattr(inner, "to_dict") and hasattr(inner, "model_type"):
+            kw[name] = tiny_kwargs(type(inner), kind, sub=True)  # a sub-config (text_config, ...)
             continue
         new = _lowered(name, value, PATTERNS if not isinstance(value, list) else LISTS)
         if new is not None:
@@ -134,8 +134,9 @@ def tiny_kwargs(config_cls, kind: str) -> dict:
         kw["num_key_value_heads"] = kw.get("num_attention_heads", STANDARD["num_attention_heads"])
     if kind == "encoder-decoder":
         kw.setdefault("decoder_start_token_id", STANDARD["decoder_start_token_id"])
-    if "use_cache" in kw:
-        kw.pop("use_cache")
+    kw.pop("use_cache", None)
+    if sub and "use_cache" in have:
+        kw["use_cache"] = False  # hf() sets the top level's
     if kind == "vision":
         kw["num_labels"] = LABELS
     return kw
