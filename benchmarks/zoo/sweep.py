@@ -48,7 +48,7 @@ PATTERNS = [(re.compile(p), v) for p, v in (
     (r"(kv_heads|key_value_heads|kv_groups)$", 2),
     (r"(^|_)(n_heads?|num_heads|attention_heads)$", 4),
     (r"(^|_)(qk_rope_head_dim|qk_nope_head_dim)$", 4),
-    (r"(^|_)(head_dim|d_kv|head_size|v_head_dim)$", 8),
+    (r"(^|_)(head_dim|d_kv|d_head|head_size|v_head_dim)$", 8),
     (r"(^|_)(layers|n_layers?|num_layers|num_hidden_layers)$", 2),
     (r"(intermediate_size|ffn_dim|^d_ff$|^n_inner$|^d_inner$|ffn_hidden_size|^hidden_dim$)", 64),
     (r"(^|_)(hidden_size|d_model|n_embd|dim|embed_dim|embedding_size|d_embed|embedding_dim)$", 32),
@@ -112,7 +112,8 @@ def tiny_kwargs(config_cls, kind: str, sub: bool = False) -> dict:
     multimodal = [k for k in SUB_MULTIMODAL if have.get(k) is not None]
     if multimodal:
         raise ValueError(f"multimodal config ({', '.join(multimodal)})")
-    kw = {k: v for k, v in STANDARD.items() if k in amap or k in have}
+    kw = {k: v for k, v in STANDARD.items()
+          if k in amap or (k in have and not isinstance(have[k], (list, tuple)))}
     if kw.get("num_key_value_heads") and have.get(amap.get("num_key_value_heads", "num_key_value_heads")) is None:
         kw.pop("num_key_value_heads")  # None means "as many as the heads": keep it
     if "head_dim" in kw and have.get(amap.get("head_dim", "head_dim")) is None:
@@ -124,6 +125,11 @@ def tiny_kwargs(config_cls, kind: str, sub: bool = False) -> dict:
         inner = getattr(default, name, None)
         if isinstance(value, dict) and hasattr(inner, "to_dict") and hasattr(inner, "model_type"):
             kw[name] = tiny_kwargs(type(inner), kind, sub=True)  # a sub-config (text_config, ...)
+            continue
+        layers = have.get(amap.get("num_hidden_layers", "num_hidden_layers"))
+        if isinstance(value, list) and value and all(isinstance(x, str) for x in value) \
+                and len(value) == layers and "num_hidden_layers" in kw:
+            kw[name] = value[:kw["num_hidden_layers"]]  # one entry per layer (layer_types)
             continue
         new = _lowered(name, value, PATTERNS if not isinstance(value, list) else LISTS)
         if new is not None:
