@@ -48,7 +48,7 @@ PATTERNS = [(re.compile(p), v) for p, v in (
     (r"(kv_heads|key_value_heads|kv_groups)$", 2),
     (r"(^|_)(n_heads?|num_heads|attention_heads)$", 4),
     (r"(^|_)(qk_rope_head_dim|qk_nope_head_dim)$", 4),
-    (r"(^|_)(head_dim|d_kv|d_head|head_size|v_head_dim)$", 8),
+    (r"(^|_)(head_dim|d_kv|head_size|v_head_dim)$|^d_head$", 8),
     (r"(^|_)(layers|n_layers?|num_layers|num_hidden_layers)$", 2),
     (r"(intermediate_size|ffn_dim|^d_ff$|^n_inner$|^d_inner$|ffn_hidden_size|^hidden_dim$)", 64),
     (r"(^|_)(hidden_size|d_model|n_embd|dim|embed_dim|embedding_size|d_embed|embedding_dim)$", 32),
@@ -119,6 +119,7 @@ def tiny_kwargs(config_cls, kind: str, sub: bool = False) -> dict:
     if "head_dim" in kw and have.get(amap.get("head_dim", "head_dim")) is None:
         kw.pop("head_dim")
     mapped = {amap.get(k, k) for k in kw}
+    per_layer: dict = {}
     for name, value in have.items():
         if name in mapped or name in kw or name.startswith("_"):
             continue
@@ -129,11 +130,16 @@ def tiny_kwargs(config_cls, kind: str, sub: bool = False) -> dict:
         layers = have.get(amap.get("num_hidden_layers", "num_hidden_layers"))
         if isinstance(value, list) and value and all(isinstance(x, str) for x in value) \
                 and len(value) == layers and "num_hidden_layers" in kw:
-            kw[name] = value[:kw["num_hidden_layers"]]  # one entry per layer (layer_types)
+            per_layer[name] = value[:kw["num_hidden_layers"]]  # layer_types: one per layer
             continue
         new = _lowered(name, value, PATTERNS if not isinstance(value, list) else LISTS)
         if new is not None:
             kw[name] = new
+    if per_layer:  # only where the config does not derive them from the layer count
+        try:
+            config_cls(**kw)
+        except Exception:
+            kw.update(per_layer)
     if "head_dim" in kw and "qk_rope_head_dim" in have:  # multi-head latent attention:
         kw["head_dim"] = kw.get("qk_rope_head_dim", have["qk_rope_head_dim"])  # rotary's dims
     if "kv_lora_rank" in have and "num_key_value_heads" in kw:  # latent attention: kv heads = heads
