@@ -20,6 +20,7 @@ from torch.export import Dim
 from torch.utils._pytree import TreeSpec, tree_flatten, treespec_dumps
 
 from ..errors import CaptureError
+from . import custom_functions
 from .model_file import user_frame
 
 def split_args(batch: tuple | dict) -> tuple[tuple, dict]:
@@ -78,15 +79,19 @@ def capture(model: torch.nn.Module, batch: tuple | dict, model_file: Path) -> Ca
 
     Raises:
         CaptureError: both torch.export and the symbolic_trace route failed; the message
-            gives export's reason and the model source line it failed at, when known.
+            gives export's reason and the model source line it failed at, when known. Or the
+            model applies a torch.autograd.Function whose backward export drops and the
+            graph's own gradient differs from (:mod:`.custom_functions`).
     """
     args, kwargs = split_args(batch)
     try:
-        ep = _export(model, args, kwargs)
+        with custom_functions.recorded() as applied:
+            ep = _export(model, args, kwargs)
         route = "torch.export"
     except Exception as export_error:
         try:
-            ep = _export(torch.fx.symbolic_trace(model), args, kwargs)
+            with custom_functions.recorded() as applied:
+                ep = _export(torch.fx.symbolic_trace(model), args, kwargs)
             route = "symbolic_trace+torch.export"
         except Exception:
             eager, opaque = _eager_run(model, args, kwargs)
@@ -109,6 +114,7 @@ def capture(model: torch.nn.Module, batch: tuple | dict, model_file: Path) -> Ca
     _inline_no_grad_regions(gm)
     _refuse_subgraphs(gm, model_file)
     _one_op_per_meaning(gm)
+    custom_functions.check_backward(model, gm, args, kwargs, applied, model_file)
     return Captured(gm, names, bool(kwargs), out_spec, route)
 
 

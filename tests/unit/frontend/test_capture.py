@@ -271,6 +271,64 @@ def test_a_size_computed_in_a_no_grad_region_is_not_detached(tmp_path):
     assert torch.equal(gm(x)[0], model(x))
 
 
+CUSTOM_FUNCTION = """
+import torch
+from torch import nn
+
+class Scale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return torch.tanh(x) * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return {backward}
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.out(Scale.apply(self.fc(x)))
+
+def build_model():
+    return Model()
+
+def example_inputs():
+    return (torch.randn(2, 3, 8),)
+"""
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["derivative", "straight_through"])
+def test_an_autograd_function_whose_backward_export_drops_is_checked(tmp_path, exact):
+    """export keeps an autograd.Function's forward only: its backward was silently replaced
+    by the forward's derivative (YOSO's approximate gradient: the tp2 self-check caught it,
+    every other layout emitted the wrong program). The derivative itself is captured; another
+    gradient is refused naming the Function and the line applying it."""
+    backward = "grad * 2 * (1 - torch.tanh(x) ** 2)" if exact else "grad * 2"
+    source = CUSTOM_FUNCTION.format(backward=backward)
+    if exact:
+        source = source.replace("return torch.tanh(x) * 2", "ctx.save_for_backward(x)\n"
+                                "        return torch.tanh(x) * 2").replace(
+            "return grad * 2 *", "(x,) = ctx.saved_tensors\n        return grad * 2 *")
+    path = write(tmp_path, source)
+    module = load_model_file(path)
+    torch.manual_seed(0)
+    model = build_model(module, on_meta=False).train()
+    (x,) = example_batch(module)
+    if exact:
+        gm = capture(model, (x,), path).gm
+        assert torch.allclose(gm(x)[0], model(x))
+        return
+    with pytest.raises(CaptureError) as e:
+        capture(model, (x,), path)
+    line = line_of(path, "Scale.apply(")
+    assert f"Scale at {path.name}:{line}" in str(e.value), str(e.value)
+    assert "backward is not the derivative" in str(e.value)
+
+
 COND_REGION = """
 import torch
 from torch import nn
