@@ -105,7 +105,8 @@ def _lowered(name: str, default, patterns) -> object | None:
 def tiny_kwargs(config_cls, kind: str, sub: bool = False) -> dict:
     """The kwargs of a tiny ``config_cls``: the standard names it has (itself or through its
     attribute_map), then its own names of the same sizes lowered by pattern; a sub-config
-    (``text_config``, T5Gemma's ``encoder``) likewise, as a dict, with ``use_cache=False``. Raises ValueError for a multimodal config."""
+    (``text_config``, T5Gemma's ``encoder``) likewise, as a dict, with ``use_cache=False``.
+    Raises ValueError for a multimodal config."""
     default = config_cls()
     amap = getattr(config_cls, "attribute_map", {}) or {}
     have = default.to_dict()
@@ -114,10 +115,9 @@ def tiny_kwargs(config_cls, kind: str, sub: bool = False) -> dict:
         raise ValueError(f"multimodal config ({', '.join(multimodal)})")
     kw = {k: v for k, v in STANDARD.items()
           if k in amap or (k in have and not isinstance(have[k], (list, tuple)))}
-    if kw.get("num_key_value_heads") and have.get(amap.get("num_key_value_heads", "num_key_value_heads")) is None:
-        kw.pop("num_key_value_heads")  # None means "as many as the heads": keep it
-    if "head_dim" in kw and have.get(amap.get("head_dim", "head_dim")) is None:
-        kw.pop("head_dim")
+    for k in ("num_key_value_heads", "head_dim"):  # None: derived from the heads, keep it
+        if k in kw and have.get(amap.get(k, k)) is None:
+            kw.pop(k)
     mapped = {amap.get(k, k) for k in kw}
     per_layer: dict = {}
     for name, value in have.items():
@@ -142,7 +142,7 @@ def tiny_kwargs(config_cls, kind: str, sub: bool = False) -> dict:
             kw.update(per_layer)
     if "head_dim" in kw and "qk_rope_head_dim" in have:  # multi-head latent attention:
         kw["head_dim"] = kw.get("qk_rope_head_dim", have["qk_rope_head_dim"])  # rotary's dims
-    if "kv_lora_rank" in have and "num_key_value_heads" in kw:  # latent attention: kv heads = heads
+    if "kv_lora_rank" in have and "num_key_value_heads" in kw:  # latent attention: as many
         kw["num_key_value_heads"] = kw.get("num_attention_heads", STANDARD["num_attention_heads"])
     if kind == "encoder-decoder":
         kw.setdefault("decoder_start_token_id", STANDARD["decoder_start_token_id"])
