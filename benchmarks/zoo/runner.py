@@ -133,7 +133,8 @@ def table(records: list[dict], layouts: list[str]) -> str:
     lines = ["| family | kind | " + " | ".join(layouts) + " |", "|---|---|" + "---|" * len(layouts)]
     for f in families:
         cells = [_cell(by[(f, lay)]) if (f, lay) in by else "" for lay in layouts]
-        kind = next(r["kind"] for r in records if r["family"] == f)
+        kind = next((r["kind"] for r in records if r["family"] == f and "kind" in r), None) \
+            or FAMILIES[f].kind
         lines.append(f"| {f} | {kind} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
