@@ -164,12 +164,25 @@ def _inline_no_grad_regions(gm: torch.fx.GraphModule) -> None:
 _SAME_OP = {torch.ops.aten.broadcast_to.default: torch.ops.aten.expand.default}
 
 
+# in-place ops whose out-of-place form computes the same value where nothing reads their
+# input after them (``nn.Dropout(inplace=True)``: MobileViT's classifier dropout)
+_OUT_OF_PLACE = {torch.ops.aten.dropout_.default: torch.ops.aten.dropout.default}
+
+
 def _one_op_per_meaning(gm: torch.fx.GraphModule) -> None:
-    """Replace each op of :data:`_SAME_OP` by the op it is defined as."""
+    """Replace each op of :data:`_SAME_OP` by the op it is defined as, and each of
+    :data:`_OUT_OF_PLACE` whose input no later node reads by its out-of-place form."""
     changed = False
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in _SAME_OP:
+        if node.op != "call_function":
+            continue
+        if node.target in _SAME_OP:
             node.target = _SAME_OP[node.target]
+            changed = True
+        elif node.target in _OUT_OF_PLACE and isinstance(node.args[0], torch.fx.Node) and \
+                all(order[u] <= order[node] for u in node.args[0].users):
+            node.target = _OUT_OF_PLACE[node.target]
             changed = True
     if changed:
         gm.recompile()
