@@ -81,10 +81,11 @@ def run_process(cmd: list[str], cwd: Path, timeout: float) -> tuple[int | None, 
 
 
 def run_one(family: str | Family, layout: Layout, workdir: Path, timeout: float,
-            verify: bool = True) -> dict:
-    """Compile and verify ``family`` (a zoo name or a :class:`Family`) at ``layout`` under
-    ``workdir/family/layout``; with ``verify`` False only compile (a compile that succeeds
-    is PASS: at tp > 1 it ran its numerics self-check, under pp its fake-tensor stages)."""
+            verify: bool = True, flags: tuple = ()) -> dict:
+    """Compile (with the CLI's ``flags``) and verify ``family`` (a zoo name or a
+    :class:`Family`) at ``layout`` under ``workdir/family/layout``; with ``verify`` False only
+    compile (a compile that succeeds is PASS: at tp > 1 it ran its numerics self-check when
+    the model is small enough or ``--self-check`` forces it, under pp its fake-tensor stages)."""
     fam = FAMILIES[family] if isinstance(family, str) else family
     d = workdir / fam.name / layout.name
     if d.exists():
@@ -93,7 +94,7 @@ def run_one(family: str | Family, layout: Layout, workdir: Path, timeout: float,
     (d / "spec.yaml").write_text(layout.spec())
     # `python -m parallelizer` is the `parallelize` console script (pyproject's entry point,
     # parallelizer.cli.parallelize:main) of this checkout, whatever an installed script points at
-    cmd = [sys.executable, "-m", "parallelizer", "model.py", "spec.yaml", "-o", "out"]
+    cmd = [sys.executable, "-m", "parallelizer", "model.py", "spec.yaml", "-o", "out", *flags]
     rc, out, err, timed_out, secs = run_process(cmd, d, timeout)
     (d / "compile.log").write_text(out + "\n--- stderr ---\n" + err)
     comp = classify_compile(rc, out, err, timed_out)

@@ -6,8 +6,9 @@ from the config class's own names (:func:`tiny_kwargs`), write the model.py a us
 (:func:`benchmarks.zoo.family.hf`), check that the unmodified model runs forward and backward
 here (else the family is skipped with a ``harness:`` reason: our harness, not the compiler),
 then compile it at each layout as the zoo does (:func:`benchmarks.zoo.runner.run_one`): at
-tp > 1 the compile checks its program's numerics against the unmodified model, under pp it
-runs each stage on fake tensors. ``--verify`` also runs ``torchrun ... run.py --verify``.
+tp > 1 with ``--self-check`` (whatever the input's size: an image batch is past the default
+bound), which checks the program's numerics against the unmodified model; under pp the
+compile runs each stage on fake tensors. ``--verify`` also runs ``torchrun ... run.py --verify``.
 
     python -m benchmarks.zoo.sweep --list
     python -m benchmarks.zoo.sweep --json /tmp/sweep.json --keep /tmp/sweep   # hours on 2 cores
@@ -254,7 +255,8 @@ def main(argv=None) -> int:
         for lay in layouts:  # a whole layout before the next: partial results are whole columns
             for mtype, kind, fam, reason in checked:
                 rec = (_skip(mtype, kind, lay, reason) if reason
-                       else run_one(fam, LAYOUTS[lay], workdir, a.timeout, verify=a.verify))
+                       else run_one(fam, LAYOUTS[lay], workdir, a.timeout, verify=a.verify,
+                                    flags=("--self-check",) if LAYOUTS[lay].tp > 1 else ()))
                 records.append(rec)
                 secs = rec["compile"].get("seconds", 0) + (rec["run"] or {}).get("seconds", 0)
                 print(f"[{time.time() - t0:6.0f}s] {mtype:24s} {lay:8s} {rec['status']:13s} {secs:5.0f}s "
