@@ -115,12 +115,12 @@ def test_split_graphs_that_disagree_with_the_plan_are_an_internal_error(monkeypa
     import parallelizer.compiler as compiler
     seen = {}
 
-    def tampered(plan, stages, block_graphs, canonical):
+    def tampered(plan, stages, block_graphs, canonical, whole=frozenset()):
         first = plan.stages[0]
         seen["fqn"] = first.fqns[0]
         wrong = dataclasses.replace(plan, stages=(
             dataclasses.replace(first, fqns=first.fqns[1:]),) + plan.stages[1:])
-        return check_split(wrong, stages, block_graphs, canonical)
+        return check_split(wrong, stages, block_graphs, canonical, whole)
 
     monkeypatch.setattr(compiler, "check_split", tampered)
     spec = load_spec(REPO / "examples/gpt/spec.yaml", ["mesh.tp=1", "mesh.dp=1", "mesh.pp=2"])
