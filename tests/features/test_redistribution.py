@@ -225,3 +225,33 @@ def test_a_reduced_partial_value_is_cut_from_its_reduction():
     reduced = {r.producer for r in d.redistributions if r.kind == "all_reduce"}
     assert any(r.kind == "scatter" and r.producer in reduced for r in d.redistributions), \
         d.redistributions
+
+
+class NormOverColumn(nn.Module):
+    """An L2 norm over a column linear's sharded features (SwiftFormer's additive attention
+    normalises its query and key): ``normalize`` spells it ``x / norm.expand_as(x)``."""
+
+    def __init__(self, spelled="norm"):
+        super().__init__()
+        self.spelled = spelled
+        self.up, self.down = nn.Linear(H, H), nn.Linear(H, H)
+
+    def forward(self, x):
+        h = self.up(x)
+        h = F.normalize(h, dim=-1) if self.spelled == "normalize" else \
+            h / torch.linalg.vector_norm(h, dim=-1, keepdim=True)
+        return x + self.down(h)
+
+
+@pytest.mark.parametrize("spelled", ["norm", "normalize"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_p_norm_over_sharded_features_is_gathered_not_summed(tp, spelled):
+    """DTensor gives the norm a ``_NormPartial`` whose reduce_op reads "sum": the ranks'
+    norms were all-reduced as a sum (sqrt(a² + b²) taken for a + b), a wrong value and
+    gradient; no redistribution reduces it now, the features are gathered. F.normalize's
+    ``expand_as(h)`` took the rank's local size from ``h`` and was then cut again (a shape
+    error): capture spells it as ``expand`` with ``h``'s sizes."""
+    torch.manual_seed(0)
+    d = plan_and_check(NormOverColumn(spelled), x_batch(), tp)
+    assert _sharded(d) == {"up.weight", "down.weight"}
+    assert not any(r.kind == "all_reduce" for r in d.redistributions), d.redistributions
