@@ -337,12 +337,14 @@ def check_stages(analysis: Analysis, planned: Planned, stages: list,
     # what each stage sends, read before split_blocks outlines the blocks that produce it
     inputs = [n for n in analysis.gm.graph.nodes if n.op == "placeholder"]
     sends = stage_sends(stages, inputs, sequence.region, sequence.tp)
-    block_graphs, notes = [], []
+    block_graphs, notes, whole = [], [], set()
     for st in stages:
         found, found_notes = split_blocks(st.graph, analysis.blocks)
         block_graphs.append(found)
         notes += found_notes
-    checked = check_split(planned.plan, stages, block_graphs, analysis.canonical)
+        if found_notes:  # the blocks' runs interleave: the stage is one unit
+            whole.add(st.index)
+    checked = check_split(planned.plan, stages, block_graphs, analysis.canonical, whole)
     return Checked(checked, stages, block_graphs, notes, sends)
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from .classify import STATUSES, classify_compile, classify_run
 from .families import FAMILIES
+from .family import Family
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -79,23 +80,28 @@ def run_process(cmd: list[str], cwd: Path, timeout: float) -> tuple[int | None, 
         return None, out or "", err or "", True, time.monotonic() - t0
 
 
-def run_one(family: str, layout: Layout, workdir: Path, timeout: float) -> dict:
-    """Compile and verify ``family`` at ``layout`` under ``workdir/family/layout``."""
-    d = workdir / family / layout.name
+def run_one(family: str | Family, layout: Layout, workdir: Path, timeout: float,
+            verify: bool = True, flags: tuple = ()) -> dict:
+    """Compile (with the CLI's ``flags``) and verify ``family`` (a zoo name or a
+    :class:`Family`) at ``layout`` under ``workdir/family/layout``; with ``verify`` False only
+    compile (a compile that succeeds is PASS: at tp > 1 it ran its numerics self-check when
+    the model is small enough or ``--self-check`` forces it, under pp its fake-tensor stages)."""
+    fam = FAMILIES[family] if isinstance(family, str) else family
+    d = workdir / fam.name / layout.name
     if d.exists():
         shutil.rmtree(d)
-    FAMILIES[family].write(d)
+    fam.write(d)
     (d / "spec.yaml").write_text(layout.spec())
     # `python -m parallelizer` is the `parallelize` console script (pyproject's entry point,
     # parallelizer.cli.parallelize:main) of this checkout, whatever an installed script points at
-    cmd = [sys.executable, "-m", "parallelizer", "model.py", "spec.yaml", "-o", "out"]
+    cmd = [sys.executable, "-m", "parallelizer", "model.py", "spec.yaml", "-o", "out", *flags]
     rc, out, err, timed_out, secs = run_process(cmd, d, timeout)
     (d / "compile.log").write_text(out + "\n--- stderr ---\n" + err)
     comp = classify_compile(rc, out, err, timed_out)
     comp["seconds"] = round(secs, 1)
-    rec = {"family": family, "kind": FAMILIES[family].kind, "layout": layout.name,
-           "compile": comp, "run": None, "status": comp["status"]}
-    if comp["status"] is None:
+    rec = {"family": fam.name, "kind": fam.kind, "layout": layout.name,
+           "compile": comp, "run": None, "status": comp["status"] or "PASS"}
+    if comp["status"] is None and verify:
         cmd = _tool("torchrun", "torch.distributed.run") + [
             "--standalone", "--nproc-per-node", str(layout.nproc), "out/run.py", "--verify"]
         rc, out, err, timed_out, secs = run_process(cmd, d, timeout)
@@ -128,14 +134,16 @@ def table(records: list[dict], layouts: list[str]) -> str:
     lines = ["| family | kind | " + " | ".join(layouts) + " |", "|---|---|" + "---|" * len(layouts)]
     for f in families:
         cells = [_cell(by[(f, lay)]) if (f, lay) in by else "" for lay in layouts]
-        lines.append(f"| {f} | {FAMILIES[f].kind} | " + " | ".join(cells) + " |")
+        kind = next((r["kind"] for r in records if r["family"] == f and "kind" in r), None) \
+            or FAMILIES[f].kind
+        lines.append(f"| {f} | {kind} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def counts(records: list[dict], layouts: list[str]) -> str:
+def counts(records: list[dict], layouts: list[str], statuses=STATUSES) -> str:
     """Markdown: outcome counts per layout and in all."""
     lines = ["| outcome | " + " | ".join(layouts) + " | all |", "|---|" + "---|" * (len(layouts) + 1)]
-    for s in STATUSES:
+    for s in statuses:
         row = [sum(r["status"] == s and r["layout"] == lay for r in records) for lay in layouts]
         lines.append(f"| {s} | " + " | ".join(map(str, row)) + f" | {sum(row)} |")
     return "\n".join(lines)
@@ -209,12 +217,13 @@ def main(argv=None) -> int:
     return 0
 
 
-def _write_json(path: Path, records: list[dict], layouts: list[str]) -> None:
+def _write_json(path: Path, records: list[dict], layouts: list[str], benchmark: str = "zoo",
+                statuses=STATUSES) -> None:
     import subprocess as sp
     commit = sp.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    data = {"benchmark": "zoo", "commit": commit, "date": time.strftime("%Y-%m-%d %H:%M %Z"),
-            "layouts": layouts, "table": table(records, layouts), "counts": counts(records, layouts),
-            "records": records}
+    data = {"benchmark": benchmark, "commit": commit, "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+            "layouts": layouts, "table": table(records, layouts),
+            "counts": counts(records, layouts, statuses), "records": records}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1))

@@ -20,6 +20,7 @@ from torch.export import Dim
 from torch.utils._pytree import TreeSpec, tree_flatten, treespec_dumps
 
 from ..errors import CaptureError
+from . import custom_functions
 from .model_file import user_frame
 
 def split_args(batch: tuple | dict) -> tuple[tuple, dict]:
@@ -78,20 +79,26 @@ def capture(model: torch.nn.Module, batch: tuple | dict, model_file: Path) -> Ca
 
     Raises:
         CaptureError: both torch.export and the symbolic_trace route failed; the message
-            gives export's reason and the model source line it failed at, when known.
+            gives export's reason and the model source line it failed at, when known. Or the
+            model applies a torch.autograd.Function whose backward export drops and the
+            graph's own gradient differs from (:mod:`.custom_functions`).
     """
     args, kwargs = split_args(batch)
     try:
-        ep = _export(model, args, kwargs)
+        with custom_functions.recorded() as applied:
+            ep = _export(model, args, kwargs)
         route = "torch.export"
     except Exception as export_error:
         try:
-            ep = _export(torch.fx.symbolic_trace(model), args, kwargs)
+            with custom_functions.recorded() as applied:
+                ep = _export(torch.fx.symbolic_trace(model), args, kwargs)
             route = "symbolic_trace+torch.export"
         except Exception:
-            eager = _eager_failure(model, args, kwargs)
+            eager, opaque = _eager_run(model, args, kwargs)
             if eager is not None:  # not a tracing problem: the model fails as it is
                 raise CaptureError(_eager_message(eager, model_file)) from eager
+            if opaque:  # export cannot return it (a transformers Cache: use_cache on)
+                raise CaptureError(_opaque_message(opaque, model_file)) from export_error
             raise CaptureError(_capture_message(export_error, model_file)) from export_error
     gm = ep.module()
     out_spec = gm._out_spec
@@ -107,13 +114,16 @@ def capture(model: torch.nn.Module, batch: tuple | dict, model_file: Path) -> Ca
     _inline_no_grad_regions(gm)
     _refuse_subgraphs(gm, model_file)
     _one_op_per_meaning(gm)
+    custom_functions.check_backward(model, gm, args, kwargs, applied, model_file)
     return Captured(gm, names, bool(kwargs), out_spec, route)
 
 
 def _inline_no_grad_regions(gm: torch.fx.GraphModule) -> None:
     """Inline the subgraphs torch.export keeps for ``torch.no_grad()`` regions of forward
-    (``wrap_with_set_grad_enabled(False, submod, *args)``), their outputs detached: the same
-    values, none of them carrying gradient, as the region computed them. Every planner and
+    (``wrap_with_set_grad_enabled(False, submod, *args)``), their tensor outputs detached: the
+    same values, none of them carrying gradient, as the region computed them (a SymInt output,
+    ``min(k, x.shape[1])`` computed in the region, is passed on as it is: ``aten.detach``
+    takes tensors only). Every planner and
     pass then reads one flat graph of ATen ops."""
     from torch._higher_order_ops.wrap import wrap_with_set_grad_enabled
     graph = gm.graph
@@ -135,7 +145,7 @@ def _inline_no_grad_regions(gm: torch.fx.GraphModule) -> None:
                     env[n] = graph.get_attr(n.target)
                 else:
                     env[n] = graph.node_copy(n, lambda a: env[a])
-            detached = [_detach(graph, env[o]) for o in outs]
+            detached = [_detach(graph, env[o]) if _is_tensor(env[o]) else env.get(o, o) for o in outs]
         for user in list(node.users):
             assert user.target is operator.getitem, user  # export unpacks the region's tuple
             user.replace_all_uses_with(detached[user.args[1]])
@@ -154,15 +164,54 @@ def _inline_no_grad_regions(gm: torch.fx.GraphModule) -> None:
 _SAME_OP = {torch.ops.aten.broadcast_to.default: torch.ops.aten.expand.default}
 
 
+# in-place ops whose out-of-place form computes the same value where nothing reads their
+# input after them (``nn.Dropout(inplace=True)``: MobileViT's classifier dropout)
+_OUT_OF_PLACE = {torch.ops.aten.dropout_.default: torch.ops.aten.dropout.default}
+
+
 def _one_op_per_meaning(gm: torch.fx.GraphModule) -> None:
-    """Replace each op of :data:`_SAME_OP` by the op it is defined as."""
+    """Replace each op of :data:`_SAME_OP` by the op it is defined as, and each of
+    :data:`_OUT_OF_PLACE` whose input no later node reads by its out-of-place form."""
     changed = False
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in _SAME_OP:
+        if node.op != "call_function":
+            continue
+        if node.target in _SAME_OP:
             node.target = _SAME_OP[node.target]
+            changed = True
+        elif node.target in _OUT_OF_PLACE and isinstance(node.args[0], torch.fx.Node) and \
+                all(order[u] <= order[node] for u in node.args[0].users):
+            node.target = _OUT_OF_PLACE[node.target]
+            changed = True
+        elif node.target is torch.ops.aten.expand_as.default:
+            _expand_to_sizes(gm.graph, node)
             changed = True
     if changed:
         gm.recompile()
+
+
+def _is_tensor(value) -> bool:
+    return isinstance(value, torch.fx.Node) and isinstance(value.meta.get("val"), torch.Tensor)
+
+
+def _expand_to_sizes(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
+    """``expand_as(x, other)`` as ``expand(x, sizes)``, which ATen defines it as, with
+    ``other``'s sizes spelled out (a number, or a ``sym_size`` of ``other`` for a dynamic dim):
+    the planner reads expand's sizes (global, made local where the value is sharded), where
+    expand_as took a rank's local sizes from ``other`` at run time (F.normalize's norm expanded
+    as a column output: cut twice)."""
+    x, other = node.args[0], node.args[1]
+    sizes = []
+    with graph.inserting_before(node):
+        for i, size in enumerate(other.meta["val"].shape):
+            if isinstance(size, torch.SymInt):
+                dim = graph.call_function(torch.ops.aten.sym_size.int, (other, i))
+                dim.meta = {**node.meta, "val": size}
+                sizes.append(dim)
+            else:
+                sizes.append(int(size))
+    node.target, node.args = torch.ops.aten.expand.default, (x, sizes)
 
 
 def _detach(graph: torch.fx.Graph, value: torch.fx.Node) -> torch.fx.Node:
@@ -211,14 +260,27 @@ def _to_flat_calling(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
-def _eager_failure(model: torch.nn.Module, args, kwargs) -> Exception | None:
-    """The exception of a plain forward of ``model`` on the example batch, or None."""
+def _eager_run(model: torch.nn.Module, args, kwargs) -> tuple[Exception | None, list[str]]:
+    """A plain forward of ``model`` on the example batch: its exception (or None), and each
+    output that is neither a tensor nor a plain Python value, as ``path (type)``."""
     try:
         with torch.no_grad():
-            model(*args, **kwargs)
+            out = model(*args, **kwargs)
     except Exception as e:
-        return e
-    return None
+        return e, []
+    from torch.utils._pytree import keystr, tree_flatten_with_path
+    plain = (torch.Tensor, int, float, bool, str, type(None))
+    leaves, _ = tree_flatten_with_path(out)
+    return None, [f"outputs{keystr(k)} ({type(v).__module__}.{type(v).__qualname__})"
+                  for k, v in leaves if not isinstance(v, plain)]
+
+
+def _opaque_message(opaque: list[str], model_file: Path) -> str:
+    return (f"the model from {model_file} returns {', '.join(opaque)}: not a tensor, so "
+            f"torch.export cannot capture it.\nFix: return only tensors / ModelOutputs of "
+            f"tensors; a Hugging Face model returns its key/value cache (past_key_values) "
+            f"while use_cache is on: set use_cache=False in its config (and in its text_config, "
+            f"for a config that holds one).")
 
 
 def _eager_message(e: Exception, model_file: Path) -> str:

@@ -18,7 +18,8 @@ class SplitMismatch(AssertionError):
     """The split graphs disagree with the plan (an internal error: please report it)."""
 
 
-def check_split(plan: ParallelPlan, stages: list, block_graphs: list, canonical: dict) -> ParallelPlan:
+def check_split(plan: ParallelPlan, stages: list, block_graphs: list, canonical: dict,
+                whole=frozenset()) -> ParallelPlan:
     """``plan`` with each stage's boundary input/output names and its emitted blocks (the
     planned ones, plus pieces of earlier blocks that only recompute values) from the split
     graphs.
@@ -27,6 +28,9 @@ def check_split(plan: ParallelPlan, stages: list, block_graphs: list, canonical:
         stages: ``split_stages`` output (``StageGraph`` per stage, in stage order).
         block_graphs: per stage, ``split_blocks``'s ``BlockGraph`` list.
         canonical: every tensor name -> its canonical FQN (tied weights).
+        whole: indices of the stages ``split_blocks`` kept as one unit (their blocks' runs
+            interleave: a block called again after the next one, as HRM's loops over its
+            L and H stacks); such a stage holds no outlined block.
 
     Raises:
         PlanError: a parameter is read by two emitted modules of one stage (ALBERT-style
@@ -46,7 +50,7 @@ def check_split(plan: ParallelPlan, stages: list, block_graphs: list, canonical:
         found = tuple(b.fqn for b in blocks)
         # a stage may also hold an outlined piece of an earlier block that only recomputes
         # values (T5's relative-position buckets): it reads no tensor beyond the planned ones
-        if held != set(sp.fqns) or not set(sp.blocks) <= set(found):
+        if held != set(sp.fqns) or (st.index not in whole and not set(sp.blocks) <= set(found)):
             raise SplitMismatch(
                 f"internal error: stage {st.index} after split_stages/split_blocks reads "
                 f"{sorted(held - set(sp.fqns))} beyond the plan and lacks "

@@ -92,8 +92,12 @@ _WHERE = ("nn_module_stack", "stack_trace", "source_fn_stack", "fwd_nn_module_st
 
 
 def _insert_redistributions(graph: fx.Graph, redistributions: list) -> None:
+    """The redistributions, producer by producer (``redistributions`` sorts a producer's
+    all-reduce before its cuts): a Partial value reduced and then cut for a reader (Partial ->
+    Replicate -> Shard) is cut from the reduced value, which is what that reader then reads."""
     by_name = {n.name: n for n in graph.nodes}
     order = {n: i for i, n in enumerate(graph.nodes)}
+    reduced: dict = {}  # producer name -> its reduce_partial_from_tp node
     for r in redistributions:
         node = by_name[r.producer]
         if r.kind == "all_reduce":
@@ -101,7 +105,9 @@ def _insert_redistributions(graph: fx.Graph, redistributions: list) -> None:
                 new = graph.call_function(reduce_partial_from_tp, (node, r.reduce_op))
             new.meta = dict(node.meta)
             node.replace_all_uses_with(new, delete_user_cb=lambda u, c=new: u is not c)
+            reduced[r.producer] = new
             continue
+        node = reduced.get(r.producer, node)
         readers = [by_name[n] for n in r.readers]
         first = min(readers, key=order.__getitem__)
         with graph.inserting_before(first):

@@ -118,7 +118,10 @@ def build_plan(spec, captured, gm, model, groups, tp: TPDecision, vocab: VocabDe
         mesh={"pp": spec.mesh.pp, "dp": spec.mesh.dp, "tp": spec.mesh.tp},
         zero_stage=spec.zero_stage, schedule=spec.pipeline.schedule,
         microbatches=spec.pipeline.microbatches, seed=spec.seed, tensors=tensors,
-        aliases=alias_map(groups, include_canonical=False), stages=stage_plans,
+        # a tied group forward never reads (LUKE's entity embeddings and head without entity
+        # inputs) has no tensor, so no alias: the manifest's aliases name tensors it holds
+        aliases={a: c for a, c in alias_map(groups, include_canonical=False).items()
+                 if c in tensors}, stages=stage_plans,
         input_names=captured.input_names, inputs_are_kwargs=captured.inputs_are_kwargs,
         out_spec=treespec_dumps(captured.out_spec), tp_report=tuple(tp_report(tp, vocab)),
         activation_checkpointing=ac.mode, checkpoint_every=ac.every,

@@ -174,3 +174,19 @@ def test_cli_lists_and_refuses_unknown_names():
     bad = subprocess.run(run + ["--families", "nope"], cwd=REPO, capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2 and "unknown families ['nope']" in bad.stderr
+
+
+def test_sweep_derives_tiny_configs_through_each_config_s_own_names():
+    """benchmarks/zoo/sweep.py: the standard sizes reach a config through its attribute_map
+    (GPT-2's n_embd), its own names by pattern (T5's d_ff, d_kv), sub-configs as dicts with
+    the cache off (T5Gemma's encoder / decoder); the zoo's and the tests' types are left out."""
+    import transformers as T
+    from benchmarks.zoo import sweep
+    gpt2 = T.GPT2Config(**sweep.tiny_kwargs(T.GPT2Config, "decoder"))
+    assert (gpt2.n_embd, gpt2.n_layer, gpt2.n_head, gpt2.vocab_size) == (32, 2, 4, 96)
+    t5 = T.T5Config(**sweep.tiny_kwargs(T.T5Config, "encoder-decoder"))
+    assert (t5.d_model, t5.d_ff, t5.d_kv, t5.num_layers, t5.num_heads) == (32, 64, 8, 2, 4)
+    kw = sweep.tiny_kwargs(T.T5GemmaConfig, "encoder-decoder")
+    assert kw["encoder"]["hidden_size"] == 32 and kw["encoder"]["use_cache"] is False
+    types = {t for t, *_ in sweep.candidates()}
+    assert not types & sweep.covered_types() and {"gpt2", "qwen3", "t5"} <= sweep.covered_types()

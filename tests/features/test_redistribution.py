@@ -185,3 +185,73 @@ def test_mobilebert_at_tp2_compiles_with_its_blocks_found():
                               reference=False)
     assert program.plan.stages[0].blocks == ("mobilebert.encoder.layer.0",
                                              "mobilebert.encoder.layer.1")
+
+
+class HyperConnections(nn.Module):
+    """DeepSeek-V4's hyper-connections, cut down: ``n`` residual streams (B, S, n, H), weights
+    per stream from one linear over all of them (``fn``), the streams collapsed by their
+    ``pre`` weights into the MLP's input and its output spread back by ``post``. The planner
+    shards the streams, so the collapse is Partial: reduced, then cut for a row linear
+    (Partial -> Replicate -> Shard), the cut read from the reduced value."""
+
+    def __init__(self, n=2):
+        super().__init__()
+        self.n = n
+        self.fn = nn.Linear(n * H, 2 * n, bias=False)
+        self.scale = nn.Parameter(torch.rand(2) + 0.5)
+        self.up, self.down = nn.Linear(H, 2 * H), nn.Linear(2 * H, H)
+        self.up2, self.down2 = nn.Linear(H, 2 * H), nn.Linear(2 * H, H)
+
+    def _block(self, h, up, down):
+        b, s = h.shape[:2]
+        pre_w, post_w = self.fn(h.reshape(b, s, -1)).split([self.n, self.n], dim=-1)
+        pre = torch.sigmoid(pre_w * self.scale[0])
+        post = torch.sigmoid(post_w * self.scale[1])
+        x = (pre.unsqueeze(-1) * h).sum(2)
+        return post.unsqueeze(-1) * down(F.gelu(up(x))).unsqueeze(-2) + h
+
+    def forward(self, x):
+        h = x.unsqueeze(2).repeat(1, 1, self.n, 1)
+        h = self._block(self._block(h, self.up, self.down), self.up2, self.down2)
+        return h.sum(2)
+
+
+def test_a_reduced_partial_value_is_cut_from_its_reduction():
+    """The cut was inserted on the Partial value itself and left unread, the reader kept the
+    whole reduced value: a gradient Mixed over tp (the compile's accounting raised an internal
+    error on DeepSeek-V4 at tp2)."""
+    torch.manual_seed(0)
+    d = plan_and_check(HyperConnections(), x_batch(), 2)
+    reduced = {r.producer for r in d.redistributions if r.kind == "all_reduce"}
+    assert any(r.kind == "scatter" and r.producer in reduced for r in d.redistributions), \
+        d.redistributions
+
+
+class NormOverColumn(nn.Module):
+    """An L2 norm over a column linear's sharded features (SwiftFormer's additive attention
+    normalises its query and key): ``normalize`` spells it ``x / norm.expand_as(x)``."""
+
+    def __init__(self, spelled="norm"):
+        super().__init__()
+        self.spelled = spelled
+        self.up, self.down = nn.Linear(H, H), nn.Linear(H, H)
+
+    def forward(self, x):
+        h = self.up(x)
+        h = F.normalize(h, dim=-1) if self.spelled == "normalize" else \
+            h / torch.linalg.vector_norm(h, dim=-1, keepdim=True)
+        return x + self.down(h)
+
+
+@pytest.mark.parametrize("spelled", ["norm", "normalize"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_p_norm_over_sharded_features_is_gathered_not_summed(tp, spelled):
+    """DTensor gives the norm a ``_NormPartial`` whose reduce_op reads "sum": the ranks'
+    norms were all-reduced as a sum (sqrt(a² + b²) taken for a + b), a wrong value and
+    gradient; no redistribution reduces it now, the features are gathered. F.normalize's
+    ``expand_as(h)`` took the rank's local size from ``h`` and was then cut again (a shape
+    error): capture spells it as ``expand`` with ``h``'s sizes."""
+    torch.manual_seed(0)
+    d = plan_and_check(NormOverColumn(spelled), x_batch(), tp)
+    assert _sharded(d) == {"up.weight", "down.weight"}
+    assert not any(r.kind == "all_reduce" for r in d.redistributions), d.redistributions

@@ -252,9 +252,15 @@ def _answer(result, asked=None):
 
 
 def _partial(spec) -> Optional[str]:
+    """The reduce op of a Partial output; a Partial subclass that reduces otherwise (a p-norm
+    over the sharded dim: ``_NormPartial`` says "sum" but sums the ranks' norms raised to p,
+    then takes the root) is named by its own repr, which no redistribution reduces (its
+    inputs are gathered instead)."""
     from torch.distributed.tensor import Partial
     p = spec.placements[0] if spec is not None else None
-    return p.reduce_op if isinstance(p, Partial) else None
+    if not isinstance(p, Partial):
+        return None
+    return p.reduce_op if type(p) is Partial else repr(p)
 
 
 def _wanted(schema):

@@ -66,6 +66,21 @@ def test_capture_error_names_model_file_and_line(tmp_path, body, failing):
     assert "Fix:" in msg and "data-dependent" in msg
 
 
+def test_a_model_returning_a_cache_object_is_told_to_turn_the_cache_off(tmp_path):
+    """A Hugging Face model left with use_cache on returns its DynamicCache: export cannot
+    return it and no model line is at fault; the error names the output and the fix
+    (it said 'make the failing line traceable', naming no line)."""
+    body = ("class Cache:\n            def __init__(self, t):\n                self.t = t\n"
+            "        return {'logits': y, 'past_key_values': Cache(y)}")
+    path = write(tmp_path, DATA_DEPENDENT.format(body=body))
+    module = load_model_file(path)
+    with pytest.raises(CaptureError) as e:
+        capture(build_model(module, on_meta=False), example_batch(module), path)
+    msg = str(e.value)
+    assert f"returns outputs['past_key_values'] (" in msg and "Cache)" in msg, msg
+    assert "use_cache=False" in msg
+
+
 def test_a_model_failing_eagerly_is_not_called_untraceable(tmp_path):
     """A plain shape bug fails without parallelizer too: the error says so and names the line,
     instead of advising to make it traceable."""
@@ -217,6 +232,145 @@ def test_a_no_grad_region_is_inlined_with_its_gradients_as_eager(tmp_path):
     assert torch.equal(got, want)
     for name, p in model.named_parameters():
         assert torch.equal(grads[name], p.grad), name  # scale carries no gradient in either
+
+
+NO_GRAD_SIZE = """
+import torch
+from torch import nn
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        with torch.no_grad():  # as AXK2's indexer: top-k of a size computed in the region
+            idx = h.topk(min(4, h.shape[1]), dim=1).indices
+        return self.out(h).topk(min(4, h.shape[1]), dim=1).values.sum(1) + idx.sum(1)
+
+def build_model():
+    return Model()
+
+def example_inputs():
+    return (torch.randn(2, 6, 8),)
+"""
+
+
+def test_a_size_computed_in_a_no_grad_region_is_not_detached(tmp_path):
+    """export hands the region's SymInt ``min(4, seq)`` out to the later top-k: it is passed
+    on as it is (``aten.detach`` of an int raised in every program, at every layout)."""
+    path = write(tmp_path, NO_GRAD_SIZE)
+    module = load_model_file(path)
+    torch.manual_seed(0)
+    model = build_model(module, on_meta=False).train()
+    (x,) = example_batch(module)
+    gm = capture(model, (x,), path).gm
+    x = torch.randn(3, 7, 8)
+    assert torch.equal(gm(x)[0], model(x))
+
+
+CUSTOM_FUNCTION = """
+import torch
+from torch import nn
+
+class Scale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return torch.tanh(x) * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return {backward}
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.out(Scale.apply(self.fc(x)))
+
+def build_model():
+    return Model()
+
+def example_inputs():
+    return (torch.randn(2, 3, 8),)
+"""
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["derivative", "straight_through"])
+def test_an_autograd_function_whose_backward_export_drops_is_checked(tmp_path, exact):
+    """export keeps an autograd.Function's forward only: its backward was silently replaced
+    by the forward's derivative (YOSO's approximate gradient: the tp2 self-check caught it,
+    every other layout emitted the wrong program). The derivative itself is captured; another
+    gradient is refused naming the Function and the line applying it."""
+    backward = "grad * 2 * (1 - torch.tanh(x) ** 2)" if exact else "grad * 2"
+    source = CUSTOM_FUNCTION.format(backward=backward)
+    if exact:
+        source = source.replace("return torch.tanh(x) * 2", "ctx.save_for_backward(x)\n"
+                                "        return torch.tanh(x) * 2").replace(
+            "return grad * 2 *", "(x,) = ctx.saved_tensors\n        return grad * 2 *")
+    path = write(tmp_path, source)
+    module = load_model_file(path)
+    torch.manual_seed(0)
+    model = build_model(module, on_meta=False).train()
+    (x,) = example_batch(module)
+    if exact:
+        gm = capture(model, (x,), path).gm
+        assert torch.allclose(gm(x)[0], model(x))
+        return
+    with pytest.raises(CaptureError) as e:
+        capture(model, (x,), path)
+    line = line_of(path, "Scale.apply(")
+    assert f"Scale at {path.name}:{line}" in str(e.value), str(e.value)
+    assert "backward is not the derivative" in str(e.value)
+
+
+INPLACE_DROPOUT = """
+import torch
+from torch import nn
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.1, inplace=True)
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.out(self.drop(self.fc(x)))
+
+def build_model():
+    return Model()
+
+def example_inputs():
+    return (torch.randn(2, 3, 8),)
+"""
+
+
+@pytest.mark.parametrize("read_after", [False, True], ids=["alone", "input_read_after"])
+def test_an_inplace_dropout_is_captured_as_its_out_of_place_form(tmp_path, read_after):
+    """nn.Dropout(inplace=True) (MobileViT) captured as aten.dropout_: no random stream knew it
+    (refused at tp2). export already points the later reads of the overwritten value at the
+    op's output, so it is aten.dropout, drawing the same mask."""
+    source = INPLACE_DROPOUT
+    if read_after:
+        source = source.replace("return self.out(self.drop(self.fc(x)))",
+                                "h = self.fc(x)\n        y = self.drop(h)\n        return self.out(y) + h")
+    path = write(tmp_path, source)
+    module = load_model_file(path)
+    model = build_model(module, on_meta=False).train()
+    (x,) = example_batch(module)
+    gm = capture(model, (x,), path).gm
+    targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    assert torch.ops.aten.dropout.default in targets and torch.ops.aten.dropout_.default not in targets
+    torch.manual_seed(0)
+    got = gm(x)[0]
+    torch.manual_seed(0)
+    assert torch.equal(got, model(x))
 
 
 COND_REGION = """

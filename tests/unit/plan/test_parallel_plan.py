@@ -115,15 +115,57 @@ def test_split_graphs_that_disagree_with_the_plan_are_an_internal_error(monkeypa
     import parallelizer.compiler as compiler
     seen = {}
 
-    def tampered(plan, stages, block_graphs, canonical):
+    def tampered(plan, stages, block_graphs, canonical, whole=frozenset()):
         first = plan.stages[0]
         seen["fqn"] = first.fqns[0]
         wrong = dataclasses.replace(plan, stages=(
             dataclasses.replace(first, fqns=first.fqns[1:]),) + plan.stages[1:])
-        return check_split(wrong, stages, block_graphs, canonical)
+        return check_split(wrong, stages, block_graphs, canonical, whole)
 
     monkeypatch.setattr(compiler, "check_split", tampered)
     spec = load_spec(REPO / "examples/gpt/spec.yaml", ["mesh.tp=1", "mesh.dp=1", "mesh.pp=2"])
     with pytest.raises(SplitMismatch, match="stage 0 .*lacks") as e:
         compile_model(REPO / "examples/gpt/model.py", spec, weights=False)
     assert seen["fqn"] in str(e.value)
+
+
+UNUSED_TIED = """
+import torch
+from torch import nn
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.fc = nn.Linear(8, 16)
+        self.extra = nn.Embedding(5, 8)      # LUKE's entity embeddings: no entity inputs here
+        self.extra_head = nn.Linear(8, 5, bias=False)
+        self.extra_head.weight = self.extra.weight
+
+    def forward(self, ids):
+        return self.fc(self.emb(ids))
+
+def build_model():
+    torch.manual_seed(0)
+    return Model()
+
+def example_inputs():
+    return (torch.randint(0, 16, (2, 4)),)
+"""
+
+
+def test_a_tied_pair_forward_never_reads_leaves_no_alias_in_the_manifest(tmp_path):
+    """Its tensor is in no stage and not in the checkpoint; its alias was, and every rank of
+    run.py refused the manifest ('alias ... names ..., which is not in tensors'): LUKE's
+    --verify at tp2 x pp2, at any layout."""
+    import json
+    from parallelizer.checkpoint.manifest_schema import validate_manifest
+    from parallelizer.compiler import compile_to_dir
+    (tmp_path / "model.py").write_text(UNUSED_TIED)
+    (tmp_path / "spec.yaml").write_text("mesh:\n  tp: 1\n")
+    out = tmp_path / "out"
+    compile_to_dir(tmp_path / "model.py", load_spec(tmp_path / "spec.yaml"), out)
+    ckpt = out / "checkpoint"
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert "extra_head.weight" not in manifest["aliases"]
+    validate_manifest(ckpt, manifest, ckpt / "manifest.json")

@@ -1,0 +1,101 @@
+"""A model's own ``torch.autograd.Function``s, which non-strict torch.export inlines.
+
+torch.export(strict=False) traces an autograd.Function's ``forward`` into the graph and
+drops its ``backward``: the captured graph differentiates the forward instead. Where the
+custom backward is that derivative (BLOOM's GeLUFunction) the program is right; where it is
+not (YOSO's YosoCumulation: an approximate gradient of its ``acos`` kernel; a straight-through
+estimator) every emitted program, at any layout, would train another model. Capture records
+the Functions applied (:func:`recorded`) and, when there are any, compares the captured
+graph's gradients with the model's on the example batch (:func:`check_backward`); a
+difference is refused naming the Function and the model line that applies it.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import traceback
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from ..errors import CaptureError
+
+_FUNCTION = torch.autograd.function.Function
+
+
+@contextlib.contextmanager
+def recorded():
+    """Within: each ``apply`` of an autograd.Function defined outside torch is recorded as
+    (class name, ``file:line`` of its caller) in the yielded list."""
+    seen: list = []
+    original = _FUNCTION.__dict__["apply"]
+
+    def apply(cls, *args, **kwargs):
+        if not cls.__module__.startswith("torch."):
+            seen.append((cls.__qualname__, _caller()))
+        return original.__func__(cls, *args, **kwargs)
+
+    _FUNCTION.apply = classmethod(apply)
+    try:
+        yield seen
+    finally:
+        _FUNCTION.apply = original
+
+
+def _caller() -> str:
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        if f"{os.sep}torch{os.sep}" not in frame.filename and frame.filename != __file__:
+            return f"{os.path.basename(frame.filename)}:{frame.lineno}"
+    return "an unknown line"
+
+
+def check_backward(model: torch.nn.Module, gm: torch.fx.GraphModule, args, kwargs,
+                   applied: list, model_file, rtol: float = 1e-3) -> None:
+    """Compare the gradients of ``gm`` (flat inputs, flat outputs) with ``model``'s on the
+    example batch, both seeded alike (dropout draws the same masks), for a seeded random
+    cotangent of every floating-point output. Nothing to compare on the meta device.
+
+    Raises:
+        CaptureError: a parameter's gradient differs by more than ``rtol`` of its magnitude:
+            names the Functions applied and where.
+    """
+    params = dict(model.named_parameters())
+    if not applied or any(p.is_meta for p in params.values()):
+        return
+    state = {k: v.clone() for k, v in model.state_dict(keep_vars=False).items()}
+    want = _grads(lambda: tree_flatten(model(*args, **kwargs))[0], params.values(), params)
+    model.load_state_dict(state)
+    flat = [*args, *kwargs.values()]
+    mine = dict(gm.named_parameters())
+    got = _grads(lambda: list(gm(*flat)), mine.values(), mine)
+    model.load_state_dict(state)
+    for name, w in want.items():
+        g = got.get(name)
+        if w is None or g is None:
+            continue
+        if (g - w).abs().max() > rtol * max(w.abs().max().item(), 1e-6):
+            where = ", ".join(dict.fromkeys(f"{cls} at {line}" for cls, line in applied))
+            raise CaptureError(
+                f"{model_file}: the model applies a torch.autograd.Function ({where}) whose "
+                f"backward is not the derivative of its forward (the gradient of {name} "
+                f"differs); torch.export keeps the forward only, so the program would train "
+                f"with another gradient. Fix: write the Function's gradient as plain tensor "
+                f"operations (a straight-through estimator as x + (f(x) - x).detach()), or "
+                f"configure the model not to use it")
+
+
+def _grads(run, tensors, named) -> dict:
+    for p in tensors:
+        p.grad = None
+    torch.manual_seed(0)
+    outs = [o for o in run() if isinstance(o, torch.Tensor) and o.is_floating_point()
+            and o.requires_grad]
+    if not outs:
+        return {}
+    gen = torch.Generator().manual_seed(1)
+    loss = sum((o * torch.randn(o.shape, generator=gen, dtype=o.dtype)).sum() for o in outs)
+    loss.backward()
+    grads = {n: (p.grad.clone() if p.grad is not None else None) for n, p in named.items()}
+    for p in tensors:
+        p.grad = None
+    return grads
