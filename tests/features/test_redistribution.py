@@ -255,3 +255,31 @@ def test_a_p_norm_over_sharded_features_is_gathered_not_summed(tp, spelled):
     d = plan_and_check(NormOverColumn(spelled), x_batch(), tp)
     assert _sharded(d) == {"up.weight", "down.weight"}
     assert not any(r.kind == "all_reduce" for r in d.redistributions), d.redistributions
+
+
+class EmptyCacheAttention(nn.Module):
+    """Attention whose k and v are concatenated after an empty cache (a legacy 1-D empty
+    tensor, which ``torch.cat`` accepts beside any shape: XLM's DynamicCache before its
+    first update). DTensor asks the empty tensor for the heads' Shard it has no dim for; the
+    planner used to raise IndexError there (an internal error at tp2 and tp4)."""
+
+    def __init__(self, heads=4):
+        super().__init__()
+        self.heads, self.hd = heads, H // heads
+        self.q, self.k, self.v, self.o = (nn.Linear(H, H) for _ in range(4))
+        self.register_buffer("cache", torch.empty(0), persistent=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, self.heads, self.hd).transpose(1, 2)
+                   for p in (self.q, self.k, self.v))
+        k, v = torch.cat([self.cache, k], dim=-2), torch.cat([self.cache, v], dim=-2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.o(y.transpose(1, 2).reshape(b, s, H))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_cat_after_an_empty_cache_plans_and_matches(tp):
+    torch.manual_seed(0)
+    d = plan_and_check(EmptyCacheAttention(), x_batch(), tp)
+    assert {"q.weight", "k.weight", "v.weight"} <= d.column and "o.weight" in d.row

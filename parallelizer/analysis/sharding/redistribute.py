@@ -215,7 +215,10 @@ def cut(node: fx.Node, prop, a: fx.Node, dim: int) -> bool:
 
 
 def _static(a: fx.Node, dim: int) -> bool:
-    return expr(shape(a)[dim]).is_number
+    """``a`` has a dim ``dim`` of a size known at compile time (a legacy empty 1-D tensor
+    that ``torch.cat`` accepts beside n-D ones has no such dim: XLM's empty kv cache)."""
+    s = shape(a)
+    return -len(s) <= dim < len(s) and expr(s[dim]).is_number
 
 
 def _ask(node, prop, wants: Wants) -> bool:
