@@ -54,12 +54,14 @@ def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False,
             decision.biases[site.weight] = site.bias
     if tp == 1:
         return decision
-    pairs, column, row, prop = _pairs_settled(graph, sites, tp, decision)
-    if (prop.applied or prop.applied_reduces) and not _divisible(prop, tp):
-        # a group kept by redistributions needs a size tp does not divide (3 heads at tp 2):
-        # plan as without them, that group then replicated (its conflict names why), or
-        # with the linears behind copied kv heads kept whole, whichever shards more
-        pairs, column, row, prop = _indivisible(graph, sites, tp, decision, prop)
+    first = _pairs_settled(graph, sites, tp, decision)
+    pairs, column, row, prop = first
+    if not _divisible(prop, tp):
+        # a group needs a size tp does not divide (3 heads at tp 2, 2 heads at tp 4): plan
+        # as without its redistributions, that group then replicated (its conflict names
+        # why), or with the linears behind heads tp is a multiple of kept whole, whichever
+        # shards more; else the error below names the size and the tp degrees that divide it
+        pairs, column, row, prop = _indivisible(graph, sites, tp, decision, first)
     _check_divisible(prop, tp)
     layouts = prop.found_layouts()
     decision.column, decision.row, decision.rewrites = column, row, prop.rewrites
@@ -127,16 +129,22 @@ def _pairs_settled(graph, sites, tp: int, decision: TPDecision):
     return second
 
 
-def _indivisible(graph, sites, tp: int, decision: TPDecision, prop):
-    """The plan that settled needs a size tp does not divide. Two plans that do not: without
-    redistributions, and (:func:`_whole_kv`) with the column linears behind heads that tp is
-    a multiple of kept whole; the one sharding more weight elements is taken."""
-    plain = TPDecision(tp=tp, linears=decision.linears, biases=decision.biases)
-    chosen = _candidate(graph, seed_pairs(sites, True), tp, plain, redistribute=False)
+def _indivisible(graph, sites, tp: int, decision: TPDecision, first):
+    """``first`` (the candidate that settled) needs a size tp does not divide. Two other
+    plans: without redistributions (``first`` itself when it had none), and
+    (:func:`_whole_kv`) with the column linears behind heads that tp is a multiple of kept
+    whole. The whole one is taken when the plain one is not divisible either or it shards
+    more weight elements."""
+    plain, chosen = decision, first
+    prop = first[3]
+    if prop.applied or prop.applied_reduces:
+        plain = TPDecision(tp=tp, linears=decision.linears, biases=decision.biases)
+        chosen = _candidate(graph, seed_pairs(sites, True), tp, plain, redistribute=False)
     whole = _whole_kv(graph, seed_pairs(sites, True), tp, decision, prop)
     size = _weight_sizes(graph)
-    if whole is not None and sum(size.get(w, 0) for w in whole[0][1] | whole[0][2]) > sum(
-            size.get(w, 0) for w in chosen[1] | chosen[2]):
+    if whole is not None and (not _divisible(chosen[3], tp) or sum(
+            size.get(w, 0) for w in whole[0][1] | whole[0][2]) > sum(
+            size.get(w, 0) for w in chosen[1] | chosen[2])):
         chosen, plain = whole
     decision.blockers, decision.report = plain.blockers, plain.report
     return chosen
@@ -185,7 +193,7 @@ def _candidate(graph, pairs: dict, tp: int, decision: TPDecision, redistribute: 
     for w, c in sorted(kept.items()):
         decision.report.append(
             f"kept whole: {w} (in {c.module or 'the model'}, {c.detail} holds {c.size} heads, "
-            f"fewer than tp = {tp}, computed from its output by an op over all of them; its "
+            f"fewer than tp = {tp}, where no rule keeps a copy of one head on each rank; its "
             f"readers take it whole, or cut to the rank's heads or its copy of one)")
     prop = _settle(graph, pairs, column, row, tp, decision, redistribute)
     return pairs, column, row, prop

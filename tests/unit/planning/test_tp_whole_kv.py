@@ -120,3 +120,38 @@ def test_scatter_copies_forward_and_backward(tp, kv):
     want = torch.cat([sum(weights[h * copies:(h + 1) * copies]) for h in range(kv)], dim=1)
     for r in range(tp):
         torch.testing.assert_close(grads[r], want)
+
+
+class SlicedQKV(nn.Module):
+    """Phi-3's attention: one q|k|v projection sliced into q (4 heads) and k, v (2 kv heads
+    each), SDPA with enable_gqa."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(H, H + 2 * KV * D, bias=False)
+        self.o = nn.Linear(H, H, bias=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        qkv = self.qkv(x)
+        q = qkv[..., :H].view(b, t, HEADS, D).transpose(1, 2)
+        k = qkv[..., H:H + KV * D].view(b, t, KV, D).transpose(1, 2)
+        v = qkv[..., H + KV * D:].view(b, t, KV, D).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return x + self.o(y.transpose(1, 2).reshape(b, t, H))
+
+
+def test_sliced_qkv_at_tp_above_kv_heads_compiles_with_the_projection_whole():
+    """Main before: "mesh.tp (4) must divide the number of heads (2)", though 4 is a
+    multiple of the kv heads. Now the fused projection is computed whole, named in the
+    report, and the output projection row_parallel on each rank's heads."""
+    torch.manual_seed(0)
+    model = SlicedQKV()
+    cap = captured(model, x_batch())
+    d = plan_tp(cap.gm.graph, 4)
+    apply_cleanup(cap.gm)
+    apply_tensor_parallel(cap.gm, d)
+    assert "qkv.weight" not in d.column and "o.weight" in d.row
+    assert any(line.startswith("kept whole: qkv.weight") and "2 heads, fewer than tp = 4" in line
+               for line in d.report), d.report
+    assert_tp_matches(model, x_batch(), 4, d, cap.gm)
