@@ -123,13 +123,14 @@ def test_scatter_copies_forward_and_backward(tp, kv):
 
 
 class SlicedQKV(nn.Module):
-    """Phi-3's attention: one q|k|v projection sliced into q (4 heads) and k, v (2 kv heads
-    each), SDPA with enable_gqa."""
+    """Phi-3's block: one q|k|v projection sliced into q (4 heads) and k, v (2 kv heads
+    each), SDPA with enable_gqa; then an MLP."""
 
     def __init__(self):
         super().__init__()
         self.qkv = nn.Linear(H, H + 2 * KV * D, bias=False)
         self.o = nn.Linear(H, H, bias=False)
+        self.up, self.down = nn.Linear(H, 2 * H), nn.Linear(2 * H, H)
 
     def forward(self, x):
         b, t, _ = x.shape
@@ -138,7 +139,8 @@ class SlicedQKV(nn.Module):
         k = qkv[..., H:H + KV * D].view(b, t, KV, D).transpose(1, 2)
         v = qkv[..., H + KV * D:].view(b, t, KV, D).transpose(1, 2)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        return x + self.o(y.transpose(1, 2).reshape(b, t, H))
+        x = x + self.o(y.transpose(1, 2).reshape(b, t, H))
+        return x + self.down(F.gelu(self.up(x)))
 
 
 def test_sliced_qkv_at_tp_above_kv_heads_compiles_with_the_projection_whole():
