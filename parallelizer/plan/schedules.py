@@ -112,12 +112,29 @@ class _Stage:
 def _pipeline_order(cls, single: bool, pp: int, microbatches: int, virtual_stages: int) -> list:
     """``cls(stages, microbatches).pipeline_order`` per pp rank: what torch's
     ``_schedule_visualizer.get_schedule_ops`` returns, built on plain stand-in stages instead
-    of its ``mock.create_autospec(PipelineStage)``, which took most of the planner's search
-    time (the same action lists: tests/unit/plan/test_schedules.py)."""
+    of its ``mock.create_autospec(PipelineStage)``, and without the lowering of the order to
+    send / receive / reduce actions that the runtime schedules do at the end of their
+    constructor (``_prepare_schedule_with_comms``: it reads the compute actions and leaves
+    them as they are). The mock and the lowering took most of the planner's search time; the
+    action lists are the same (tests/unit/plan/test_schedules.py)."""
     n = pp * (1 if single else virtual_stages)
     stages = _Stage(pp, n) if single else [_Stage(pp, n) for _ in range(virtual_stages)]
-    order = cls(stages, microbatches).pipeline_order
+    order = _compute_only(cls)(stages, microbatches).pipeline_order
     return [order[rank] for rank in range(pp)]
+
+
+_COMPUTE_ONLY: dict = {}
+
+
+def _compute_only(cls):
+    """``cls`` with ``_prepare_schedule_with_comms`` validating the stage mapping only."""
+    if not hasattr(cls, "_prepare_schedule_with_comms"):
+        return cls
+    if cls not in _COMPUTE_ONLY:
+        def prepare(self, actions, format="compute_only"):
+            self._validate_and_set_stage_mapping(actions)
+        _COMPUTE_ONLY[cls] = type(cls.__name__, (cls,), {"_prepare_schedule_with_comms": prepare})
+    return _COMPUTE_ONLY[cls]
 
 
 def check(schedule: str, pp: int, virtual_stages: int, microbatches: int) -> Optional[str]:
