@@ -152,6 +152,23 @@ def real_torchrun(out: Path, nproc: int, *args: str, timeout: float = 240, launc
     return Result(p.returncode, p.stdout, p.stderr)
 
 
+def run_command(cmd: list[str], env: dict, cwd: Path = REPO, timeout: float = 600) -> Result:
+    """``[python, -m, parallelizer, ARGS...]`` (the ``parallelize`` command) or ``[python, -m,
+    torch.distributed.run, --nproc-per-node N, ..., -m, MODULE, ARGS...]`` (a module under
+    torchrun), as the benchmarks' helpers build them (benchmarks/_common.py), in processes
+    forked from the warm server: the command's ``main``, or N ranks of ``python -m MODULE``
+    with torchrun's environment (tests/warm.py). Any other command runs as it is."""
+    cmd = [str(c) for c in cmd]
+    if cmd[1:3] == ["-m", "parallelizer"] and not COLD:
+        return _warm("parallelizer.cli.parallelize:main", (cmd[3:],), env, cwd, timeout)
+    if cmd[1:3] == ["-m", "torch.distributed.run"] and "-m" in cmd[3:] and not COLD:
+        launcher, (module, *argv) = cmd[3:cmd.index("-m", 3)], cmd[cmd.index("-m", 3) + 1:]
+        nproc = int(launcher[launcher.index("--nproc-per-node") + 1])
+        return _warm("warm:run_module", (module, argv), env, cwd, timeout, nproc)
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
+    return Result(p.returncode, p.stdout, p.stderr)
+
+
 def check_exit(res: Result) -> None:
     """Exit 0, checked last (after the output). run.py leaves with os._exit since gloo's
     threads aborted one run in five at interpreter teardown; a regression fails here."""
@@ -227,6 +244,7 @@ class Tools:
     torchrun = staticmethod(torchrun)
     real_torchrun = staticmethod(real_torchrun)
     launch = staticmethod(launch)
+    run_command = staticmethod(run_command)
     check_exit = staticmethod(check_exit)
     verify_errors = staticmethod(verify_errors)
     step_losses = staticmethod(step_losses)

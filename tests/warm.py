@@ -78,6 +78,14 @@ def run_script(path: str, argv: list) -> int:
     return 0
 
 
+def run_module(module: str, argv: list) -> int:
+    """Run ``module`` as ``__main__`` with ``sys.argv = [module, *argv]`` (``python -m MODULE``,
+    a benchmark's worker under torchrun)."""
+    sys.argv = [module, *argv]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    return 0
+
+
 class Launch:
     """Processes started by :func:`start`; :meth:`wait` collects them."""
 

@@ -87,14 +87,54 @@ def compute_actions(schedule: str, pp: int, virtual_stages: int,
     cls = schedule_class(schedule)
     if cls is None:
         raise ValueError(f"the installed torch has no schedule class for '{schedule}'")
-    per_rank = None if issubclass(cls, PipelineScheduleSingle) else virtual_stages
+    single = issubclass(cls, PipelineScheduleSingle)
     kinds = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
+    try:
+        order = _pipeline_order(cls, single, pp, microbatches, virtual_stages)
+    except AttributeError:  # a torch whose schedules read more of a stage: its own mock
+        order = get_schedule_ops(cls, pp, microbatches, None if single else virtual_stages)
     out = []
-    for actions in get_schedule_ops(cls, pp, microbatches, per_rank):
+    for actions in order:
         flat = [s for a in actions if a is not None for s in (a.sub_actions or (a,))]
         out.append([(kinds[a.computation_type.name], a.stage_index, a.microbatch_index)
                     for a in flat if a.computation_type.name in kinds])
     return out
+
+
+class _Stage:
+    """What a schedule's constructor reads of its stages, for :func:`_pipeline_order`; any
+    other attribute raises AttributeError."""
+
+    def __init__(self, pp: int, num_stages: int):
+        self.group_rank, self.group_size, self.num_stages, self.submod = 0, pp, num_stages, None
+
+
+def _pipeline_order(cls, single: bool, pp: int, microbatches: int, virtual_stages: int) -> list:
+    """``cls(stages, microbatches).pipeline_order`` per pp rank: what torch's
+    ``_schedule_visualizer.get_schedule_ops`` returns, built on plain stand-in stages instead
+    of its ``mock.create_autospec(PipelineStage)``, and without the lowering of the order to
+    send / receive / reduce actions that the runtime schedules do at the end of their
+    constructor (``_prepare_schedule_with_comms``: it reads the compute actions and leaves
+    them as they are). The mock and the lowering took most of the planner's search time; the
+    action lists are the same (tests/unit/plan/test_schedules.py)."""
+    n = pp * (1 if single else virtual_stages)
+    stages = _Stage(pp, n) if single else [_Stage(pp, n) for _ in range(virtual_stages)]
+    order = _compute_only(cls)(stages, microbatches).pipeline_order
+    return [order[rank] for rank in range(pp)]
+
+
+_COMPUTE_ONLY: dict = {}
+
+
+def _compute_only(cls):
+    """``cls`` with ``_prepare_schedule_with_comms`` validating the stage mapping only."""
+    if not hasattr(cls, "_prepare_schedule_with_comms"):
+        return cls
+    if cls not in _COMPUTE_ONLY:
+        def prepare(self, actions, format="compute_only"):
+            self._validate_and_set_stage_mapping(actions)
+        _COMPUTE_ONLY[cls] = type(cls.__name__, (cls,), {"_prepare_schedule_with_comms": prepare})
+    return _COMPUTE_ONLY[cls]
 
 
 def check(schedule: str, pp: int, virtual_stages: int, microbatches: int) -> Optional[str]:

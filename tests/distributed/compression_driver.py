@@ -1,13 +1,15 @@
-"""torchrun driver of test_compression_training.py (4 ranks, one launch): gradient compression
-through the real runtime (build_stages, StepRunner, run_verify) on compiled programs whose
-plan gets ``compression`` (and zero_stage / dp_replicate) replaced, as the compiler writes them.
+"""torchrun driver of test_compression_training.py: gradient compression through the real
+runtime (build_stages, StepRunner, run_verify) on compiled programs whose plan gets
+``compression`` (and zero_stage / dp_replicate) replaced, as the compiler writes them.
 
+    torchrun --nproc-per-node 2 compression_driver.py converge GPT_DP2
     torchrun --nproc-per-node 4 compression_driver.py GPT_DP2_TP2 LLAMA_DP2_PP2 LLAMA_DP4 TMP
 
-Prints ``RESULT {json}`` lines: ``train`` (per step global losses of STEPS AdamW steps),
-``eager`` (the unmodified model, same steps, rank 0), ``verify`` (run_verify's exit code),
-``resume`` (losses and final parameters of an uninterrupted run and of a run saved and
-restored half-way, compression state through runtime/compression.write_state/load_state).
+Prints ``RESULT {json}`` lines: ``train`` (per step global losses of AdamW steps: STEPS per
+method at dp=2, SHORT at dp=2 x tp=2), ``eager`` (the unmodified model, STEPS steps, rank 0),
+``verify`` (run_verify's exit code), ``resume`` (losses and final parameters of an
+uninterrupted run and of a run saved and restored half-way, compression state through
+runtime/compression.write_state/load_state).
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from parallelizer.runtime.verify import run_verify
 
 T0 = time.perf_counter()
 STEPS, LR = 50, 3e-3
+SHORT = 8  # steps of each method at dp=2 x tp=2 (the resume cases' uninterrupted runs)
 METHODS = {"none": {"method": "none"}, "fp16": {"method": "fp16"}, "bf16": {"method": "bf16"},
            "powersgd": {"method": "powersgd", "rank": 2, "start_iter": 10, "error_feedback": True},
            "topk": {"method": "topk", "ratio": 0.1, "error_feedback": True}}
@@ -139,9 +142,9 @@ def report(obj):
         print("RESULT " + json.dumps(obj), flush=True)
 
 
-def main(gpt: Path, llama_pp: Path, llama_dp4: Path, tmp: Path) -> None:
+def converge(gpt: Path) -> None:
+    """2 ranks: the GPT example at dp=2 under DDP, each method STEPS steps, and eager."""
     dist.init_process_group("gloo")
-    # the GPT example at dp=2 x tp=2 under DDP: each method, STEPS steps
     base = dataclasses.replace(ParallelPlan.from_json((gpt / "plan.json").read_text()), zero_stage=0)
     module = load_model_module(gpt)
     batches = pattern_batches(module, STEPS)
@@ -149,10 +152,25 @@ def main(gpt: Path, llama_pp: Path, llama_dp4: Path, tmp: Path) -> None:
         report({"kind": "eager", "losses": eager(module, batches)})
     for name, settings in METHODS.items():
         losses, *_ = train(gpt, dataclasses.replace(base, compression=settings), module, batches)
+        report({"kind": "train", "case": f"gpt-dp2 zero0 {name}", "method": name, "losses": losses})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(gpt: Path, llama_pp: Path, llama_dp4: Path, tmp: Path) -> None:
+    dist.init_process_group("gloo")
+    # the GPT example at dp=2 x tp=2 under DDP (the dp group a subgroup, tp-sharded gradients
+    # in the buckets): none, fp16, bf16 for SHORT steps; PowerSGD (from step 3) and Top-K in
+    # the resume cases' uninterrupted runs
+    base = dataclasses.replace(ParallelPlan.from_json((gpt / "plan.json").read_text()), zero_stage=0)
+    module = load_model_module(gpt)
+    batches = pattern_batches(module, SHORT)
+    for name in ("none", "fp16", "bf16"):
+        losses, *_ = train(gpt, dataclasses.replace(base, compression=METHODS[name]), module, batches)
         report({"kind": "train", "case": f"gpt-dp2-tp2 zero0 {name}", "method": name, "losses": losses})
     for name in ("powersgd", "topk"):
         settings = {**METHODS[name], **({"start_iter": 3} if name == "powersgd" else {})}
-        resume_case(gpt, dataclasses.replace(base, compression=settings), module, batches[:8],
+        resume_case(gpt, dataclasses.replace(base, compression=settings), module, batches,
                     tmp / f"resume-{name}")
     # pp=2 x dp=2, ZeRO-1 (no DDP under a schedule: the hook on one flat bucket)
     base = dataclasses.replace(ParallelPlan.from_json((llama_pp / "plan.json").read_text()), zero_stage=1)
@@ -186,6 +204,9 @@ def main(gpt: Path, llama_pp: Path, llama_dp4: Path, tmp: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(*[Path(p) for p in sys.argv[1:5]])
+    if sys.argv[1] == "converge":
+        converge(Path(sys.argv[2]))
+    else:
+        main(*[Path(p) for p in sys.argv[1:5]])
     sys.stdout.flush()
     os._exit(0)

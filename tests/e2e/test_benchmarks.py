@@ -21,12 +21,41 @@ def bench(name: str, tmp_path: Path, *args: str) -> tuple[dict, str]:
     p = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", "--quick", "--json", str(out), *args],
                        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return _written(name, out, p.stdout, args), p.stdout
+
+
+def _written(name: str, out: Path, stdout: str, args) -> dict:
     data = json.loads(out.read_text())
     # --moe / --compression write NAME_moe / NAME_compression (their own default JSON files)
     assert data["benchmark"] in (name, f"{name}_{args[0].lstrip('-')}" if args else name)
     assert data["quick"] and "cpu" in data["machine"]
-    assert data["table"] in p.stdout  # the printed table is the one in the JSON
-    return data, p.stdout
+    assert data["table"] in stdout  # the printed table is the one in the JSON
+    return data
+
+
+def bench_warm(name: str, tmp_path: Path, tools, monkeypatch, capsys, *args: str) -> tuple[dict, str]:
+    """``bench`` with the script's ``main`` run in this process and its compiles and torchrun
+    launches (benchmarks/_common.run) forked from the warm server (``tools.run_command``):
+    the same commands, without a fresh interpreter importing torch for each. test_overhead_quick
+    and test_compile_quick run their scripts as a user does, every process fresh."""
+    import importlib
+    from benchmarks import _common
+
+    def run(cmd, env=None, timeout=600, what=""):
+        res = tools.run_command(cmd, env or _common.ENV, _common.REPO, timeout)
+        if res.code != 0:
+            raise _common.BenchmarkError(f"{what or cmd[2]} failed (exit {res.code}):\n"
+                                         f"{res.stdout[-3000:]}\n{res.stderr[-5000:]}")
+        return res.stdout
+
+    monkeypatch.setattr(_common, "run", run)
+    monkeypatch.delenv("PZ_BENCH_SIZE", raising=False)  # communication.py sets it in-process
+    out = tmp_path / f"{name}.json"
+    monkeypatch.setattr(sys, "argv", [f"benchmarks.{name}", "--quick", "--json", str(out), *args])
+    capsys.readouterr()
+    importlib.import_module(f"benchmarks.{name}").main()
+    stdout = capsys.readouterr().out
+    return _written(name, out, stdout, args), stdout
 
 
 def _check_run(run: dict, steps: int, warmup: int) -> None:
@@ -54,10 +83,11 @@ def test_overhead_quick(tmp_path):
     assert "<= 1.05" in out
 
 
-def test_communication_quick(tmp_path):
+def test_communication_quick(tmp_path, tools, monkeypatch, capsys):
     # step_time runs the same _worker and native baseline; its equal-loss check is the one
     # test_overhead_quick and test_loss_check_fails_on_mismatch exercise
-    data, out = bench("communication", tmp_path, "--configs", "tp2-dp2-fsdp")
+    data, out = bench_warm("communication", tmp_path, tools, monkeypatch, capsys, "--configs",
+                           "tp2-dp2-fsdp")
     (run,) = data["runs"]
     rows = {(r["op"], r["dim"]): r for r in run["rows"]}
     # Megatron f/g: 4 all-reduces per layer per rank (4 layers, 4 ranks), + 2 for the
@@ -125,11 +155,12 @@ def test_planner_vs_measured_predicts_the_layouts_it_compiles():
     assert kendall_tau([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(2 / 3)
 
 
-def test_communication_moe_quick_skewed(tmp_path):
+def test_communication_moe_quick_skewed(tmp_path, tools, monkeypatch, capsys):
     # the skewed router sends every token to experts 0 and 1 (ep rank 0's): rank 0 sends no
     # row, rank 1 all of its (token, expert) rows, and the rank 1 experts get none at all;
     # the measured all-to-all bytes equal those from the unmodified model's routers, per rank
-    data, out = bench("communication", tmp_path, "--moe", "--moe-configs", "dp2-ep2-skewed")
+    data, out = bench_warm("communication", tmp_path, tools, monkeypatch, capsys, "--moe",
+                           "--moe-configs", "dp2-ep2-skewed")
     (run,) = data["runs"]
     assert data["met"] and run["met"] and "measured == analytical: yes" in out
     rank0, rank1 = run["analytical"]
@@ -158,8 +189,8 @@ def test_moe_analytical_counts_off_rank_rows_only():
     assert all_to_all_wire_bytes(torch.zeros(4, dtype=torch.int64), [], 0, 2) == 16  # equal splits
 
 
-def test_step_time_moe_quick(tmp_path):
-    data, out = bench("step_time", tmp_path, "--moe")
+def test_step_time_moe_quick(tmp_path, tools, monkeypatch, capsys):
+    data, out = bench_warm("step_time", tmp_path, tools, monkeypatch, capsys, "--moe")
     run = data["run"]
     assert run["meshes"]["ep2"]["dp"] == run["meshes"]["ep2"]["ep"] == 2 and run["meshes"]["ep2"]["tp"] == 1
     assert run["meshes"]["tp2"]["tp"] == 2 and run["meshes"]["tp2"]["ep"] == 1

@@ -92,7 +92,8 @@ def test_program_trains_on_other_batch_and_sequence_sizes(tools, tmp_path):
     res = tools.parallelize(model, tools.examples / "gpt" / "spec.yaml", tmp_path / "out",
                             "mesh.dp=1", "mesh.tp=2", "mesh.pp=1")
     assert res.code == 0, res.explain()
-    res = tools.real_torchrun(tmp_path / "out", 2, "--train", "--steps", "2")  # as a user runs it
+    # ranks forked from the warm server: the real torchrun runs run.py --train in test_restart.py
+    res = tools.torchrun(tmp_path / "out", 2, "--train", "--steps", "2")
     losses = tools.step_losses(res.stdout)
     print(f"\nlosses on (4, 12) and (6, 20): {losses}")
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses), res.explain()

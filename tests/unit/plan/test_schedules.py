@@ -9,7 +9,7 @@ from parallelizer.checkpoint import load_shard, write_checkpoint
 from parallelizer.compiler import _num_stages
 from parallelizer.errors import CheckpointError, PlanError, SpecError
 from parallelizer.plan.schedules import (TORCH_NAMES, available, schedule_class, stage_ranks,
-                                         bubble, with_schedule)
+                                         bubble, check, compute_actions, with_schedule)
 from parallelizer.plan.parallel_plan import ParallelPlan, StagePlan, TensorPlan
 from parallelizer.runtime.bubble import busy_time
 from parallelizer.frontend.spec import load_spec
@@ -36,6 +36,29 @@ def test_loop_and_v_placement_match_torch():
     for style, name in (("loop", "looped_bfs"), ("v", "zbv")):
         want = torch_schedules.generate_stage_to_rank_mapping(4, 8, style=style)
         assert stage_ranks(name, 4, 2) == tuple(want[s] for s in range(8))
+
+
+def test_action_lists_are_torchs_visualizer_ones():
+    """compute_actions builds each schedule on plain stand-in stages (plan/schedules.py
+    _Stage); torch's get_schedule_ops, on its autospec mock of PipelineStage, gives the same
+    actions for every schedule, at 1 to 3 stages per rank and microbatch counts below, at
+    and above pp."""
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+    kinds = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
+    seen = set()
+    for name in available():
+        single = issubclass(schedule_class(name), torch_schedules.PipelineScheduleSingle)
+        for pp, v, m in [(2, 1, 1), (2, 2, 2), (2, 2, 4), (3, 2, 6), (4, 1, 5), (4, 2, 8), (2, 3, 6)]:
+            v = 1 if single else v
+            if (v < 2 and not single) or check(name, pp, v, m) is not None:
+                continue
+            want = [[(kinds[a.computation_type.name], a.stage_index, a.microbatch_index)
+                     for a in actions if a is not None for a in (a.sub_actions or (a,))
+                     if a.computation_type.name in kinds]
+                    for actions in get_schedule_ops(schedule_class(name), pp, m, None if single else v)]
+            assert compute_actions(name, pp, v, m) == want, (name, pp, v, m)
+            seen.add(name)
+    assert seen == set(available())
 
 
 def _spec(tmp_path, *overrides):
