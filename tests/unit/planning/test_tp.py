@@ -130,7 +130,9 @@ def test_gqa_tp4_replicates_kv_heads(llama):
         assert list(n.args[1])[1:3] == [2, 2] and d.rewrites[n.name] == [(1, 1, 1), (1, 2, 1)]
     for n in reshapes:
         assert list(n.args[1])[1] == 4 and d.rewrites[n.name] == [(1, 1, 1)]
-    assert any(line.startswith("layout replicated_heads (2 heads of 8") for line in d.report)
+    assert any(line.startswith("layout replicated_heads (2 kv heads of head_dim 8, fewer than "
+                               "tp: rank r holds a copy of kv head r // (tp / 2), so each is "
+                               "held by tp / 2 ranks") for line in d.report)
 
 
 def test_gqa_tp3_plan_error(llama):
