@@ -17,7 +17,10 @@ import re
 
 STATUSES = ("PASS", "REFUSED", "COMPILE-CRASH", "RUN-CRASH", "FAIL", "TIMEOUT")
 
-_TP_LINE = re.compile(r"tensor parallel: (\d+) of (\d+) weight matrices in blocks sharded[^\n]*")
+# a model with no blocks: "tensor parallel: no repeated blocks found; N of M weight matrices
+# in the model sharded" (planning/tp.py tp_summary)
+_TP_LINE = re.compile(r"tensor parallel: (?:no repeated blocks found; )?(\d+) of (\d+) weight "
+                      r"matrices in (?:blocks|the model) sharded[^\n]*")
 _SOURCE = re.compile(r"\b[\w.-]+\.py:\d+\b")
 _INTERNAL = re.compile(r"internal error|this is a bug|please report", re.I)
 _RANK_PREFIX = re.compile(r"^\[(?:rank|default)\d+\]:\s?", re.M)

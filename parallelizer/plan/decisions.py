@@ -75,6 +75,10 @@ class TPDecision:
     # weight fqn of a linear left replicated -> its report lines (vocab_parallel may shard
     # it as an LM head: planning/vocab.py tp_report leaves those lines out)
     replicated: dict = field(default_factory=dict)
+    # fqn of a parameter of 2+ dims no linear reads (an einsum's projection, a convolution's
+    # kernel, a heads-mixing matrix), left whole -> its report line (planning/tp.py
+    # other_matrices): counted among the replicated matrices by linear_counts
+    other_replicated: dict = field(default_factory=dict)
     # derived gradient placements (planning/gradients.py, analysis/gradients.py):
     # replicated activation (node name) -> the sharded-compute nodes reading it that get an
     # f on that edge (beyond the column linears' inputs), in graph order

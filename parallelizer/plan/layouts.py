@@ -165,8 +165,9 @@ class ReplicatedHeads(EvenSplit):
         return self
 
     def text(self) -> str:
-        return (f"replicated_heads ({self.heads} heads of {self.head_dim}, each held by tp / "
-                f"{self.heads} ranks; their gradients are summed)")
+        return (f"replicated_heads ({self.heads} kv heads of head_dim {self.head_dim}, fewer "
+                f"than tp: rank r holds a copy of kv head r // (tp / {self.heads}), so each is "
+                f"held by tp / {self.heads} ranks and its copies' gradients are summed)")
 
     def to_json(self) -> dict:
         return {"kind": self.kind, "heads": self.heads, "head_dim": self.head_dim}

@@ -31,7 +31,7 @@ def redistributions(graph: fx.Graph, prop, tp: int) -> list:
             want, CopiedHeads) else "scatter"
         inner = int(prop.strided.get(producer, 0)) if gather else 0
         out.append(Redistribution(kind, producer, names, dim=dim, inner=inner,
-                                  bytes=_bytes(by_name[producer], kind, tp),
+                                  bytes=_bytes(by_name[producer], kind, tp, dim),
                                   why=_why(by_name[names[0]])))
     for name, op in prop.applied_reduces.items():
         node = by_name[name]
@@ -59,18 +59,27 @@ def report_lines(redistributions: list) -> list:
     return lines
 
 
-def _bytes(node: fx.Node, kind: str, tp: int) -> int:
-    """Bytes one rank sends for ``node``'s whole value (the example's shapes)."""
+def _bytes(node: fx.Node, kind: str, tp: int, dim=None) -> int:
+    """Bytes one rank sends per step for ``node``'s value (the example's shapes), as the
+    runtime's operator (runtime/tp.py) moves it. Ring collectives: a rank sends ``tp - 1``
+    times the piece each rank contributes. The all-gather (forward) and the scatter's
+    backward all-gather contribute a 1/tp block of the whole value; the all-reduce sends
+    twice that. ``scatter_copies`` (``n`` entries along ``dim`` copied to tp / n ranks each)
+    all-gathers in backward the gradient of each rank's copy, one entry: 1/n of the value,
+    not 1/tp."""
     v = node.meta.get("val")
     if not isinstance(v, torch.Tensor):
         return 0
     numel = 1
+    sizes = []
     for s in v.shape:
         hint = s.node.hint if isinstance(s, torch.SymInt) else s
         if hint is None:  # a data-dependent size (an MoE layer's tokens): not known here
             return 0
+        sizes.append(int(hint))
         numel *= int(hint)
-    return int(_RING[kind] * (tp - 1) / tp * numel * v.element_size())
+    piece = numel / sizes[dim] if kind == "scatter_copies" else numel / tp
+    return int(_RING[kind] * (tp - 1) * piece * v.element_size())
 
 
 def _why(node: fx.Node) -> str:

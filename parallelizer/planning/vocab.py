@@ -12,7 +12,9 @@ Reads the graph and the TP decision, changes neither; returns its own
   of tp when tp does not divide it (padded_size = the vocabulary when it does, so a reshard
   to another tp pads it);
 - a head is an ``nn.Linear`` (``aten.linear``; a bias is sharded with it) whose weight is a
-  vocabulary table (tied) or has its shape (untied): it becomes column_parallel over the vocabulary, its logits
+  vocabulary table (tied) or, untied, has its shape and produces the logits (its output
+  reaches the model's outputs with no other product, attention or split into heads between,
+  :func:`produces_logits`): it becomes column_parallel over the vocabulary, its logits
   ``Shard(-1)``. Logits the model returns are handed to ``loss_fn`` sharded (flat output
   index in ``vocab_outputs``); any other use reads them gathered over tp.
 
@@ -28,7 +30,8 @@ from ..plan.decisions import TPDecision, VocabDecision
 from ..plan.layouts import Padded
 from .tp import linear_counts
 from ..errors import PlanError
-from ..analysis.graph_facts import aten, logits_region, shape, source_line, weight_fqn
+from ..analysis.graph_facts import (aten, is_tensor, logits_region, same, shape, source_line,
+                                    weight_fqn)
 
 KEY = "tensor_parallel.vocab_parallel"
 
@@ -60,9 +63,12 @@ def plan_vocab(graph: fx.Graph, tp: int, mode, canonical: dict, tp_decision: TPD
     if not lookups:
         return _off(decision, mode, "the graph has no aten.embedding of a 2-D parameter")
     rows = {canon(n.args[0].target): tuple(shape(n.args[0])) for n in lookups}
+    # an untied head is found by its role (its logits are the model's output or its loss's
+    # input), never by its shape alone: a block's linear of the table's shape (Phi-3's fused
+    # q|k|v at 64 x 32 with a 64-row vocabulary) is no head
     untied = [n for n in graph.nodes if n.op == "call_function" and n.target is aten.linear.default
               and weight_fqn(n.args[1]) and canon(n.args[1].target) not in rows
-              and n.args[1].target not in tp_decision.dims]
+              and n.args[1].target not in tp_decision.dims and produces_logits(n)]
     # the vocabulary: the tables an LM head reads (tied) or has the shape of; else the largest
     headed = {f for f in rows if any(u.target is aten.linear.default for a in reads[f]
                                      for u in a.users)}
@@ -93,6 +99,43 @@ def plan_vocab(graph: fx.Graph, tp: int, mode, canonical: dict, tp_decision: TPD
                 heads.append(n)
     _decide(graph, decision, tp, vocab, tables, heads, canonical)
     return decision
+
+
+# products and attention: a value past one of these is no longer the head's logits
+_CONTRACTIONS = frozenset({
+    aten.linear.default, aten.addmm.default, aten.mm.default, aten.bmm.default,
+    aten.matmul.default, aten.baddbmm.default, aten.einsum.default, aten.convolution.default,
+    aten.scaled_dot_product_attention.default,
+    aten._scaled_dot_product_flash_attention.default,
+    aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_cudnn_attention.default})
+_HEAD_SPLITS = frozenset({aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+                          aten.unflatten.int})
+
+
+def produces_logits(linear: fx.Node) -> bool:
+    """Whether ``linear``'s output reaches the graph's output (the logits returned, or a loss
+    computed from them) with no product or attention between and without its features being
+    split into heads (a view to more dims that keeps no dim of their size): the LM head's
+    role in the graph. A block's q|k|v, gate or up projection feeds attention or the down
+    projection first; its k returned as a cache is viewed into heads."""
+    features = shape(linear)[-1] if is_tensor(linear) else -1
+    seen, frontier = {linear}, [linear]
+    while frontier:
+        node = frontier.pop()
+        for u in node.users:
+            if u.op == "output":
+                return True
+            if u in seen or u.op != "call_function" or u.target in _CONTRACTIONS:
+                continue
+            if u.target in _HEAD_SPLITS and is_tensor(node) and is_tensor(u) \
+                    and len(shape(u)) > len(shape(node)) \
+                    and not any(same(d, features) for d in shape(u)):
+                continue
+            seen.add(u)
+            frontier.append(u)
+    return False
 
 
 def a_of(user: fx.Node, attrs: list) -> fx.Node:

@@ -125,6 +125,9 @@ def test_classify_compile_outcomes():
     ok = classify.classify_compile(0, "tensor parallel: 14 of 14 weight matrices in blocks sharded "
                                       "(99 % of parameters)\n", "")
     assert ok["status"] is None and ok["tp"]["sharded"] == ok["tp"]["total"] == 14
+    flat = classify.classify_compile(0, "tensor parallel: no repeated blocks found; 6 of 7 weight "
+                                        "matrices in the model sharded (99.8 % of parameters)\n", "")
+    assert (flat["tp"]["sharded"], flat["tp"]["total"]) == (6, 7)
     crash = classify.classify_compile(1, "", CRASH_COMPILE)
     assert crash["status"] == "COMPILE-CRASH" and crash["error"] == "KeyError: torch.complex64"
     assert crash["frames"][-1] == "checkpoint/stream.py:56 in write_streamed"

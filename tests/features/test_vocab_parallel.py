@@ -25,7 +25,7 @@ from parallelizer.passes.vocab_parallel import apply_vocab_parallel
 from parallelizer.plan.layouts import Padded
 from parallelizer.planning.tensors import alias_map, tied_groups
 from parallelizer.planning.tp import plan_tp, tp_summary
-from parallelizer.planning.vocab import plan_vocab
+from parallelizer.planning.vocab import plan_vocab, tp_report
 from parallelizer.runtime.vocab import gather_from_tp_region
 
 from tp_lockstep import local, run_ranks
@@ -256,6 +256,65 @@ def test_auto_with_a_blocker_reports_why_and_stays_replicated():
     _, _, d, v = planned(TransposedHead(), {"input_ids": ids()}, 2)
     assert not v.vocab and "emb.weight" not in d.dims and "emb.weight" not in v.dims
     assert any(r.startswith("vocab_parallel: off (") and "emb.weight" in r for r in v.report)
+
+
+class FusedQKVLM(nn.Module):
+    """Phi-3's attention (one q|k|v projection sliced into 4 query heads and 2 kv heads of 8)
+    whose q|k|v weight has the untied LM head's shape (64 x 32, a 64-row vocabulary); at
+    tp 4 tp keeps it whole (2 kv heads). ``cache``: the block's k is returned too."""
+
+    def __init__(self, cache=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.cache = cache
+        self.emb = nn.Embedding(64, 32)
+        self.qkv = nn.Linear(32, 64, bias=False)
+        self.o = nn.Linear(32, 32, bias=False)
+        self.up, self.down = nn.Linear(32, 64, bias=False), nn.Linear(64, 32, bias=False)
+        self.head = nn.Linear(32, 64, bias=False)
+
+    def forward(self, input_ids):
+        x = self.emb(input_ids)
+        b, t, _ = x.shape
+        qkv = self.qkv(x)
+        q = qkv[..., :32].view(b, t, 4, 8).transpose(1, 2)
+        k = qkv[..., 32:48].view(b, t, 2, 8).transpose(1, 2)
+        v = qkv[..., 48:].view(b, t, 2, 8).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        x = x + self.o(y.transpose(1, 2).reshape(b, t, 32))
+        x = x + self.down(F.silu(self.up(x)))
+        return (self.head(x), k) if self.cache else self.head(x)
+
+
+def test_block_linear_of_the_head_shape_is_no_lm_head():
+    """The head is the linear whose logits the model returns, not any untied linear of the
+    vocabulary table's shape: the q|k|v projection tp keeps whole stays replicated (main
+    before: sharded over the "vocabulary" as a second LM head, report 'vocab_parallel LM
+    head: head.weight, qkv.weight'). Ranks equal the unmodified model."""
+    tp, b = 4, {"input_ids": torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))}
+    model = FusedQKVLM()
+    cap, gm, d, v = planned(model, b, tp)
+    assert v.heads == {"head.weight"} and sorted(v.vocab) == ["emb.weight", "head.weight"]
+    counts = tp_report(d, v)[0]
+    assert counts.endswith("vocab_parallel LM head: head.weight; replicated: 1 linears "
+                           "(qkv.weight)"), counts
+    assert not any("qkv" in line for line in v.report), v.report
+    v.outputs.clear()
+    rewrite(gm, d, v)
+    loss_of = lambda logits: _ce(logits, b["input_ids"])  # noqa: E731
+    ref, grads, stepped = reference(model, b, loss_of)
+    ranks = run_ranks(gm, (d, v), tp, [b["input_ids"]], lambda outs: loss_of(outs[0]), LR)
+    for res in ranks:
+        torch.testing.assert_close(res.outputs[0], ref, **TOL)
+    assert_ranks_match(ranks, (d, v), tp, grads, stepped)
+
+
+def test_linear_returned_split_into_heads_is_no_lm_head():
+    """A linear of the head's shape whose output the model returns viewed into heads (a kv
+    cache) is not a head either."""
+    b = {"input_ids": torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))}
+    _, _, _d, v = planned(FusedQKVLM(cache=True), b, 4)
+    assert v.heads == {"head.weight"}
 
 
 class NoEmbedding(nn.Module):

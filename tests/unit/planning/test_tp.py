@@ -130,7 +130,9 @@ def test_gqa_tp4_replicates_kv_heads(llama):
         assert list(n.args[1])[1:3] == [2, 2] and d.rewrites[n.name] == [(1, 1, 1), (1, 2, 1)]
     for n in reshapes:
         assert list(n.args[1])[1] == 4 and d.rewrites[n.name] == [(1, 1, 1)]
-    assert any(line.startswith("layout replicated_heads (2 heads of 8") for line in d.report)
+    assert any(line.startswith("layout replicated_heads (2 kv heads of head_dim 8, fewer than "
+                               "tp: rank r holds a copy of kv head r // (tp / 2), so each is "
+                               "held by tp / 2 ranks") for line in d.report)
 
 
 def test_gqa_tp3_plan_error(llama):
@@ -352,3 +354,90 @@ def test_block_matrices_count_sequential_blocks_and_every_module_list():
     assert len(block_matrices(seq, find_blocks(seq))) == 6 and not block_matrices(seq)
     encdec = EncDec()
     assert len(block_matrices(encdec, find_blocks(encdec))) == 10
+
+
+# --- every weight matrix left whole is named and counted -------------------------------------
+
+class EinsumBlock(nn.Module):
+    """An MLP (a column/row pair) beside two projections written with einsum: a 2-D weight
+    (``"bsd,ed->bse"``, a linear spelled as einsum) and a 3-D per-head one (JAX ports')."""
+
+    def __init__(self):
+        super().__init__()
+        self.w2 = nn.Parameter(0.1 * torch.randn(H, H))
+        self.w3 = nn.Parameter(0.1 * torch.randn(4, H // 4, H))
+        self.fc1, self.fc2 = nn.Linear(H, 2 * H), nn.Linear(2 * H, H)
+
+    def forward(self, x):
+        x = x + torch.einsum("bsd,ed->bse", x, self.w2)
+        x = x + torch.einsum("bsd,hkd->bshk", x, self.w3).flatten(2)
+        return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+class EinsumBlocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(EinsumBlock() for _ in range(2))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def test_einsum_weights_kept_whole_are_reported_and_counted():
+    """Einsum projections stay replicated; each is named with the op and line that reads it,
+    counted in the linears' line and, 3-D ones too, among the blocks' weight matrices (main
+    before: 'replicated: none' and '4 of 6 weight matrices', the 3-D weights not counted)."""
+    from parallelizer.planning.tp import tp_summary
+    from tp_check import assert_tp_matches
+    model = EinsumBlocks()
+    cap = captured(model, x_batch())
+    d = plan_tp(cap.gm.graph, 2)
+    whole = [f"blocks.{i}.{w}" for i in range(2) for w in ("w2", "w3")]
+    assert sorted(d.other_replicated) == whole
+    assert linear_counts(d).endswith(f"replicated: 4 other weight matrices ({', '.join(whole)})")
+    for fqn, line in d.other_replicated.items():
+        assert line in d.report and line.startswith(f"replicated: {fqn} (")
+        assert "read by aten.einsum.default at test_tp.py:" in line, line
+        # the 2-D einsum is a linear in another spelling, and the line says how to shard it
+        assert ("F.linear(x, w)" in line) == fqn.endswith("w2"), line
+    assert tp_summary(d, model).startswith("tensor parallel: 4 of 8 weight matrices in blocks "
+                                           "sharded (")
+    apply_tensor_parallel(cap.gm, d)
+    assert_tp_matches(model, x_batch(), 2, d, cap.gm)
+
+
+class NoBlocks(nn.Module):
+    """No nn.ModuleList and no repeated modules: an MLP whose hidden features are mixed
+    in groups of 16 by a learned 2 x 2 matrix (replicated)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = nn.Linear(H, 4 * H), nn.Linear(4 * H, H)
+        self.mix = nn.Parameter(torch.eye(2) + 0.1 * torch.randn(2, 2))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        x = torch.einsum("btgd,gh->bthd", x.view(b, t, 2, H // 2), self.mix).reshape(b, t, H)
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+def test_model_without_blocks_counts_its_whole_model_and_never_rounds_to_100():
+    """Main before: 'tensor parallel: 0 of 0 weight matrices in blocks sharded (100 % of
+    parameters)'. With no blocks the line says so and counts the model's matrices; a share
+    that rounds to 100 while a parameter is left whole is shown to a tenth."""
+    from parallelizer.planning.blocks import find_blocks
+    from parallelizer.planning.tp import tp_summary
+    model = NoBlocks()
+    d = plan_tp(captured(model, x_batch()).gm.graph, 2)
+    assert list(d.other_replicated) == ["mix"]
+    split = 2 * 4 * H * H + 4 * H   # fc1 (weight, bias), fc2's weight
+    total = split + H + 4
+    assert f"{100 * split / total:.0f}" == "100"
+    assert find_blocks(model) == ()
+    assert tp_summary(d, model, blocks=find_blocks(model)) == (
+        f"tensor parallel: no repeated blocks found; 2 of 3 weight matrices in the model "
+        f"sharded ({100 * split / total:.1f} % of parameters)")

@@ -122,6 +122,48 @@ def test_scatter_copies_forward_and_backward(tp, kv):
         torch.testing.assert_close(grads[r], want)
 
 
+class _CountingTransport:
+    """A shape-faithful tp rank (runtime/tp.py ShapeTransport) counting the bytes it would
+    send: a ring all-gather sends tp - 1 times the rank's piece, an all-reduce twice
+    (tp - 1) / tp of the tensor."""
+
+    def __init__(self, tp):
+        from parallelizer.runtime.tp import ShapeTransport
+        self.inner, self.tp, self.sent = ShapeTransport(tp), tp, 0
+
+    def size(self):
+        return self.tp
+
+    def rank(self):
+        return 0
+
+    def all_gather(self, t):
+        self.sent += (self.tp - 1) * t.numel() * t.element_size()
+        return self.inner.all_gather(t)
+
+    def all_reduce(self, t, op="sum"):
+        self.sent += 2 * (self.tp - 1) * t.numel() * t.element_size() // self.tp
+        return self.inner.all_reduce(t, op)
+
+
+def test_scatter_copies_bytes_are_what_the_runtime_sends():
+    """report.md's bytes of a ``scatter_copies`` are what scatter_copies_to_tp_region sends
+    per step: its backward all-gathers each rank's copy, one of the kv heads (1/kv of the
+    value), not a 1/tp block (main before: 1/2 of it at tp 4 over 2 kv heads)."""
+    from parallelizer.runtime.tp import using_transport
+    tp = 4
+    _model, cap, d = _planned(tp)
+    (cut,) = [r for r in d.redistributions if r.kind == "scatter_copies"]
+    producer = next(n for n in cap.gm.graph.nodes if n.name == cut.producer)
+    val = producer.meta["val"]
+    sizes = [s.node.hint if isinstance(s, torch.SymInt) else s for s in val.shape]
+    x = torch.randn(*sizes, dtype=val.dtype, requires_grad=True)
+    counting = _CountingTransport(tp)
+    with using_transport(counting):
+        scatter_copies_to_tp_region(x, cut.dim).sum().backward()
+    assert counting.sent == cut.bytes == (tp - 1) * x.numel() // KV * x.element_size()
+
+
 class SlicedQKV(nn.Module):
     """Phi-3's block: one q|k|v projection sliced into q (4 heads) and k, v (2 kv heads
     each), SDPA with enable_gqa; then an MLP."""
