@@ -63,6 +63,7 @@ def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False,
         # shards more; else the error below names the size and the tp degrees that divide it
         pairs, column, row, prop = _indivisible(graph, sites, tp, decision, first)
     _check_divisible(prop, tp)
+    pairs, column, row, prop = _one_head_whole(graph, tp, decision, (pairs, column, row, prop))
     layouts = prop.found_layouts()
     decision.column, decision.row, decision.rewrites = column, row, prop.rewrites
     decision.size_copies = dict(prop.size_copies)
@@ -168,11 +169,47 @@ def _whole_kv(graph, pairs: dict, tp: int, decision: TPDecision, prop):
         if any(c.what != "heads" or tp % c.size or not c.origin for c in bad):
             return None
         for c in bad:
-            kept.update({w: c for w in c.origin if w not in kept})
+            kept.update({w: _fewer_heads(c, tp) for w in c.origin if w not in kept})
         scratch = TPDecision(tp=tp, linears=decision.linears, biases=decision.biases)
         found = _candidate(graph, pairs, tp, scratch, kept=kept)
         prop = found[3]
     return None
+
+
+def _fewer_heads(c, tp: int) -> str:
+    return (f"in {c.module or 'the model'}, {c.detail} holds {c.size} heads, fewer than tp = "
+            f"{tp}, where no rule keeps a copy of one head on each rank")
+
+
+def _one_head_whole(graph, tp: int, decision: TPDecision, chosen):
+    """``chosen`` needs redistributions and shards a column linear whose output a view turns
+    into one head (multi-query k normed over its projection first, OLMo-2 with one kv
+    head): the shard lands on head_dim, which attention and rotary embeddings only take
+    gathered (every rank then computes attention whole), or tp does not divide head_dim and
+    attention stays replicated. The plan with those linears kept whole (attention cuts each
+    rank's copy of the head) is taken when it settles divisible and shards more weight
+    elements or sends fewer bytes per step."""
+    pairs, column, row, prop = chosen
+    paired = {c for c, rows in pairs.items() if rows}
+    one = sorted(prop.one_head_dim & paired)
+    if not one or not (prop.applied or prop.applied_reduces or column != paired):
+        return chosen
+    scratch = TPDecision(tp=tp, linears=decision.linears, biases=decision.biases)
+    why = ("its output is one head (a view to [.., 1, head_dim]); split, it would be split "
+           "along head_dim, which attention takes only gathered")
+    found = _candidate(graph, pairs, tp, scratch, kept={w: why for w in one})
+    size = _weight_sizes(graph)
+    more = sum(size.get(w, 0) for w in found[1] | found[2]) > sum(
+        size.get(w, 0) for w in column | row)
+    if not _divisible(found[3], tp) or not more and _bytes_sent(
+            graph, found[3], tp) >= _bytes_sent(graph, prop, tp):
+        return chosen
+    decision.blockers, decision.report = scratch.blockers, scratch.report
+    return found
+
+
+def _bytes_sent(graph, prop, tp: int) -> int:
+    return sum(r.bytes or 0 for r in redistributions(graph, prop, tp))
 
 
 def _weight_sizes(graph) -> dict:
@@ -187,16 +224,15 @@ def _weight_sizes(graph) -> dict:
 
 def _candidate(graph, pairs: dict, tp: int, decision: TPDecision, redistribute: bool = True,
                kept=None):
-    """Settle the pairs; ``kept``: column weights left whole (:func:`_whole_kv`), each with
-    the heads constraint that kept it, reported."""
+    """Settle the pairs; ``kept``: column weights left whole (:func:`_whole_kv`,
+    :func:`_one_head_whole`), each with why, reported."""
     kept = kept or {}
     column = {c for c, rows in pairs.items() if rows} - set(kept)
     row = {r for rows in pairs.values() for r in rows}
-    for w, c in sorted(kept.items()):
+    for w, why in sorted(kept.items()):
         decision.report.append(
-            f"kept whole: {w} (in {c.module or 'the model'}, {c.detail} holds {c.size} heads, "
-            f"fewer than tp = {tp}, where no rule keeps a copy of one head on each rank; its "
-            f"readers take it whole, or cut to the rank's heads or its copy of one)")
+            f"kept whole: {w} ({why}; its readers take it whole, or cut to the rank's heads "
+            f"or its copy of one)")
     prop = _settle(graph, pairs, column, row, tp, decision, redistribute)
     return pairs, column, row, prop
 
@@ -414,7 +450,7 @@ def _settle(graph, pairs: dict, column: set, row: set, tp: int, decision,
     """Propagate until the layouts found are the layouts assumed (the rewrites follow them)
     and no conflict is left; groups in conflict are removed from ``column``/``row``."""
     layouts, no_replication, per_head, narrow = {}, frozenset(), {}, {}
-    edges, reduces = {}, {}
+    edges, reduces, one_head_dim = {}, {}, set()
     by_name = {n.name: n for n in graph.nodes}
     for _ in range(4 * (len(column) + len(row)) + len(by_name) + 8):
         # a per-head tensor whose attention was kept replicated stays replicated too
@@ -422,6 +458,8 @@ def _settle(graph, pairs: dict, column: set, row: set, tp: int, decision,
         narrow = {k: v for k, v in narrow.items() if v[1] & column}
         prop = propagate(graph, column, row, tp, layouts, no_replication, per_head, narrow,
                          edges, reduces)
+        one_head_dim |= prop.one_head_dim  # its linears may be dropped by the next round
+        prop.one_head_dim = one_head_dim
 
         if prop.not_replicable - no_replication:
             no_replication |= prop.not_replicable
@@ -447,12 +485,32 @@ def _settle(graph, pairs: dict, column: set, row: set, tp: int, decision,
         node, module, groups, reason = conflicts[0]
         bad = _component(pairs, groups or column)
         op = _op_text(by_name[node]) if node in by_name else node
-        decision.blockers.append(f"{op} in {module or 'the root module'}: {reason}")
+        decision.blockers.append(f"{op} in {module or 'the root module'}: {reason}"
+                                 + _indivisible_cause(prop, bad, tp))
         decision.report.append(f"kept replicated: {', '.join(sorted(bad))} (at {node} = "
                                f"{decision.blockers[-1]})")
         column -= bad
         row -= bad
     raise AssertionError("tp planning did not settle")  # each round removes or fixes something
+
+
+def _indivisible_cause(prop: Propagation, bad: set, tp: int) -> str:
+    """The heads (or features) of ``bad``'s modules that tp does not divide, named as the
+    cause of the conflict they lead to (a per-head op on 2 kv heads split at tp 3); "" when
+    every size divides."""
+    kv = frozenset(prop.kv_weights)
+
+    def ours(c) -> bool:
+        return not c.allows(tp, kv) and (bool((c.weights | c.origin) & bad) or bool(
+            c.module) and any(w.startswith(c.module + ".") for w in bad))
+    # heads tp is a multiple of may be copies (their kv role not yet seen): named last
+    sizes = sorted(filter(ours, prop.constraints),
+                   key=lambda c: (c.what == "heads" and tp % c.size == 0, c.what != "heads"))
+    if not sizes:
+        return ""
+    c = sizes[0]
+    return (f"; the cause: tp = {tp} does not divide the {c.size} {c.what} of "
+            f"{c.module or 'the model'} ({c.detail})")
 
 
 def _redistribute(prop: Propagation, edges: dict, reduces: dict) -> bool:

@@ -36,6 +36,8 @@ def view_rule(node, prop, tp):
         # (.., kv * head_dim) -> (.., 1, head_dim): one kv head (multi-query), copied to
         # every rank; the planner retries without copies if it reaches anything but repeat_kv
         return _split_heads(node, prop, tp, e, raw, f"dim {e} of the view (one head)")
+    if e is not None and _one_head(ins[d], outs, e):
+        prop.one_head_dim |= prop.groups.get(src.name, frozenset())
     while e is not None and e < len(outs) - 1 and same(outs[e], 1) and not same(ins[d], 1):
         e += 1
     if e is None:  # merged with the dims before it: (batch, heads) -> batch * heads
@@ -233,6 +235,9 @@ def expand_rule(node, prop, tp):
         prop.kv_weights |= mark.weights
         if mark.replicated:
             return _repeat_replicated_kv(node, prop, tp, e, mark)
+    if mark is not None and mark.replicated and not mark.expanded and d == e \
+            and same(shape(src)[d], 1):
+        return _expand_one_head(node, prop, tp, e, mark)
     if isinstance(sizes[e], int) and sizes[e] != -1:
         add_constraint(prop, sizes[e], "heads", module_path(node), f"dim {e} of expand",
                     mark.weights if mark is not None else ())
@@ -260,6 +265,21 @@ def _repeat_replicated_kv(node, prop, tp, e, mark):
         add_rewrite(prop, node, 1, e, 1)
     if isinstance(sizes[e + 1], int) and sizes[e + 1] != -1:
         add_rewrite(prop, node, 1, e + 1, n_rep * mark.heads // tp)
+    return Shard(e)
+
+
+def _expand_one_head(node, prop, tp, e, mark):
+    """Multi-query attention spread by a plain expand (B, 1, T, D) -> (B, heads, T, D) of
+    the one kv head, copied to every rank: each rank's (B, heads / tp, T, D) piece is its
+    even block of the query heads, all copies of that head (a plain Shard from here on, as
+    after repeat_kv's reshape)."""
+    heads = int(expr(shape(node)[e]))
+    prop.claimed.add(node.name)
+    prop.kv_weights |= mark.weights
+    add_constraint(prop, heads, "heads", module_path(node), f"dim {e} of expand")
+    sizes = sizes_arg(node)
+    if isinstance(sizes[e], int) and sizes[e] != -1:
+        add_rewrite(prop, node, 1, e, heads // tp)
     return Shard(e)
 
 

@@ -57,6 +57,8 @@ class Propagation:
     claimed: set = field(default_factory=set)        # nodes whose rule set the markers
     features: dict = field(default_factory=dict)     # column weight fqn -> out features
     kv_weights: set = field(default_factory=set)     # column weights whose heads reach repeat_kv
+    # column weights whose shard a view moved past one head onto its head_dim (B, T, 1, D)
+    one_head_dim: set = field(default_factory=set)
     slices: dict = field(default_factory=dict)       # column weight -> [(lo, hi, node, module)]
     head_shapes: dict = field(default_factory=dict)  # column weight -> (heads, head_dim)
     column_biases: dict = field(default_factory=dict)  # separately added bias -> (weight, key)
