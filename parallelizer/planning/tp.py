@@ -191,10 +191,11 @@ def _candidate(graph, pairs: dict, tp: int, decision: TPDecision, redistribute: 
     column = {c for c, rows in pairs.items() if rows} - set(kept)
     row = {r for rows in pairs.values() for r in rows}
     for w, c in sorted(kept.items()):
+        where = f" ({c.note} spans them)" if c.note else ""
         decision.report.append(
             f"kept whole: {w} (in {c.module or 'the model'}, {c.detail} holds {c.size} heads, "
-            f"fewer than tp = {tp}, where no rule keeps a copy of one head on each rank; its "
-            f"readers take it whole, or cut to the rank's heads or its copy of one)")
+            f"fewer than tp = {tp}, where no rule keeps a copy of one head on each rank"
+            f"{where}; its readers take it whole, or cut to the rank's heads or its copy of one)")
     prop = _settle(graph, pairs, column, row, tp, decision, redistribute)
     return pairs, column, row, prop
 
@@ -302,7 +303,7 @@ def _settle(graph, pairs: dict, column: set, row: set, tp: int, decision,
             redistribute: bool = True) -> Propagation:
     """Propagate until the layouts found are the layouts assumed (the rewrites follow them)
     and no conflict is left; groups in conflict are removed from ``column``/``row``."""
-    layouts, no_replication, per_head, narrow = {}, frozenset(), {}, {}
+    layouts, no_replication, per_head, narrow = {}, {}, {}, {}
     edges, reduces = {}, {}
     by_name = {n.name: n for n in graph.nodes}
     for _ in range(4 * (len(column) + len(row)) + len(by_name) + 8):
@@ -312,8 +313,9 @@ def _settle(graph, pairs: dict, column: set, row: set, tp: int, decision,
         prop = propagate(graph, column, row, tp, layouts, no_replication, per_head, narrow,
                          edges, reduces)
 
-        if prop.not_replicable - no_replication:
-            no_replication |= prop.not_replicable
+        if prop.not_replicable - set(no_replication):
+            for w in sorted(prop.not_replicable - set(no_replication)):
+                no_replication[w] = prop.copies_end.get(w, "")
             continue
         new = {k: v for k, v in prop.head_requests.items() if k not in per_head and v[1] & column}
         if new:
