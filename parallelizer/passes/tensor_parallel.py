@@ -38,9 +38,9 @@ def apply_tensor_parallel(gm: fx.GraphModule, decision: TPDecision) -> bool:
     _copy_global_sizes(graph, decision.size_copies)
     rewrite_constants(graph, decision.rewrites)
     _insert_narrows(graph, decision.narrows)
-    _insert_redistributions(graph, decision.redistributions)
+    reduced = _insert_redistributions(graph, decision.redistributions)
     sites = linear_sites(graph)
-    _insert_fs(graph, _f_readers(graph, sites, decision))
+    _insert_fs(graph, _f_readers(graph, sites, decision, reduced))
     for site in sites:
         if site.weight in decision.row:
             _insert_g(graph, site)
@@ -91,10 +91,11 @@ _CUTS = {"scatter": scatter_to_tp_region, "scatter_copies": scatter_copies_to_tp
 _WHERE = ("nn_module_stack", "stack_trace", "source_fn_stack", "fwd_nn_module_stack")
 
 
-def _insert_redistributions(graph: fx.Graph, redistributions: list) -> None:
+def _insert_redistributions(graph: fx.Graph, redistributions: list) -> dict:
     """The redistributions, producer by producer (``redistributions`` sorts a producer's
     all-reduce before its cuts): a Partial value reduced and then cut for a reader (Partial ->
-    Replicate -> Shard) is cut from the reduced value, which is what that reader then reads."""
+    Replicate -> Shard) is cut from the reduced value, which is what that reader then reads.
+    Returns producer name -> its ``reduce_partial_from_tp`` node (what its readers read now)."""
     by_name = {n.name: n for n in graph.nodes}
     order = {n: i for i, n in enumerate(graph.nodes)}
     reduced: dict = {}  # producer name -> its reduce_partial_from_tp node
@@ -118,18 +119,23 @@ def _insert_redistributions(graph: fx.Graph, redistributions: list) -> None:
         new.meta = {**node.meta, **{k: first.meta[k] for k in _WHERE if k in first.meta}}
         for u in readers:
             u.replace_input_with(node, new)
+    return reduced
 
 
-def _f_readers(graph: fx.Graph, sites: list, decision: TPDecision) -> dict:
+def _f_readers(graph: fx.Graph, sites: list, decision: TPDecision, reduced: dict) -> dict:
     """value -> the nodes reading it through one f: the column linears it feeds, and the
-    sharded-compute readers of the derived f edges (``decision.f_edges``)."""
+    sharded-compute readers of the derived f edges (``decision.f_edges``). A producer whose
+    Partial output is all-reduced (``reduced``: its ``reduce_partial_from_tp`` node) is read
+    after that all-reduce, so the f goes after it: a mean over the sharded heads subtracted
+    from them (``k - k.mean(1, keepdim=True)``) is all-reduced forward and its gradient, each
+    rank's heads' share, is all-reduced backward before the all-reduce's own backward."""
     readers: dict = {}
     for site in sites:
         if site.weight in decision.column:
             readers.setdefault(site.x, []).append(site.node)
     by_name = {n.name: n for n in graph.nodes}
     for producer, names in decision.f_edges.items():
-        mine = readers.setdefault(by_name[producer], [])
+        mine = readers.setdefault(reduced.get(producer, by_name[producer]), [])
         mine += [by_name[n] for n in names if by_name[n] not in mine]
     return readers
 
@@ -147,6 +153,7 @@ def _insert_fs(graph: fx.Graph, readers: dict) -> None:
         f.meta = {**x.meta, **{k: firsts[x].meta[k] for k in _WHERE if k in firsts[x].meta}}
         f.meta[TP_OPERATOR] = "f"
         for u in readers[x]:
+            assert x in u.all_input_nodes, f"f on {x.name}: {u.name} does not read it"
             u.replace_input_with(x, f)
 
 

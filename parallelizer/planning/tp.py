@@ -177,8 +177,9 @@ def _whole_kv(graph, pairs: dict, tp: int, decision: TPDecision, prop):
 
 
 def _fewer_heads(c, tp: int) -> str:
+    where = f" ({c.note} spans them)" if c.note else ""
     return (f"in {c.module or 'the model'}, {c.detail} holds {c.size} heads, fewer than tp = "
-            f"{tp}, where no rule keeps a copy of one head on each rank")
+            f"{tp}, where no rule keeps a copy of one head on each rank{where}")
 
 
 def _one_head_whole(graph, tp: int, decision: TPDecision, chosen):
@@ -449,7 +450,7 @@ def _settle(graph, pairs: dict, column: set, row: set, tp: int, decision,
             redistribute: bool = True) -> Propagation:
     """Propagate until the layouts found are the layouts assumed (the rewrites follow them)
     and no conflict is left; groups in conflict are removed from ``column``/``row``."""
-    layouts, no_replication, per_head, narrow = {}, frozenset(), {}, {}
+    layouts, no_replication, per_head, narrow = {}, {}, {}, {}
     edges, reduces, one_head_dim = {}, {}, set()
     by_name = {n.name: n for n in graph.nodes}
     for _ in range(4 * (len(column) + len(row)) + len(by_name) + 8):
@@ -461,8 +462,9 @@ def _settle(graph, pairs: dict, column: set, row: set, tp: int, decision,
         one_head_dim |= prop.one_head_dim  # its linears may be dropped by the next round
         prop.one_head_dim = one_head_dim
 
-        if prop.not_replicable - no_replication:
-            no_replication |= prop.not_replicable
+        if prop.not_replicable - set(no_replication):
+            for w in sorted(prop.not_replicable - set(no_replication)):
+                no_replication[w] = prop.copies_end.get(w, "")
             continue
         new = {k: v for k, v in prop.head_requests.items() if k not in per_head and v[1] & column}
         if new:

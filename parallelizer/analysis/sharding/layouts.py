@@ -10,8 +10,8 @@ from ..graph_facts import aten, expr, module_path, prod, same, shape
 from .cuts import fused_heads_view, only_cut_on, split_heads_cut
 from .placements import CONFLICT, PerOutput, Shard, shard
 from .strided import local_merged_size, merge_view, strided_view
-from .state import (HeadsMark, add_constraint, add_rewrite, dim_arg, dim_of, record_use,
-                    sizes_arg)
+from .state import (HeadsMark, add_constraint, add_rewrite, copies_refused, copyable, dim_arg,
+                    dim_of, record_use, sizes_arg)
 
 
 def view_rule(node, prop, tp):
@@ -176,7 +176,8 @@ def _split_heads(node, prop, tp, e, raw, detail):
     if only_cut_on(node, e):
         return fused_heads_view(node, prop, tp, e, raw, heads, head_dim)
     replicate = heads % tp != 0 and tp % heads == 0 and not (raw & prop.no_replication)
-    add_constraint(prop, heads, "heads", module_path(node), detail, raw, origin=raw)
+    add_constraint(prop, heads, "heads", module_path(node), detail, copyable(prop, raw),
+                   origin=raw, note=copies_refused(prop, raw))
     prop.claimed.add(node.name)
     prop.heads[node.name] = HeadsMark(raw, heads, replicate)
     for w in raw:
@@ -240,7 +241,7 @@ def expand_rule(node, prop, tp):
         return _expand_one_head(node, prop, tp, e, mark)
     if isinstance(sizes[e], int) and sizes[e] != -1:
         add_constraint(prop, sizes[e], "heads", module_path(node), f"dim {e} of expand",
-                    mark.weights if mark is not None else ())
+                       copyable(prop, mark.weights) if mark is not None else ())
         add_rewrite(prop, node, 1, e, sizes[e] // tp)
     return Shard(e)
 

@@ -76,7 +76,8 @@ def propagate(graph: fx.Graph, column: set, row: set, tp: int, layouts: Optional
         layouts: column weight fqn -> layout assumed for the rewrites (the ``found_layouts``
             of the previous run); missing means the even split.
         no_replication: weights whose kv heads must not be replicated (a previous run found
-            the replicated value reaching an op other than repeat_kv).
+            the replicated value reaching an op other than repeat_kv); a dict names, for
+            each, that op (the reports say it).
         per_head: ``("param", fqn)`` / ``("factory", node name)`` -> (dim, column groups):
             per-head tensors to shard along their heads dim (the ``head_requests`` of
             previous runs, :mod:`.heads`).
@@ -88,6 +89,8 @@ def propagate(graph: fx.Graph, column: set, row: set, tp: int, layouts: Optional
             previous runs (the ``edge_requests`` / ``reduce_requests``, :mod:`.redistribute`).
     """
     prop = Propagation(layouts=dict(layouts or {}), no_replication=frozenset(no_replication),
+                       no_replication_at=dict(no_replication) if isinstance(
+                           no_replication, dict) else {},
                        narrow=dict(narrow or {}), edges={k: dict(v) for k, v in
                                                          (edges or {}).items()},
                        reduces=dict(reduces or {}))
@@ -291,7 +294,7 @@ def _consume_markers(node, prop, fn, out) -> None:
             prop.heads[node.name] = HeadsMark(frozenset().union(*[m.weights for m in marks]),
                                               marks[0].heads, marks[0].replicated)
         else:
-            mark_not_replicable(prop, marks)
+            mark_not_replicable(prop, marks, node)
 
 
 def _moves_dim(node, prop, fn, e) -> bool:
@@ -326,7 +329,7 @@ def _linear(node, site, prop, column, row, groups):
     if x.name in prop.raw:
         record_use(prop, prop.raw[x.name], None, node)
     if x.name in prop.heads:
-        mark_not_replicable(prop, [prop.heads[x.name]])
+        mark_not_replicable(prop, [prop.heads[x.name]], node)
     if x.name in prop.strided:
         return _conflict(prop, node, groups, "a linear got a (batch, heads) merged input")
     if wt in column:

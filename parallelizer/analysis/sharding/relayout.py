@@ -43,7 +43,7 @@ def flatten_rule(node, prop, tp):
     if mark is not None:  # heads merged with other dims: no longer heads of their own
         prop.claimed.add(node.name)
         if mark.replicated:
-            mark_not_replicable(prop, [mark])
+            mark_not_replicable(prop, [mark], node)
             return CONFLICT
     return Shard(start) if d == start else CONFLICT
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 
 from ...plan.layouts import InterleavedHeads, layout_json, side_by_side
-from ..graph_facts import aten, shape
+from ..graph_facts import aten, shape, source_line
 from .placements import REPLICATE, shard_dim
 
 
@@ -25,6 +25,8 @@ class Constraint:
     # the column weights whose shard reaches the value this size splits (a heads view of a
     # k normed over its whole projection: k_proj), for the planner's plan that keeps them whole
     origin: frozenset = frozenset()
+    # why tp may not be a multiple of these heads (their copies were refused), for messages
+    note: str = ""
 
     def replicable(self, kv_weights) -> bool:
         """Heads of weights whose output reaches repeat_kv (GQA kv heads) may be copied."""
@@ -49,9 +51,11 @@ class Propagation:
     # layouts: column weight fqn -> layout (plan.layouts); "even" uses are recorded as None
     uses: dict = field(default_factory=dict)         # weight fqn -> {layout: node name}
     not_replicable: set = field(default_factory=set)  # weights whose kv heads cannot be copies
+    copies_end: dict = field(default_factory=dict)  # such a weight -> the op that ended them
     # per-run inputs and value markers (see the module docstring)
     layouts: dict = field(default_factory=dict)      # the layouts this run assumes
     no_replication: frozenset = frozenset()
+    no_replication_at: dict = field(default_factory=dict)  # weight -> the op that ended copies
     raw: dict = field(default_factory=dict)          # node name -> frozenset of weights
     heads: dict = field(default_factory=dict)        # node name -> HeadsMark
     claimed: set = field(default_factory=set)        # nodes whose rule set the markers
@@ -189,10 +193,20 @@ def dim_of(prop, n):
     return shard_dim(placement(prop, n))
 
 
-def mark_not_replicable(prop, marks) -> None:
+def mark_not_replicable(prop, marks, node=None) -> None:
+    """The copied kv heads of ``marks`` reach ``node``, an op no rule takes them through."""
     for m in marks:
         if m.replicated:
             prop.not_replicable |= m.weights
+            if node is not None:
+                for w in m.weights:
+                    prop.copies_end.setdefault(w, op_text(node))
+
+
+def op_text(node) -> str:
+    """``aten.mean.dim (mean) at model.py:20``, for messages."""
+    where = source_line(node)
+    return f"{node.target} ({node.name})" + (f" at {where}" if where else "")
 
 
 def record_use(prop, weights, layout, node) -> None:
@@ -202,9 +216,26 @@ def record_use(prop, weights, layout, node) -> None:
         prop.uses.setdefault(w, {}).setdefault(layout, name)
 
 
-def add_constraint(prop, size, what, module, detail, weights=frozenset(), origin=frozenset()):
+def copyable(prop, weights) -> frozenset:
+    """``weights`` for a heads constraint that tp may also be a multiple of (their kv heads
+    copied), or none when a previous run refused their copies (``no_replication``: an op
+    over the heads themselves, ``k - k.mean(1)``): their heads are then split evenly, and
+    tp must divide them (else the planner keeps the projection whole, tp.py _whole_kv)."""
+    weights = frozenset(weights)
+    return frozenset() if weights & prop.no_replication else weights
+
+
+def copies_refused(prop, weights) -> str:
+    """The op that refused the kv-head copies of ``weights`` in a previous run (``aten.mean.dim
+    (mean) at model.py:20``: a mean over the heads themselves), else ""."""
+    ops = sorted({prop.no_replication_at[w] for w in weights if prop.no_replication_at.get(w)})
+    return ops[0] if ops else ""
+
+
+def add_constraint(prop, size, what, module, detail, weights=frozenset(), origin=frozenset(),
+                   note=""):
     prop.constraints.append(Constraint(int(size), what, module, detail, frozenset(weights),
-                                       frozenset(origin)))
+                                       frozenset(origin), note))
 
 
 def add_rewrite(prop, node, arg_index, list_index, new):
