@@ -1,6 +1,7 @@
 """Read-only facts about a captured graph: shapes, module paths, parameter uses."""
 from __future__ import annotations
 
+import math
 import operator
 import os
 import re
@@ -116,6 +117,11 @@ class Linear(NamedTuple):
             output-features dim (of the bias): torch's cross-attention
             ``in_proj_weight.split([E, 2E])``, its kdim/vdim ``in_proj_bias.chunk(3)``;
             None when it reads the whole parameter (:func:`piece`).
+        merged: for a parameter of 3+ dims viewed as the 2-D weight (an einsum projection's
+            per-head ``(H, D_h, D)`` as ``(H * D_h, D)``, :mod:`parallelizer.frontend.einsum`),
+            the parameter dim the weight's dim 1 starts at (:func:`merge_point`); None for a
+            2-D parameter. ``out_dim`` / ``in_dim`` are then 0 or ``merged``: the parameter
+            is sharded along the first dim of the merged group (``H``).
     """
 
     node: fx.Node
@@ -128,10 +134,21 @@ class Linear(NamedTuple):
     param: Optional[fx.Node] = None
     part: Optional[tuple] = None
     bias_part: Optional[tuple] = None
+    merged: Optional[int] = None
 
     @property
     def in_dim(self) -> int:
+        if self.merged is not None:
+            return self.merged if self.out_dim == 0 else 0
         return 1 - self.out_dim
+
+    def features(self, dim: int) -> int:
+        """The weight matrix's size along parameter dim ``dim`` (``out_dim`` or ``in_dim``):
+        the product of the merged group it starts for a merged parameter."""
+        sizes = shape(self.param)
+        if self.merged is None:
+            return sizes[dim]
+        return math.prod(sizes[:self.merged] if dim == 0 else sizes[self.merged:])
 
 
 _TRANSPOSES = {aten.t.default, aten.numpy_T.default, aten.transpose.int, aten.permute.default,
@@ -162,36 +179,57 @@ def weight_source(w, rank: int = 2) -> tuple[Optional[fx.Node], bool]:
     """``(get_attr node, transposed)`` when ``w`` is a parameter of ``rank`` dims read through
     a weight path: casts and copies (:data:`_CASTS`), views to the same shape, for 2-D
     transposes (``transposed``: an odd number of them), and one static piece along a dim
-    (:func:`piece`); ``(None, False)`` otherwise."""
-    param, transposed, _part = _walk_weight(w, rank)
+    (:func:`piece`); ``(None, False)`` otherwise. For ``rank`` 2 the parameter may also have
+    more dims, merged into two by a view (:func:`merge_point`)."""
+    param, transposed, _part, _merged = _walk_weight(w, rank)
     return param, transposed
 
 
+def merge_point(src_shape, view_shape) -> Optional[int]:
+    """``k`` when the 2-D ``view_shape`` is ``src_shape`` (of 3+ static dims) with dims
+    ``[0, k)`` merged into its first and ``[k, n)`` into its second (an einsum's per-head
+    weight ``(H, D_h, D)`` viewed ``(H * D_h, D)``: 2); None otherwise."""
+    if len(view_shape) != 2 or len(src_shape) < 3 or not all(
+            isinstance(v, int) for v in (*src_shape, *view_shape)):
+        return None
+    for k in range(1, len(src_shape)):
+        if math.prod(src_shape[:k]) == view_shape[0] and math.prod(src_shape[k:]) == view_shape[1]:
+            return k
+    return None
+
+
 def _walk_weight(w, rank: int):
-    """``(param, transposed, part)``: :func:`weight_source`'s pair and ``part``, ``(dim, lo,
-    hi)`` of the parameter (its own dims) when the path takes only that static range of it
-    (None: the whole parameter), from one walk back from ``w`` to the parameter."""
-    transposed, part = False, None
+    """``(param, transposed, part, merged)``: :func:`weight_source`'s pair, ``part``, ``(dim,
+    lo, hi)`` of the parameter (its own dims) when the path takes only that static range of
+    it (None: the whole parameter), and ``merged`` (:func:`merge_point`, None for a
+    parameter of ``rank`` dims), from one walk back from ``w`` to the parameter. Between a
+    merged parameter and its view only casts may stand, and no piece is taken of it."""
+    transposed, part, merged = False, None, None
     for _ in range(_PATH_LIMIT):
         if _param(w, rank):
-            return w, transposed, part
+            return w, transposed, part, merged
         cut = piece(w)
-        if cut is not None and part is None and is_tensor(cut[0]) and len(shape(cut[0])) == rank:
+        if cut is not None and part is None and merged is None and is_tensor(cut[0]) \
+                and len(shape(cut[0])) == rank:
             w, part = cut[0], cut[1:]
             continue
         if not (is_tensor(w) and w.op == "call_function" and w.args
                 and is_tensor(w.args[0]) and len(shape(w)) == rank):
-            return None, False, None
+            return None, False, None, None
         src = w.args[0]
-        if w.target in _TRANSPOSES and rank == 2 and _swaps(w):
+        if w.target in VIEWS and rank == 2 and part is None and merged is None \
+                and merge_point(shape(src), shape(w)) is not None:
+            merged = merge_point(shape(src), shape(w))
+            rank = len(shape(src))
+        elif w.target in _TRANSPOSES and rank == 2 and merged is None and _swaps(w):
             transposed = not transposed
             if part is not None:  # the piece was cut after this transpose: the other dim
                 part = (1 - part[0],) + part[1:]
         elif not (w.target in _CASTS or w.target in VIEWS) \
                 or len(shape(src)) != rank or not all(map(same, shape(src), shape(w))):
-            return None, False, None
+            return None, False, None, None
         w = src
-    return None, False, None
+    return None, False, None, None
 
 
 # a static piece of a tensor along one dim: ``t.split(sizes)[i]``, ``t.chunk(n)[i]``,
@@ -271,7 +309,8 @@ def _bias_add(n: fx.Node, out_features) -> tuple[Optional[fx.Node], Optional[fx.
         return None, None
     add = users[0]
     other = add.args[1] if add.args[0] is n else add.args[0]
-    src, _t, cut = _walk_weight(other, 1) if isinstance(other, fx.Node) else (None, False, None)
+    src, _t, cut, _m = _walk_weight(other, 1) if isinstance(other, fx.Node) else (
+        None, False, None, None)
     # a piece of a bias added on its own (``x @ w.T + b[:n]``) is an add like any other
     if src is not None and cut is None and same(shape(other)[0], out_features) \
             and not add.kwargs:
@@ -292,23 +331,25 @@ def _site(n, x, w, b) -> Optional[Linear]:
     """The :class:`Linear` of product ``n`` with input ``x``, weight operand ``w`` and bias
     operand ``b`` (or None), or None when a piece of the weight or bias is cut along its
     input features (those stay unrecognised: replicated)."""
-    param, transposed, cut = _walk_weight(w, 2)
+    param, transposed, cut, merged = _walk_weight(w, 2)
     linear = n.target is aten.linear.default
     if param is None or not linear and (not is_tensor(x) or len(shape(x)) < 2):
         return None
     out_dim = 1 if transposed == linear else 0
+    if merged is not None:  # the weight matrix's dim 1 starts at the parameter's dim merged
+        out_dim *= merged
     part = _range(cut, out_dim, shape(param)[out_dim])
     if part is False:
         return None
     bias_add = None
     if b is None:
         b, bias_add = _bias_add(n, shape(n)[-1])
-    bias, _t, bias_cut = _walk_weight(b, 1) if b is not None else (None, False, None)
+    bias, _t, bias_cut, _m = _walk_weight(b, 1) if b is not None else (None, False, None, None)
     bias_part = _range(bias_cut, 0, shape(bias)[0]) if bias is not None else None
     if bias_part is False:
         return None
     return Linear(n, x, param.target, bias.target if bias is not None else None, out_dim, w,
-                  bias_add, param, part, bias_part)
+                  bias_add, param, part, bias_part, merged)
 
 
 def as_linear(n: fx.Node) -> Optional[Linear]:

@@ -351,6 +351,29 @@ def adapt(n: int, layout: Optional[EvenSplit], tp: int) -> Optional[EvenSplit]:
     return None if layout is None else layout.adapt(n, tp)
 
 
+def in_units(layout: Optional[EvenSplit], r: int) -> Optional[EvenSplit]:
+    """``layout`` of a dim whose every element stands for ``r`` consecutive elements of the
+    dim it laid out: a parameter dim merged with the ones after it into a weight matrix's
+    rows (an einsum's per-head ``(H, D_h, D)`` read as ``(H * D_h, D)``, ``r = D_h``), so the
+    checkpoint cuts the parameter's own dim. ValueError when a run of it does not start and
+    end on a multiple of ``r`` (no parameter slice holds it)."""
+    def div(v: int) -> int:
+        if v % r:
+            raise ValueError(f"{v} elements are not whole rows of {r}")
+        return v // r
+    if layout is None or r == 1:
+        return layout
+    if isinstance(layout, InterleavedHeads):
+        return InterleavedHeads(layout.heads, None if layout.head_dim is None
+                                else div(layout.head_dim))
+    if isinstance(layout, ReplicatedHeads):
+        return ReplicatedHeads(layout.heads, div(layout.head_dim))
+    if isinstance(layout, Fused):
+        return Fused(tuple(div(p) for p in layout.parts), None if layout.part_layouts is None
+                     else tuple(in_units(pl, r) for pl in layout.part_layouts))
+    raise ValueError(f"a {layout.kind} layout is not one of whole rows of {r}")
+
+
 def check(n: int, layout: Optional[EvenSplit], tp: int) -> None:
     """:meth:`EvenSplit.check`: ValueError when ``layout`` cannot hold ``n`` at ``tp``."""
     (layout or _EVEN).check(n, tp)

@@ -24,6 +24,7 @@ import torch
 import torch.fx as fx
 
 from ..plan.decisions import TPDecision
+from ..plan.layouts import in_units
 from ..errors import PlanError
 from ..analysis.experts import find_expert_layers
 from ..analysis.graph_facts import aten, linear_sites, shape, source_line
@@ -75,8 +76,9 @@ def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False,
             decision.dims[w] = site.out_dim if w in column else site.in_dim
         if w in column and site.bias:
             decision.dims[site.bias] = 0
-        if w in column and w in layouts:
-            decision.layouts[w] = layouts[w]
+        if w in column and w in layouts:  # a merged parameter's in its own dim's units
+            decision.layouts[w] = layouts[w] if site.merged is None else in_units(
+                layouts[w], site.features(site.out_dim) // int(shape(site.param)[site.out_dim]))
         if w in column and site.bias in layouts:  # its weight's, or its pieces' side by side
             decision.layouts[site.bias] = layouts[site.bias]
     for fqn, (d, _groups) in sorted(prop.per_head.items()):
@@ -275,7 +277,8 @@ def other_matrices(graph: fx.Graph, decision: TPDecision) -> dict:
     linear's weight (those are counted and named by role), not read by ``aten.embedding`` (the
     vocabulary planner reports tables), by an operator outside ATen (:func:`custom_op_weights`)
     or as stacked experts (the experts planner). The line names the op that reads it and its
-    source line: an einsum projection (``einsum("bsd,ed->bse", x, w)``, 3-D per-head weights),
+    source line: an einsum that is no linear map (capture makes those linears: a per-head
+    block-diagonal ``einsum("bshd,hde->bshe", x, w)``),
     a convolution, a mixing matrix of the heads. Per-head tensors cut to each rank's heads
     while the step runs (a redistribution) say so."""
     owner = graph.owning_module
@@ -305,28 +308,9 @@ def other_matrices(graph: fx.Graph, decision: TPDecision) -> dict:
         else:
             why = ("no tensor-parallel rule splits a weight this op reads: only linear layers "
                    "(a product with a 2-D weight) and per-head tensors are sharded")
-            if _einsum_linear(use, n, via):
-                why += "; written as F.linear(x, w) (or x @ w.T) it would be"
         out[n.target] = (f"replicated: {n.target} ({shape_text}, read by {_op_text(use)}: "
                          f"{why})")
     return out
-
-
-def _einsum_linear(use: fx.Node, param: fx.Node, via) -> bool:
-    """``use`` is ``einsum("...d,ed->...e", x, w)`` (or ``"...d,de->...e"``) of the 2-D
-    ``param`` read directly: a linear layer spelled as an einsum."""
-    if use.target is not aten.einsum.default or via or len(shape(param)) != 2 \
-            or len(use.args) < 2 or len(use.args[1]) != 2 or use.args[1][1] is not param:
-        return False
-    eq = str(use.args[0]).replace(" ", "")
-    if "->" not in eq or eq.count(",") != 1:
-        return False
-    ins, out = eq.split("->")
-    x, w = ins.split(",")
-    if len(w) != 2 or not x or x[-1] not in w or "." in w:
-        return False
-    other = w.replace(x[-1], "", 1)
-    return len(other) == 1 and out == x[:-1] + other
 
 
 def _readers(param: fx.Node) -> list:

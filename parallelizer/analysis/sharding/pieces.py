@@ -41,7 +41,7 @@ def register(prop, site: Linear) -> None:
     its key, for ``Propagation.found_layouts`` to lay the parameters out."""
     key = site_key(site)
     prop.part_of[key] = site.weight
-    _read(prop, site.weight, int(shape(site.param)[site.out_dim]), site.part, key)
+    _read(prop, site.weight, int(site.features(site.out_dim)), site.part, key)
     b = bias_operand(site)
     if b is not None:
         _read(prop, site.bias, int(shape(weight_source(b, 1)[0])[0]), site.bias_part, key)

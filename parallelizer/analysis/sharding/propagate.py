@@ -44,11 +44,11 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from ..graph_facts import as_linear, aten, module_path, same, shape
+from ..graph_facts import as_linear, aten, module_path, same, shape, weight_path
 from .dtensor import NO_RULE, Wants, dtensor_rule
 from . import redistribute
 from .heads import factory_rule, request_broadcast
-from ...plan.layouts import InterleavedHeads
+from ...plan.layouts import InterleavedHeads, in_units
 from .cuts import fuse_slices
 from .layouts import view_rule
 from .placements import CONFLICT, REPLICATE, Conflict, Shard, shard_dim
@@ -122,6 +122,7 @@ def propagate(graph: fx.Graph, column: set, row: set, tp: int, layouts: Optional
         # residual stream must not blame the pairs upstream of it
         prop.groups[node.name] = frozenset() if placement == REPLICATE else groups
     fuse_slices(prop, tp)
+    prop.kv_weights -= prop.no_replication  # their heads are not copied: tp divides them
     _mark_kv_heads(prop)
     for name, views, reason in check_sizes(graph, prop):
         groups = frozenset().union(*[prop.groups.get(v, frozenset()) for v in views])
@@ -334,17 +335,23 @@ def _linear(node, site, prop, column, row, groups):
         return _conflict(prop, node, groups, "a linear got a (batch, heads) merged input")
     if wt in column:
         key = site_key(site)  # the weight, or the piece of it this linear reads
-        n = site.part[1] - site.part[0] if site.part else int(shape(w)[site.out_dim])
+        n = site.part[1] - site.part[0] if site.part else int(site.features(site.out_dim))
         prop.features[key] = n
         if key not in prop.layouts:
             add_constraint(prop, n, "features", mod, f"out_features of {key}", {key})
+        if wt not in prop.no_replication and _rounded(site):
+            prop.not_replicable.add(wt)  # copies' gradients summed after rounding: not the model's
+        if site.merged is not None:  # the checkpoint cuts the parameter's own dim
+            _merged_cut(prop, node, site, site.out_dim, prop.layouts.get(key), groups | {wt})
         if px != REPLICATE:
             redistribute.gather_all(node, prop, [x])
             return _conflict(prop, node, groups, "column_parallel linear needs a replicated input")
         prop.raw[node.name] = frozenset({key})
         return Shard(len(shape(node)) - 1), groups | {wt}
     if wt in row:
-        add_constraint(prop, shape(w)[site.in_dim], "features", mod, f"in_features of {wt}")
+        add_constraint(prop, site.features(site.in_dim), "features", mod, f"in_features of {wt}")
+        if site.merged is not None:
+            _merged_cut(prop, node, site, site.in_dim, None, groups)
         last = len(shape(x)) - 1
         if px != Shard(last):
             if px == REPLICATE:  # each rank takes its block of the input features
@@ -357,3 +364,42 @@ def _linear(node, site, prop, column, row, groups):
         redistribute.gather_all(node, prop, [x])
         return _conflict(prop, node, groups, "replicated linear got a sharded input")
     return REPLICATE, groups
+
+
+
+def _merged_cut(prop, node, site, dim: int, layout, groups) -> None:
+    """The weight matrix's layout along ``dim`` of a merged parameter (:attr:`Linear.merged`)
+    must be a cut of that dim. Evenly: tp divides it (a constraint on it as on heads, so
+    the planner may keep the linear whole where tp is a multiple of it, decision 68). Else a
+    conflict (the linear's pair kept replicated) when a run of the layout splits a row
+    group (:func:`parallelizer.plan.layouts.in_units`); it does not stop the linear's rule,
+    so the layouts found stay the same from round to round."""
+    size = int(shape(site.param)[dim])
+    text = "x".join(str(d) for d in shape(site.param))
+    if layout is None or isinstance(layout, InterleavedHeads):
+        origin = {site.weight} if site.weight in groups else set()
+        add_constraint(prop, size, "heads", module_path(node),
+                       f"dim {dim} of {site.weight} ({text})", origin=origin)
+        return
+    try:
+        in_units(layout, int(site.features(dim)) // size)
+    except ValueError as e:
+        prop.conflicts.append((node.name, module_path(node), groups,
+                               f"{site.weight} ({text}) is cut along its dim {dim} ({e})"))
+
+
+def _rounded(site) -> bool:
+    """The weight path casts the parameter to a floating dtype of less precision (a fake
+    quantisation, ``w.to(torch.bfloat16).to(x.dtype)``): a copy of its kv heads on several
+    ranks would have each rank's gradient rounded before the copies are summed, where the
+    model rounds their sum, so its kv heads are not copied (the projection is kept whole
+    and attention cuts each rank's copy, decision 68)."""
+    own = site.param.meta["val"].dtype
+    if not own.is_floating_point:
+        return False
+    for n in weight_path(site.w_node):
+        v = n.meta.get("val")
+        if isinstance(v, torch.Tensor) and v.dtype.is_floating_point \
+                and torch.finfo(v.dtype).eps > torch.finfo(own).eps:
+            return True
+    return False

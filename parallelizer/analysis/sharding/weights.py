@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ...plan.layouts import local_length
-from ..graph_facts import VIEWS, Linear, aten, bias_operand, expr, piece, shape, weight_path
+from ..graph_facts import (VIEWS, Linear, aten, bias_operand, expr, merge_point, piece, shape,
+                           weight_path)
 from .pieces import piece_rule, site_key
 from .placements import REPLICATE, PerOutput, Shard, shard_dim
 from .state import add_rewrite, dim_of, placement
@@ -74,6 +75,11 @@ def path_rule(node: fx.Node, prop, tp: int, entry: tuple):
     if node.target in _TRANSPOSES:
         return Shard(1 - d), groups
     if node.target in VIEWS:
+        k = merge_point(shape(src), shape(node))
+        if k is not None:  # a parameter's dims merged into the 2-D weight: the shard's group
+            d = 0 if d == 0 else 1 if d == k else None
+            if d is None:
+                return REPLICATE, frozenset()
         sizes = list(node.args[1])
         if isinstance(sizes[d], int) and sizes[d] != -1:
             add_rewrite(prop, node, 1, d, _local(prop, key, int(expr(shape(node)[d])), tp))

@@ -1,0 +1,215 @@
+"""Einsum projections as linears: ``einsum(eq, x, W)`` with W a parameter, when the
+equation is a linear map of some dims of ``x`` by W, is rewritten on the captured graph into
+the ``aten.linear`` it computes, on views of W and ``x``:
+
+- ``"bsd,ed->bse"``: ``linear(x, W)``; ``"bsd,de->bse"``: ``linear(x, W.t())``;
+- ``"bsd,hkd->bshk"`` (a per-head input projection, W (H, D_h, D)):
+  ``linear(x, W.reshape(H * D_h, D)).view(b, s, H, D_h)``, and a permute when the equation
+  puts the heads elsewhere (``"bsd,hkd->bhsk"``);
+- ``"bhsk,hkd->bsd"`` (a per-head output projection):
+  ``linear(x.permute(0, 2, 1, 3).reshape(b, s, H * D_h), W.reshape(H * D_h, D).t())``.
+
+So the tensor-parallel planner finds them as it finds ``nn.Linear`` (``analysis/graph_facts``
+``Linear``, whose weight path accepts W's merge of its leading or trailing dims and its
+casts), pairs them column/row and shards W along its first dim of the merged group; the
+parameter keeps its FQN and shape. The equation is read by its letters' roles, never their
+names: each letter of W is either contracted with ``x`` (in both, not in the output) or an
+output feature (in W and the output only); each letter of ``x`` not in W is a batch letter
+and reaches the output; W's contracted and feature letters are each one contiguous run
+(``[features][contracted]`` is W stored (out, in), ``[contracted][features]`` (in, out)).
+Any other einsum (a letter in all three operands, a sum over a dim of one operand, a
+diagonal, two activations) is left as it is, and the planner reports its weight replicated.
+
+W is a parameter read directly or through casts (``w.to(torch.bfloat16).to(x.dtype)``).
+Every node the rewrite adds carries the einsum's meta (module, source line) and a FakeTensor
+value.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+
+aten = torch.ops.aten
+
+# same values, same shape: a weight read through these is still the weight
+_CASTS = {aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default,
+          aten.type_as.default, aten.contiguous.default, aten.clone.default, aten.alias.default}
+_LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def einsums_as_linears(gm: fx.GraphModule) -> int:
+    """Rewrite every einsum projection of ``gm`` (see the module docstring); returns how
+    many."""
+    params = {name for name, _ in gm.named_parameters()}
+    done = 0
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is aten.einsum.default:
+            plan = _projection(node, params)
+            if plan is not None:
+                _rewrite(gm.graph, node, *plan)
+                done += 1
+    if done:
+        gm.graph.lint()
+        gm.recompile()
+    return done
+
+
+def _val(n):
+    return n.meta.get("val") if isinstance(n, fx.Node) else None
+
+
+def _is_param(w: fx.Node, params: set) -> bool:
+    """``w`` is a parameter read directly or through casts that keep its shape."""
+    for _ in range(8):
+        if w.op == "get_attr":
+            return w.target in params
+        if w.op != "call_function" or w.target not in _CASTS or not w.args \
+                or not isinstance(w.args[0], fx.Node):
+            return False
+        src = w.args[0]
+        if not isinstance(_val(src), torch.Tensor) or tuple(_val(src).shape) != tuple(_val(w).shape):
+            return False
+        w = src
+    return False
+
+
+def _equation(eq: str, x_rank: int) -> Optional[tuple[str, str, str]]:
+    """(x's letters, W's letters, output letters) of a two-operand equation, an ellipsis
+    (in ``x`` and the output only) spelled as fresh letters; None when it is not one."""
+    eq = eq.replace(" ", "")
+    if eq.count(",") != 1:
+        return None
+    ins, arrow, out = eq.partition("->")
+    xs, ws = ins.split(",")
+    if "." in ws:
+        return None
+    if not arrow:  # implicit output: the letters seen once, sorted
+        letters = (xs + ws).replace(".", "")
+        out = ("..." if "..." in xs else "") + "".join(
+            sorted(c for c in set(letters) if letters.count(c) == 1))
+    if "..." in xs or "..." in out:
+        if xs.count("...") != 1 or out.count("...") != 1:
+            return None
+        free = [c for c in _LETTERS if c not in eq]
+        n = x_rank - (len(xs) - 3)
+        if n < 0 or n > len(free):
+            return None
+        fill = "".join(free[:n])
+        xs, out = xs.replace("...", fill), out.replace("...", fill)
+    if not all(s.isalpha() for s in (xs, ws, out) if s) or any(
+            len(set(s)) != len(s) for s in (xs, ws, out)) or len(xs) != x_rank:
+        return None
+    return xs, ws, out
+
+
+def _runs(ws: str, contracted: set) -> Optional[bool]:
+    """True when W is ``[features][contracted]`` (stored (out, in)), False for
+    ``[contracted][features]``, None when the two kinds of letters interleave."""
+    kinds = [c in contracted for c in ws]
+    if kinds == sorted(kinds):
+        return True
+    if kinds == sorted(kinds, reverse=True):
+        return False
+    return None
+
+
+def _projection(node: fx.Node, params: set):
+    """(x, W, x's letters, W's letters, output letters, out_first) when ``node`` is an
+    einsum projection (see the module docstring), else None."""
+    if len(node.args) < 2 or node.kwargs or len(node.args) > 2 and node.args[2] is not None:
+        return None
+    eq, operands = node.args[0], node.args[1]
+    if not isinstance(eq, str) or len(operands) != 2 or not all(
+            isinstance(_val(o), torch.Tensor) for o in operands):
+        return None
+    which = [_is_param(o, params) for o in operands]
+    if which.count(True) != 1:
+        return None
+    wi = which.index(True)
+    x, w = operands[1 - wi], operands[wi]
+    if _val(x).dtype != _val(w).dtype or not _val(x).is_floating_point():
+        return None
+    ins, arrow, out = eq.replace(" ", "").partition("->")
+    parts = ins.split(",")
+    if len(parts) != 2:
+        return None
+    if wi == 0:  # the weight first: the same map with the operands swapped
+        eq = f"{parts[1]},{parts[0]}{arrow}{out}"
+    letters = _equation(eq, _val(x).dim())
+    if letters is None:
+        return None
+    xs, ws, os_ = letters
+    if len(ws) != _val(w).dim():
+        return None
+    contracted = set(xs) & set(ws)
+    features = set(ws) - set(xs)
+    batch = set(xs) - set(ws)
+    if not contracted or not features or contracted & set(os_) or set(os_) != batch | features:
+        return None
+    out_first = _runs(ws, contracted)
+    if out_first is None:
+        return None
+    xshape, wshape = _val(x).shape, _val(w).shape
+    for c in contracted:  # no broadcasting of a size-1 dim: the sizes match as ints
+        a, b = xshape[xs.index(c)], wshape[ws.index(c)]
+        if not isinstance(a, int) or not isinstance(b, int) or a != b:
+            return None
+    if not all(isinstance(s, int) for s in wshape):
+        return None
+    return x, w, xs, ws, os_, out_first
+
+
+def _rewrite(graph: fx.Graph, node: fx.Node, x, w, xs, ws, os_, out_first) -> None:
+    fake = detect_fake_mode([_val(x), _val(w)])
+    meta = {k: v for k, v in node.meta.items() if k != "val"}
+
+    def call(target, *args):
+        new = graph.call_function(target, args)
+        vals = [[_val(a) if isinstance(a, fx.Node) else a for a in arg] if isinstance(arg, list)
+                else _val(arg) if isinstance(arg, fx.Node) else arg for arg in args]
+        with fake:
+            new.meta = {**meta, "val": target(*vals)}
+        return new
+
+    contracted = [c for c in ws if c in xs]
+    features = [c for c in ws if c not in xs]
+    batch = [c for c in os_ if c not in ws]
+    xshape, wshape = _val(x).shape, _val(w).shape
+    with graph.inserting_before(node):
+        sizes = {}
+        for i, c in enumerate(xs):
+            if c in batch:
+                s = xshape[i]
+                if isinstance(s, torch.SymInt):
+                    sizes[c] = graph.call_function(aten.sym_size.int, (x, i))
+                    sizes[c].meta = {**meta, "val": s}
+                else:
+                    sizes[c] = int(s)
+        order = [xs.index(c) for c in batch + contracted]
+        xin = x if order == list(range(len(xs))) else call(aten.permute.default, x, order)
+        if len(contracted) > 1:
+            k = math.prod(int(xshape[xs.index(c)]) for c in contracted)
+            xin = call(aten.reshape.default, xin, [sizes[c] for c in batch] + [k])
+        n_out = math.prod(int(wshape[ws.index(c)]) for c in features)
+        n_in = math.prod(int(wshape[ws.index(c)]) for c in contracted)
+        wl = w
+        if out_first:
+            if len(ws) > 2:
+                wl = call(aten.reshape.default, w, [n_out, n_in])
+        else:
+            if len(ws) > 2:
+                wl = call(aten.reshape.default, w, [n_in, n_out])
+            wl = call(aten.t.default, wl)
+        y = call(aten.linear.default, xin, wl)
+        if len(features) > 1:
+            y = call(aten.view.default, y, [sizes[c] for c in batch] +
+                     [int(wshape[ws.index(c)]) for c in features])
+        have = batch + features
+        if have != list(os_):
+            y = call(aten.permute.default, y, [have.index(c) for c in os_])
+    node.replace_all_uses_with(y)
+    graph.erase_node(node)
