@@ -67,7 +67,8 @@ from .planning.pipeline_summary import (check_microbatches, check_placement, sum
 from .planning.tensors import alias_map, build_plan, pipeline_structure, tied_groups
 from .planning.sequence import plan_sequence_parallel
 from .passes.explicit_sizes import apply_explicit_sizes
-from .planning.tp import plan_tp, tp_summary
+from .planning.tp import plan_tp
+from .planning.tp_matrices import tp_summary
 from .planning.vocab import plan_vocab, vocab_summary
 from .emit.program import Program, check_replaceable
 from .emit.rank_check import check_ranks

@@ -76,7 +76,7 @@ class TPDecision:
     # it as an LM head: planning/vocab.py tp_report leaves those lines out)
     replicated: dict = field(default_factory=dict)
     # fqn of a parameter of 2+ dims no linear reads (an einsum's projection, a convolution's
-    # kernel, a heads-mixing matrix), left whole -> its report line (planning/tp.py
+    # kernel, a heads-mixing matrix), left whole -> its report line (planning/tp_matrices.py
     # other_matrices): counted among the replicated matrices by linear_counts
     other_replicated: dict = field(default_factory=dict)
     # derived gradient placements (planning/gradients.py, analysis/gradients.py):

@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from ..plan.decisions import TPDecision, VocabDecision
 from ..plan.layouts import Padded
-from .tp import linear_counts
+from .tp_matrices import linear_counts
 from ..errors import PlanError
 from ..analysis.graph_facts import (aten, is_tensor, logits_region, same, shape, source_line,
                                     weight_fqn)

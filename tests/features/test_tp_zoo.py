@@ -19,7 +19,8 @@ from parallelizer.passes.cleanup import apply_cleanup  # noqa: E402
 from parallelizer.passes.tensor_parallel import apply_tensor_parallel  # noqa: E402
 from parallelizer.passes.vocab_parallel import apply_vocab_parallel  # noqa: E402
 from parallelizer.planning.tensors import alias_map, tied_groups  # noqa: E402
-from parallelizer.planning.tp import plan_tp, tp_summary  # noqa: E402
+from parallelizer.planning.tp import plan_tp  # noqa: E402
+from parallelizer.planning.tp_matrices import tp_summary  # noqa: E402
 from parallelizer.planning.vocab import plan_vocab  # noqa: E402
 
 from tp_lockstep import local, run_ranks  # noqa: E402

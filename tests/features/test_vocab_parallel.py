@@ -24,7 +24,8 @@ from parallelizer.passes.tensor_parallel import apply_tensor_parallel
 from parallelizer.passes.vocab_parallel import apply_vocab_parallel
 from parallelizer.plan.layouts import Padded
 from parallelizer.planning.tensors import alias_map, tied_groups
-from parallelizer.planning.tp import plan_tp, tp_summary
+from parallelizer.planning.tp import plan_tp
+from parallelizer.planning.tp_matrices import tp_summary
 from parallelizer.planning.vocab import plan_vocab, tp_report
 from parallelizer.runtime.vocab import gather_from_tp_region
 

@@ -4,7 +4,7 @@ DTensor meets an op whose strategies cannot take its inputs' placements by redis
 them first (torch 2.13, torch/distributed/tensor/_dispatch.py ``redistribute_local_args``),
 and a Partial output by reducing it when a replicated value is needed. Propagation does the
 same at compile time instead of giving up on the layer group (issue 23 part 2): a conflict
-at an op asks the next run (:func:`parallelizer.planning.tp._settle`) for
+at an op asks the next run (:func:`parallelizer.planning.tp_candidates._settle`) for
 
 - ``Shard(d) -> Replicate``: an all-gather along ``d`` on that edge (the op then runs on the
   whole value, as eager does, on every rank; backward keeps the rank's slice);

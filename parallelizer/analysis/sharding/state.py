@@ -220,7 +220,7 @@ def copyable(prop, weights) -> frozenset:
     """``weights`` for a heads constraint that tp may also be a multiple of (their kv heads
     copied), or none when a previous run refused their copies (``no_replication``: an op
     over the heads themselves, ``k - k.mean(1)``): their heads are then split evenly, and
-    tp must divide them (else the planner keeps the projection whole, tp.py _whole_kv)."""
+    tp must divide them (else the planner keeps the projection whole, tp_candidates.py _whole_kv)."""
     weights = frozenset(weights)
     return frozenset() if weights & prop.no_replication else weights
 

@@ -12,7 +12,8 @@ from torch import nn
 from parallelizer.errors import PlanError
 from parallelizer.passes.tensor_parallel import apply_tensor_parallel
 from parallelizer.plan.layouts import InterleavedHeads, ReplicatedHeads
-from parallelizer.planning.tp import linear_counts, plan_tp
+from parallelizer.planning.tp import plan_tp
+from parallelizer.planning.tp_matrices import linear_counts
 from tp_lockstep import assert_lockstep_matches, forward_ranks
 from tp_small_models import (H, Attention, Block, MLP, SwiGLU, captured, ids_batch, line_of,
                              tiny_llama, x_batch)
@@ -334,7 +335,7 @@ def test_block_matrices_count_sequential_blocks_and_every_module_list():
     """timm's ViT keeps its blocks in an nn.Sequential (find_blocks finds them): the summary
     counted 0 of 0 matrices; an encoder-decoder's two ModuleLists both count."""
     from parallelizer.planning.blocks import find_blocks
-    from parallelizer.planning.tp import block_matrices
+    from parallelizer.planning.tp_matrices import block_matrices
 
     class Seq(nn.Module):
         def __init__(self):
@@ -394,7 +395,7 @@ def test_einsum_weights_kept_whole_are_reported_and_counted():
     """Einsum projections stay replicated; each is named with the op and line that reads it,
     counted in the linears' line and, 3-D ones too, among the blocks' weight matrices (main
     before: 'replicated: none' and '4 of 6 weight matrices', the 3-D weights not counted)."""
-    from parallelizer.planning.tp import tp_summary
+    from parallelizer.planning.tp_matrices import tp_summary
     from tp_check import assert_tp_matches
     model = EinsumBlocks()
     cap = captured(model, x_batch())
@@ -433,7 +434,7 @@ def test_model_without_blocks_counts_its_whole_model_and_never_rounds_to_100():
     parameters)'. With no blocks the line says so and counts the model's matrices; a share
     that rounds to 100 while a parameter is left whole is shown to a tenth."""
     from parallelizer.planning.blocks import find_blocks
-    from parallelizer.planning.tp import tp_summary
+    from parallelizer.planning.tp_matrices import tp_summary
     model = NoBlocks()
     d = plan_tp(captured(model, x_batch()).gm.graph, 2)
     assert list(d.other_replicated) == ["mix"]

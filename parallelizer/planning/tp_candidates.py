@@ -1,0 +1,259 @@
+"""Candidate tp plans and the choice between them (:func:`parallelizer.planning.tp.plan_tp`):
+settle column/row pairs by sharding propagation, with redistributions or without, through
+the residual stream or within blocks, with linears kept whole where tp cannot split their
+heads (copied kv heads, decision 68) or where a split would land on one head's head_dim
+(decision 69); divisibility of every sharded size. Planners never touch graphs: this reads
+the graph and fills decisions."""
+from __future__ import annotations
+
+import torch
+
+from ..plan.decisions import TPDecision
+from ..errors import PlanError
+from ..analysis.sharding.propagate import Propagation, propagate
+from .redistributions import redistributions
+from .tp_matrices import op_text
+from .tp_seeds import seed_pairs
+
+
+def pairs_settled(graph, sites, tp: int, decision: TPDecision):
+    """Seed the pairs with walks that end at residual adds (a pair within a block, as
+    Megatron-LM's), settle them; where that needs redistributions, also the pairs of walks
+    that go on through the residual stream (a model whose residual stream is itself sharded
+    between blocks), kept when they settle with none and shard no fewer elements: the
+    cheaper program by communication. (Through the residual stream with redistributions,
+    the walks pair a block's output projection with the next block's linears and cut the
+    residual stream to meet them.)"""
+    first = _candidate(graph, seed_pairs(sites, True), tp, decision)
+    if first[1] and not (first[3].applied or first[3].applied_reduces):
+        return first
+    other = seed_pairs(sites, False)
+    if other == first[0]:
+        return first
+    scratch = TPDecision(tp=tp, linears=decision.linears, biases=decision.biases)
+    second = _candidate(graph, other, tp, scratch)
+    size = _weight_sizes(graph)
+    if second[3].applied or second[3].applied_reduces or sum(
+            size.get(w, 0) for w in second[1] | second[2]) < sum(
+            size.get(w, 0) for w in first[1] | first[2]):
+        return first
+    decision.blockers, decision.report = scratch.blockers, scratch.report
+    return second
+
+
+def indivisible(graph, sites, tp: int, decision: TPDecision, first):
+    """``first`` (the candidate that settled) needs a size tp does not divide. Two other
+    plans: without redistributions (``first`` itself when it had none), and
+    (:func:`_whole_kv`) with the column linears behind heads that tp is a multiple of kept
+    whole. The whole one is taken when the plain one is not divisible either or it shards
+    more weight elements."""
+    plain, chosen = decision, first
+    prop = first[3]
+    if prop.applied or prop.applied_reduces:
+        plain = TPDecision(tp=tp, linears=decision.linears, biases=decision.biases)
+        chosen = _candidate(graph, seed_pairs(sites, True), tp, plain, redistribute=False)
+    whole = _whole_kv(graph, seed_pairs(sites, True), tp, decision, prop)
+    size = _weight_sizes(graph)
+    if whole is not None and (not divisible(chosen[3], tp) or sum(
+            size.get(w, 0) for w in whole[0][1] | whole[0][2]) > sum(
+            size.get(w, 0) for w in chosen[1] | chosen[2])):
+        chosen, plain = whole
+    decision.blockers, decision.report = plain.blockers, plain.report
+    return chosen
+
+
+def _whole_kv(graph, pairs: dict, tp: int, decision: TPDecision, prop):
+    """A plan keeping whole (replicated) the column linears whose shard reaches a heads view
+    that tp does not divide but is a multiple of (OLMo-2's k: 2 kv heads at tp 4, normed over
+    its whole projection before the view, so no rank can hold a copy of one head through
+    the norm), their attention cutting each rank's copy of its kv head
+    (analysis/sharding/redistribute.py, CopiedHeads): (candidate, its scratch decision), or
+    None when another size is in the way or the plan does not settle divisible."""
+    kept: dict = {}
+    for _ in range(4):
+        kv = frozenset(prop.kv_weights)
+        bad = [c for c in prop.constraints if not c.allows(tp, kv)]
+        if not bad:
+            return None if not kept else (found, scratch)
+        if any(c.what != "heads" or tp % c.size or not c.origin for c in bad):
+            return None
+        for c in bad:
+            kept.update({w: _fewer_heads(c, tp) for w in c.origin if w not in kept})
+        scratch = TPDecision(tp=tp, linears=decision.linears, biases=decision.biases)
+        found = _candidate(graph, pairs, tp, scratch, kept=kept)
+        prop = found[3]
+    return None
+
+
+def _fewer_heads(c, tp: int) -> str:
+    where = f" ({c.note} spans them)" if c.note else ""
+    return (f"in {c.module or 'the model'}, {c.detail} holds {c.size} heads, fewer than tp = "
+            f"{tp}, where no rule keeps a copy of one head on each rank{where}")
+
+
+def one_head_whole(graph, tp: int, decision: TPDecision, chosen):
+    """``chosen`` needs redistributions and shards a column linear whose output a view turns
+    into one head (multi-query k normed over its projection first, OLMo-2 with one kv
+    head): the shard lands on head_dim, which attention and rotary embeddings only take
+    gathered (every rank then computes attention whole), or tp does not divide head_dim and
+    attention stays replicated. The plan with those linears kept whole (attention cuts each
+    rank's copy of the head) is taken when it settles divisible and shards more weight
+    elements or sends fewer bytes per step."""
+    pairs, column, row, prop = chosen
+    paired = {c for c, rows in pairs.items() if rows}
+    one = sorted(prop.one_head_dim & paired)
+    if not one or not (prop.applied or prop.applied_reduces or column != paired):
+        return chosen
+    scratch = TPDecision(tp=tp, linears=decision.linears, biases=decision.biases)
+    why = ("its output is one head (a view to [.., 1, head_dim]); split, it would be split "
+           "along head_dim, which attention takes only gathered")
+    found = _candidate(graph, pairs, tp, scratch, kept={w: why for w in one})
+    size = _weight_sizes(graph)
+    more = sum(size.get(w, 0) for w in found[1] | found[2]) > sum(
+        size.get(w, 0) for w in column | row)
+    if not divisible(found[3], tp) or not more and _bytes_sent(
+            graph, found[3], tp) >= _bytes_sent(graph, prop, tp):
+        return chosen
+    decision.blockers, decision.report = scratch.blockers, scratch.report
+    return found
+
+
+def _bytes_sent(graph, prop, tp: int) -> int:
+    return sum(r.bytes or 0 for r in redistributions(graph, prop, tp))
+
+
+def _weight_sizes(graph) -> dict:
+    """get_attr target -> its number of elements."""
+    out = {}
+    for n in graph.nodes:
+        v = n.meta.get("val")
+        if n.op == "get_attr" and isinstance(v, torch.Tensor):
+            out[n.target] = v.numel()
+    return out
+
+
+def _candidate(graph, pairs: dict, tp: int, decision: TPDecision, redistribute: bool = True,
+               kept=None):
+    """Settle the pairs; ``kept``: column weights left whole (:func:`_whole_kv`,
+    :func:`one_head_whole`), each with why, reported."""
+    kept = kept or {}
+    column = {c for c, rows in pairs.items() if rows} - set(kept)
+    row = {r for rows in pairs.values() for r in rows}
+    for w, why in sorted(kept.items()):
+        decision.report.append(
+            f"kept whole: {w} ({why}; its readers take it whole, or cut to the rank's heads "
+            f"or its copy of one)")
+    prop = _settle(graph, pairs, column, row, tp, decision, redistribute)
+    return pairs, column, row, prop
+
+
+def _settle(graph, pairs: dict, column: set, row: set, tp: int, decision,
+            redistribute: bool = True) -> Propagation:
+    """Propagate until the layouts found are the layouts assumed (the rewrites follow them)
+    and no conflict is left; groups in conflict are removed from ``column``/``row``."""
+    layouts, no_replication, per_head, narrow = {}, {}, {}, {}
+    edges, reduces, one_head_dim = {}, {}, set()
+    by_name = {n.name: n for n in graph.nodes}
+    for _ in range(4 * (len(column) + len(row)) + len(by_name) + 8):
+        # a per-head tensor whose attention was kept replicated stays replicated too
+        per_head = {k: v for k, v in per_head.items() if v[1] & column}
+        narrow = {k: v for k, v in narrow.items() if v[1] & column}
+        prop = propagate(graph, column, row, tp, layouts, no_replication, per_head, narrow,
+                         edges, reduces)
+        one_head_dim |= prop.one_head_dim  # its linears may be dropped by the next round
+        prop.one_head_dim = one_head_dim
+
+        if prop.not_replicable - set(no_replication):
+            for w in sorted(prop.not_replicable - set(no_replication)):
+                no_replication[w] = prop.copies_end.get(w, "")
+            continue
+        new = {k: v for k, v in prop.head_requests.items() if k not in per_head and v[1] & column}
+        if new:
+            per_head.update(new)
+            continue
+        new = {k: v for k, v in prop.narrow_requests.items() if k not in narrow and v[1] & column}
+        if new:
+            narrow.update(new)
+            continue
+        found = prop.found_layouts()
+        if found != layouts:
+            layouts = found
+            continue
+        conflicts = prop.conflicts + [(n, "", frozenset({w}), r)
+                                      for w, n, r in prop.layout_conflicts()]
+        if not conflicts:
+            return prop
+        if redistribute and _redistribute(prop, edges, reduces):
+            continue
+        node, module, groups, reason = conflicts[0]
+        bad = _component(pairs, groups or column)
+        op = op_text(by_name[node]) if node in by_name else node
+        decision.blockers.append(f"{op} in {module or 'the root module'}: {reason}"
+                                 + _indivisible_cause(prop, bad, tp))
+        decision.report.append(f"kept replicated: {', '.join(sorted(bad))} (at {node} = "
+                               f"{decision.blockers[-1]})")
+        column -= bad
+        row -= bad
+    raise AssertionError("tp planning did not settle")  # each round removes or fixes something
+
+
+def _indivisible_cause(prop: Propagation, bad: set, tp: int) -> str:
+    """The heads (or features) of ``bad``'s modules that tp does not divide, named as the
+    cause of the conflict they lead to (a per-head op on 2 kv heads split at tp 3); "" when
+    every size divides."""
+    kv = frozenset(prop.kv_weights)
+
+    def ours(c) -> bool:
+        return not c.allows(tp, kv) and (bool((c.weights | c.origin) & bad) or bool(
+            c.module) and any(w.startswith(c.module + ".") for w in bad))
+    # heads tp is a multiple of may be copies (their kv role not yet seen): named last
+    sizes = sorted(filter(ours, prop.constraints),
+                   key=lambda c: (c.what == "heads" and tp % c.size == 0, c.what != "heads"))
+    if not sizes:
+        return ""
+    c = sizes[0]
+    return (f"; the cause: tp = {tp} does not divide the {c.size} {c.what} of "
+            f"{c.module or 'the model'} ({c.detail})")
+
+
+def _redistribute(prop: Propagation, edges: dict, reduces: dict) -> bool:
+    """Take the redistributions the run asked for (analysis/sharding/redistribute.py) into
+    ``edges`` / ``reduces`` for the next run; False when it asked for none."""
+    for (consumer, producer), want in prop.edge_requests.items():
+        edges.setdefault(consumer, {})[producer] = want
+    reduces.update(prop.reduce_requests)
+    return bool(prop.edge_requests or prop.reduce_requests)
+
+
+def _component(pairs: dict, seeds) -> set:
+    """All column and row FQNs linked to ``seeds`` through shared pairs."""
+    comp, changed = set(seeds), True
+    while changed:
+        changed = False
+        for c, rows in pairs.items():
+            if rows and (c in comp or rows & comp) and not ({c} | rows) <= comp:
+                comp |= {c} | rows
+                changed = True
+    return comp
+
+
+def divisible(prop: Propagation, tp: int) -> bool:
+    kv = frozenset(prop.kv_weights)
+    return all(c.allows(tp, kv) for c in prop.constraints)
+
+
+def check_divisible(prop: Propagation, tp: int) -> None:
+    kv = frozenset(prop.kv_weights)
+    bad = [c for c in prop.constraints if not c.allows(tp, kv)]
+    if not bad:
+        return
+    bad.sort(key=lambda c: c.what != "heads")
+    c = bad[0]
+    top = max(x.size for x in prop.constraints)
+    valid = [t for t in range(1, top + 1) if all(x.allows(t, kv) for x in prop.constraints)]
+    kv_heads = c.what == "heads" and c.replicable(kv)
+    copies = ", or be a multiple of it (each kv head is then held by tp / kv heads ranks)"
+    raise PlanError(
+        f"mesh.tp ({tp}) must divide the number of {'kv heads' if kv_heads else c.what} "
+        f"({c.size}) of {c.module or 'the model'} ({c.detail}){copies if kv_heads else ''}; "
+        f"valid choices: tp in {{{', '.join(map(str, valid))}}}")

@@ -1,0 +1,177 @@
+"""The tensor-parallel planner's report: the count line and summary of sharded weight
+matrices, every matrix left whole with its reason, custom ops' weights (read by report.md and
+the CLI's summary). Reads the graph and the decision, changes neither."""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ..plan.decisions import TPDecision
+from ..analysis.experts import find_expert_layers
+from ..analysis.graph_facts import aten, source_line
+
+
+def linear_counts(decision: TPDecision, vocab_heads=()) -> str:
+    """report.md's count of the linears by role, naming every one kept replicated (the LM
+    heads vocab_parallel shards over the vocabulary are not: ``vocab_heads``), then the other
+    weight matrices kept replicated (read by an op that is no linear: :func:`other_matrices`)."""
+    heads = sorted(w for w in decision.linears if w in set(vocab_heads))
+    kept = [w for w in decision.linears
+            if w not in decision.column and w not in decision.row and w not in heads]
+    other = list(decision.other_replicated)
+    parts = [f"column_parallel: {len(decision.column)} linears",
+             f"row_parallel: {len(decision.row)} linears"]
+    if heads:
+        parts.append(f"vocab_parallel LM head: {', '.join(heads)}")
+    if kept:
+        parts.append(f"replicated: {len(kept)} linears ({', '.join(kept)})")
+    if other:
+        parts.append(f"replicated{' too' if kept else ''}: {len(other)} other weight matrices "
+                     f"({', '.join(other)})")
+    if not kept and not other:
+        parts.append("replicated: none")
+    return "; ".join(parts)
+
+
+# ops a weight is read through on its way to the op that uses it (the reason names that op)
+_WEIGHT_PATH = frozenset({
+    aten.t.default, aten.transpose.int, aten.permute.default, aten._to_copy.default,
+    aten.to.dtype, aten.to.dtype_layout, aten.type_as.default, aten.contiguous.default,
+    aten.clone.default, aten.alias.default, aten.detach.default, aten.view.default,
+    aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
+    aten.squeeze.dim, aten.expand.default, aten._assert_tensor_metadata.default})
+
+
+def other_matrices(graph: fx.Graph, decision: TPDecision) -> dict:
+    """fqn -> report line of every parameter of two or more dims that ``graph`` reads, that
+    tensor parallelism leaves whole on every rank and that no other line accounts for: not a
+    linear's weight (those are counted and named by role), not read by ``aten.embedding`` (the
+    vocabulary planner reports tables), by an operator outside ATen (:func:`custom_op_weights`)
+    or as stacked experts (the experts planner). The line names the op that reads it and its
+    source line: an einsum that is no linear map (capture makes those linears: a per-head
+    block-diagonal ``einsum("bshd,hde->bshe", x, w)``),
+    a convolution, a mixing matrix of the heads. Per-head tensors cut to each rank's heads
+    while the step runs (a redistribution) say so."""
+    owner = graph.owning_module
+    params = dict(owner.named_parameters()) if owner is not None else None
+    linears = set(decision.linears)
+    experts = {w for layer in find_expert_layers(graph)[0] for w in layer.weights}
+    cut = {r.producer for r in decision.redistributions}
+    out: dict = {}
+    for n in graph.nodes:
+        v = n.meta.get("val")
+        if n.op != "get_attr" or not isinstance(v, torch.Tensor) or v.dim() < 2 \
+                or n.target in decision.dims or n.target in linears or n.target in experts \
+                or n.target in out:
+            continue
+        if params is not None and n.target not in params:
+            continue  # a buffer (rotary tables, masks): no weight
+        readers = _readers(n)
+        if not readers or any(u.target is aten.embedding.default for u, _ in readers) or any(
+                getattr(u.target, "namespace", "aten") not in ("aten", "prims") for u, _ in readers):
+            continue
+        use, via = readers[0]
+        shape_text = "x".join(str(d) for d in v.shape)
+        producer = next((c for c in cut if c == n.name or c in via), None)
+        if producer is not None:
+            why = (f"each rank cuts its heads, or its copy of them, from it as the step runs: "
+                   f"the redistribution of {producer}")
+        else:
+            why = ("no tensor-parallel rule splits a weight this op reads: only linear layers "
+                   "(a product with a 2-D weight) and per-head tensors are sharded")
+        out[n.target] = (f"replicated: {n.target} ({shape_text}, read by {op_text(use)}: "
+                         f"{why})")
+    return out
+
+
+def _readers(param: fx.Node) -> list:
+    """(op, names of the weight-path nodes on the way) of each op reading ``param``, through
+    casts, views and transposes (:data:`_WEIGHT_PATH`), in graph order."""
+    found, frontier = [], [(param, frozenset())]
+    while frontier:
+        node, via = frontier.pop(0)
+        for u in node.users:
+            if u.op == "call_function" and u.target in _WEIGHT_PATH:
+                if u.target is not aten._assert_tensor_metadata.default:
+                    frontier.append((u, via | {u.name}))
+            elif u.op != "output":
+                found.append((u, via))
+    return found
+
+
+def custom_op_weights(graph: fx.Graph) -> list[str]:
+    """Report lines for parameters read by operators outside ATen: no sharding rule covers
+    them, so they stay replicated on every tp rank. The stacked weights of an expert layer
+    (Mixtral's through ``transformers::grouped_mm_fallback``) are left to the experts
+    planner, which splits them over tp or says why not (planning/experts.py)."""
+    experts = {w for layer in find_expert_layers(graph)[0] for w in layer.weights}
+    found: dict = {}
+    for node in graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "namespace", "aten") not in (
+                "aten", "prims"):
+            for a in node.all_input_nodes:
+                src = a
+                while src.op == "call_function" and src.target in (
+                        aten.transpose.int, aten.t.default, aten.permute.default,
+                        aten._to_copy.default, aten.view.default, aten.reshape.default):
+                    src = src.args[0]
+                if src.op == "get_attr" and src.target not in experts:
+                    found.setdefault(str(node.target).rsplit(".", 1)[0], []).append(src.target)
+    return [f"kept replicated: {', '.join(sorted(set(ws)))} (read by {op}, an operator with no "
+            f"tensor-parallel sharding rule)" for op, ws in found.items()]
+
+
+def op_text(node: fx.Node) -> str:
+    where = source_line(node)
+    return f"{node.target} at {where}" if where else str(node.target)
+
+
+def block_matrices(model, blocks=()) -> dict:
+    """fqn -> numel of the weight matrices (parameters of two or more dims: a linear's or an
+    einsum's weight, a per-head 3-D projection, a convolution's kernel) in the model's blocks:
+    the items of every ``nn.ModuleList`` (T5's encoder and decoder blocks) and ``blocks``
+    (module FQNs, planning/blocks.py find_blocks: an ``nn.Sequential``'s or ``ModuleDict``'s
+    items too)."""
+    prefixes = _block_prefixes(model, blocks)
+    return {n: p.numel() for n, p in model.named_parameters()
+            if p.dim() >= 2 and n.startswith(prefixes)}
+
+
+def _block_prefixes(model, blocks=()) -> tuple:
+    import torch.nn as nn
+    return tuple(f"{b}." for b in blocks) + tuple(
+        f"{name}.{i}." for name, m in model.named_modules()
+        if isinstance(m, nn.ModuleList) for i in range(len(m)))
+
+
+def tp_summary(decision: TPDecision, model, vocab=None, blocks=(), experts=None,
+               stacked=None) -> str:
+    """``tensor parallel: N of M weight matrices in blocks sharded (P % of parameters)``:
+    P counts the elements of every parameter (embeddings and norms too) that tp shards, the
+    vocabulary tables of ``vocab`` (a VocabDecision) and the experts split along their FFN
+    dim (``experts``: fqn -> tp dim, the EPDecision's ``dims``; ``stacked``: a stacked FQN ->
+    the per-module experts it stands for, passes/stack_experts.py) too; the blocks are
+    ``blocks`` where given (see :func:`block_matrices`). A model with no blocks (no
+    ``nn.ModuleList``, none found by planning/blocks.py) says so and counts the weight
+    matrices of the whole model instead. P is rounded, but never to 100 while a parameter is left whole (nor to 0
+    while one is sharded)."""
+    mats = block_matrices(model, blocks)
+    where = "in blocks"
+    if not _block_prefixes(model, blocks):
+        mats = {n: p.numel() for n, p in model.named_parameters() if p.dim() >= 2}
+        where = "in the model"
+    dims = {**decision.dims, **(vocab.dims if vocab is not None else {}), **(experts or {})}
+    for fqn, members in (stacked or {}).items():
+        if fqn in dims:
+            dims.update(dict.fromkeys(members, dims[fqn]))
+    sharded = [n for n in mats if n in dims]
+    params = dict(model.named_parameters())
+    total = sum(p.numel() for p in params.values()) or 1
+    split = sum(p.numel() for n, p in params.items() if n in dims)
+    pct = f"{100 * split / total:.0f}"
+    if (pct == "100" and split < total) or (pct == "0" and split > 0):
+        pct = f"{min(max(100 * split / total, 0.1), 99.9):.1f}"
+    head = "tensor parallel: " if where == "in blocks" else \
+        "tensor parallel: no repeated blocks found; "
+    return (f"{head}{len(sharded)} of {len(mats)} weight matrices {where} sharded "
+            f"({pct} % of parameters)")
