@@ -53,7 +53,7 @@ from .cuts import fuse_slices
 from .layouts import view_rule
 from .placements import CONFLICT, REPLICATE, Conflict, Shard, shard_dim
 from .rules import BROADCASTING, DTENSOR_FIRST, KEEP_HEADS, KEEP_RAW, RULES, pointwise_rule
-from .strided import carry_strided, check_sizes, narrowed, request_narrow
+from .strided import tiled_by, carry_strided, check_sizes, narrowed, request_narrow
 from .pieces import register, site_key
 from .weights import path_rule, weight_paths
 from .state import (HeadsMark, Propagation, add_constraint, dim_of, inputs_of,
@@ -216,6 +216,13 @@ def _rule(node: fx.Node, prop: Propagation, column, row, weight_dims, tp):
         requested = redistribute.request(node, prop, tp, out)
         why = "" if requested else redistribute.why_not(node, prop)
     elif fn is not view_rule and not carry_strided(node, prop, out):
+        # tiled heads (GQA by ``k.repeat(1, n_rep, 1, 1)``: query head h reads kv head
+        # h % kv) meeting plain heads: the repeat reads its input gathered, and what meets
+        # the plain shards is replicated (attention then cuts it to the rank's heads)
+        for a in ins:
+            r = tiled_by(a, prop)
+            if r is not None:
+                redistribute.gather_all(r, prop, [r.args[0]])
         return _conflict(prop, node, groups, "a (batch, heads) merged dim meets a dim sharded "
                                              "another way")
     if out is NO_RULE or out == CONFLICT:

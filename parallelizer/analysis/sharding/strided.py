@@ -148,6 +148,19 @@ def repeat_rule(node, prop, tp):
     return Shard(k)
 
 
+def tiled_by(a: fx.Node, prop):
+    """The ``repeat`` whose tiling of a sharded dim made ``a`` strided, followed back through
+    single strided inputs; None when ``a`` is not strided or no one path leads to it."""
+    while a.name in prop.strided:
+        if a.op == "call_function" and a.target is aten.repeat.default:
+            return a
+        back = [b for b in inputs_of(a) if b.name in prop.strided]
+        if len(back) != 1:
+            return None
+        a = back[0]
+    return None
+
+
 def carry_strided(node, prop, out) -> bool:
     """After a rule: the merge marker follows a sharded dim the op keeps (False: a merged
     value met a plain shard, or merges of different heads)."""

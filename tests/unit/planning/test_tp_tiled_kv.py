@@ -1,0 +1,52 @@
+"""GQA whose kv heads are tiled, ``k.repeat(1, heads // kv, 1, 1)`` (query head h reads kv
+head h % kv, as ports of JAX's ``jnp.tile`` write it), not interleaved as repeat_kv does.
+A rank's block of query heads reads kv heads of every rank, so the repeat reads k and v
+gathered and attention cuts the tiled heads to the rank's block; q and the output
+projection stay sharded. Main before: the tiled (strided) heads met q's plain shard at
+attention and the whole attention was kept replicated. Each rank equals the unmodified
+model (outputs, every gradient, one SGD step; fp32, 1e-5)."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parallelizer.passes.cleanup import apply_cleanup
+from parallelizer.passes.tensor_parallel import apply_tensor_parallel
+from parallelizer.planning.tp import plan_tp
+
+from tp_check import assert_tp_matches
+from tp_small_models import H, captured, x_batch
+
+HEADS, KV, D = 4, 2, 8
+
+
+class TiledGQA(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(H, H), nn.Linear(H, KV * D), nn.Linear(H, KV * D)
+        self.o = nn.Linear(H, H)
+        self.up, self.down = nn.Linear(H, 2 * H), nn.Linear(2 * H, H)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, HEADS, D).transpose(1, 2)
+        k = self.k(x).view(b, t, KV, D).transpose(1, 2).repeat(1, HEADS // KV, 1, 1)
+        v = self.v(x).view(b, t, KV, D).transpose(1, 2).repeat(1, HEADS // KV, 1, 1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(y.transpose(1, 2).reshape(b, t, H))
+        return x + self.down(F.gelu(self.up(x)))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tiled_kv_heads_are_gathered_before_the_repeat_and_cut_at_attention(tp):
+    torch.manual_seed(0)
+    model = TiledGQA()
+    cap = captured(model, x_batch())
+    d = plan_tp(cap.gm.graph, tp)
+    apply_cleanup(cap.gm)
+    apply_tensor_parallel(cap.gm, d)
+    assert {"q.weight", "up.weight"} <= d.column and {"o.weight", "down.weight"} <= d.row
+    cuts = [r for r in d.redistributions if "scaled_dot_product_attention" in r.readers[0]]
+    assert len(cuts) == 2 and all(r.kind == "scatter" for r in cuts), d.report
+    assert not any(line.startswith("kept replicated") for line in d.report), d.report
+    assert_tp_matches(model, x_batch(), tp, d, cap.gm)
