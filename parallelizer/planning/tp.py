@@ -23,12 +23,12 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ..plan.decisions import TPDecision
-from ..plan.layouts import in_units
 from ..errors import PlanError
 from ..analysis.graph_facts import linear_sites, shape
 from .gradients import plan_gradients
 from .redistributions import redistributions, report_lines
-from .tp_candidates import check_divisible, divisible, indivisible, one_head_whole, pairs_settled
+from .tp_candidates import (check_divisible, divisible, indivisible, merged_layout, merged_whole,
+                            one_head_whole, pairs_settled)
 from .tp_matrices import custom_op_weights, op_text, other_matrices
 
 
@@ -63,6 +63,7 @@ def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False,
         pairs, column, row, prop = indivisible(graph, sites, tp, decision, first)
     check_divisible(prop, tp)
     pairs, column, row, prop = one_head_whole(graph, tp, decision, (pairs, column, row, prop))
+    pairs, column, row, prop = merged_whole(graph, sites, tp, decision, (pairs, column, row, prop))
     layouts = prop.found_layouts()
     decision.column, decision.row, decision.rewrites = column, row, prop.rewrites
     decision.size_copies = dict(prop.size_copies)
@@ -75,8 +76,7 @@ def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False,
         if w in column and site.bias:
             decision.dims[site.bias] = 0
         if w in column and w in layouts:  # a merged parameter's in its own dim's units
-            decision.layouts[w] = layouts[w] if site.merged is None else in_units(
-                layouts[w], site.features(site.out_dim) // int(shape(site.param)[site.out_dim]))
+            decision.layouts[w] = merged_layout(site, layouts[w])
         if w in column and site.bias in layouts:  # its weight's, or its pieces' side by side
             decision.layouts[site.bias] = layouts[site.bias]
     for fqn, (d, _groups) in sorted(prop.per_head.items()):

@@ -9,7 +9,9 @@ from __future__ import annotations
 import torch
 
 from ..plan.decisions import TPDecision
+from ..plan.layouts import check, in_units
 from ..errors import PlanError
+from ..analysis.graph_facts import shape
 from ..analysis.sharding.propagate import Propagation, propagate
 from .redistributions import redistributions
 from .tp_matrices import op_text
@@ -257,3 +259,42 @@ def check_divisible(prop: Propagation, tp: int) -> None:
         f"mesh.tp ({tp}) must divide the number of {'kv heads' if kv_heads else c.what} "
         f"({c.size}) of {c.module or 'the model'} ({c.detail}){copies if kv_heads else ''}; "
         f"valid choices: tp in {{{', '.join(map(str, valid))}}}")
+
+
+def merged_layout(site, layout):
+    """A column weight's layout in its parameter's own units: a parameter of 3+ dims viewed
+    as the 2-D weight (an einsum projection) is cut along its own dim, so the layout is
+    counted in that dim's rows (``plan.layouts.in_units``)."""
+    if site.merged is None:
+        return layout
+    return in_units(layout, site.features(site.out_dim) // int(shape(site.param)[site.out_dim]))
+
+
+def merged_whole(graph, sites, tp: int, decision: TPDecision, chosen):
+    """``chosen`` lays out a merged parameter's rows in parts its own dim cannot cut (a fused
+    q|k|v einsum weight ``(3, H, D_h, D)``: the shard of each part is a slice of ``H``, but
+    the parameter is cut along its first dim, the 3 parts): the plan with those linears kept
+    whole, which must settle divisible; else a PlanError naming them."""
+    pairs, column, _row, prop = chosen
+    layouts = prop.found_layouts()
+    bad = {}
+    for site in sites:
+        w = site.weight
+        if site.merged is None or w not in column or w not in layouts:
+            continue
+        try:
+            check(int(shape(site.param)[site.out_dim]), merged_layout(site, layouts[w]), tp)
+        except ValueError as e:
+            bad[w] = (f"its parameter {list(shape(site.param))} is cut along dim "
+                      f"{site.out_dim}, which holds the {layouts[w].kind} layout's parts "
+                      f"whole ({e})")
+    if not bad:
+        return chosen
+    scratch = TPDecision(tp=tp, linears=decision.linears, biases=decision.biases)
+    found = _candidate(graph, pairs, tp, scratch, kept=bad)
+    if not divisible(found[3], tp):
+        w, why = sorted(bad.items())[0]
+        raise PlanError(f"mesh.tp ({tp}) cannot shard {w}: {why}; store the weight with the "
+                        f"split dim first or set mesh.tp=1")
+    decision.blockers, decision.report = scratch.blockers, scratch.report
+    return found

@@ -157,3 +157,32 @@ def test_3d_einsum_checkpoint_round_trip_is_bit_exact(tmp_path):
     assert set(got) == set(want)
     for n, t in got.items():
         assert torch.equal(t, want[n]), n
+
+
+class FusedQKV4D(nn.Module):
+    """One q|k|v einsum weight ``(3, H, D_h, D_model)`` (``"bsd,phkd->pbhsk"``, then unbind):
+    the parameter is cut along its first dim, the 3 parts, which no rank's piece of every
+    part can be."""
+
+    def __init__(self):
+        super().__init__()
+        self.wqkv = nn.Parameter(0.1 * torch.randn(3, HEADS, D, H))
+        self.wo = nn.Parameter(0.1 * torch.randn(HEADS, D, H))
+        self.up, self.down = nn.Linear(H, 2 * H), nn.Linear(2 * H, H)
+
+    def forward(self, x):
+        q, k, v = torch.einsum("bsd,phkd->pbhsk", x, self.wqkv).unbind(0)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + torch.einsum("bhsk,hkd->bsd", y, self.wo)
+        return x + self.down(F.gelu(self.up(x)))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_fused_qkv_einsum_weight_cut_along_its_parts_is_kept_whole(tp):
+    """A new user's run before: the plan laid the weight out as fused parts its dim 0 cannot
+    hold, and compiling crashed at emit ('tp degree 2 does not divide a fused part (1)')."""
+    torch.manual_seed(0)
+    d = plan_and_check(FusedQKV4D(), x_batch(), tp)
+    assert "wqkv" not in d.column and {"wo", "down.weight"} <= d.row
+    assert any(line.startswith("kept whole: wqkv (its parameter [3, 4, 8, 32] is cut along "
+                               "dim 0") for line in d.report), d.report
