@@ -170,8 +170,8 @@ def drops_a_g(monkeypatch):
     monkeypatch.setattr(compiler, "apply_tensor_parallel", broken)
 
 
-def _cli(tmp_path, capsys, *flags):
-    (tmp_path / "model.py").write_text(MODEL_PY)
+def _cli(tmp_path, capsys, *flags, model_py=MODEL_PY):
+    (tmp_path / "model.py").write_text(model_py)
     (tmp_path / "spec.yaml").write_text("mesh: {tp: 2}\n")
     out = tmp_path / "out"
     code = cli.main([str(tmp_path / "model.py"), str(tmp_path / "spec.yaml"), "-o", str(out),
@@ -215,3 +215,26 @@ def test_forced_self_check_it_cannot_run_is_an_error():
         False, "self-check: skipped (the model has no weights (--no-weights or a meta-device "
                "model))")
     assert numerics_check.when(auto, tp2, model, x_batch(2, 4), True) == (True, "")
+
+
+BF16_MODEL_PY = MODEL_PY.replace(
+    "return self.down(torch.relu(self.up(x)))",
+    "h = torch.relu(self.up(x.to(torch.bfloat16).to(torch.float32) * 1.0))\n"
+    "        return nn.functional.linear(h.to(torch.bfloat16), "
+    "self.down.weight.to(torch.bfloat16)).float()")
+
+
+def test_a_model_computing_in_bf16_is_checked_at_its_rounding(tmp_path, capsys):
+    """A new user's model computing its projection in bfloat16 was refused as 'internal
+    error' at fp32's 1e-4 (its own bf16 rounding, as --verify confirmed). The check now
+    compares within 4 bf16 units and says so."""
+    code, io, out = _cli(tmp_path, capsys, model_py=BF16_MODEL_PY)
+    assert code == 0 and out.exists(), io
+    assert "of the tolerance (bfloat16's, the dtype the model computes in)" in io.out, io.out
+
+
+def test_a_dropped_g_is_caught_at_the_bf16_tolerance_too(tmp_path, capsys, drops_a_g):
+    code, io, out = _cli(tmp_path, capsys, model_py=BF16_MODEL_PY)
+    assert code == 2 and not out.exists(), io
+    assert "fp32, the model computing in bfloat16, atol=0.03125" in io.err
+    assert "differs first at output 0: max abs error" in io.err
