@@ -7,6 +7,7 @@ import torch
 import torch.fx as fx
 
 from ..plan.decisions import TPDecision
+from ..plan.layouts import ReplicatedHeads
 from ..analysis.experts import find_expert_layers
 from ..analysis.graph_facts import aten, source_line
 
@@ -153,7 +154,9 @@ def tp_summary(decision: TPDecision, model, vocab=None, blocks=(), experts=None,
     the per-module experts it stands for, passes/stack_experts.py) too; the blocks are
     ``blocks`` where given (see :func:`block_matrices`). A model with no blocks (no
     ``nn.ModuleList``, none found by planning/blocks.py) says so and counts the weight
-    matrices of the whole model instead. P is rounded, but never to 100 while a parameter is left whole (nor to 0
+    matrices of the whole model instead. One kv head copied to every rank (multi-query,
+    ``replicated_heads`` of 1 head) is held whole by each rank and not counted sharded. P is
+    rounded, but never to 100 while a parameter is left whole (nor to 0
     while one is sharded)."""
     mats = block_matrices(model, blocks)
     where = "in blocks"
@@ -164,6 +167,9 @@ def tp_summary(decision: TPDecision, model, vocab=None, blocks=(), experts=None,
     for fqn, members in (stacked or {}).items():
         if fqn in dims:
             dims.update(dict.fromkeys(members, dims[fqn]))
+    for fqn, layout in decision.layouts.items():  # one kv head copied: every rank holds it
+        if isinstance(layout, ReplicatedHeads) and layout.heads == 1:
+            dims.pop(fqn, None)
     sharded = [n for n in mats if n in dims]
     params = dict(model.named_parameters())
     total = sum(p.numel() for p in params.values()) or 1

@@ -19,6 +19,7 @@ from parallelizer.errors import PlanError
 from parallelizer.passes.cleanup import apply_cleanup
 from parallelizer.passes.tensor_parallel import apply_tensor_parallel
 from parallelizer.planning.tp import plan_tp
+from parallelizer.planning.tp_matrices import tp_summary
 
 from tp_check import assert_tp_matches
 from tp_small_models import H, captured, x_batch
@@ -66,6 +67,10 @@ def test_expanded_one_kv_head_is_copied_and_attention_sharded():
     assert d.layouts["k.weight"].kind == d.layouts["v.weight"].kind == "replicated_heads"
     assert not d.redistributions, [r.kind for r in d.redistributions]
     assert_tp_matches(model, x_batch(), 4, d, cap.gm)
+    # each rank holds the one kv head whole: k and v are not counted sharded
+    assert tp_summary(d, model).startswith(
+        "tensor parallel: no repeated blocks found; 4 of 6 weight matrices in the model"), \
+        tp_summary(d, model)
 
 
 def test_one_kv_head_normed_whole_is_kept_whole_not_split_along_head_dim():
