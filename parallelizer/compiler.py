@@ -249,7 +249,7 @@ def plan(analysis: Analysis, spec: Spec, passes: PassManager) -> Planned:
     if ep_summary(ep):
         notes.append(ep_summary(ep))
     random = plan_random_ops(graph, tp.placements, mesh.tp)  # raises: one tp cannot draw alike
-    dropout = plan_dropout(graph, tp.placements)
+    dropout = plan_dropout(graph, tp.placements, tp.redistributions)
     measured = measure(analysis, passes)
     costs, blocks = measured.costs, analysis.blocks
     num_stages = _num_stages(spec, blocks, costs.block_parts())

@@ -32,18 +32,25 @@ class DropoutSite:
     stream: str
 
 
-def plan_dropout(graph: fx.Graph, placements: dict) -> tuple[DropoutSite, ...]:
+def plan_dropout(graph: fx.Graph, placements: dict,
+                 redistributions=()) -> tuple[DropoutSite, ...]:
     """Every dropout node of ``graph`` that draws (p > 0 or not a constant, train not False)
-    with its stream: ``tp`` when its input (the query of an SDPA) is sharded over tp
-    (``placements``: node name -> placement, from sharding propagation; empty at tp = 1),
-    else ``replicated``."""
+    with its stream: ``tp`` when its input (the query of an SDPA) is sharded over tp as the
+    op reads it, else ``replicated``. ``placements``: node name -> placement, from sharding
+    propagation (empty at tp = 1); ``redistributions`` (plan.decisions.Redistribution): an
+    input all-gathered for this op is read replicated, so the op computes the whole tensor
+    on every rank and must draw one mask (per-rank masks would back-propagate every rank's
+    gradient of the whole through its own mask, not the one the kept output used)."""
+    gathered = {(r.producer, reader) for r in redistributions if r.kind == "all_gather"
+                for reader in r.readers}
     sites = []
     for node in graph.nodes:
         op = str(node.target) if node.op == "call_function" else ""
         if op not in DROPOUT_OPS or not _draws(node, op):
             continue
         x = node.args[0]
-        sharded = isinstance(x, fx.Node) and not is_replicated(placements.get(x.name))
+        sharded = (isinstance(x, fx.Node) and not is_replicated(placements.get(x.name))
+                   and (x.name, node.name) not in gathered)
         p = _probability(node, op)
         sites.append(DropoutSite(node.name, _module(node), op,
                                  float(p) if isinstance(p, (int, float)) else None,
