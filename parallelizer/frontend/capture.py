@@ -8,6 +8,8 @@ both routes end in the same IR.
 """
 from __future__ import annotations
 
+import contextlib
+import inspect
 import operator
 import os
 import re
@@ -67,12 +69,43 @@ def _export(model, args, kwargs):
     """torch.export with :func:`_dynamic_shapes`; again with a symbol per input's batch when
     the model's code does not hold one batch dim for them all (it specialises it, or
     an input's dim 0 is not the batch)."""
+    with _named_keywords(model, kwargs):
+        try:
+            return torch.export.export(model, args, kwargs, dynamic_shapes=_dynamic_shapes(
+                args, kwargs), strict=False)
+        except Exception:
+            dyn = _dynamic_shapes(args, kwargs, shared_batch=False)
+            return torch.export.export(model, args, kwargs, dynamic_shapes=dyn, strict=False)
+
+
+@contextlib.contextmanager
+def _named_keywords(model, kwargs: dict):
+    """An input that ``forward`` takes through ``**kwargs`` (``forward(self, pixel_values,
+    **kwargs)`` given ``labels``) given a name of its own while exporting: torch 2.13's
+    export matches dynamic shapes against the inputs nested under ``kwargs`` in one place
+    and flat in another, and fails either way ("Must provide a tree_name"). The instance's
+    ``forward`` is shadowed by one whose signature names each input and which calls the
+    class's own ``forward``; parameter names and module paths are unchanged."""
     try:
-        return torch.export.export(model, args, kwargs, dynamic_shapes=_dynamic_shapes(
-            args, kwargs), strict=False)
-    except Exception:
-        dyn = _dynamic_shapes(args, kwargs, shared_batch=False)
-        return torch.export.export(model, args, kwargs, dynamic_shapes=dyn, strict=False)
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        params = ()
+    named = {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    if not any(p.kind == p.VAR_KEYWORD for p in params) or set(kwargs) <= named \
+            or "forward" in vars(model):
+        yield
+        return
+    cls_forward = type(model).forward
+
+    def forward(*a, **kw):
+        return cls_forward(model, *a, **kw)
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    forward.__signature__ = inspect.Signature([inspect.Parameter(k, kind) for k in kwargs])
+    model.forward = forward
+    try:
+        yield
+    finally:
+        del model.forward
 
 
 def capture(model: torch.nn.Module, batch: tuple | dict, model_file: Path) -> Captured:

@@ -431,3 +431,33 @@ def test_an_input_whose_dim_0_is_not_the_batch_keeps_its_own(tmp_path):
     assert not isinstance(a, int) and b == 4
     x5 = torch.randn(5, 3)
     assert torch.allclose(gm(x5, table)[0], Model()(x5, table))
+
+
+class _KwargsForward(nn.Module):
+    """``forward(self, x, **kwargs)`` (timm's and transformers' image models): ``labels``
+    arrives through ``**kwargs``."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x, **kwargs):
+        y = self.down(torch.relu(self.up(x)))
+        return ((y - kwargs["labels"]) ** 2).mean() if "labels" in kwargs else y
+
+
+def test_an_input_taken_through_var_keywords_is_captured_dynamic():
+    """torch 2.13's export fails on dynamic shapes for an input under ``**kwargs`` ("Must
+    provide a tree_name"; the sweep's pp_lcnet was refused as not capturable): captured as
+    a named input, every batch and sequence length runs as eager, and the model is left
+    as it was (no ``forward`` attribute of its own)."""
+    model = _KwargsForward()
+    g = torch.Generator().manual_seed(0)
+    cap = capture(model, {"x": torch.randn(2, 5, 8, generator=g),
+                          "labels": torch.randn(2, 5, 8, generator=g)}, Path(__file__))
+    assert cap.route == "torch.export" and cap.input_names == ("x", "labels")
+    assert "forward" not in vars(model)
+    x, labels = torch.randn(3, 7, 8, generator=g), torch.randn(3, 7, 8, generator=g)
+    with torch.no_grad():
+        (got,) = cap.gm(x=x, labels=labels)
+        torch.testing.assert_close(got, model(x, labels=labels), rtol=0, atol=0)
