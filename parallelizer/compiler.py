@@ -36,7 +36,7 @@ from .frontend.model_file import default_loss, load_model
 from .frontend.capture import Captured, capture
 from .analysis.costs import PipelineCosts
 from .analysis.gradient_accounting import check_gradients
-from .analysis.outputs import check_outputs_have_batch_dim
+from .analysis.outputs import check_batch_is_dynamic, check_outputs_have_batch_dim
 from .passes.aliases import apply_untie
 from .passes.attention import apply_eager_attention
 from .passes.cleanup import apply_cleanup
@@ -181,6 +181,7 @@ def analyse(model: torch.nn.Module, batch, name: Path, passes: PassManager,
     model.train()
     captured = capture(model, batch, name)
     if pp > 1:
+        check_batch_is_dynamic(captured.gm, captured.input_names)
         check_outputs_have_batch_dim(captured.gm, captured.input_names)
     rewritten: list = []
     passes.run("eager_attention", apply_eager_attention, captured.gm, rewritten)
