@@ -35,7 +35,8 @@ def scalar_outputs(gm: fx.GraphModule) -> tuple[int, ...]:
 
 
 def check_batch_is_dynamic(gm: fx.GraphModule, input_names) -> None:
-    """Under pp > 1 every stage runs on microbatches of the example batch: the captured
+    """Under pp > 1 (or microbatches > 1 at pp 1) the step runs the graph on microbatches of
+    the example batch: the captured
     graph must hold the first input's batch as a symbol. Code that turns it into a Python
     int (``len(x)``: ``__len__`` must return an int, so torch.export specialises the size;
     ``int(x.shape[0])``) fixes it at the example's size, and the stages failed on the
@@ -65,9 +66,10 @@ def check_batch_is_dynamic(gm: fx.GraphModule, input_names) -> None:
     raise PlanError(
         f"the model's code fixes the batch size at the example's {batch} (dim 0 of input "
         f"{input_names[0]!r} is a constant in the captured graph, not a symbol){where}; under "
-        f"mesh.pp > 1 each stage runs microbatches of fewer samples. Size by the tensor "
-        f"(x.shape[0], x.size(0), x.expand(x.shape[0], ...)) rather than a Python int "
-        f"(len(x), int(x.shape[0])), or use mesh.pp=1")
+        f"mesh.pp > 1 or pipeline.microbatches > 1 the step runs microbatches of fewer "
+        f"samples. Size by the tensor (x.shape[0], x.size(0), x.expand(x.shape[0], ...)) "
+        f"rather than a Python int (len(x), int(x.shape[0])), or use mesh.pp=1 and "
+        f"pipeline.microbatches=1")
 
 
 def check_outputs_have_batch_dim(gm: fx.GraphModule, input_names) -> None:

@@ -58,7 +58,7 @@ def test_a_batch_fixed_by_len_is_refused_naming_the_line():
     line = line_of(__file__, "# the batch as a Python int")
     assert msg.startswith("the model's code fixes the batch size at the example's 4"), msg
     assert f"aten.expand.default at test_outputs_batch.py:{line}" in msg and "len(x)" in msg \
-        and "mesh.pp=1" in msg, msg
+        and "mesh.pp=1 and pipeline.microbatches=1" in msg, msg
 
 
 def test_a_symbolic_batch_passes():
