@@ -19,6 +19,20 @@ EXTERNAL = [
              "nn.MultiheadAttention kdim/vdim (in_proj_bias.chunk(3)), dropout 0.1"),
     external("detr_decoder", "DETR-style: conv backbone, learned queries, nn.TransformerDecoder "
              "cross-attention into the feature map, class and box heads"),
+    external("dit", "facebookresearch/DiT: adaLN-Zero (SiLU + Linear(h, 6h) .chunk(6, dim=1), "
+             "modulate), sinusoidal timestep MLP, label dropout by torch.rand, fused qkv, unpatchify"),
+    external("mlp_mixer", "MLP-Mixer: token-mixing Linear over the patch dim after transpose(1, 2), "
+             "channel-mixing MLP, dropout 0.1"),
+    external("clip_dual", "openai/CLIP: nn.MultiheadAttention seq-first with a fill_(-inf).triu_(1) "
+             "mask, Parameter projections used with @, logit_scale.exp(), contrastive loss"),
+    external("ldm_attention", "CompVis ldm: GroupNorm + 1x1-conv q/k/v AttnBlock (bmm), "
+             "SpatialTransformer with einsum CrossAttention and GEGLU, context input"),
+    external("ft_transformer", "rtdl FT-Transformer: per-feature numerical tokenizer, categorical "
+             "offsets buffer, CLS token appended, ReGLU, first block without attention norm"),
+    external("moe_mistral", "mistral-src MoeLayer: topk, softmax over top-k, torch.where(selected "
+             "== i) gather and index += per expert (data-dependent shapes)"),
+    external("moe_mistral_dense", "moe_mistral with every expert on every token, combined by "
+             "the top-k weights scattered to a dense matrix"),
 ]
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (

@@ -14,6 +14,11 @@ import torch
 import torch.fx as fx
 
 from ..errors import PlanError
+from .graph_facts import source_line
+
+# ops whose int arguments are sizes: where a batch size fixed by the model's code shows
+_SIZED = {"expand", "view", "reshape", "_unsafe_view", "repeat", "new_zeros", "new_ones",
+          "new_empty", "new_full", "zeros", "ones", "empty", "full", "arange", "randn", "rand"}
 
 
 def _flat_outputs(gm: fx.GraphModule) -> list:
@@ -27,6 +32,44 @@ def scalar_outputs(gm: fx.GraphModule) -> tuple[int, ...]:
     and data-parallel ranks)."""
     return tuple(i for i, v in enumerate(_flat_outputs(gm))
                  if isinstance(v, torch.Tensor) and v.dim() == 0 and v.is_floating_point())
+
+
+def check_batch_is_dynamic(gm: fx.GraphModule, input_names) -> None:
+    """Under pp > 1 (or microbatches > 1 at pp 1) the step runs the graph on microbatches of
+    the example batch: the captured
+    graph must hold the first input's batch as a symbol. Code that turns it into a Python
+    int (``len(x)``: ``__len__`` must return an int, so torch.export specialises the size;
+    ``int(x.shape[0])``) fixes it at the example's size, and the stages failed on the
+    microbatch's shapes (an internal error at the first op sized by it).
+
+    Raises:
+        PlanError: names the input, the fixed size, the first op sized by it (its line) and
+            the fix.
+    """
+    first = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == input_names[0])
+    val = first.meta.get("val")
+    # a size export specialised is a SymInt whose expression is a number
+    if not isinstance(val, torch.Tensor) or not val.dim() or not str(val.shape[0]).isdigit() \
+            or int(str(val.shape[0])) <= 1:
+        return
+    batch = int(str(val.shape[0]))
+    where = ""
+    for n in gm.graph.nodes:
+        name = getattr(n.target, "__name__", "").split(".")[0]
+        if n.op != "call_function" or name not in _SIZED:
+            continue
+        ints = [a for a in n.args[1:] if isinstance(a, int)] + [
+            x for a in n.args if isinstance(a, (list, tuple)) for x in a if isinstance(x, int)]
+        if batch in ints and source_line(n):
+            where = f"; the first op sized by it: {n.target} at {source_line(n)}"
+            break
+    raise PlanError(
+        f"the model's code fixes the batch size at the example's {batch} (dim 0 of input "
+        f"{input_names[0]!r} is a constant in the captured graph, not a symbol){where}; under "
+        f"mesh.pp > 1 or pipeline.microbatches > 1 the step runs microbatches of fewer "
+        f"samples. Size by the tensor (x.shape[0], x.size(0), x.expand(x.shape[0], ...)) "
+        f"rather than a Python int (len(x), int(x.shape[0])), or use mesh.pp=1 and "
+        f"pipeline.microbatches=1")
 
 
 def check_outputs_have_batch_dim(gm: fx.GraphModule, input_names) -> None:
@@ -50,3 +93,12 @@ def check_outputs_have_batch_dim(gm: fx.GraphModule, input_names) -> None:
                 f"microbatches along dim 0 (a 0-dim floating-point output, a loss, is averaged "
                 f"instead), so return per-sample values and reduce them in loss_fn, or use "
                 f"mesh.pp=1")
+        pairs = [d for d in range(1, val.dim()) if not str(batch).isdigit()
+                 and str(val.shape[d]) == str(batch)]
+        if pairs:
+            raise PlanError(
+                f"output {i} of the model has shape {list(val.shape)} ({val.dtype}): its dim "
+                f"{pairs[0]} is the batch too, a value over pairs of samples (a similarity matrix "
+                f"of the batch, CLIP's logits_per_image); under mesh.pp > 1 each microbatch "
+                f"pairs only its own samples, so neither this output nor a loss over it is the "
+                f"global batch's; use mesh.pp=1")

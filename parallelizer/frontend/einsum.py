@@ -17,8 +17,16 @@ names: each letter of W is either contracted with ``x`` (in both, not in the out
 output feature (in W and the output only); each letter of ``x`` not in W is a batch letter
 and reaches the output; W's contracted and feature letters are each one contiguous run
 (``[features][contracted]`` is W stored (out, in), ``[contracted][features]`` (in, out)).
-Any other einsum (a letter in all three operands, a sum over a dim of one operand, a
-diagonal, two activations) is left as it is, and the planner reports its weight replicated.
+An einsum of two activations that is a batched matrix product (attention's scores and
+context written as ``einsum('b i d, b j d -> b i j', q, k)`` and ``einsum('b i j, b j d ->
+b i d', attn, v)``, CompVis ldm's CrossAttention: batch letters in all three operands, one
+contracted letter, one free letter of each operand) becomes the ``aten.matmul`` of its
+operands permuted to ``(batch.., i, d)`` and ``(batch.., d, j)``, permuted back to the
+output's order: the sharding rules take it as they take ``q @ k.transpose(-2, -1)`` (no
+rule takes ``aten.einsum`` itself, so such an attention and its q/k/v/out projections
+were kept replicated).
+Any other einsum (a sum over a dim of one operand, a diagonal, several contracted or free
+letters) is left as it is, and the planner reports its weight replicated.
 
 W is a parameter read directly or through casts (``w.to(torch.bfloat16).to(x.dtype)``).
 Every node the rewrite adds carries the einsum's meta (module, source line) and a FakeTensor
@@ -52,10 +60,63 @@ def einsums_as_linears(gm: fx.GraphModule) -> int:
             if plan is not None:
                 _rewrite(gm.graph, node, *plan)
                 done += 1
+            elif _batched_matmul(gm.graph, node):
+                done += 1
     if done:
         gm.graph.lint()
         gm.recompile()
     return done
+
+
+def _batched_matmul(graph: fx.Graph, node: fx.Node) -> bool:
+    """Rewrite ``einsum(eq, a, b)`` into ``matmul`` of permutes when ``eq`` is a batched
+    matrix product (see the module docstring); False (left as it is) otherwise."""
+    if len(node.args) != 2 or node.kwargs or not isinstance(node.args[0], str) \
+            or len(node.args[1]) != 2 or not all(isinstance(t, fx.Node) for t in node.args[1]):
+        return False
+    a, b = node.args[1]
+    va, vb = _val(a), _val(b)
+    eq = node.args[0].replace(" ", "")
+    if "..." in eq or "->" not in eq or not isinstance(va, torch.Tensor) \
+            or not isinstance(vb, torch.Tensor):
+        return False
+    ins, os_ = eq.split("->")
+    if ins.count(",") != 1:
+        return False
+    as_, bs = ins.split(",")
+    if len(set(as_)) != len(as_) or len(set(bs)) != len(bs) or len(set(os_)) != len(os_) \
+            or len(as_) != va.dim() or len(bs) != vb.dim() or not set(os_) <= set(as_ + bs):
+        return False
+    batch = [c for c in os_ if c in as_ and c in bs]
+    contracted = [c for c in as_ if c in bs and c not in os_]
+    free_a = [c for c in as_ if c not in bs]
+    free_b = [c for c in bs if c not in as_]
+    if len(contracted) != 1 or len(free_a) != 1 or len(free_b) != 1 \
+            or not set(free_a + free_b) <= set(os_) \
+            or any(str(va.shape[as_.index(c)]) != str(vb.shape[bs.index(c)])
+                   for c in batch + contracted):
+        return False
+    fake = detect_fake_mode([va, vb])
+    meta = {k: v for k, v in node.meta.items() if k != "val"}
+
+    def call(target, *args):
+        new = graph.call_function(target, args)
+        vals = [_val(x) if isinstance(x, fx.Node) else x for x in args]
+        with fake:
+            new.meta = {**meta, "val": target(*vals)}
+        return new
+
+    def permuted(x, letters, order):
+        perm = [letters.index(c) for c in order]
+        return x if perm == list(range(len(perm))) else call(aten.permute.default, x, perm)
+
+    with graph.inserting_before(node):
+        y = call(aten.matmul.default, permuted(a, as_, batch + free_a + contracted),
+                 permuted(b, bs, batch + contracted + free_b))
+        y = permuted(y, batch + free_a + free_b, list(os_))
+    node.replace_all_uses_with(y)
+    graph.erase_node(node)
+    return True
 
 
 def _val(n):

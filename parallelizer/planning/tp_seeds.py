@@ -5,7 +5,9 @@ A linear whose output reaches another linear's input through ops that keep a sha
 (elementwise, gating, view, attention over heads) is the column half of a pair and the
 reached linear its row half (Megatron-LM §3). A walk ends at a block's boundary: a residual
 add, a LayerNorm over all the walked features, an embedding, a mixture-of-experts router's
-top-k. A linear whose output is the residual stream itself (a projection of the embeddings
+top-k, and a conditioning broadcast: a linear's per-sample features scaling or shifting
+every position of another activation (DiT's adaLN ``x * (1 + scale.unsqueeze(1)) + shift``,
+FiLM). A linear whose output is the residual stream itself (a projection of the embeddings
 into the blocks' width) seeds nothing. Reads the graph, never changes it.
 """
 from __future__ import annotations
@@ -25,6 +27,8 @@ _NORMS = {aten.native_layer_norm.default, aten.layer_norm.default}
 _ROUTING = {aten.topk.default}
 _WALK_LIMIT = 400
 _ADDS = {aten.add.Tensor, aten.add_.Tensor}
+_ELEMENTWISE = _ADDS | {aten.mul.Tensor, aten.mul_.Tensor, aten.sub.Tensor, aten.sub_.Tensor,
+                        aten.div.Tensor, aten.div_.Tensor}
 
 
 def seed_pairs(sites: list, residual_stop: bool) -> dict:
@@ -69,9 +73,38 @@ def _walk(start: fx.Node, is_linear: dict, residual_stop: bool) -> set:
                 continue
             if user.target in _NORMS and _whole_features(user, start):
                 continue
-            if user.target not in _STOP and not (residual_stop and _residual_add(user, seen)):
+            if user.target not in _STOP and not (residual_stop and _residual_add(user, seen)) \
+                    and not _conditioning(user, node):
                 frontier.append(user)
     return reached
+
+
+def _conditioning(op: fx.Node, walked: fx.Node) -> bool:
+    """``op`` scales or shifts another activation by the walked value broadcast over its
+    positions: the walked value has the output's features (last dim) but size 1 (or no dim)
+    where the output has more, and the other operand is an activation of the output's shape.
+    The walk then goes on only from that operand, when it reaches it (``t - t.mean(1,
+    keepdim=True)`` still passes through ``t``). DiT's adaLN-Zero (``Linear(h, 6h)`` of the timestep
+    and class embedding, ``.chunk(6)``, ``x * (1 + scale.unsqueeze(1)) + shift``) and FiLM:
+    a per-sample vector conditioning every token. Going on would pair the conditioning
+    linear, as a column, with the block's q/k/v and fc1 as its rows (computed on a
+    feature-sharded input, all-reduced), leaving attention and the MLP's output projection
+    replicated; the conditioning linear's output is one row per sample, not per token."""
+    if op.target not in _ELEMENTWISE:
+        return False
+    v, out = walked.meta.get("val"), op.meta.get("val")
+    if getattr(v, "shape", None) is None or getattr(out, "shape", None) is None \
+            or not v.dim() or not out.dim() or v.dim() > out.dim():
+        return False
+    vs, os_ = tuple(v.shape), tuple(out.shape)
+    if not (isinstance(vs[-1], int) and isinstance(os_[-1], int) and vs[-1] == os_[-1] > 1):
+        return False
+    lead = (1,) * (len(os_) - len(vs)) + vs
+    if not any(isinstance(a, int) and a == 1 and not (isinstance(b, int) and b == 1)
+               for a, b in zip(lead[:-1], os_[:-1])):
+        return False
+    return any(isinstance(a, fx.Node) and a is not walked and _same_shape(a.meta.get("val"), out)
+               and not _constant(a) for a in op.args[:2])
 
 
 def _feeds_residual(node: fx.Node, is_linear: dict) -> bool:

@@ -130,6 +130,20 @@ def propagate(graph: fx.Graph, column: set, row: set, tp: int, layouts: Optional
     return prop
 
 
+def _output(node: fx.Node, prop, groups):
+    """The graph's outputs are the model's, whole on every rank: a sharded one (the residual
+    stream of a block whose last op is an elementwise op of a sharded operand, DiT's
+    ``x + gate.unsqueeze(1) * mlp(..)`` with the gate a column linear's shard) is gathered
+    before it is returned. No rule read the output node, so each rank returned its shard
+    (the compile's numerics self-check: an internal error). Asked for here, the all-gather
+    is read by the next run (a conflict until then, as for any op's redistribution)."""
+    if not _sharded_inputs(node, prop):
+        return REPLICATE, groups
+    requested = redistribute.gather_all(node, prop)
+    return _conflict(prop, node, groups, "the model returns it sharded" + (
+        "" if requested else ", and no all-gather can stand in (not an even split of it)"))
+
+
 def _shared_biases(prop, readers: dict, column) -> None:
     """A bias whose pieces are read by the linears of several weights (torch's kdim/vdim
     q/k/v weights with ``in_proj_bias.chunk(3)``) is sharded only with all of them."""
@@ -170,6 +184,8 @@ def _rule(node: fx.Node, prop: Propagation, column, row, weight_dims, tp):
             prop.raw[node.name] = frozenset({key})
             return Shard(0), frozenset({w})
         return REPLICATE, frozenset()
+    if node.op == "output":
+        return _output(node, prop, groups)
     if node.op != "call_function":
         return REPLICATE, groups
     ins = _sharded_inputs(node, prop)

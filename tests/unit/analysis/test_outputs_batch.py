@@ -1,0 +1,74 @@
+"""Under pp > 1 the stages run on microbatches, so the captured graph must keep the batch a
+symbol and every output must be per sample (analysis/outputs.py).
+
+- rtdl's FT-Transformer appends its CLS token with ``weight.view(1, -1).expand(len(x), 1,
+  -1)``: ``len()`` must return an int, so torch.export fixes the batch at the example's
+  size, and the pipelined stage failed on the microbatch's shapes ("internal error ... at
+  aten.cat"; the zoo's ft_transformer at pp2 and tp2 x pp2). Now a compile error naming the
+  first op sized by the constant, its line, and the fix.
+- CLIP returns ``logits_per_image`` (batch, batch): under pp each microbatch paired only its
+  own images and texts, and ``--verify`` FAILed (outputs, loss, every gradient; zoo
+  clip_dual at pp2 and tp2 x pp2). Now a compile error naming the output.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from parallelizer.analysis.outputs import check_batch_is_dynamic, check_outputs_have_batch_dim
+from parallelizer.errors import PlanError
+from tp_small_models import H, captured, line_of
+
+
+class ClsByLen(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cls = nn.Parameter(torch.randn(H))
+        self.lin = nn.Linear(H, H)
+
+    def forward(self, x):
+        cls = self.cls.view(1, 1, -1).expand(len(x), 1, -1)  # the batch as a Python int
+        return self.lin(torch.cat([x, cls], dim=1))
+
+
+class ClsByShape(ClsByLen):
+    def forward(self, x):
+        return self.lin(torch.cat([x, self.cls.view(1, 1, -1).expand(x.shape[0], 1, -1)], dim=1))
+
+
+class Similarity(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(H, H), nn.Linear(H, H)
+
+    def forward(self, x, y):
+        return self.a(x.mean(1)) @ self.b(y.mean(1)).t()
+
+
+def _x(b=4):
+    return (torch.randn(b, 5, H, generator=torch.Generator().manual_seed(0)),)
+
+
+def test_a_batch_fixed_by_len_is_refused_naming_the_line():
+    c = captured(ClsByLen(), _x())
+    with pytest.raises(PlanError) as e:
+        check_batch_is_dynamic(c.gm, c.input_names)
+    msg = str(e.value)
+    line = line_of(__file__, "# the batch as a Python int")
+    assert msg.startswith("the model's code fixes the batch size at the example's 4"), msg
+    assert f"aten.expand.default at test_outputs_batch.py:{line}" in msg and "len(x)" in msg \
+        and "mesh.pp=1 and pipeline.microbatches=1" in msg, msg
+
+
+def test_a_symbolic_batch_passes():
+    c = captured(ClsByShape(), _x())
+    check_batch_is_dynamic(c.gm, c.input_names)
+    check_outputs_have_batch_dim(c.gm, c.input_names)
+
+
+def test_an_output_over_pairs_of_samples_is_refused():
+    c = captured(Similarity(), _x() + _x())
+    with pytest.raises(PlanError, match=r"output 0 of the model has shape \[\w+, \w+\] "
+                                        r"\(torch.float32\): its dim 1 is the batch too"):
+        check_outputs_have_batch_dim(c.gm, c.input_names)

@@ -1,0 +1,113 @@
+"""A conditioning linear: DiT's adaLN-Zero (facebookresearch/DiT, the zoo's ``dit``):
+``adaLN_modulation = Sequential(SiLU(), Linear(h, 6h))`` of a per-sample embedding ``c``,
+``.chunk(6, dim=1)`` into shift / scale / gate, ``modulate(x, shift, scale) = x * (1 +
+scale.unsqueeze(1)) + shift.unsqueeze(1)`` before attention and the MLP, the gates on their
+outputs.
+
+The seed walk from adaLN went on through ``modulate`` (its output broadcast over the
+tokens, multiplying the normed residual stream) into qkv and fc1 and took them as its rows:
+adaLN column, qkv and fc1 row-parallel on a feature-sharded input (all-reduced), attention
+computed whole on every rank, attn.proj and mlp.fc2 replicated (the zoo's dit: 6 of 10
+matrices at tp2 and tp4, PASS). A per-sample vector broadcast over the positions of another
+activation now ends the walk (planning/tp_seeds.py ``_conditioning``): qkv | proj and
+fc1 | fc2 are Megatron pairs, adaLN replicated (its matmul is one row per sample).
+
+A gate that is not a broadcast (SwiGLU's ``silu(gate(x)) * up(x)``, both per token) and a
+per-head scalar broadcast over head_dim are unchanged. Each rank equals the unmodified
+model (outputs, every gradient, one SGD step; fp32, 1e-5).
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tp_check import plan_and_check
+from tp_small_models import H, SwiGLU, x_batch
+
+HEADS = 4
+
+
+def modulate(x, shift, scale):
+    return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(H, 3 * H)
+        self.proj = nn.Linear(H, H)
+
+    def forward(self, x):
+        B, N, C = x.shape
+        q, k, v = self.qkv(x).reshape(B, N, 3, HEADS, C // HEADS).permute(2, 0, 3, 1, 4).unbind(0)
+        y = F.scaled_dot_product_attention(q, k, v)
+        return self.proj(y.transpose(1, 2).reshape(B, N, C))
+
+
+class DiTBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(H, elementwise_affine=False, eps=1e-6)
+        self.attn = Attention()
+        self.norm2 = nn.LayerNorm(H, elementwise_affine=False, eps=1e-6)
+        self.fc1, self.fc2 = nn.Linear(H, 4 * H), nn.Linear(4 * H, H)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(H, 6 * H))
+
+    def forward(self, x, c):
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = \
+            self.adaLN_modulation(c).chunk(6, dim=1)
+        x = x + gate_msa.unsqueeze(1) * self.attn(modulate(self.norm1(x), shift_msa, scale_msa))
+        h = modulate(self.norm2(x), shift_mlp, scale_mlp)
+        return x + gate_mlp.unsqueeze(1) * self.fc2(F.gelu(self.fc1(h)))
+
+
+class DiT(nn.Module):
+    def __init__(self, depth=2):
+        super().__init__()
+        self.t_mlp = nn.Sequential(nn.Linear(16, H), nn.SiLU(), nn.Linear(H, H))
+        self.blocks = nn.ModuleList([DiTBlock() for _ in range(depth)])
+
+    def forward(self, x, t):
+        c = self.t_mlp(t)
+        for block in self.blocks:
+            x = block(x, c)
+        return x
+
+
+class PerHeadScale(nn.Module):
+    """A per-head scalar from a linear (Gated DeltaNet's beta) broadcast over head_dim."""
+
+    def __init__(self):
+        super().__init__()
+        self.v, self.b, self.o = nn.Linear(H, H), nn.Linear(H, HEADS), nn.Linear(H, H)
+
+    def forward(self, x):
+        B, N, _ = x.shape
+        v = self.v(x).view(B, N, HEADS, -1)
+        y = v * self.b(x).sigmoid()[..., None]
+        return x + self.o(y.reshape(B, N, H))
+
+
+def _batch():
+    g = torch.Generator().manual_seed(3)
+    return (x_batch(2, 6)[0], torch.randn(2, 16, generator=g))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_adaln_conditioning_leaves_attention_and_mlp_pairs(tp):
+    torch.manual_seed(0)
+    d = plan_and_check(DiT(), _batch(), tp)
+    for i in range(2):
+        b = f"blocks.{i}."
+        assert {b + "attn.qkv.weight", b + "fc1.weight"} <= d.column, d.column
+        assert {b + "attn.proj.weight", b + "fc2.weight"} <= d.row, d.row
+        assert b + "adaLN_modulation.1.weight" not in d.column | d.row
+
+
+def test_swiglu_gate_and_per_head_scale_still_pair():
+    torch.manual_seed(0)
+    d = plan_and_check(SwiGLU(), x_batch(), 2)
+    assert {"gate.weight", "up.weight"} <= d.column and d.row == {"down.weight"}
+    torch.manual_seed(0)
+    d = plan_and_check(PerHeadScale(), x_batch(), 2)
+    assert {"v.weight", "b.weight"} <= d.column and d.row == {"o.weight"}, (d.column, d.row)
