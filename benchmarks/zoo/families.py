@@ -33,6 +33,18 @@ EXTERNAL = [
              "== i) gather and index += per expert (data-dependent shapes)"),
     external("moe_mistral_dense", "moe_mistral with every expert on every token, combined by "
              "the top-k weights scattered to a dense matrix"),
+    external("mingpt", "Karpathy's minGPT: separate key/query/value Linears, tril mask buffer "
+             "with masked_fill(-inf) and manual softmax, attn dropout 0.1, loss in forward"),
+    external("litgpt", "litgpt's CausalSelfAttention: fused attn viewed (B, T, groups, q_per_kv + 2, "
+             "hs), k/v .expand to the groups, partial rotary 0.5, LLaMAMLP, hand RMSNorm"),
+    external("gemma_pytorch", "google/gemma_pytorch: sqrt(hidden) normalizer tensor, (1 + w) "
+             "RMSNorm, GeGLU, fused qkv split, repeat_interleave GQA, soft-capping, tied matmul head"),
+    external("x_transformers", "lucidrains' x-transformers: GLU chunk(2) feed-forward, einsum "
+             "rotary with rotate_half, qk-norm with per-head (heads, 1, 1) scale, einsum attention"),
+    external("rwkv4", "RWKV-4 time-mix/channel-mix: ZeroPad2d token shift, time_mix_k/v/r, "
+             "python-loop WKV recurrence, relu^2 channel-mix (attention-free)"),
+    external("torch_encoder_cls", "nn.TransformerEncoder(norm_first, gelu, batch_first) with "
+             "src_key_padding_mask, masked mean pooling, classification CE loss in forward"),
 ]
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (

@@ -274,3 +274,53 @@ def _rewrite(graph: fx.Graph, node: fx.Node, x, w, xs, ws, os_, out_first) -> No
             y = call(aten.permute.default, y, [have.index(c) for c in os_])
     node.replace_all_uses_with(y)
     graph.erase_node(node)
+
+
+# a 2-D weight's transpose: W.t(), W.T, W.transpose(0, 1) / (-1, -2), W.permute(1, 0)
+def _transposed_param(wt, params: set):
+    """The parameter (read directly or through casts) whose 2-D transpose ``wt`` is, else
+    None."""
+    if not isinstance(wt, fx.Node) or wt.op != "call_function" or not wt.args:
+        return None
+    w = wt.args[0]
+    if not isinstance(w, fx.Node) or not isinstance(_val(w), torch.Tensor) or _val(w).dim() != 2:
+        return None
+    if wt.target is aten.t.default or wt.target is aten.numpy_T.default:
+        pass
+    elif wt.target is aten.transpose.int and len(wt.args) == 3:
+        if sorted(d % 2 for d in wt.args[1:]) != [0, 1]:
+            return None
+    elif wt.target is aten.permute.default and len(wt.args) == 2:
+        if [d % 2 for d in wt.args[1]] != [1, 0]:
+            return None
+    else:
+        return None
+    return w if _is_param(w, params) else None
+
+
+def matmuls_as_linears(gm: fx.GraphModule) -> int:
+    """Rewrite ``matmul(x, W.t())`` with W a 2-D parameter and x of rank 2 or more (a tied LM
+    head written ``hidden @ embedder.weight.t()``, gemma_pytorch) into the ``linear(x, W)``
+    it computes, so the planners see an ``nn.Linear``-style head (vocab_parallel then shards
+    a tied table with its head). The transpose stays while something else reads it. Returns
+    how many."""
+    params = {name for name, _ in gm.named_parameters()}
+    done = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.matmul.default \
+                or len(node.args) != 2 or node.kwargs:
+            continue
+        x, wt = node.args
+        w = _transposed_param(wt, params)
+        if w is None or not isinstance(_val(x), torch.Tensor) or _val(x).dim() < 2 \
+                or _val(x).dtype != _val(w).dtype or not _val(x).is_floating_point():
+            continue
+        node.target = aten.linear.default
+        node.args = (x, w)
+        if not wt.users:
+            gm.graph.erase_node(wt)
+        done += 1
+    if done:
+        gm.graph.lint()
+        gm.recompile()
+    return done

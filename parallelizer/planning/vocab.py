@@ -18,7 +18,8 @@ Reads the graph and the TP decision, changes neither; returns its own
   ``Shard(-1)``. Logits the model returns are handed to ``loss_fn`` sharded (flat output
   index in ``vocab_outputs``); any other use reads them gathered over tp.
 
-A table read by anything else (a matmul of its transpose, a norm, ``embedding_renorm_``) or an
+A table read by anything else (a norm, ``embedding_renorm_``; a matmul of its transpose is a
+linear since capture, ``frontend/einsum.py`` ``matmuls_as_linears``) or an
 embedding with ``scale_grad_by_freq``/``sparse`` blocks vocab_parallel: off under ``auto``
 (report.md says why), a PlanError under ``true``.
 """
@@ -282,8 +283,12 @@ def vocab_summary(decision: VocabDecision) -> str:
     heads = sorted(decision.heads)
     loss = ", cross-entropy on the shards" if decision.losses else ""
     logits = ", logits to loss_fn as DTensor Shard(-1)" if decision.outputs else ""
-    return (f"vocab parallel: embedding {', '.join(tables)}"
-            f"{' and LM head ' + ', '.join(heads) if heads else ''} sharded over the vocabulary "
+    # a head that multiplies the table itself (``hidden @ W.t()`` captured as a linear of W)
+    # is the table: one name for both
+    what = (f"embedding {', '.join(tables)}" + (f" and LM head {', '.join(heads)}" if heads
+                                                else "")) if tables else \
+        f"embedding and LM head {', '.join(heads)} (one table)"
+    return (f"vocab parallel: {what} sharded over the vocabulary "
             f"({next(iter(decision.vocab.values()))} rows){loss}{logits}")
 
 

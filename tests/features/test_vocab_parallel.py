@@ -26,7 +26,7 @@ from parallelizer.plan.layouts import Padded
 from parallelizer.planning.tensors import alias_map, tied_groups
 from parallelizer.planning.tp import plan_tp
 from parallelizer.planning.tp_matrices import tp_summary
-from parallelizer.planning.vocab import plan_vocab, tp_report
+from parallelizer.planning.vocab import plan_vocab, tp_report, vocab_summary
 from parallelizer.runtime.vocab import gather_from_tp_region
 
 from tp_lockstep import local, run_ranks
@@ -231,8 +231,9 @@ def test_summary_counts_the_vocabulary():
     assert any("vocab_parallel: off (tensor_parallel.vocab_parallel=false)" in r for r in off_v.report)
 
 
-class TransposedHead(nn.Module):
-    """Reads the embedding table through ``x @ W.T`` (no nn.Linear head)."""
+class NormedHead(nn.Module):
+    """Reads the embedding table through a norm of it, ``x @ normalize(W).T`` (no nn.Linear
+    head)."""
 
     def __init__(self):
         super().__init__()
@@ -242,19 +243,55 @@ class TransposedHead(nn.Module):
 
     def forward(self, input_ids):
         h = self.down(torch.relu(self.up(self.emb(input_ids))))
-        return h @ self.emb.weight.T
+        return h @ F.normalize(self.emb.weight, dim=-1).T
+
+
+class MatmulTiedHead(NormedHead):
+    """gemma_pytorch's tied head: the table's transpose multiplied in, ``hidden @ W.t()``
+    (spelled ``how``), no nn.Linear."""
+
+    def __init__(self, how="t"):
+        super().__init__()
+        self.how = how
+
+    def forward(self, input_ids):
+        h = self.down(torch.relu(self.up(self.emb(input_ids))))
+        w = self.emb.weight
+        wt = {"t": lambda: w.t(), "T": lambda: w.T, "transpose": lambda: w.transpose(-1, -2),
+              "permute": lambda: w.permute(1, 0)}[self.how]()
+        return torch.matmul(h, wt)
+
+
+@pytest.mark.parametrize("tp,how", [(2, "t"), (4, "T"), (2, "transpose"), (2, "permute")])
+def test_tied_head_by_matmul_of_the_transpose_is_vocab_parallel_and_matches(tp, how):
+    """``hidden @ W.t()`` is captured as ``linear(hidden, W)`` (frontend/einsum.py
+    matmuls_as_linears): the tied table is sharded over the vocabulary with its head (main
+    before: the transpose blocked vocab_parallel, table and head replicated)."""
+    model = MatmulTiedHead(how)
+    batch = {"input_ids": ids()}
+    cap, gm, d, v = planned(model, batch, tp)
+    assert v.vocab == {"emb.weight": V} and v.heads == {"emb.weight"}, (v.vocab, v.heads)
+    assert "embedding and LM head emb.weight (one table) sharded" in vocab_summary(v)
+    v.outputs.clear()
+    rewrite(gm, d, v)
+    ref, grads, stepped = reference(model, batch, lambda o: _ce(o, batch["input_ids"]))
+    ranks = run_ranks(gm, (d, v), tp, [batch["input_ids"]],
+                      lambda outs: _ce(outs[0], batch["input_ids"]), LR)
+    for res in ranks:
+        torch.testing.assert_close(res.outputs[0], ref, **TOL)
+    assert_ranks_match(ranks, (d, v), tp, grads, stepped)
 
 
 def test_true_with_a_blocker_is_a_plan_error_naming_key_and_op():
     with pytest.raises(PlanError) as info:
-        planned(TransposedHead(), {"input_ids": ids()}, 2, mode=True)
+        planned(NormedHead(), {"input_ids": ids()}, 2, mode=True)
     msg = str(info.value)
     assert "tensor_parallel.vocab_parallel=true" in msg and "emb.weight" in msg, msg
     assert "test_vocab_parallel.py:" in msg and "vocab_parallel=auto" in msg, msg
 
 
 def test_auto_with_a_blocker_reports_why_and_stays_replicated():
-    _, _, d, v = planned(TransposedHead(), {"input_ids": ids()}, 2)
+    _, _, d, v = planned(NormedHead(), {"input_ids": ids()}, 2)
     assert not v.vocab and "emb.weight" not in d.dims and "emb.weight" not in v.dims
     assert any(r.startswith("vocab_parallel: off (") and "emb.weight" in r for r in v.report)
 

@@ -241,7 +241,8 @@ def expand_rule(node, prop, tp):
         return _expand_one_head(node, prop, tp, e, mark)
     if isinstance(sizes[e], int) and sizes[e] != -1:
         add_constraint(prop, sizes[e], "heads", module_path(node), f"dim {e} of expand",
-                       copyable(prop, mark.weights) if mark is not None else ())
+                       copyable(prop, mark.weights) if mark is not None else (),
+                       origin=prop.groups.get(src.name, frozenset()))
         add_rewrite(prop, node, 1, e, sizes[e] // tp)
     return Shard(e)
 

@@ -181,6 +181,77 @@ def _matmul(node, prop, tp):
     return Shard(pa + ro - ra)
 
 
+def _einsum_letters(eq: str, ranks: list):
+    """Each operand's letters and the output's of an explicit or implicit einsum equation,
+    an ellipsis spelled as fresh letters right-aligned across the operands (numpy's
+    broadcasting of the ``...`` dims); None when it cannot be read."""
+    eq = eq.replace(" ", "")
+    ins, arrow, out = eq.partition("->")
+    parts = ins.split(",")
+    if len(parts) != len(ranks):
+        return None
+    fresh = [c for c in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in eq]
+    ell = max([r - (len(p) - 3) for p, r in zip(parts, ranks) if "..." in p], default=0)
+    if ell > len(fresh) or ell < 0:
+        return None
+    fill = fresh[:ell]
+    spelled = []
+    for p, r in zip(parts, ranks):
+        if "..." in p:
+            n = r - (len(p) - 3)
+            if n < 0 or p.count("...") != 1:
+                return None
+            p = p.replace("...", "".join(fill[ell - n:]))
+        if len(p) != r or not p.isalpha():
+            return None
+        spelled.append(p)
+    if not arrow:  # implicit output: the ellipsis, then the letters seen once, sorted
+        letters = "".join(spelled)
+        out = "".join(fill) + "".join(sorted(c for c in set(letters) if letters.count(c) == 1
+                                             and c not in fill))
+    else:
+        if "..." in out:
+            out = out.replace("...", "".join(fill))
+        if not out.isalpha() and out:
+            return None
+    return spelled, out
+
+
+def _einsum(node, prop, tp):
+    """``einsum`` (kept whole by capture; DTensor has no strategy for it): the operands
+    sharded along one letter that the output keeps (attention's ``"bhid,bhjd->bhij"`` over
+    heads split across ranks) give the output sharded along it, each rank computing its
+    slice. Every operand holding that letter must be sharded along it (a replicated operand
+    of size 1 there broadcasts); one sharded along a contracted letter, a diagonal or copied
+    kv heads: CONFLICT (the next run gathers)."""
+    eq, operands = node.args[0], node.args[1] if len(node.args) > 1 else None
+    if not isinstance(eq, str) or not isinstance(operands, (list, tuple)) or not all(
+            is_tensor(o) for o in operands):
+        return CONFLICT
+    if any(o.name in prop.heads and prop.heads[o.name].replicated for o in operands):
+        return CONFLICT
+    read = _einsum_letters(eq, [len(shape(o)) for o in operands])
+    if read is None:
+        return CONFLICT
+    spelled, out = read
+    letter = set()
+    for o, ls in zip(operands, spelled):
+        d = dim_of(prop, o)
+        if d is not None:
+            letter.add(ls[d])
+    if len(letter) != 1:
+        return CONFLICT
+    c = letter.pop()
+    if c not in out or out.count(c) != 1:
+        return CONFLICT
+    for o, ls in zip(operands, spelled):
+        if ls.count(c) > 1:
+            return CONFLICT
+        if c in ls and dim_of(prop, o) is None and not same(shape(o)[ls.index(c)], 1):
+            return CONFLICT
+    return Shard(out.index(c))
+
+
 def _softmax(node, prop, tp):
     d = dim_of(prop, node.args[0])
     return CONFLICT if dim_arg(node, 1) == d else shard(d)
@@ -222,6 +293,7 @@ RULES = {
     aten.cat.default: _cat,
     aten.scaled_dot_product_attention.default: _sdpa,
     aten.matmul.default: _matmul, aten.bmm.default: _matmul,
+    aten.einsum.default: _einsum,
     aten.masked_fill.Scalar: _masked_fill, aten.masked_fill.Tensor: _masked_fill,
     aten.where.self: pointwise_rule, aten.where.ScalarOther: pointwise_rule,
     aten.embedding.default: embedding_rule,
