@@ -27,6 +27,17 @@ def _flat_outputs(gm: fx.GraphModule) -> list:
     return vals
 
 
+def _made_at(gm: fx.GraphModule, i: int) -> str:
+    """" (made by OP at FILE:LINE)" for flat output ``i``: the op returning it and the
+    model's line, where known."""
+    node = gm.graph.output_node().args[0][i]
+    while isinstance(node, fx.Node) and node.op == "call_function" and not source_line(node) \
+            and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]  # a view export added after the model's own op
+    where = source_line(node) if isinstance(node, fx.Node) else None
+    return f" (made by {node.target} at {where})" if where else ""
+
+
 def scalar_outputs(gm: fx.GraphModule) -> tuple[int, ...]:
     """Indices of the 0-dim floating-point flat outputs (losses, averaged over microbatches
     and data-parallel ranks)."""
@@ -88,7 +99,8 @@ def check_outputs_have_batch_dim(gm: fx.GraphModule, input_names) -> None:
         if val.dim() == 0 or str(val.shape[0]) != str(batch):
             shape = "()" if val.dim() == 0 else str(list(val.shape))
             raise PlanError(
-                f"output {i} of the model has shape {shape} ({val.dtype}), without the batch dim "
+                f"output {i} of the model{_made_at(gm, i)} has shape {shape} ({val.dtype}), "
+                f"without the batch dim "
                 f"of the inputs first; under mesh.pp > 1 each output is concatenated over "
                 f"microbatches along dim 0 (a 0-dim floating-point output, a loss, is averaged "
                 f"instead), so return per-sample values and reduce them in loss_fn, or use "
@@ -97,7 +109,8 @@ def check_outputs_have_batch_dim(gm: fx.GraphModule, input_names) -> None:
                  and str(val.shape[d]) == str(batch)]
         if pairs:
             raise PlanError(
-                f"output {i} of the model has shape {list(val.shape)} ({val.dtype}): its dim "
+                f"output {i} of the model{_made_at(gm, i)} has shape {list(val.shape)} "
+                f"({val.dtype}): its dim "
                 f"{pairs[0]} is the batch too, a value over pairs of samples (a similarity matrix "
                 f"of the batch, CLIP's logits_per_image); under mesh.pp > 1 each microbatch "
                 f"pairs only its own samples, so neither this output nor a loss over it is the "

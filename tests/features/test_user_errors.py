@@ -297,8 +297,10 @@ def test_output_without_batch_dim_is_refused_under_pp(tmp_path):
     with pytest.raises(PlanError) as e:
         compile_model(path, spec, weights=False)
     msg = str(e.value)
-    assert msg.startswith("output 1 of the model has shape [8] (torch.float32), without the "
-                          "batch dim"), msg
+    line = next(i for i, t in enumerate(path.read_text().splitlines(), 1)
+                if "x.pow(2).mean((0, 1))" in t)
+    assert msg.startswith(f"output 1 of the model (made by aten.mean.dim at model.py:{line}) "
+                          f"has shape [8] (torch.float32), without the batch dim"), msg
     assert "return per-sample values and reduce them in loss_fn" in msg and "mesh.pp=1" in msg
     plan = compile_model(_model(tmp_path, _LOSS_IS_AN_OUTPUT), spec, weights=False).plan
     assert plan.scalar_outputs == (1,)

@@ -69,6 +69,8 @@ def test_a_symbolic_batch_passes():
 
 def test_an_output_over_pairs_of_samples_is_refused():
     c = captured(Similarity(), _x() + _x())
-    with pytest.raises(PlanError, match=r"output 0 of the model has shape \[\w+, \w+\] "
+    line = line_of(__file__, "self.a(x.mean(1)) @ self.b(y.mean(1)).t()")
+    with pytest.raises(PlanError, match=rf"output 0 of the model \(made by aten\.[\w.]+ at "
+                                        rf"test_outputs_batch.py:{line}\) has shape \[\w+, \w+\] "
                                         r"\(torch.float32\): its dim 1 is the batch too"):
         check_outputs_have_batch_dim(c.gm, c.input_names)
