@@ -32,7 +32,8 @@ EXTERNAL = [
     external("moe_mistral", "mistral-src MoeLayer: topk, softmax over top-k, torch.where(selected "
              "== i) gather and index += per expert (data-dependent shapes)"),
     external("moe_mistral_dense", "moe_mistral with every expert on every token, combined by "
-             "the top-k weights scattered to a dense matrix"),
+             "the top-k weights scattered to a dense matrix", of="moe_mistral",
+             switch=("DENSE = False", "DENSE = True")),
     external("mingpt", "Karpathy's minGPT: separate key/query/value Linears, tril mask buffer "
              "with masked_fill(-inf) and manual softmax, attn dropout 0.1, loss in forward"),
     external("litgpt", "litgpt's CausalSelfAttention: fused attn viewed (B, T, groups, q_per_kv + 2, "

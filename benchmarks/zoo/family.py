@@ -107,6 +107,14 @@ def hf(name: str, kind: str, note: str, config: str, model: str, kwargs: dict, i
     return Family(name, kind, note, source)
 
 
-def external(name: str, note: str) -> Family:
-    """A model.py from ``external/<name>.py`` (plain PyTorch, outside Hugging Face)."""
-    return Family(name, "external", note, (EXTERNAL / f"{name}.py").read_text())
+def external(name: str, note: str, of: str | None = None, switch: tuple = ()) -> Family:
+    """A model.py from ``external/<name>.py`` (plain PyTorch, outside Hugging Face); a
+    variant is ``external/<of>.py`` with its module-level ``switch`` (old, new) line
+    replaced, which must be there."""
+    source = (EXTERNAL / f"{of or name}.py").read_text()
+    if switch:
+        old, new = switch
+        if source.count(old) != 1:
+            raise ValueError(f"zoo family {name}: {old!r} is not one line of {of}.py")
+        source = source.replace(old, new)
+    return Family(name, "external", note, source)

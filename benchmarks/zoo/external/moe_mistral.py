@@ -4,7 +4,9 @@ model.py write it, in plain PyTorch: RMSNorm, wq/wk/wv/wo attention with GQA by
 over the flattened tokens: ``gate`` Linear, ``torch.topk``, a softmax over the top-k, then a
 loop over experts gathering each one's tokens with ``torch.where(selected_experts == i)``
 and accumulating ``results[batch_idx] += w * expert(inputs[batch_idx])`` (data-dependent
-shapes).
+shapes). With ``DENSE = True`` (the zoo's moe_mistral_dense) every expert runs on every
+token instead, weighted by the top-k softmax scattered back to a dense (tokens, experts)
+matrix (``zeros_like(...).scatter``): no data-dependent shapes.
 
 Held-out zoo family (benchmarks/zoo). Compile it as the README says:
     parallelize model.py spec.yaml -o OUT
