@@ -96,15 +96,7 @@ def _batched_matmul(graph: fx.Graph, node: fx.Node) -> bool:
             or any(str(va.shape[as_.index(c)]) != str(vb.shape[bs.index(c)])
                    for c in batch + contracted):
         return False
-    fake = detect_fake_mode([va, vb])
-    meta = {k: v for k, v in node.meta.items() if k != "val"}
-
-    def call(target, *args):
-        new = graph.call_function(target, args)
-        vals = [_val(x) if isinstance(x, fx.Node) else x for x in args]
-        with fake:
-            new.meta = {**meta, "val": target(*vals)}
-        return new
+    call = _caller(graph, node, [va, vb])
 
     def permuted(x, letters, order):
         perm = [letters.index(c) for c in order]
@@ -224,8 +216,10 @@ def _projection(node: fx.Node, params: set):
     return x, w, xs, ws, os_, out_first
 
 
-def _rewrite(graph: fx.Graph, node: fx.Node, x, w, xs, ws, os_, out_first) -> None:
-    fake = detect_fake_mode([_val(x), _val(w)])
+def _caller(graph: fx.Graph, node: fx.Node, inputs: list):
+    """``call(target, *args)``: a new node of ``graph`` with ``node``'s meta (module, source
+    line) and its FakeTensor value, computed in the fake mode of ``inputs``."""
+    fake = detect_fake_mode(inputs)
     meta = {k: v for k, v in node.meta.items() if k != "val"}
 
     def call(target, *args):
@@ -235,7 +229,12 @@ def _rewrite(graph: fx.Graph, node: fx.Node, x, w, xs, ws, os_, out_first) -> No
         with fake:
             new.meta = {**meta, "val": target(*vals)}
         return new
+    return call
 
+
+def _rewrite(graph: fx.Graph, node: fx.Node, x, w, xs, ws, os_, out_first) -> None:
+    call = _caller(graph, node, [_val(x), _val(w)])
+    meta = {k: v for k, v in node.meta.items() if k != "val"}
     contracted = [c for c in ws if c in xs]
     features = [c for c in ws if c not in xs]
     batch = [c for c in os_ if c not in ws]
