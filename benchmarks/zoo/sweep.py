@@ -44,6 +44,7 @@ STANDARD = {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "num
             "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 64,
             "max_position_embeddings": 64, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
             "decoder_start_token_id": 2}
+FFN_NAMES = r"(intermediate_size|ffn_dim|^d_ff$|^n_inner$|^d_inner$|ffn_hidden_size|^hidden_dim$)"
 # Family-specific names of the same sizes, by pattern; an int default is lowered to the value.
 PATTERNS = [(re.compile(p), v) for p, v in (
     (r"(kv_heads|key_value_heads|kv_groups)$", 2),
@@ -51,7 +52,7 @@ PATTERNS = [(re.compile(p), v) for p, v in (
     (r"(^|_)(qk_rope_head_dim|qk_nope_head_dim)$", 4),
     (r"(^|_)(head_dim|d_kv|head_size|v_head_dim)$|^d_head$", 8),
     (r"(^|_)(layers|n_layers?|num_layers|num_hidden_layers)$", 2),
-    (r"(intermediate_size|ffn_dim|^d_ff$|^n_inner$|^d_inner$|ffn_hidden_size|^hidden_dim$)", 64),
+    (FFN_NAMES, 64),
     (r"(^|_)(hidden_size|d_model|n_embd|dim|embed_dim|embedding_size|d_embed|embedding_dim)$", 32),
     (r"(max_position_embeddings|^n_positions$|^n_ctx$|max_seq_len|max_\w*positions|"
      r"max_sequence_length)$", 64),
@@ -66,6 +67,12 @@ LISTS = [(re.compile(p), v) for p, v in ((r"depths$", 1), (r"(num_heads|attentio
                                           (r"(hidden_sizes|embed_dims?|hidden_dims)$", 32))]
 SUB_MULTIMODAL = ("vision_config", "audio_config", "speech_config", "encoder_config", "decoder_config",
                   "vq_config", "perceiver_config")
+
+
+def set_ffn(width: int) -> None:
+    """Build every tiny config with FFN width ``width`` (``--ffn``)."""
+    STANDARD["intermediate_size"] = width
+    PATTERNS[:] = [(p, width if p.pattern == FFN_NAMES else v) for p, v in PATTERNS]
 
 
 def covered_types() -> set[str]:
@@ -223,7 +230,11 @@ def main(argv=None) -> int:
     p.add_argument("--list", action="store_true", help="list the uncovered types and exit")
     p.add_argument("--write", type=Path, default=None,
                    help="write each model.py under DIR/TYPE/, print the harness check's verdict and exit")
+    p.add_argument("--ffn", type=int, default=64,
+                   help="the FFN width (intermediate_size and its names; default 64): 37, as "
+                        "transformers' own test configs use, is a width tp does not divide")
     a = p.parse_args(argv)
+    set_ffn(a.ffn)
     types = {t for t in a.types.split(",") if t}
     kinds = {k for k in a.kinds.split(",") if k}
     todo = [c for c in candidates() if (not types or c[0] in types) and (not kinds or c[1] in kinds)]

@@ -245,20 +245,80 @@ def divisible(prop: Propagation, tp: int) -> bool:
 
 
 def check_divisible(prop: Propagation, tp: int) -> None:
-    kv = frozenset(prop.kv_weights)
-    bad = [c for c in prop.constraints if not c.allows(tp, kv)]
+    bad = _not_dividing(prop, tp)
     if not bad:
         return
-    bad.sort(key=lambda c: c.what != "heads")
-    c = bad[0]
-    top = max(x.size for x in prop.constraints)
-    valid = [t for t in range(1, top + 1) if all(x.allows(t, kv) for x in prop.constraints)]
-    kv_heads = c.what == "heads" and c.replicable(kv)
+    raise PlanError(f"mesh.tp ({tp}) must divide {_size_text(bad[0], prop)}; valid choices: "
+                    f"tp in {{{', '.join(map(str, _valid_degrees(prop)))}}}")
+
+
+def _size_text(c, prop: Propagation) -> str:
+    """'the number of kv heads (2) of attn (...), or be a multiple of it (...)'."""
+    kv_heads = c.what == "heads" and c.replicable(frozenset(prop.kv_weights))
     copies = ", or be a multiple of it (each kv head is then held by tp / kv heads ranks)"
-    raise PlanError(
-        f"mesh.tp ({tp}) must divide the number of {'kv heads' if kv_heads else c.what} "
-        f"({c.size}) of {c.module or 'the model'} ({c.detail}){copies if kv_heads else ''}; "
-        f"valid choices: tp in {{{', '.join(map(str, valid))}}}")
+    return (f"the number of {'kv heads' if kv_heads else c.what} ({c.size}) of "
+            f"{c.module or 'the model'} ({c.detail}){copies if kv_heads else ''}")
+
+
+def _not_dividing(prop: Propagation, tp: int) -> list:
+    """The constraints tp does not meet, heads first."""
+    kv = frozenset(prop.kv_weights)
+    return sorted((c for c in prop.constraints if not c.allows(tp, kv)),
+                  key=lambda c: c.what != "heads")
+
+
+def _valid_degrees(prop: Propagation) -> list:
+    kv = frozenset(prop.kv_weights)
+    top = max(x.size for x in prop.constraints)
+    return [t for t in range(1, top + 1) if all(x.allows(t, kv) for x in prop.constraints)]
+
+
+def whole_indivisible(graph, tp: int, decision: TPDecision, chosen):
+    """``chosen`` still needs a size tp does not divide (an FFN of 37 features at tp 2, 4
+    heads at tp 3) after :func:`indivisible`: the plan with the pair groups behind those
+    sizes kept whole (replicated on every tp rank, with their column/row pairs dropped) and
+    the rest sharded, taken when it settles divisible and still shards a weight; the
+    compile then warns, naming the size and the degrees that shard everything. Else
+    ``chosen`` unchanged (:func:`check_divisible` then refuses it). A size is behind a group
+    when the constraint names the group's weights or sits in the module of one of its
+    column linears; a size at the model's root names none, and the refusal stands."""
+    pairs, column, row, prop = chosen
+    why, found, scratch = {}, None, None
+    for _ in range(8):
+        bad = _not_dividing(prop, tp)
+        if not bad:
+            break
+        new = {}
+        for c in bad:
+            behind = ((c.weights | c.origin) & (column | row)) | {
+                w for w in column if c.module and w.startswith(c.module + ".")}
+            for w in _component(pairs, behind) - set(why) - set(new) if behind else ():
+                new[w] = (f"tp = {tp} does not divide the {c.size} {c.what} of "
+                          f"{c.module or 'the model'} ({c.detail})")
+        if not new:
+            return chosen
+        why.update(new)
+        scratch = TPDecision(tp=tp, linears=decision.linears, biases=decision.biases)
+        left = {c: set() if c in why else rows - set(why) for c, rows in pairs.items()}
+        found = _candidate(graph, left, tp, scratch)
+        prop = found[3]
+    if found is None or _not_dividing(prop, tp) or not found[1]:
+        return chosen
+    decision.blockers, decision.report = scratch.blockers, scratch.report
+    for w, reason in why.items():  # plan_tp reports them among the replicated linears
+        decision.replicated[w] = [f"kept whole: {w} ({reason})"]
+    first, valid = _not_dividing(chosen[3], tp)[0], _valid_degrees(chosen[3])[1:]
+    every = (f"tp in {{{', '.join(map(str, valid))}}} shards them too" if valid else
+             "no tp > 1 divides every size")
+    decision.warnings.append(
+        f"mesh.tp={tp} keeps {len(why)} linears whole on every tp rank ({_modules(why)}), "
+        f"the rest sharded: tp must divide {_size_text(first, chosen[3])}; {every}; see report.md")
+    return found
+
+
+def _modules(weights: list) -> str:
+    mods = sorted({w.rsplit(".", 1)[0] for w in weights})
+    return ", ".join(mods[:3]) + (f" and {len(mods) - 3} more" if len(mods) > 3 else "")
 
 
 def merged_layout(site, layout):

@@ -142,7 +142,7 @@ def _split_parts(node, prop, tp, e, raw, detail):
     parts, inner = int(expr(outs[e])), int(expr(outs[e + 1]))
     part = int(expr(shape(node.args[0])[dim_of(prop, node.args[0])])) // parts
     kind = "features" if _part_dims(part * parts, outs, e) == 1 else "heads"
-    add_constraint(prop, inner, kind, module_path(node), f"a part of {detail}")
+    add_constraint(prop, inner, kind, module_path(node), f"a part of {detail}", origin=raw)
     prop.claimed.add(node.name)
     record_use(prop, raw, Fused((part,) * parts), node)
     sizes = sizes_arg(node)
@@ -317,7 +317,8 @@ def _split_fused(node, prop, tp, d, n):
         return CONFLICT
     for p in parts:
         add_constraint(prop, p, "features", module_path(node),
-                    f"a part of the fused output of {', '.join(sorted(raw))} (split {parts})")
+                       f"a part of the fused output of {', '.join(sorted(raw))} (split {parts})",
+                       origin=raw)
     prop.claimed.add(node.name)
     record_use(prop, raw, Fused(tuple(parts)), node)
     size = node.args[1]

@@ -372,7 +372,8 @@ def _linear(node, site, prop, column, row, groups):
         prop.raw[node.name] = frozenset({key})
         return Shard(len(shape(node)) - 1), groups | {wt}
     if wt in row:
-        add_constraint(prop, site.features(site.in_dim), "features", mod, f"in_features of {wt}")
+        add_constraint(prop, site.features(site.in_dim), "features", mod, f"in_features of {wt}",
+                       origin={wt})
         if site.merged is not None:
             _merged_cut(prop, node, site, site.in_dim, None, groups)
         last = len(shape(x)) - 1

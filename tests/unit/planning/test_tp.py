@@ -143,23 +143,34 @@ def test_gqa_tp3_plan_error(llama):
         plan_tp(cap.gm.graph, 3)
 
 
-def test_gqa_kv_heads_neither_divided_nor_replicable_plan_error():
+@pytest.mark.parametrize("ffn", [64, 96])
+def test_gqa_kv_heads_neither_divided_nor_replicable_plan_error(ffn):
     """6 heads, 2 kv heads, tp 3: 3 divides the heads but neither divides the kv heads nor
-    is a multiple of them; the error names the module, both numbers and the valid tps."""
+    is a multiple of them; the error names the module, both numbers and the valid tps. With
+    an FFN tp divides (96) the attention is kept whole instead, the FFN sharded, and the
+    warning says the same (test_tp_indivisible_whole.py)."""
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=1,
+        vocab_size=64, hidden_size=48, intermediate_size=ffn, num_hidden_layers=1,
         num_attention_heads=6, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
         use_cache=False, attn_implementation="sdpa")
     torch.manual_seed(0)
     cap = captured(transformers.LlamaForCausalLM(cfg).eval(), ids_batch())
-    with pytest.raises(PlanError) as e:
-        plan_tp(cap.gm.graph, 3)
-    msg = str(e.value)
-    assert msg.startswith("mesh.tp (3) must divide the number of kv heads (2) of "
-                          "model.layers.0.self_attn ("), msg
+    if ffn == 96:
+        d = plan_tp(cap.gm.graph, 3)
+        assert d.row == {"model.layers.0.mlp.down_proj.weight"}
+        msg = d.warnings[0]
+        assert msg.startswith("mesh.tp=3 keeps 4 linears whole on every tp rank "
+                              "(model.layers.0.self_attn.k_proj, ")
+        assert msg.endswith("tp in {2, 6} shards them too; see report.md"), msg
+    else:
+        with pytest.raises(PlanError) as e:
+            plan_tp(cap.gm.graph, 3)
+        msg = str(e.value)
+        assert msg.startswith("mesh.tp (3) must divide the number of kv heads (2) of "
+                              "model.layers.0.self_attn ("), msg
+        assert msg.endswith("valid choices: tp in {1, 2}"), msg
     assert "or be a multiple of it (each kv head is then held by tp / kv heads ranks)" in msg
-    assert msg.endswith("valid choices: tp in {1, 2, 6}"), msg
 
 
 # --- planner: ops without a sharding rule ----------------------------------------------------

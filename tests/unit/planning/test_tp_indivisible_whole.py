@@ -1,0 +1,110 @@
+"""A size tp does not divide keeps only the pair groups behind it whole
+(tp_candidates.py whole_indivisible): an FFN of 42 features at tp 4, or transformers'
+Llama with intermediate_size 37 (the size its own test configs use) at tp 2, was refused
+("mesh.tp (2) must divide the number of features (37) ...; valid choices: tp in {1}")
+although its attention shards. Now that FFN is computed whole on every tp rank, reported
+and warned about, and the rest is sharded; each rank equals the unmodified model (outputs,
+every gradient, one SGD step; fp32, 1e-5). Where nothing is left to shard the refusal
+naming the size and the valid degrees stands."""
+import pytest
+import torch
+from torch import nn
+
+from parallelizer.errors import PlanError
+from parallelizer.passes.cleanup import apply_cleanup
+from parallelizer.passes.tensor_parallel import apply_tensor_parallel
+from parallelizer.planning.tp import plan_tp
+
+from tp_check import assert_tp_matches
+from tp_small_models import H, Block, captured, ids_batch, x_batch
+
+
+def _block(ffn: int) -> nn.Module:
+    torch.manual_seed(0)
+    model = Block()
+    model.mlp.gate = nn.Linear(H, ffn, bias=False)
+    model.mlp.up = nn.Linear(H, ffn, bias=False)
+    model.mlp.down = nn.Linear(ffn, H, bias=False)
+    return model
+
+
+def _planned(model, batch, tp):
+    cap = captured(model, batch)
+    decision = plan_tp(cap.gm.graph, tp)
+    apply_cleanup(cap.gm)
+    apply_tensor_parallel(cap.gm, decision)
+    return cap.gm, decision
+
+
+def test_ffn_tp_does_not_divide_is_kept_whole_and_attention_sharded():
+    model = _block(42)
+    gm, d = _planned(model, x_batch(), 4)
+    assert d.column == {"attn.q.weight", "attn.k.weight", "attn.v.weight"}
+    assert d.row == {"attn.o.weight"}
+    why = ("tp = 4 does not divide the 42 features of mlp.gate (out_features of "
+           "mlp.gate.weight)")
+    for w in ("mlp.gate.weight", "mlp.up.weight", "mlp.down.weight"):
+        assert f"kept whole: {w} ({why})" in d.report
+    assert not any(line.startswith("replicated linear: mlp.") for line in d.report), d.report
+    assert d.warnings == [
+        "mesh.tp=4 keeps 3 linears whole on every tp rank (mlp.down, mlp.gate, mlp.up), the "
+        "rest sharded: tp must divide the number of features (42) of mlp.gate (out_features "
+        "of mlp.gate.weight); tp in {2} shards them too; see report.md"]
+    assert_tp_matches(model, x_batch(), 4, d, gm)
+
+
+def test_tp_dividing_every_size_shards_the_ffn_too():
+    model = _block(42)
+    gm, d = _planned(model, x_batch(), 2)
+    assert {"mlp.gate.weight", "mlp.up.weight"} <= d.column and "mlp.down.weight" in d.row
+    assert d.warnings == []
+    assert_tp_matches(model, x_batch(), 2, d, gm)
+
+
+def test_heads_tp_does_not_divide_keep_attention_whole_and_the_ffn_sharded():
+    model = _block(42)
+    gm, d = _planned(model, x_batch(), 3)
+    assert d.column == {"mlp.gate.weight", "mlp.up.weight"} and d.row == {"mlp.down.weight"}
+    assert "kept whole: attn.o.weight (tp = 3 does not divide the 4 heads of attn (dim 2 of " \
+           "the view to [*, *, 4, 8]))" in d.report
+    assert d.warnings[0].endswith("tp in {2} shards them too; see report.md"), d.warnings
+    assert_tp_matches(model, x_batch(), 3, d, gm)
+
+
+def test_nothing_left_to_shard_is_still_the_error_naming_the_size():
+    cap = captured(_block(64), x_batch())
+    with pytest.raises(PlanError) as e:
+        plan_tp(cap.gm.graph, 3)
+    msg = str(e.value)
+    assert msg.startswith("mesh.tp (3) must divide the number of heads (4) of attn ")
+    assert msg.endswith("valid choices: tp in {1, 2, 4}")
+
+
+class _Logits(nn.Module):
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids):
+        return self.lm(input_ids=input_ids).logits
+
+
+def test_transformers_llama_with_an_odd_intermediate_size_shards_its_attention():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=H, intermediate_size=37, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        use_cache=False, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = _Logits(transformers.LlamaForCausalLM(cfg).eval())
+    batch = (ids_batch()["input_ids"],)
+    gm, d = _planned(model, batch, 2)
+    layers = ("lm.model.layers.0", "lm.model.layers.1")
+    assert d.column == {f"{l}.self_attn.{p}_proj.weight" for l in layers for p in "qkv"}
+    assert d.row == {f"{l}.self_attn.o_proj.weight" for l in layers}
+    assert {f"{l}.mlp.{p}_proj.weight" for l in layers for p in ("gate", "up", "down")} \
+        == {w for w, lines in d.replicated.items() if lines[0].startswith("kept whole: ")}
+    assert d.warnings[0].startswith("mesh.tp=2 keeps 6 linears whole on every tp rank")
+    assert d.warnings[0].endswith("(out_features of lm.model.layers.0.mlp.gate_proj.weight); "
+                                  "no tp > 1 divides every size; see report.md")
+    assert_tp_matches(model, batch, 2, d, gm)
