@@ -28,7 +28,7 @@ from ..analysis.graph_facts import linear_sites, shape
 from .gradients import plan_gradients
 from .redistributions import redistributions, report_lines
 from .tp_candidates import (check_divisible, divisible, indivisible, merged_layout, merged_whole,
-                            one_head_whole, pairs_settled, whole_indivisible)
+                            one_head_whole, pairs_settled)
 from .tp_matrices import custom_op_weights, op_text, other_matrices
 
 
@@ -56,13 +56,12 @@ def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False,
     first = pairs_settled(graph, sites, tp, decision)
     pairs, column, row, prop = first
     if not divisible(prop, tp):
-        # a group needs a size tp does not divide (3 heads at tp 2, 2 heads at tp 4): plan
-        # as without its redistributions, that group then replicated (its conflict names
-        # why), or with the linears behind heads tp is a multiple of kept whole, whichever
-        # shards more; else the error below names the size and the tp degrees that divide it
+        # a group needs a size tp does not divide (3 heads at tp 2, an FFN of 37 at tp 2):
+        # plan as without its redistributions (that group then replicated, its conflict
+        # names why), with the linears behind heads tp is a multiple of kept whole, or with
+        # the groups behind every such size kept whole, whichever shards most; else the
+        # error below names the size and the tp degrees that divide it
         pairs, column, row, prop = indivisible(graph, sites, tp, decision, first)
-    if not divisible(prop, tp):  # the groups behind the sizes kept whole, the rest sharded
-        pairs, column, row, prop = whole_indivisible(graph, tp, decision, (pairs, column, row, prop))
     check_divisible(prop, tp)
     pairs, column, row, prop = one_head_whole(graph, tp, decision, (pairs, column, row, prop))
     pairs, column, row, prop = merged_whole(graph, sites, tp, decision, (pairs, column, row, prop))
@@ -95,7 +94,7 @@ def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False,
             decision.report.append(f"layout {layout.text()}: {w}")
     paired = {w for c, rows in pairs.items() if rows for w in {c} | rows}
     for site in sites:
-        if site.weight in decision.replicated:  # kept whole (tp_candidates.whole_indivisible)
+        if site.weight in decision.replicated:  # kept whole (tp_candidates._whole_indivisible)
             decision.report += [x for x in decision.replicated[site.weight] if x not in decision.report]
         elif site.weight not in paired:
             line = f"replicated linear: {site.weight} (no column/row pair found; {op_text(site.node)})"

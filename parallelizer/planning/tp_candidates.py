@@ -44,23 +44,32 @@ def pairs_settled(graph, sites, tp: int, decision: TPDecision):
 
 
 def indivisible(graph, sites, tp: int, decision: TPDecision, first):
-    """``first`` (the candidate that settled) needs a size tp does not divide. Two other
-    plans: without redistributions (``first`` itself when it had none), and
-    (:func:`_whole_kv`) with the column linears behind heads that tp is a multiple of kept
-    whole. The whole one is taken when the plain one is not divisible either or it shards
-    more weight elements."""
+    """``first`` (the candidate that settled) needs a size tp does not divide. Three other
+    plans: without redistributions (``first`` itself when it had none), with the column
+    linears behind heads that tp is a multiple of kept whole (:func:`_whole_kv`), and with
+    the pair groups behind every size tp does not divide kept whole
+    (:func:`_whole_indivisible`). Of those that are divisible, the one sharding the most
+    weight elements is taken, the earlier on a tie; when none is, the plain one (its
+    sizes are then refused by :func:`check_divisible`)."""
     plain, chosen = decision, first
     prop = first[3]
     if prop.applied or prop.applied_reduces:
         plain = TPDecision(tp=tp, linears=decision.linears, biases=decision.biases)
         chosen = _candidate(graph, seed_pairs(sites, True), tp, plain, redistribute=False)
-    whole = _whole_kv(graph, seed_pairs(sites, True), tp, decision, prop)
+    options = [(chosen, plain)]
+    options += filter(None, [_whole_kv(graph, seed_pairs(sites, True), tp, decision, prop),
+                             _whole_indivisible(graph, tp, decision, first)])
     size = _weight_sizes(graph)
-    if whole is not None and (not divisible(chosen[3], tp) or sum(
-            size.get(w, 0) for w in whole[0][1] | whole[0][2]) > sum(
-            size.get(w, 0) for w in chosen[1] | chosen[2])):
-        chosen, plain = whole
+
+    def sharded(option) -> int:
+        found = option[0]
+        return sum(size.get(w, 0) for w in found[1] | found[2]) if found[1] else -1
+    # a plan keeping everything whole would hide the size and the degrees that divide it
+    fits = [o for o in options if divisible(o[0][3], tp) and (o is options[0] or o[0][1])]
+    chosen, plain = max(fits, key=sharded) if fits else options[0]
     decision.blockers, decision.report = plain.blockers, plain.report
+    decision.replicated.update(plain.replicated)
+    decision.warnings += plain.warnings
     return chosen
 
 
@@ -273,16 +282,16 @@ def _valid_degrees(prop: Propagation) -> list:
     return [t for t in range(1, top + 1) if all(x.allows(t, kv) for x in prop.constraints)]
 
 
-def whole_indivisible(graph, tp: int, decision: TPDecision, chosen):
-    """``chosen`` still needs a size tp does not divide (an FFN of 37 features at tp 2, 4
-    heads at tp 3) after :func:`indivisible`: the plan with the pair groups behind those
-    sizes kept whole (replicated on every tp rank, with their column/row pairs dropped) and
-    the rest sharded, taken when it settles divisible and still shards a weight; the
-    compile then warns, naming the size and the degrees that shard everything. Else
-    ``chosen`` unchanged (:func:`check_divisible` then refuses it). A size is behind a group
-    when the constraint names the group's weights or sits in the module of one of its
-    column linears; a size at the model's root names none, and the refusal stands."""
-    pairs, column, row, prop = chosen
+def _whole_indivisible(graph, tp: int, decision: TPDecision, first):
+    """The plan with the pair groups behind each size tp does not divide (an FFN of 37
+    features at tp 2, 4 heads at tp 3) kept whole (replicated on every tp rank, their
+    column/row pairs dropped) and the rest sharded as in ``first``, which needs those sizes:
+    (candidate, its scratch decision, with the ``kept whole:`` lines among its replicated
+    linears and a warning naming the size and the degrees that shard everything), or None
+    when a size names no group (one at the model's root) or the plan does not settle
+    divisible. A size is behind a group when its constraint names the group's weights or
+    sits in the module of one of its column linears."""
+    pairs, column, row, prop = first
     why, found, scratch = {}, None, None
     for _ in range(8):
         bad = _not_dividing(prop, tp)
@@ -296,24 +305,23 @@ def whole_indivisible(graph, tp: int, decision: TPDecision, chosen):
                 new[w] = (f"tp = {tp} does not divide the {c.size} {c.what} of "
                           f"{c.module or 'the model'} ({c.detail})")
         if not new:
-            return chosen
+            return None
         why.update(new)
         scratch = TPDecision(tp=tp, linears=decision.linears, biases=decision.biases)
         left = {c: set() if c in why else rows - set(why) for c, rows in pairs.items()}
         found = _candidate(graph, left, tp, scratch)
         prop = found[3]
-    if found is None or _not_dividing(prop, tp) or not found[1]:
-        return chosen
-    decision.blockers, decision.report = scratch.blockers, scratch.report
+    if found is None or _not_dividing(prop, tp):
+        return None
     for w, reason in why.items():  # plan_tp reports them among the replicated linears
-        decision.replicated[w] = [f"kept whole: {w} ({reason})"]
-    first, valid = _not_dividing(chosen[3], tp)[0], _valid_degrees(chosen[3])[1:]
+        scratch.replicated[w] = [f"kept whole: {w} ({reason})"]
+    c, valid = _not_dividing(first[3], tp)[0], _valid_degrees(first[3])[1:]
     every = (f"tp in {{{', '.join(map(str, valid))}}} shards them too" if valid else
              "no tp > 1 divides every size")
-    decision.warnings.append(
+    scratch.warnings.append(
         f"mesh.tp={tp} keeps {len(why)} linears whole on every tp rank ({_modules(why)}), "
-        f"the rest sharded: tp must divide {_size_text(first, chosen[3])}; {every}; see report.md")
-    return found
+        f"the rest sharded: tp must divide {_size_text(c, first[3])}; {every}; see report.md")
+    return found, scratch
 
 
 def _modules(weights: list) -> str:

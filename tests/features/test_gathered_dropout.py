@@ -1,6 +1,8 @@
-"""Attention dropout where no sharded rule takes attention's inputs (issue 23): GPTBigCode's
-multi-query c_attn ``unsqueeze(1).split((E, D, D), dim=3)`` leaves k and v split along
-head_dim, so q, k and v are all-gathered and SDPA runs whole on every tp rank. Its dropout
+"""Attention dropout where no sharded rule takes attention's inputs (issue 23): a multi-query
+c_attn ``unsqueeze(1).split((E, D, D), dim=3)`` whose one-head k and v SDPA broadcasts over
+the query heads itself (no repeat_kv, no enable_gqa: GPTBigCode's own forms are copied to
+each rank instead, test_tp_fused_one_head.py) leaves k and v split along head_dim, so q, k
+and v are all-gathered and SDPA runs whole on every tp rank. Its dropout
 must then draw the same mask on every rank (the replicated stream), as any op whose inputs
 were gathered to Replicate: with per-rank masks (the tp stream, which the query's
 propagated placement alone suggested) rank r back-propagates every head through its own
@@ -25,8 +27,8 @@ HEADS, D = 4, 8
 
 
 class FusedMQA(nn.Module):
-    """GPTBigCode's multi-query attention: one c_attn for q (4 heads) | k | v (one head
-    each), split along a dim the heads view never names; SDPA with dropout."""
+    """Multi-query attention as GPTBigCode fuses it: one c_attn for q (4 heads) | k | v (one
+    head each), split along a dim the heads view never names; SDPA with dropout."""
 
     def __init__(self, p=0.5):
         super().__init__()

@@ -12,7 +12,7 @@ import operator
 import torch
 
 from ...plan.layouts import Fused, ReplicatedHeads, local_length, local_offset
-from ..graph_facts import aten, expr, module_path, shape, slice_bound
+from ..graph_facts import aten, expr, module_path, same, shape, slice_bound
 from .dtensor import dtensor_rule
 from .placements import CONFLICT, PerOutput, Shard, shard
 from .state import (HeadsMark, add_constraint, add_rewrite, dim_arg, dim_of, record_use,
@@ -268,3 +268,60 @@ def split_heads_cut(node, prop, tp, d):
             if isinstance(size[i], int):
                 add_rewrite(prop, node, 1, i, p)
     return PerOutput(tuple(outs))
+
+
+def copied_parts(node, prop, d: int, raw) -> dict:
+    """The parts of a split of a column output's features (along ``d``) that are one kv head
+    each: GPTBigCode's multi-query ``c_attn(x).unsqueeze(1).split((E, D, D), dim=3)``, whose
+    k and v parts keep a dim of size 1 that repeat_kv's expand (or SDPA's ``enable_gqa``)
+    then spreads over the query heads. Split evenly, their shard would land on head_dim,
+    which attention takes only gathered; as one copied head (``replicated_heads(1, D)``)
+    every rank holds the whole part, placed on that size-1 dim. Returns {part index: that
+    dim}; empty when every part would be copied (no query heads left to split) or a previous
+    run refused copies of ``raw`` (they reached an op other than attention's kv spread)."""
+    if raw & prop.no_replication or node.target is not aten.split_with_sizes.default:
+        return {}
+    ins = shape(node.args[0])
+    ones = [j for j in range(len(ins)) if j != d and same(ins[j], 1)]
+    taken = {u.args[1]: u for u in node.users if u.target is operator.getitem}
+    out = {}
+    for i, value in taken.items():
+        h = next((j for j in ones if _spread_over_heads(value, j)), None)
+        if h is not None:
+            out[i] = h
+    return out if len(out) < len(node.meta["val"]) else {}
+
+
+_COPIES = (aten.contiguous.default, aten.clone.default, aten.alias.default)
+
+
+def _spread_over_heads(value, h: int, depth: int = 6) -> bool:
+    """Every use of ``value`` (dim ``h`` of size 1) spreads that dim over the query heads:
+    an expand of ``h`` or of a new size-1 dim after it (repeat_kv's unsqueeze + expand), or
+    SDPA's key or value with ``enable_gqa`` (``h`` its heads dim), through full slices,
+    unsqueezes and copies."""
+    if depth == 0 or not value.users:
+        return False
+    for u in value.users:
+        if u.op != "call_function" or u.args[0] is not value and u.target is not \
+                aten.scaled_dot_product_attention.default:
+            return False
+        t, ins = u.target, shape(value)
+        if t in _COPIES or t is aten.slice.Tensor and _full_slice(u):
+            ok = _spread_over_heads(u, h, depth - 1)
+        elif t is aten.unsqueeze.default:
+            k = u.args[1] % (len(ins) + 1)
+            ok = _spread_over_heads(u, h + (1 if k <= h else 0), depth - 1)
+        elif t is aten.expand.default:
+            outs = shape(u)
+            ok = len(outs) == len(ins) and any(
+                j < len(ins) and same(ins[j], 1) and isinstance(outs[j], int) and outs[j] > 1
+                for j in (h, h + 1))
+        elif t is aten.scaled_dot_product_attention.default:
+            ok = value in u.args[1:3] and value is not u.args[0] and h == 1 and \
+                len(ins) == 4 and bool(u.kwargs.get("enable_gqa"))
+        else:
+            return False
+        if not ok:
+            return False
+    return True

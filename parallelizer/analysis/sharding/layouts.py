@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from ...plan.layouts import Fused, InterleavedHeads, ReplicatedHeads, local_length
 from ..graph_facts import aten, expr, module_path, prod, same, shape
-from .cuts import fused_heads_view, only_cut_on, split_heads_cut
+from .cuts import copied_parts, fused_heads_view, only_cut_on, split_heads_cut
 from .placements import CONFLICT, PerOutput, Shard, shard
 from .strided import local_merged_size, merge_view, strided_view
 from .state import (HeadsMark, add_constraint, add_rewrite, copies_refused, copyable, dim_arg,
@@ -315,18 +315,25 @@ def _split_fused(node, prop, tp, d, n):
     parts = [int(v.shape[d]) for v in node.meta["val"]]
     if sum(parts) != full or any(prop.features.get(w) != full for w in raw):
         return CONFLICT
-    for p in parts:
-        add_constraint(prop, p, "features", module_path(node),
-                       f"a part of the fused output of {', '.join(sorted(raw))} (split {parts})",
-                       origin=raw)
+    copied = copied_parts(node, prop, d, raw)  # {part: its size-1 heads dim}
+    for i, p in enumerate(parts):
+        if i not in copied:
+            add_constraint(prop, p, "features", module_path(node), f"a part of the fused "
+                           f"output of {', '.join(sorted(raw))} (split {parts})", origin=raw)
     prop.claimed.add(node.name)
-    record_use(prop, raw, Fused(tuple(parts)), node)
+    part_layouts = tuple(ReplicatedHeads(1, p) if i in copied else None
+                         for i, p in enumerate(parts))
+    record_use(prop, raw, Fused(tuple(parts), part_layouts if copied else None), node)
+    for u in node.users:
+        if u.args[1] in copied:  # one kv head, copied to every rank
+            prop.claimed.add(u.name)
+            prop.heads[u.name] = HeadsMark(frozenset(raw), 1, True)
     size = node.args[1]
     if node.target is aten.split.Tensor and isinstance(size, int):
         add_rewrite(prop, node, 1, None, size // tp)
     elif node.target is aten.split_with_sizes.default:
         for i, p in enumerate(size):
-            if isinstance(p, int):
+            if isinstance(p, int) and i not in copied:
                 add_rewrite(prop, node, 1, i, p // tp)
-    return PerOutput(tuple(Shard(d) for _ in range(n)))
+    return PerOutput(tuple(Shard(copied.get(i, d)) for i in range(n)))
 

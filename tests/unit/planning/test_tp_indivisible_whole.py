@@ -1,5 +1,5 @@
 """A size tp does not divide keeps only the pair groups behind it whole
-(tp_candidates.py whole_indivisible): an FFN of 42 features at tp 4, or transformers'
+(tp_candidates.py _whole_indivisible): an FFN of 42 features at tp 4, or transformers'
 Llama with intermediate_size 37 (the size its own test configs use) at tp 2, was refused
 ("mesh.tp (2) must divide the number of features (37) ...; valid choices: tp in {1}")
 although its attention shards. Now that FFN is computed whole on every tp rank, reported
@@ -107,4 +107,24 @@ def test_transformers_llama_with_an_odd_intermediate_size_shards_its_attention()
     assert d.warnings[0].startswith("mesh.tp=2 keeps 6 linears whole on every tp rank")
     assert d.warnings[0].endswith("(out_features of lm.model.layers.0.mlp.gate_proj.weight); "
                                   "no tp > 1 divides every size; see report.md")
+    assert_tp_matches(model, batch, 2, d, gm)
+
+
+def test_the_kept_whole_plan_keeps_the_redistributions_the_rest_needs():
+    """BitNet's attention shards only with its sub-norm's mean over the sharded attention
+    output all-reduced; the plan without redistributions (chosen before when a size did not
+    divide) kept it replicated too, and with its FFN of 37 whole nothing was left: refused
+    'no weight matrix could be sharded' at tp2."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BitNetConfig(
+        vocab_size=64, hidden_size=H, intermediate_size=37, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, use_cache=False, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = _Logits(transformers.BitNetForCausalLM(cfg).eval())
+    batch = (ids_batch()["input_ids"],)
+    gm, d = _planned(model, batch, 2)
+    attn = "lm.model.layers.0.self_attn"
+    assert d.column == {f"{attn}.{p}_proj.weight" for p in "qkv"}
+    assert d.row == {f"{attn}.o_proj.weight"}
+    assert [r.kind for r in d.redistributions] == ["all_reduce"]
     assert_tp_matches(model, batch, 2, d, gm)

@@ -1,0 +1,105 @@
+"""Multi-query attention inside one fused projection split by sizes along its features:
+GPTBigCode's ``c_attn(x).unsqueeze(1).split((E, D, D), dim=3)``. Split evenly, the k and v
+parts (one head of head_dim D each) put their shard on head_dim, so q, k and v were
+all-gathered before attention and every tp rank computed attention whole (3 all-gathers and
+a scatter per layer) while report.md counted c_attn sharded. Now a part whose size-1 dim is
+spread over the query heads (repeat_kv's expand, SDPA's enable_gqa) is one kv head copied
+to every rank: c_attn is ``fused [E, D, D]`` with ``replicated_heads(1, D)`` parts, no
+redistribution is left, and each rank equals the unmodified model (outputs, every
+gradient, one SGD step; fp32, 1e-5)."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parallelizer.passes.cleanup import apply_cleanup
+from parallelizer.passes.tensor_parallel import apply_tensor_parallel
+from parallelizer.plan.layouts import Fused, ReplicatedHeads
+from parallelizer.planning.tp import plan_tp
+
+from tp_check import assert_tp_matches
+from tp_small_models import H, captured, ids_batch, x_batch
+
+HEADS, D = 4, 8
+COPIED = Fused((H, D, D), (None, ReplicatedHeads(1, D), ReplicatedHeads(1, D)))
+
+
+def _planned(model, batch, tp):
+    cap = captured(model, batch)
+    decision = plan_tp(cap.gm.graph, tp)
+    apply_cleanup(cap.gm)
+    apply_tensor_parallel(cap.gm, decision)
+    return cap.gm, decision
+
+
+class _Logits(nn.Module):
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids):
+        return self.lm(input_ids=input_ids).logits
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_gpt_bigcode_multi_query_copies_its_kv_part(tp):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPTBigCodeConfig(
+        vocab_size=64, n_embd=H, n_layer=2, n_head=HEADS, n_inner=64, multi_query=True,
+        tie_word_embeddings=False, use_cache=False, attn_pdrop=0.0, resid_pdrop=0.0,
+        embd_pdrop=0.0)
+    torch.manual_seed(0)
+    model = _Logits(transformers.GPTBigCodeForCausalLM(cfg).eval())
+    batch = (ids_batch()["input_ids"],)
+    gm, d = _planned(model, batch, tp)
+    for i in range(2):
+        attn = f"lm.transformer.h.{i}.attn"
+        assert f"{attn}.c_attn.weight" in d.column and f"{attn}.c_proj.weight" in d.row
+        assert d.layouts[f"{attn}.c_attn.weight"] == COPIED
+        assert d.layouts[f"{attn}.c_attn.bias"] == COPIED
+    assert d.redistributions == []
+    assert_tp_matches(model, batch, tp, d, gm)
+
+
+class FusedGQA(nn.Module):
+    """The same split, its one kv head spread by SDPA's enable_gqa."""
+
+    def __init__(self):
+        super().__init__()
+        self.c_attn, self.c_proj = nn.Linear(H, H + 2 * D), nn.Linear(H, H)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.c_attn(x).unsqueeze(1).split((H, D, D), dim=3)
+        q = q.view(b, t, HEADS, D).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return x + self.c_proj(y.transpose(1, 2).reshape(b, t, H))
+
+
+def test_one_kv_head_spread_by_enable_gqa_is_copied():
+    torch.manual_seed(0)
+    model = FusedGQA()
+    gm, d = _planned(model, x_batch(), 2)
+    assert d.layouts["c_attn.weight"] == COPIED and d.redistributions == []
+    assert_tp_matches(model, x_batch(), 2, d, gm)
+
+
+class PartReadElsewhere(FusedGQA):
+    """The k part is also read outside attention, summed over its features: no rank holds
+    a copy through that use, so the parts are split evenly and attention takes them
+    gathered (correct, not copied)."""
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.c_attn(x).unsqueeze(1).split((H, D, D), dim=3)
+        q = q.view(b, t, HEADS, D).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return x + self.c_proj(y.transpose(1, 2).reshape(b, t, H)) + k.sum(-1).transpose(1, 2)
+
+
+def test_a_part_read_outside_attention_is_not_copied():
+    torch.manual_seed(0)
+    model = PartReadElsewhere()
+    gm, d = _planned(model, x_batch(), 2)
+    assert d.layouts.get("c_attn.weight") != COPIED
+    assert_tp_matches(model, x_batch(), 2, d, gm)
