@@ -103,7 +103,7 @@ def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False,
     decision.report += custom_op_weights(graph)
     decision.other_replicated = other_matrices(graph, decision)
     decision.report += list(decision.other_replicated.values())
-    if not column:
+    if not column and not row:
         _nothing_sharded(decision, tp, allow_replicated, experts_split)
     else:  # the backward's f edges and Partial gradients, derived (planning/gradients.py)
         plan_gradients(graph, decision)

@@ -56,16 +56,20 @@ def indivisible(graph, sites, tp: int, decision: TPDecision, first):
     if prop.applied or prop.applied_reduces:
         plain = TPDecision(tp=tp, linears=decision.linears, biases=decision.biases)
         chosen = _candidate(graph, seed_pairs(sites, True), tp, plain, redistribute=False)
-    options = [(chosen, plain)]
-    options += filter(None, [_whole_kv(graph, seed_pairs(sites, True), tp, decision, prop),
-                             _whole_indivisible(graph, tp, decision, first)])
+    options = [(chosen, plain), _whole_indivisible(graph, tp, decision, first)]
+    kv = _whole_kv(graph, seed_pairs(sites, True), tp, decision, prop)
+    if kv is not None:  # other sizes left (Phi-3's FFN of 37 at tp 4): those groups whole too
+        found, scratch, kept = kv
+        options.append((found, scratch) if divisible(found[3], tp) else
+                       _whole_indivisible(graph, tp, decision, found, kept))
+    options = [o for o in options if o is not None]
     size = _weight_sizes(graph)
 
     def sharded(option) -> int:
         found = option[0]
-        return sum(size.get(w, 0) for w in found[1] | found[2]) if found[1] else -1
+        return sum(size.get(w, 0) for w in found[1] | found[2]) if found[1] | found[2] else -1
     # a plan keeping everything whole would hide the size and the degrees that divide it
-    fits = [o for o in options if divisible(o[0][3], tp) and (o is options[0] or o[0][1])]
+    fits = [o for o in options if divisible(o[0][3], tp) and (o is options[0] or sharded(o) >= 0)]
     chosen, plain = max(fits, key=sharded) if fits else options[0]
     decision.blockers, decision.report = plain.blockers, plain.report
     decision.replicated.update(plain.replicated)
@@ -78,18 +82,18 @@ def _whole_kv(graph, pairs: dict, tp: int, decision: TPDecision, prop):
     that tp does not divide but is a multiple of (OLMo-2's k: 2 kv heads at tp 4, normed over
     its whole projection before the view, so no rank can hold a copy of one head through
     the norm), their attention cutting each rank's copy of its kv head
-    (analysis/sharding/redistribute.py, CopiedHeads): (candidate, its scratch decision), or
-    None when another size is in the way or the plan does not settle divisible."""
+    (analysis/sharding/redistribute.py, CopiedHeads): (candidate, its scratch decision, the
+    linears kept whole), the candidate not divisible when another size is in the way; None
+    when it keeps nothing whole or does not settle."""
     kept: dict = {}
     for _ in range(4):
         kv = frozenset(prop.kv_weights)
-        bad = [c for c in prop.constraints if not c.allows(tp, kv)]
-        if not bad:
-            return None if not kept else (found, scratch)
-        if any(c.what != "heads" or tp % c.size or not c.origin for c in bad):
-            return None
-        for c in bad:
-            kept.update({w: _fewer_heads(c, tp) for w in c.origin if w not in kept})
+        bad = [c for c in prop.constraints if not c.allows(tp, kv) and c.what == "heads"
+               and not tp % c.size and c.origin]
+        new = {w: _fewer_heads(c, tp) for c in bad for w in sorted(c.origin) if w not in kept}
+        if not new:
+            return (found, scratch, kept) if kept else None
+        kept.update(new)
         scratch = TPDecision(tp=tp, linears=decision.linears, biases=decision.biases)
         found = _candidate(graph, pairs, tp, scratch, kept=kept)
         prop = found[3]
@@ -282,7 +286,7 @@ def _valid_degrees(prop: Propagation) -> list:
     return [t for t in range(1, top + 1) if all(x.allows(t, kv) for x in prop.constraints)]
 
 
-def _whole_indivisible(graph, tp: int, decision: TPDecision, first):
+def _whole_indivisible(graph, tp: int, decision: TPDecision, first, kept=None):
     """The plan with the pair groups behind each size tp does not divide (an FFN of 37
     features at tp 2, 4 heads at tp 3) kept whole (replicated on every tp rank, their
     column/row pairs dropped) and the rest sharded as in ``first``, which needs those sizes:
@@ -290,7 +294,8 @@ def _whole_indivisible(graph, tp: int, decision: TPDecision, first):
     linears and a warning naming the size and the degrees that shard everything), or None
     when a size names no group (one at the model's root) or the plan does not settle
     divisible. A size is behind a group when its constraint names the group's weights or
-    sits in the module of one of its column linears."""
+    sits in the module of one of its column linears. ``kept``: column linears ``first``
+    already keeps whole (:func:`_whole_kv`), kept so."""
     pairs, column, row, prop = first
     why, found, scratch = {}, None, None
     for _ in range(8):
@@ -309,7 +314,7 @@ def _whole_indivisible(graph, tp: int, decision: TPDecision, first):
         why.update(new)
         scratch = TPDecision(tp=tp, linears=decision.linears, biases=decision.biases)
         left = {c: set() if c in why else rows - set(why) for c, rows in pairs.items()}
-        found = _candidate(graph, left, tp, scratch)
+        found = _candidate(graph, left, tp, scratch, kept=kept)
         prop = found[3]
     if found is None or _not_dividing(prop, tp):
         return None
