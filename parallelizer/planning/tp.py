@@ -94,8 +94,9 @@ def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False,
             decision.report.append(f"layout {layout.text()}: {w}")
     paired = {w for c, rows in pairs.items() if rows for w in {c} | rows}
     for site in sites:
-        if site.weight in decision.replicated:  # kept whole (tp_candidates._whole_indivisible)
-            decision.report += [x for x in decision.replicated[site.weight] if x not in decision.report]
+        kept = decision.replicated.get(site.weight, ())  # tp_candidates._whole_indivisible
+        if kept:
+            decision.report += [line for line in kept if line not in decision.report]
         elif site.weight not in paired:
             line = f"replicated linear: {site.weight} (no column/row pair found; {op_text(site.node)})"
             decision.replicated.setdefault(site.weight, []).append(line)

@@ -71,9 +71,10 @@ def indivisible(graph, sites, tp: int, decision: TPDecision, first):
     # a plan keeping everything whole would hide the size and the degrees that divide it
     fits = [o for o in options if divisible(o[0][3], tp) and (o is options[0] or sharded(o) >= 0)]
     chosen, plain = max(fits, key=sharded) if fits else options[0]
-    decision.blockers, decision.report = plain.blockers, plain.report
-    decision.replicated.update(plain.replicated)
-    decision.warnings += plain.warnings
+    if plain is not decision:
+        decision.blockers, decision.report = plain.blockers, plain.report
+        decision.replicated.update(plain.replicated)
+        decision.warnings += plain.warnings
     return chosen
 
 
