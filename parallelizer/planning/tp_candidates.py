@@ -70,7 +70,10 @@ def indivisible(graph, sites, tp: int, decision: TPDecision, first):
         return sum(size.get(w, 0) for w in found[1] | found[2]) if found[1] | found[2] else -1
     # a plan keeping everything whole would hide the size and the degrees that divide it
     fits = [o for o in options if divisible(o[0][3], tp) and (o is options[0] or sharded(o) >= 0)]
-    chosen, plain = max(fits, key=sharded) if fits else options[0]
+    best = max(fits, key=sharded) if fits else options[0]
+    if best is not options[0]:
+        best[1].warnings.append(_kept_warning(tp, first, best[0]))
+    chosen, plain = best
     if plain is not decision:
         decision.blockers, decision.report = plain.blockers, plain.report
         decision.replicated.update(plain.replicated)
@@ -89,8 +92,10 @@ def _whole_kv(graph, pairs: dict, tp: int, decision: TPDecision, prop):
     kept: dict = {}
     for _ in range(4):
         kv = frozenset(prop.kv_weights)
-        bad = [c for c in prop.constraints if not c.allows(tp, kv) and c.what == "heads"
-               and not tp % c.size and c.origin]
+        # sizes other than heads are left to _whole_indivisible (an FFN of 37 as well)
+        bad = [c for c in prop.constraints if not c.allows(tp, kv) and c.what == "heads"]
+        if any(tp % c.size or not c.origin for c in bad):
+            return None
         new = {w: _fewer_heads(c, tp) for c in bad for w in sorted(c.origin) if w not in kept}
         if not new:
             return (found, scratch, kept) if kept else None
@@ -292,7 +297,7 @@ def _whole_indivisible(graph, tp: int, decision: TPDecision, first, kept=None):
     features at tp 2, 4 heads at tp 3) kept whole (replicated on every tp rank, their
     column/row pairs dropped) and the rest sharded as in ``first``, which needs those sizes:
     (candidate, its scratch decision, with the ``kept whole:`` lines among its replicated
-    linears and a warning naming the size and the degrees that shard everything), or None
+    linears), or None
     when a size names no group (one at the model's root) or the plan does not settle
     divisible. A size is behind a group when its constraint names the group's weights or
     sits in the module of one of its column linears. ``kept``: column linears ``first``
@@ -321,18 +326,23 @@ def _whole_indivisible(graph, tp: int, decision: TPDecision, first, kept=None):
         return None
     for w, reason in why.items():  # plan_tp reports them among the replicated linears
         scratch.replicated[w] = [f"kept whole: {w} ({reason})"]
-    c, valid = _not_dividing(first[3], tp)[0], _valid_degrees(first[3])[1:]
-    every = (f"tp in {{{', '.join(map(str, valid))}}} shards them too" if valid else
-             "no tp > 1 divides every size")
-    scratch.warnings.append(
-        f"mesh.tp={tp} keeps {len(why)} linears whole on every tp rank ({_modules(why)}), "
-        f"the rest sharded: tp must divide {_size_text(c, first[3])}; {every}; see report.md")
     return found, scratch
 
 
-def _modules(weights: list) -> str:
-    mods = sorted({w.rsplit(".", 1)[0] for w in weights})
-    return ", ".join(mods[:3]) + (f" and {len(mods) - 3} more" if len(mods) > 3 else "")
+def _kept_warning(tp: int, first, chosen) -> str:
+    """The compile's warning for a plan keeping the linears of ``first``'s pairs whole
+    that ``chosen`` does not shard, for the sizes ``first`` needed: the first size and the
+    degrees that shard everything."""
+    pairs, prop = first[0], first[3]
+    paired = {w for c, rows in pairs.items() if rows for w in {c} | rows}
+    kept = sorted(paired - chosen[1] - chosen[2])
+    c, valid = _not_dividing(prop, tp)[0], _valid_degrees(prop)[1:]
+    every = (f"tp in {{{', '.join(map(str, valid))}}} shards them too" if valid else
+             "no tp > 1 divides every size")
+    mods = sorted({w.rsplit(".", 1)[0] for w in kept})
+    where = ", ".join(mods[:3]) + (f" and {len(mods) - 3} more" if len(mods) > 3 else "")
+    return (f"mesh.tp={tp} keeps {len(kept)} linears whole on every tp rank ({where}), the "
+            f"rest sharded: tp must divide {_size_text(c, prop)}; {every}; see report.md")
 
 
 def merged_layout(site, layout):

@@ -24,15 +24,28 @@ def _short_error(stderr: str) -> str:
 
 
 @pytest.mark.timeout(300)
-# tp=4 with 2 kv heads is valid (each kv head copied to two ranks); 8 exceeds the query heads
-@pytest.mark.parametrize("tp, heads", [(3, 4), (8, 4)], ids=["tp3-query-heads", "tp8-too-many"])
-def test_tp_not_dividing_heads_is_refused(tools, tmp_path, tp, heads):
-    res = _compile(tools, tmp_path, LLAMA, "mesh.dp=1", f"mesh.tp={tp}", "mesh.pp=1")
+# tp=4 with 2 kv heads is valid (each kv head copied to two ranks); at 3 neither the heads
+# nor the MLP (128) divide, so nothing is left to shard
+def test_tp_not_dividing_heads_is_refused(tools, tmp_path):
+    res = _compile(tools, tmp_path, LLAMA, "mesh.dp=1", "mesh.tp=3", "mesh.pp=1")
     assert res.code == 2, res.explain()
     text = _short_error(res.stderr)
-    for word in (f"mesh.tp ({tp})", f"({heads})", "model.layers.0.self_attn", "{1, 2, 4}"):
+    for word in ("mesh.tp (3)", "(4)", "model.layers.0.self_attn", "{1, 2, 4}"):
         assert word in text, (word, text)
     assert list(tmp_path.iterdir()) == [], "OUT or a temporary folder was left behind"
+
+
+@pytest.mark.timeout(300)
+def test_tp_above_the_query_heads_keeps_attention_whole_with_a_warning(tools, tmp_path):
+    """8 exceeds the 4 query heads but divides the MLP: attention's linears are kept whole
+    on every rank, the MLP sharded, and the compile says so (decision 73)."""
+    res = _compile(tools, tmp_path, LLAMA, "mesh.dp=1", "mesh.tp=8", "mesh.pp=1")
+    assert res.code == 0, res.explain()
+    warning = next(line for line in res.stderr.splitlines() if line.startswith("warning: mesh.tp=8"))
+    for word in ("keeps 12 linears whole on every tp rank", "the number of heads (4) of "
+                 "model.layers.0.self_attn", "tp in {2, 4} shards them too"):
+        assert word in warning, (word, warning)
+    assert "self-check:" in res.stdout + res.stderr
 
 
 @pytest.mark.timeout(300)

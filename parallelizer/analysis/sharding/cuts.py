@@ -154,12 +154,39 @@ def _slice_part(node, prop, tp, d, start, end):
     prop.claimed.add(node.name)
     for w in raw:
         prop.slices.setdefault(w, []).append((lo, hi, node.name, module_path(node)))
+    prop.part_slices[node.name] = (frozenset(raw), lo, hi)
     layout = _common_layout(prop, raw)
     if lo:
         add_rewrite(prop, node, 2, None, local_offset(lo, layout, tp))
     if hi < n and end is not None:
         add_rewrite(prop, node, 3, None, local_offset(hi, layout, tp))
     return Shard(d)
+
+
+def sliced_heads(node, prop, d: int, e: int):
+    """A view of a :func:`_slice_part` part into (heads, head_dim) (Phi-3's
+    ``qkv[..., a:b].view(B, T, -1, D)``): its head_dim becomes the weight's cut unit, so
+    :func:`fuse_slices` counts the parts in heads and lays a part of fewer kv heads than tp
+    out as copies. Where the layout assumed already does, the view's heads are each rank's
+    copy (placed on ``e``, marked replicated, the heads constant made 1); else None (the
+    even split of the heads, as any view)."""
+    weights, lo, hi = prop.part_slices[node.args[0].name]
+    ins, outs = shape(node.args[0]), shape(node)
+    if e + 1 >= len(outs) or not all(isinstance(x, int) for x in (ins[d], outs[e + 1])) \
+            or ins[d] % outs[e + 1] or ins[d] != hi - lo:
+        return None
+    unit = outs[e + 1]
+    for w in weights:
+        prop.slice_units.setdefault(w, unit)
+    pl = _part_layout(_common_layout(prop, weights), lo, hi)
+    if not isinstance(pl, ReplicatedHeads) or pl.head_dim != unit:
+        return None
+    prop.claimed.add(node.name)
+    prop.heads[node.name] = HeadsMark(weights, pl.heads, True)
+    sizes = sizes_arg(node)
+    if e < len(sizes) and isinstance(sizes[e], int) and sizes[e] != -1:
+        add_rewrite(prop, node, 1, e, 1)
+    return Shard(e)
 
 
 def fuse_slices(prop, tp: int) -> None:
@@ -268,6 +295,58 @@ def split_heads_cut(node, prop, tp, d):
             if isinstance(size[i], int):
                 add_rewrite(prop, node, 1, i, p)
     return PerOutput(tuple(outs))
+
+
+def split_parts(node, prop, tp: int, d: int, raw, parts: list):
+    """The layout of each part of a split of a column output's features along ``d``, with
+    its constraints: a part that is one kv head GPTBigCode keeps (:func:`copied_parts`) is
+    ``replicated_heads(1, part)``; with the head_dim the views of the parts gave
+    (:func:`sliced_heads`), a part of fewer heads than tp is copies (``torch.split(qkv, [q,
+    k, v])`` at tp above the kv heads, :func:`_part_in_heads`); else the even split. Each
+    taken part that is not copied already is registered for :func:`sliced_heads`. Returns
+    (part layouts, {copied part: its size-1 heads dim})."""
+    copied = copied_parts(node, prop, d, raw)
+    (w,) = raw if len(raw) == 1 else (None,)
+    units = {_view_unit(u, d) for u in node.users if u.target is operator.getitem
+             and u.args[1] not in copied} - {None}
+    unit = units.pop() if len(units) == 1 and w and \
+        node.target is aten.split_with_sizes.default else None
+    detail = f"a part of the fused output of {', '.join(sorted(raw))} (split {parts})"
+    layouts = []
+    for i, p in enumerate(parts):
+        if i in copied:
+            layouts.append(ReplicatedHeads(1, p))
+        elif unit:
+            layouts.append(_part_in_heads(prop, w, p, unit, parts, module_path(node), tp))
+        else:
+            add_constraint(prop, p, "features", module_path(node), detail, origin=raw)
+            layouts.append(None)
+    starts = [sum(parts[:i]) for i in range(len(parts))]
+    for u in node.users:
+        if u.target is not operator.getitem:
+            continue
+        i = u.args[1]
+        if i in copied:  # one kv head, copied to every rank
+            prop.claimed.add(u.name)
+            prop.heads[u.name] = HeadsMark(frozenset(raw), 1, True)
+        else:
+            prop.part_slices[u.name] = (frozenset(raw), starts[i], starts[i] + parts[i])
+    return tuple(layouts), copied
+
+
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def _view_unit(value, d: int):
+    """The head_dim of a view of ``value`` that splits its dim ``d`` into (heads,
+    head_dim) (``k.view(B, T, -1, D)``), else None."""
+    ins = shape(value)
+    for u in value.users:
+        outs = shape(u) if u.target in _VIEWS else ()
+        if len(outs) == len(ins) + 1 and all(isinstance(x, int) for x in (
+                ins[d], outs[d], outs[d + 1])) and outs[d] * outs[d + 1] == ins[d] > outs[d + 1]:
+            return outs[d + 1]
+    return None
 
 
 def copied_parts(node, prop, d: int, raw) -> dict:

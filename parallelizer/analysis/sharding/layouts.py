@@ -5,9 +5,9 @@ views into packed parts (torch's in_proj, timm's qkv) and splits of a column out
 are in :mod:`.cuts`. See :mod:`parallelizer.analysis.sharding.propagate` for the whole picture."""
 from __future__ import annotations
 
-from ...plan.layouts import Fused, InterleavedHeads, ReplicatedHeads, local_length
+from ...plan.layouts import Fused, InterleavedHeads, ReplicatedHeads, local_length, part_length
 from ..graph_facts import aten, expr, module_path, prod, same, shape
-from .cuts import copied_parts, fused_heads_view, only_cut_on, split_heads_cut
+from .cuts import fused_heads_view, only_cut_on, sliced_heads, split_heads_cut, split_parts
 from .placements import CONFLICT, PerOutput, Shard, shard
 from .strided import local_merged_size, merge_view, strided_view
 from .state import (HeadsMark, add_constraint, add_rewrite, copies_refused, copyable, dim_arg,
@@ -32,6 +32,10 @@ def view_rule(node, prop, tp):
     before = prod(ins[:d])
     e = next((e for e in range(len(outs)) if same(prod(outs[:e]), before)), None)
     raw = prop.raw.get(src.name)
+    if e is not None and src.name in prop.part_slices:  # copied kv heads of a sliced part
+        out = sliced_heads(node, prop, d, e)
+        if out is not None:
+            return out
     if e is not None and raw and _one_head(ins[d], outs, e) and not (raw & prop.no_replication):
         # (.., kv * head_dim) -> (.., 1, head_dim): one kv head (multi-query), copied to
         # every rank; the planner retries without copies if it reaches anything but repeat_kv
@@ -303,6 +307,13 @@ def split_rule(node, prop, tp):
     return PerOutput(tuple(shard(d) for _ in range(n)))
 
 
+def _part_local(p: int, layout, tp: int) -> int:
+    try:
+        return part_length(p, layout, tp)
+    except ValueError:  # a size tp does not divide: its constraint reports it
+        return p // tp
+
+
 def _split_fused(node, prop, tp, d, n):
     """Split of a column output's features into parts (GPT-2's q|k|v, a fused gate|up):
     the weight becomes ``fused`` with these parts, so each rank splits its own piece into
@@ -315,25 +326,15 @@ def _split_fused(node, prop, tp, d, n):
     parts = [int(v.shape[d]) for v in node.meta["val"]]
     if sum(parts) != full or any(prop.features.get(w) != full for w in raw):
         return CONFLICT
-    copied = copied_parts(node, prop, d, raw)  # {part: its size-1 heads dim}
-    for i, p in enumerate(parts):
-        if i not in copied:
-            add_constraint(prop, p, "features", module_path(node), f"a part of the fused "
-                           f"output of {', '.join(sorted(raw))} (split {parts})", origin=raw)
+    part_layouts, copied = split_parts(node, prop, tp, d, raw, parts)
     prop.claimed.add(node.name)
-    part_layouts = tuple(ReplicatedHeads(1, p) if i in copied else None
-                         for i, p in enumerate(parts))
-    record_use(prop, raw, Fused(tuple(parts), part_layouts if copied else None), node)
-    for u in node.users:
-        if u.args[1] in copied:  # one kv head, copied to every rank
-            prop.claimed.add(u.name)
-            prop.heads[u.name] = HeadsMark(frozenset(raw), 1, True)
+    record_use(prop, raw, Fused(tuple(parts), part_layouts if any(part_layouts) else None), node)
     size = node.args[1]
     if node.target is aten.split.Tensor and isinstance(size, int):
         add_rewrite(prop, node, 1, None, size // tp)
     elif node.target is aten.split_with_sizes.default:
         for i, p in enumerate(size):
-            if isinstance(p, int) and i not in copied:
-                add_rewrite(prop, node, 1, i, p // tp)
+            if isinstance(p, int):
+                add_rewrite(prop, node, 1, i, _part_local(p, part_layouts[i], tp))
     return PerOutput(tuple(Shard(copied.get(i, d)) for i in range(n)))
 

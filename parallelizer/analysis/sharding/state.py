@@ -74,6 +74,9 @@ class Propagation:
     # q heads | k | v): node name -> (weights, head_dim); the cuts are fused parts in heads
     head_raw: dict = field(default_factory=dict)
     slice_units: dict = field(default_factory=dict)  # column weight -> head_dim of its cuts
+    # a slice that is one part of a column output's features (Phi-3's qkv[..., a:b]) ->
+    # (its weights, lo, hi), for the view of the part into heads (cuts.py sliced_heads)
+    part_slices: dict = field(default_factory=dict)
     # (batch, heads) merged into one dim with the heads inner and sharded (BLOOM's baddbmm
     # operands; DTensor's _StridedShard): node name -> global heads; the placement is that dim
     strided: dict = field(default_factory=dict)

@@ -130,11 +130,11 @@ def test_the_kept_whole_plan_keeps_the_redistributions_the_rest_needs():
     assert_tp_matches(model, batch, 2, d, gm)
 
 
-def test_copied_kv_heads_kept_whole_and_an_indivisible_ffn_compose():
-    """Phi-3 at tp4: its q|k|v sliced from one projection over 2 kv heads is kept whole
-    (tp_candidates._whole_kv) and its fused gate|up of 37 features too; the output
-    projection is still row_parallel. Before, the kv plan gave up on the other size and the
-    compile was refused ('must divide the number of heads (2)')."""
+def test_copied_kv_heads_and_an_indivisible_ffn_compose():
+    """Phi-3 at tp4 with 2 kv heads and a fused gate|up of 37 features: the q|k|v sliced
+    from one projection is sharded with its kv parts copied (test_tp_whole_kv.py), the FFN
+    kept whole. Before, the kv plan gave up on the other size and the compile was refused
+    ('must divide the number of heads (2)')."""
     transformers = pytest.importorskip("transformers")
     cfg = transformers.Phi3Config(
         vocab_size=64, hidden_size=H, intermediate_size=37, num_hidden_layers=1,
@@ -145,9 +145,31 @@ def test_copied_kv_heads_kept_whole_and_an_indivisible_ffn_compose():
     batch = (ids_batch()["input_ids"],)
     gm, d = _planned(model, batch, 4)
     layer = "lm.model.layers.0"
-    assert d.column == set() and d.row == {f"{layer}.self_attn.o_proj.weight"}
+    assert d.column == {f"{layer}.self_attn.qkv_proj.weight"}
+    assert d.row == {f"{layer}.self_attn.o_proj.weight"}
     kept = {w for w, lines in d.replicated.items() if lines[0].startswith("kept whole: ")}
     assert kept == {f"{layer}.mlp.gate_up_proj.weight", f"{layer}.mlp.down_proj.weight"}
-    assert f"kept whole: {layer}.self_attn.qkv_proj.weight (in {layer}.self_attn, " \
-           f"dim 1 of expand holds 2 heads" in "\n".join(d.report)
+    assert_tp_matches(model, batch, 4, d, gm)
+
+
+def test_a_kv_projection_kept_whole_and_an_indivisible_ffn_compose():
+    """OLMo-2 at tp4: its k is RMS-normed over all 2 kv heads before the heads view, so
+    k_proj is kept whole (tp_candidates._whole_kv, decision 68), and its FFN of 37 too; q,
+    v and o stay sharded. Before, the kv plan gave up on the other size and the plain plan
+    kept attention replicated as well."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Olmo2Config(
+        vocab_size=64, hidden_size=H, intermediate_size=37, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, use_cache=False, pad_token_id=0,
+        tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = _Logits(transformers.Olmo2ForCausalLM(cfg).eval())
+    batch = (ids_batch()["input_ids"],)
+    gm, d = _planned(model, batch, 4)
+    attn, mlp = "lm.model.layers.0.self_attn", "lm.model.layers.0.mlp"
+    assert d.column == {f"{attn}.q_proj.weight", f"{attn}.v_proj.weight"}
+    assert d.row == {f"{attn}.o_proj.weight"}
+    assert any(line.startswith(f"kept whole: {attn}.k_proj.weight") for line in d.report)
+    kept = {w for w, lines in d.replicated.items() if lines[0].startswith("kept whole: ")}
+    assert kept == {f"{mlp}.{p}_proj.weight" for p in ("gate", "up", "down")}
     assert_tp_matches(model, batch, 4, d, gm)
