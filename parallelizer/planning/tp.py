@@ -28,7 +28,7 @@ from ..analysis.graph_facts import linear_sites, shape
 from .gradients import plan_gradients
 from .redistributions import redistributions, report_lines
 from .tp_candidates import (check_divisible, divisible, indivisible, merged_layout, merged_whole,
-                            one_head_whole, pairs_settled)
+                            one_head_whole, pairs_settled, replicated_plan)
 from .tp_matrices import custom_op_weights, op_text, other_matrices
 
 
@@ -62,6 +62,8 @@ def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False,
         # the groups behind every such size kept whole, whichever shards most; else the
         # error below names the size and the tp degrees that divide it
         pairs, column, row, prop = indivisible(graph, sites, tp, decision, first)
+    if allow_replicated and not divisible(prop, tp):  # run replicated, the size named
+        pairs, column, row, prop = replicated_plan(graph, tp, decision, prop)
     check_divisible(prop, tp)
     pairs, column, row, prop = one_head_whole(graph, tp, decision, (pairs, column, row, prop))
     pairs, column, row, prop = merged_whole(graph, sites, tp, decision, (pairs, column, row, prop))

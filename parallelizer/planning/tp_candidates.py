@@ -279,6 +279,15 @@ def _size_text(c, prop: Propagation) -> str:
             f"{c.module or 'the model'} ({c.detail}){copies if kv_heads else ''}")
 
 
+def replicated_plan(graph, tp: int, decision: TPDecision, prop: Propagation):
+    """The plan sharding nothing, for ``tensor_parallel.allow_replicated`` where ``prop``
+    needs a size tp does not divide and no plan keeps only its groups whole: the size is
+    the blocker the compile's warning names."""
+    decision.blockers = [f"tp must divide {_size_text(_not_dividing(prop, tp)[0], prop)}"]
+    return _candidate(graph, {}, tp, TPDecision(tp=tp, linears=decision.linears,
+                                                biases=decision.biases))
+
+
 def _not_dividing(prop: Propagation, tp: int) -> list:
     """The constraints tp does not meet, heads first."""
     kv = frozenset(prop.kv_weights)
@@ -310,11 +319,14 @@ def _whole_indivisible(graph, tp: int, decision: TPDecision, first, kept=None):
             break
         new = {}
         for c in bad:
-            behind = ((c.weights | c.origin) & (column | row)) | {
+            # the weights it names, else the column linears in its module (a module that
+            # holds attention and the MLP inline names both: the named ones are precise)
+            behind = ((c.weights | c.origin) & (column | row)) or {
                 w for w in column if c.module and w.startswith(c.module + ".")}
+            kv = c.what == "heads" and c.replicable(frozenset(prop.kv_weights))
             for w in _component(pairs, behind) - set(why) - set(new) if behind else ():
-                new[w] = (f"tp = {tp} does not divide the {c.size} {c.what} of "
-                          f"{c.module or 'the model'} ({c.detail})")
+                new[w] = (f"tp = {tp} does not divide the {c.size} {'kv heads' if kv else c.what}"
+                          f" of {c.module or 'the model'} ({c.detail})")
         if not new:
             return None
         why.update(new)

@@ -11,12 +11,12 @@ import operator
 
 import torch
 
-from ...plan.layouts import Fused, ReplicatedHeads, local_length, local_offset
+from ...plan.layouts import Fused, ReplicatedHeads, local_length
 from ..graph_facts import aten, expr, module_path, same, shape, slice_bound
 from .dtensor import dtensor_rule
 from .placements import CONFLICT, PerOutput, Shard, shard
-from .state import (HeadsMark, add_constraint, add_rewrite, dim_arg, dim_of, record_use,
-                    sizes_arg)
+from .state import (HeadsMark, add_constraint, add_rewrite, dim_arg, dim_of, local_at,
+                    record_use, sizes_arg)
 
 _SPLIT_CUTS = (aten.split.Tensor, aten.split_with_sizes.default)
 
@@ -90,8 +90,8 @@ def cut_heads(value, src, prop, tp, d, lo, hi):
         prop.claimed.add(value.name)
         copied = isinstance(_part_layout(layout, lo * unit, hi * unit), ReplicatedHeads)
         prop.heads[value.name] = HeadsMark(frozenset(weights), hi - lo, copied)
-    return (Shard(d), local_offset(lo * unit, layout, tp) // unit,
-            local_offset(hi * unit, layout, tp) // unit)
+    return (Shard(d), local_at(lo * unit, layout, tp) // unit,
+            local_at(hi * unit, layout, tp) // unit)
 
 
 def _part_layout(layout, lo, hi):
@@ -157,9 +157,9 @@ def _slice_part(node, prop, tp, d, start, end):
     prop.part_slices[node.name] = (frozenset(raw), lo, hi)
     layout = _common_layout(prop, raw)
     if lo:
-        add_rewrite(prop, node, 2, None, local_offset(lo, layout, tp))
+        add_rewrite(prop, node, 2, None, local_at(lo, layout, tp))
     if hi < n and end is not None:
-        add_rewrite(prop, node, 3, None, local_offset(hi, layout, tp))
+        add_rewrite(prop, node, 3, None, local_at(hi, layout, tp))
     return Shard(d)
 
 
@@ -212,13 +212,16 @@ def _part_in_heads(prop, w, p, unit, parts, module, tp):
     """Constraints of one fused part, and its layout (None: the even split)."""
     detail = f"a part of the fused output of {w} (sliced into {parts})"
     if not unit or p % unit:
-        add_constraint(prop, p, "features", module, detail)
+        add_constraint(prop, p, "features", module, detail, origin={w})
         return None
     heads = p // unit
-    if heads % tp and tp % heads == 0 and w not in prop.no_replication:
-        add_constraint(prop, heads, "heads", module, f"the heads of {detail}", {w})
+    # only kv parts are copies: a part of fewer heads than the largest (the query heads);
+    # parts of equal heads (GPT-2's q|k|v) split evenly, tp dividing their heads
+    fewer = heads < max(q // unit for q in parts)
+    if fewer and heads % tp and tp % heads == 0 and w not in prop.no_replication:
+        add_constraint(prop, heads, "heads", module, f"the heads of {detail}", {w}, {w})
         return ReplicatedHeads(heads, unit)
-    add_constraint(prop, heads, "heads", module, f"the heads of {detail}")
+    add_constraint(prop, heads, "heads", module, f"the heads of {detail}", origin={w})
     return None
 
 
@@ -378,7 +381,7 @@ def _spread_over_heads(value, h: int, depth: int = 6) -> bool:
     """Every use of ``value`` (dim ``h`` of size 1) spreads that dim over the query heads:
     an expand of ``h`` or of a new size-1 dim after it (repeat_kv's unsqueeze + expand), or
     SDPA's key or value with ``enable_gqa`` (``h`` its heads dim), through full slices,
-    unsqueezes and copies."""
+    unsqueezes, transposes and copies."""
     if depth == 0 or not value.users:
         return False
     for u in value.users:
@@ -391,6 +394,9 @@ def _spread_over_heads(value, h: int, depth: int = 6) -> bool:
         elif t is aten.unsqueeze.default:
             k = u.args[1] % (len(ins) + 1)
             ok = _spread_over_heads(u, h + (1 if k <= h else 0), depth - 1)
+        elif t is aten.transpose.int:
+            a, b = (x % len(ins) for x in u.args[1:3])
+            ok = _spread_over_heads(u, b if h == a else a if h == b else h, depth - 1)
         elif t is aten.expand.default:
             outs = shape(u)
             ok = len(outs) == len(ins) and any(

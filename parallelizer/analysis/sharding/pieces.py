@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ...plan.layouts import local_offset
 from ..graph_facts import (PIECE_SLICES, PIECE_SPLITS, Linear, aten, bias_operand, module_path,
                            piece, piece_dim, shape, weight_source)
 from .placements import CONFLICT, PerOutput, Shard
-from .state import add_rewrite
+from .state import add_rewrite, local_at
 
 
 def part_key(fqn: str, part) -> str:
@@ -66,19 +65,19 @@ def piece_rule(node: fx.Node, prop, tp: int, d: int, key: str, groups):
             return _cannot(prop, node, groups, f"{node.target} of {key} has bounds that are not "
                                                "constant ints")
         _, _, lo, hi = cut
-        start = local_offset(lo, layout, tp)
+        start = local_at(lo, layout, tp)
         if node.target is aten.narrow.default:
             add_rewrite(prop, node, 2, None, start)
-            add_rewrite(prop, node, 3, None, local_offset(hi, layout, tp) - start)
+            add_rewrite(prop, node, 3, None, local_at(hi, layout, tp) - start)
             return Shard(d)
         if lo:
             add_rewrite(prop, node, 2, None, start)
         if len(node.args) > 3 and node.args[3] is not None and hi < shape(node.args[0])[d]:
-            add_rewrite(prop, node, 3, None, local_offset(hi, layout, tp))
+            add_rewrite(prop, node, 3, None, local_at(hi, layout, tp))
         return Shard(d)
     full = [int(v.shape[d]) for v in node.meta["val"]]
     bounds = [sum(full[:i]) for i in range(len(full) + 1)]
-    local = [local_offset(b, layout, tp) for b in bounds]
+    local = [local_at(b, layout, tp) for b in bounds]
     lengths = [b - a for a, b in zip(local, local[1:])]
     if node.target is aten.split_with_sizes.default:
         for i, size in enumerate(lengths):

@@ -196,7 +196,7 @@ def _rule(node: fx.Node, prop: Propagation, column, row, weight_dims, tp):
         return _linear(node, site, prop, column, row, groups)
     if node.name in prop.per_head_factories:
         return factory_rule(node, prop, tp), prop.per_head_factories[node.name][1]
-    if node.name in prop.narrow:
+    if node.name in prop.narrow and not ins:  # a cut of a replicated value only
         return narrowed(node, prop)
     if not ins:
         return REPLICATE, groups

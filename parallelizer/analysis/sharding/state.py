@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from ...plan.layouts import InterleavedHeads, layout_json, side_by_side
+from ...plan.layouts import InterleavedHeads, layout_json, local_offset, side_by_side
 from ..graph_facts import aten, shape, source_line
 from .placements import REPLICATE, shard_dim
 
@@ -233,6 +233,15 @@ def copies_refused(prop, weights) -> str:
     (mean) at model.py:20``: a mean over the heads themselves), else ""."""
     ops = sorted({prop.no_replication_at[w] for w in weights if prop.no_replication_at.get(w)})
     return ops[0] if ops else ""
+
+
+def local_at(at: int, layout, tp: int) -> int:
+    """``plan.layouts.local_offset``, or ``at // tp`` where the layout assumed has a part tp
+    does not divide (the part's constraint reports it; the plan is not taken)."""
+    try:
+        return local_offset(at, layout, tp)
+    except ValueError:
+        return at // tp
 
 
 def add_constraint(prop, size, what, module, detail, weights=frozenset(), origin=frozenset(),

@@ -206,7 +206,7 @@ def request_narrow(node, prop, groups) -> None:
     d = dim_of(prop, a)
     size = shape(a)[d]
     for b in inputs_of(node):
-        if not is_tensor(b) or dim_of(prop, b) is not None:
+        if not is_tensor(b) or placement(prop, b) != REPLICATE:  # a conflict is no replica
             continue
         k = d - (len(shape(a)) - len(shape(b)))
         if k < 0 or not same(shape(b)[k], size):

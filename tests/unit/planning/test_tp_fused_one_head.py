@@ -103,3 +103,39 @@ def test_a_part_read_outside_attention_is_not_copied():
     gm, d = _planned(model, x_batch(), 2)
     assert d.layouts.get("c_attn.weight") != COPIED
     assert_tp_matches(model, x_batch(), 2, d, gm)
+
+
+class TransposedFirst(FusedGQA):
+    """k transposed before repeat_kv's expand (``k.transpose(-1, -2).expand(b, H, D, t)``),
+    attention by bmm over (batch x heads): the one-head part is followed through the
+    transpose and copied. ``elsewhere``: k is also summed outside attention, so it is not
+    copied; its shard then stays on head_dim and attention is replicated (the MLP sharded).
+    That run was an
+    internal error: a cut of a replicated per-head value (the narrow the bmm asked for) was
+    applied to the expand, whose input was sharded, and the expand kept its global size."""
+
+    def __init__(self, elsewhere=False):
+        super().__init__()
+        self.elsewhere = elsewhere
+        self.up, self.down = nn.Linear(H, 64), nn.Linear(64, H)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.c_attn(x).unsqueeze(1).split((H, D, D), dim=3)
+        q = q.reshape(b, t, HEADS, D).transpose(1, 2).reshape(b * HEADS, t, D)
+        kt = k.transpose(-1, -2).expand(b, HEADS, D, t).reshape(b * HEADS, D, t)
+        vv = v.expand(b, HEADS, t, D).reshape(b * HEADS, t, D)
+        att = torch.bmm(q, kt).mul(D ** -0.5).softmax(-1)
+        y = torch.bmm(att, vv).view(b, HEADS, t, D).transpose(1, 2).reshape(b, t, H)
+        out = x + self.c_proj(y)
+        out = out + self.down(F.gelu(self.up(out)))
+        return out + k.sum(-1).transpose(1, 2) if self.elsewhere else out
+
+
+@pytest.mark.parametrize("elsewhere", [False, True])
+def test_a_one_head_part_transposed_before_its_expand(elsewhere):
+    torch.manual_seed(0)
+    model = TransposedFirst(elsewhere)
+    gm, d = _planned(model, x_batch(), 2)
+    assert (d.layouts.get("c_attn.weight") == COPIED) is not elsewhere
+    assert_tp_matches(model, x_batch(), 2, d, gm)

@@ -173,3 +173,67 @@ def test_a_kv_projection_kept_whole_and_an_indivisible_ffn_compose():
     kept = {w for w, lines in d.replicated.items() if lines[0].startswith("kept whole: ")}
     assert kept == {f"{mlp}.{p}_proj.weight" for p in ("gate", "up", "down")}
     assert_tp_matches(model, batch, 4, d, gm)
+
+
+class InlineSlicedBlock(nn.Module):
+    """Attention and MLP written inline in one module (no submodules to tell them apart),
+    q|k|v sliced from one projection: 3 heads of 10, an MLP of 64."""
+
+    def __init__(self, e=30, heads=3, ffn=64):
+        super().__init__()
+        self.e, self.heads = e, heads
+        self.qkv = nn.Linear(e, 3 * e, bias=False)
+        self.o = nn.Linear(e, e, bias=False)
+        self.up, self.down = nn.Linear(e, ffn), nn.Linear(ffn, e)
+
+    def forward(self, x):
+        b, t, e = x.shape
+        d = e // self.heads
+        h = self.qkv(x)
+        q, k, v = (h[..., i * e:(i + 1) * e].view(b, t, self.heads, d).transpose(1, 2)
+                   for i in range(3))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(y.transpose(1, 2).reshape(b, t, e))
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sliced_parts_tp_does_not_divide_keep_attention_whole_in_an_inline_block(tp):
+    """Two bugs a new user found: at tp 4 the slices' local offsets of a fused part of 30
+    raised a raw ValueError ('tp degree 4 does not divide a fused part (30)') out of the
+    planner; at tp 2 the heads constraint of the block's module took the MLP whole with the
+    attention (the module holds both), so nothing was left and the compile was refused. The
+    kept groups are now the weights the constraint names."""
+    torch.manual_seed(0)
+    model = InlineSlicedBlock()
+    batch = (torch.randn(2, 5, 30, generator=torch.Generator().manual_seed(0)),)
+    gm, d = _planned(model, batch, tp)
+    assert d.column == {"up.weight"} and d.row == {"down.weight"}
+    assert "kept whole: qkv.weight (tp = %d does not divide the 3 heads of the model" % tp \
+        in "\n".join(d.report)
+    assert_tp_matches(model, batch, tp, d, gm)
+
+
+class OnlyMLP37(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(H, 37), nn.Linear(37, H)
+
+    def forward(self, x):
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+def test_allow_replicated_runs_a_model_whose_only_pair_tp_does_not_divide():
+    """tensor_parallel.allow_replicated ('run even when no weight matrix could be sharded')
+    was ignored for a size tp does not divide: the refusal came first. Now the plan shards
+    nothing and the compile warns, naming the size; without the key it is still refused."""
+    cap = captured(OnlyMLP37(), x_batch())
+    with pytest.raises(PlanError, match=r"mesh.tp \(2\) must divide the number of features "
+                                        r"\(37\) of fc1"):
+        plan_tp(cap.gm.graph, 2)
+    d = plan_tp(cap.gm.graph, 2, allow_replicated=True)
+    assert d.column == d.row == set() and d.rewrites == {}
+    assert d.warnings == [
+        "mesh.tp=2 but no weight matrix could be sharded (the first op that stopped it: tp "
+        "must divide the number of features (37) of fc1 (out_features of fc1.weight)): every "
+        "rank holds the whole model (tensor_parallel.allow_replicated); see report.md"]
