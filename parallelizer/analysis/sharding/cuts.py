@@ -374,6 +374,27 @@ def copied_parts(node, prop, d: int, raw) -> dict:
     return out if len(out) < len(node.meta["val"]) else {}
 
 
+def one_head_unsqueeze(node, prop):
+    """A column output of one head (multi-query k_proj, ``(B, T, D)``) unsqueezed to
+    ``(B, 1, T, D)`` and then spread over the query heads (:func:`_spread_over_heads`): the
+    separate-projection form of GPTBigCode's split, without a view into (.., 1, head_dim).
+    The projection is one kv head copied to every rank (``replicated_heads(1, D)``), the
+    value placed on the new dim and marked as copied heads; else None (the plain rules)."""
+    src = node.args[0]
+    raw = prop.raw.get(src.name)
+    ins = shape(src)
+    h = node.args[1] % (len(ins) + 1)
+    if not raw or raw & prop.no_replication or dim_of(prop, src) != len(ins) - 1 \
+            or h == len(ins) or not isinstance(ins[-1], int) \
+            or any(prop.features.get(w) != ins[-1] for w in raw) \
+            or not _spread_over_heads(node, h):
+        return None
+    prop.claimed.add(node.name)
+    prop.heads[node.name] = HeadsMark(frozenset(raw), 1, True)
+    record_use(prop, raw, ReplicatedHeads(1, ins[-1]), node)
+    return Shard(h)
+
+
 _COPIES = (aten.contiguous.default, aten.clone.default, aten.alias.default)
 
 

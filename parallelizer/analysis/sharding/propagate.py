@@ -49,7 +49,7 @@ from .dtensor import NO_RULE, Wants, dtensor_rule
 from . import redistribute
 from .heads import factory_rule, request_broadcast
 from ...plan.layouts import InterleavedHeads, in_units
-from .cuts import fuse_slices
+from .cuts import fuse_slices, one_head_unsqueeze
 from .layouts import view_rule
 from .placements import CONFLICT, REPLICATE, Conflict, Shard, shard_dim
 from .rules import BROADCASTING, DTENSOR_FIRST, KEEP_HEADS, KEEP_RAW, RULES, pointwise_rule
@@ -202,6 +202,10 @@ def _rule(node: fx.Node, prop: Propagation, column, row, weight_dims, tp):
         return REPLICATE, groups
     if not _holds_tensors(node):  # sizes (SymInt) and other non-tensor values
         return REPLICATE, groups
+    if node.target is aten.unsqueeze.default:  # before DTensor: one kv head to copy
+        out = one_head_unsqueeze(node, prop)
+        if out is not None:
+            return out, groups
     fn = RULES.get(node.target)
     if fn is None:
         tags = getattr(node.target, "tags", ())

@@ -139,3 +139,40 @@ def test_a_one_head_part_transposed_before_its_expand(elsewhere):
     gm, d = _planned(model, x_batch(), 2)
     assert (d.layouts.get("c_attn.weight") == COPIED) is not elsewhere
     assert_tp_matches(model, x_batch(), 2, d, gm)
+
+
+class SeparateUnsqueezed(nn.Module):
+    """The separate-projection form: k_proj and v_proj of one head each, unsqueezed to
+    (B, 1, T, D) (no view into (.., 1, head_dim)) and expanded over the query heads, k
+    transposed first when ``transpose_first``. Found by a new-user break test: attention was
+    kept replicated (4 of 12 matrices). Now k_proj and v_proj are one copied kv head
+    (cuts.py one_head_unsqueeze) and attention is sharded over the query heads."""
+
+    def __init__(self, transpose_first=False):
+        super().__init__()
+        self.transpose_first = transpose_first
+        self.q, self.k, self.v = nn.Linear(H, H), nn.Linear(H, D), nn.Linear(H, D)
+        self.o = nn.Linear(H, H)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = self.q(x).unsqueeze(1).reshape(b, t, HEADS, D).transpose(1, 2).reshape(b * HEADS, t, D)
+        k, v = self.k(x).unsqueeze(1), self.v(x).unsqueeze(1)
+        if self.transpose_first:
+            kt = k.transpose(-1, -2).expand(b, HEADS, D, t).reshape(b * HEADS, D, t)
+        else:
+            kt = k.expand(b, HEADS, t, D).reshape(b * HEADS, t, D).transpose(-1, -2)
+        vv = v.expand(b, HEADS, t, D).reshape(b * HEADS, t, D)
+        att = torch.bmm(q, kt).mul(D ** -0.5).softmax(-1)
+        return x + self.o(torch.bmm(att, vv).view(b, HEADS, t, D).transpose(1, 2).reshape(b, t, H))
+
+
+@pytest.mark.parametrize("tp, transpose_first", [(2, False), (4, False), (2, True)])
+def test_separate_one_head_projections_unsqueezed_are_copied(tp, transpose_first):
+    torch.manual_seed(0)
+    model = SeparateUnsqueezed(transpose_first)
+    gm, d = _planned(model, x_batch(), tp)
+    assert d.column == {"q.weight", "k.weight", "v.weight"} and d.row == {"o.weight"}
+    assert d.layouts["k.weight"] == d.layouts["v.weight"] == ReplicatedHeads(1, D)
+    assert d.redistributions == []
+    assert_tp_matches(model, x_batch(), tp, d, gm)
