@@ -178,7 +178,8 @@ class TensorParallel(BaseModel):
     allow_replicated: bool = Field(
         False, description="true or false (at mesh.tp > 1, run even when no weight matrix "
                            "could be sharded, instead of failing the compile)",
-        json_schema_extra=_doc("A warning instead of the error naming the op that stopped it."))
+        json_schema_extra=_doc("A warning instead of the error naming the op that stopped it, "
+                               "or the size tp does not divide."))
     vocab_parallel: Literal["auto", True, False] = Field(
         "auto", description="'auto', true or false (shard the vocabulary embedding and LM head "
                             "over tp, Megatron-LM §3: 'auto' whenever tp > 1 and the graph "

@@ -58,7 +58,7 @@ def indivisible(graph, sites, tp: int, decision: TPDecision, first):
         chosen = _candidate(graph, seed_pairs(sites, True), tp, plain, redistribute=False)
     options = [(chosen, plain), _whole_indivisible(graph, tp, decision, first)]
     kv = _whole_kv(graph, seed_pairs(sites, True), tp, decision, prop)
-    if kv is not None:  # other sizes left (Phi-3's FFN of 37 at tp 4): those groups whole too
+    if kv is not None:  # other sizes left (OLMo-2's FFN of 37 at tp 4): those groups whole too
         found, scratch, kept = kv
         options.append((found, scratch) if divisible(found[3], tp) else
                        _whole_indivisible(graph, tp, decision, found, kept))

@@ -299,7 +299,7 @@ def test_auto_with_a_blocker_reports_why_and_stays_replicated():
 class FusedQKVLM(nn.Module):
     """Phi-3's attention (one q|k|v projection sliced into 4 query heads and 2 kv heads of 8)
     whose q|k|v weight has the untied LM head's shape (64 x 32, a 64-row vocabulary); at
-    tp 4 tp keeps it whole (2 kv heads). ``cache``: the block's k is returned too."""
+    tp 4 its 2 kv heads are copies. ``cache``: the block's k is returned too."""
 
     def __init__(self, cache=False):
         super().__init__()
@@ -326,16 +326,17 @@ class FusedQKVLM(nn.Module):
 
 def test_block_linear_of_the_head_shape_is_no_lm_head():
     """The head is the linear whose logits the model returns, not any untied linear of the
-    vocabulary table's shape: the q|k|v projection tp keeps whole stays replicated (main
-    before: sharded over the "vocabulary" as a second LM head, report 'vocab_parallel LM
-    head: head.weight, qkv.weight'). Ranks equal the unmodified model."""
+    vocabulary table's shape: the q|k|v projection is column_parallel with its kv parts
+    copied (decision 75), not sharded over the "vocabulary" as a second LM head (main
+    before: report 'vocab_parallel LM head: head.weight, qkv.weight'). Ranks equal the
+    unmodified model."""
     tp, b = 4, {"input_ids": torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))}
     model = FusedQKVLM()
     cap, gm, d, v = planned(model, b, tp)
     assert v.heads == {"head.weight"} and sorted(v.vocab) == ["emb.weight", "head.weight"]
     counts = tp_report(d, v)[0]
-    assert counts.endswith("vocab_parallel LM head: head.weight; replicated: 1 linears "
-                           "(qkv.weight)"), counts
+    assert "qkv.weight" in d.column and "qkv.weight" not in v.vocab
+    assert counts.endswith("vocab_parallel LM head: head.weight; replicated: none"), counts
     assert not any("qkv" in line for line in v.report), v.report
     v.outputs.clear()
     rewrite(gm, d, v)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from parallelizer.analysis.graph_facts import as_linear
-from parallelizer.plan.layouts import Fused
+from parallelizer.plan.layouts import Fused, ReplicatedHeads
 from tp_check import plan_and_check
 from tp_small_models import captured
 from tp_weight_path_models import CastNet, SplitQKVNet, x_batch
@@ -57,15 +57,18 @@ def test_fused_qkv_split_by_sizes_with_per_head_gains(kv, tp):
         assert d.per_head[p + "q_gain"] == d.per_head[p + "k_gain"] == 0
 
 
-def test_per_kv_head_gain_at_tp_above_kv_heads_keeps_the_fused_qkv_whole():
-    """At tp 4 with 2 kv heads the k part of the fused q|k|v is split evenly (4 of its 16
-    features a rank), gathered for the gain per kv head, and its view into 2 heads has no
-    even split: the fused q|k|v is computed whole on every rank (reported), attention cuts
-    each rank's query heads and its copy of the kv head, the output projection and the MLPs
-    are sharded, and the ranks still match. (Before: the whole attention replicated.)"""
+def test_per_kv_head_gain_at_tp_above_kv_heads_copies_the_kv_parts():
+    """At tp 4 with 2 kv heads the k and v parts of the fused q|k|v are copies (each rank
+    holds its query heads and its kv head, decision 75); the gain per kv head is cut to each
+    rank's copy on its edge (``scatter_copies``), the gain per query head sharded along
+    heads, and the ranks match. (Before: the fused q|k|v computed whole on every rank, and
+    before that the whole attention replicated.)"""
     torch.manual_seed(0)
     d = plan_and_check(SplitQKVNet(2), x_batch(3, 5, seed=1), 4)
-    assert not any(f.startswith("layers.") for f in d.column | set(d.per_head))
-    assert {"layers.0.o.weight", "layers.1.o.weight"} <= d.row
-    assert {"ups.0.weight", "ups.1.weight"} <= d.column
-    assert any(r.startswith("kept whole: layers.0.qkv.weight") for r in d.report), d.report
+    copies = ReplicatedHeads(2, 8)
+    for i in range(2):
+        p = f"layers.{i}."
+        assert p + "qkv.weight" in d.column and p + "o.weight" in d.row
+        assert d.layouts[p + "qkv.weight"] == Fused((32, 16, 16), (None, copies, copies))
+        assert d.per_head[p + "q_gain"] == 0
+    assert [r.kind for r in d.redistributions] == ["scatter_copies", "scatter_copies"]
