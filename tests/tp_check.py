@@ -50,11 +50,17 @@ def assert_tp_matches(model, batch, tp, decision, gm, seed=None):
     return outs
 
 
-def plan_and_check(model, batch, tp):
-    """The TPDecision of ``model`` at ``tp``, after :func:`assert_tp_matches` on ``batch``."""
+def planned(model, batch, tp):
+    """``model`` captured on ``batch``, planned at ``tp`` and rewritten: (gm, TPDecision)."""
     gm = captured(model, batch).gm
     decision = plan_tp(gm.graph, tp)
     apply_cleanup(gm)
     apply_tensor_parallel(gm, decision)
+    return gm, decision
+
+
+def plan_and_check(model, batch, tp):
+    """The TPDecision of ``model`` at ``tp``, after :func:`assert_tp_matches` on ``batch``."""
+    gm, decision = planned(model, batch, tp)
     assert_tp_matches(model, batch, tp, decision, gm)
     return decision

@@ -89,6 +89,28 @@ def tiny_llama():
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
+class LMLogits(nn.Module):
+    """A transformers causal LM called on ``input_ids``, returning its logits only."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids):
+        return self.lm(input_ids=input_ids).logits
+
+
+def tiny_lm(family: str, **config) -> nn.Module:
+    """transformers' ``{family}ForCausalLM`` built from ``{family}Config(**config)`` after
+    ``torch.manual_seed(0)``, in eval mode, as :class:`LMLogits` (the test skips without
+    transformers)."""
+    import pytest
+    transformers = pytest.importorskip("transformers")
+    cfg = getattr(transformers, f"{family}Config")(**config)
+    torch.manual_seed(0)
+    return LMLogits(getattr(transformers, f"{family}ForCausalLM")(cfg).eval())
+
+
 def line_of(path, code: str) -> int:
     """Line number of ``code`` in the file ``path`` (the source line a report names)."""
     return next(i for i, text in enumerate(Path(path).read_text().splitlines(), 1)

@@ -12,46 +12,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallelizer.passes.cleanup import apply_cleanup
-from parallelizer.passes.tensor_parallel import apply_tensor_parallel
 from parallelizer.plan.layouts import Fused, ReplicatedHeads
-from parallelizer.planning.tp import plan_tp
 
-from tp_check import assert_tp_matches
-from tp_small_models import H, captured, ids_batch, x_batch
+from tp_check import assert_tp_matches, planned
+from tp_small_models import H, ids_batch, tiny_lm, x_batch
 
 HEADS, D = 4, 8
 COPIED = Fused((H, D, D), (None, ReplicatedHeads(1, D), ReplicatedHeads(1, D)))
 
 
-def _planned(model, batch, tp):
-    cap = captured(model, batch)
-    decision = plan_tp(cap.gm.graph, tp)
-    apply_cleanup(cap.gm)
-    apply_tensor_parallel(cap.gm, decision)
-    return cap.gm, decision
-
-
-class _Logits(nn.Module):
-    def __init__(self, lm):
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, input_ids):
-        return self.lm(input_ids=input_ids).logits
-
-
 @pytest.mark.parametrize("tp", [2, 4])
 def test_gpt_bigcode_multi_query_copies_its_kv_part(tp):
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.GPTBigCodeConfig(
+    model = tiny_lm(
+        "GPTBigCode",
         vocab_size=64, n_embd=H, n_layer=2, n_head=HEADS, n_inner=64, multi_query=True,
         tie_word_embeddings=False, use_cache=False, attn_pdrop=0.0, resid_pdrop=0.0,
         embd_pdrop=0.0)
-    torch.manual_seed(0)
-    model = _Logits(transformers.GPTBigCodeForCausalLM(cfg).eval())
     batch = (ids_batch()["input_ids"],)
-    gm, d = _planned(model, batch, tp)
+    gm, d = planned(model, batch, tp)
     for i in range(2):
         attn = f"lm.transformer.h.{i}.attn"
         assert f"{attn}.c_attn.weight" in d.column and f"{attn}.c_proj.weight" in d.row
@@ -79,7 +57,7 @@ class FusedGQA(nn.Module):
 def test_one_kv_head_spread_by_enable_gqa_is_copied():
     torch.manual_seed(0)
     model = FusedGQA()
-    gm, d = _planned(model, x_batch(), 2)
+    gm, d = planned(model, x_batch(), 2)
     assert d.layouts["c_attn.weight"] == COPIED and d.redistributions == []
     assert_tp_matches(model, x_batch(), 2, d, gm)
 
@@ -100,7 +78,7 @@ class PartReadElsewhere(FusedGQA):
 def test_a_part_read_outside_attention_is_not_copied():
     torch.manual_seed(0)
     model = PartReadElsewhere()
-    gm, d = _planned(model, x_batch(), 2)
+    gm, d = planned(model, x_batch(), 2)
     assert d.layouts.get("c_attn.weight") != COPIED
     assert_tp_matches(model, x_batch(), 2, d, gm)
 
@@ -136,7 +114,7 @@ class TransposedFirst(FusedGQA):
 def test_a_one_head_part_transposed_before_its_expand(elsewhere):
     torch.manual_seed(0)
     model = TransposedFirst(elsewhere)
-    gm, d = _planned(model, x_batch(), 2)
+    gm, d = planned(model, x_batch(), 2)
     assert (d.layouts.get("c_attn.weight") == COPIED) is not elsewhere
     assert_tp_matches(model, x_batch(), 2, d, gm)
 
@@ -171,7 +149,7 @@ class SeparateUnsqueezed(nn.Module):
 def test_separate_one_head_projections_unsqueezed_are_copied(tp, transpose_first):
     torch.manual_seed(0)
     model = SeparateUnsqueezed(transpose_first)
-    gm, d = _planned(model, x_batch(), tp)
+    gm, d = planned(model, x_batch(), tp)
     assert d.column == {"q.weight", "k.weight", "v.weight"} and d.row == {"o.weight"}
     assert d.layouts["k.weight"] == d.layouts["v.weight"] == ReplicatedHeads(1, D)
     assert d.redistributions == []

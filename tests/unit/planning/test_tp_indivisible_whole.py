@@ -11,12 +11,16 @@ import torch
 from torch import nn
 
 from parallelizer.errors import PlanError
-from parallelizer.passes.cleanup import apply_cleanup
-from parallelizer.passes.tensor_parallel import apply_tensor_parallel
 from parallelizer.planning.tp import plan_tp
 
-from tp_check import assert_tp_matches
-from tp_small_models import H, Block, captured, ids_batch, x_batch
+from tp_check import assert_tp_matches, planned
+from tp_small_models import H, Block, captured, ids_batch, tiny_lm, x_batch
+
+
+# one layer, 4 heads over 2 kv heads, an FFN of 37 (Phi-3 and OLMo-2 at tp4)
+FFN37_KV2 = dict(vocab_size=64, hidden_size=H, intermediate_size=37, num_hidden_layers=1,
+                 num_attention_heads=4, num_key_value_heads=2, use_cache=False,
+                 pad_token_id=0, tie_word_embeddings=False)
 
 
 def _block(ffn: int) -> nn.Module:
@@ -28,17 +32,9 @@ def _block(ffn: int) -> nn.Module:
     return model
 
 
-def _planned(model, batch, tp):
-    cap = captured(model, batch)
-    decision = plan_tp(cap.gm.graph, tp)
-    apply_cleanup(cap.gm)
-    apply_tensor_parallel(cap.gm, decision)
-    return cap.gm, decision
-
-
 def test_ffn_tp_does_not_divide_is_kept_whole_and_attention_sharded():
     model = _block(42)
-    gm, d = _planned(model, x_batch(), 4)
+    gm, d = planned(model, x_batch(), 4)
     assert d.column == {"attn.q.weight", "attn.k.weight", "attn.v.weight"}
     assert d.row == {"attn.o.weight"}
     why = ("tp = 4 does not divide the 42 features of mlp.gate (out_features of "
@@ -55,7 +51,7 @@ def test_ffn_tp_does_not_divide_is_kept_whole_and_attention_sharded():
 
 def test_tp_dividing_every_size_shards_the_ffn_too():
     model = _block(42)
-    gm, d = _planned(model, x_batch(), 2)
+    gm, d = planned(model, x_batch(), 2)
     assert {"mlp.gate.weight", "mlp.up.weight"} <= d.column and "mlp.down.weight" in d.row
     assert d.warnings == []
     assert_tp_matches(model, x_batch(), 2, d, gm)
@@ -63,7 +59,7 @@ def test_tp_dividing_every_size_shards_the_ffn_too():
 
 def test_heads_tp_does_not_divide_keep_attention_whole_and_the_ffn_sharded():
     model = _block(42)
-    gm, d = _planned(model, x_batch(), 3)
+    gm, d = planned(model, x_batch(), 3)
     assert d.column == {"mlp.gate.weight", "mlp.up.weight"} and d.row == {"mlp.down.weight"}
     assert "kept whole: attn.o.weight (tp = 3 does not divide the 4 heads of attn (dim 2 of " \
            "the view to [*, *, 4, 8]))" in d.report
@@ -80,25 +76,14 @@ def test_nothing_left_to_shard_is_still_the_error_naming_the_size():
     assert msg.endswith("valid choices: tp in {1, 2, 4}")
 
 
-class _Logits(nn.Module):
-    def __init__(self, lm):
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, input_ids):
-        return self.lm(input_ids=input_ids).logits
-
-
 def test_transformers_llama_with_an_odd_intermediate_size_shards_its_attention():
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(
+    model = tiny_lm(
+        "Llama",
         vocab_size=64, hidden_size=H, intermediate_size=37, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
         use_cache=False, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    model = _Logits(transformers.LlamaForCausalLM(cfg).eval())
     batch = (ids_batch()["input_ids"],)
-    gm, d = _planned(model, batch, 2)
+    gm, d = planned(model, batch, 2)
     layers = ("lm.model.layers.0", "lm.model.layers.1")
     assert d.column == {f"{l}.self_attn.{p}_proj.weight" for l in layers for p in "qkv"}
     assert d.row == {f"{l}.self_attn.o_proj.weight" for l in layers}
@@ -115,14 +100,12 @@ def test_the_kept_whole_plan_keeps_the_redistributions_the_rest_needs():
     output all-reduced; the plan without redistributions (chosen before when a size did not
     divide) kept it replicated too, and with its FFN of 37 whole nothing was left: refused
     'no weight matrix could be sharded' at tp2."""
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.BitNetConfig(
+    model = tiny_lm(
+        "BitNet",
         vocab_size=64, hidden_size=H, intermediate_size=37, num_hidden_layers=1,
         num_attention_heads=4, num_key_value_heads=2, use_cache=False, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = _Logits(transformers.BitNetForCausalLM(cfg).eval())
     batch = (ids_batch()["input_ids"],)
-    gm, d = _planned(model, batch, 2)
+    gm, d = planned(model, batch, 2)
     attn = "lm.model.layers.0.self_attn"
     assert d.column == {f"{attn}.{p}_proj.weight" for p in "qkv"}
     assert d.row == {f"{attn}.o_proj.weight"}
@@ -135,15 +118,9 @@ def test_copied_kv_heads_and_an_indivisible_ffn_compose():
     from one projection is sharded with its kv parts copied (test_tp_whole_kv.py), the FFN
     kept whole. Before, the kv plan gave up on the other size and the compile was refused
     ('must divide the number of heads (2)')."""
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.Phi3Config(
-        vocab_size=64, hidden_size=H, intermediate_size=37, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, use_cache=False, pad_token_id=0,
-        tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = _Logits(transformers.Phi3ForCausalLM(cfg).eval())
+    model = tiny_lm("Phi3", **FFN37_KV2)
     batch = (ids_batch()["input_ids"],)
-    gm, d = _planned(model, batch, 4)
+    gm, d = planned(model, batch, 4)
     layer = "lm.model.layers.0"
     assert d.column == {f"{layer}.self_attn.qkv_proj.weight"}
     assert d.row == {f"{layer}.self_attn.o_proj.weight"}
@@ -157,15 +134,9 @@ def test_a_kv_projection_kept_whole_and_an_indivisible_ffn_compose():
     k_proj is kept whole (tp_candidates._whole_kv, decision 68), and its FFN of 37 too; q,
     v and o stay sharded. Before, the kv plan gave up on the other size and the plain plan
     kept attention replicated as well."""
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.Olmo2Config(
-        vocab_size=64, hidden_size=H, intermediate_size=37, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, use_cache=False, pad_token_id=0,
-        tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = _Logits(transformers.Olmo2ForCausalLM(cfg).eval())
+    model = tiny_lm("Olmo2", **FFN37_KV2)
     batch = (ids_batch()["input_ids"],)
-    gm, d = _planned(model, batch, 4)
+    gm, d = planned(model, batch, 4)
     attn, mlp = "lm.model.layers.0.self_attn", "lm.model.layers.0.mlp"
     assert d.column == {f"{attn}.q_proj.weight", f"{attn}.v_proj.weight"}
     assert d.row == {f"{attn}.o_proj.weight"}
@@ -207,7 +178,7 @@ def test_sliced_parts_tp_does_not_divide_keep_attention_whole_in_an_inline_block
     torch.manual_seed(0)
     model = InlineSlicedBlock()
     batch = (torch.randn(2, 5, 30, generator=torch.Generator().manual_seed(0)),)
-    gm, d = _planned(model, batch, tp)
+    gm, d = planned(model, batch, tp)
     assert d.column == {"up.weight"} and d.row == {"down.weight"}
     assert "kept whole: qkv.weight (tp = %d does not divide the 3 heads of the model" % tp \
         in "\n".join(d.report)

@@ -11,11 +11,12 @@ from torch import nn
 
 from parallelizer.passes.cleanup import apply_cleanup
 from parallelizer.passes.tensor_parallel import apply_tensor_parallel
+from parallelizer.plan.layouts import Fused, ReplicatedHeads
 from parallelizer.planning.tp import plan_tp
 from parallelizer.runtime.tp import scatter_copies_to_tp_region
 
-from tp_check import assert_tp_matches
-from tp_small_models import H, captured, x_batch
+from tp_check import assert_tp_matches, planned
+from tp_small_models import H, captured, tiny_lm, x_batch
 
 HEADS, KV, D = 4, 2, 8
 
@@ -185,57 +186,6 @@ class SlicedQKV(nn.Module):
         return x + self.down(F.gelu(self.up(x)))
 
 
-def test_sliced_qkv_at_tp_above_kv_heads_copies_the_kv_parts():
-    """Main before 5f10b1c: "mesh.tp (4) must divide the number of heads (2)", though 4 is a
-    multiple of the kv heads; then the fused projection was computed whole on every rank
-    and attention with it. Now the views of the slices into heads give the parts' head_dim,
-    so the k and v parts (2 kv heads each) are laid out as copies inside the fused layout
-    (cuts.py sliced_heads, as Falcon's multi-query cuts): qkv is column_parallel, attention
-    runs on each rank's heads, and nothing is redistributed."""
-    from parallelizer.plan.layouts import Fused, ReplicatedHeads
-    torch.manual_seed(0)
-    model = SlicedQKV()
-    cap = captured(model, x_batch())
-    d = plan_tp(cap.gm.graph, 4)
-    apply_cleanup(cap.gm)
-    apply_tensor_parallel(cap.gm, d)
-    assert {"qkv.weight", "up.weight"} == d.column and {"o.weight", "down.weight"} == d.row
-    copies = ReplicatedHeads(KV, D)
-    assert d.layouts["qkv.weight"] == Fused((H, KV * D, KV * D), (None, copies, copies))
-    assert d.redistributions == []
-    assert_tp_matches(model, x_batch(), 4, d, cap.gm)
-
-
-@pytest.mark.parametrize("tp", [2, 4])
-def test_transformers_phi3_sliced_qkv_shards_at_every_tp(tp):
-    """transformers' Phi-3 (its qkv_proj sliced, each slice viewed with -1 heads) at tp 2
-    (the kv heads split) and tp 4 (copied); each rank equals the model."""
-    transformers = pytest.importorskip("transformers")
-    from torch import nn as _nn
-
-    class Logits(_nn.Module):
-        def __init__(self, lm):
-            super().__init__()
-            self.lm = lm
-
-        def forward(self, input_ids):
-            return self.lm(input_ids=input_ids).logits
-    cfg = transformers.Phi3Config(
-        vocab_size=64, hidden_size=H, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=HEADS, num_key_value_heads=KV, use_cache=False, pad_token_id=0,
-        tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = Logits(transformers.Phi3ForCausalLM(cfg).eval())
-    batch = (torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0)),)
-    cap = captured(model, batch)
-    d = plan_tp(cap.gm.graph, tp)
-    apply_cleanup(cap.gm)
-    apply_tensor_parallel(cap.gm, d)
-    assert {f"lm.model.layers.{i}.self_attn.qkv_proj.weight" for i in range(2)} <= d.column
-    assert d.redistributions == []
-    assert_tp_matches(model, batch, tp, d, cap.gm)
-
-
 class SplitQKV(SlicedQKV):
     """The same projection (with a bias) cut by ``split([q, k, v], dim=-1)``, each part
     viewed with -1 heads: the split sees the parts' head_dim in those views
@@ -254,16 +204,39 @@ class SplitQKV(SlicedQKV):
         return x + self.down(F.gelu(self.up(x)))
 
 
-def test_split_qkv_at_tp_above_kv_heads_copies_the_kv_parts():
-    from parallelizer.plan.layouts import Fused, ReplicatedHeads
+@pytest.mark.parametrize("cut", ["slices", "split"])
+def test_sliced_qkv_at_tp_above_kv_heads_copies_the_kv_parts(cut):
+    """Main before 5f10b1c: "mesh.tp (4) must divide the number of heads (2)", though 4 is a
+    multiple of the kv heads; then the fused projection was computed whole on every rank
+    and attention with it. Now the views of the slices into heads give the parts' head_dim,
+    so the k and v parts (2 kv heads each) are laid out as copies inside the fused layout
+    (cuts.py sliced_heads, as Falcon's multi-query cuts): qkv is column_parallel, attention
+    runs on each rank's heads, and nothing is redistributed. ``split``: the same projection
+    with a bias, cut by ``split([q, k, v])`` (SplitQKV), its bias laid out alike."""
     torch.manual_seed(0)
-    model = SplitQKV()
-    cap = captured(model, x_batch())
-    d = plan_tp(cap.gm.graph, 4)
-    apply_cleanup(cap.gm)
-    apply_tensor_parallel(cap.gm, d)
+    model = SlicedQKV() if cut == "slices" else SplitQKV()
+    gm, d = planned(model, x_batch(), 4)
+    assert {"qkv.weight", "up.weight"} == d.column and {"o.weight", "down.weight"} == d.row
     copies = ReplicatedHeads(KV, D)
     layout = Fused((H, KV * D, KV * D), (None, copies, copies))
-    assert d.layouts["qkv.weight"] == d.layouts["qkv.bias"] == layout
+    assert d.layouts["qkv.weight"] == layout
+    if cut == "split":
+        assert d.layouts["qkv.bias"] == layout
     assert d.redistributions == []
-    assert_tp_matches(model, x_batch(), 4, d, cap.gm)
+    assert_tp_matches(model, x_batch(), 4, d, gm)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_transformers_phi3_sliced_qkv_shards_at_every_tp(tp):
+    """transformers' Phi-3 (its qkv_proj sliced, each slice viewed with -1 heads) at tp 2
+    (the kv heads split) and tp 4 (copied); each rank equals the model."""
+    model = tiny_lm(
+        "Phi3",
+        vocab_size=64, hidden_size=H, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=HEADS, num_key_value_heads=KV, use_cache=False, pad_token_id=0,
+        tie_word_embeddings=False)
+    batch = (torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0)),)
+    gm, d = planned(model, batch, tp)
+    assert {f"lm.model.layers.{i}.self_attn.qkv_proj.weight" for i in range(2)} <= d.column
+    assert d.redistributions == []
+    assert_tp_matches(model, batch, tp, d, gm)
