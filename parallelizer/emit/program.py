@@ -15,7 +15,8 @@ from ..checkpoint.format import save_tensors
 from ..checkpoint.publish import temp_sibling
 from ..checkpoint.writer import write_checkpoint
 from ..errors import UserError
-from ..plan.parallel_plan import ParallelPlan
+from ..frontend.model_sources import MODEL_DEPS, local_modules
+from ..plan.parallel_plan import MODEL_MODULE, ParallelPlan
 from .plots import write_pipeline_plots
 
 
@@ -24,7 +25,7 @@ class Program:
     plan: ParallelPlan
     sources: dict            # relative path -> Python source (program/stage0.py, run.py)
     report: str
-    model_file: Optional[Path]  # copied to OUT/model.py for loss_fn and batches()
+    model_file: Optional[Path]  # copied to OUT/model.py (its own imports to OUT/model_deps/)
     spec: dict
     state: Optional[dict] = None      # canonical fqn -> full tensor (None under --no-weights)
     reference: Optional[dict] = None  # see parallelizer.emit.reference
@@ -68,6 +69,9 @@ class Program:
         (tmp / "spec.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(self.spec)))
         if self.model_file is not None:
             shutil.copyfile(self.model_file, tmp / "model.py")
+            for rel, src in local_modules(self.model_file, MODEL_MODULE).items():
+                (tmp / MODEL_DEPS / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(src, tmp / MODEL_DEPS / rel)
         if self.state is not None:
             write_checkpoint(self.state, self.plan, tmp / "checkpoint")
         if self.reference is not None:
@@ -88,7 +92,7 @@ def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 EMITTED = {"run.py", "launch.sh", "launch.sbatch", "program", "checkpoint", "plan.json", "report.md", "spec.yaml", "model.py",
-           "reference.safetensors", "__pycache__", "pipeline.json", "pipeline_costs.png",
+           "reference.safetensors", "__pycache__", MODEL_DEPS, "pipeline.json", "pipeline_costs.png",
            "pipeline_schedule.png"}
 
 

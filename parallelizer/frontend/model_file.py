@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..errors import ModelFileError, UserError
 from ..plan.parallel_plan import MODEL_MODULE
+from .model_sources import import_root
 
 REQUIRED = ("build_model", "example_inputs")
 
@@ -65,6 +66,7 @@ def load_model_file(path: Path) -> ModuleType:
     if spec is None or not path.suffix == ".py":
         raise ModelFileError(f"model file {path} is not a Python file; pass a model.py")
     name = MODEL_MODULE
+    import_root(path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:
