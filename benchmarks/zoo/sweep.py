@@ -75,6 +75,17 @@ def set_ffn(width: int) -> None:
     PATTERNS[:] = [(p, width if p.pattern == FFN_NAMES else v) for p, v in PATTERNS]
 
 
+def set_heads(heads: int, kv_heads: int) -> None:
+    """Build every tiny config with ``heads`` query heads and ``kv_heads`` kv heads of head_dim
+    8 (``--heads``): the hidden size follows (``8 * heads``)."""
+    hidden = 8 * heads
+    STANDARD.update(num_attention_heads=heads, num_key_value_heads=kv_heads, hidden_size=hidden)
+    value = {PATTERNS[0][0].pattern: kv_heads, PATTERNS[1][0].pattern: heads, PATTERNS[6][0].pattern: hidden}
+    PATTERNS[:] = [(p, value.get(p.pattern, v)) for p, v in PATTERNS]
+    LISTS[:] = [(p, heads if "heads" in p.pattern else hidden if "hidden" in p.pattern else v)
+                for p, v in LISTS]
+
+
 def covered_types() -> set[str]:
     """Model types the zoo's families and tests/tp_zoo_models.py build (by config class)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
@@ -233,8 +244,12 @@ def main(argv=None) -> int:
     p.add_argument("--ffn", type=int, default=64,
                    help="the FFN width (intermediate_size and its names; default 64): 37, as "
                         "transformers' own test configs use, is a width tp does not divide")
+    p.add_argument("--heads", default="4,2", metavar="H,K",
+                   help="query heads and kv heads (head_dim 8, hidden 8 H; default 4,2): 6,3 "
+                        "is a head count tp 4 does not divide and a kv count tp 2 does not")
     a = p.parse_args(argv)
     set_ffn(a.ffn)
+    set_heads(*(int(x) for x in a.heads.split(",")))
     types = {t for t in a.types.split(",") if t}
     kinds = {k for k in a.kinds.split(",") if k}
     todo = [c for c in candidates() if (not types or c[0] in types) and (not kinds or c[1] in kinds)]
