@@ -73,7 +73,8 @@ from .planning.vocab import plan_vocab, vocab_summary
 from .emit.program import Program, check_replaceable
 from .emit.rank_check import check_ranks
 from .emit.numerics_check import check_numerics, when as self_check_when
-from .emit.reference import compute_reference, sample_mean_warnings, stack_reference
+from .emit.reference import (compute_reference, nonfinite_warnings, sample_mean_warnings,
+                             stack_reference)
 from .emit.report import render_report, stage_sends
 from .frontend.spec import Spec
 
@@ -402,7 +403,7 @@ def emit(analysis: Analysis, planned: Planned, checked: Checked,
             ref = stack_reference(compute_reference(stepped, batch, loss_fn or default_loss,
                                                     analysis.captured.input_names, spec, model_file),
                                   analysis.stacked)
-            pp_warnings = pp_warnings + sample_mean_warnings(ref, spec)
+            pp_warnings = pp_warnings + nonfinite_warnings(ref) + sample_mean_warnings(ref, spec)
     tp = planned.tp
     tp_lines = planned.notes + tp.warnings + list(plan_.tp_report) + sequence.report + planned.ep.report
     # what each stage sends, as module and per-rank shape (report.md, pipeline.json, inspect)

@@ -105,3 +105,24 @@ def stack_reference(ref: dict, stacked: dict) -> dict:
             like = next(p for p in parts if p is not None)
             out[f"{kind}.{fqn}"] = torch.stack([torch.zeros_like(like) if p is None else p for p in parts])
     return out
+
+
+def nonfinite_warnings(ref: dict) -> list[str]:
+    """The compile's warning when the unmodified model's own loss or gradients on the example
+    batch hold nan or inf: the program computes the same (the self-check and ``--verify``
+    match nan with nan), but one optimizer step spreads them into the parameters."""
+    bad = [(k, t) for k, t in ref.items() if k == "loss" or k.startswith("grad.")]
+    bad = [(k, t) for k, t in bad if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if not bad:
+        return []
+    key, t = bad[0]
+    what = "loss" if key == "loss" else f"gradient of {key[len('grad.'):]}"
+    kinds = " and ".join(n for n, m in (("nan", t.isnan()), ("inf", t.isinf())) if bool(m.any()))
+    count = int((~torch.isfinite(t)).sum())
+    more = [k[len("grad."):] if k.startswith("grad.") else k for k, _ in bad[1:]]
+    also = f"; also {', '.join(more[:4])}{', ...' if len(more) > 4 else ''}" if more else ""
+    return [f"the unmodified model's own {what} is not finite on the example batch ({count} of "
+            f"{t.numel()} elements {kinds}){also}. The program computes the same, but one "
+            f"optimizer step makes those parameters nan; fix the model (a common cause: a "
+            f"parameter multiplied into a -inf mask, whose backward takes 0 x inf: mask after "
+            f"scaling, or with the dtype's finite minimum)"]

@@ -238,3 +238,59 @@ def test_a_dropped_g_is_caught_at_the_bf16_tolerance_too(tmp_path, capsys, drops
     assert code == 2 and not out.exists(), io
     assert "fp32, the model computing in bfloat16, atol=0.03125" in io.err
     assert "differs first at output 0: max abs error" in io.err
+
+
+MASKED_TEMPERATURE_PY = '''
+import torch
+from torch import nn
+
+
+class Attention(nn.Module):
+    """A learned per-head temperature multiplied into scores already masked with -inf: its
+    own gradient is 0 x inf = nan (a new user's model, found by a break test)."""
+
+    def __init__(self, d=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.o = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.temp = nn.Parameter(torch.linspace(0.5, 1.5, heads).view(heads, 1, 1))
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in self.qkv(x).chunk(3, -1))
+        s = q @ k.transpose(-1, -2) + torch.full((t, t), float("-inf")).triu(1)
+        p = (s * self.temp).softmax(-1)
+        return self.o((p @ v).transpose(1, 2).reshape(b, t, d))
+
+
+def build_model():
+    torch.manual_seed(0)
+    return nn.Sequential(Attention(), Attention())
+
+
+def example_inputs():
+    return (torch.randn(2, 4, 32, generator=torch.Generator().manual_seed(0)),)
+'''
+
+
+def test_the_models_own_nan_gradient_is_matched_and_warned(tmp_path, capsys):
+    """The model's gradient of ``temp`` is nan on the example batch: the program's nan there
+    is a match, not an 'internal error'; the compile warns, naming the parameter."""
+    code, io, out = _cli(tmp_path, capsys, "--self-check", model_py=MASKED_TEMPERATURE_PY)
+    assert code == 0 and out.exists(), io
+    assert "self-check: 2 tp rank(s)" in io.out
+    assert ("warning: the unmodified model's own gradient of 0.temp is not finite on the "
+            "example batch (4 of 4 elements nan); also 1.temp.") in io.err, io.err
+
+
+def test_nan_matches_only_nan_at_the_same_element():
+    """numerics_check._error and verify.within: the reference's nan or inf must be the
+    program's at the same element; a nan where the reference is finite is an error."""
+    from parallelizer.runtime.verify import within
+    nan, inf = float("nan"), float("inf")
+    want = torch.tensor([1.0, nan, -inf])
+    for got, ok in ((torch.tensor([1.0, nan, -inf]), True), (torch.tensor([1.0, 0.0, -inf]), False),
+                    (torch.tensor([1.0, nan, inf]), False), (torch.tensor([nan, nan, -inf]), False),
+                    (torch.tensor([1.5, nan, -inf]), False)):
+        assert within(got, want, 1e-5, 1e-5) is ok, got
+        assert numerics_check._error(got, want, [0.0])[1] is (not ok), got
