@@ -15,8 +15,10 @@ from a local tensor carrying the same symbol, since only tensors cross stages.
 from __future__ import annotations
 
 import operator
+from typing import Optional
 from dataclasses import dataclass, field
 
+import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
@@ -132,23 +134,37 @@ def _sequence_sharded(orig: fx.Node, local: fx.Node, dim: int) -> bool:
 
 def _rematerialize(new: fx.Graph, node: fx.Node, env: dict, get) -> fx.Node:
     """Recompute a non-tensor value (a SymInt size) or a recomputable tensor (``recompute``)
-    from what this stage has, copying its producers."""
-    if node.target is aten.sym_size.int:
-        want = expr(node.meta["val"])
-        found = [(orig, local, i) for orig, local in env.items()
-                 if is_tensor(orig) and local.op != "get_attr"
-                 for i, size in enumerate(orig.meta["val"].shape) if expr(size) == want]
-        # a sequence shard (passes/sequence_parallel.py) holds 1/tp of its recorded size
-        whole = [f for f in found if not _sequence_sharded(*f)]
-        if whole or found:
-            orig, local, i = (whole or found)[0]
-            n = new.call_function(aten.sym_size.int, (local, i))
-            n.meta = dict(node.meta)
-            if not whole:
-                n.meta = {k: v for k, v in node.meta.items() if k != "val"}
-                n = new.call_function(operator.mul, (n, orig.meta["sequence_shard"][2]))
-                n.meta = dict(node.meta)
-            return n
-        raise AssertionError(f"no tensor in this stage carries size {want} for {node.name}")
-    n = new.node_copy(node, lambda a: get(a))
+    from what this stage has, copying its producers. A size is read off a tensor of the
+    stage that carries it, when one does: Wav2Vec2's frame count ``s // 10 - 1``, computed
+    from the audio length ``s`` of the model's input, is a dim of every later stage's
+    hidden states, while ``s`` itself is no dim of anything a later stage receives."""
+    val = node.meta.get("val")
+    if isinstance(val, torch.SymInt) or node.target is aten.sym_size.int:
+        carried = _size_from_stage(new, node, env)
+        if carried is not None:
+            return carried
+        if node.target is aten.sym_size.int:
+            raise AssertionError(f"no tensor in this stage carries size {expr(val)} for "
+                                 f"{node.name}")
+    return new.node_copy(node, lambda a: get(a))
+
+
+def _size_from_stage(new: fx.Graph, node: fx.Node, env: dict) -> Optional[fx.Node]:
+    """``sym_size(t, i)`` of a tensor ``t`` of this stage whose dim ``i`` is ``node``'s
+    value, else None."""
+    want = expr(node.meta["val"])
+    found = [(orig, local, i) for orig, local in env.items()
+             if is_tensor(orig) and local.op != "get_attr"
+             for i, size in enumerate(orig.meta["val"].shape) if expr(size) == want]
+    # a sequence shard (passes/sequence_parallel.py) holds 1/tp of its recorded size
+    whole = [f for f in found if not _sequence_sharded(*f)]
+    if not found:
+        return None
+    orig, local, i = (whole or found)[0]
+    n = new.call_function(aten.sym_size.int, (local, i))
+    n.meta = dict(node.meta)
+    if not whole:
+        n.meta = {k: v for k, v in node.meta.items() if k != "val"}
+        n = new.call_function(operator.mul, (n, orig.meta["sequence_shard"][2]))
+        n.meta = dict(node.meta)
     return n

@@ -383,3 +383,37 @@ def test_blocks_called_in_cycles_compile_as_one_unit_and_pass_the_self_check():
                                       Spec.model_validate({"mesh": {"tp": 2}}), reference=False)
     assert [s.blocks for s in program.plan.stages] == [()]
     assert any(n.startswith("self-check: 2 tp rank(s)") for n in program.notes), program.notes
+
+
+class _Frames(torch.nn.Module):
+    """Wav2Vec2's shape: an input of ``n`` samples framed into ``n // 4`` frames, the frame
+    count then used by every block's head view. A later stage receives only the frames."""
+
+    def __init__(self, d=16, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.embed = torch.nn.Linear(4, d)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(4))
+        self.outs = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x):
+        b, frames = x.shape[0], x.shape[1] // 4
+        h = self.embed(x[:, :frames * 4].reshape(b, frames, 4))
+        for proj, out in zip(self.blocks, self.outs):
+            q = proj(h).view(b, frames, self.heads, -1).transpose(1, 2)
+            a = torch.nn.functional.scaled_dot_product_attention(q, q, q)
+            h = h + out(a.transpose(1, 2).reshape(b, frames, -1))
+        return h
+
+
+def test_a_size_computed_from_an_input_is_read_off_the_stage_tensor_that_carries_it():
+    """Stage 1 needs ``n // 4``, computed in stage 0 from the input's ``n``, which no tensor
+    of stage 1 has as a dim: the size is taken from the frames' dim (an internal error in
+    split_stages before: "no tensor in this stage carries size s0")."""
+    from parallelizer import compiler
+    from parallelizer.frontend.spec import Spec
+    torch.manual_seed(0)
+    spec = Spec.model_validate({"mesh": {"tp": 2, "pp": 2}, "pipeline": {"microbatches": 2}})
+    program = compiler.compile_module(_Frames(), (torch.randn(4, 42),), spec, reference=False)
+    assert len(program.plan.stages) == 2
+    assert any(n.startswith("self-check: 2 tp rank(s)") for n in program.notes), program.notes
