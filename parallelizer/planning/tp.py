@@ -61,7 +61,7 @@ def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False,
         # names why), with the linears behind heads tp is a multiple of kept whole, or with
         # the groups behind every such size kept whole, whichever shards most; else the
         # error below names the size and the tp degrees that divide it
-        pairs, column, row, prop = indivisible(graph, sites, tp, decision, first)
+        pairs, column, row, prop = indivisible(graph, sites, tp, decision, first, experts_split)
     if allow_replicated and not divisible(prop, tp):  # run replicated, the size named
         pairs, column, row, prop = replicated_plan(graph, tp, decision, prop)
     check_divisible(prop, tp)
@@ -122,6 +122,8 @@ def _nothing_sharded(decision: TPDecision, tp: int, allow_replicated: bool,
            "no linear layer feeds another (a matmul with a 2-D parameter operand whose output "
            "reaches a second one)")
     if experts_split:
+        if any(w.startswith(f"mesh.tp={tp} keeps") for w in decision.warnings):
+            return  # tp_candidates._kept_warning said which linears and why
         decision.warnings.append(
             f"mesh.tp={tp} splits only the experts (along their FFN dim): no other weight "
             f"matrix could be sharded ({why}), so attention and the rest are replicated on "

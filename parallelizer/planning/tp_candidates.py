@@ -43,14 +43,16 @@ def pairs_settled(graph, sites, tp: int, decision: TPDecision):
     return second
 
 
-def indivisible(graph, sites, tp: int, decision: TPDecision, first):
+def indivisible(graph, sites, tp: int, decision: TPDecision, first, experts_split=False):
     """``first`` (the candidate that settled) needs a size tp does not divide. Three other
     plans: without redistributions (``first`` itself when it had none), with the column
     linears behind heads that tp is a multiple of kept whole (:func:`_whole_kv`), and with
     the pair groups behind every size tp does not divide kept whole
     (:func:`_whole_indivisible`). Of those that are divisible, the one sharding the most
     weight elements is taken, the earlier on a tie; when none is, the plain one (its
-    sizes are then refused by :func:`check_divisible`)."""
+    sizes are then refused by :func:`check_divisible`). A plan sharding no linear counts
+    only where ``experts_split`` (the experts planner splits expert FFNs over tp: GraniteMoE
+    with 3 kv heads at tp 2 keeps attention whole and runs its experts split)."""
     plain, chosen = decision, first
     prop = first[3]
     if prop.applied or prop.applied_reduces:
@@ -69,7 +71,8 @@ def indivisible(graph, sites, tp: int, decision: TPDecision, first):
         found = option[0]
         return sum(size.get(w, 0) for w in found[1] | found[2]) if found[1] | found[2] else -1
     # a plan keeping everything whole would hide the size and the degrees that divide it
-    fits = [o for o in options if divisible(o[0][3], tp) and (o is options[0] or sharded(o) >= 0)]
+    fits = [o for o in options if divisible(o[0][3], tp)
+            and (o is options[0] or sharded(o) >= 0 or experts_split)]
     best = max(fits, key=sharded) if fits else options[0]
     if best is not options[0]:
         best[1].warnings.append(_kept_warning(tp, first, best[0]))
@@ -353,8 +356,9 @@ def _kept_warning(tp: int, first, chosen) -> str:
              "no tp > 1 divides every size")
     mods = sorted({w.rsplit(".", 1)[0] for w in kept})
     where = ", ".join(mods[:3]) + (f" and {len(mods) - 3} more" if len(mods) > 3 else "")
-    return (f"mesh.tp={tp} keeps {len(kept)} linears whole on every tp rank ({where}), the "
-            f"rest sharded: tp must divide {_size_text(c, prop)}; {every}; see report.md")
+    rest = "the rest sharded" if chosen[1] | chosen[2] else "only the experts split"
+    return (f"mesh.tp={tp} keeps {len(kept)} linears whole on every tp rank ({where}), "
+            f"{rest}: tp must divide {_size_text(c, prop)}; {every}; see report.md")
 
 
 def merged_layout(site, layout):

@@ -186,3 +186,27 @@ def test_estimate_counts_one_ep_x_tp_block_of_the_experts_per_rank():
     z3 = ranks("mesh.tp=2", "mesh.ep=2", "zero_stage=3")
     assert [(r.parameters, r.gradients, r.optimizer, r.buffers) for r in z3] == [
         (60224, 60224, 120532, 16)] * 4
+
+
+def test_heads_tp_does_not_divide_keep_attention_whole_and_the_experts_split():
+    """Mixtral with 3 kv heads at tp2: attention is kept whole (tp_candidates._whole_indivisible)
+    and the experts split over tp. It was refused ("mesh.tp (2) must divide the number of kv
+    heads (3)"): the kept-whole plan shards no linear, and only such a plan counted."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model("mixtral", vocab_size=64, hidden_size=48, intermediate_size=64,
+                               num_hidden_layers=1, num_attention_heads=6, num_key_value_heads=3,
+                               num_local_experts=4, num_experts_per_tok=2, use_cache=False,
+                               router_jitter_noise=0.0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    program = _compile(model, {"input_ids": ids})
+    assert any(re.match(NOTE, n) for n in program.notes), program.notes
+    assert program.plan.tensors["model.layers.0.mlp.experts.down_proj"].tp_dim == 2
+    assert program.plan.tensors["model.layers.0.self_attn.q_proj.weight"].tp_dim is None
+    assert program.warnings == [
+        "mesh.tp=2 keeps 4 linears whole on every tp rank (model.layers.0.self_attn.k_proj, "
+        "model.layers.0.self_attn.o_proj, model.layers.0.self_attn.q_proj and 1 more), only the "
+        "experts split: tp must divide the number of kv heads (3) of model.layers.0.self_attn "
+        "(dim 2 of the view to [*, *, 3, 8]), or be a multiple of it (each kv head is then held "
+        "by tp / kv heads ranks); tp in {3, 6} shards them too; see report.md"]
