@@ -147,3 +147,29 @@ class SplitQKVNet(nn.Module):
             x = x + attn(F.layer_norm(x, (H,)))
             x = x + down(F.gelu(up(F.layer_norm(x, (H,)))))
         return x
+
+
+class TiedVOAttention(nn.Module):
+    """The output projection is the value projection's weight transposed (``y @ W_v``): one
+    parameter read as a column weight's (out, in) and, transposed, as a row weight's."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(H, H, bias=False) for _ in range(3))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, t, HEADS, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + F.linear(y.transpose(1, 2).reshape(b, t, H), self.v.weight.t())
+
+
+class TiedVONet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(TiedVOAttention() for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x

@@ -11,7 +11,7 @@ import torch
 from ..plan.decisions import TPDecision
 from ..plan.layouts import check, in_units
 from ..errors import PlanError
-from ..analysis.graph_facts import shape
+from ..analysis.graph_facts import linear_sites, shape
 from ..analysis.sharding.propagate import Propagation, propagate
 from .redistributions import redistributions
 from .tp_matrices import op_text
@@ -156,13 +156,32 @@ def _weight_sizes(graph) -> dict:
     return out
 
 
+_TWO_ROLES = ("read by two linears along different dims (one linear's W and, transposed, "
+              "another's: a tied v / o projection); the pass gives a parameter one role")
+
+
+def _two_roles(graph, column: set, row: set) -> list[str]:
+    """Weights of ``column`` or ``row`` that some linear reads in the other role: in both
+    sets, or a row weight whose other reader has its sharded dim as output features (a
+    projection ``x W^T`` and an output ``y (W^T)^T`` sharing W). The tensor_parallel pass
+    rewrites every reader of a weight by the weight's one role."""
+    dims: dict = {}
+    for site in linear_sites(graph):
+        w = site.weight
+        if w in column or w in row:
+            dims.setdefault(w, set()).add(site.out_dim if w in column else site.in_dim)
+    return sorted(w for w, d in dims.items() if len(d) > 1 or (w in column and w in row))
+
+
 def _candidate(graph, pairs: dict, tp: int, decision: TPDecision, redistribute: bool = True,
                kept=None):
     """Settle the pairs; ``kept``: column weights left whole (:func:`_whole_kv`,
     :func:`one_head_whole`), each with why, reported."""
-    kept = kept or {}
-    column = {c for c, rows in pairs.items() if rows} - set(kept)
+    kept = dict(kept or {})
+    column = {c for c, rows in pairs.items() if rows}
     row = {r for rows in pairs.values() for r in rows}
+    kept.update({w: _TWO_ROLES for w in _two_roles(graph, column, row) if w not in kept})
+    column, row = column - set(kept), row - set(kept)
     for w, why in sorted(kept.items()):
         decision.report.append(
             f"kept whole: {w} ({why}; its readers take it whole, or cut to the rank's heads "

@@ -12,7 +12,7 @@ from parallelizer.analysis.graph_facts import as_linear
 from parallelizer.plan.layouts import Fused, ReplicatedHeads
 from tp_check import plan_and_check
 from tp_small_models import captured
-from tp_weight_path_models import CastNet, SplitQKVNet, x_batch
+from tp_weight_path_models import CastNet, SplitQKVNet, TiedVONet, x_batch
 
 MODES = ["to", "type_as", "view", "io", "matmul_to", "float_T"]
 
@@ -72,3 +72,19 @@ def test_per_kv_head_gain_at_tp_above_kv_heads_copies_the_kv_parts():
         assert d.layouts[p + "qkv.weight"] == Fused((32, 16, 16), (None, copies, copies))
         assert d.per_head[p + "q_gain"] == 0
     assert [r.kind for r in d.redistributions] == ["scatter_copies", "scatter_copies"]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_weight_read_as_column_and_transposed_as_row_is_kept_whole(tp):
+    """v's weight is the value projection's and, transposed, the output projection's. Put in
+    the row set for the second reader, the pass rewrote the first as a row linear too (each
+    rank's (T, H/tp) input against the (H/tp, H) piece: a shape error at compile). It is kept
+    whole, its attention cut to each rank's heads, q and k sharded."""
+    torch.manual_seed(0)
+    d = plan_and_check(TiedVONet(), x_batch(3, 5, seed=1), tp)
+    for i in range(2):
+        p = f"layers.{i}."
+        assert {p + "q.weight", p + "k.weight"} <= d.column
+        assert p + "v.weight" not in d.column | d.row
+        assert any(line.startswith(f"kept whole: {p}v.weight (read by two linears along "
+                                   f"different dims") for line in d.report), d.report
