@@ -15,8 +15,8 @@ from a local tensor carrying the same symbol, since only tensors cross stages.
 from __future__ import annotations
 
 import operator
-from typing import Optional
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 import torch.fx as fx
