@@ -36,7 +36,8 @@ from .frontend.model_file import default_loss, load_model
 from .frontend.capture import Captured, capture
 from .analysis.costs import PipelineCosts
 from .analysis.gradient_accounting import check_gradients
-from .analysis.outputs import check_batch_is_dynamic, check_outputs_have_batch_dim
+from .analysis.outputs import (check_batch_is_dynamic, check_outputs_have_batch_dim,
+                               fixed_size_warnings, fixed_sizes)
 from .passes.aliases import apply_untie
 from .passes.attention import apply_eager_attention
 from .passes.cleanup import apply_cleanup
@@ -136,7 +137,9 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
     passes = PassManager(dump_passes)
     analysis = analyse(model, batch, model_file or Path("<in-memory model>"), passes,
                        pp=spec.mesh.pp, ep=spec.mesh.ep,
-                       microbatches=spec.pipeline.microbatches)
+                       microbatches=spec.pipeline.microbatches, dp=spec.mesh.dp)
+    pp_warnings += fixed_size_warnings(fixed_sizes(analysis.captured.gm,
+                                                   analysis.captured.input_names))
     planned = plan(analysis, spec, passes)
     stages, sequence = apply_passes(analysis, planned, spec, batch, passes)
     checked = check_stages(analysis, planned, stages, sequence)
@@ -170,7 +173,7 @@ class Analysis:
 
 
 def analyse(model: torch.nn.Module, batch, name: Path, passes: PassManager,
-            pp: int = 1, ep: int = 1, microbatches: int = 1) -> Analysis:
+            pp: int = 1, ep: int = 1, microbatches: int = 1, dp: int = 1) -> Analysis:
     """Capture ``model`` in train mode on ``batch`` and rewrite attention as eager runs it, so
     that every planner sees what the model computes (SDPA's is_causal / enable_gqa for the
     mask and the repeated kv heads export materialised). At ``ep`` > 1 a list of expert
@@ -182,7 +185,7 @@ def analyse(model: torch.nn.Module, batch, name: Path, passes: PassManager,
     """
     model.train()
     captured = capture(model, batch, name)
-    if pp > 1 or microbatches > 1:  # the step runs the graph on microbatches
+    if pp > 1 or microbatches > 1 or dp > 1:  # the step runs the graph on fewer samples
         check_batch_is_dynamic(captured.gm, captured.input_names)
     if pp > 1:
         check_outputs_have_batch_dim(captured.gm, captured.input_names)

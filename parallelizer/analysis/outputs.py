@@ -64,23 +64,66 @@ def check_batch_is_dynamic(gm: fx.GraphModule, input_names) -> None:
             or int(str(val.shape[0])) <= 1:
         return
     batch = int(str(val.shape[0]))
-    where = ""
+    where = _sized_by(gm, batch)
+    raise PlanError(
+        f"the model's code fixes the batch size at the example's {batch} (dim 0 of input "
+        f"{input_names[0]!r} is a constant in the captured graph, not a symbol)"
+        f"{'; the first op sized by it: ' + where if where else ''}; under mesh.pp > 1, "
+        f"pipeline.microbatches > 1 or mesh.dp > 1 the step runs fewer samples at a time. "
+        f"Size by the tensor (x.shape[0], x.size(0), x.expand(x.shape[0], ...)) rather than a "
+        f"Python int (len(x), int(x.shape[0])), or use mesh.pp=1, mesh.dp=1 and "
+        f"pipeline.microbatches=1")
+
+
+def _sized_by(gm: fx.GraphModule, size: int) -> str:
+    """``OP at FILE:LINE`` of the first op of the model's code taking ``size`` as a size
+    argument (a view, an expand, an arange), else ""."""
     for n in gm.graph.nodes:
         name = getattr(n.target, "__name__", "").split(".")[0]
         if n.op != "call_function" or name not in _SIZED:
             continue
         ints = [a for a in n.args[1:] if isinstance(a, int)] + [
             x for a in n.args if isinstance(a, (list, tuple)) for x in a if isinstance(x, int)]
-        if batch in ints and source_line(n):
-            where = f"; the first op sized by it: {n.target} at {source_line(n)}"
-            break
-    raise PlanError(
-        f"the model's code fixes the batch size at the example's {batch} (dim 0 of input "
-        f"{input_names[0]!r} is a constant in the captured graph, not a symbol){where}; under "
-        f"mesh.pp > 1 or pipeline.microbatches > 1 the step runs microbatches of fewer "
-        f"samples. Size by the tensor (x.shape[0], x.size(0), x.expand(x.shape[0], ...)) "
-        f"rather than a Python int (len(x), int(x.shape[0])), or use mesh.pp=1 and "
-        f"pipeline.microbatches=1")
+        if size in ints and source_line(n):
+            return f"{n.target} at {source_line(n)}"
+    return ""
+
+
+_DIM_WORDS = {0: ("batch size", "--batch-size", "x.shape[0]"),
+              1: ("sequence length", "--seq-len or data.seq_len", "x.shape[1]")}
+
+
+def fixed_sizes(gm: fx.GraphModule, input_names) -> tuple:
+    """``(input name, dim, size, op)`` for dim 0 (batch) and dim 1 (sequence) of each input
+    that the captured graph holds as a constant although capture asked for a symbol
+    (``frontend/capture.py`` marks both dynamic): the program then runs only that size.
+    ``op``: the first op of the model's code sized by it (:func:`_sized_by`), "" for a size
+    the model's layers fix by nature (an image's channels). Read by ``run.py`` to refuse
+    another ``--batch-size`` / ``--seq-len`` before any forward."""
+    out = []
+    for n in gm.graph.nodes:
+        val = n.meta.get("val") if n.op == "placeholder" and n.name in input_names else None
+        if not isinstance(val, torch.Tensor):
+            continue
+        for d in range(min(val.dim(), 2)):
+            if str(val.shape[d]).isdigit() and int(str(val.shape[d])) > 1:
+                size = int(str(val.shape[d]))
+                out.append((n.name, d, size, _sized_by(gm, size)))
+    return tuple(out)
+
+
+def fixed_size_warnings(fixed: tuple) -> list[str]:
+    """The compile's warning for each size the model's own code fixes (an op sized by it):
+    the program runs at that size only."""
+    out = []
+    for name, d, size, op in fixed:
+        if op:
+            what, flag, fix = _DIM_WORDS[d]
+            out.append(f"the model's code fixes the {what} at the example's {size} (dim {d} of "
+                       f"input {name!r} is a constant in the captured graph; the first op sized "
+                       f"by it: {op}): the program runs only that {what}, and run.py refuses "
+                       f"another {flag}. Size by the tensor ({fix}) to run any")
+    return out
 
 
 def check_outputs_have_batch_dim(gm: fx.GraphModule, input_names) -> None:

@@ -91,6 +91,9 @@ def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+# written into OUT by run.py itself (--train: its default --log-dir, runtime/main.py)
+RUN_WRITTEN = {"logs"}
+
 EMITTED = {"run.py", "launch.sh", "launch.sbatch", "program", "checkpoint", "plan.json", "report.md", "spec.yaml", "model.py",
            "reference.safetensors", "__pycache__", MODEL_DEPS, "pipeline.json", "pipeline_costs.png",
            "pipeline_schedule.png"}
@@ -107,6 +110,11 @@ def check_replaceable(out_dir: Path) -> None:
     if not out_dir.exists():
         return
     foreign = sorted(p.name for p in out_dir.iterdir() if p.name not in EMITTED)
+    if foreign and set(foreign) <= RUN_WRITTEN and (out_dir / "plan.json").exists():
+        raise UserError(f"output folder {out_dir} holds {', '.join(f + '/' for f in foreign)} "
+                        f"that run.py wrote there (--train's metrics, loss curve, TensorBoard "
+                        f"events); compiling again replaces OUT whole, so move "
+                        f"{'them' if len(foreign) > 1 else 'it'} away first, or choose another -o")
     if foreign or (any(out_dir.iterdir()) and not (out_dir / "plan.json").exists()):
         raise UserError(f"output folder {out_dir} holds files parallelizer did not write "
                         f"({', '.join(foreign[:5]) or 'no plan.json'}); it would be replaced whole, "

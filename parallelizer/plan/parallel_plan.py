@@ -217,6 +217,10 @@ class ParallelPlan:
     # one {"module", "experts", "weights", "router"} per layer found, for report.md
     ep: int = 1
     expert_layers: tuple = ()
+    # (input name, dim, size) of each input's batch (dim 0) or sequence (dim 1) size the
+    # captured graph holds as a constant (analysis/outputs.py fixed_sizes): run.py refuses
+    # --batch-size / --seq-len / data.seq_len that differ
+    fixed_sizes: tuple = ()
 
     @property
     def world_size(self) -> int:
@@ -260,6 +264,7 @@ class ParallelPlan:
         d["dropout"] = tuple(d.get("dropout", ()))
         d["random"] = tuple(d.get("random", ()))
         d["vocab_outputs"] = tuple(tuple(p) for p in d.get("vocab_outputs", ()))
+        d["fixed_sizes"] = tuple(tuple(p) for p in d.get("fixed_sizes", ()))
         d["expert_layers"] = tuple(d.get("expert_layers", ()))
         return ParallelPlan(tensors=tensors, stages=stages, **d)
 

@@ -42,8 +42,28 @@ def make_source(plan: ParallelPlan, model_module, spec: dict, ctx, options, spli
     if model_module is None:
         raise UserError("--train needs batches: this program has no model.py (compiled from an "
                         "in-memory model); train it through the Python API instead")
+    check_fixed_sizes(plan, options.batch_size, options.seq_len, "--batch-size", "--seq-len")
     example = _resized(plan, model_module.example_inputs(), options.batch_size, options.seq_len)
     return GlobalSource(plan, synthetic_batches(plan, example, plan.seed), ctx)
+
+
+def check_fixed_sizes(plan: ParallelPlan, batch: int | None, seq: int | None,
+                      batch_key: str, seq_key: str) -> None:
+    """A global ``batch`` or sequence length ``seq`` the program cannot run: the model's code
+    fixed that size of an input at the example's (``plan.fixed_sizes``; the compile warned).
+
+    Raises:
+        UserError: naming the flag or key, the value, the size compiled and the fix.
+    """
+    dp, m = plan.mesh["dp"], plan.microbatches
+    for name, d, size in plan.fixed_sizes:
+        key, what = (batch_key, "batch size") if d == 0 else (seq_key, "sequence length")
+        value = (batch // (dp * m) if batch else None) if d == 0 else seq
+        if value and value != size:
+            raise UserError(f"{key} {batch if d == 0 else seq}: the program runs only the "
+                            f"{what} {size} of input {name!r}, which the model's code fixes "
+                            f"(the compile warned, naming the op); use {size}, or size the "
+                            f"model's code by the tensor and compile again")
 
 
 def _resized(plan: ParallelPlan, example, batch: int | None, seq: int | None):
@@ -113,6 +133,8 @@ class TokenSource:
         if not seq or not batch:
             raise DataError(f"{key}: set data.seq_len and data.batch_size (example_inputs() gave "
                             f"no batch and sequence dims)")
+        check_fixed_sizes(plan, batch, seq, "data.batch_size / --batch-size",
+                          "data.seq_len / --seq-len")
         dp, m = plan.mesh["dp"], plan.microbatches
         if batch % (dp * m):
             raise DataError(f"{key}: the global batch size {batch} (data.batch_size or "

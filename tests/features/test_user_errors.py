@@ -330,3 +330,20 @@ def test_loss_fn_returning_no_scalar_is_a_model_file_error(tmp_path):
     with pytest.raises(ModelFileError, match=r"loss_fn\(outputs, batch\) in .* must return one "
                                              r"floating-point number as a tensor .* got \(8, 16, 96\)"):
         compile_model(path, load_spec(GPT / "spec.yaml", ["mesh.tp=1"]))
+
+
+def test_an_output_folder_run_py_logged_into_is_refused_as_such(tmp_path):
+    """OUT/logs/ is run.py --train's (its default --log-dir): a compile into that OUT is
+    refused, keeping the logs, without claiming parallelizer did not write them (it said
+    'holds files parallelizer did not write (logs)': a new-user break test)."""
+    from parallelizer.emit.program import check_replaceable
+    out = tmp_path / "out"
+    compile_model(GPT / "model.py", load_spec(GPT / "spec.yaml", ["mesh.tp=1"])).save(out)
+    (out / "logs").mkdir()
+    (out / "logs" / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(UserError) as e:
+        check_replaceable(out)
+    assert str(e.value) == (f"output folder {out} holds logs/ that run.py wrote there (--train's "
+                            f"metrics, loss curve, TensorBoard events); compiling again replaces "
+                            f"OUT whole, so move it away first, or choose another -o")
+    assert (out / "logs" / "metrics.jsonl").read_text() == "{}\n"

@@ -6,6 +6,9 @@ symbol and every output must be per sample (analysis/outputs.py).
   size, and the pipelined stage failed on the microbatch's shapes ("internal error ... at
   aten.cat"; the zoo's ft_transformer at pp2 and tp2 x pp2). Now a compile error naming the
   first op sized by the constant, its line, and the fix.
+- A sequence length the model's code fixes (``x.reshape(b, 5, H)``) ran at the example's length
+  and crashed on every rank under ``run.py --train --seq-len 32`` (a new-user break test). Now
+  the compile warns naming the op, the plan records the size and run.py refuses another.
 - CLIP returns ``logits_per_image`` (batch, batch): under pp each microbatch paired only its
   own images and texts, and ``--verify`` FAILed (outputs, loss, every gradient; zoo
   clip_dual at pp2 and tp2 x pp2). Now a compile error naming the output.
@@ -16,8 +19,10 @@ import pytest
 import torch
 from torch import nn
 
-from parallelizer.analysis.outputs import check_batch_is_dynamic, check_outputs_have_batch_dim
-from parallelizer.errors import PlanError
+from parallelizer.analysis.outputs import (check_batch_is_dynamic, check_outputs_have_batch_dim,
+                                           fixed_size_warnings, fixed_sizes)
+from parallelizer.errors import PlanError, UserError
+from parallelizer.runtime.data_source import check_fixed_sizes
 from tp_small_models import H, captured, line_of
 
 
@@ -58,7 +63,7 @@ def test_a_batch_fixed_by_len_is_refused_naming_the_line():
     line = line_of(__file__, "# the batch as a Python int")
     assert msg.startswith("the model's code fixes the batch size at the example's 4"), msg
     assert f"aten.expand.default at test_outputs_batch.py:{line}" in msg and "len(x)" in msg \
-        and "mesh.pp=1 and pipeline.microbatches=1" in msg, msg
+        and "mesh.pp=1, mesh.dp=1 and pipeline.microbatches=1" in msg, msg
 
 
 def test_a_symbolic_batch_passes():
@@ -74,3 +79,48 @@ def test_an_output_over_pairs_of_samples_is_refused():
                                         rf"test_outputs_batch.py:{line}\) has shape \[\w+, \w+\] "
                                         r"\(torch.float32\): its dim 1 is the batch too"):
         check_outputs_have_batch_dim(c.gm, c.input_names)
+
+
+class SeqByConstant(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(H, H)
+
+    def forward(self, x):
+        return self.lin(x.reshape(x.shape[0], 5, H))  # the sequence length as a constant
+
+
+class Channels(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        return self.conv(x).flatten(1)
+
+
+def test_a_sequence_length_fixed_by_the_code_is_warned_and_refused_at_run():
+    c = captured(SeqByConstant(), _x())
+    fixed = fixed_sizes(c.gm, c.input_names)
+    line = line_of(__file__, "# the sequence length as a constant")
+    assert [f[:3] for f in fixed] == [("x", 1, 5)]
+    (warning,) = fixed_size_warnings(fixed)
+    assert warning.startswith("the model's code fixes the sequence length at the example's 5 "
+                              "(dim 1 of input 'x' is a constant in the captured graph; the first "
+                              f"op sized by it: aten.reshape.default at test_outputs_batch.py:{line})")
+    plan = type("Plan", (), {"mesh": {"dp": 1}, "microbatches": 1,
+                             "fixed_sizes": tuple(f[:3] for f in fixed)})
+    check_fixed_sizes(plan, 8, 5, "--batch-size", "--seq-len")
+    check_fixed_sizes(plan, None, None, "--batch-size", "--seq-len")
+    with pytest.raises(UserError, match=r"^--seq-len 32: the program runs only the sequence "
+                                        r"length 5 of input 'x', which the model's code fixes"):
+        check_fixed_sizes(plan, None, 32, "--batch-size", "--seq-len")
+
+
+def test_a_size_the_layers_fix_by_nature_is_recorded_without_a_warning():
+    """An image's channels (dim 1) are fixed by the first conv: no op of the model's code is
+    sized by them, so no warning; run.py still refuses a --seq-len (the flag sets dim 1)."""
+    c = captured(Channels(), (torch.randn(2, 3, 8, 8),))
+    fixed = fixed_sizes(c.gm, c.input_names)
+    assert [f for f in fixed] == [("x", 1, 3, "")]
+    assert fixed_size_warnings(fixed) == []
