@@ -94,12 +94,13 @@ _DIM_WORDS = {0: ("batch size", "--batch-size", "x.shape[0]"),
 
 
 def fixed_sizes(gm: fx.GraphModule, input_names) -> tuple:
-    """``(input name, dim, size, op)`` for dim 0 (batch) and dim 1 (sequence) of each input
+    """``(input name, dim, size, warned)`` for dim 0 (batch) and dim 1 (sequence) of each input
     that the captured graph holds as a constant although capture asked for a symbol
-    (``frontend/capture.py`` marks both dynamic): the program then runs only that size.
-    ``op``: the first op of the model's code sized by it (:func:`_sized_by`), "" for a size
-    the model's layers fix by nature (an image's channels). Read by ``run.py`` to refuse
-    another ``--batch-size`` / ``--seq-len`` before any forward."""
+    (``frontend/capture.py`` marks both dynamic): the program then runs only that size, and
+    ``run.py`` refuses another ``--batch-size`` / ``--seq-len`` before any forward.
+    ``warned``: the compile warns about it: a fixed batch, or a fixed dim 1 of token ids or
+    of a float input of at most 3 dims (a sequence); not an image's channels, which its
+    first layer fixes by nature."""
     out = []
     for n in gm.graph.nodes:
         val = n.meta.get("val") if n.op == "placeholder" and n.name in input_names else None
@@ -107,22 +108,22 @@ def fixed_sizes(gm: fx.GraphModule, input_names) -> tuple:
             continue
         for d in range(min(val.dim(), 2)):
             if str(val.shape[d]).isdigit() and int(str(val.shape[d])) > 1:
-                size = int(str(val.shape[d]))
-                out.append((n.name, d, size, _sized_by(gm, size)))
+                warned = d == 0 or not val.is_floating_point() or val.dim() <= 3
+                out.append((n.name, d, int(str(val.shape[d])), warned))
     return tuple(out)
 
 
 def fixed_size_warnings(fixed: tuple) -> list[str]:
-    """The compile's warning for each size the model's own code fixes (an op sized by it):
-    the program runs at that size only."""
+    """The compile's warning for each size :func:`fixed_sizes` warns about."""
     out = []
-    for name, d, size, op in fixed:
-        if op:
+    for name, d, size, warned in fixed:
+        if warned:
             what, flag, fix = _DIM_WORDS[d]
             out.append(f"the model's code fixes the {what} at the example's {size} (dim {d} of "
-                       f"input {name!r} is a constant in the captured graph; the first op sized "
-                       f"by it: {op}): the program runs only that {what}, and run.py refuses "
-                       f"another {flag}. Size by the tensor ({fix}) to run any")
+                       f"input {name!r} is a constant in the captured graph: a Python loop over "
+                       f"it, or a size written as a number); the program runs only that {what}, "
+                       f"and run.py refuses another {flag}. Size by the tensor ({fix}) to run "
+                       f"any")
     return out
 
 

@@ -47,6 +47,7 @@ from torch.utils._pytree import tree_flatten
 from ..checkpoint.slicing import local_piece
 from ..errors import PlanError
 from ..frontend.capture import split_args
+from ..frontend.custom_functions import checkpoint_off
 from ..plan.dtypes import differentiable
 from ..plan.layouts import copied_heads, copied_runs
 from ..runtime import rng
@@ -180,17 +181,18 @@ def reference(model: torch.nn.Module, batch, seed: int = 0) -> Reference:
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     saved = {n: b.detach().clone() for n, b in model.named_buffers()}
     try:
-        with torch.random.fork_rng(devices=[]), rng.EagerDropoutOff(), rng.RandomStandIns():
-            flat, _ = tree_flatten(model(*args, **kwargs))
-        # the outputs autograd tracks in the model get a cotangent in the program too
-        cot = [c if c is not None and o.requires_grad else None
-               for o, c in zip(flat, cotangents(flat, seed))]
-        pairs = [(o, c) for o, c in zip(flat, cot) if c is not None]
-        grads = dict.fromkeys(params)
-        if pairs and params:
-            found = torch.autograd.grad([o for o, _ in pairs], list(params.values()),
-                                        [c for _, c in pairs], allow_unused=True)
-            grads = dict(zip(params, found))
+        with checkpoint_off():  # the backward reruns nothing
+            with torch.random.fork_rng(devices=[]), rng.EagerDropoutOff(), rng.RandomStandIns():
+                flat, _ = tree_flatten(model(*args, **kwargs))
+            # the outputs autograd tracks in the model get a cotangent in the program too
+            cot = [c if c is not None and o.requires_grad else None
+                   for o, c in zip(flat, cotangents(flat, seed))]
+            pairs = [(o, c) for o, c in zip(flat, cot) if c is not None]
+            grads = dict.fromkeys(params)
+            if pairs and params:
+                found = torch.autograd.grad([o for o, _ in pairs], list(params.values()),
+                                            [c for _, c in pairs], allow_unused=True)
+                grads = dict(zip(params, found))
     finally:
         # train-mode running statistics as they were; after the backward, which may read
         # a buffer the forward saved (Gemma's embedding normalizer)

@@ -12,6 +12,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ..frontend.capture import split_args
 from ..frontend.model_file import call_loss_fn
 from ..runtime.optim import make_optimizer
+from ..frontend.custom_functions import checkpoint_off
 from ..runtime.rng import EagerDropoutOff, RandomStandIns
 from ..runtime.verify import not_sample_mean
 
@@ -24,11 +25,13 @@ def compute_reference(model: torch.nn.Module, batch, loss_fn, input_names, spec,
     flat_in, _ = tree_flatten((args, kwargs))
     ref = {f"input.{n}": t.detach().clone().contiguous() for n, t in zip(input_names, flat_in)}
     model.zero_grad(set_to_none=True)
-    with EagerDropoutOff(), RandomStandIns():
-        outputs = model(*args, **kwargs)
-    loss = call_loss_fn(loss_fn, outputs, batch, model_file,
-                        " (the reference step: the unmodified model's outputs on example_inputs())")
-    loss.backward()
+    with checkpoint_off():
+        with EagerDropoutOff(), RandomStandIns():
+            outputs = model(*args, **kwargs)
+        loss = call_loss_fn(loss_fn, outputs, batch, model_file,
+                            " (the reference step: the unmodified model's outputs on "
+                            "example_inputs())")
+        loss.backward()
     flat_out, _ = tree_flatten(outputs)
     ref["loss"] = loss.detach().reshape(())
     for i, t in enumerate(flat_out):

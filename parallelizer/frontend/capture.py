@@ -119,12 +119,12 @@ def capture(model: torch.nn.Module, batch: tuple | dict, model_file: Path) -> Ca
     """
     args, kwargs = split_args(batch)
     try:
-        with custom_functions.recorded() as applied:
+        with custom_functions.recorded() as applied, custom_functions.checkpoint_off():
             ep = _export(model, args, kwargs)
         route = "torch.export"
     except Exception as export_error:
         try:
-            with custom_functions.recorded() as applied:
+            with custom_functions.recorded() as applied, custom_functions.checkpoint_off():
                 ep = _export(torch.fx.symbolic_trace(model), args, kwargs)
             route = "symbolic_trace+torch.export"
         except Exception:

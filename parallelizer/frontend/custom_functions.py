@@ -99,3 +99,38 @@ def _grads(run, tensors, named) -> dict:
     for p in tensors:
         p.grad = None
     return grads
+
+
+class _PlainCall:
+    """``CheckpointFunction``'s place under :func:`checkpoint_off`: the function, called."""
+
+    @staticmethod
+    def apply(function, preserve_rng_state, *args):
+        return function(*args)
+
+
+def _no_recompute(*args, **kwargs):
+    """``_checkpoint_without_reentrant_generator``'s place under :func:`checkpoint_off`: its
+    two steps (before the forward, and the end after it) do nothing, so nothing is saved to
+    recompute."""
+    yield
+
+
+@contextlib.contextmanager
+def checkpoint_off():
+    """``torch.utils.checkpoint.checkpoint`` (reentrant or not) as a plain call, for the
+    capture and the reference runs of the unmodified model: checkpointing saves memory, not
+    values (the program has its own, ``activation_checkpointing``). Captured, the reentrant
+    form is an autograd.Function whose forward runs under no_grad: the graph lost the
+    block's gradients. In a reference run its recompute runs outside
+    ``runtime.rng.EagerDropoutOff`` and ``RandomStandIns`` (the autograd engine does not see
+    those modes): a checkpointed block's dropout was active in the recompute only (torch's
+    CheckpointError, "different metadata") and a drop path drew real masks there (wrong
+    reference gradients)."""
+    import torch.utils.checkpoint as cp
+    saved = cp.CheckpointFunction, cp._checkpoint_without_reentrant_generator
+    cp.CheckpointFunction, cp._checkpoint_without_reentrant_generator = _PlainCall, _no_recompute
+    try:
+        yield
+    finally:
+        cp.CheckpointFunction, cp._checkpoint_without_reentrant_generator = saved
