@@ -142,11 +142,12 @@ def _shape(node: fx.Node):
 
 def _refusal(node: fx.Node, tp: int, why: str) -> PlanError:
     where = source_line(node)
+    fix = ("Make it inactive in build_model (an RNN's dropout=0)" if why is _UNKNOWN else
+           "Draw it from a shape rather than from values (torch.rand_like(p) < p for "
+           "torch.bernoulli(p)), on a value replicated over tp, make it inactive in build_model")
     return PlanError(
         f"mesh.tp={tp}: {node.target} ({node.name}) in {module_path(node) or 'the root module'}"
-        f"{f' at {where}' if where else ''} {why}. Draw it from a shape rather than from "
-        f"values (torch.rand_like(p) < p for torch.bernoulli(p)), on a value replicated over "
-        f"tp, make it inactive in build_model, or compile with mesh.tp=1")
+        f"{f' at {where}' if where else ''} {why}. {fix}, or compile with mesh.tp=1")
 
 
 def _draws_random(node: fx.Node) -> bool:

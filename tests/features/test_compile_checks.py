@@ -201,6 +201,9 @@ def test_random_op_without_a_stand_in_is_refused_at_tp2():
     and compiles."""
     line = line_of(__file__, "return self.down(torch.relu(self.up(self.lstm(x)[0])))")
     with pytest.raises(PlanError, match=rf"mesh.tp=2: aten.lstm.input \(lstm\) in lstm at "
-                                        rf"test_compile_checks.py:{line} has no random stream"):
+                                        rf"test_compile_checks.py:{line} has no random stream") as e:
         compile_steps(LSTMHead(0.1), x_batch(4, 6), TP2)
+    # the fix an RNN can take (not 'draw it from a shape', which is about bernoulli(p))
+    assert str(e.value).endswith("Make it inactive in build_model (an RNN's dropout=0), or "
+                                 "compile with mesh.tp=1"), str(e.value)
     compile_steps(LSTMHead(0.0), x_batch(4, 6), TP2)
