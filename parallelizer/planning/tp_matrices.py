@@ -154,7 +154,8 @@ def tp_summary(decision: TPDecision, model, vocab=None, blocks=(), experts=None,
     the per-module experts it stands for, passes/stack_experts.py) too; the blocks are
     ``blocks`` where given (see :func:`block_matrices`). A model with no blocks (no
     ``nn.ModuleList``, none found by planning/blocks.py) says so and counts the weight
-    matrices of the whole model instead. One kv head copied to every rank (multi-query,
+    matrices of the whole model instead; sharded matrices outside the blocks are counted
+    after (``; also K outside them``). One kv head copied to every rank (multi-query,
     ``replicated_heads`` of 1 head) is held whole by each rank and not counted sharded. P is
     rounded, but never to 100 while a parameter is left whole (nor to 0
     while one is sharded)."""
@@ -179,5 +180,9 @@ def tp_summary(decision: TPDecision, model, vocab=None, blocks=(), experts=None,
         pct = f"{min(max(100 * split / total, 0.1), 99.9):.1f}"
     head = "tensor parallel: " if where == "in blocks" else \
         "tensor parallel: no repeated blocks found; "
-    return (f"{head}{len(sharded)} of {len(mats)} weight matrices {where} sharded "
+    # sharded matrices outside the blocks (an attention block between a ResNet's stages)
+    outside = sorted(n for n, p in params.items() if p.dim() >= 2 and n in dims
+                     and n not in mats and not (vocab is not None and n in vocab.dims))
+    also = f"; also {len(outside)} outside them" if outside and where == "in blocks" else ""
+    return (f"{head}{len(sharded)} of {len(mats)} weight matrices {where} sharded{also} "
             f"({pct} % of parameters)")

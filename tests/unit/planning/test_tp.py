@@ -456,3 +456,29 @@ def test_model_without_blocks_counts_its_whole_model_and_never_rounds_to_100():
     assert tp_summary(d, model, blocks=find_blocks(model)) == (
         f"tensor parallel: no repeated blocks found; 2 of 3 weight matrices in the model "
         f"sharded ({100 * split / total:.1f} % of parameters)")
+
+
+class BlocksThenMLP(nn.Module):
+    """Repeated blocks whose only matrices stay whole (an elementwise gate), then an MLP
+    outside them (a ResNet with its one attention block between the stages)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(H, 1) for _ in range(2))
+        self.fc1, self.fc2 = nn.Linear(H, 4 * H), nn.Linear(4 * H, H)
+
+    def forward(self, x):
+        for gate in self.blocks:
+            x = x * torch.sigmoid(gate(x))
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+def test_matrices_sharded_outside_the_blocks_are_counted_too():
+    """Main before: '0 of 2 weight matrices in blocks sharded (95 % of parameters)', the MLP
+    the report lists as column and row parallel not mentioned (a new-user break test)."""
+    from parallelizer.planning.tp_matrices import tp_summary
+    model = BlocksThenMLP()
+    d = plan_tp(captured(model, x_batch()).gm.graph, 2)
+    assert {"fc1.weight", "fc2.weight"} <= set(d.column) | set(d.row)
+    assert tp_summary(d, model).startswith("tensor parallel: 0 of 2 weight matrices in blocks "
+                                           "sharded; also 2 outside them (")
