@@ -10,9 +10,9 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..frontend.capture import split_args
+from ..frontend.custom_functions import checkpoint_off
 from ..frontend.model_file import call_loss_fn
 from ..runtime.optim import make_optimizer
-from ..frontend.custom_functions import checkpoint_off
 from ..runtime.rng import EagerDropoutOff, RandomStandIns
 from ..runtime.verify import not_sample_mean
 
