@@ -10,7 +10,8 @@ needed further down (MiniLM's extended attention mask) pass through the stages i
 that is what ``torch.distributed.pipelining.PipelineStage`` needs (stage s's outputs are
 stage s+1's inputs); an output not known to be contiguous is sent as ``contiguous(x)``. Parameters are read with get_attr in every stage that uses them
 (tied weights appear in two stages), and non-tensor values (SymInt sizes) are recomputed
-from a local tensor carrying the same symbol, since only tensors cross stages.
+from a local tensor carrying the same symbol, since only tensors cross stages; a tensor
+carrying a size that nothing else sent carries is sent as well (``_size_carriers``).
 """
 from __future__ import annotations
 
@@ -69,7 +70,34 @@ def _boundary(graph, stage_of, s, recompute):
         if n in stage_of and stage_of[n] < s and is_tensor(n):
             if any(u.op == "output" or stage_of.get(u, -1) >= s for u in n.users):
                 out.append(n)
-    return recompute.sent(out)
+    sent = recompute.sent(out)
+    return sent + [t for t in _size_carriers(graph, stage_of, s, sent) if t not in sent]
+
+
+def _size_carriers(graph, stage_of, s, sent) -> list:
+    """The tensors stage ``s`` must also receive for a size it uses that none of ``sent``
+    has as a dim: a last stage padding its output back to the input's ``n`` samples
+    receives only frames (``n // 4``), so the input itself is sent along."""
+    carried = {expr(d) for t in sent for d in t.meta["val"].shape}
+    out, seen = [], set()
+
+    def need(n):
+        val = n.meta.get("val")
+        if n in seen or not isinstance(val, torch.SymInt) or expr(val) in carried:
+            return
+        seen.add(n)
+        if n.target is aten.sym_size.int and is_tensor(n.args[0]):
+            if n.args[0] not in out:
+                out.append(n.args[0])
+            return
+        for a in n.all_input_nodes:
+            need(a)
+
+    for n in graph.nodes:
+        if n in stage_of and stage_of[n] < s and not is_tensor(n) and n.op != "placeholder":
+            if any(stage_of.get(u, -1) >= s for u in n.users):
+                need(n)
+    return out
 
 
 def _extract(graph, stage_of, s, inputs, outputs, recompute) -> StageGraph:

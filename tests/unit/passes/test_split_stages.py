@@ -417,3 +417,26 @@ def test_a_size_computed_from_an_input_is_read_off_the_stage_tensor_that_carries
     program = compiler.compile_module(_Frames(), (torch.randn(4, 42),), spec, reference=False)
     assert len(program.plan.stages) == 2
     assert any(n.startswith("self-check: 2 tp rank(s)") for n in program.notes), program.notes
+
+
+class _FramesPadded(_Frames):
+    """``_Frames`` whose output is padded back to the input's ``n`` samples in the last
+    stage: ``n`` itself is no dim of anything stage 0 sends."""
+
+    def forward(self, x):
+        frames = x.shape[1] // 4
+        y = super().forward(x).sum(-1).repeat_interleave(4, dim=1)
+        return torch.nn.functional.pad(y, (0, x.shape[1] - 4 * frames))
+
+
+def test_an_input_whose_size_a_later_stage_needs_is_sent_to_it():
+    """An internal error before ("no tensor in this stage carries size s27"): stage 1 now
+    receives the input as well, and reads ``n`` off it."""
+    from parallelizer import compiler
+    from parallelizer.frontend.spec import Spec
+    torch.manual_seed(0)
+    spec = Spec.model_validate({"mesh": {"tp": 2, "pp": 2}, "pipeline": {"microbatches": 2}})
+    program = compiler.compile_module(_FramesPadded(), (torch.randn(4, 42),), spec,
+                                      reference=False)
+    assert "x" in program.plan.stages[1].inputs, program.plan.stages[1].inputs
+    assert any(n.startswith("self-check: 2 tp rank(s)") for n in program.notes), program.notes
