@@ -13,6 +13,7 @@ import inspect
 import operator
 import os
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,7 +70,11 @@ def _export(model, args, kwargs):
     """torch.export with :func:`_dynamic_shapes`; again with a symbol per input's batch when
     the model's code does not hold one batch dim for them all (it specialises it, or
     an input's dim 0 is not the batch)."""
-    with _named_keywords(model, kwargs):
+    with _named_keywords(model, kwargs), warnings.catch_warnings():
+        # nn.LSTM / GRU / RNN re-assign their own parameters to _flat_weights in forward:
+        # export's warning ("must be registered as buffers") would tell the user to edit
+        # torch's module, and what it names are parameters export has already
+        warnings.filterwarnings("ignore", message=r"The tensor attributes [^ ]*_flat_weights")
         try:
             return torch.export.export(model, args, kwargs, dynamic_shapes=_dynamic_shapes(
                 args, kwargs), strict=False)

@@ -36,6 +36,10 @@ DROPOUT_OPS = {
     "aten.alpha_dropout.default": (1, "p"),
     "aten.feature_alpha_dropout.default": (1, "p"),
     "aten.scaled_dot_product_attention.default": (4, "dropout_p"),
+    # an RNN's dropout between its layers (nn.LSTM(num_layers=2, dropout=p)), drawn inside
+    # the op; the packed-sequence overloads take batch_sizes before hx
+    **{f"aten.{rnn}.{o}": (pos, "dropout") for rnn in ("lstm", "gru", "rnn_tanh", "rnn_relu")
+       for o, pos in (("input", 5), ("data", 6))},
 }
 
 # The other random ops (ATen's ``nondeterministic_seeded`` tag) the program draws from the

@@ -87,7 +87,7 @@ def plan_random_ops(graph: fx.Graph, placements: dict, tp: int) -> tuple[RandomS
     Raises:
         PlanError (tp > 1, naming the op, the module FQN and the model's source line, with
         the fix): an op outside :data:`RANDOM_OPS` (no stream and no --verify stand-in for
-        it: an RNN's dropout between layers); a sharded draw that cannot be drawn whole (it
+        it: ``randint_like`` with a tensor ``high``); a sharded draw that cannot be drawn whole (it
         reads its input's values, which a rank holds only its block of; a shard dim whose
         global size is not a constant multiple of tp; an output with no single placement).
     """
@@ -142,7 +142,9 @@ def _shape(node: fx.Node):
 
 def _refusal(node: fx.Node, tp: int, why: str) -> PlanError:
     where = source_line(node)
-    fix = ("Make it inactive in build_model (an RNN's dropout=0)" if why is _UNKNOWN else
+    fix = ("Draw it with torch.rand / randn / randint (with an int high) or their *_like, "
+           "which the program draws from the tp-shared stream, make it inactive in "
+           "build_model" if why is _UNKNOWN else
            "Draw it from a shape rather than from values (torch.rand_like(p) < p for "
            "torch.bernoulli(p)), on a value replicated over tp, make it inactive in build_model")
     return PlanError(
@@ -183,10 +185,7 @@ def _draws(node: fx.Node, op: str) -> bool:
     p = _probability(node, op)
     if isinstance(p, (int, float)) and p == 0:
         return False
-    if op == "aten.scaled_dot_product_attention.default":
-        return True
-    train = node.kwargs.get("train", node.args[2] if len(node.args) > 2 else True)
-    return train is not False
+    return _argument(node, "train", True) is not False
 
 
 def _module(node: fx.Node) -> str:

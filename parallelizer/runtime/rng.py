@@ -268,10 +268,15 @@ def _eager_dropout_fns():
     return _EAGER_DROPOUT
 
 
+def _eager_rnn_fns():
+    return {torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu}
+
+
 class EagerDropoutOff(TorchFunctionMode):
     """Dropout inactive in an eager model that stays in training mode: ``F.dropout`` and
-    its variants return their input (what they return with ``training=False``) and
-    ``scaled_dot_product_attention`` runs with ``dropout_p=0``."""
+    its variants return their input (what they return with ``training=False``);
+    ``scaled_dot_product_attention`` runs with ``dropout_p=0`` and an RNN (``nn.LSTM``,
+    ``nn.GRU``, ``nn.RNN``: ``torch.lstm`` and the like) with ``dropout=0``."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -279,6 +284,12 @@ class EagerDropoutOff(TorchFunctionMode):
             return args[0] if args else kwargs["input"]
         if func is torch.nn.functional.scaled_dot_product_attention:
             args, kwargs = _without_dropout("aten.scaled_dot_product_attention.default", args, kwargs)
+        elif func in _eager_rnn_fns():
+            args = list(args)
+            # (input, hx, params, ...) or, packed, (data, batch_sizes, hx, params, ...):
+            # dropout is the third argument after params, the last list among the first four
+            params = max(i for i in range(1, 4) if isinstance(args[i], (list, tuple)))
+            args[params + 3] = 0.0
         return func(*args, **kwargs)
 
 

@@ -15,7 +15,8 @@ plan or rewrite must be compile-time errors naming what is wrong.
   runtime operator as it was (a view), and compiles with the operator as it is.
 - A random op that tp cannot draw alike on every rank (planning/dropout.plan_random_ops): a
   draw sharded over tp from its input's values (``bernoulli(p)``), an op with no stream and
-  no --verify stand-in (an LSTM's dropout): refused at tp2, naming the op and the line.
+  no --verify stand-in (``randint_like`` with a tensor high): refused at tp2, naming the op
+  and the line; an LSTM's dropout is a dropout site on the replicated stream.
 """
 from __future__ import annotations
 
@@ -195,15 +196,35 @@ class LSTMHead(torch.nn.Module):
         return self.down(torch.relu(self.up(self.lstm(x)[0])))
 
 
+def test_an_rnns_dropout_draws_from_the_replicated_stream_at_tp2():
+    """``aten.lstm``'s dropout between layers is a dropout site (refused at tp2 before, and
+    at dp2 --verify failed: the program drew it while the reference had dropout off): the
+    replicated stream, so every tp rank draws one mask for the LSTM it computes whole."""
+    _analysis, planned, _stages, _seq = compile_steps(LSTMHead(0.1), x_batch(4, 6), TP2)
+    assert [(d["op"], d["stream"]) for d in planned.plan.dropout] == [
+        ("aten.lstm.input", "replicated")]
+    _analysis, planned, _stages, _seq = compile_steps(LSTMHead(0.0), x_batch(4, 6), TP2)
+    assert planned.plan.dropout == ()
+
+
+class RandintHigh(torch.nn.Module):
+    """Noise from ``randint_like`` with a tensor ``high``: a random op without a stream."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
+
+    def forward(self, x):
+        h = torch.relu(self.up(x))
+        return self.down(h + torch.randint_like(h, torch.tensor(5)))
+
+
 def test_random_op_without_a_stand_in_is_refused_at_tp2():
-    """An op that draws with no stream and no --verify stand-in (``aten.lstm``'s dropout
-    between layers) is refused at tp2, naming it; with ``dropout=0`` the LSTM draws nothing
-    and compiles."""
-    line = line_of(__file__, "return self.down(torch.relu(self.up(self.lstm(x)[0])))")
-    with pytest.raises(PlanError, match=rf"mesh.tp=2: aten.lstm.input \(lstm\) in lstm at "
-                                        rf"test_compile_checks.py:{line} has no random stream") as e:
-        compile_steps(LSTMHead(0.1), x_batch(4, 6), TP2)
-    # the fix an RNN can take (not 'draw it from a shape', which is about bernoulli(p))
-    assert str(e.value).endswith("Make it inactive in build_model (an RNN's dropout=0), or "
-                                 "compile with mesh.tp=1"), str(e.value)
-    compile_steps(LSTMHead(0.0), x_batch(4, 6), TP2)
+    """An op that draws with no stream and no --verify stand-in is refused at tp2, naming
+    it, its line and the ops the program can draw."""
+    line = line_of(__file__, "return self.down(h + torch.randint_like(h, torch.tensor(5)))")
+    with pytest.raises(PlanError, match=rf"mesh.tp=2: aten.randint_like.Tensor \(randint_like\) "
+                                        rf"in the root module at test_compile_checks.py:{line} "
+                                        rf"has no random stream") as e:
+        compile_steps(RandintHigh(), x_batch(4, 6), TP2)
+    assert "Draw it with torch.rand / randn / randint (with an int high)" in str(e.value)

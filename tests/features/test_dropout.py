@@ -224,6 +224,49 @@ def test_reference_and_verify_run_without_dropout():
     assert rng.state_dict() == {}  # nothing was drawn
 
 
+class _Recurrent(torch.nn.Module):
+    """A two-layer RNN with dropout between its layers (drawn inside ``aten.lstm``/``gru``)."""
+
+    def __init__(self, cls):
+        super().__init__()
+        self.rnn = cls(8, 8, num_layers=2, dropout=0.5, batch_first=True)
+        self.head = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0])
+
+
+@pytest.mark.parametrize("cls", [torch.nn.LSTM, torch.nn.GRU])
+def test_an_rnns_dropout_draws_the_eager_masks_and_is_off_under_verify(cls):
+    """An RNN's dropout is a dropout site: the one-rank program draws the eager model's
+    masks after ``torch.manual_seed(seed)``; under --verify the program
+    (``dropout_active(False)``) and the reference (``EagerDropoutOff``) both run it with
+    dropout 0, the model in eval mode (at dp2 the program drew it and the reference did not:
+    --verify FAILed a correct program)."""
+    torch.manual_seed(0)
+    model, batch = _Recurrent(cls), {"x": torch.randn(4, 5, 8)}
+    loss_fn = lambda out, b: out.square().mean()  # noqa: E731
+    module = types.SimpleNamespace(loss_fn=loss_fn)
+    spec = load_spec(EXAMPLE / "spec.yaml", ["mesh.tp=1", "mesh.pp=1", "seed=3"])
+    program = pz_compile(copy.deepcopy(model), spec, batch, loss_fn, reference=False)
+    assert [d["op"] for d in program.plan.dropout] == [f"aten.{cls.__name__.lower()}.input"]
+    stage = _stage(program)
+    torch.manual_seed(3)
+    want_out, want_grads = _eager_step(copy.deepcopy(model), module, batch)
+    rng.seed_streams(3, 0, 0, 0, 1)
+    out, grads = _program_step(stage, program.plan, module, batch)
+    torch.testing.assert_close(out, want_out, atol=1e-6, rtol=1e-5)
+    for name in grads:
+        torch.testing.assert_close(grads[name], want_grads[name], atol=1e-6, rtol=1e-5, msg=name)
+    off = copy.deepcopy(model).eval()(batch["x"]).detach()
+    with rng.EagerDropoutOff():
+        assert torch.equal(model(batch["x"]).detach(), off)
+    with rng.dropout_active(False):
+        torch.testing.assert_close(stage(*flatten(program.plan, batch))[0].detach(), off,
+                                   atol=1e-6, rtol=1e-5)
+    assert (out - off).abs().max() > 0.01  # the masks were drawn
+
+
 def test_stream_seeds_and_saved_states():
     """Replicated: one seed per (pp, dp) coordinate, shared by its tp ranks, ``seed`` itself
     at (0, 0); tp: one per rank. A saved state restores the draws that follow it."""
