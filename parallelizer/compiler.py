@@ -69,7 +69,7 @@ from .planning.tensors import alias_map, build_plan, pipeline_structure, tied_gr
 from .planning.sequence import plan_sequence_parallel
 from .passes.explicit_sizes import apply_explicit_sizes
 from .planning.tp import plan_tp
-from .planning.tp_matrices import tp_summary
+from .planning.tp_matrices import tp_kept_note, tp_summary
 from .planning.vocab import plan_vocab, vocab_summary
 from .emit.program import Program, check_replaceable
 from .emit.rank_check import check_ranks
@@ -251,8 +251,10 @@ def plan(analysis: Analysis, spec: Spec, passes: PassManager) -> Planned:
     tp = plan_tp(graph, mesh.tp, spec.tensor_parallel.allow_replicated,  # raises early
                  experts_split=any(layer["tp"] for layer in ep.layers))
     vocab = plan_vocab(graph, mesh.tp, spec.tensor_parallel.vocab_parallel, analysis.canonical, tp)
-    notes = [tp_summary(tp, analysis.model, vocab, analysis.blocks, ep.dims, analysis.stacked),
+    counted = (tp, analysis.model, vocab, analysis.blocks, ep.dims, analysis.stacked)
+    notes = [tp_summary(*counted), tp_kept_note(*counted),
              vocab_summary(vocab)] if mesh.tp > 1 else []
+    notes = [n for n in notes if n]
     if ep_summary(ep):
         notes.append(ep_summary(ep))
     random = plan_random_ops(graph, tp.placements, mesh.tp)  # raises: one tp cannot draw alike

@@ -129,7 +129,8 @@ def one_head_whole(graph, tp: int, decision: TPDecision, chosen):
     if not one or not (prop.applied or prop.applied_reduces or column != paired):
         return chosen
     scratch = TPDecision(tp=tp, linears=decision.linears, biases=decision.biases)
-    why = ("its output is one head (a view to [.., 1, head_dim]); split, it would be split "
+    why = ("its output is one head ([.., 1, head_dim] by a view, or [.., 1, tokens, head_dim] "
+           "by an unsqueeze); split, it would be split "
            "along head_dim, which attention takes only gathered")
     found = _candidate(graph, pairs, tp, scratch, kept={w: why for w in one})
     size = _weight_sizes(graph)

@@ -3,6 +3,8 @@ matrices, every matrix left whole with its reason, custom ops' weights (read by 
 the CLI's summary). Reads the graph and the decision, changes neither."""
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.fx as fx
 
@@ -164,13 +166,7 @@ def tp_summary(decision: TPDecision, model, vocab=None, blocks=(), experts=None,
     if not _block_prefixes(model, blocks):
         mats = {n: p.numel() for n, p in model.named_parameters() if p.dim() >= 2}
         where = "in the model"
-    dims = {**decision.dims, **(vocab.dims if vocab is not None else {}), **(experts or {})}
-    for fqn, members in (stacked or {}).items():
-        if fqn in dims:
-            dims.update(dict.fromkeys(members, dims[fqn]))
-    for fqn, layout in decision.layouts.items():  # one kv head copied: every rank holds it
-        if isinstance(layout, ReplicatedHeads) and layout.heads == 1:
-            dims.pop(fqn, None)
+    dims = _sharded(decision, vocab, experts, stacked)
     sharded = [n for n in mats if n in dims]
     params = dict(model.named_parameters())
     total = sum(p.numel() for p in params.values()) or 1
@@ -186,3 +182,34 @@ def tp_summary(decision: TPDecision, model, vocab=None, blocks=(), experts=None,
     also = f"; also {len(outside)} outside them" if outside and where == "in blocks" else ""
     return (f"{head}{len(sharded)} of {len(mats)} weight matrices {where} sharded{also} "
             f"({pct} % of parameters)")
+
+
+def _sharded(decision: TPDecision, vocab=None, experts=None, stacked=None) -> dict:
+    """fqn -> tp dim of every parameter tp shards (see :func:`tp_summary`)."""
+    dims = {**decision.dims, **(vocab.dims if vocab is not None else {}), **(experts or {})}
+    for fqn, members in (stacked or {}).items():
+        if fqn in dims:
+            dims.update(dict.fromkeys(members, dims[fqn]))
+    for fqn, layout in decision.layouts.items():  # one kv head copied: every rank holds it
+        if isinstance(layout, ReplicatedHeads) and layout.heads == 1:
+            dims.pop(fqn, None)
+    return dims
+
+
+def tp_kept_note(decision: TPDecision, model, vocab=None, blocks=(), experts=None,
+                 stacked=None) -> str:
+    """After :func:`tp_summary`'s line, where it counts matrices not sharded: the
+    first of them (in the model's order) with the report.md line that says why, so a
+    replicated attention is explained where the count is read; "" when all are sharded or
+    no line names it."""
+    mats = block_matrices(model, blocks) if _block_prefixes(model, blocks) else {
+        n: p.numel() for n, p in model.named_parameters() if p.dim() >= 2}
+    dims = _sharded(decision, vocab, experts, stacked)
+    left = [n for n in mats if n not in dims]
+    for fqn in left:
+        name = re.compile(rf"(?<![\w.]){re.escape(fqn)}(?![\w.])")
+        line = next((r for r in decision.report if name.search(r)), None)
+        if line is not None:
+            more = f" and {len(left) - 1} more" if len(left) > 1 else ""
+            return f"tensor parallel: not sharded {fqn}{more}; {line} (report.md gives each)"
+    return ""

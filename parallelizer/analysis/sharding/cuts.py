@@ -384,6 +384,13 @@ def one_head_unsqueeze(node, prop):
     raw = prop.raw.get(src.name)
     ins = shape(src)
     h = node.args[1] % (len(ins) + 1)
+    column = raw or prop.part_slices.get(src.name, (None,))[0]  # or a part of a fused one
+    if column and dim_of(prop, src) == len(ins) - 1 and len(ins) >= 3 and h <= len(ins) - 2 \
+            and not any(u.target in _CUTS for u in node.users):  # not GPTBigCode's q | k | v
+        # a new heads dim of 1 before (tokens, features): the shard would land on head_dim
+        # (planning/tp_candidates.one_head_whole then tries the projection kept whole; its
+        # one head broadcast against the rank's query heads, analysis/sharding/rules._matmul)
+        prop.one_head_dim |= prop.groups.get(src.name, frozenset())
     if not raw or raw & prop.no_replication or dim_of(prop, src) != len(ins) - 1 \
             or h == len(ins) or not isinstance(ins[-1], int) \
             or any(prop.features.get(w) != ins[-1] for w in raw) \
@@ -396,6 +403,8 @@ def one_head_unsqueeze(node, prop):
 
 
 _COPIES = (aten.contiguous.default, aten.clone.default, aten.alias.default)
+_CUTS = (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
+         aten.slice.Tensor, aten.narrow.default)
 
 
 def _spread_over_heads(value, h: int, depth: int = 6) -> bool:

@@ -52,7 +52,8 @@ from ...plan.layouts import InterleavedHeads, in_units
 from .cuts import fuse_slices, one_head_unsqueeze
 from .layouts import view_rule
 from .placements import CONFLICT, REPLICATE, Conflict, Shard, shard_dim
-from .rules import BROADCASTING, DTENSOR_FIRST, KEEP_HEADS, KEEP_RAW, RULES, pointwise_rule
+from .rules import (BROADCASTING, DTENSOR_FIRST, KEEP_HEADS, KEEP_RAW, OURS_AFTER_DTENSOR, RULES,
+                    pointwise_rule)
 from .strided import tiled_by, carry_strided, check_sizes, narrowed, request_narrow
 from .pieces import register, site_key
 from .weights import path_rule, weight_paths
@@ -222,6 +223,10 @@ def _rule(node: fx.Node, prop: Propagation, column, row, weight_dims, tp):
     out = redistribute.reduced(node, prop, source(node, prop, tp))
     if out is NO_RULE and source is not fn:  # DTensor has no strategy: our rule
         source, out = fn, fn(node, prop, tp)
+    elif out == CONFLICT and source is not fn and fn in OURS_AFTER_DTENSOR:
+        mine = fn(node, prop, tp)  # a case DTensor's strategy does not take (a broadcast)
+        if isinstance(mine, Shard):
+            source, out = fn, mine
     if copies is not None and (out is NO_RULE or out == CONFLICT):
         found = _on_copies(node, prop, copies)
         if found == CONFLICT:

@@ -171,14 +171,26 @@ def _gqa_kv(node, prop, k, v) -> None:
 
 
 def _matmul(node, prop, tp):
+    """Batched matmul sharded along one batch dim: both operands sharded there, or one
+    sharded and the other replicated with size 1 there (it broadcasts: multi-query
+    attention's one k head against a rank's block of query heads; DTensor's matmul strategy
+    for a broadcast batch dim)."""
     a, b = node.args[:2]
     pa, pb = dim_of(prop, a), dim_of(prop, b)
     ra, rb, ro = len(shape(a)), len(shape(b)), len(shape(node))
-    if pa is None or pb is None or ra < 3 or rb < 3 or ra != rb:
+    if ra < 3 or rb < 3:
         return CONFLICT
-    if pa != pb or pa >= ra - 2:
+    if pa is not None and pb is not None:
+        if ra != rb or pa != pb or pa >= ra - 2:
+            return CONFLICT
+        return Shard(pa + ro - ra)
+    (s, ps, rs), (o, ro_) = ((a, pa, ra), (b, rb)) if pa is not None else ((b, pb, rb), (a, ra))
+    if ps is None or ps >= rs - 2 or placement(prop, o) != REPLICATE:
         return CONFLICT
-    return Shard(pa + ro - ra)
+    k = ps - rs + ro_  # the other operand's dim aligned with the shard (right-aligned)
+    if k >= 0 and not same(shape(o)[k], 1):
+        return CONFLICT
+    return Shard(ps + ro - rs)
 
 
 def _einsum_letters(eq: str, ranks: list):
@@ -312,6 +324,11 @@ RULES = {
 DTENSOR_FIRST = frozenset({_same, pointwise_rule, _masked_fill, _transpose, _permute, _unsqueeze,
                            _squeeze, _select, _cat, _matmul, _softmax, _reduce,
                            complex_view_rule, flatten_rule})
+
+# rules asked again where DTensor's strategy would redistribute: a batched matmul whose
+# replicated operand broadcasts along the sharded batch dim (multi-query attention's one k
+# head; DTensor 2.13 shards both operands there or neither)
+OURS_AFTER_DTENSOR = frozenset({_matmul})
 
 # elementwise rules whose replicated operand may be sharded like the sharded one (heads.request_broadcast)
 BROADCASTING = frozenset({pointwise_rule, _masked_fill})

@@ -406,7 +406,7 @@ def test_einsum_weights_kept_whole_are_reported_and_counted():
     """Einsum projections stay replicated; each is named with the op and line that reads it,
     counted in the linears' line and, 3-D ones too, among the blocks' weight matrices (main
     before: 'replicated: none' and '4 of 6 weight matrices', the 3-D weights not counted)."""
-    from parallelizer.planning.tp_matrices import tp_summary
+    from parallelizer.planning.tp_matrices import tp_kept_note, tp_summary
     from tp_check import assert_tp_matches
     model = EinsumBlocks()
     cap = captured(model, x_batch())
@@ -419,6 +419,9 @@ def test_einsum_weights_kept_whole_are_reported_and_counted():
         assert "read by aten.einsum.default at test_tp.py:" in line, line
     assert tp_summary(d, model).startswith("tensor parallel: 4 of 8 weight matrices in blocks "
                                            "sharded (")
+    # the line after the count names the first one left whole, with its report.md line
+    assert tp_kept_note(d, model) == (f"tensor parallel: not sharded blocks.0.w2 and 3 more; "
+                                      f"{d.other_replicated['blocks.0.w2']} (report.md gives each)")
     apply_tensor_parallel(cap.gm, d)
     assert_tp_matches(model, x_batch(), 2, d, cap.gm)
 
@@ -476,9 +479,11 @@ class BlocksThenMLP(nn.Module):
 def test_matrices_sharded_outside_the_blocks_are_counted_too():
     """Main before: '0 of 2 weight matrices in blocks sharded (95 % of parameters)', the MLP
     the report lists as column and row parallel not mentioned (a new-user break test)."""
-    from parallelizer.planning.tp_matrices import tp_summary
+    from parallelizer.planning.tp_matrices import tp_kept_note, tp_summary
     model = BlocksThenMLP()
     d = plan_tp(captured(model, x_batch()).gm.graph, 2)
     assert {"fc1.weight", "fc2.weight"} <= set(d.column) | set(d.row)
     assert tp_summary(d, model).startswith("tensor parallel: 0 of 2 weight matrices in blocks "
                                            "sharded; also 2 outside them (")
+    assert tp_kept_note(d, model).startswith("tensor parallel: not sharded blocks.0.weight and "
+                                             "1 more; ")

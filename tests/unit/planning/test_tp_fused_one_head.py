@@ -154,3 +154,40 @@ def test_separate_one_head_projections_unsqueezed_are_copied(tp, transpose_first
     assert d.layouts["k.weight"] == d.layouts["v.weight"] == ReplicatedHeads(1, D)
     assert d.redistributions == []
     assert_tp_matches(model, x_batch(), tp, d, gm)
+
+
+class BroadcastMatmulMQA(nn.Module):
+    """Multi-query attention by broadcasting: ``q @ k.transpose(-1, -2)`` with k of one head
+    ``(B, 1, T, D)``, no expand and no SDPA; k and v from one fused projection split by
+    sizes, or from two projections."""
+
+    def __init__(self, fused: bool):
+        super().__init__()
+        self.fused = fused
+        self.q, self.o = nn.Linear(H, H), nn.Linear(H, H)
+        if fused:
+            self.kv = nn.Linear(H, 2 * D)
+        else:
+            self.k, self.v = nn.Linear(H, D), nn.Linear(H, D)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, HEADS, D).transpose(1, 2)
+        k, v = self.kv(x).split(D, dim=-1) if self.fused else (self.k(x), self.v(x))
+        att = (q @ k.unsqueeze(1).transpose(-1, -2)).mul(D ** -0.5).softmax(-1)
+        return x + self.o((att @ v.unsqueeze(1)).transpose(1, 2).reshape(b, t, H))
+
+
+@pytest.mark.parametrize("tp, fused", [(2, True), (4, True), (2, False)])
+def test_one_head_broadcast_by_matmul_is_kept_whole_and_the_rest_sharded(tp, fused):
+    """The one-head projection is kept whole (split, its shard would land on head_dim: q, k
+    and v were then kept replicated, "a linear got a (batch, heads) merged input"); its one
+    head broadcasts against each rank's query heads (the matmul rule for a replicated
+    operand of size 1 along the sharded batch dim), so q and o are sharded, with no
+    redistribution, and each rank equals the unmodified model."""
+    torch.manual_seed(0)
+    model = BroadcastMatmulMQA(fused)
+    gm, d = planned(model, x_batch(), tp)
+    assert d.column == {"q.weight"} and d.row == {"o.weight"}, (d.column, d.row)
+    assert d.redistributions == []
+    assert_tp_matches(model, x_batch(), tp, d, gm)
