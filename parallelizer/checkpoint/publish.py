@@ -13,14 +13,37 @@ from parallelizer.errors import CheckpointError
 
 
 def check_destination(out_dir: Path, overwrite: bool) -> None:
-    """Raise CheckpointError when ``out_dir`` is a file, or a non-empty folder without
-    ``overwrite``; names the folder and the fix."""
+    """Raise CheckpointError when ``out_dir`` is a file, a non-empty folder without
+    ``overwrite``, or (even with it) a folder holding files parallelizer does not write
+    there (:func:`foreign_files`: a compiled program, a model's config and tokenizer, notes);
+    names the folder, what it holds and the fix."""
     if out_dir.exists() and not out_dir.is_dir():
         raise CheckpointError(f"checkpoint destination {out_dir} exists and is not a folder")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
+    if not out_dir.is_dir() or not any(out_dir.iterdir()):
+        return
+    if not overwrite:
         raise CheckpointError(
             f"checkpoint destination {out_dir} exists and is not empty; choose another folder "
-            "or pass overwrite=True to replace it")
+            "or pass --force (overwrite=True) to replace it")
+    other = foreign_files(out_dir)
+    if other:
+        raise CheckpointError(
+            f"checkpoint destination {out_dir} holds {', '.join(other[:3])}"
+            f"{f' and {len(other) - 3} more' if len(other) > 3 else ''}, which is no "
+            f"checkpoint or export parallelizer wrote; --force replaces only those: choose "
+            f"another folder")
+
+
+def foreign_files(folder: Path) -> list[str]:
+    """What in ``folder`` a checkpoint (manifest.json and its files) or an export (only
+    ``*.safetensors`` and ``*.json`` files) would not hold: sub-folders, other files; [] when
+    replacing it loses nothing parallelizer did not write."""
+    entries = sorted(folder.iterdir())
+    if (folder / "manifest.json").is_file() and not (folder / "plan.json").exists():
+        return [p.name for p in entries if p.is_dir()]
+    return [p.name + ("/" if p.is_dir() else "") for p in entries
+            if p.is_dir() or p.suffix not in (".safetensors", ".json")
+            or p.name == "plan.json"]
 
 
 def temp_sibling(out_dir: Path) -> Path:

@@ -150,8 +150,7 @@ def import_hf(hf_path, dst, plan, tp: Optional[int] = None, pp: Optional[int] = 
             without ``buffers_from``; bad paths.
     """
     dst = Path(dst)
-    if dst.exists() and not force:
-        raise CheckpointError(f"destination {dst} already exists; choose another folder or pass --force")
+    check_paths(Path(hf_path), dst, force)
     keys = plan.structure.get("state_dict_keys") or list(plan.tensors)
     stacked = stacked_members(plan.structure)
     stored = [k for k in keys if plan.aliases.get(k, k) in plan.tensors or k in stacked]

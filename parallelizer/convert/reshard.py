@@ -25,6 +25,7 @@ from parallelizer.checkpoint.reader import (check_file_sha256, check_file_size, 
                                             read_manifest, verify_file)
 from parallelizer.convert.target import plan_layout, target_layout
 from parallelizer.checkpoint.writer import FileLayout, write_layout
+from parallelizer.checkpoint.publish import check_destination
 from parallelizer.errors import CheckpointError
 from parallelizer.plan.layouts import segments
 
@@ -67,20 +68,23 @@ def plural(n: int, word: str) -> str:
 
 
 def check_paths(src: Path, dst: Path, force: bool) -> None:
-    """DST must not be SRC or inside it, and must not exist unless ``force``.
+    """DST must not be SRC, inside it or a folder holding it (``--force`` would delete the
+    source with it), and must not exist unless ``force``.
 
     Raises:
         CheckpointError: names DST and the fix.
     """
-    s, d = src.resolve(), dst.resolve()
-    if d == s or s in d.parents:
-        raise CheckpointError(f"destination {dst} is the source checkpoint {src} or inside it; "
-                              "write the converted checkpoint to another folder")
+    s, d = Path(src).resolve(), Path(dst).resolve()
+    if d == s or s in d.parents or d in s.parents:
+        raise CheckpointError(f"destination {dst} is the source {src}, inside it or a folder "
+                              f"holding it; write the converted checkpoint to another folder")
     if dst.exists() and not force:
         raise CheckpointError(f"destination {dst} already exists; choose another folder or pass "
                               "--force to replace it (only once the new checkpoint is complete)")
     if dst.exists() and not dst.is_dir():
         raise CheckpointError(f"destination {dst} exists and is not a folder")
+    if dst.is_dir():
+        check_destination(dst, force)  # before any work: --force replaces only our outputs
 
 
 def reshard(src, dst, tp: Optional[int] = None, pp: Optional[int] = None, plan=None,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -136,7 +137,7 @@ def _main(out_dir: Path, argv=None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("run.py: error: --device cuda but CUDA is not available here; use --device cpu", file=sys.stderr)
         return 2
-    error = _periodic_args_error(args)
+    error = _periodic_args_error(args, plan)
     if error:
         return _fail_before_init(f"run.py: error: {error}")
     state_error = training_state_error(plan) if (args.save or args.resume) and args.train else None
@@ -180,7 +181,7 @@ def _last_checkpoint(args) -> str:
     return ""
 
 
-def _periodic_args_error(args) -> str | None:
+def _periodic_args_error(args, plan=None) -> str | None:
     """The --save / --save-every / --keep / --resume combination's error, checked before
     any process group exists."""
     auto = args.resume is not None and str(args.resume) == "auto"
@@ -200,12 +201,23 @@ def _periodic_args_error(args) -> str | None:
                 "complete checkpoint of DIR")
     try:
         if args.save and args.save_every:
-            check_periodic_folder(args.save)
+            check_periodic_folder(args.save, -1 if auto else _resumed_step(args.resume))
         elif args.save:
-            check_save_target(args.save)
+            check_save_target(args.save, plan)
     except UserError as e:
         return str(e)
     return None
+
+
+def _resumed_step(resume) -> int | None:
+    """The step of the ``--resume`` checkpoint (its manifest's ``train.step``); None without
+    one. An unreadable manifest counts as step 0 here: loading it names the problem."""
+    if resume is None:
+        return None
+    try:
+        return int(json.loads((Path(resume) / "manifest.json").read_text())["train"]["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
 
 
 def _run(args, out_dir: Path, plan: ParallelPlan, spec: dict, ctx, loss_fn, model_module) -> int:

@@ -52,11 +52,16 @@ def scan(folder: Path) -> tuple[list[tuple[int, Path]], list[Path]]:
     return sorted(complete), incomplete
 
 
-def check_periodic_folder(folder: Path) -> None:
-    """``--save DIR`` with ``--save-every``: DIR may hold only step checkpoints.
+def check_periodic_folder(folder: Path, resumed_step: int | None = None) -> None:
+    """``--save DIR`` with ``--save-every``: DIR may hold only step checkpoints, and only
+    of this run: none newer than ``resumed_step`` (the step of the checkpoint resumed
+    from; None for a run that resumes from nothing, -1 for ``--resume auto``, which
+    continues the newest), since ``--keep`` deletes by step number and would delete the
+    run's own new checkpoints and the older run's alike.
 
     Raises:
-        UserError: DIR is a file, a compiled program, a single checkpoint, or holds other files.
+        UserError: DIR is a file, a compiled program, a single checkpoint, holds other files,
+            or holds another run's step checkpoints.
     """
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
@@ -72,6 +77,16 @@ def check_periodic_folder(folder: Path) -> None:
     if other:
         raise UserError(f"--save {folder} with --save-every: the folder holds {sorted(other)[:3]}, "
                         "which are not step-NNNNNNNN checkpoints; pass a new or empty folder")
+    newer = [s for s, _ in scan(folder)[0] if resumed_step is None or s > resumed_step >= 0]
+    if newer:
+        since = "a run that resumes from none" if resumed_step is None else \
+            f"a run resumed at step {resumed_step}"
+        raise UserError(
+            f"--save {folder} with --save-every: the folder holds the step checkpoints of another "
+            f"run (steps {', '.join(map(str, newer[:4]))}{' ...' if len(newer) > 4 else ''}), "
+            f"and {since} would mix its own with them (--keep deletes by step number, --resume "
+            f"auto takes the newest); continue that run with --resume auto, or pass a new or "
+            f"empty folder")
 
 
 def resolve_auto(folder: Path | None, log) -> Path | None:

@@ -156,13 +156,14 @@ def _merge_on_rank0(mine: dict, ctx: RankContext) -> dict | None:
     return out
 
 
-def check_save_target(out: Path) -> None:
-    """A save may replace an earlier checkpoint (a folder with manifest.json), never other
-    files, a compiled program, or the weights a program was compiled with.
+def check_save_target(out: Path, plan: ParallelPlan | None = None) -> None:
+    """A save may replace an earlier checkpoint of the same model (a folder with
+    manifest.json whose tensors are ``plan``'s), never other files, another model's
+    checkpoint, a compiled program, or the weights a program was compiled with.
 
     Raises:
-        UserError: ``out`` is a file, a program folder (plan.json), an OUT/checkpoint, or a
-            non-empty folder that is not a checkpoint.
+        UserError: ``out`` is a file, a program folder (plan.json), an OUT/checkpoint, a
+            non-empty folder that is not a checkpoint, or a checkpoint of other tensors.
     """
     if out.exists() and not out.is_dir():
         raise UserError(f"--save {out}: a file is in the way; pass a folder")
@@ -174,6 +175,28 @@ def check_save_target(out: Path) -> None:
     if not (out / "manifest.json").exists():
         raise UserError(f"--save {out}: the folder holds files that are not a parallelizer "
                         f"checkpoint; save into a new or empty folder")
+    if plan is not None:
+        _check_same_model(out, plan)
+
+
+def _check_same_model(out: Path, plan: ParallelPlan) -> None:
+    """The checkpoint in ``out`` holds the tensors of ``plan``'s model (any layout)."""
+    import json
+    from ..checkpoint.format import OPTIM_PREFIX
+    try:
+        names = json.loads((out / "manifest.json").read_text())["tensors"]
+    except (OSError, ValueError, KeyError, TypeError):
+        names = None  # unreadable: not knowably this model's
+    theirs = {n for n in names or () if not n.startswith(OPTIM_PREFIX)}
+    if names is not None and theirs == set(plan.tensors):
+        return
+    extra, missing = sorted(theirs - set(plan.tensors)), sorted(set(plan.tensors) - theirs)
+    seen = (f"it holds {', '.join(extra[:2])}{' ...' if len(extra) > 2 else ''} and lacks "
+            f"{', '.join(missing[:2])}{' ...' if len(missing) > 2 else ''}" if names is not None
+            else "its manifest.json cannot be read")
+    raise UserError(f"--save {out}: that folder is a checkpoint of another model ({seen}); a "
+                    f"save replaces only a checkpoint of this program's model: save into a new "
+                    f"or empty folder")
 
 
 def save_checkpoint(stage, plan: ParallelPlan, ctx: RankContext, out: Path, opt=None,
@@ -182,7 +205,7 @@ def save_checkpoint(stage, plan: ParallelPlan, ctx: RankContext, out: Path, opt=
     position and each rank's RNG state) to ``out`` in the plan's sharded layout: every rank
     writes its own shards, no gather (:mod:`parallelizer.runtime.sharded_save`), published
     atomically. Collective. ``profile``: print a ``SAVE_MEMORY`` line per rank."""
-    check_save_target(Path(out))  # on every rank, before any collective: all raise alike
+    check_save_target(Path(out), plan)  # on every rank, before any collective: all raise alike
     train = ({"step": step, "optimizer": optimizer, "data_position": step}
              if opt is not None else None)
     if isinstance(opt, TrainState):  # the loop's state: schedule, loss scale, data position

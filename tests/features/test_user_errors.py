@@ -199,6 +199,29 @@ def no_weights_out(tmp_path_factory):
     return out
 
 
+def test_save_replaces_only_a_checkpoint_of_the_same_model(no_weights_out, tmp_path):
+    """run.py --save DIR over another model's checkpoint (with its optimizer state) replaced
+    it silently (a break test); now refused, naming what it holds; one of this program's
+    model (its tensors, optimizer state aside, any layout) may still be replaced."""
+    import json
+    from parallelizer.plan.parallel_plan import ParallelPlan
+    plan = ParallelPlan.from_json((no_weights_out / "plan.json").read_text())
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "manifest.json").write_text(json.dumps(
+        {"tensors": {"blocks.0.down.bias": {}, "optim.blocks.0.down.bias.exp_avg": {}}}))
+    with pytest.raises(UserError) as e:
+        check_save_target(other, plan)
+    assert str(e.value).startswith(f"--save {other}: that folder is a checkpoint of another "
+                                   f"model (it holds blocks.0.down.bias and lacks "), str(e.value)
+    assert "optim." not in str(e.value)
+    same = tmp_path / "same"
+    same.mkdir()
+    (same / "manifest.json").write_text(json.dumps({"tensors": {
+        **dict.fromkeys(plan.tensors, {}), **{f"optim.{n}.exp_avg": {} for n in plan.tensors}}}))
+    check_save_target(same, plan)
+
+
 def test_verify_without_a_reference_is_one_clear_error(no_weights_out):
     p = subprocess.run([sys.executable, str(no_weights_out / "run.py"), "--verify", "--device", "cpu"],
                        capture_output=True, text=True, timeout=120)

@@ -327,14 +327,36 @@ def test_bad_tensor_of_wrong_shape(src, tmp_path, capsys):
 
 
 def test_existing_destination_needs_force(src, tmp_path, capsys):
+    """--force replaces an earlier checkpoint, never a folder holding anything else (it
+    wiped a folder of notes and a compiled program before: a break test)."""
     out, _, sd = src
-    (tmp_path / "d").mkdir()
-    (tmp_path / "d" / "old.txt").write_text("x")
+    assert cli(["reshard", str(out), "-o", str(tmp_path / "d"), "--tp", "1", "--no-progress"]) == 0
     err = run_cli(capsys, "reshard", out, "-o", tmp_path / "d", "--tp", "1")
     assert "already exists" in err and "--force" in err
     assert cli(["reshard", str(out), "-o", str(tmp_path / "d"), "--tp", "1", "--force", "--no-progress"]) == 0
     same(load_full(tmp_path / "d"), sd)
     assert sorted(p for p in os.listdir(tmp_path) if p.startswith(".")) == []
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "thesis.txt").write_text("x")
+    for cmd in (["reshard", out, "--tp", "1"], ["export", out]):
+        err = run_cli(capsys, *cmd, "-o", tmp_path / "notes", "--force")
+        assert f"checkpoint destination {tmp_path / 'notes'} holds thesis.txt, which is no " \
+               f"checkpoint or export parallelizer wrote" in err, err
+    assert (tmp_path / "notes" / "thesis.txt").read_text() == "x"
+
+
+def test_force_onto_a_folder_holding_the_source_is_refused(tmp_path, capsys):
+    """``reshard SRC -o PARENT --force`` (and export) deleted SRC with PARENT (a break test)."""
+    plan = make_plan(2, 2)
+    sd = state_dict(plan)
+    parent = tmp_path / "run1"
+    ckpt = write_checkpoint(sd, plan, parent / "ck2")
+    for cmd in (["reshard", ckpt, "--tp", "1"], ["export", ckpt]):
+        for dst in (parent, tmp_path):
+            err = run_cli(capsys, *cmd, "-o", dst, "--force")
+            assert f"destination {dst} is the source {ckpt}, inside it or a folder holding it" \
+                in err, err
+    same(load_full(ckpt), sd)
 
 
 _KILLED = """

@@ -61,7 +61,7 @@ def test_scan_resolve_and_prune(tmp_path, capsys):
     assert resolve_auto(tmp_path, log.append) == step_dir(tmp_path, 6)
     assert any(str(half) in line and "incomplete" in line for line in log)
     assert any(str(no_manifest) in line for line in log)
-    check_periodic_folder(tmp_path)  # only step checkpoints: accepted
+    check_periodic_folder(tmp_path, -1)  # only step checkpoints, continued by --resume auto
     prune(tmp_path, 2, log.append)  # keeps 4 and 6; the partial newer than 6 stays
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         ".step-00000008.partial", "step-00000004", "step-00000006", "step-00000010"]
@@ -90,3 +90,27 @@ def test_incomplete_checkpoint_named_with_the_fix(tmp_path):
     with pytest.raises(CheckpointError, match=r"\.step-00000004\.partial/manifest.json does not exist.*"
                                               r"an incomplete checkpoint.*--resume auto"):
         read_manifest(half)
+
+
+def test_a_run_not_resuming_refuses_a_folder_with_another_runs_step_checkpoints(tmp_path):
+    """A new run (or one resumed at an older step) saving every N steps into a folder with
+    an earlier run's step-NNNNNNNN checkpoints: --keep deleted by step number, so the new
+    run's own checkpoints went first and two of the earlier run's after them (exit 0, none
+    of its own kept; a break test). Refused before any process group; --resume auto, and
+    a resume from the newest step, continue the series."""
+    root = tmp_path / "ckpts"
+    for step in (3, 6, 10):
+        _ckpt(root, step)
+    error = _error("--train", "--steps", "4", "--save", str(root), "--save-every", "2",
+                   "--keep", "2")
+    assert error.startswith(f"--save {root} with --save-every: the folder holds the step "
+                            f"checkpoints of another run (steps 3, 6, 10)"), error
+    assert "continue that run with --resume auto, or pass a new or empty folder" in error
+    old = step_dir(root, 6)
+    (old / "manifest.json").write_text('{"train": {"step": 6}}')
+    assert "(steps 10)" in _error("--train", "--save", str(root), "--save-every", "2",
+                                  "--resume", str(old))
+    assert _error("--train", "--save", str(root), "--save-every", "2", "--resume", "auto") is None
+    (step_dir(root, 10) / "manifest.json").write_text('{"train": {"step": 10}}')
+    assert _error("--train", "--save", str(root), "--save-every", "2",
+                  "--resume", str(step_dir(root, 10))) is None
