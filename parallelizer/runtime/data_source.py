@@ -147,6 +147,11 @@ class TokenSource:
     def seek(self, position: int) -> None:
         self.position = position
 
+    def batches(self) -> dict:
+        """What one position counts: a batch of ``batch_size`` windows of ``seq_len`` tokens
+        (saved with the position: another batch would skip or repeat data on resume)."""
+        return {"batch_size": self.data.batch_size, "seq_len": self.data.seq_len}
+
     def next_step(self, accum: int):
         parts = []
         for _ in range(accum):

@@ -65,8 +65,13 @@ def run_train(plan: ParallelPlan, spec: dict, stage, ctx: RankContext, loss_fn, 
                                plan.zero_stage, ctx)
     state = TrainState(opt, make_schedule(opt, ocfg, steps), LossScaler(plan.param_dtype), accum)
     start = _resume(state, stage, plan, ctx, resume) if resume is not None else 0
+    if start >= steps and ctx.rank == 0:
+        print(f"nothing to train: the checkpoint is at step {start} and --steps {steps} counts "
+              f"all steps (the first run's too); pass --steps above {start} to train more",
+              flush=True)
     evaluator = _evaluator(plan, model_module, spec, ctx, options, runner)
     source = make_source(plan, model_module, spec, ctx, options)
+    _same_batches(state, source, resume)
     source.seek(state.data_position)
     norm = GradNorm(stage, plan, ctx)
     metrics = _metrics(plan, ctx, options, model_module) if options.log_every else None
@@ -133,6 +138,25 @@ def _stopped(step: int, loss: torch.Tensor, total: torch.Tensor, norm: GradNorm,
     return TrainingStopped(message, reporter)
 
 
+def _same_batches(state: TrainState, source, resume) -> None:
+    """Record what the data position counts; on resume, refuse other batches than the
+    checkpoint's (its position counts batches: larger ones skipped data, smaller repeated it).
+
+    Raises:
+        UserError: naming both and the fix.
+    """
+    saved, state.data_batches = state.data_batches, getattr(source, "batches", lambda: None)()
+    if saved is None or state.data_batches is None or saved == state.data_batches:
+        return
+    raise UserError(
+        f"--resume {resume}: its data position ({state.data_position} batches) counts batches of "
+        f"{saved['batch_size']} x {saved['seq_len']} tokens, this run reads "
+        f"{state.data_batches['batch_size']} x {state.data_batches['seq_len']}, so it would skip "
+        f"or repeat data; resume with --batch-size {saved['batch_size']} --seq-len "
+        f"{saved['seq_len']} (or the same data.batch_size / data.seq_len), or start the data "
+        f"anew from its weights with --load")
+
+
 def _resume(state: TrainState, stage, plan: ParallelPlan, ctx: RankContext, ckpt: Path) -> int:
     """Load the optimizer, schedule, loss-scale and data position of ``ckpt``; its step."""
     start = load_optimizer_state(state.optimizer, stage, plan, ctx, Path(ckpt))
@@ -144,6 +168,7 @@ def _resume(state: TrainState, stage, plan: ParallelPlan, ctx: RankContext, ckpt
             state.schedule.step()
     state.scaler.load(train.get("loss_scale"))
     state.data_position = int(train.get("data_position", start * state.accum))
+    state.data_batches = train.get("data_batches")
     if ctx.compression is not None:
         load_compression_state(ctx.compression, plan, Path(ckpt), ctx.rank, ctx.device)
     if ctx.rank == 0:

@@ -80,8 +80,8 @@ class TokenData:
     docstring says.
 
     Raises:
-        DataError: a missing or malformed file, fewer windows than one batch, or a token id
-            >= ``vocab_size`` (when given), naming the file and the fix.
+        DataError: a missing or malformed file, fewer windows than one batch, a negative
+            token id or one >= ``vocab_size`` (when given), naming the file and the fix.
     """
 
     def __init__(self, path, dtype: str, seq_len: int, batch_size: int, seed: int,
@@ -97,9 +97,8 @@ class TokenData:
             raise DataError(f"{key}: {_names(self.files)} holds {tokens} tokens = {self.windows} "
                             f"windows of seq_len {seq_len}, fewer than one batch of {batch_size}; "
                             f"use more data, a smaller --batch-size or --seq-len")
-        if vocab_size is not None:
-            for f, a in zip(self.files, self.arrays):
-                _check_vocab(f, a, vocab_size, key)
+        for f, a in zip(self.files, self.arrays):
+            _check_ids(f, a, vocab_size, key)
         self.per_epoch = self.windows // batch_size
         self._perm = (None, None)
 
@@ -130,10 +129,21 @@ class TokenData:
         return self.rows(self.batch_windows(position)[dp_rank * n:(dp_rank + 1) * n])
 
 
-def _check_vocab(path: Path, arr: np.ndarray, vocab_size: int, key: str, chunk: int = 1 << 24) -> None:
-    """Raise DataError at the first token id >= ``vocab_size`` (scanned in chunks)."""
+def _check_ids(path: Path, arr: np.ndarray, vocab_size: int | None, key: str,
+               chunk: int = 1 << 24) -> None:
+    """Raise DataError at the first negative token id (an embedding would read it as a
+    row from the end at tp > 1, where the vocabulary is sharded, and fail at tp 1), or the
+    first >= ``vocab_size`` when given (scanned in chunks)."""
+    signed = not np.issubdtype(arr.dtype, np.unsignedinteger)
     for at in range(0, len(arr), chunk):
         part = np.asarray(arr[at:at + chunk])
+        low = int(part.min()) if len(part) and signed else 0
+        if low < 0:
+            where = at + int(np.argmax(part < 0))
+            raise DataError(f"{key}: {path} holds token id {low} (first negative one at position "
+                            f"{where}); token ids are 0 or more: check data.dtype and the file")
+        if vocab_size is None:
+            continue
         top = int(part.max()) if len(part) else 0
         if top >= vocab_size:
             where = at + int(np.argmax(part >= vocab_size))

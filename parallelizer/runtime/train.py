@@ -41,10 +41,13 @@ class TrainState:
     scaler: object = None
     accum: int = 1
     data_position: int = 0
+    data_batches: dict | None = None  # a token file's {batch_size, seq_len}: what a position counts
 
     def manifest_extra(self) -> dict:
         """The manifest's ``train`` entries of this state (JSON data)."""
         out = {"data_position": self.data_position, "grad_accum": self.accum}
+        if self.data_batches is not None:
+            out["data_batches"] = dict(self.data_batches)
         if self.schedule is not None:
             out["schedule"] = self.schedule.state_dict()
         if self.scaler is not None and self.scaler.state() is not None:

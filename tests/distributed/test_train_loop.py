@@ -75,6 +75,18 @@ def test_resume_mid_schedule_equals_uninterrupted(compiled, tools, tmp_path):
     want, got = _logged(full.stdout), _logged(resumed.stdout)
     assert sorted(want) == [1, 2, 3, 4] and sorted(got) == [3, 4], resumed.explain()
     assert [want[3], want[4]] == [got[3], got[4]]  # loss, grad norm and lr, as printed
+    # the position counts batches of 8 x 16: batches of 16 skipped windows 32-63 silently
+    assert train["data_batches"] == {"batch_size": 8, "seq_len": 16}
+    other = tools.torchrun(out, 4, "--train", "--steps", "4", "--batch-size", "16", "--resume",
+                           str(tmp_path / "ck" / "step-00000002"))
+    assert other.code == 2 and "its data position (4 batches) counts batches of 8 x 16 tokens, " \
+        "this run reads 16 x 16, so it would skip or repeat data; resume with --batch-size 8 " \
+        "--seq-len 16" in other.stderr and "step 3" not in other.stdout, other.explain()
+    done = tools.torchrun(out, 4, "--train", "--steps", "2", "--resume",
+                          str(tmp_path / "ck" / "step-00000002"))
+    tools.check_exit(done)  # said, not silent: --steps counts the first run's steps too
+    assert "nothing to train: the checkpoint is at step 2 and --steps 2 counts all steps" \
+        in done.stdout, done.explain()
     lrs = [float(want[s][2]) for s in (1, 2, 3, 4)]  # warmup 2, cosine over 2 to min_lr 1e-4
     assert lrs == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3, 1e-4 + 0.9e-3 / 2], rel=1e-4)
 

@@ -68,6 +68,13 @@ def test_errors_name_the_file_and_the_fix(tmp_path):
     with pytest.raises(DataError, match=r"big.bin holds token id 300 \(first bad one at position 37\) but "
                                         r"the model's vocabulary has 256 ids \(0..255\)"):
         TokenData(tmp_path / "big.bin", "uint16", 4, 2, 0, vocab_size=256)
+    # negative ids (an .npy of int64): a tp2 program trained on them as rows from the end
+    # of its vocabulary shard, where the model raises IndexError (a break test)
+    np.save(tmp_path / "neg.npy", np.arange(64, dtype=np.int64) % 100 - 5)
+    for vocab in (256, None):
+        with pytest.raises(DataError, match=r"neg.npy holds token id -5 \(first negative one at "
+                                            r"position 0\); token ids are 0 or more"):
+            TokenData(tmp_path / "neg.npy", "uint16", 4, 2, 0, vocab_size=vocab)
     (tmp_path / "odd.bin").write_bytes(b"\0" * 7)
     with pytest.raises(DataError, match="odd.bin has 7 bytes, not a multiple of uint16's 2; set data.dtype"):
         TokenData(tmp_path / "odd.bin", "uint16", 2, 1, 0)
