@@ -14,6 +14,7 @@ and exits with 2; anything else is a bug in parallelizer and keeps its traceback
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -62,6 +63,10 @@ SUBCOMMANDS.update({  # the layout planner (parallelizer/cli/plan.py, cli/calibr
 })
 
 
+# a read-only folder or a full disk: the user's to fix, not a bug to trace back
+_WRITE_ERRORS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT}
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the CLI on ``argv`` (default ``sys.argv[1:]``); return the process exit code.
 
@@ -76,6 +81,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return handler(args)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        if e.errno not in _WRITE_ERRORS:
+            raise
+        print(f"error: cannot write {e.filename or 'the output'}: {e.strerror}; nothing was "
+              f"published (outputs are renamed into place only when complete); free space, fix "
+              f"the folder's permissions, or write elsewhere", file=sys.stderr)
         return 2
     except SystemExit as e:  # argparse: --help (0) or a usage error (2, already printed)
         return e.code if isinstance(e.code, int) else 2

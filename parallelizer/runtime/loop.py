@@ -27,7 +27,8 @@ from .compression import load_state as load_compression_state
 from .data_parallel import make_stage_optimizer
 from .data_source import make_source
 from .loss_scale import LossScaler
-from .lr_schedule import load_schedule_state, make_schedule
+from .lr_schedule import load_schedule_state, make_schedule, schedule_state
+from .lr_schedule import shape as schedule_shape
 from .metrics import Metrics, device_peak, format_row, plan_flops_per_token
 from .setup import RankContext
 from .step import StepRunner
@@ -162,6 +163,13 @@ def _resume(state: TrainState, stage, plan: ParallelPlan, ctx: RankContext, ckpt
     start = load_optimizer_state(state.optimizer, stage, plan, ctx, Path(ckpt))
     train = read_manifest(Path(ckpt))["train"]
     if train.get("schedule"):
+        if schedule_shape(train["schedule"]) != schedule_shape(schedule_state(state.schedule)):
+            raise UserError(
+                f"--resume {ckpt}: its learning-rate schedule is not this run's (the decay's "
+                f"length or the milestones differ: with optimizer.schedule.decay_steps null the "
+                f"decay spans --steps minus the warmup, so another --steps changes it); resume "
+                f"with the first run's --steps, or compile with optimizer.schedule.decay_steps "
+                f"set to the length wanted")
         load_schedule_state(state.schedule, state.optimizer, train["schedule"])
     else:  # a checkpoint from before schedules: replay the schedule to the step
         for _ in range(start):

@@ -58,3 +58,16 @@ def load_schedule_state(sched, opt: torch.optim.Optimizer, state: dict) -> None:
     sched.load_state_dict(state)
     for group, lr in zip(opt.param_groups, sched.get_last_lr()):
         group["lr"] = lr
+
+
+_SHAPE = ("_milestones", "T_max", "total_iters", "eta_min", "start_factor", "end_factor", "factor")
+
+
+def shape(state: dict) -> list:
+    """What fixes a schedule's curve in :func:`schedule_state`'s data (the phases' lengths and
+    factors, the milestones), not where it is: two schedules of one shape give the same lr at
+    every step."""
+    out = [(k, state[k]) for k in _SHAPE if k in state]
+    for inner in state.get("_schedulers", ()):
+        out.append(shape(inner))
+    return out

@@ -206,7 +206,28 @@ def _periodic_args_error(args, plan=None) -> str | None:
             check_save_target(args.save, plan)
     except UserError as e:
         return str(e)
+    for flag, folder in (("--save", args.save), ("--log-dir", args.log_dir)):
+        error = _unwritable(flag, folder) if folder is not None and args.train else None
+        if error:
+            return error
     return None
+
+
+def _unwritable(flag: str, folder: Path) -> str | None:
+    """Why nothing can be written where ``folder`` is or would be made (a read-only folder:
+    found before training, not at the save after it); None when a file can be."""
+    import tempfile
+    at = Path(folder).absolute()
+    while not at.exists() and at != at.parent:
+        at = at.parent
+    if not at.is_dir():
+        return None  # a file in the way: the folder checks name it
+    try:
+        with tempfile.TemporaryFile(dir=at):
+            return None
+    except OSError as e:
+        return (f"{flag} {folder}: cannot write into {at} ({e.strerror}); fix its permissions "
+                f"or pass another folder")
 
 
 def _resumed_step(resume) -> int | None:

@@ -82,11 +82,17 @@ def test_resume_mid_schedule_equals_uninterrupted(compiled, tools, tmp_path):
     assert other.code == 2 and "its data position (4 batches) counts batches of 8 x 16 tokens, " \
         "this run reads 16 x 16, so it would skip or repeat data; resume with --batch-size 8 " \
         "--seq-len 16" in other.stderr and "step 3" not in other.stdout, other.explain()
-    done = tools.torchrun(out, 4, "--train", "--steps", "2", "--resume",
-                          str(tmp_path / "ck" / "step-00000002"))
+    done = tools.torchrun(out, 4, "--train", "--steps", "4", "--resume",
+                          str(tmp_path / "ck" / "step-00000004"))
     tools.check_exit(done)  # said, not silent: --steps counts the first run's steps too
-    assert "nothing to train: the checkpoint is at step 2 and --steps 2 counts all steps" \
+    assert "nothing to train: the checkpoint is at step 4 and --steps 4 counts all steps" \
         in done.stdout, done.explain()
+    # the cosine decay spans --steps - warmup: another --steps kept the first run's curve
+    # silently (at min_lr from step 5 on: a break test)
+    longer = tools.torchrun(out, 4, "--train", "--steps", "6", "--resume",
+                            str(tmp_path / "ck" / "step-00000004"))
+    assert longer.code == 2 and "its learning-rate schedule is not this run's" in longer.stderr \
+        and "step 5" not in longer.stdout, longer.explain()
     lrs = [float(want[s][2]) for s in (1, 2, 3, 4)]  # warmup 2, cosine over 2 to min_lr 1e-4
     assert lrs == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3, 1e-4 + 0.9e-3 / 2], rel=1e-4)
 

@@ -156,6 +156,28 @@ def test_output_folder_with_foreign_files_is_kept(tmp_path):
     assert oct(out.stat().st_mode & 0o777) == oct(0o755)  # a plain mkdir's, not mkdtemp's 0o700
 
 
+# a folder no process may create files in, root included (sysfs answers EACCES / EPERM)
+UNWRITABLE = Path("/sys")
+
+
+@pytest.mark.skipif(not UNWRITABLE.is_dir(), reason="needs sysfs")
+def test_an_unwritable_output_is_one_clear_error(tmp_path, capsys):
+    """A read-only output folder gave a raw PermissionError traceback (exit 1) from the
+    compile and every conversion, and run.py --save failed only after training (a break
+    test): now one error line each, exit 2; run.py's before any step."""
+    from parallelizer.cli.parallelize import main
+    from parallelizer.runtime.main import _parser, _periodic_args_error
+    assert main([str(GPT / "model.py"), str(GPT / "spec.yaml"), "-o", str(UNWRITABLE / "pz-out"),
+                 "mesh.tp=1", "--no-weights"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot write {UNWRITABLE}/.pz-out.tmp-") and \
+        "nothing was published" in err and "Traceback" not in err, err
+    for flag in ("--save", "--log-dir"):
+        error = _periodic_args_error(_parser().parse_args(
+            ["--train", flag, str(UNWRITABLE / "pz-run" / "ck")]))
+        assert error.startswith(f"{flag} {UNWRITABLE}/pz-run/ck: cannot write into {UNWRITABLE} ("), error
+
+
 def test_cli_refuses_a_foreign_output_folder_before_compiling(tmp_path, capsys, monkeypatch):
     """The CLI checks -o first: a refusal costs no compile (the model is never built)."""
     from parallelizer.cli.parallelize import main
