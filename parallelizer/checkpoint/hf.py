@@ -248,8 +248,9 @@ def _mismatch_message(missing, unexpected, bad_shapes, renamed, ckpt) -> str:
     parts = ["checkpoint does not match the model:"]
     if missing:
         parts.append(f"{len(missing)} model key(s) missing from the checkpoint: {_listed(missing)}")
-    if unexpected:
-        shown = [f"{k} {tuple(renamed[k].shape)}" for k in unexpected]
+    if unexpected:  # named as the file names them, not as renamed by the prefix
+        origin = {id(v): k for k, v in ckpt.items()}
+        shown = [f"{origin.get(id(renamed[k]), k)} {tuple(renamed[k].shape)}" for k in unexpected]
         parts.append(f"{len(unexpected)} unexpected checkpoint key(s): {_listed(shown)}")
     if bad_shapes:
         shown = [f"{k}: model {m} vs checkpoint {c}" for k, m, c in bad_shapes]

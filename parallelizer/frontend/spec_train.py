@@ -100,5 +100,7 @@ class Data(BaseModel):
     eval: Optional[str] = Field(
         None, description="null or a held-out token file or folder, as data.path",
         json_schema_extra=doc("run.py --eval-every N computes the mean loss and perplexity "
-                               "on its first eval_batches batches, in file order."))
-    eval_batches: int = Field(8, ge=1, description="an integer >= 1 (batches of each evaluation)")
+                               "on its first eval_batches x train.grad_accum batches "
+                               "(eval_batches steps of a train step's shape), in file order."))
+    eval_batches: int = Field(8, ge=1, description="an integer >= 1 (steps of each "
+                              "evaluation, each train.grad_accum batches)")

