@@ -21,7 +21,6 @@ from typing import Optional
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..plan.decisions import PipelineDecision
 from ..analysis.partition import GraphPartition
@@ -141,12 +140,14 @@ def _extract(graph, stage_of, s, inputs, outputs, recompute) -> StageGraph:
 
 
 def _contiguous(new: fx.Graph, node: fx.Node) -> fx.Node:
-    """``node``, or ``aten.contiguous(node)`` when its value is not known to be contiguous:
-    gloo and NCCL send only contiguous tensors (``isend``: "input tensor has to be
-    contiguous"; T5's stage outputs are transposed views), and torch's PipelineStage sends
-    stage outputs as they are. ``contiguous`` returns its input when it already is."""
+    """``aten.contiguous(node)``: gloo and NCCL send only contiguous tensors (``isend``:
+    "input tensor has to be contiguous"; T5's stage outputs are transposed views), and
+    torch's PipelineStage sends stage outputs as they are. Even a value the graph records
+    as contiguous: eager kernels may return a view where the fake ones do not (XLNet's
+    ``dropout(pos_emb.expand(...), 0.0)`` is the expanded view itself). ``contiguous``
+    returns its input when it already is; a non-tensor is returned as it is."""
     v = node.meta.get("val")
-    if v is None or statically_known_true(v.is_contiguous()):
+    if not isinstance(v, torch.Tensor):
         return node
     out = new.call_function(aten.contiguous.default, (node,))
     # at the stage's top level, so the block before keeps its emitted class

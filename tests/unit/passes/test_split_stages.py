@@ -137,8 +137,9 @@ def test_stage_boundaries_chain(compiled, pp):
     assert stages[0].inputs == ["input_ids"]
     for a, b in zip(stages, stages[1:]):
         assert a.outputs == b.inputs and a.outputs
-        out = a.graph.output_node().args[0]
-        assert [n.name for n in out] == a.outputs
+        out = a.graph.output_node().args[0]  # each sent as contiguous(x)
+        assert all(n.target is torch.ops.aten.contiguous.default for n in out)
+        assert [n.args[0].name for n in out] == a.outputs
         placeholders = [n for n in b.graph.nodes if n.op == "placeholder"]
         assert [n.name for n in placeholders] == b.inputs
         assert all(is_tensor(n) for n in placeholders)          # only tensors cross stages
@@ -440,3 +441,36 @@ def test_an_input_whose_size_a_later_stage_needs_is_sent_to_it():
                                       reference=False)
     assert "x" in program.plan.stages[1].inputs, program.plan.stages[1].inputs
     assert any(n.startswith("self-check: 2 tp rank(s)") for n in program.notes), program.notes
+
+
+class _ExpandedAcross(torch.nn.Module):
+    """XLNet's shape: a position table expanded over the batch (a stride-0 view), passed
+    through ``dropout(p=0.0)`` (eager returns the view itself, the fake kernel a new
+    contiguous tensor) into every block, so stage 0 sends it to stage 1."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(4))
+        self.pos = torch.nn.Parameter(torch.randn(1, 8, d))
+
+    def forward(self, x):
+        pos = torch.nn.functional.dropout(self.pos.expand(x.shape[0], -1, -1), 0.0)
+        for block in self.blocks:
+            x = block(x) + pos
+        return x
+
+
+def test_every_stage_output_is_sent_contiguous():
+    """gloo's irecv refused the expanded view ("input tensor has to be contiguous") at pp2:
+    stage outputs were made contiguous only where the graph did not record them so. Stage
+    0's emitted module, run eagerly, now returns only contiguous tensors."""
+    from parallelizer import compiler
+    from parallelizer.frontend.spec import Spec
+    from parallelizer.runtime.stage_builder import stage_class_from_source
+    torch.manual_seed(0)
+    spec = Spec.model_validate({"mesh": {"pp": 2}, "pipeline": {"microbatches": 2}})
+    program = compiler.compile_module(_ExpandedAcross(), (torch.randn(4, 8, 16),), spec,
+                                      reference=False)
+    stage = stage_class_from_source(program.sources["program/stage0.py"], 0)("cpu")
+    outs = stage(torch.randn(2, 8, 16))
+    assert len(outs) >= 2 and all(o.is_contiguous() for o in outs), [o.stride() for o in outs]
