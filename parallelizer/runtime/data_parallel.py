@@ -58,8 +58,13 @@ def apply_data_parallel(stage: torch.nn.Module, ctx: RankContext, plan) -> None:
             ctx.compression.register_ddp(stage)
         return
     kw = fsdp_kwargs(plan, ctx)
-    if plan.ep > 1:  # each ep rank holds other experts: synced by sync_expert_grads instead
-        kw["ignored_params"] = set(expert_params(stage, plan))
+    # each ep rank holds other experts: synced by sync_expert_grads instead; a 0-dim
+    # parameter (ReZero's gate, CLIP's logit_scale) FSDP2 refuses to shard ("fully_shard
+    # doesn't support scalar parameters"): held whole, averaged by sync_scalar_grads
+    ignored = set(expert_params(stage, plan)) if plan.ep > 1 else set()
+    ignored |= set(scalar_params(stage))
+    if ignored:
+        kw["ignored_params"] = ignored
     hooked = method in ("powersgd", "topk")  # spec: only under HSDP at zero_stage 2/3
     if hooked:  # shard over dp_shard; the hook is the all-reduce over dp_replicate
         if ctx.compression is None:
@@ -179,6 +184,25 @@ def sync_expert_grads(stages, plan, ctx: RankContext) -> None:
             g.copy_(synced)
     for g in grads:
         g.div_(plan.mesh["dp"])
+
+
+def scalar_params(stage) -> list:
+    """The 0-dim parameters of ``stage``: FSDP2 cannot shard them."""
+    return [p for p in stage.parameters() if p.dim() == 0]
+
+
+def sync_scalar_grads(stage, plan, ctx: RankContext) -> None:
+    """Under FSDP2 (zero_stage 2/3) at dp > 1, average the gradients of the 0-dim
+    parameters it left out (:func:`scalar_params`) over dp, as it averages the others."""
+    if plan.zero_stage < 2 or plan.mesh["dp"] == 1:
+        return
+    grads = [p.grad for p in scalar_params(stage) if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.stack(grads)
+    torch.distributed.all_reduce(flat, group=ctx.group("dp"))
+    for g, synced in zip(grads, flat / plan.mesh["dp"]):
+        g.copy_(synced)
 
 
 def all_reduce_grads(params, ctx: RankContext) -> None:

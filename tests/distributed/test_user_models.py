@@ -19,6 +19,8 @@ atol = rtol = 1e-5.
 - A model.py that imports a module beside it and a package below it, at tp=2: compiled from
   a copy of its folder that is deleted before the launch, so the ranks can only import the
   copies in OUT/model_deps/.
+- 0-dim parameters (ReZero gates, a logit temperature) at dp=2 under the default ZeRO-3:
+  FSDP2 leaves them whole (``ignored_params``) and their gradients are averaged over dp.
 
 Two ranks, not four, to stay within the suite's budget on a 2-core CI machine; the products
 (tp=2, pp2 x dp2, tp2 x pp2) of the same models were verified by hand (see the issue 14 report).
@@ -44,6 +46,7 @@ CASES = {  # folder name -> (model file, overrides)
     "llama-labels-vocab1001-tp2": ("llama_labels_v1001.py", ("mesh.tp=2",)),
     "qwen3-qk-norm-tp2": ("qwen3_qk_norm.py", ("mesh.tp=2",)),
     "two-files-tp2": ("two_files/model.py", ("mesh.tp=2",)),
+    "rezero-scalars-dp2": ("rezero.py", ("mesh.dp=2",)),
 }
 _PROGRAM = re.compile(r"^PROGRAM (\S+) (\d+)$", re.M)
 _ERR = re.compile(r"^verify: (loss|outputs|gradients|parameters)\b.*max abs err (\S+)", re.M)
