@@ -36,6 +36,7 @@ from .frontend.model_file import default_loss, load_model
 from .frontend.capture import Captured, capture
 from .analysis.costs import PipelineCosts
 from .analysis.gradient_accounting import check_gradients
+from .analysis.parameter_writes import check_parameter_writes
 from .analysis.outputs import (check_batch_is_dynamic, check_outputs_have_batch_dim,
                                fixed_size_warnings, fixed_sizes)
 from .passes.aliases import apply_untie
@@ -189,6 +190,7 @@ def analyse(model: torch.nn.Module, batch, name: Path, passes: PassManager,
         check_batch_is_dynamic(captured.gm, captured.input_names)
     if pp > 1:
         check_outputs_have_batch_dim(captured.gm, captured.input_names)
+    check_parameter_writes(captured.gm, dp)
     rewritten: list = []
     passes.run("eager_attention", apply_eager_attention, captured.gm, rewritten)
     passes.run("explicit_sizes", apply_explicit_sizes, captured.gm)

@@ -17,6 +17,8 @@ plan or rewrite must be compile-time errors naming what is wrong.
   draw sharded over tp from its input's values (``bernoulli(p)``), an op with no stream and
   no --verify stand-in (``randint_like`` with a tensor high): refused at tp2, naming the op
   and the line; an LSTM's dropout is a dropout site on the replicated stream.
+- A parameter the forward writes in place (``nn.Embedding(max_norm=...)``) at dp2: refused,
+  naming it, the op and the line (analysis/parameter_writes.py).
 """
 from __future__ import annotations
 
@@ -228,3 +230,33 @@ def test_random_op_without_a_stand_in_is_refused_at_tp2():
                                         rf"has no random stream") as e:
         compile_steps(RandintHigh(), x_batch(4, 6), TP2)
     assert "Draw it with torch.rand / randn / randint (with an int high)" in str(e.value)
+
+
+class RenormedEmbedding(torch.nn.Module):
+    """``nn.Embedding(max_norm=1.0)``: forward renormalises the rows it looks up in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 32, max_norm=1.0)
+        self.up, self.down = torch.nn.Linear(32, 64), torch.nn.Linear(64, 64)
+
+    def forward(self, ids):
+        return self.down(torch.relu(self.up(self.emb(ids))))
+
+
+def test_a_parameter_written_in_forward_is_refused_at_dp2():
+    """At dp2 each rank renormalised only the rows of its own samples (DDP) or a gathered
+    copy FSDP2 dropped: --verify FAILed on the parameters after the step, with no word at
+    compile time (a break test). Refused, naming the parameter, the op and its line; dp1
+    compiles."""
+    from parallelizer import compiler
+    from parallelizer.frontend.spec import Spec
+    ids = (torch.randint(0, 64, (4, 6)),)
+    spec = Spec.model_validate({"mesh": {"dp": 2}})
+    line = line_of(__file__, "return self.down(torch.relu(self.up(self.emb(ids))))")
+    with pytest.raises(PlanError, match=rf"mesh.dp=2: the model's forward writes parameter "
+                                        rf"emb.weight in place \(aten.embedding_renorm_.default "
+                                        rf"\(embedding_renorm_\) in emb at test_compile_checks.py:{line}"):
+        compiler.compile_module(RenormedEmbedding(), ids, spec, reference=False)
+    compiler.compile_module(RenormedEmbedding(), ids, Spec.model_validate({"mesh": {"tp": 2}}),
+                            reference=False)
