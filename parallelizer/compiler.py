@@ -140,7 +140,8 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
                        pp=spec.mesh.pp, ep=spec.mesh.ep,
                        microbatches=spec.pipeline.microbatches, dp=spec.mesh.dp)
     pp_warnings += fixed_size_warnings(fixed_sizes(analysis.captured.gm,
-                                                   analysis.captured.input_names))
+                                                   analysis.captured.input_names),
+                                       analysis.captured.gm)
     planned = plan(analysis, spec, passes)
     stages, sequence = apply_passes(analysis, planned, spec, batch, passes)
     checked = check_stages(analysis, planned, stages, sequence)

@@ -75,6 +75,11 @@ def check_batch_is_dynamic(gm: fx.GraphModule, input_names) -> None:
         f"pipeline.microbatches=1")
 
 
+def _first_op(gm, size: int) -> str:
+    where = _sized_by(gm, size) if gm is not None else ""
+    return f"; the first op sized by it: {where}" if where else ""
+
+
 def _sized_by(gm: fx.GraphModule, size: int) -> str:
     """``OP at FILE:LINE`` of the first op of the model's code taking ``size`` as a size
     argument (a view, an expand, an arange), else ""."""
@@ -100,28 +105,32 @@ def fixed_sizes(gm: fx.GraphModule, input_names) -> tuple:
     ``run.py`` refuses another ``--batch-size`` / ``--seq-len`` before any forward.
     ``warned``: the compile warns about it: a fixed batch, or a fixed dim 1 of token ids or
     of a float input of at most 3 dims (a sequence); not an image's channels, which its
-    first layer fixes by nature."""
+    first layer fixes by nature. A fixed dim 1 is no sequence where another input's dim 1 is
+    a symbol (features beside token ids: the sequence is that input's), and is left out."""
     out = []
-    for n in gm.graph.nodes:
-        val = n.meta.get("val") if n.op == "placeholder" and n.name in input_names else None
-        if not isinstance(val, torch.Tensor):
-            continue
-        for d in range(min(val.dim(), 2)):
+    vals = [(n.name, n.meta.get("val")) for n in gm.graph.nodes
+            if n.op == "placeholder" and n.name in input_names]
+    vals = [(name, v) for name, v in vals if isinstance(v, torch.Tensor)]
+    sequence = any(v.dim() > 1 and not str(v.shape[1]).isdigit() for _, v in vals)
+    for name, val in vals:
+        for d in range(min(val.dim(), 2 - sequence)):
             if str(val.shape[d]).isdigit() and int(str(val.shape[d])) > 1:
                 warned = d == 0 or not val.is_floating_point() or val.dim() <= 3
-                out.append((n.name, d, int(str(val.shape[d])), warned))
+                out.append((name, d, int(str(val.shape[d])), warned))
     return tuple(out)
 
 
-def fixed_size_warnings(fixed: tuple) -> list[str]:
-    """The compile's warning for each size :func:`fixed_sizes` warns about."""
+def fixed_size_warnings(fixed: tuple, gm: fx.GraphModule | None = None) -> list[str]:
+    """The compile's warning for each size :func:`fixed_sizes` warns about, naming the first
+    op of the model's code sized by it where one is found (``gm``)."""
     out = []
     for name, d, size, warned in fixed:
         if warned:
             what, flag, fix = _DIM_WORDS[d]
             out.append(f"the model's code fixes the {what} at the example's {size} (dim {d} of "
-                       f"input {name!r} is a constant in the captured graph: a Python loop over "
-                       f"it, or a size written as a number); the program runs only that {what}, "
+                       f"input {name!r} is a constant in the captured graph: a layer over that "
+                       f"dim (a Linear mixing the tokens), a Python loop over it, or a size "
+                       f"written as a number{_first_op(gm, size)}); the program runs only that {what}, "
                        f"and run.py refuses another {flag}. Size by the tensor ({fix}) to run "
                        f"any")
     return out

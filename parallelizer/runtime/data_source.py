@@ -62,20 +62,25 @@ def check_fixed_sizes(plan: ParallelPlan, batch: int | None, seq: int | None,
         if value and value != size:
             raise UserError(f"{key} {batch if d == 0 else seq}: the program runs only the "
                             f"{what} {size} of input {name!r}, which the model's code fixes "
-                            f"(the compile warned, naming the op); use {size}, or size the "
+                            f"(a constant in the captured graph: a layer over that dim, a loop "
+                            f"over it, or a size written as a number); use {size}, or size the "
                             f"model's code by the tensor and compile again")
 
 
 def _resized(plan: ParallelPlan, example, batch: int | None, seq: int | None):
-    """``example`` with dim 0 set to ``batch`` and dim 1 to ``seq`` (where given)."""
+    """``example`` with dim 0 set to ``batch`` and dim 1 to ``seq`` (where given) in the
+    inputs whose dim 1 is the first input's (the sequence; a (B, 5) feature input beside
+    (B, T) token ids keeps its 5)."""
     if not batch and not seq:
         return example
     out = []
-    for t in flatten(plan, example):
+    flat = flatten(plan, example)
+    length = next((t.shape[1] for t in flat if t.dim() > 1), None)  # the first input's
+    for t in flat:
         shape = list(t.shape)
         if batch and shape:
             shape[0] = batch
-        if seq and len(shape) > 1:
+        if seq and len(shape) > 1 and shape[1] == length:  # a sequence, not features beside it
             shape[1] = seq
         # the example's largest token id: synthetic_batches draws ids below it
         top = int(t.max()) if t.numel() and not t.is_floating_point() else 0

@@ -103,11 +103,14 @@ def test_a_sequence_length_fixed_by_the_code_is_warned_and_refused_at_run():
     c = captured(SeqByConstant(), _x())
     fixed = fixed_sizes(c.gm, c.input_names)
     assert fixed == (("x", 1, 5, True),)
-    assert fixed_size_warnings(fixed) == [
-        "the model's code fixes the sequence length at the example's 5 (dim 1 of input 'x' is a "
-        "constant in the captured graph: a Python loop over it, or a size written as a number); "
-        "the program runs only that sequence length, and run.py refuses another --seq-len or "
-        "data.seq_len. Size by the tensor (x.shape[1]) to run any"]
+    line = line_of(__file__, "return self.lin(x.reshape(x.shape[0], 5, H))")
+    assert fixed_size_warnings(fixed, c.gm) == [
+        f"the model's code fixes the sequence length at the example's 5 (dim 1 of input 'x' is a "
+        f"constant in the captured graph: a layer over that dim (a Linear mixing the tokens), a "
+        f"Python loop over it, or a size written as a number; the first op sized by it: "
+        f"aten.reshape.default at test_outputs_batch.py:{line}); the program runs only that "
+        f"sequence length, and run.py refuses another --seq-len or data.seq_len. Size by the "
+        f"tensor (x.shape[1]) to run any"]
     plan = type("Plan", (), {"mesh": {"dp": 1}, "microbatches": 1,
                              "fixed_sizes": tuple(f[:3] for f in fixed)})
     check_fixed_sizes(plan, 8, 5, "--batch-size", "--seq-len")
@@ -130,3 +133,35 @@ def test_an_images_channels_are_recorded_without_a_warning(model):
     fixed = fixed_sizes(c.gm, c.input_names)
     assert fixed == (("x", 1, 3, False),)
     assert fixed_size_warnings(fixed) == []
+
+
+class FeaturesBesideIds(nn.Module):
+    """Token ids (B, T) and a feature vector (B, 5) read by a Linear(5, H): the 5 is no
+    sequence length ('fixes the sequence length at 5' before, and --seq-len 8 refused with
+    'use 5' though the ids' length was free: a break test)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.feat = nn.Embedding(32, H), nn.Linear(5, H)
+
+    def forward(self, ids, feats):
+        return self.emb(ids) + self.feat(feats).unsqueeze(1)
+
+
+def test_a_fixed_dim_1_beside_a_free_sequence_is_no_sequence_length():
+    c = captured(FeaturesBesideIds(), (torch.randint(0, 32, (2, 7)), torch.randn(2, 5)))
+    assert fixed_sizes(c.gm, c.input_names) == ()
+
+
+def test_seq_len_resizes_the_sequence_inputs_only():
+    """--seq-len sets dim 1 of the inputs whose dim 1 is the first input's: the ids, not
+    the (B, 5) features (the forward failed on a (B, 8) feature input before)."""
+    from parallelizer import compiler
+    from parallelizer.frontend.spec import Spec
+    from parallelizer.runtime.batching import flatten
+    from parallelizer.runtime.data_source import _resized
+    example = (torch.randint(0, 32, (2, 7)), torch.randn(2, 5))
+    program = compiler.compile_module(FeaturesBesideIds(), example,
+                                      Spec.model_validate({"mesh": {"tp": 1}}), reference=False)
+    ids, feats = flatten(program.plan, _resized(program.plan, example, 3, 8))
+    assert tuple(ids.shape) == (3, 8) and tuple(feats.shape) == (3, 5)
