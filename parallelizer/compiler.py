@@ -36,7 +36,7 @@ from .frontend.model_file import default_loss, load_model
 from .frontend.capture import Captured, capture
 from .analysis.costs import PipelineCosts
 from .analysis.gradient_accounting import check_gradients
-from .analysis.parameter_writes import check_parameter_writes
+from .analysis.parameter_writes import check_parameter_writes, written_buffer_warnings
 from .analysis.outputs import (check_batch_is_dynamic, check_outputs_have_batch_dim,
                                fixed_size_warnings, fixed_sizes)
 from .passes.aliases import apply_untie
@@ -142,6 +142,7 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
     pp_warnings += fixed_size_warnings(fixed_sizes(analysis.captured.gm,
                                                    analysis.captured.input_names),
                                        analysis.captured.gm)
+    pp_warnings += written_buffer_warnings(analysis.captured.gm, spec.pipeline.microbatches)
     planned = plan(analysis, spec, passes)
     stages, sequence = apply_passes(analysis, planned, spec, batch, passes)
     checked = check_stages(analysis, planned, stages, sequence)

@@ -410,7 +410,8 @@ def written_attrs(graph: fx.Graph) -> dict:
         schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
         if schema is None:
             continue
-        for arg, value in zip(schema.arguments, n.args):
+        for i, arg in enumerate(schema.arguments):
+            value = n.args[i] if i < len(n.args) else n.kwargs.get(arg.name)  # out= too
             if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, fx.Node):
                 base = _view_base(value)
                 if base.op == "get_attr":

@@ -3,7 +3,8 @@ renormalises the rows it looks up (``aten.embedding_renorm_`` on ``weight.detach
 hand-written weight clamp or EMA of a parameter under ``no_grad``. Under data parallelism
 each rank would write only its own copy, from its own samples (DDP), or a gathered copy
 FSDP2 then drops: the replicas drift apart from the unmodified model. Reads the captured
-graph (ATen schemas' write annotations, followed back through views and ``detach``)."""
+graph (ATen schemas' write annotations, followed back through views and ``detach``:
+``graph_facts.written_attrs``)."""
 from __future__ import annotations
 
 from operator import attrgetter
@@ -12,44 +13,21 @@ import torch
 import torch.fx as fx
 
 from ..errors import PlanError
-from .graph_facts import module_path, source_line
+from .graph_facts import module_path, source_line, written_attrs
 
 
 def parameter_writes(gm: fx.GraphModule) -> list[tuple[str, fx.Node]]:
-    """``(parameter fqn, writing node)`` for each in-place write of a trainable parameter
-    (an ATen argument marked ``Tensor(a!)`` that is the parameter or a view of it)."""
+    """``(parameter fqn, first writing node)`` for each trainable parameter some op writes
+    in place (:func:`parallelizer.analysis.graph_facts.written_attrs`)."""
     out = []
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+    for target, node in written_attrs(gm.graph).items():
+        try:
+            t = attrgetter(target)(gm)
+        except AttributeError:
             continue
-        for i, arg in enumerate(node.target._schema.arguments):
-            if arg.alias_info is None or not arg.alias_info.is_write:
-                continue
-            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-            fqn = _parameter_behind(gm, value)
-            if fqn is not None:
-                out.append((fqn, node))
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            out.append((target, node))
     return out
-
-
-def _parameter_behind(gm: fx.GraphModule, value):
-    """The fqn of the trainable parameter ``value`` is, or is a view of; else None."""
-    while isinstance(value, fx.Node) and value.op == "call_function" and isinstance(
-            value.target, torch._ops.OpOverload) and _is_view(value.target) and value.args:
-        value = value.args[0]
-    if not isinstance(value, fx.Node) or value.op != "get_attr":
-        return None
-    try:
-        t = attrgetter(value.target)(gm)
-    except AttributeError:
-        return None
-    return value.target if isinstance(t, torch.Tensor) and t.requires_grad else None
-
-
-def _is_view(op) -> bool:
-    """Whether ``op`` returns an alias of its first argument (a view, ``detach``, ``alias``)."""
-    returns = op._schema.returns
-    return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
 
 
 def check_parameter_writes(gm: fx.GraphModule, dp: int) -> None:
@@ -73,3 +51,25 @@ def check_parameter_writes(gm: fx.GraphModule, dp: int) -> None:
         f"samples, and the replicas would drift apart from the model. Write it outside forward "
         f"(max_norm=None in build_model, renormalising after the optimizer step), or compile "
         f"with mesh.dp=1")
+
+
+def written_buffer_warnings(gm: fx.GraphModule, microbatches: int) -> list[str]:
+    """The compile's warning where forward writes buffers in place (running statistics,
+    spectral_norm's power-iteration vectors, a step counter) and the step runs it once per
+    microbatch: updated ``microbatches`` times per step where the model updates them once."""
+    if microbatches <= 1:
+        return []
+    found = [(t, n) for t, n in written_attrs(gm.graph).items() if (t, n) not in
+             parameter_writes(gm)]
+    if not found:
+        return []
+    target, node = found[0]
+    where = source_line(node)
+    more = f" and {len(found) - 1} more" if len(found) > 1 else ""
+    return [f"forward writes buffer {target}{more} in place ({node.target}"
+            f"{f' at {where}' if where else ''}: running statistics, spectral_norm's power "
+            f"iteration, a counter); the step runs forward once per microbatch "
+            f"(pipeline.microbatches = {microbatches}), so they are updated {microbatches} "
+            f"times per step where the model's one forward updates them once, and run.py "
+            f"--verify may differ by that; pipeline.microbatches=1 updates them as the model "
+            f"does"]

@@ -161,7 +161,8 @@ def capture(model: torch.nn.Module, batch: tuple | dict, model_file: Path) -> Ca
 
 def _inline_no_grad_regions(gm: torch.fx.GraphModule) -> None:
     """Inline the subgraphs torch.export keeps for ``torch.no_grad()`` regions of forward
-    (``wrap_with_set_grad_enabled(False, submod, *args)``), their tensor outputs detached: the
+    (``wrap_with_set_grad_enabled(False, submod, *args)``), their tensor inputs
+    (:func:`_no_grad`) and outputs detached: the
     same values, none of them carrying gradient, as the region computed them (a SymInt output,
     ``min(k, x.shape[1])`` computed in the region, is passed on as it is: ``aten.detach``
     takes tensors only). Every planner and
@@ -179,11 +180,13 @@ def _inline_no_grad_regions(gm: torch.fx.GraphModule) -> None:
             args = iter(node.args[2:])
             for n in sub.graph.nodes:
                 if n.op == "placeholder":
-                    env[n] = next(args)
+                    env[n] = _no_grad(graph, next(args))
                 elif n.op == "output":
                     outs = n.args[0]
                 elif n.op == "get_attr":
-                    env[n] = graph.get_attr(n.target)
+                    got = graph.get_attr(n.target)
+                    got.meta = dict(n.meta)
+                    env[n] = _no_grad(graph, got)
                 else:
                     env[n] = graph.node_copy(n, lambda a: env[a])
             detached = [_detach(graph, env[o]) if _is_tensor(env[o]) else env.get(o, o) for o in outs]
@@ -253,6 +256,14 @@ def _expand_to_sizes(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
             else:
                 sizes.append(int(size))
     node.target, node.args = torch.ops.aten.expand.default, (x, sizes)
+
+
+def _no_grad(graph: torch.fx.Graph, value):
+    """``value`` as a no_grad region reads it: a tensor detached, so that the region's ops,
+    inlined, track no gradient either (spectral_norm's power iteration writes ``div(...,
+    out=self._u)`` from the weight: with gradient tracked, ``out=`` raises). Export's fake
+    values do not say which tensors carry gradient, so every tensor is detached."""
+    return _detach(graph, value) if _is_tensor(value) else value
 
 
 def _detach(graph: torch.fx.Graph, value: torch.fx.Node) -> torch.fx.Node:

@@ -120,7 +120,8 @@ def _nothing_sharded(decision: TPDecision, tp: int, allow_replicated: bool,
     the experts are split."""
     why = (f"the first op that stopped it: {decision.blockers[0]}" if decision.blockers else
            "no linear layer feeds another (a matmul with a 2-D parameter operand whose output "
-           "reaches a second one)")
+           "reaches a second one; a weight computed in forward (torch.nn.utils.parametrizations: "
+           "weight_norm, spectral_norm) is no parameter operand)")
     if experts_split:
         if any(w.startswith(f"mesh.tp={tp} keeps") for w in decision.warnings):
             return  # tp_candidates._kept_warning said which linears and why

@@ -260,3 +260,41 @@ def test_a_parameter_written_in_forward_is_refused_at_dp2():
         compiler.compile_module(RenormedEmbedding(), ids, spec, reference=False)
     compiler.compile_module(RenormedEmbedding(), ids, Spec.model_validate({"mesh": {"tp": 2}}),
                             reference=False)
+
+
+class SpectralBlocks(torch.nn.Module):
+    """Blocks whose output projection is under ``parametrizations.spectral_norm``: its power
+    iteration runs under ``torch.no_grad`` and writes ``div(..., out=self._u)``."""
+
+    def __init__(self):
+        super().__init__()
+        from torch.nn.utils.parametrizations import spectral_norm
+        self.ups = torch.nn.ModuleList(torch.nn.Linear(32, 64) for _ in range(2))
+        self.downs = torch.nn.ModuleList(spectral_norm(torch.nn.Linear(64, 32)) for _ in range(2))
+
+    def forward(self, x):
+        for up, down in zip(self.ups, self.downs):
+            x = x + down(torch.relu(up(x)))
+        return x
+
+
+def test_a_no_grad_region_writing_out_is_compiled_and_its_buffer_updates_warned():
+    """The no_grad region, inlined, tracked gradients from the weight and ``div.out`` raised
+    at the compile-time rank check (an internal error at every layout: a break test); its
+    inputs are now detached. Under microbatches the power iteration runs once per
+    microbatch: warned."""
+    from parallelizer import compiler
+    from parallelizer.frontend.spec import Spec
+    torch.manual_seed(0)
+    x = (torch.randn(4, 6, 32),)
+    compiler.compile_module(SpectralBlocks(), x, Spec.model_validate({"mesh": {"tp": 1}}),
+                            reference=False)
+    with pytest.raises(PlanError, match=r"no linear layer feeds another .*a weight computed in "
+                                        r"forward \(torch.nn.utils.parametrizations"):
+        compiler.compile_module(SpectralBlocks(), x, Spec.model_validate({"mesh": {"tp": 2}}),
+                                reference=False)
+    program = compiler.compile_module(SpectralBlocks(), x, Spec.model_validate(
+        {"mesh": {"pp": 2}, "pipeline": {"microbatches": 2}}), reference=False)
+    assert any(w.startswith("forward writes buffer downs.0.parametrizations.weight.0._u and 3 "
+                            "more in place (aten.div.out at test_compile_checks.py:")
+               for w in program.warnings), program.warnings
