@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import io
+import logging
 import operator
 import os
 import re
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,11 +79,31 @@ def _export(model, args, kwargs):
         # torch's module, and what it names are parameters export has already
         warnings.filterwarnings("ignore", message=r"The tensor attributes [^ ]*_flat_weights")
         try:
-            return torch.export.export(model, args, kwargs, dynamic_shapes=_dynamic_shapes(
-                args, kwargs), strict=False)
+            with _quiet_shape_log():
+                return torch.export.export(model, args, kwargs, dynamic_shapes=_dynamic_shapes(
+                    args, kwargs), strict=False)
         except Exception:
             dyn = _dynamic_shapes(args, kwargs, shared_batch=False)
-            return torch.export.export(model, args, kwargs, dynamic_shapes=dyn, strict=False)
+            with _quiet_shape_log():
+                return torch.export.export(model, args, kwargs, dynamic_shapes=dyn, strict=False)
+
+
+@contextlib.contextmanager
+def _quiet_shape_log():
+    """A failed export says nothing but its error: a data-dependent branch logged "Unable to
+    find user code corresponding to {u0}" (symbolic_shapes' logger) and torch printed the
+    partial graph to stderr, about 100 lines before the error that names the model's line
+    (the refusal is that error). What an export that succeeds writes to stderr is written
+    after it."""
+    log = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level, held = log.level, io.StringIO()
+    log.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stderr(held):
+            yield
+    finally:
+        log.setLevel(level)
+    sys.stderr.write(held.getvalue())  # only reached when the export did not raise
 
 
 @contextlib.contextmanager

@@ -54,12 +54,15 @@ def example_inputs():
     ("if y.sum() > 0:\n            return y * 2\n        return y", "if y.sum() > 0:"),
     ("n = int(y.argmax().item())\n        return y.new_zeros(n)", "n = int(y.argmax().item())"),
 ], ids=["python_if_on_tensor", "item"])
-def test_capture_error_names_model_file_and_line(tmp_path, body, failing):
+def test_capture_error_names_model_file_and_line(tmp_path, body, failing, capfd):
     path = write(tmp_path, DATA_DEPENDENT.format(body=body))
     module = load_model_file(path)
     model = build_model(module, on_meta=False)
+    capfd.readouterr()
     with pytest.raises(CaptureError) as e:
         capture(model, example_batch(module), path)
+    # the error alone: torch printed the partial graph (about 100 lines) and a warning first
+    assert capfd.readouterr().err == "", "printed before the error"
     msg = str(e.value)
     assert msg.startswith(f"torch.export could not capture the model from {path}")
     assert f"{path.resolve()}:{line_of(path, failing)}: {failing}" in msg
