@@ -290,8 +290,12 @@ def check_divisible(prop: Propagation, tp: int) -> None:
     bad = _not_dividing(prop, tp)
     if not bad:
         return
+    some = _partial_degrees(prop)
+    also = (f"; tp in {{{', '.join(map(str, some))}}} divides some of the sizes: it shards those "
+            f"groups and keeps the others whole" if some else "")
     raise PlanError(f"mesh.tp ({tp}) must divide {_size_text(bad[0], prop)}; valid choices: "
-                    f"tp in {{{', '.join(map(str, _valid_degrees(prop)))}}}")
+                    f"tp in {{{', '.join(map(str, _valid_degrees(prop)))}}} (sharding every "
+                    f"group){also}")
 
 
 def _size_text(c, prop: Propagation) -> str:
@@ -322,6 +326,19 @@ def _valid_degrees(prop: Propagation) -> list:
     kv = frozenset(prop.kv_weights)
     top = max(x.size for x in prop.constraints)
     return [t for t in range(1, top + 1) if all(x.allows(t, kv) for x in prop.constraints)]
+
+
+def _partial_degrees(prop: Propagation) -> list:
+    """tp degrees > 1 that divide some sizes but not all (6 heads and an FFN of 130: 3, 5,
+    6, ...): the compile keeps the other groups whole (:func:`_whole_indivisible`)."""
+    kv = frozenset(prop.kv_weights)
+    top = max(x.size for x in prop.constraints)
+    full = set(_valid_degrees(prop))
+    def shards_a_group(t: int) -> bool:  # every size of some group (weights in common)
+        return any(all(x.allows(t, kv) for x in prop.constraints
+                       if x is c or (c.origin and x.origin and x.origin & c.origin))
+                   for c in prop.constraints if c.allows(t, kv))
+    return [t for t in range(2, min(top, 64) + 1) if t not in full and shards_a_group(t)]
 
 
 def _whole_indivisible(graph, tp: int, decision: TPDecision, first, kept=None):

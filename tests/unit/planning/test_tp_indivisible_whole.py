@@ -73,7 +73,21 @@ def test_nothing_left_to_shard_is_still_the_error_naming_the_size():
         plan_tp(cap.gm.graph, 3)
     msg = str(e.value)
     assert msg.startswith("mesh.tp (3) must divide the number of heads (4) of attn ")
-    assert msg.endswith("valid choices: tp in {1, 2, 4}")
+    assert "valid choices: tp in {1, 2, 4} (sharding every group)" in msg, msg
+
+
+def test_the_refusal_names_the_degrees_that_shard_some_groups():
+    """4 heads and an FFN of 42 at tp 5: nothing divides, refused; the valid choices listed
+    only {1, 2} though tp 3, 6, 7, ... compile, keeping one group whole (a break test)."""
+    cap = captured(_block(42), x_batch())
+    with pytest.raises(PlanError) as e:
+        plan_tp(cap.gm.graph, 5)
+    some = (3, 4, 6, 7, 8, 14, 16, 21, 32, 42)
+    assert str(e.value).endswith(f"valid choices: tp in {{1, 2}} (sharding every group); tp in "
+                                 f"{{{', '.join(map(str, some))}}} divides some of the sizes: it "
+                                 f"shards those groups and keeps the others whole"), str(e.value)
+    for tp in some:  # as it says: each compiles
+        plan_tp(cap.gm.graph, tp)
 
 
 def test_transformers_llama_with_an_odd_intermediate_size_shards_its_attention():
