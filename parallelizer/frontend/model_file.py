@@ -121,12 +121,15 @@ def example_batch(module: ModuleType) -> tuple | dict:
     if not isinstance(batch, (tuple, dict)):
         raise ModelFileError(f"example_inputs() in {module.__file__} returned {type(batch).__name__}; "
                              f"return a tuple or a dict of tensors")
-    values = batch.values() if isinstance(batch, dict) else batch
-    for v in values:
+    items = batch.items() if isinstance(batch, dict) else enumerate(batch)
+    for key, v in items:
         if not isinstance(v, torch.Tensor) or v.dim() == 0:
+            where = f"key {key!r}" if isinstance(batch, dict) else f"item {key}"
+            fix = ("; a setting such as use_cache belongs in build_model's config, not in the "
+                   "inputs" if not isinstance(v, torch.Tensor) else "")
             raise ModelFileError(f"example_inputs() in {module.__file__} must hold tensors with a "
-                                 f"batch dim (dim 0); got {type(v).__name__} "
-                                 f"{tuple(v.shape) if isinstance(v, torch.Tensor) else ''}")
+                                 f"batch dim (dim 0); {where} is {type(v).__name__} "
+                                 f"{tuple(v.shape) if isinstance(v, torch.Tensor) else repr(v)}{fix}")
     return batch
 
 

@@ -25,6 +25,8 @@ FSDP2 over ``dp_shard`` with the hook as the all-reduce over ``dp_replicate``.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -71,6 +73,12 @@ def apply_data_parallel(stage: torch.nn.Module, ctx: RankContext, plan) -> None:
             ctx.compression = GradCompression(plan.compression, ctx.fsdp_mesh["dp_replicate"].get_group())
         kw["mesh"] = ctx.fsdp_mesh["dp_shard"]
     blocks = [block for _name, block in stage.emitted_blocks()]
+    # FSDP2 warns at every forward that a stage returning a view would lose its pre-backward
+    # hook to an in-place op on it; what the stage returns goes to the pipeline's send (made
+    # contiguous, passes/split_stages.py) or to the loss, never written in place by the
+    # program: the warning, on every rank of every step, only alarmed
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPStage\d+\) returned "
+                                              r"a view tensor")
     for block in blocks:
         fully_shard(block, **kw)
     # The root (embedding, final norm, LM head) is needed again at once by backward: under

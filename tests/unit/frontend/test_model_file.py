@@ -133,10 +133,13 @@ def test_build_model_on_meta_uses_no_memory(tmp_path):
 # --- example_batch ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("batch, words", [
-    ("[1, 2, 3]", ["must hold tensors with a batch dim (dim 0)", "got int"]),
-    ("(torch.tensor(3.0),)", ["must hold tensors with a batch dim (dim 0)", "got Tensor ()"]),
-    ("{'x': torch.tensor(1)}", ["must hold tensors with a batch dim (dim 0)", "got Tensor ()"]),
-    ("(torch.zeros(2, 8), 'mask')", ["must hold tensors with a batch dim (dim 0)", "got str"]),
+    ("[1, 2, 3]", ["must hold tensors with a batch dim (dim 0)", "item 0 is int 1"]),
+    ("(torch.tensor(3.0),)", ["must hold tensors with a batch dim (dim 0)", "item 0 is Tensor ()"]),
+    ("{'x': torch.tensor(1)}", ["must hold tensors with a batch dim (dim 0)", "key 'x' is Tensor ()"]),
+    ("(torch.zeros(2, 8), 'mask')", ["must hold tensors with a batch dim (dim 0)", "item 1 is str 'mask'"]),
+    # a config flag among the inputs (a break test: 'got bool', naming no key)
+    ("{'input_ids': torch.zeros(2, 8), 'use_cache': False}",
+     ["key 'use_cache' is bool False; a setting such as use_cache belongs in build_model's config"]),
     ("5", ["returned int; return a tuple or a dict of tensors"]),
     ("'tokens'", ["returned str; return a tuple or a dict of tensors"]),
 ])
