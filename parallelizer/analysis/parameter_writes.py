@@ -19,15 +19,16 @@ from .graph_facts import module_path, source_line, written_attrs
 def parameter_writes(gm: fx.GraphModule) -> list[tuple[str, fx.Node]]:
     """``(parameter fqn, first writing node)`` for each trainable parameter some op writes
     in place (:func:`parallelizer.analysis.graph_facts.written_attrs`)."""
-    out = []
-    for target, node in written_attrs(gm.graph).items():
-        try:
-            t = attrgetter(target)(gm)
-        except AttributeError:
-            continue
-        if isinstance(t, torch.Tensor) and t.requires_grad:
-            out.append((target, node))
-    return out
+    return [(t, n) for t, n in written_attrs(gm.graph).items() if _is_parameter(gm, t)]
+
+
+def _is_parameter(gm: fx.GraphModule, target: str) -> bool:
+    """Whether get_attr ``target`` is a trainable tensor (not a buffer)."""
+    try:
+        t = attrgetter(target)(gm)
+    except AttributeError:
+        return False
+    return isinstance(t, torch.Tensor) and t.requires_grad
 
 
 def check_parameter_writes(gm: fx.GraphModule, dp: int) -> None:
@@ -59,8 +60,7 @@ def written_buffer_warnings(gm: fx.GraphModule, microbatches: int) -> list[str]:
     microbatch: updated ``microbatches`` times per step where the model updates them once."""
     if microbatches <= 1:
         return []
-    found = [(t, n) for t, n in written_attrs(gm.graph).items() if (t, n) not in
-             parameter_writes(gm)]
+    found = [(t, n) for t, n in written_attrs(gm.graph).items() if not _is_parameter(gm, t)]
     if not found:
         return []
     target, node = found[0]

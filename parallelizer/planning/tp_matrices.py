@@ -161,11 +161,7 @@ def tp_summary(decision: TPDecision, model, vocab=None, blocks=(), experts=None,
     ``replicated_heads`` of 1 head) is held whole by each rank and not counted sharded. P is
     rounded, but never to 100 while a parameter is left whole (nor to 0
     while one is sharded)."""
-    mats = block_matrices(model, blocks)
-    where = "in blocks"
-    if not _block_prefixes(model, blocks):
-        mats = {n: p.numel() for n, p in model.named_parameters() if p.dim() >= 2}
-        where = "in the model"
+    mats, where = _counted_matrices(model, blocks)
     dims = _sharded(decision, vocab, experts, stacked)
     sharded = [n for n in mats if n in dims]
     params = dict(model.named_parameters())
@@ -182,6 +178,14 @@ def tp_summary(decision: TPDecision, model, vocab=None, blocks=(), experts=None,
     also = f"; also {len(outside)} outside them" if outside and where == "in blocks" else ""
     return (f"{head}{len(sharded)} of {len(mats)} weight matrices {where} sharded{also} "
             f"({pct} % of parameters)")
+
+
+def _counted_matrices(model, blocks=()) -> tuple[dict, str]:
+    """(fqn -> numel, "in blocks" | "in the model"): the weight matrices the count line
+    counts, the whole model's when it has no blocks."""
+    if _block_prefixes(model, blocks):
+        return block_matrices(model, blocks), "in blocks"
+    return {n: p.numel() for n, p in model.named_parameters() if p.dim() >= 2}, "in the model"
 
 
 def _sharded(decision: TPDecision, vocab=None, experts=None, stacked=None) -> dict:
@@ -202,8 +206,7 @@ def tp_kept_note(decision: TPDecision, model, vocab=None, blocks=(), experts=Non
     first of them (in the model's order) with the report.md line that says why, so a
     replicated attention is explained where the count is read; "" when all are sharded or
     no line names it."""
-    mats = block_matrices(model, blocks) if _block_prefixes(model, blocks) else {
-        n: p.numel() for n, p in model.named_parameters() if p.dim() >= 2}
+    mats, _where = _counted_matrices(model, blocks)
     dims = _sharded(decision, vocab, experts, stacked)
     left = [n for n in mats if n not in dims]
     for fqn in left:
