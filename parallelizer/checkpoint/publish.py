@@ -5,7 +5,10 @@ Used by the writer, ``export`` and the per-rank saves of ``run.py``."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import socket
+import sys
 import tempfile
 from pathlib import Path
 
@@ -49,12 +52,49 @@ def foreign_files(folder: Path) -> list[str]:
 def temp_sibling(out_dir: Path) -> Path:
     """A new hidden temporary folder beside ``out_dir``, to be renamed onto it when complete,
     with the permissions a plain ``mkdir`` would give (``0o777 & ~umask``): ``mkdtemp``'s
-    0o700 would survive the rename and hide the output from the user's group."""
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
+    0o700 would survive the rename and hide the output from the user's group. Its name
+    carries the writer's pid and host, so that the next write to ``out_dir`` removes what a
+    killed writer left (:func:`remove_stale_temps`)."""
+    remove_stale_temps(out_dir)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent,
+                                prefix=f".{out_dir.name}.tmp-{os.getpid()}@{_host()}-"))
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)
     return tmp
+
+
+def remove_stale_temps(out_dir: Path) -> list[Path]:
+    """Remove the temporary siblings of ``out_dir`` that a killed writer left (SIGKILL, a
+    lost node: no ``finally`` ran): those named with this host and a pid no process has. A
+    live pid (a concurrent writer), another host's or an unnamed one is left alone. Prints
+    one line per folder removed; returns them."""
+    pattern = re.compile(rf"^\.{re.escape(out_dir.name)}\.tmp-(\d+)@(.+)-[^-]+$")
+    removed = []
+    if not out_dir.parent.is_dir():
+        return removed
+    for p in sorted(out_dir.parent.iterdir()):
+        m = pattern.match(p.name)
+        if m and p.is_dir() and m.group(2) == _host() and not _alive(int(m.group(1))):
+            shutil.rmtree(p, ignore_errors=True)
+            print(f"removed {p}, left by an interrupted write (pid {m.group(1)})",
+                  file=sys.stderr)
+            removed.append(p)
+    return removed
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def write_synced(path: Path, data: bytes) -> None:

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import errno
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -77,6 +79,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     handler = _compile
     if args and args[0] in SUBCOMMANDS:
         handler, args = SUBCOMMANDS[args[0]], args[1:]
+    previous = _exit_on_sigterm()
     try:
         return handler(args)
     except UserError as e:
@@ -91,6 +94,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     except SystemExit as e:  # argparse: --help (0) or a usage error (2, already printed)
         return e.code if isinstance(e.code, int) else 2
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_sigterm():
+    """SIGTERM (a scheduler's preemption, ``kill``) raises SystemExit, so that the cleanup of
+    partial outputs runs as it does on Ctrl-C; Python's default would end the process with
+    the hidden temporary folder left behind. Returns the handler it replaced (None off the
+    main thread, where no handler can be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def terminated(signum, frame):
+        print("error: terminated (SIGTERM); an output not yet complete was not published", file=sys.stderr)
+        raise SystemExit(128 + signum)
+    return signal.signal(signal.SIGTERM, terminated)
 
 
 def _compile_parser() -> argparse.ArgumentParser:

@@ -362,29 +362,53 @@ def test_force_onto_a_folder_holding_the_source_is_refused(tmp_path, capsys):
 _KILLED = """
 import sys, time
 import parallelizer.convert.reshard as r
+from parallelizer.cli.parallelize import main
 slow = r.target_piece
 def target_piece(*a):
     time.sleep(0.05)
     return slow(*a)
 r.target_piece = target_piece
-r.reshard(sys.argv[1], sys.argv[2], tp=1, pp=1)
+sys.exit(main(["reshard", sys.argv[1], "-o", sys.argv[2], "--tp", "1", "--pp", "1", "--no-progress"]))
 """
 
 
-def test_interrupted_reshard_leaves_no_destination(src, tmp_path):
-    """A real SIGKILL while the output files are being written."""
-    out, _, sd = src
-    dst = tmp_path / "dst"
-    proc = subprocess.Popen([sys.executable, "-c", _KILLED, str(out), str(dst)], cwd=REPO,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+def _interrupted_reshard(out: Path, tmp_path: Path, sig: int) -> subprocess.CompletedProcess:
+    """Run the CLI's reshard of ``out`` into tmp_path/dst, slowed, and send it ``sig`` while
+    the output files are being written; returns the finished process."""
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED, str(out), str(tmp_path / "dst")],
+                            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                            stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60
     while not list(tmp_path.glob(".dst.tmp-*/pp0-tp0.safetensors")):
         assert proc.poll() is None and time.time() < deadline, "reshard ended before the kill"
         time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    assert proc.wait() == -signal.SIGKILL
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, None, err)
+
+
+def test_killed_reshard_leaves_no_destination_and_the_next_run_sweeps_its_temp(src, tmp_path, capsys):
+    """A real SIGKILL while the output files are being written: nothing at dst, only the
+    hidden temporary folder; the next write to dst removes it (it stayed for good: a break
+    test) and leaves a live writer's alone."""
+    out, _, sd = src
+    dst = tmp_path / "dst"
+    assert _interrupted_reshard(out, tmp_path, signal.SIGKILL).returncode == -signal.SIGKILL
     assert not dst.exists()
     leftovers = sorted(p.name for p in tmp_path.iterdir() if p.name not in ("src",))
     assert len(leftovers) == 1 and leftovers[0].startswith(".dst.tmp-")  # only the temp folder
-    reshard(out, dst, tp=1, pp=1)  # a stale temp folder does not disturb the next run
+    live = tmp_path / f".dst.tmp-{os.getpid()}@{leftovers[0].split('@')[1]}"
+    live.mkdir()  # this process's name: a writer still running
+    reshard(out, dst, tp=1, pp=1)
     same(load_full(dst), sd)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, "dst", "src"])
+    assert f"removed {tmp_path / leftovers[0]}, left by an interrupted write" in capsys.readouterr().err
+
+
+def test_terminated_reshard_removes_its_temp(src, tmp_path):
+    """SIGTERM (a scheduler's preemption) ran no cleanup: Python's default ends the process."""
+    out, _, _ = src
+    done = _interrupted_reshard(out, tmp_path, signal.SIGTERM)
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr
+    assert "terminated (SIGTERM)" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
