@@ -173,3 +173,51 @@ class TiedVONet(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return x
+
+
+class LoRALinear(nn.Module):
+    """A linear with a low-rank adapter, as peft's LoRA adds one: ``base(x) + s * B(A(x))``
+    (rank 4); ``adapter_first`` adds them the other way round. ``frozen``: the base is not
+    trained (``requires_grad_(False)``), as in LoRA fine-tuning."""
+
+    def __init__(self, i: int, o: int, adapter_first: bool, frozen: bool):
+        super().__init__()
+        self.base = nn.Linear(i, o)
+        self.base.requires_grad_(not frozen)
+        self.A = nn.Parameter(torch.randn(4, i) / i ** 0.5)
+        self.B = nn.Parameter(torch.randn(o, 4) / 2)
+        self.adapter_first = adapter_first
+
+    def forward(self, x):
+        if self.adapter_first:
+            return 2.0 * F.linear(F.linear(x, self.A), self.B) + self.base(x)
+        return self.base(x) + 2.0 * F.linear(F.linear(x, self.A), self.B)
+
+
+class LoRABlock(nn.Module):
+    def __init__(self, adapter_first: bool, frozen: bool):
+        super().__init__()
+        self.q, self.v, self.o, self.up, self.down = (
+            LoRALinear(i, o, adapter_first, frozen)
+            for i, o in ((H, H), (H, H), (H, H), (H, 2 * H), (2 * H, H)))
+        self.k = nn.Linear(H, H)
+        self.ln1, self.ln2 = nn.LayerNorm(H), nn.LayerNorm(H)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        h = self.ln1(x)
+        q, k, v = (m(h).view(B, T, HEADS, -1).transpose(1, 2) for m in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(y.transpose(1, 2).reshape(B, T, H))
+        return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
+class LoRANet(nn.Module):
+    def __init__(self, adapter_first: bool = False, frozen: bool = False):
+        super().__init__()
+        self.layers = nn.ModuleList(LoRABlock(adapter_first, frozen) for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x

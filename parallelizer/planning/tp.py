@@ -30,6 +30,7 @@ from .redistributions import redistributions, report_lines
 from .tp_candidates import (check_divisible, divisible, indivisible, merged_layout, merged_whole,
                             one_head_whole, pairs_settled, replicated_plan)
 from .tp_matrices import custom_op_weights, op_text, other_matrices
+from .tp_seeds import linears_feeding, nearest_linears
 
 
 
@@ -100,7 +101,8 @@ def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False,
         if kept:
             decision.report += [line for line in kept if line not in decision.report]
         elif site.weight not in paired:
-            line = f"replicated linear: {site.weight} (no column/row pair found; {op_text(site.node)})"
+            line = f"replicated linear: {site.weight} ({_why_unpaired(site, sites, column, row)}; " \
+                   f"{op_text(site.node)})"
             decision.replicated.setdefault(site.weight, []).append(line)
             decision.report.append(line)
     decision.report += custom_op_weights(graph)
@@ -111,6 +113,21 @@ def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False,
     else:  # the backward's f edges and Partial gradients, derived (planning/gradients.py)
         plan_gradients(graph, decision)
     return decision
+
+
+def _why_unpaired(site, sites, column: set, row: set) -> str:
+    """Why a linear no pair took stays whole: it only feeds column linears (LoRA's ``A``,
+    whose small rank dim a cut would pay an all-reduce for), reads a row linear's Partial
+    output (LoRA's ``B`` after a row-parallel ``A``), or no pair was found."""
+    is_linear = {s.node: s for s in sites}
+    fed = nearest_linears(site.node, is_linear)
+    if fed and fed <= column:
+        return f"feeds only column_parallel {', '.join(sorted(fed))}, which take its output whole"
+    read = linears_feeding(site.x, is_linear) if isinstance(site.x, fx.Node) else set()
+    if read and read <= row:
+        return (f"reads the Partial output of row_parallel {', '.join(sorted(read))}, applied "
+                f"before its all-reduce")
+    return "no column/row pair found"
 
 
 def _nothing_sharded(decision: TPDecision, tp: int, allow_replicated: bool,

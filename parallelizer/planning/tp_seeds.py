@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ..analysis.graph_facts import aten
+from ..plan.parallel_plan import DROPOUT_OPS
 
 _STOP = {aten.embedding.default}
 # A LayerNorm over the walked value's whole features (a block's input norm) ends the walk; one
@@ -33,9 +34,17 @@ _ELEMENTWISE = _ADDS | {aten.mul.Tensor, aten.mul_.Tensor, aten.sub.Tensor, aten
 
 def seed_pairs(sites: list, residual_stop: bool) -> dict:
     """column weight FQN -> row weight FQNs its output reaches as their input (walks ending
-    at residual adds when ``residual_stop``)."""
-    pairs, taken = {}, set()
+    at residual adds when ``residual_stop``). The last linears of a sibling branch added to
+    a column's output (:func:`_sibling_linears`: LoRA's ``B`` in ``base(h) + B(A(h))``) are
+    columns with the same rows, never rows themselves; what feeds them (``A``) pairs
+    nothing and stays replicated: the sum of linear maps of one input is sharded as one."""
     is_linear = {s.node: s for s in sites}
+    siblings: dict = {}
+    for site in sites:  # first, so that no walk takes a sibling as its row, in any order
+        if not (residual_stop and _feeds_residual(site.node, is_linear)):
+            _walk(site.node, is_linear, residual_stop, siblings.setdefault(site.weight, set()))
+    co_columns = {w for ws in siblings.values() for w in ws}
+    pairs, taken = {}, set(co_columns)
     for site in sites:
         w = site.weight
         if w in taken:
@@ -47,8 +56,12 @@ def seed_pairs(sites: list, residual_stop: bool) -> dict:
         # for the stream, and the linears it feeds would lose their own pairs
         reached = set() if _out_features(site) == 1 or residual_stop and _feeds_residual(
             site.node, is_linear) else _walk(site.node, is_linear, residual_stop)
-        pairs[w] = reached
+        pairs[w] = reached - co_columns
         taken |= reached
+    for w, ws in siblings.items():
+        for sibling in ws:
+            if pairs.get(w) and sibling != w:
+                pairs[sibling] = pairs[sibling] | pairs[w]
     return pairs
 
 
@@ -57,8 +70,11 @@ def _out_features(site) -> int | None:
     return int(val.shape[-1]) if val is not None and val.dim() else None
 
 
-def _walk(start: fx.Node, is_linear: dict, residual_stop: bool) -> set:
+def _walk(start: fx.Node, is_linear: dict, residual_stop: bool, siblings=None) -> set:
+    """Row weights ``start``'s output reaches; the weights of sibling branches it passes
+    (:func:`_sibling_linears`) are added to ``siblings``."""
     seen, frontier, reached = {start}, [start], set()
+    siblings = set() if siblings is None else siblings
     while frontier and len(seen) < _WALK_LIMIT:
         node = frontier.pop()
         for user in node.users:
@@ -73,10 +89,89 @@ def _walk(start: fx.Node, is_linear: dict, residual_stop: bool) -> set:
                 continue
             if user.target in _NORMS and _whole_features(user, start):
                 continue
-            if user.target not in _STOP and not (residual_stop and _residual_add(user, seen)) \
-                    and not _conditioning(user, node):
-                frontier.append(user)
+            if user.target in _STOP or _conditioning(user, node):
+                continue
+            if residual_stop and _residual_add(user, seen):
+                branch = _sibling_linears(user, node, start, is_linear)
+                if branch is None:
+                    continue
+                siblings |= branch
+            frontier.append(user)
     return reached
+
+
+def _sibling_linears(add: fx.Node, walked: fx.Node, start: fx.Node, is_linear: dict):
+    """The weights of the last linears on ``add``'s other operand when it is a linear map of
+    ``start``'s input ``x``: linears, dropout and scalings only between ``x`` and ``add``,
+    at least one linear, and nothing ``start`` computed (``base(h) + s * B(A(h))``, LoRA; a
+    second projection of the same input). Such an add merges two linear maps of one input,
+    not the residual stream, and the walk goes on. None otherwise, a block boundary:
+    ``x + f(x)``, a branch through attention or a norm (MobileBERT's bottleneck added to its
+    attention output), the block after ``start`` (ELECTRA's projected stream)."""
+    x = is_linear[start].x
+    other = [a for a in add.args[:2] if isinstance(a, fx.Node) and a is not walked]
+    if len(other) != 1 or not isinstance(x, fx.Node):
+        return None
+    last, todo, seen, linears = set(), [(other[0], True)], set(), False
+    while todo:
+        n, above = todo.pop()
+        if n is x:
+            if above:  # a path from x with no linear on it
+                return None
+            continue
+        if (n, above) in seen:
+            continue
+        seen.add((n, above))
+        if len(seen) > _WALK_LIMIT or n is start or n.op != "call_function":
+            return None
+        if n in is_linear:
+            if is_linear[n].weight == is_linear[start].weight:
+                return None
+            if above:
+                last.add(is_linear[n].weight)
+            linears = True
+            if isinstance(is_linear[n].x, fx.Node):
+                todo.append((is_linear[n].x, False))
+                continue
+            return None
+        inputs = [a for a in n.all_input_nodes if a.op != "get_attr"]
+        if not is_scaling(n) or len(inputs) != 1:
+            return None
+        todo.append((inputs[0], above))
+    return last if linears and last else None
+
+
+def is_scaling(node: fx.Node) -> bool:
+    """A linear map of its one activation input: dropout, a multiplication or division by a
+    constant (a number, a parameter: LoRA's ``scaling``), a cast or a copy."""
+    name = str(node.target)
+    if name in DROPOUT_OPS and name != "aten.scaled_dot_product_attention.default":
+        return True
+    if node.target in (aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar):
+        return sum(isinstance(a, fx.Node) and not _constant(a) for a in node.args[:2]) == 1 \
+            and (node.target in (aten.mul.Tensor, aten.mul.Scalar) or not _activation(node.args[1]))
+    return node.target in (aten._to_copy.default, aten.clone.default, aten.alias.default)
+
+
+def _activation(a) -> bool:
+    return isinstance(a, fx.Node) and not _constant(a)
+
+
+def _descends(node: fx.Node, source: fx.Node):
+    """``node`` is ``source`` or computed from it: True, False, or None when the upstream
+    search passed _WALK_LIMIT nodes without knowing. Nodes before ``source`` in the graph
+    (topological) order are not searched: none is computed from it."""
+    todo, seen = [node], set()
+    while todo:
+        n = todo.pop()
+        if n is source:
+            return True
+        if n not in seen and not n < source:
+            if len(seen) >= _WALK_LIMIT:
+                return None
+            seen.add(n)
+            todo += n.all_input_nodes
+    return False
 
 
 def _conditioning(op: fx.Node, walked: fx.Node) -> bool:
@@ -113,7 +208,8 @@ def _feeds_residual(node: fx.Node, is_linear: dict) -> bool:
     ``x + f(x)``), not by elementwise ops alone (GELU's ``x + 0.044715 x^3``)."""
     return any(_residual_add(u, {node}) and not any(
         isinstance(a, fx.Node) and a is not node and _local(a, node, is_linear)
-        for a in u.args[:2]) for u in node.users if u.op == "call_function")
+        for a in u.args[:2]) and _sibling_linears(u, node, node, is_linear) is None
+        for u in node.users if u.op == "call_function")
 
 
 def _local(node: fx.Node, source: fx.Node, is_linear: dict) -> bool:
@@ -168,3 +264,33 @@ def _constant(node: fx.Node) -> bool:
             seen.add(n)
             todo += n.all_input_nodes
     return True
+
+
+def nearest_linears(node: fx.Node, is_linear: dict, upstream: bool = False) -> set:
+    """Weights of the linears ``node``'s value reaches going downstream (its users) or
+    ``upstream`` (its inputs, parameters skipped) through dropout, scalings and casts only
+    (:func:`is_scaling`); empty when some path meets another op first."""
+    found, todo, seen = set(), [node], {node}
+    while todo and len(seen) < _WALK_LIMIT:
+        n = todo.pop()
+        for m in (n.all_input_nodes if upstream else n.users):
+            if m in seen or m.op == "get_attr":
+                continue
+            seen.add(m)
+            if m in is_linear:
+                found.add(is_linear[m].weight)
+            elif m.op == "call_function" and is_scaling(m):
+                todo.append(m)
+            else:
+                return set()
+    return found
+
+
+def linears_feeding(x: fx.Node, is_linear: dict) -> set:
+    """Weights of the linears whose output is ``x``, or reaches it through dropout,
+    scalings and casts only; empty otherwise."""
+    if x in is_linear:
+        return {is_linear[x].weight}
+    if x.op == "call_function" and is_scaling(x):
+        return nearest_linears(x, is_linear, upstream=True)
+    return set()

@@ -12,7 +12,7 @@ from parallelizer.analysis.graph_facts import as_linear
 from parallelizer.plan.layouts import Fused, ReplicatedHeads
 from tp_check import plan_and_check
 from tp_small_models import captured
-from tp_weight_path_models import CastNet, SplitQKVNet, TiedVONet, x_batch
+from tp_weight_path_models import CastNet, LoRANet, SplitQKVNet, TiedVONet, x_batch
 
 MODES = ["to", "type_as", "view", "io", "matmul_to", "float_T"]
 
@@ -88,3 +88,35 @@ def test_a_weight_read_as_column_and_transposed_as_row_is_kept_whole(tp):
         assert p + "v.weight" not in d.column | d.row
         assert any(line.startswith(f"kept whole: {p}v.weight (read by two linears along "
                                    f"different dims") for line in d.report), d.report
+
+
+@pytest.mark.parametrize("adapter_first", [False, True])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_lora_base_linears_are_the_megatron_pairs(adapter_first, tp):
+    """``base(h) + 2 * B(A(h))`` (peft's LoRA): the add merges two linear maps of one input,
+    not the residual stream. The walk stopped there and paired A (column) with B (row), and
+    the base linears, most of the parameters, stayed replicated (a break test: 46 % of the
+    parameters sharded). Now the bases are the Megatron pairs; on a column base B is a
+    column too and A whole (its rank dim uncut); on a row base A is a row and B whole, applied
+    to the Partial before the all-reduce (as Megatron-core's LoRA adapters are laid out).
+    Either order of the add; the ranks match."""
+    torch.manual_seed(0)
+    d = plan_and_check(LoRANet(adapter_first), x_batch(3, 5, seed=1), tp)
+    for i in range(2):
+        p = f"layers.{i}."
+        assert {p + f"{m}.base.weight" for m in ("q", "v", "up")} | {p + "k.weight"} \
+            | {p + f"{m}.B" for m in ("q", "v", "up")} <= d.column
+        assert {p + f"{m}.base.weight" for m in ("o", "down")} | {p + f"{m}.A" for m in ("o", "down")} <= d.row
+        assert not ({p + f"{m}.A" for m in ("q", "v", "up")} | {p + f"{m}.B" for m in ("o", "down")}) \
+            & (d.column | d.row)
+    assert any("replicated linear: layers.0.q.A (feeds only column_parallel layers.0.q.B" in line
+               for line in d.report), d.report
+    assert any("replicated linear: layers.0.o.B (reads the Partial output of row_parallel "
+               "layers.0.o.A" in line for line in d.report), d.report
+
+
+def test_lora_with_frozen_bases_matches():
+    """The same with the bases frozen (LoRA fine-tuning): only A and B have gradients."""
+    torch.manual_seed(0)
+    d = plan_and_check(LoRANet(frozen=True), x_batch(3, 5, seed=1), 2)
+    assert "layers.1.up.base.weight" in d.column and "layers.1.down.base.weight" in d.row
