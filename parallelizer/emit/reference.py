@@ -6,6 +6,8 @@ stand-in (``runtime.rng.RandomStandIns``: a drop path's ``torch.rand`` is 0.5), 
 program under ``--verify``."""
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -20,10 +22,62 @@ from ..runtime.verify import not_sample_mean
 def compute_reference(model: torch.nn.Module, batch, loss_fn, input_names, spec,
                       model_file=None) -> dict:
     """Run one training step of ``model`` (mutates it: call after snapshotting weights)
-    with ``spec.verify.optimizer`` at ``spec.optimizer.lr``."""
+    with ``spec.verify.optimizer`` at ``spec.optimizer.lr``; with ``noise.KEY`` entries
+    (:func:`rounding_noise`) for models of at most NOISE_MAX_PARAMETERS parameters."""
     args, kwargs = split_args(batch)
     flat_in, _ = tree_flatten((args, kwargs))
     ref = {f"input.{n}": t.detach().clone().contiguous() for n, t in zip(input_names, flat_in)}
+    wide = _fp64_copy(model)
+    ref.update(_one_step(model, batch, loss_fn, spec, model_file))
+    if wide is not None:
+        ref.update(rounding_noise(ref, wide, batch, loss_fn, spec, model_file))
+    return ref
+
+
+# the fp64 copy of rounding_noise costs twice the fp32 model in memory: 0.5 GiB here
+NOISE_MAX_PARAMETERS = 1 << 26
+
+
+def _fp64_copy(model: torch.nn.Module):
+    """``model`` in float64 (before its step), or None when it is too large or holds a
+    parameter on another device than the CPU or of a non-floating dtype."""
+    params = list(model.parameters())
+    if sum(p.numel() for p in params) > NOISE_MAX_PARAMETERS or any(
+            p.device.type != "cpu" or not p.is_floating_point() for p in params):
+        return None
+    return copy.deepcopy(model).double()
+
+
+def rounding_noise(ref: dict, wide: torch.nn.Module, batch, loss_fn, spec, model_file) -> dict:
+    """``noise.KEY`` -> max |ref[KEY] - the same step in float64| for the loss, each output,
+    gradient and stepped parameter: the unmodified model's own rounding error in its dtype.
+    ``--verify`` allows a multiple of it on top of atol/rtol (runtime/verify.py
+    NOISE_FACTOR), since a program computing exactly what the model computes, in another
+    order, errs about as much: a LayerNorm over a near-constant row (ViT-MAE's class token,
+    rstd ~ 1e6) amplifies fp32 rounding of its gradient beyond any fixed atol, and a bf16
+    model rounds at 8 bits. {} when the float64 step fails (an op without a float64
+    kernel)."""
+    wide_batch = tree_map(lambda t: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point()
+                          else t, batch)
+    try:
+        exact = _one_step(wide, wide_batch, loss_fn, spec, model_file, chunks=False)
+    except Exception:  # noqa: BLE001  the estimate is optional; the fp32 step ran
+        return {}
+    out = {}
+    for key, want in exact.items():
+        got = ref.get(key)
+        if got is not None and got.shape == want.shape and got.is_floating_point():
+            diff = (got.double() - want).abs()
+            diff = diff[torch.isfinite(diff)]
+            out[f"noise.{key}"] = (diff.max() if diff.numel() else torch.zeros((), dtype=torch.float64)).float()
+    return out
+
+
+def _one_step(model: torch.nn.Module, batch, loss_fn, spec, model_file, chunks: bool = True) -> dict:
+    """loss, outputs, gradients and the stepped parameters of one step of ``model``; with
+    ``chunks``, the loss over the program's dp x microbatch chunks too (:func:`chunked_loss`)."""
+    args, kwargs = split_args(batch)
+    ref = {}
     model.zero_grad(set_to_none=True)
     with checkpoint_off():
         with EagerDropoutOff(), RandomStandIns():
@@ -43,7 +97,7 @@ def compute_reference(model: torch.nn.Module, batch, loss_fn, input_names, spec,
     # the weights before the step; after the whole batch's loss_fn (its errors name the
     # reference step) and its backward (the chunks put buffers back in place)
     chunked = chunked_loss(model, batch, loss_fn, spec.mesh.dp * spec.pipeline.microbatches,
-                           model_file)
+                           model_file) if chunks else None
     if chunked is not None:
         ref["loss.chunked"] = chunked
     opt = make_optimizer(named.values(), spec.verify.optimizer, spec.optimizer.lr,

@@ -21,6 +21,8 @@ atol = rtol = 1e-5.
   copies in OUT/model_deps/.
 - 0-dim parameters (ReZero gates, a logit temperature) at dp=2 under the default ZeRO-3:
   FSDP2 leaves them whole (``ignored_params``) and their gradients are averaged over dp.
+- ViT-MAE with a loss that does not depend on the weights at tp=2: its gradients are the
+  model's own rounding, which --verify allows 8 times over (and says so).
 
 Two ranks, not four, to stay within the suite's budget on a 2-core CI machine; the products
 (tp=2, pp2 x dp2, tp2 x pp2) of the same models were verified by hand (see the issue 14 report).
@@ -47,6 +49,7 @@ CASES = {  # folder name -> (model file, overrides)
     "qwen3-qk-norm-tp2": ("qwen3_qk_norm.py", ("mesh.tp=2",)),
     "two-files-tp2": ("two_files/model.py", ("mesh.tp=2",)),
     "rezero-scalars-dp2": ("rezero.py", ("mesh.dp=2",)),
+    "vit-mae-normed-tp2": ("vit_mae_normed.py", ("mesh.tp=2",)),
 }
 _PROGRAM = re.compile(r"^PROGRAM (\S+) (\d+)$", re.M)
 _ERR = re.compile(r"^verify: (loss|outputs|gradients|parameters)\b.*max abs err (\S+)", re.M)
@@ -87,6 +90,12 @@ def test_user_models_verify(tmp_path, tools):
     print(f"launch done at {time.perf_counter() - start:.1f} s")
     explain = p.explain()
     assert dict(_PROGRAM.findall(p.stdout)) == {n: "0" for n in CASES}, explain
-    errs = [float(e) for _, e in _ERR.findall(p.stdout)]
-    assert len(errs) == 4 * len(CASES) and max(errs) <= 1e-5, explain
+    blocks = dict(zip(_PROGRAM.findall(p.stdout), _PROGRAM.split(p.stdout)[::3]))
+    for (name, _), block in blocks.items():
+        errs = dict(_ERR.findall(block))
+        assert len(errs) == 4, explain
+        if name.startswith("vit-mae"):  # every gradient is rounding (6.9e-4 at most), the step lr x it
+            assert float(errs.pop("gradients")) < 1e-3 and float(errs.pop("parameters")) < 1e-4 \
+                and "little is checked of" in block and "gradient embeddings.cls_token" in block, explain
+        assert max(map(float, errs.values())) <= 1e-5, explain
     assert "outputs max abs err" in p.stdout and "not compared" not in p.stdout, explain

@@ -63,3 +63,33 @@ def test_router_auxiliary_loss_under_dp_is_a_compile_warning():
     assert "the loss is not a mean over samples: on the batch cut into mesh.dp (2) x " \
            "pipeline.microbatches (2) chunks" in text, program.warnings
     assert "Verify the layout at mesh.dp=1 pipeline.microbatches=1" in text
+
+
+def _normed_square(out, batch):
+    return out.pow(2).mean()
+
+
+def test_the_reference_carries_the_models_own_rounding_error():
+    """``noise.KEY``: each tensor's fp32 step against the same step in float64. Tiny beside a
+    gradient the loss depends on; the whole gradient where the loss does not depend on the
+    weights (a mean square of LayerNorm's output without affine: 1 whatever they are), and
+    bf16's 8 bits for a bf16 model."""
+    torch.manual_seed(0)
+    spec = load_spec(SPEC, [])
+    model = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 3)).train()
+    ref = compute_reference(model, _batch(), _mse, ["x"], spec)
+    for key in ("loss", "output.0", "grad.0.weight", "param.1.bias"):
+        assert ref[f"noise.{key}"].shape == () and ref[f"noise.{key}"] <= 1e-6 * ref[key].abs().max(), key
+    flat = nn.Sequential(nn.Linear(6, 6), nn.LayerNorm(6, eps=1e-12, elementwise_affine=False)).train()
+    ref = compute_reference(flat, _batch(), _normed_square, ["x"], spec)
+    assert ref["noise.grad.0.weight"] >= 0.1 * ref["grad.0.weight"].abs().max() > 0
+    half = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 3)).to(torch.bfloat16).train()
+    ref = compute_reference(half, tuple(t.to(torch.bfloat16) for t in _batch()), _mse, ["x"], spec)
+    assert ref["noise.grad.0.weight"] >= 1e-4 * ref["grad.0.weight"].float().abs().max()
+
+
+def test_no_rounding_estimate_for_a_model_above_the_size_limit(monkeypatch):
+    import parallelizer.emit.reference as reference
+    monkeypatch.setattr(reference, "NOISE_MAX_PARAMETERS", 10)
+    ref = compute_reference(nn.Linear(6, 3), _batch(), _mse, ["x"], load_spec(SPEC, []))
+    assert "grad.weight" in ref and not any(k.startswith("noise.") for k in ref)
