@@ -236,15 +236,35 @@ _SAME_OP = {torch.ops.aten.broadcast_to.default: torch.ops.aten.expand.default}
 _OUT_OF_PLACE = {torch.ops.aten.dropout_.default: torch.ops.aten.dropout.default}
 
 
+_aten = torch.ops.aten
+# in-place views: they change their input's shape, not its values (BigBird's
+# ``context.unsqueeze_(2)``); as the out-of-place view, read by every later reader of the
+# input, the planners see one value per shape and no write
+_VIEW_IN_PLACE = {
+    _aten.unsqueeze_.default: _aten.unsqueeze.default, _aten.squeeze_.default: _aten.squeeze.default,
+    _aten.squeeze_.dim: _aten.squeeze.dim, _aten.squeeze_.dims: _aten.squeeze.dims,
+    _aten.transpose_.default: _aten.transpose.int, _aten.t_.default: _aten.t.default,
+    _aten.swapdims_.default: _aten.swapdims.default, _aten.swapaxes_.default: _aten.swapaxes.default,
+}
+
+
 def _one_op_per_meaning(gm: torch.fx.GraphModule) -> None:
-    """Replace each op of :data:`_SAME_OP` by the op it is defined as, and each of
-    :data:`_OUT_OF_PLACE` whose input no later node reads by its out-of-place form."""
+    """Replace each op of :data:`_SAME_OP` by the op it is defined as, each of
+    :data:`_OUT_OF_PLACE` whose input no later node reads by its out-of-place form, and each
+    of :data:`_VIEW_IN_PLACE` by its out-of-place view, read instead of its input after it."""
     changed = False
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        if node.target in _SAME_OP:
+        if node.target in _VIEW_IN_PLACE and isinstance(node.args[0], torch.fx.Node) \
+                and node.args[0].op == "call_function":
+            x = node.args[0]
+            node.target = _VIEW_IN_PLACE[node.target]
+            for u in [u for u in x.users if order[u] > order[node]]:
+                u.replace_input_with(x, node)
+            changed = True
+        elif node.target in _SAME_OP:
             node.target = _SAME_OP[node.target]
             changed = True
         elif node.target in _OUT_OF_PLACE and isinstance(node.args[0], torch.fx.Node) and \

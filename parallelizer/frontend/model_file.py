@@ -160,19 +160,30 @@ def call_loss_fn(loss_fn: Callable, outputs, batch, model_file: Path | None,
 
 def user_frame(e: BaseException, model_file: Path) -> str:
     """' at FILE:LINE: source' for the deepest frame in the user's code (model.py first, else
-    the deepest frame outside torch and parallelizer), or '' when none is found."""
+    the deepest frame outside torch, parallelizer, numpy and the standard library: the model
+    code that called them, as transformers' HuBERT calling numpy's random masking), or ''
+    when none is found."""
     frames = traceback.extract_tb(e.__traceback__)
-    torch_dir = os.path.dirname(torch.__file__)
-    own_dir = os.path.dirname(__file__)
+    libraries = tuple(os.path.dirname(m.__file__) for m in (torch, os) if getattr(m, "__file__", None))
+    numpy = sys.modules.get("numpy")
+    libraries += (os.path.dirname(__file__).rsplit(os.sep, 1)[0],) + (
+        (os.path.dirname(numpy.__file__),) if getattr(numpy, "__file__", None) else ())
     model_file = str(Path(model_file).resolve())
     chosen = [f for f in frames if os.path.abspath(f.filename) == model_file]
     if not chosen:
-        chosen = [f for f in frames if not f.filename.startswith((torch_dir, own_dir))
-                  and "<" not in f.filename]
+        chosen = [f for f in frames if not _under(f.filename, libraries) and "<" not in f.filename]
     if not chosen:
         return ""
     f = chosen[-1]
     return f"\n  at {f.filename}:{f.lineno}: {(f.line or '').strip()}"
+
+
+def _under(filename: str, folders: tuple) -> bool:
+    """``filename`` is in one of ``folders`` (the standard library's site-packages is not)."""
+    path = os.path.abspath(filename)
+    return any(path.startswith(d + os.sep) and not (d == os.path.dirname(os.__file__) and
+                                                     "site-packages" in path[len(d):])
+               for d in folders)
 
 
 def loss_of(module: ModuleType | None) -> Callable:

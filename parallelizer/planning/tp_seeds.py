@@ -91,7 +91,7 @@ def _walk(start: fx.Node, is_linear: dict, residual_stop: bool, siblings=None) -
                 continue
             if user.target in _STOP or _conditioning(user, node):
                 continue
-            if residual_stop and _residual_add(user, seen):
+            if residual_stop and _residual_add(user, seen, start):
                 branch = _sibling_linears(user, node, start, is_linear)
                 if branch is None:
                     continue
@@ -234,17 +234,21 @@ def _whole_features(norm: fx.Node, start: fx.Node) -> bool:
     return x.shape[-1] == out.shape[-1] or not (out.shape[-1] % x.shape[-1] == 0)
 
 
-def _residual_add(node: fx.Node, seen: set) -> bool:
+def _residual_add(node: fx.Node, seen: set, start: fx.Node | None = None) -> bool:
     """An add of the walked value to an activation of the same shape that the walk did not
     come from: the residual stream, where a block ends. A walk going on would pair the last
     linear of a block (an output projection whose input the walk of another column took) as
     a column with the next block's linears, a shard that only redistributing the residual
-    stream could keep."""
+    stream could keep. An operand computed from the walk's ``start`` is no stream, whether
+    or not the walk has reached it yet (minGRU's log-space scan ``a + logcumsumexp(b - a)``,
+    both from its gate | hidden projection: the walk, depth first, met the add from ``a``
+    before ``b``'s branch and stopped)."""
     if node.target not in _ADDS:
         return False
     out = node.meta.get("val")
     return any(isinstance(a, fx.Node) and a not in seen and a.op != "get_attr"
                and _same_shape(a.meta.get("val"), out) and not _constant(a)
+               and (start is None or _descends(a, start) is not True)
                for a in node.args[:2])
 
 

@@ -5,6 +5,8 @@ views into packed parts (torch's in_proj, timm's qkv) and splits of a column out
 are in :mod:`.cuts`. See :mod:`parallelizer.analysis.sharding.propagate` for the whole picture."""
 from __future__ import annotations
 
+import torch.fx as fx
+
 from ...plan.layouts import Fused, InterleavedHeads, ReplicatedHeads, local_length, part_length
 from ..graph_facts import aten, expr, module_path, prod, same, shape
 from .cuts import fused_heads_view, only_cut_on, sliced_heads, split_heads_cut, split_parts
@@ -71,6 +73,12 @@ def view_rule(node, prop, tp):
         local = int(expr(outs[e])) // tp
     if e < len(sizes) and isinstance(sizes[e], int) and sizes[e] != -1:
         add_rewrite(prop, node, 1, e, local)
+    elif e < len(sizes) and isinstance(sizes[e], fx.Node):
+        # a size the graph computes at run time (the global one: Hourglass's C after an
+        # upsampling reshape is ``128 * (T // 2) // T``): inferred instead, the one -1
+        if -1 in sizes or local * tp != int(expr(outs[e])):
+            return CONFLICT
+        add_rewrite(prop, node, 1, e, -1)
     return Shard(e)
 
 
@@ -195,6 +203,12 @@ def _split_heads(node, prop, tp, e, raw, detail):
         local = heads // tp
     if e < len(sizes) and isinstance(sizes[e], int) and sizes[e] != -1:
         add_rewrite(prop, node, 1, e, local)
+    elif e < len(sizes) and isinstance(sizes[e], fx.Node):
+        # a size the graph computes at run time (the global one: Hourglass's C after an
+        # upsampling reshape is ``128 * (T // 2) // T``): inferred instead, the one -1
+        if -1 in sizes or local * tp != int(expr(outs[e])):
+            return CONFLICT
+        add_rewrite(prop, node, 1, e, -1)
     return Shard(e)
 
 
