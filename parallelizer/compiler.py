@@ -47,7 +47,7 @@ from .passes.expert_parallel import apply_expert_parallel
 from .passes.stack_experts import apply_stack_experts
 from .passes.manager import PassManager
 from .passes.split_blocks import split_blocks
-from .passes.split_check import check_split, check_written_buffers
+from .passes.split_check import check_split, check_written_buffers, shared_weights
 from .passes.split_stages import split_stages
 from .passes.sequence_parallel import apply_sequence_parallel
 from .passes.tensor_parallel import apply_tensor_parallel
@@ -353,6 +353,13 @@ def check_stages(analysis: Analysis, planned: Planned, stages: list,
     sends = stage_sends(stages, inputs, sequence.region, sequence.tp)
     block_graphs, notes, whole = [], [], set()
     for st in stages:
+        shared = shared_weights(st.graph, analysis.blocks, planned.plan, analysis.canonical)
+        if shared:  # one module would hold each weight, not one per block: one unit
+            block_graphs.append([])
+            notes.append(f"stage {st.index}: {shared}; stage kept as one FSDP unit, without "
+                         f"per-block activation checkpointing")
+            whole.add(st.index)
+            continue
         found, found_notes = split_blocks(st.graph, analysis.blocks)
         block_graphs.append(found)
         notes += found_notes

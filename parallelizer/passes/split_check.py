@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..analysis.graph_facts import attr_targets, source_line, written_attrs
+from ..analysis.graph_facts import attr_targets, block_of, source_line, written_attrs
 from ..errors import PlanError
 from ..plan.parallel_plan import ParallelPlan
 
@@ -60,6 +60,29 @@ def check_split(plan: ParallelPlan, stages: list, block_graphs: list, canonical:
     return dataclasses.replace(plan, stages=tuple(out))
 
 
+def shared_weights(graph, blocks: tuple, plan: ParallelPlan, canonical: dict) -> str:
+    """'' unless a trained weight of ``graph`` (a stage) is read inside two of ``blocks``
+    (Zamba2's shared transformer called from layers 1 and 3, a Universal Transformer's one
+    layer looped): then which, as a report line. Outlined, each block would hold its own copy
+    and split the gradient, so such a stage is not split into blocks (compiler.check_stages):
+    it runs as one module, one gradient per weight. Blocks on different stages share by the
+    tied path instead (gradients summed between the stages)."""
+    readers: dict = {}
+    for node in graph.nodes:
+        if node.op != "get_attr":
+            continue
+        fqn = canonical.get(node.target, node.target)
+        if fqn not in plan.tensors or _is_buffer(plan, fqn):
+            continue
+        readers.setdefault(fqn, set()).update(
+            b for b in (block_of(u, blocks) for u in node.users) if b is not None)
+    shared = sorted(f for f, by in readers.items() if len(by) > 1)
+    if not shared:
+        return ""
+    more = f" and {len(shared) - 1} more" if len(shared) > 1 else ""
+    return f"{shared[0]}{more} read by blocks {', '.join(sorted(readers[shared[0]]))}"
+
+
 def _is_buffer(plan: ParallelPlan, fqn: str) -> bool:
     t = plan.tensors.get(fqn)
     return t is not None and t.is_buffer
@@ -94,8 +117,10 @@ def check_written_buffers(graph, groups: list, blocks: tuple) -> None:
 
 
 def _check_sharing(owned: list, canonical: dict, stage: int) -> None:
-    """One tensor read by two emitted modules of one stage (blocks sharing weights, as in
-    ALBERT) would become two parameters with split gradients: refuse it at compile time.
+    """One tensor read by two emitted modules of one stage would become two parameters with
+    split gradients: refuse it at compile time. Blocks sharing weights do not get here (the
+    stage is not outlined, :func:`shared_weights`); a weight read outside the blocks and
+    inside one does.
 
     Raises:
         PlanError: names the shared tensors (sorted, the first six) and the modules sharing
@@ -109,6 +134,6 @@ def _check_sharing(owned: list, canonical: dict, stage: int) -> None:
         more = f" and {len(shared) - 6} more" if len(shared) > 6 else ""
         raise PlanError(
             f"{', '.join(shared[:6])}{more} {'is' if len(shared) == 1 else 'are'} shared by "
-            f"{', '.join(sorted(owners[shared[0]]))} (stage {stage}); weights shared "
-            f"across blocks (ALBERT-style) are not supported yet: give each block its own "
-            f"weights, or share only between the embedding and the LM head")
+            f"{', '.join(sorted(owners[shared[0]]))} (stage {stage}); a trained weight read "
+            f"both outside the blocks and inside one is not supported yet: give the block its "
+            f"own copy, or read it only inside the blocks")

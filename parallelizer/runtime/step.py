@@ -336,4 +336,6 @@ def _tied_params(stages: LocalStages, plan: ParallelPlan, ctx: RankContext) -> l
         tplan = plan.tensors[plan.aliases.get(name, name)]
         if len(tplan.stages) > 1 and not tplan.is_buffer:
             copies.setdefault(tplan.fqn, (tplan.stages, []))[1].append(param)
-    return [(params, mine.get(stage_set)) for stage_set, params in copies.values()]
+    # by name: each rank registers its parameters in its own stage's order, and the
+    # all-reduces over the ranks holding a weight must come in one order on all of them
+    return [(params, mine.get(stage_set)) for _, (stage_set, params) in sorted(copies.items())]

@@ -12,8 +12,8 @@ under pp as "weights shared across blocks (ALBERT-style)"; a buffer carries no g
 each stage and block reading it holds its own copy, and only trained weights take the tied
 path (summed over the stages holding them); compiled in-process from the in-memory model,
 at pp2 x dp2 and tp2 x pp2 (ZeRO-3); and the reference model as written (the table at the
-root, its first rows passed to every block) at tp2 x pp2. Trained weights shared by blocks stay refused
-(tests/features/test_user_errors.py)."""
+root, its first rows passed to every block) at tp2 x pp2. Trained weights shared by blocks of
+one stage make it one module (tests/features/test_user_errors.py)."""
 import importlib.util
 import re
 from pathlib import Path

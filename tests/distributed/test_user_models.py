@@ -23,6 +23,8 @@ atol = rtol = 1e-5.
   FSDP2 leaves them whole (``ignored_params``) and their gradients are averaged over dp.
 - ViT-MAE with a loss that does not depend on the weights at tp=2: its gradients are the
   model's own rounding, which --verify allows 8 times over (and says so).
+- ALBERT-style blocks sharing one set of weights at pp=2: one on the first stage, two on the
+  second (run as one module), tied between them (the gradients summed over the stages).
 
 Two ranks, not four, to stay within the suite's budget on a 2-core CI machine; the products
 (tp=2, pp2 x dp2, tp2 x pp2) of the same models were verified by hand (see the issue 14 report).
@@ -50,6 +52,7 @@ CASES = {  # folder name -> (model file, overrides)
     "two-files-tp2": ("two_files/model.py", ("mesh.tp=2",)),
     "rezero-scalars-dp2": ("rezero.py", ("mesh.dp=2",)),
     "vit-mae-normed-tp2": ("vit_mae_normed.py", ("mesh.tp=2",)),
+    "shared-blocks-pp2": ("shared_blocks.py", ("mesh.pp=2",)),
 }
 _PROGRAM = re.compile(r"^PROGRAM (\S+) (\d+)$", re.M)
 _ERR = re.compile(r"^verify: (loss|outputs|gradients|parameters)\b.*max abs err (\S+)", re.M)
@@ -82,6 +85,9 @@ def test_user_models_verify(tmp_path, tools):
             assert program.plan.tensors["model.embed_tokens.weight"].layout == Padded(1002)
             assert program.plan.vocab_outputs == ((1, 1001),)
             assert "vocab_parallel cross-entropy" in program.report
+        if name.startswith("shared-blocks"):
+            assert [st.blocks for st in program.plan.stages] == [("layers.0",), ()] \
+                and "stage 1: layers.0.0.bias and 3 more read by blocks layers.1, layers.2" in program.report
         if name.startswith("qwen3"):  # the per-head q/k norm weights, summed over tp
             (summed,) = [e["key"] for e in program.plan.grad_sync if e["kind"] == "partial_tp"]
             assert summed == [f"model.layers.{i}.self_attn.{n}_norm.weight"
