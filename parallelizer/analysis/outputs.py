@@ -104,8 +104,8 @@ def fixed_sizes(gm: fx.GraphModule, input_names) -> tuple:
     (``frontend/capture.py`` marks both dynamic): the program then runs only that size, and
     ``run.py`` refuses another ``--batch-size`` / ``--seq-len`` before any forward.
     ``warned``: the compile warns about it: a fixed batch, or a fixed dim 1 of token ids or
-    of a float input of at most 3 dims (a sequence); not an image's channels, which its
-    first layer fixes by nature. A fixed dim 1 is no sequence where another input's dim 1 is
+    of a 3-dim float input (batch, sequence, features); not an image's channels, which its
+    first layer fixes by nature, nor a 2-dim float input's features (an MLP on tabular data). A fixed dim 1 is no sequence where another input's dim 1 is
     a symbol (features beside token ids: the sequence is that input's), and is left out."""
     out = []
     vals = [(n.name, n.meta.get("val")) for n in gm.graph.nodes
@@ -115,7 +115,7 @@ def fixed_sizes(gm: fx.GraphModule, input_names) -> tuple:
     for name, val in vals:
         for d in range(min(val.dim(), 2 - sequence)):
             if str(val.shape[d]).isdigit() and int(str(val.shape[d])) > 1:
-                warned = d == 0 or not val.is_floating_point() or val.dim() <= 3
+                warned = d == 0 or not val.is_floating_point() or val.dim() == 3
                 out.append((name, d, int(str(val.shape[d])), warned))
     return tuple(out)
 

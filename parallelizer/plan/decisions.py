@@ -95,7 +95,7 @@ class VocabDecision:
 
     ``vocab``: every sharded name (each name of a tied table, head weights and biases) ->
     vocabulary rows, each ``Shard(0)`` (``dims``) with its layout (``padded``) in ``layouts``;
-    ``heads``: the LM head weight fqns; ``outputs``: flat model-output index -> vocabulary of
+    ``heads``: the LM head weight fqns; ``tables``: the embedding tables'; ``outputs``: flat model-output index -> vocabulary of
     the logits handed to loss_fn sharded (Shard(-1)) instead of gathered in the graph;
     ``losses``: node name of an aten.cross_entropy_loss over the head's logits -> vocabulary,
     computed vocab-parallel (runtime/vocab_loss.py), the logits never gathered for it;
@@ -104,6 +104,7 @@ class VocabDecision:
 
     vocab: dict = field(default_factory=dict)
     heads: set = field(default_factory=set)
+    tables: set = field(default_factory=set)
     outputs: dict = field(default_factory=dict)
     losses: dict = field(default_factory=dict)
     layouts: dict = field(default_factory=dict)

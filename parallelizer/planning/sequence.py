@@ -68,7 +68,7 @@ def plan_sequence_parallel(graph: fx.Graph, tp: int, mode: str, placements: dict
             out.report.append("sequence parallel: off (tensor_parallel.sequence_parallel=false)")
         return out
     facts = _Facts(graph, placements, {s.node: s.op for s in dropout_sites})
-    blocker = facts.blocker or _indivisible(example_seq, tp) or _grow(facts)
+    blocker = facts.blocker or _indivisible(example_seq, tp, facts) or _grow(facts)
     if blocker:
         if mode == "true":
             raise PlanError(f"tensor_parallel.sequence_parallel=true cannot apply: {blocker}; "
@@ -80,11 +80,15 @@ def plan_sequence_parallel(graph: fx.Graph, tp: int, mode: str, placements: dict
     return out
 
 
-def _indivisible(example_seq: Optional[int], tp: int) -> Optional[str]:
-    if example_seq is not None and example_seq % tp:
-        return (f"the example batch's sequence length ({example_seq}) is not divisible by "
-                f"mesh.tp ({tp}); make example_inputs() a multiple of {tp} long")
-    return None
+def _indivisible(example_seq: Optional[int], tp: int, facts) -> Optional[str]:
+    if example_seq is None or not example_seq % tp:
+        return None
+    if expr(facts.seq).is_number:  # a size of the model, not of the batch
+        return (f"dim 1 of the first model input, {example_seq}, is a constant of the captured "
+                f"graph, no sequence length (an image's channels, a feature dim), and mesh.tp "
+                f"({tp}) does not divide it")
+    return (f"the example batch's sequence length ({example_seq}) is not divisible by "
+            f"mesh.tp ({tp}); make example_inputs() a multiple of {tp} long")
 
 
 class _Facts:

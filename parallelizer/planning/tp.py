@@ -30,7 +30,7 @@ from .redistributions import redistributions, report_lines
 from .tp_candidates import (check_divisible, divisible, indivisible, merged_layout, merged_whole,
                             one_head_whole, pairs_settled, replicated_plan)
 from .tp_matrices import custom_op_weights, op_text, other_matrices
-from .tp_seeds import linears_feeding, nearest_linears
+from .tp_seeds import conditioning_ops, linears_feeding, nearest_linears
 
 
 
@@ -127,6 +127,12 @@ def _why_unpaired(site, sites, column: set, row: set) -> str:
     if read and read <= row:
         return (f"reads the Partial output of row_parallel {', '.join(sorted(read))}, applied "
                 f"before its all-reduce")
+    conditioning = conditioning_ops(site.node, is_linear)
+    if conditioning:
+        op = min(conditioning, key=lambda n: n.name)
+        return (f"a per-sample conditioning vector (adaLN, FiLM): its output scales or shifts "
+                f"every position at {op_text(op)}, so it pairs with no linear and its weight "
+                f"stays whole (its matmul is one row per sample)")
     return "no column/row pair found"
 
 

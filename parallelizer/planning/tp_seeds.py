@@ -70,11 +70,14 @@ def _out_features(site) -> int | None:
     return int(val.shape[-1]) if val is not None and val.dim() else None
 
 
-def _walk(start: fx.Node, is_linear: dict, residual_stop: bool, siblings=None) -> set:
+def _walk(start: fx.Node, is_linear: dict, residual_stop: bool, siblings=None,
+          conditioned=None) -> set:
     """Row weights ``start``'s output reaches; the weights of sibling branches it passes
-    (:func:`_sibling_linears`) are added to ``siblings``."""
+    (:func:`_sibling_linears`) are added to ``siblings``, the conditioning ops it stops at
+    (:func:`_conditioning`) to ``conditioned``."""
     seen, frontier, reached = {start}, [start], set()
     siblings = set() if siblings is None else siblings
+    conditioned = set() if conditioned is None else conditioned
     while frontier and len(seen) < _WALK_LIMIT:
         node = frontier.pop()
         for user in node.users:
@@ -89,7 +92,10 @@ def _walk(start: fx.Node, is_linear: dict, residual_stop: bool, siblings=None) -
                 continue
             if user.target in _NORMS and _whole_features(user, start):
                 continue
-            if user.target in _STOP or _conditioning(user, node):
+            if user.target in _STOP:
+                continue
+            if _conditioning(user, node):
+                conditioned.add(user)
                 continue
             if residual_stop and _residual_add(user, seen, start):
                 branch = _sibling_linears(user, node, start, is_linear)
@@ -298,3 +304,11 @@ def linears_feeding(x: fx.Node, is_linear: dict) -> set:
     if x.op == "call_function" and is_scaling(x):
         return nearest_linears(x, is_linear, upstream=True)
     return set()
+
+
+def conditioning_ops(node: fx.Node, is_linear: dict) -> set:
+    """The conditioning broadcasts (:func:`_conditioning`) the walk from the linear ``node``
+    stops at: non-empty for DiT's adaLN and FiLM linears, which pair with nothing."""
+    found: set = set()
+    _walk(node, is_linear, True, conditioned=found)
+    return found

@@ -190,6 +190,7 @@ def _decide(graph, decision: VocabDecision, tp: int, vocab: int, tables: list, h
         decision.vocab[f] = vocab
         decision.layouts[f] = layout
     decision.heads = {n.args[1].target for n in heads}
+    decision.tables = set(tables)
     out = graph.output_node()
     flat = list(out.args[0]) if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
     region = {n for h in heads for n in logits_region(h)}
@@ -278,8 +279,7 @@ def vocab_summary(decision: VocabDecision) -> str:
     """The compile's one line on vocab_parallel: what is sharded, or why not."""
     if not decision.vocab:
         return decision.off or "vocab_parallel: off (no vocabulary table)"
-    tables = sorted(f for f in decision.vocab if f not in decision.heads
-                    and not f.endswith(".bias"))
+    tables = sorted(decision.tables - decision.heads)  # a head's bias is no table
     heads = sorted(decision.heads)
     loss = ", cross-entropy on the shards" if decision.losses else ""
     logits = ", logits to loss_fn as DTensor Shard(-1)" if decision.outputs else ""

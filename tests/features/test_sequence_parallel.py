@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch.utils._pytree import tree_flatten
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -320,3 +321,29 @@ def test_spec_value_other_than_auto_true_false_is_one_spec_error(tmp_path):
     modes = [load_spec(path, [f"tensor_parallel.sequence_parallel={v}"]).tensor_parallel
              .sequence_parallel_mode for v in ("true", "false", "auto")]
     assert modes == ["true", "false", "auto"]
+
+
+class _Patches(nn.Module):
+    """Pixels in: (batch, 3 channels, 8, 8), patchified by a convolution, then an MLP."""
+
+    def __init__(self):
+        super().__init__()
+        self.patch = nn.Conv2d(3, 16, 4, stride=4)
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        h = self.patch(x).flatten(2).transpose(1, 2)
+        return h + self.fc2(torch.relu(self.fc1(h)))
+
+
+def test_an_image_input_is_not_called_a_sequence_tp_does_not_divide():
+    """The report said "the example batch's sequence length (3) is not divisible by mesh.tp
+    (2)" of an image's 3 channels (a break test): dim 1 is a constant of the graph."""
+    cap = capture(_Patches(), (torch.randn(2, 3, 8, 8),), Path("patches"))
+    d = plan_tp(cap.gm.graph, 2)
+    apply_tensor_parallel(cap.gm, d)
+    s = plan_sequence_parallel(cap.gm.graph, 2, "auto", d.placements, example_seq=3)
+    assert not s.enabled and s.report[0] == (
+        "sequence parallel: off (dim 1 of the first model input, 3, is a constant of the captured "
+        "graph, no sequence length (an image's channels, a feature dim), and mesh.tp (2) does "
+        "not divide it)"), s.report

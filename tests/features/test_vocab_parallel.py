@@ -445,3 +445,27 @@ def test_loss_fn_failing_on_a_dtensor_gets_gathered_logits_once_warned(monkeypat
         assert fresh.sharded
     finally:
         dist.destroy_process_group()
+
+
+class TiedHeadOwnBias(nn.Module):
+    """A tied table read by the head with a bias of its own (``F.linear(h, wte.weight,
+    self.out_bias)``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(V, 16)
+        self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 16)
+        self.out_bias = nn.Parameter(torch.zeros(V))
+
+    def forward(self, input_ids):
+        h = self.down(torch.relu(self.up(self.wte(input_ids))))
+        return F.linear(h, self.wte.weight, self.out_bias)
+
+
+def test_a_heads_own_bias_is_not_named_an_embedding():
+    """The summary said "embedding out_bias and LM head wte.weight" (a break test): any
+    sharded name not ending in ``.bias`` was taken for a table."""
+    _, _, _, v = planned(TiedHeadOwnBias(), {"input_ids": ids()}, 2)
+    assert set(v.vocab) == {"wte.weight", "out_bias"}
+    assert vocab_summary(v).startswith("vocab parallel: embedding and LM head wte.weight (one "
+                                       "table) sharded"), vocab_summary(v)

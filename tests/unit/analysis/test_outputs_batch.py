@@ -153,6 +153,15 @@ def test_a_fixed_dim_1_beside_a_free_sequence_is_no_sequence_length():
     assert fixed_sizes(c.gm, c.input_names) == ()
 
 
+def test_a_2d_float_inputs_features_are_recorded_without_a_warning():
+    """An MLP on (batch, features) rows: dim 1 is features fixed by its first Linear, not a
+    sequence ('fixes the sequence length at 8' was warned: a break test)."""
+    mlp = nn.Sequential(nn.Linear(8, H), nn.ReLU(), nn.Linear(H, 4))
+    c = captured(mlp, (torch.randn(32, 8),))
+    fixed = fixed_sizes(c.gm, c.input_names)
+    assert fixed == (("input_1", 1, 8, False),) and fixed_size_warnings(fixed) == []
+
+
 def test_seq_len_resizes_the_sequence_inputs_only():
     """--seq-len sets dim 1 of the inputs whose dim 1 is the first input's: the ids, not
     the (B, 5) features (the forward failed on a (B, 8) feature input before)."""

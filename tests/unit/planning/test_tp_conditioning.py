@@ -102,6 +102,11 @@ def test_adaln_conditioning_leaves_attention_and_mlp_pairs(tp):
         assert {b + "attn.qkv.weight", b + "fc1.weight"} <= d.column, d.column
         assert {b + "attn.proj.weight", b + "fc2.weight"} <= d.row, d.row
         assert b + "adaLN_modulation.1.weight" not in d.column | d.row
+        # the report says why (it said "no column/row pair found": a break test)
+        (why,) = d.replicated[b + "adaLN_modulation.1.weight"]
+        assert why.startswith(f"replicated linear: {b}adaLN_modulation.1.weight (a per-sample "
+                              f"conditioning vector (adaLN, FiLM): its output scales or shifts "
+                              f"every position at aten."), why
 
 
 def test_swiglu_gate_and_per_head_scale_still_pair():
