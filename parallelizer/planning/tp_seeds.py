@@ -154,7 +154,7 @@ def is_scaling(node: fx.Node) -> bool:
     if name in DROPOUT_OPS and name != "aten.scaled_dot_product_attention.default":
         return True
     if node.target in (aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar):
-        return sum(isinstance(a, fx.Node) and not _constant(a) for a in node.args[:2]) == 1 \
+        return sum(map(_activation, node.args[:2])) == 1 \
             and (node.target in (aten.mul.Tensor, aten.mul.Scalar) or not _activation(node.args[1]))
     return node.target in (aten._to_copy.default, aten.clone.default, aten.alias.default)
 

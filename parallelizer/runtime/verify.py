@@ -140,7 +140,8 @@ class _Tally:
         ``bound`` + atol (Top-K's rule, :func:`compression_rule`)."""
         got, want = got.detach().float().cpu(), want.float()
         noise = 0.0 if noise is None else float(noise)
-        magnitude = want[torch.isfinite(want)].abs().max().item() if want.numel() else 0.0
+        finite = want[torch.isfinite(want)]
+        magnitude = finite.abs().max().item() if finite.numel() else 0.0
         if noise > ILL_CONDITIONED * magnitude and noise > 0:
             self.noisy[f"{cat[:-1]} {name}"] = (noise, magnitude)
         if got.shape != want.shape:

@@ -204,11 +204,7 @@ def _split_heads(node, prop, tp, e, raw, detail):
     if e < len(sizes) and isinstance(sizes[e], int) and sizes[e] != -1:
         add_rewrite(prop, node, 1, e, local)
     elif e < len(sizes) and isinstance(sizes[e], fx.Node):
-        # a size the graph computes at run time (the global one: Hourglass's C after an
-        # upsampling reshape is ``128 * (T // 2) // T``): inferred instead, the one -1
-        if -1 in sizes or local * tp != int(expr(outs[e])):
-            return CONFLICT
-        add_rewrite(prop, node, 1, e, -1)
+        return CONFLICT  # a heads count computed at run time: no local value to write
     return Shard(e)
 
 
