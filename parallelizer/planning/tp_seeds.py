@@ -97,7 +97,7 @@ def _walk(start: fx.Node, is_linear: dict, residual_stop: bool, siblings=None,
             if _conditioning(user, node):
                 conditioned.add(user)
                 continue
-            if residual_stop and _residual_add(user, seen, start):
+            if residual_stop and _residual_add(user, seen, start, is_linear):
                 branch = _sibling_linears(user, node, start, is_linear)
                 if branch is None:
                     continue
@@ -163,23 +163,6 @@ def _activation(a) -> bool:
     return isinstance(a, fx.Node) and not _constant(a)
 
 
-def _descends(node: fx.Node, source: fx.Node):
-    """``node`` is ``source`` or computed from it: True, False, or None when the upstream
-    search passed _WALK_LIMIT nodes without knowing. Nodes before ``source`` in the graph
-    (topological) order are not searched: none is computed from it."""
-    todo, seen = [node], set()
-    while todo:
-        n = todo.pop()
-        if n is source:
-            return True
-        if n not in seen and not n < source:
-            if len(seen) >= _WALK_LIMIT:
-                return None
-            seen.add(n)
-            todo += n.all_input_nodes
-    return False
-
-
 def _conditioning(op: fx.Node, walked: fx.Node) -> bool:
     """``op`` scales or shifts another activation by the walked value broadcast over its
     positions: the walked value has the output's features (last dim) but size 1 (or no dim)
@@ -240,21 +223,23 @@ def _whole_features(norm: fx.Node, start: fx.Node) -> bool:
     return x.shape[-1] == out.shape[-1] or not (out.shape[-1] % x.shape[-1] == 0)
 
 
-def _residual_add(node: fx.Node, seen: set, start: fx.Node | None = None) -> bool:
+def _residual_add(node: fx.Node, seen: set, start: fx.Node | None = None,
+                  is_linear: dict | None = None) -> bool:
     """An add of the walked value to an activation of the same shape that the walk did not
     come from: the residual stream, where a block ends. A walk going on would pair the last
     linear of a block (an output projection whose input the walk of another column took) as
     a column with the next block's linears, a shard that only redistributing the residual
-    stream could keep. An operand computed from the walk's ``start`` is no stream, whether
-    or not the walk has reached it yet (minGRU's log-space scan ``a + logcumsumexp(b - a)``,
-    both from its gate | hidden projection: the walk, depth first, met the add from ``a``
-    before ``b``'s branch and stopped)."""
+    stream could keep. An operand computed from the walk's ``start`` without a linear on the
+    way is no stream, whether or not the walk has reached it yet (minGRU's log-space scan
+    ``a + logcumsumexp(b - a)``, both from its gate | hidden projection: the walk, depth
+    first, met the add from ``a`` before ``b``'s branch and stopped); one computed through
+    a linear is (``x + out_proj(attn) + attn_weights.sum()``: the block's output)."""
     if node.target not in _ADDS:
         return False
     out = node.meta.get("val")
     return any(isinstance(a, fx.Node) and a not in seen and a.op != "get_attr"
                and _same_shape(a.meta.get("val"), out) and not _constant(a)
-               and (start is None or _descends(a, start) is not True)
+               and (start is None or not _local(a, start, is_linear))
                for a in node.args[:2])
 
 
