@@ -96,12 +96,13 @@ def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False,
         if w in column:
             decision.report.append(f"layout {layout.text()}: {w}")
     paired = {w for c, rows in pairs.items() if rows for w in {c} | rows}
+    is_linear = {s.node: s for s in sites}
     for site in sites:
         kept = decision.replicated.get(site.weight, ())  # tp_candidates._whole_indivisible
         if kept:
             decision.report += [line for line in kept if line not in decision.report]
         elif site.weight not in paired:
-            line = f"replicated linear: {site.weight} ({_why_unpaired(site, sites, column, row)}; " \
+            line = f"replicated linear: {site.weight} ({_why_unpaired(site, is_linear, column, row)}; " \
                    f"{op_text(site.node)})"
             decision.replicated.setdefault(site.weight, []).append(line)
             decision.report.append(line)
@@ -115,11 +116,11 @@ def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False,
     return decision
 
 
-def _why_unpaired(site, sites, column: set, row: set) -> str:
+def _why_unpaired(site, is_linear: dict, column: set, row: set) -> str:
     """Why a linear no pair took stays whole: it only feeds column linears (LoRA's ``A``,
     whose small rank dim a cut would pay an all-reduce for), reads a row linear's Partial
-    output (LoRA's ``B`` after a row-parallel ``A``), or no pair was found."""
-    is_linear = {s.node: s for s in sites}
+    output (LoRA's ``B`` after a row-parallel ``A``), conditions every position (adaLN), or
+    no pair was found. ``is_linear``: node -> its linear site."""
     fed = nearest_linears(site.node, is_linear)
     if fed and fed <= column:
         return f"feeds only column_parallel {', '.join(sorted(fed))}, which take its output whole"

@@ -40,9 +40,13 @@ def seed_pairs(sites: list, residual_stop: bool) -> dict:
     nothing and stays replicated: the sum of linear maps of one input is sharded as one."""
     is_linear = {s.node: s for s in sites}
     siblings: dict = {}
-    for site in sites:  # first, so that no walk takes a sibling as its row, in any order
-        if not (residual_stop and _feeds_residual(site.node, is_linear)):
-            _walk(site.node, is_linear, residual_stop, siblings.setdefault(site.weight, set()))
+    # every walk first, so that no walk takes a sibling as its row, in any order; an output
+    # that is itself the residual stream (ELECTRA's embeddings_project, added to the first
+    # block's attention output) walks nothing: it is no column, since a shard of it would
+    # have to be gathered for the stream and the linears it feeds would lose their pairs
+    walks = {site.node: set() if residual_stop and _feeds_residual(site.node, is_linear) else
+             _walk(site.node, is_linear, residual_stop, siblings.setdefault(site.weight, set()))
+             for site in sites}
     co_columns = {w for ws in siblings.values() for w in ws}
     pairs, taken = {}, set(co_columns)
     for site in sites:
@@ -50,12 +54,8 @@ def seed_pairs(sites: list, residual_stop: bool) -> dict:
         if w in taken:
             pairs[w] = set()
             continue
-        # one output feature (Qwen2-MoE's shared_expert_gate): nothing to shard; an output
-        # that is itself the residual stream (ELECTRA's embeddings_project, added to the first
-        # block's attention output) is no column: a shard of it would have to be gathered
-        # for the stream, and the linears it feeds would lose their own pairs
-        reached = set() if _out_features(site) == 1 or residual_stop and _feeds_residual(
-            site.node, is_linear) else _walk(site.node, is_linear, residual_stop)
+        # one output feature (Qwen2-MoE's shared_expert_gate): nothing to shard
+        reached = set() if _out_features(site) == 1 else walks[site.node]
         pairs[w] = reached - co_columns
         taken |= reached
     for w, ws in siblings.items():
