@@ -230,21 +230,26 @@ def _settle(graph, pairs: dict, column: set, row: set, tp: int, decision,
         if redistribute and _redistribute(prop, edges, reduces):
             continue
         node, module, groups, reason = conflicts[0]
-        bad = _component(pairs, groups or column)
+        bad = _left_unpaired(pairs, groups & (column | row), column, row) if groups & (
+            column | row) else _component(pairs, column)
         op = op_text(by_name[node]) if node in by_name else node
         decision.blockers.append(f"{op} in {module or 'the root module'}: {reason}"
-                                 + _indivisible_cause(prop, bad, tp))
+                                 + _indivisible_cause(prop, _component(pairs, bad), tp))
         decision.report.append(f"kept replicated: {', '.join(sorted(bad))} (at {node} = "
                                f"{decision.blockers[-1]})")
         column -= bad
         row -= bad
+        # the redistributions asked for met the layouts of the linears dropped: asked anew
+        edges.clear()
+        reduces.clear()
     raise AssertionError("tp planning did not settle")  # each round removes or fixes something
 
 
 def _indivisible_cause(prop: Propagation, bad: set, tp: int) -> str:
     """The heads (or features) of ``bad``'s modules that tp does not divide, named as the
     cause of the conflict they lead to (a per-head op on 2 kv heads split at tp 3); "" when
-    every size divides."""
+    every size divides. ``bad``: the pair component of the linears a conflict drops, so
+    that a k dropped alone is named with its attention's query heads."""
     kv = frozenset(prop.kv_weights)
 
     def ours(c) -> bool:
@@ -267,6 +272,28 @@ def _redistribute(prop: Propagation, edges: dict, reduces: dict) -> bool:
         edges.setdefault(consumer, {})[producer] = want
     reduces.update(prop.reduce_requests)
     return bool(prop.edge_requests or prop.reduce_requests)
+
+
+def _left_unpaired(pairs: dict, groups, column: set, row: set) -> set:
+    """The linears a conflict keeps whole: the groups whose layouts reached it and the
+    linears they leave with no partner (a row none of whose columns is left, a column none
+    of whose rows is). Only those: a row that another column still feeds stays paired
+    (a graph transformer's attention output projection, which the walk through the residual
+    stream also pairs with the node encoder that a message-passing conflict drops), and the
+    next propagation checks the layouts that are left."""
+    gone, changed = set(groups), True
+    while changed:
+        changed = False
+        for c, rows in pairs.items():
+            if c in column and c not in gone and rows and rows & row <= gone:
+                gone.add(c)
+                changed = True
+        fed = {r for c, rows in pairs.items() if c in column and c not in gone for r in rows}
+        orphans = (row - gone) - fed
+        if orphans:
+            gone |= orphans
+            changed = True
+    return gone
 
 
 def _component(pairs: dict, seeds) -> set:

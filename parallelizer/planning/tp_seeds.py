@@ -12,6 +12,7 @@ into the blocks' width) seeds nothing. Reads the graph, never changes it.
 """
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from ..analysis.graph_facts import aten
@@ -80,7 +81,7 @@ def _walk(start: fx.Node, is_linear: dict, residual_stop: bool, siblings=None,
     conditioned = set() if conditioned is None else conditioned
     while frontier and len(seen) < _WALK_LIMIT:
         node = frontier.pop()
-        for user in node.users:
+        for user in _data_users(node):
             if user in seen or user.op != "call_function":
                 continue
             if user.target in _ROUTING:
@@ -211,7 +212,7 @@ def _local(node: fx.Node, source: fx.Node, is_linear: dict) -> bool:
             return True
         if n not in seen:
             seen.add(n)
-            todo += [u for u in n.users if u not in is_linear]
+            todo += [u for u in _data_users(n) if u not in is_linear]
     return False
 
 
@@ -243,6 +244,17 @@ def _residual_add(node: fx.Node, seen: set, start: fx.Node | None = None,
                for a in node.args[:2])
 
 
+_SIZES = (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)
+
+
+def _data_users(node: fx.Node) -> list:
+    """``node``'s users but its size queries (``aten.sym_size.int`` and the arithmetic on
+    sizes): a size carries none of the values. A walk going through one reached every
+    linear whose input a view sized by it (``B, N, D = h.shape`` in a block: the projection
+    into the blocks took each block's attention output projection as its row)."""
+    return [u for u in node.users if not isinstance(u.meta.get("val"), _SIZES)]
+
+
 def _same_shape(a, b) -> bool:
     return getattr(a, "shape", None) is not None and getattr(b, "shape", None) is not None \
         and tuple(a.shape) == tuple(b.shape)
@@ -268,7 +280,7 @@ def nearest_linears(node: fx.Node, is_linear: dict, upstream: bool = False) -> s
     found, todo, seen = set(), [node], {node}
     while todo and len(seen) < _WALK_LIMIT:
         n = todo.pop()
-        for m in (n.all_input_nodes if upstream else n.users):
+        for m in (n.all_input_nodes if upstream else _data_users(n)):
             if m in seen or m.op == "get_attr":
                 continue
             seen.add(m)

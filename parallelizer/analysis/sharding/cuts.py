@@ -10,13 +10,14 @@ from __future__ import annotations
 import operator
 
 import torch
+import torch.fx as fx
 
 from ...plan.layouts import Fused, ReplicatedHeads, local_length
 from ..graph_facts import aten, expr, module_path, same, shape, slice_bound
 from .dtensor import dtensor_rule
-from .placements import CONFLICT, PerOutput, Shard, shard
+from .placements import CONFLICT, REPLICATE, PerOutput, Shard, shard
 from .state import (HeadsMark, add_constraint, add_rewrite, dim_arg, dim_of, local_at,
-                    record_use, sizes_arg)
+                    placement, record_use, sizes_arg)
 
 _SPLIT_CUTS = (aten.split.Tensor, aten.split_with_sizes.default)
 
@@ -230,10 +231,17 @@ def index_rule(node, prop, tp):
     :func:`fused_heads_view` value (Falcon's ``qkv[..., [-2], :]``, its k head): a cut of
     consecutive heads. The constant is not rewritten, so its values must already pick the
     rank's own heads of its piece (negative indices counted from the end do, when the parts
-    after the cut are laid out alike on every rank). Any other index: DTensor's strategy."""
+    after the cut are laid out alike on every rank). One replicated index tensor on another
+    dim (a gather of rows ``m[src]`` of feature-sharded messages, whose size is known only
+    at run time, which DTensor's strategy cannot take) keeps the shard, moved by the index's
+    rank. Any other index: DTensor's strategy."""
     src, indices = node.args[0], list(node.args[1])
     d = dim_of(prop, src)
     hits = [i for i, x in enumerate(indices) if x is not None]
+    if d is not None and len(hits) == 1 and hits[0] != d and isinstance(indices[hits[0]], fx.Node) \
+            and placement(prop, indices[hits[0]]) == REPLICATE:
+        k = hits[0]
+        return Shard(d if d < k else d - 1 + len(shape(indices[k])))
     if src.name not in prop.head_raw or hits != [d]:
         return dtensor_rule(node, prop, tp)
     values = _constant_ints(indices[d])

@@ -99,6 +99,20 @@ def _cat(node, prop, tp):
     return ps.pop()
 
 
+def _index_add(node, prop, tp):
+    """``self.index_add(dim, index, source)`` and ``index_copy``, in place or not: rows of
+    ``source`` added (copied) into ``self`` at ``index`` along ``dim``. ``self`` and
+    ``source`` sharded along one other dim and ``index`` replicated: each rank writes its
+    block of every row (GIN's neighbour sum ``zeros_like(m).index_add_(0, dst, m[src])``
+    over feature-sharded messages). DTensor 2.13 has no strategy for these ops."""
+    x, dim, index, src = node.args[:4]
+    d = dim % len(shape(node))
+    px, ps = dim_of(prop, x), dim_of(prop, src)
+    if px is None or px != ps or px == d or placement(prop, index) != REPLICATE:
+        return CONFLICT
+    return Shard(px)
+
+
 def _sdpa(node, prop, tp):
     """Attention over a sharded heads dim (Megatron-LM §3: heads split across ranks)."""
     q, k, v = node.args[:3]
@@ -304,6 +318,8 @@ RULES = {
     aten.select.int: _select,
     aten.cat.default: _cat,
     aten.scaled_dot_product_attention.default: _sdpa,
+    **{op: _index_add for op in (aten.index_add.default, aten.index_add_.default,
+                                 aten.index_copy.default, aten.index_copy_.default)},
     aten.matmul.default: _matmul, aten.bmm.default: _matmul,
     aten.einsum.default: _einsum,
     aten.masked_fill.Scalar: _masked_fill, aten.masked_fill.Tensor: _masked_fill,
