@@ -240,8 +240,34 @@ def _residual_add(node: fx.Node, seen: set, start: fx.Node | None = None,
     out = node.meta.get("val")
     return any(isinstance(a, fx.Node) and a not in seen and a.op != "get_attr"
                and _same_shape(a.meta.get("val"), out) and not _constant(a)
-               and (start is None or not _local(a, start, is_linear))
+               and (start is None or not _local(a, start, is_linear)
+                    and _stream(a, is_linear))
                for a in node.args[:2])
+
+
+_LAYERS = {aten.embedding.default, aten.convolution.default}
+
+
+def _stream(node: fx.Node, is_linear: dict) -> bool:
+    """``node`` can be the residual stream: a layer's output (a linear, an embedding or a
+    convolution upstream) or a function of the model's inputs alone (a first block reading
+    its input). A value computed elementwise from inputs and trained parameters with no
+    layer between (a graph transformer's attention bias ``edge_bias * adj``, of the
+    scores' full shape) is not: the walk from q and k goes on through the add to the
+    output projection. A search running out of _WALK_LIMIT nodes takes it as the stream."""
+    todo, seen, i, weights = [node], {node}, 0, False
+    while i < len(todo):
+        if len(seen) >= _WALK_LIMIT:
+            return True
+        n, i = todo[i], i + 1
+        if n in is_linear or n.target in _LAYERS:
+            return True
+        weights = weights or n.op == "get_attr"
+        for m in n.all_input_nodes:
+            if m not in seen:
+                seen.add(m)
+                todo.append(m)
+    return not weights
 
 
 _SIZES = (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)
