@@ -32,7 +32,7 @@ from ..runtime.tp import (copy_to_tp_region, gather_from_tp_dim, reduce_from_tp_
 from ..runtime.vocab import gather_from_tp_region, vocab_parallel_lookup
 from ..runtime.vocab_loss import vocab_parallel_cross_entropy
 from .graph_facts import aten, bias_operand, linear_sites
-from .sharding.placements import PerOutput, Replicate
+from .sharding.placements import CopiedWhole, PerOutput, Replicate
 
 # operators whose output is the same on every tp rank whatever their inputs
 _WHOLE_OUTPUT = {reduce_from_tp_region, gather_from_tp_region, vocab_parallel_cross_entropy,
@@ -48,7 +48,10 @@ _F = {copy_to_tp_region, sp.all_gather_from_sequence_parallel_region}
 
 
 def varies(p) -> bool:
-    """A forward placement other than Replicate (None: a node propagation did not place)."""
+    """A forward placement other than Replicate (None: a node propagation did not place);
+    a copy held whole whose gradient is Partial (:class:`CopiedWhole`) varies too."""
+    if isinstance(p, CopiedWhole):
+        return True
     if p is None or isinstance(p, Replicate):
         return False
     if isinstance(p, PerOutput):

@@ -339,7 +339,10 @@ def split_parts(node, prop, tp: int, d: int, raw, parts: list):
         i = u.args[1]
         if i in copied:  # one kv head, copied to every rank
             prop.claimed.add(u.name)
-            prop.heads[u.name] = HeadsMark(frozenset(raw), 1, True)
+            if copied[i] is not None:
+                prop.heads[u.name] = HeadsMark(frozenset(raw), 1, True)
+            else:  # no heads dim: held whole (CopiedWhole), until copied_whole_unsqueeze
+                prop.copied_whole[u.name] = frozenset(raw)
         else:
             prop.part_slices[u.name] = (frozenset(raw), starts[i], starts[i] + parts[i])
     return tuple(layouts), copied
@@ -379,7 +382,70 @@ def copied_parts(node, prop, d: int, raw) -> dict:
         h = next((j for j in ones if _spread_over_heads(value, j)), None)
         if h is not None:
             out[i] = h
+        elif _broadcast_by_einsum(value, d) or _unsqueezed_over_heads(value):
+            out[i] = None  # held whole: analysis/sharding/placements.CopiedWhole
     return out if len(out) < len(node.meta["val"]) else {}
+
+
+def _broadcast_by_einsum(value, d: int) -> bool:
+    """Every use of ``value`` is an einsum that broadcasts it over a letter it lacks and an
+    activation operand and the output have, ``d`` its last dim: one k or v head with no
+    heads dim, against the query heads (PaLM's multi-query ``einsum('bhid,bjd->bhij', q,
+    k)``, Chowdhery et al. 2022 §2). Such a part is one head, whole on every rank."""
+    if not value.users or d != len(shape(value)) - 1:
+        return False
+    for u in value.users:
+        if u.target is not aten.einsum.default or not isinstance(u.args[0], str):
+            return False
+        ops = list(u.args[1])
+        if sum(o is value for o in ops) != 1:
+            return False
+        read = einsum_letters(u.args[0], [len(shape(o)) for o in ops])
+        if read is None:
+            return False
+        spelled, out = read
+        mine = spelled[ops.index(value)]
+        others = {c for o, ls in zip(ops, spelled) if o is not value and not _constant(o)
+                  for c in ls}
+        if not (set(out) & others) - set(mine):
+            return False
+    return True
+
+
+def _unsqueezed_over_heads(value) -> bool:
+    """Every use of ``value`` (one head with no heads dim) is an unsqueeze whose new size-1
+    dim is spread over the query heads (PaLM written for SDPA: ``k.unsqueeze(1).expand(b,
+    heads, n, head_dim)``)."""
+    rank = len(shape(value))
+    return bool(value.users) and all(
+        u.target is aten.unsqueeze.default and _spread_over_heads(u, u.args[1] % (rank + 1))
+        for u in value.users)
+
+
+def copied_whole_unsqueeze(node, prop):
+    """The unsqueeze of a part held whole (:func:`_unsqueezed_over_heads`): its new size-1
+    dim carries the copy, placed and marked as GPTBigCode's copied kv head; else None."""
+    src = node.args[0]
+    weights = prop.copied_whole.get(src.name)
+    h = node.args[1] % (len(shape(src)) + 1)
+    if weights is None or not _spread_over_heads(node, h):
+        return None
+    prop.claimed.add(node.name)
+    prop.heads[node.name] = HeadsMark(weights, 1, True)
+    return Shard(h)
+
+
+def _constant(node) -> bool:
+    """Computed from parameters, buffers and constants alone (no placeholder upstream)."""
+    todo, seen = [node], set()
+    while todo:
+        n = todo.pop()
+        if n.op == "placeholder":
+            return False
+        if n not in seen:
+            seen.add(n)
+            todo += n.all_input_nodes
+    return True
 
 
 def one_head_unsqueeze(node, prop):
@@ -448,3 +514,39 @@ def _spread_over_heads(value, h: int, depth: int = 6) -> bool:
         if not ok:
             return False
     return True
+
+
+def einsum_letters(eq: str, ranks: list):
+    """Each operand's letters and the output's of an explicit or implicit einsum equation,
+    an ellipsis spelled as fresh letters right-aligned across the operands (numpy's
+    broadcasting of the ``...`` dims); None when it cannot be read."""
+    eq = eq.replace(" ", "")
+    ins, arrow, out = eq.partition("->")
+    parts = ins.split(",")
+    if len(parts) != len(ranks):
+        return None
+    fresh = [c for c in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in eq]
+    ell = max([r - (len(p) - 3) for p, r in zip(parts, ranks) if "..." in p], default=0)
+    if ell > len(fresh) or ell < 0:
+        return None
+    fill = fresh[:ell]
+    spelled = []
+    for p, r in zip(parts, ranks):
+        if "..." in p:
+            n = r - (len(p) - 3)
+            if n < 0 or p.count("...") != 1:
+                return None
+            p = p.replace("...", "".join(fill[ell - n:]))
+        if len(p) != r or not p.isalpha():
+            return None
+        spelled.append(p)
+    if not arrow:  # implicit output: the ellipsis, then the letters seen once, sorted
+        letters = "".join(spelled)
+        out = "".join(fill) + "".join(sorted(c for c in set(letters) if letters.count(c) == 1
+                                             and c not in fill))
+    else:
+        if "..." in out:
+            out = out.replace("...", "".join(fill))
+        if not out.isalpha() and out:
+            return None
+    return spelled, out

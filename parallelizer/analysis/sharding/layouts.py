@@ -10,7 +10,7 @@ import torch.fx as fx
 from ...plan.layouts import Fused, InterleavedHeads, ReplicatedHeads, local_length, part_length
 from ..graph_facts import aten, expr, module_path, prod, same, shape
 from .cuts import fused_heads_view, only_cut_on, sliced_heads, split_heads_cut, split_parts
-from .placements import CONFLICT, PerOutput, Shard, shard
+from .placements import CONFLICT, COPIED_WHOLE, PerOutput, Shard, shard
 from .strided import local_merged_size, merge_view, strided_view
 from .state import (HeadsMark, add_constraint, add_rewrite, copies_refused, copyable, dim_arg,
                     dim_of, record_use, sizes_arg)
@@ -346,5 +346,6 @@ def _split_fused(node, prop, tp, d, n):
         for i, p in enumerate(size):
             if isinstance(p, int):
                 add_rewrite(prop, node, 1, i, _part_local(p, part_layouts[i], tp))
-    return PerOutput(tuple(Shard(copied.get(i, d)) for i in range(n)))
+    return PerOutput(tuple(COPIED_WHOLE if i in copied and copied[i] is None else
+                           Shard(copied.get(i, d)) for i in range(n)))
 

@@ -13,7 +13,8 @@ for:
   placements (the reason is in ``Propagation.conflicts``) and every value computed from it
   has none either.
 
-and one only a redistribution asks for (:mod:`.redistribute`):
+one for a part of a column output held whole by every rank (:class:`CopiedWhole`), and
+one only a redistribution asks for (:mod:`.redistribute`):
 
 - :class:`CopiedHeads`: a replicated value read, on one edge, as the copy of one of its
   ``heads`` entries along ``dim`` that the rank's query heads read (GQA kv heads when tp is a
@@ -57,6 +58,21 @@ class CopiedHeads:
 
     dim: int
     heads: int
+
+
+
+class CopiedWhole(Replicate):
+    """A part of a column output that every rank holds whole, as the copy of one head with
+    no heads dim to place it on (PaLM's multi-query k and v parts of its fused projection,
+    read by ``einsum('bhid,bjd->bhij', q, k)``): forward rules read it as Replicate (it
+    equals ``REPLICATE``), while its gradient is only the rank's query heads' contribution,
+    as a shard's is (``analysis/gradient_forward.varies``), so no f makes it whole."""
+
+    def __repr__(self) -> str:
+        return "CopiedWhole()"
+
+
+COPIED_WHOLE = CopiedWhole()
 
 Placement = Union[Shard, Replicate, PerOutput, Conflict]
 

@@ -49,7 +49,7 @@ from .dtensor import NO_RULE, Wants, dtensor_rule
 from . import redistribute
 from .heads import factory_rule, request_broadcast
 from ...plan.layouts import InterleavedHeads, in_units
-from .cuts import fuse_slices, one_head_unsqueeze
+from .cuts import copied_whole_unsqueeze, fuse_slices, one_head_unsqueeze
 from .layouts import view_rule
 from .placements import CONFLICT, REPLICATE, Conflict, Shard, shard_dim
 from .rules import (BROADCASTING, DTENSOR_FIRST, KEEP_HEADS, KEEP_RAW, OURS_AFTER_DTENSOR, RULES,
@@ -197,6 +197,10 @@ def _rule(node: fx.Node, prop: Propagation, column, row, weight_dims, tp):
         return _linear(node, site, prop, column, row, groups)
     if node.name in prop.per_head_factories:
         return factory_rule(node, prop, tp), prop.per_head_factories[node.name][1]
+    if node.target is aten.unsqueeze.default and node.args[0].name in prop.copied_whole:
+        out = copied_whole_unsqueeze(node, prop)  # one head held whole, spread over heads
+        if out is not None:
+            return out, groups
     if node.name in prop.narrow and not ins:  # a cut of a replicated value only
         return narrowed(node, prop)
     if not ins:

@@ -8,7 +8,7 @@ import operator
 from ..graph_facts import aten, expr, is_tensor, same, shape
 from .dtensor import Wants, tensor_args
 from .heads import embedding_rule, request_heads
-from .cuts import index_rule, slice_rule
+from .cuts import einsum_letters, index_rule, slice_rule
 from .layouts import expand_rule, split_rule, view_rule
 from .placements import CONFLICT, REPLICATE, CopiedHeads, PerOutput, Shard, shard
 from .state import dim_arg, dim_of, inputs_of, placement
@@ -207,42 +207,6 @@ def _matmul(node, prop, tp):
     return Shard(ps + ro - rs)
 
 
-def _einsum_letters(eq: str, ranks: list):
-    """Each operand's letters and the output's of an explicit or implicit einsum equation,
-    an ellipsis spelled as fresh letters right-aligned across the operands (numpy's
-    broadcasting of the ``...`` dims); None when it cannot be read."""
-    eq = eq.replace(" ", "")
-    ins, arrow, out = eq.partition("->")
-    parts = ins.split(",")
-    if len(parts) != len(ranks):
-        return None
-    fresh = [c for c in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in eq]
-    ell = max([r - (len(p) - 3) for p, r in zip(parts, ranks) if "..." in p], default=0)
-    if ell > len(fresh) or ell < 0:
-        return None
-    fill = fresh[:ell]
-    spelled = []
-    for p, r in zip(parts, ranks):
-        if "..." in p:
-            n = r - (len(p) - 3)
-            if n < 0 or p.count("...") != 1:
-                return None
-            p = p.replace("...", "".join(fill[ell - n:]))
-        if len(p) != r or not p.isalpha():
-            return None
-        spelled.append(p)
-    if not arrow:  # implicit output: the ellipsis, then the letters seen once, sorted
-        letters = "".join(spelled)
-        out = "".join(fill) + "".join(sorted(c for c in set(letters) if letters.count(c) == 1
-                                             and c not in fill))
-    else:
-        if "..." in out:
-            out = out.replace("...", "".join(fill))
-        if not out.isalpha() and out:
-            return None
-    return spelled, out
-
-
 def _einsum(node, prop, tp):
     """``einsum`` (kept whole by capture; DTensor has no strategy for it): the operands
     sharded along one letter that the output keeps (attention's ``"bhid,bhjd->bhij"`` over
@@ -256,7 +220,7 @@ def _einsum(node, prop, tp):
         return CONFLICT
     if any(o.name in prop.heads and prop.heads[o.name].replicated for o in operands):
         return CONFLICT
-    read = _einsum_letters(eq, [len(shape(o)) for o in operands])
+    read = einsum_letters(eq, [len(shape(o)) for o in operands])
     if read is None:
         return CONFLICT
     spelled, out = read

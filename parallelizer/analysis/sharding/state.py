@@ -77,6 +77,9 @@ class Propagation:
     # a slice that is one part of a column output's features (Phi-3's qkv[..., a:b]) ->
     # (its weights, lo, hi), for the view of the part into heads (cuts.py sliced_heads)
     part_slices: dict = field(default_factory=dict)
+    # a part of a column output held whole as one head with no heads dim (CopiedWhole):
+    # node name -> its column weights
+    copied_whole: dict = field(default_factory=dict)
     # (batch, heads) merged into one dim with the heads inner and sharded (BLOOM's baddbmm
     # operands; DTensor's _StridedShard): node name -> global heads; the placement is that dim
     strided: dict = field(default_factory=dict)

@@ -191,3 +191,60 @@ def test_one_head_broadcast_by_matmul_is_kept_whole_and_the_rest_sharded(tp, fus
     assert d.column == {"q.weight"} and d.row == {"o.weight"}, (d.column, d.row)
     assert d.redistributions == []
     assert_tp_matches(model, x_batch(), tp, d, gm)
+
+
+class PaLMBlock(nn.Module):
+    """PaLM's parallel block (Chowdhery et al. 2022 §2): one fused projection q | k | v |
+    up | gate, k and v one head with no heads dim, read by einsum against the query heads;
+    attention and SwiGLU summed into the stream. Weights as raw parameters with F.linear."""
+
+    def __init__(self, sdpa: bool, ff=2 * H):
+        super().__init__()
+        self.sdpa, self.dims = sdpa, (H, D, D, ff, ff)
+        self.fused_in = nn.Parameter(torch.randn(sum(self.dims), H) / H ** 0.5)
+        self.attn_out = nn.Parameter(torch.randn(H, H) / H ** 0.5)
+        self.ff_out = nn.Parameter(torch.randn(H, ff) / ff ** 0.5)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v, up, gate = F.linear(F.layer_norm(x, (H,)), self.fused_in).split(self.dims, -1)
+        q = q.view(b, n, HEADS, D).transpose(1, 2) * D ** -0.5
+        if self.sdpa:  # the same written for SDPA: the one head unsqueezed and expanded
+            k, v = (t.unsqueeze(1).expand(b, HEADS, n, D) for t in (k, v))
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0)
+        else:
+            sim = torch.einsum("bhid,bjd->bhij", q, k)
+            sim = sim.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), -1e9)
+            out = torch.einsum("bhij,bjd->bhid", sim.softmax(-1), v)
+        out = out.transpose(1, 2).reshape(b, n, H)
+        return x + F.linear(out, self.attn_out) + F.linear(F.silu(gate) * up, self.ff_out)
+
+
+class PaLM(nn.Module):
+    def __init__(self, sdpa: bool):
+        super().__init__()
+        self.blocks = nn.ModuleList(PaLMBlock(sdpa) for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("tp,sdpa", [(2, False), (4, False), (2, True), (4, True)])
+def test_palm_one_head_parts_are_copied(tp, sdpa):
+    """The k and v parts have no heads dim to place a copy on: they are held whole on every
+    rank (analysis/sharding/placements.CopiedWhole), with no f, so each rank's k and v
+    gradient is its query heads' contribution and the column's input f sums them once
+    (an f on them summed the k and v part of dx tp times: tried, caught here). Read by
+    einsum, or unsqueezed and expanded for SDPA (the new dim then carries the copy)."""
+    torch.manual_seed(0)
+    model = PaLM(sdpa)
+    gm, d = planned(model, x_batch(), tp)
+    copied = Fused((H, D, D, 2 * H, 2 * H), (None, ReplicatedHeads(1, D), ReplicatedHeads(1, D),
+                                             None, None))
+    for i in range(2):
+        assert f"blocks.{i}.fused_in" in d.column and d.layouts[f"blocks.{i}.fused_in"] == copied
+        assert {f"blocks.{i}.attn_out", f"blocks.{i}.ff_out"} <= d.row
+    assert d.redistributions == [] and not d.f_edges, (d.redistributions, d.f_edges)
+    assert_tp_matches(model, x_batch(), tp, d, gm)
