@@ -105,13 +105,27 @@ def sharded_logits(x: torch.Tensor, vocab: int, mesh):
                               shape=torch.Size(shape), stride=stride)
 
 
+def replicated_output(t, mesh):
+    """A floating-point model output other than the logits, the same on every tp rank, as a
+    ``Replicate`` DTensor, so that ``loss_fn`` mixes only DTensors: ``cross_entropy(logits)
+    + 0.01 * aux`` added a plain ``aux`` to the DTensor loss, which DTensor takes in the
+    forward (a 0-dim tensor) but whose backward then met a DTensor gradient in aux's own
+    plain ops ("got mixed torch.Tensor and DTensor"). ``from_local``'s backward hands the
+    output its plain gradient. Any other value as it is."""
+    from torch.distributed.tensor import DTensor, Replicate
+    if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.is_floating_point():
+        return DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+    return t
+
+
 class VocabOutputs:
     """The model outputs the last stage returns vocab-sharded (``plan.vocab_outputs``): how
     ``loss_fn`` sees them and how they are returned whole.
 
-    ``loss_fn`` gets them as DTensors ``Shard(-1)`` (:func:`sharded_logits`) and runs, with
-    the backward, under torch's ``loss_parallel`` (:meth:`context`), so a cross-entropy never
-    materialises the full logits. A ``loss_fn`` that fails on a DTensor (it mixes them with
+    ``loss_fn`` gets them as DTensors ``Shard(-1)`` (:func:`sharded_logits`), the other
+    floating-point outputs as ``Replicate`` DTensors (:func:`replicated_output`), and runs,
+    with the backward, under torch's ``loss_parallel`` (:meth:`context`), so a cross-entropy
+    never materialises the full logits. A ``loss_fn`` that fails on a DTensor (it mixes them with
     plain tensors, or calls an op DTensor has no rule for) gets them gathered from then on,
     with one warning; such a failure is the same on every tp rank (same code, same ops), so
     they all switch together. Out-of-memory and distributed errors are raised, not taken for
@@ -136,8 +150,8 @@ class VocabOutputs:
             return loss_fn(unflatten(flat), target)
         if self.sharded:
             try:
-                views = [sharded_logits(t, self.vocab[i], self.mesh) if i in self.vocab else t
-                         for i, t in enumerate(flat)]
+                views = [sharded_logits(t, self.vocab[i], self.mesh) if i in self.vocab else
+                         replicated_output(t, self.mesh) for i, t in enumerate(flat)]
                 loss = loss_fn(unflatten(views), target)
                 if hasattr(loss, "full_tensor"):  # a view of the DTensor's local tensor: the
                     loss = loss.full_tensor().clone()  # zero-bubble schedules detach_() it

@@ -447,6 +447,47 @@ def test_loss_fn_failing_on_a_dtensor_gets_gathered_logits_once_warned(monkeypat
         dist.destroy_process_group()
 
 
+def test_loss_fn_adding_a_plain_output_to_the_vocab_loss_backpropagates(monkeypatch):
+    """A model returning (logits, aux) with ``loss = cross_entropy(logits) + 0.01 * aux``: the
+    DTensor loss took the plain aux in the forward and crashed in the backward ("got mixed
+    torch.Tensor and DTensor", a break test, every layout). The other outputs reach loss_fn
+    as Replicate DTensors now: the loss and the gradients of both outputs equal eager's,
+    with the logits still sharded (no fallback)."""
+    import types
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from parallelizer.runtime.vocab_loss import VocabOutputs
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29616")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        outs = VocabOutputs(types.SimpleNamespace(vocab_outputs=((0, 7),)),
+                            init_device_mesh("cpu", (1,)))
+        g = torch.Generator().manual_seed(3)
+        h, w = torch.randn(2, 3, 5, generator=g), torch.randn(7, 5, generator=g)
+        target = torch.randint(0, 7, (2, 3), generator=g)
+
+        def loss_fn(out, t):
+            logits, aux = out
+            return F.cross_entropy(logits.reshape(-1, 7), t.reshape(-1)) + 0.01 * aux
+
+        def grads(run):
+            hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+            flat = [hh @ ww.T, (hh * hh).mean()]  # logits and an aux of the same activations
+            loss = run(flat)
+            loss.backward()
+            return loss.detach(), hh.grad, ww.grad
+
+        want = grads(lambda flat: loss_fn(flat, target))
+        with outs.context():
+            got = grads(lambda flat: outs.loss(loss_fn, flat, lambda f: f, target))
+        assert outs.sharded
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    finally:
+        dist.destroy_process_group()
+
+
 class TiedHeadOwnBias(nn.Module):
     """A tied table read by the head with a bias of its own (``F.linear(h, wte.weight,
     self.out_bias)``)."""
