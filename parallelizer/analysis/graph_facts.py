@@ -29,6 +29,20 @@ def shape(node) -> tuple:
     return tuple(node.meta["val"].shape)
 
 
+def from_constants(node: fx.Node) -> bool:
+    """``node`` is computed from parameters, buffers and constants alone (no placeholder
+    upstream)."""
+    todo, seen = [node], set()
+    while todo:
+        n = todo.pop()
+        if n.op == "placeholder":
+            return False
+        if n not in seen:
+            seen.add(n)
+            todo += n.all_input_nodes
+    return True
+
+
 def expr(x) -> sympy.Expr:
     """A size (int or SymInt) as a sympy expression, for exact symbolic comparison."""
     if isinstance(x, sympy.Expr):

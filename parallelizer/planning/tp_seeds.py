@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..analysis.graph_facts import aten
+from ..analysis.graph_facts import aten, from_constants
 from ..plan.parallel_plan import DROPOUT_OPS
 
 _STOP = {aten.embedding.default}
@@ -161,7 +161,7 @@ def is_scaling(node: fx.Node) -> bool:
 
 
 def _activation(a) -> bool:
-    return isinstance(a, fx.Node) and not _constant(a)
+    return isinstance(a, fx.Node) and not from_constants(a)
 
 
 def _conditioning(op: fx.Node, walked: fx.Node) -> bool:
@@ -189,7 +189,7 @@ def _conditioning(op: fx.Node, walked: fx.Node) -> bool:
                for a, b in zip(lead[:-1], os_[:-1])):
         return False
     return any(isinstance(a, fx.Node) and a is not walked and _same_shape(a.meta.get("val"), out)
-               and not _constant(a) for a in op.args[:2])
+               and not from_constants(a) for a in op.args[:2])
 
 
 def _feeds_residual(node: fx.Node, is_linear: dict) -> bool:
@@ -239,7 +239,7 @@ def _residual_add(node: fx.Node, seen: set, start: fx.Node | None = None,
         return False
     out = node.meta.get("val")
     return any(isinstance(a, fx.Node) and a not in seen and a.op != "get_attr"
-               and _same_shape(a.meta.get("val"), out) and not _constant(a)
+               and _same_shape(a.meta.get("val"), out) and not from_constants(a)
                and (start is None or not _local(a, start, is_linear)
                     and _stream(a, is_linear))
                for a in node.args[:2])
@@ -284,19 +284,6 @@ def _data_users(node: fx.Node) -> list:
 def _same_shape(a, b) -> bool:
     return getattr(a, "shape", None) is not None and getattr(b, "shape", None) is not None \
         and tuple(a.shape) == tuple(b.shape)
-
-
-def _constant(node: fx.Node) -> bool:
-    """Computed from parameters, buffers and constants alone (no placeholder upstream)."""
-    todo, seen = [node], set()
-    while todo:
-        n = todo.pop()
-        if n.op == "placeholder":
-            return False
-        if n not in seen:
-            seen.add(n)
-            todo += n.all_input_nodes
-    return True
 
 
 def nearest_linears(node: fx.Node, is_linear: dict, upstream: bool = False) -> set:

@@ -410,10 +410,10 @@ def test_spec_value_other_than_auto_true_false_is_a_spec_error(tmp_path):
         is False
 
 
-def test_loss_fn_failing_on_a_dtensor_gets_gathered_logits_once_warned(monkeypatch, capsys):
-    """run.py hands loss_fn the vocab-sharded logits as a DTensor; a loss_fn DTensor cannot
-    run (it mixes them with a plain tensor) gets them gathered from then on, with one
-    warning and the same loss; an out-of-memory error is raised, not taken for that."""
+@pytest.fixture
+def vocab_outputs(monkeypatch):
+    """A :class:`VocabOutputs` for 7-column logits on a one-rank gloo group: builds a
+    fresh one per call (``make()``), the group destroyed after the test."""
     import types
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -421,71 +421,67 @@ def test_loss_fn_failing_on_a_dtensor_gets_gathered_logits_once_warned(monkeypat
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29615")
     dist.init_process_group("gloo", rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,))
     try:
-        outs = VocabOutputs(types.SimpleNamespace(vocab_outputs=((0, 7),)),
-                            init_device_mesh("cpu", (1,)))
-        logits = torch.randn(2, 3, 7)
-        target = torch.randint(0, 7, (2, 3))
-
-        def mixing(out, t):  # DTensor * torch.Tensor: refused by DTensor
-            return F.cross_entropy((out[0] * torch.ones(out[0].shape)).reshape(-1, 7), t.reshape(-1))
-
-        want = F.cross_entropy(logits.reshape(-1, 7), target.reshape(-1))
-        with outs.context():
-            got = outs.loss(mixing, [logits], lambda flat: flat, target)
-        assert not outs.sharded and torch.equal(got, want)
-        assert capsys.readouterr().out.count("warning: loss_fn failed on the vocab_parallel logits") == 1
-
-        def oom(out, t):
-            raise torch.OutOfMemoryError("out of memory")
-
-        fresh = VocabOutputs(types.SimpleNamespace(vocab_outputs=((0, 7),)), outs.mesh)
-        with pytest.raises(torch.OutOfMemoryError):
-            fresh.loss(oom, [logits], lambda flat: flat, target)
-        assert fresh.sharded
+        yield lambda: VocabOutputs(types.SimpleNamespace(vocab_outputs=((0, 7),)), mesh)
     finally:
         dist.destroy_process_group()
 
 
-def test_loss_fn_adding_a_plain_output_to_the_vocab_loss_backpropagates(monkeypatch):
+def test_loss_fn_failing_on_a_dtensor_gets_gathered_logits_once_warned(vocab_outputs, capsys):
+    """run.py hands loss_fn the vocab-sharded logits as a DTensor; a loss_fn DTensor cannot
+    run (it mixes them with a plain tensor) gets them gathered from then on, with one
+    warning and the same loss; an out-of-memory error is raised, not taken for that."""
+    outs = vocab_outputs()
+    logits = torch.randn(2, 3, 7)
+    target = torch.randint(0, 7, (2, 3))
+
+    def mixing(out, t):  # DTensor * torch.Tensor: refused by DTensor
+        return F.cross_entropy((out[0] * torch.ones(out[0].shape)).reshape(-1, 7), t.reshape(-1))
+
+    want = F.cross_entropy(logits.reshape(-1, 7), target.reshape(-1))
+    with outs.context():
+        got = outs.loss(mixing, [logits], lambda flat: flat, target)
+    assert not outs.sharded and torch.equal(got, want)
+    assert capsys.readouterr().out.count("warning: loss_fn failed on the vocab_parallel logits") == 1
+
+    def oom(out, t):
+        raise torch.OutOfMemoryError("out of memory")
+
+    fresh = vocab_outputs()
+    with pytest.raises(torch.OutOfMemoryError):
+        fresh.loss(oom, [logits], lambda flat: flat, target)
+    assert fresh.sharded
+
+
+def test_loss_fn_adding_a_plain_output_to_the_vocab_loss_backpropagates(vocab_outputs):
     """A model returning (logits, aux) with ``loss = cross_entropy(logits) + 0.01 * aux``: the
     DTensor loss took the plain aux in the forward and crashed in the backward ("got mixed
     torch.Tensor and DTensor", a break test, every layout). The other outputs reach loss_fn
     as Replicate DTensors now: the loss and the gradients of both outputs equal eager's,
     with the logits still sharded (no fallback)."""
-    import types
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from parallelizer.runtime.vocab_loss import VocabOutputs
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", "29616")
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        outs = VocabOutputs(types.SimpleNamespace(vocab_outputs=((0, 7),)),
-                            init_device_mesh("cpu", (1,)))
-        g = torch.Generator().manual_seed(3)
-        h, w = torch.randn(2, 3, 5, generator=g), torch.randn(7, 5, generator=g)
-        target = torch.randint(0, 7, (2, 3), generator=g)
+    outs = vocab_outputs()
+    g = torch.Generator().manual_seed(3)
+    h, w = torch.randn(2, 3, 5, generator=g), torch.randn(7, 5, generator=g)
+    target = torch.randint(0, 7, (2, 3), generator=g)
 
-        def loss_fn(out, t):
-            logits, aux = out
-            return F.cross_entropy(logits.reshape(-1, 7), t.reshape(-1)) + 0.01 * aux
+    def loss_fn(out, t):
+        logits, aux = out
+        return F.cross_entropy(logits.reshape(-1, 7), t.reshape(-1)) + 0.01 * aux
 
-        def grads(run):
-            hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
-            flat = [hh @ ww.T, (hh * hh).mean()]  # logits and an aux of the same activations
-            loss = run(flat)
-            loss.backward()
-            return loss.detach(), hh.grad, ww.grad
+    def grads(run):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        flat = [hh @ ww.T, (hh * hh).mean()]  # logits and an aux of the same activations
+        loss = run(flat)
+        loss.backward()
+        return loss.detach(), hh.grad, ww.grad
 
-        want = grads(lambda flat: loss_fn(flat, target))
-        with outs.context():
-            got = grads(lambda flat: outs.loss(loss_fn, flat, lambda f: f, target))
-        assert outs.sharded
-        for a, b in zip(got, want):
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
-    finally:
-        dist.destroy_process_group()
+    want = grads(lambda flat: loss_fn(flat, target))
+    with outs.context():
+        got = grads(lambda flat: outs.loss(loss_fn, flat, lambda f: f, target))
+    assert outs.sharded
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
 class TiedHeadOwnBias(nn.Module):

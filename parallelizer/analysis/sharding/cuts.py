@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 
 from ...plan.layouts import Fused, ReplicatedHeads, local_length
-from ..graph_facts import aten, expr, module_path, same, shape, slice_bound
+from ..graph_facts import aten, expr, from_constants, module_path, same, shape, slice_bound
 from .dtensor import dtensor_rule
 from .placements import CONFLICT, REPLICATE, PerOutput, Shard, shard
 from .state import (HeadsMark, add_constraint, add_rewrite, dim_arg, dim_of, local_at,
@@ -405,7 +405,7 @@ def _broadcast_by_einsum(value, d: int) -> bool:
             return False
         spelled, out = read
         mine = spelled[ops.index(value)]
-        others = {c for o, ls in zip(ops, spelled) if o is not value and not _constant(o)
+        others = {c for o, ls in zip(ops, spelled) if o is not value and not from_constants(o)
                   for c in ls}
         if not (set(out) & others) - set(mine):
             return False
@@ -433,19 +433,6 @@ def copied_whole_unsqueeze(node, prop):
     prop.claimed.add(node.name)
     prop.heads[node.name] = HeadsMark(weights, 1, True)
     return Shard(h)
-
-
-def _constant(node) -> bool:
-    """Computed from parameters, buffers and constants alone (no placeholder upstream)."""
-    todo, seen = [node], set()
-    while todo:
-        n = todo.pop()
-        if n.op == "placeholder":
-            return False
-        if n not in seen:
-            seen.add(n)
-            todo += n.all_input_nodes
-    return True
 
 
 def one_head_unsqueeze(node, prop):

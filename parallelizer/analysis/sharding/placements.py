@@ -60,7 +60,6 @@ class CopiedHeads:
     heads: int
 
 
-
 class CopiedWhole(Replicate):
     """A part of a column output that every rank holds whole, as the copy of one head with
     no heads dim to place it on (PaLM's multi-query k and v parts of its fused projection,
