@@ -160,7 +160,9 @@ def tp_summary(decision: TPDecision, model, vocab=None, blocks=(), experts=None,
     after (``; also K outside them``). One kv head copied to every rank (multi-query,
     ``replicated_heads`` of 1 head) is held whole by each rank and not counted sharded. P is
     rounded, but never to 100 while a parameter is left whole (nor to 0
-    while one is sharded)."""
+    while one is sharded). The all-gathers of sharded activations the plan inserts are
+    counted after it: a matrix counted sharded may feed an op that then runs whole on every
+    rank (q, k, v of heads laid out inner, gathered before attention)."""
     mats, where = _counted_matrices(model, blocks)
     dims = _sharded(decision, vocab, experts, stacked)
     sharded = [n for n in mats if n in dims]
@@ -176,8 +178,11 @@ def tp_summary(decision: TPDecision, model, vocab=None, blocks=(), experts=None,
     outside = sorted(n for n, p in params.items() if p.dim() >= 2 and n in dims
                      and n not in mats and not (vocab is not None and n in vocab.dims))
     also = f"; also {len(outside)} outside them" if outside and where == "in blocks" else ""
+    gathered = sum(r.kind == "all_gather" for r in decision.redistributions)
+    whole = (f"; {gathered} sharded activation(s) all-gathered where no sharded rule takes "
+             f"them, the ops after computed whole (report.md)" if gathered else "")
     return (f"{head}{len(sharded)} of {len(mats)} weight matrices {where} sharded{also} "
-            f"({pct} % of parameters)")
+            f"({pct} % of parameters){whole}")
 
 
 def _counted_matrices(model, blocks=()) -> tuple[dict, str]:

@@ -96,6 +96,25 @@ def test_conv_over_sharded_channels_is_gathered(tp):
     assert gather.bytes == (tp - 1) * b * t * 2 * H * 4 // tp  # fp32, the whole value
 
 
+def test_summary_line_counts_the_all_gathers():
+    """A matrix counted sharded may feed an op that runs whole after an all-gather (a break
+    test: q, k, v of heads laid out inner, gathered before attention, read "12 of 12
+    sharded"); the count line says how many activations are gathered, and a plan with none
+    says nothing more."""
+    from parallelizer.planning.tp_matrices import tp_summary
+    torch.manual_seed(0)
+    model = DepthwiseConvMixer()
+    d = plan_and_check(model, x_batch(t=6), 2)
+    n = sum(r.kind == "all_gather" for r in d.redistributions)
+    assert n >= 1
+    assert tp_summary(d, model).endswith(
+        f"; {n} sharded activation(s) all-gathered where no sharded rule takes them, the ops "
+        f"after computed whole (report.md)")
+    plain = plan_tp(captured(ProjectionNormAttention(), x_batch()).gm.graph, 2)
+    plain.redistributions = [r for r in plain.redistributions if r.kind != "all_gather"]
+    assert tp_summary(plain, ProjectionNormAttention()).endswith("% of parameters)")
+
+
 def test_cat_along_the_sharded_dim_gathers_the_shard():
     torch.manual_seed(0)
     d = plan_and_check(ConcatBranch(), x_batch(), 2)
