@@ -320,6 +320,11 @@ def check_divisible(prop: Propagation, tp: int) -> None:
     some = _partial_degrees(prop)
     also = (f"; tp in {{{', '.join(map(str, some))}}} divides some of the sizes: it shards those "
             f"groups and keeps the others whole" if some else "")
+    if tp in some:  # that plan was tried at this tp and sharded nothing or did not settle
+        also = (f"; tp = {tp} divides some of the sizes, but keeping the groups behind the "
+                f"others whole leaves no plan that shards a weight (they share weights with "
+                f"the rest: a fused projection); or set tensor_parallel.allow_replicated=true "
+                f"to run replicated")
     raise PlanError(f"mesh.tp ({tp}) must divide {_size_text(bad[0], prop)}; valid choices: "
                     f"tp in {{{', '.join(map(str, _valid_degrees(prop)))}}} (sharding every "
                     f"group){also}")

@@ -8,6 +8,7 @@ every gradient, one SGD step; fp32, 1e-5). Where nothing is left to shard the re
 naming the size and the valid degrees stands."""
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from parallelizer.errors import PlanError
@@ -88,6 +89,38 @@ def test_the_refusal_names_the_degrees_that_shard_some_groups():
                                  f"shards those groups and keeps the others whole"), str(e.value)
     for tp in some:  # as it says: each compiles
         plan_tp(cap.gm.graph, tp)
+
+
+class FusedParallelBlock(nn.Module):
+    """q | k | v | up | gate in one projection, 3 kv heads (a break test's PaLM-style GQA)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fused = nn.Linear(H, 6 * 8 + 2 * 3 * 8 + 2 * 48, bias=False)
+        self.o, self.down = nn.Linear(6 * 8, H, bias=False), nn.Linear(48, H, bias=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v, up, gate = self.fused(x).split([48, 24, 24, 48, 48], -1)
+        q = q.view(b, t, 6, 8).transpose(1, 2)
+        k, v = (y.view(b, t, 3, 8).transpose(1, 2).repeat_interleave(2, dim=1) for y in (k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+        return x + self.o(a.reshape(b, t, 48)) + self.down(F.silu(gate) * up)
+
+
+def test_a_degree_that_shards_nothing_is_not_offered():
+    """Keeping the 3 kv heads' group whole keeps the fused projection whole, the MLP's half
+    too: the refusal at tp 2 offered "tp in {2, 4, ...}: it shards those groups and keeps
+    the others whole", tp 2 itself included. It says why not and what to set instead."""
+    cap = captured(FusedParallelBlock(), x_batch())
+    with pytest.raises(PlanError) as e:
+        plan_tp(cap.gm.graph, 2)
+    msg = str(e.value)
+    assert "tp in {1, 3} (sharding every group)" in msg and "keeps the others whole" not in msg
+    assert msg.endswith("tp = 2 divides some of the sizes, but keeping the groups behind the "
+                        "others whole leaves no plan that shards a weight (they share weights "
+                        "with the rest: a fused projection); or set "
+                        "tensor_parallel.allow_replicated=true to run replicated"), msg
 
 
 def test_transformers_llama_with_an_odd_intermediate_size_shards_its_attention():
