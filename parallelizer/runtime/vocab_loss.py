@@ -13,8 +13,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .loss_parallel_guard import fused_backward_misuse
 from .tp import tp_group, transport
 from .vocab import gather_from_tp_region, tp_coords
+
+
+class _WrongFusedBackward(Exception):
+    """loss_fn uses log_softmax where loss_parallel's fused backward is wrong."""
 
 
 def _reduce(t: torch.Tensor, op: str) -> torch.Tensor:
@@ -127,8 +132,10 @@ class VocabOutputs:
     with the backward, under torch's ``loss_parallel`` (:meth:`context`), so a cross-entropy
     never materialises the full logits. A ``loss_fn`` that fails on a DTensor (it mixes them with
     plain tensors, or calls an op DTensor has no rule for) gets them gathered from then on,
-    with one warning; such a failure is the same on every tp rank (same code, same ops), so
-    they all switch together. Out-of-memory and distributed errors are raised, not taken for
+    with one warning; so does one whose backward loss_parallel would get wrong (a
+    log_softmax read other than by cross-entropy: :mod:`.loss_parallel_guard`), found on the
+    loss's autograd graph before any backward. Such a failure is the same on every tp rank
+    (same code, same ops), so they all switch together. Out-of-memory and distributed errors are raised, not taken for
     a DTensor limitation (they may hit one rank only, whose peers would then wait in other
     collectives). A DTensor loss is returned as its full (replicated) value.
     """
@@ -153,18 +160,27 @@ class VocabOutputs:
                 views = [sharded_logits(t, self.vocab[i], self.mesh) if i in self.vocab else
                          replicated_output(t, self.mesh) for i, t in enumerate(flat)]
                 loss = loss_fn(unflatten(views), target)
+                misuse = fused_backward_misuse(loss, views) if loss.requires_grad else None
+                if misuse:
+                    raise _WrongFusedBackward(misuse)
                 if hasattr(loss, "full_tensor"):  # a view of the DTensor's local tensor: the
                     loss = loss.full_tensor().clone()  # zero-bubble schedules detach_() it
                 return loss
             except (torch.OutOfMemoryError, dist.DistError):
                 raise  # not a DTensor limitation, and may differ between ranks
+            except _WrongFusedBackward as e:
+                self._fall_back(f"loss_fn's backward under torch's loss_parallel would be wrong: "
+                                f"{e}, and loss_parallel computes log_softmax's backward only "
+                                f"inside cross_entropy's (an entropy term, a KL)")
             except Exception as e:  # noqa: BLE001 - any failure of user code on a DTensor
-                self.sharded = False
-                if tp_coords()[1] == 0:
-                    print(f"warning: loss_fn failed on the vocab_parallel logits as a DTensor "
-                          f"({type(e).__name__}: {str(e)[:200]}); it gets them gathered over tp "
-                          f"from now on", flush=True)
+                self._fall_back(f"loss_fn failed on the vocab_parallel logits as a DTensor "
+                                f"({type(e).__name__}: {str(e)[:200]})")
         return loss_fn(unflatten(self.whole(flat)), target)
+
+    def _fall_back(self, why: str) -> None:
+        self.sharded = False
+        if tp_coords()[1] == 0:
+            print(f"warning: {why}; it gets them gathered over tp from now on", flush=True)
 
     def whole(self, flat) -> list:
         """``flat`` with the vocab-sharded outputs gathered over tp (padding dropped).

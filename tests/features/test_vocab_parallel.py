@@ -411,16 +411,14 @@ def test_spec_value_other_than_auto_true_false_is_a_spec_error(tmp_path):
 
 
 @pytest.fixture
-def vocab_outputs(monkeypatch):
+def vocab_outputs():
     """A :class:`VocabOutputs` for 7-column logits on a one-rank gloo group: builds a
     fresh one per call (``make()``), the group destroyed after the test."""
     import types
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from parallelizer.runtime.vocab_loss import VocabOutputs
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", "29615")
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     mesh = init_device_mesh("cpu", (1,))
     try:
         yield lambda: VocabOutputs(types.SimpleNamespace(vocab_outputs=((0, 7),)), mesh)
@@ -480,6 +478,61 @@ def test_loss_fn_adding_a_plain_output_to_the_vocab_loss_backpropagates(vocab_ou
     with outs.context():
         got = grads(lambda flat: outs.loss(loss_fn, flat, lambda f: f, target))
     assert outs.sharded
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def _entropy_bonus(logits, t):
+    return F.cross_entropy(logits, t) + 0.1 * (
+        logits.softmax(-1) * logits.log_softmax(-1)).sum(-1).mean()
+
+
+def _distilled(logits, t):
+    teacher = (0.5 * logits.detach()).softmax(-1)  # a second model's, in a real one
+    return F.cross_entropy(logits, t) + F.kl_div(logits.log_softmax(-1), teacher,
+                                                 reduction="batchmean")
+
+
+def _own_log_probs(logits, t):
+    return F.nll_loss(logits - logits.logsumexp(-1, keepdim=True), t)
+
+
+def _z_loss(logits, t):
+    return F.cross_entropy(logits, t) + 1e-2 * logits.logsumexp(-1).pow(2).mean()
+
+
+def _nll_of_a_view(logits, t):
+    return F.nll_loss(F.log_softmax(logits, -1).view(2, 3, 7).transpose(1, 2), t.view(2, 3))
+
+
+@pytest.mark.parametrize("loss_of, sharded", [
+    (F.cross_entropy, True), (_z_loss, True), (_nll_of_a_view, True),
+    (_entropy_bonus, False), (_distilled, False), (_own_log_probs, False)])
+def test_loss_fn_gradients_equal_eager_whatever_reads_the_log_softmax(
+        vocab_outputs, capsys, loss_of, sharded):
+    """torch's loss_parallel fuses log_softmax's backward into nll_loss's (log_softmax's own
+    is the identity under it): an entropy bonus read the log_softmax too and its logits'
+    gradient was silently wrong (a break test at tp2: --verify FAIL, loss exact). Such a
+    loss_fn gets the logits gathered, found on its autograd graph before the backward;
+    cross-entropy, a z-loss beside it and nll_loss of a moved log_softmax stay sharded."""
+    outs = vocab_outputs()
+    g = torch.Generator().manual_seed(5)
+    h, target = torch.randn(6, 7, generator=g), torch.randint(0, 7, (6,), generator=g)
+
+    def loss_fn(out, t):
+        return loss_of(out[0], t)
+
+    def grad(run):
+        hh = h.clone().requires_grad_()
+        loss = run([hh * 1.0])
+        return loss.detach(), torch.autograd.grad(loss, hh)[0]
+
+    want = grad(lambda flat: loss_fn(flat, target))
+    with outs.context():
+        got = grad(lambda flat: outs.loss(loss_fn, flat, lambda f: f, target))
+    assert outs.sharded is sharded
+    assert ("loss_fn's backward under torch's loss_parallel would be wrong" in
+            capsys.readouterr().out) is not sharded
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
