@@ -32,6 +32,7 @@ def render_report(plan: ParallelPlan, route: str, tp_lines, pipeline: dict, note
              f"- mesh: pp={m['pp']} x dp={m['dp']} x tp={m['tp']} = {plan.world_size} ranks "
              f"(order pp, dp, tp; tp innermost)",
              f"- capture: {route}",
+             *_size_lines(plan),
              f"- schedule: {plan.schedule}, microbatches: {plan.microbatches}; "
              f"data parallel: {_DP[plan.zero_stage]} over dp (zero_stage {plan.zero_stage})"
              + _fsdp_options(plan),
@@ -53,6 +54,19 @@ def render_report(plan: ParallelPlan, route: str, tp_lines, pipeline: dict, note
     if notes:
         lines += [""] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
+
+
+def _size_lines(plan: ParallelPlan) -> list[str]:
+    """One line per input size the model's code bounds (``plan.size_ranges``)."""
+    words = {0: ("batch size per microbatch and dp rank", "--batch-size"),
+             1: ("sequence length", "--seq-len")}
+    out = []
+    for name, d, low, high, where in plan.size_ranges:
+        what, flag = words[d]
+        span = f"{low}..{high}" if high else f"at least {low}"
+        out.append(f"- input {name!r}: the model's code accepts the {what} {span}"
+                   f"{' (' + where + ')' if where else ''}; run.py refuses another {flag}")
+    return out
 
 
 def _unpadded(t) -> bool:

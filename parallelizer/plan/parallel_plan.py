@@ -225,6 +225,9 @@ class ParallelPlan:
     # captured graph holds as a constant (analysis/outputs.py fixed_sizes): run.py refuses
     # --batch-size / --seq-len / data.seq_len that differ
     fixed_sizes: tuple = ()
+    # (input name, dim, low, high or None, where) of each batch / sequence size the model's
+    # code bounds (analysis/outputs.py size_ranges): run.py refuses sizes outside [low, high]
+    size_ranges: tuple = ()
 
     @property
     def world_size(self) -> int:
@@ -269,6 +272,7 @@ class ParallelPlan:
         d["random"] = tuple(d.get("random", ()))
         d["vocab_outputs"] = tuple(tuple(p) for p in d.get("vocab_outputs", ()))
         d["fixed_sizes"] = tuple(tuple(p) for p in d.get("fixed_sizes", ()))
+        d["size_ranges"] = tuple(tuple(p) for p in d.get("size_ranges", ()))
         d["expert_layers"] = tuple(d.get("expert_layers", ()))
         return ParallelPlan(tensors=tensors, stages=stages, **d)
 

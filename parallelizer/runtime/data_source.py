@@ -50,21 +50,37 @@ def make_source(plan: ParallelPlan, model_module, spec: dict, ctx, options, spli
 def check_fixed_sizes(plan: ParallelPlan, batch: int | None, seq: int | None,
                       batch_key: str, seq_key: str) -> None:
     """A global ``batch`` or sequence length ``seq`` the program cannot run: the model's code
-    fixed that size of an input at the example's (``plan.fixed_sizes``; the compile warned).
+    fixed that size of an input at the example's (``plan.fixed_sizes``; the compile warned)
+    or bounds it (``plan.size_ranges``: a position table of 16 rows sliced by the length).
 
     Raises:
         UserError: naming the flag or key, the value, the size compiled and the fix.
     """
     dp, m = plan.mesh["dp"], plan.microbatches
+
+    def given(d: int) -> tuple:
+        """The flag, the size's name and the value one microbatch on one dp rank gets."""
+        if d == 0:
+            return batch_key, "batch size", batch // (dp * m) if batch else None, batch
+        return seq_key, "sequence length", seq, seq
     for name, d, size in plan.fixed_sizes:
-        key, what = (batch_key, "batch size") if d == 0 else (seq_key, "sequence length")
-        value = (batch // (dp * m) if batch else None) if d == 0 else seq
+        key, what, value, flag = given(d)
         if value and value != size:
-            raise UserError(f"{key} {batch if d == 0 else seq}: the program runs only the "
+            raise UserError(f"{key} {flag}: the program runs only the "
                             f"{what} {size} of input {name!r}, which the model's code fixes "
                             f"(a constant in the captured graph: a layer over that dim, a loop "
                             f"over it, or a size written as a number); use {size}, or size the "
                             f"model's code by the tensor and compile again")
+    for name, d, low, high, where in plan.size_ranges:
+        key, what, value, flag = given(d)
+        if value and (value > (high or value) or (low > 2 and value < low)):
+            per = f" ({value} per microbatch and dp rank)" if d == 0 else ""
+            span = f"{low}..{high}" if high else f"at least {low}"
+            raise UserError(f"{key} {flag}{per}: the model's code accepts the {what} {span} "
+                            f"of input {name!r}{' (' + where + ')' if where else ''}: a bound in "
+                            f"the captured graph (a position table sliced or looked up by it, "
+                            f"an assert), which a longer input fails inside the forward; use "
+                            f"a {what} in that range")
 
 
 def _resized(plan: ParallelPlan, example, batch: int | None, seq: int | None):

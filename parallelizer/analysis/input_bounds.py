@@ -1,0 +1,144 @@
+"""The batch and sequence sizes the model's code accepts: bounds a run would otherwise meet
+inside a forward on every rank.
+
+Two sources, both read from the captured graph: torch.export's range for an input's symbol
+(``ShapeEnv.var_to_range``: a learned position table of 16 rows sliced by the length,
+``self.pos[:, :T]``, guards ``T <= 16``; so does nanoGPT's ``assert t <= block_size``), and an
+embedding looked up with positions computed from the length (GPT-2's ``wpe(arange(T))``, OPT's
+``cumsum(mask) - 1 + 2``): export sees no guard there (the index is data), and a longer
+sequence is an index error on CPU and a device-side assert on CUDA.
+"""
+from __future__ import annotations
+
+import sympy
+import torch
+import torch.fx as fx
+
+from .graph_facts import source_line
+
+aten = torch.ops.aten
+
+# ops that move or copy index values without changing them
+_KEEPS = {aten.unsqueeze.default, aten.expand.default, aten.view.default,
+          aten.reshape.default, aten._unsafe_view.default, aten.slice.Tensor,
+          aten.to.dtype, aten._to_copy.default, aten.clone.default, aten.contiguous.default,
+          aten.squeeze.dim, aten.repeat.default}
+
+
+def size_ranges(gm: fx.GraphModule, input_names) -> tuple:
+    """``(input name, dim, low, high, where)`` for dim 0 (batch) and dim 1 (sequence) of each
+    input whose symbol the model's code bounds. ``high``: None where unbounded; listed only
+    when ``high`` is a number or ``low`` exceeds 2 (export assumes 2 for every symbol).
+    ``where``: ``OP at FILE:LINE`` of the op that bounds it, where found, else ""."""
+    looked_up = _embedding_bounds(gm)
+    out = []
+    for name, val in _inputs(gm, input_names):
+        for d in range(min(val.dim(), 2)):
+            size = val.shape[d]
+            if not isinstance(size, torch.SymInt) or not size.node.expr.is_Symbol:
+                continue
+            symbol = size.node.expr
+            bound = size.node.shape_env.var_to_range.get(symbol)
+            low = int(bound.lower) if bound is not None else 2
+            high = int(bound.upper) if bound is not None and bound.upper.is_Integer else None
+            where = _sliced_by(gm, symbol, high) if high is not None else ""
+            if symbol in looked_up and (high is None or looked_up[symbol][0] < high):
+                high, where = looked_up[symbol]
+            if high is not None or low > 2:
+                out.append((name, d, low, high, where))
+    return tuple(out)
+
+
+def _inputs(gm: fx.GraphModule, input_names) -> list:
+    vals = [(n.name, n.meta.get("val")) for n in gm.graph.nodes
+            if n.op == "placeholder" and n.name in input_names]
+    return [(name, v) for name, v in vals if isinstance(v, torch.Tensor)]
+
+
+def _sliced_by(gm: fx.GraphModule, symbol, high: int) -> str:
+    """``OP at FILE:LINE`` of the first op of the model's code given a size computed from
+    ``symbol`` and a tensor with a dim of ``high`` (the table a slice is cut from), else ""."""
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or not source_line(n):
+            continue
+        args = [a for a in n.args if isinstance(a, fx.Node)]
+        sized = any(symbol in _expr(a).free_symbols for a in args if _expr(a) is not None)
+        table = any(isinstance(a.meta.get("val"), torch.Tensor)
+                    and high in [int(str(s)) for s in a.meta["val"].shape if str(s).isdigit()]
+                    for a in args)
+        if sized and table:
+            return f"{n.target} at {source_line(n)}"
+    return ""
+
+
+def _expr(x):
+    """The sympy expression of a SymInt node or an int, else None."""
+    v = x.meta.get("val") if isinstance(x, fx.Node) else x
+    if isinstance(v, torch.SymInt):
+        return v.node.expr
+    return sympy.Integer(v) if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _embedding_bounds(gm: fx.GraphModule) -> dict:
+    """``{symbol: (high, where)}``: the largest ``symbol`` whose position ids stay inside the
+    rows of the embedding they index (``symbol + c - 1 < rows``), the tightest one per symbol."""
+    out: dict = {}
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target is not aten.embedding.default:
+            continue
+        top = _largest(n.args[1])
+        rows = n.args[0].meta["val"].shape[0]
+        if top is None or len(top.free_symbols) != 1 or not str(rows).isdigit():
+            continue
+        symbol = next(iter(top.free_symbols))
+        offset = sympy.expand(top - symbol)  # the ids reach symbol + offset
+        if not offset.is_Integer or sympy.expand(top - symbol - offset) != 0:
+            continue
+        high = int(rows) - 1 - int(offset)
+        if symbol not in out or high < out[symbol][0]:
+            where = source_line(n)
+            out[symbol] = (high, f"{n.target} of {int(rows)} rows at {where}" if where else "")
+    return out
+
+
+def _largest(node, depth: int = 12):
+    """An upper bound of the integer values of ``node`` as an expression of the input
+    symbols, for values built from ``arange`` / ``ones`` / ``cumsum`` by copies, views and
+    adding or subtracting a number (non-negative before any subtraction); else None."""
+    if not isinstance(node, fx.Node) or node.op != "call_function" or depth == 0:
+        return None
+    t, args = node.target, node.args
+    if t in _KEEPS:
+        return _largest(args[0], depth - 1)
+    if t is aten.arange.default:
+        end = _expr(args[0])
+        return end - 1 if end is not None else None
+    if t in (aten.arange.start, aten.arange.start_step):  # values below the end, step > 0
+        end = _expr(args[1])
+        step = args[2] if len(args) > 2 else 1
+        return end - 1 if end is not None and isinstance(step, int) and step > 0 else None
+    if t is aten.ones.default or t is aten.ones_like.default:
+        return sympy.Integer(1)
+    if t is aten.cumsum.default:
+        each = _largest(args[0], depth - 1)
+        size = node.meta["val"].shape[args[1]]
+        return each * _expr(size) if each is not None and each.is_nonnegative \
+            and _expr(size) is not None else None
+    if t in (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor) and len(args) == 2:
+        a, b = (_largest(x, depth - 1) if isinstance(x, fx.Node) else _expr(x) for x in args)
+        if a is None or b is None:
+            return None
+        if t is aten.add.Tensor:
+            return a + b
+        if t is aten.sub.Tensor:
+            return a - _smallest(args[1]) if _smallest(args[1]) is not None else None
+        return a * b if a.is_nonnegative and b.is_nonnegative else None
+    return None
+
+
+def _smallest(x):
+    """A lower bound of a subtracted operand: a number, or ``ones`` (1)."""
+    if not isinstance(x, fx.Node):
+        return _expr(x)
+    return sympy.Integer(1) if x.op == "call_function" and x.target in (
+        aten.ones.default, aten.ones_like.default) else None
