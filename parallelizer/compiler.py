@@ -69,6 +69,7 @@ from .planning.pipeline_summary import (check_microbatches, check_placement, sum
 from .planning.tensors import alias_map, build_plan, pipeline_structure, tied_groups
 from .planning.sequence import plan_sequence_parallel
 from .passes.explicit_sizes import apply_explicit_sizes
+from .passes.norm_precision import apply_norm_precision
 from .planning.tp import plan_tp
 from .planning.tp_matrices import tp_kept_note, tp_summary
 from .planning.vocab import plan_vocab, vocab_summary
@@ -312,6 +313,7 @@ def apply_passes(analysis: Analysis, planned: Planned, spec: Spec, batch,
     passes.run("untie", apply_untie, gm, analysis.groups)
     # costs saw the ATen ops
     passes.run("rng_streams", apply_rng_streams, gm, planned.dropout + planned.random)
+    passes.run("norm_precision", apply_norm_precision, gm, spec.mixed_precision.param_dtype)
     # plan on the rewritten graph (see above); raises for "true"
     sequence = plan_sequence_parallel(gm.graph, spec.mesh.tp,
                                       spec.tensor_parallel.sequence_parallel_mode,
