@@ -63,6 +63,16 @@ def not_sample_mean(ref: dict, dp: int, microbatches: int, atol: float, rtol: fl
             f"compare exactly")
 
 
+def chunks_line(ref: dict, dp: int, microbatches: int, vcfg: dict) -> str:
+    """What a failed --verify's chunked reference loss says: :func:`not_sample_mean`, or that
+    the loss is a mean over samples. Both losses are the fp32 model's, so they are compared
+    at fp32's tolerances (``verify.atol`` / ``rtol``) whatever ``param_dtype`` the program
+    runs: at bf16's a BatchNorm's per-chunk statistics passed for a mean over samples."""
+    why = not_sample_mean(ref, dp, microbatches, *tolerances(vcfg, "fp32"))
+    return why or ("the unmodified model's loss over this program's dp x microbatch chunks "
+                   "averages to its whole-batch loss, so the loss is a mean over samples")
+
+
 def compression_rule(plan: ParallelPlan) -> str:
     """How --verify judges gradients and parameters under ``plan.compression`` (printed)."""
     c = plan.compression
@@ -196,7 +206,7 @@ def run_verify(out_dir: Path, plan: ParallelPlan, spec: dict, stage, ctx: RankCo
     param_bound = (lambda fqn, want: 2 * lr * want.numel() ** 0.5) if dropped and not sgd else None
     _compare_tensors(tally, "parameters", "param", stage, plan, ctx, ref,
                      lambda p: p - lr * dropped[id(p)] if sgd and id(p) in dropped else p, param_bound)
-    return _report(tally, plan, vcfg["optimizer"], loss, ref, ctx, skipped)
+    return _report(tally, plan, vcfg, loss, ref, ctx, skipped)
 
 
 def _mean_residuals(stage, ctx: RankContext, runner: StepRunner) -> dict:
@@ -264,7 +274,8 @@ def _compare_tensors(tally, cat, key, stage, plan, ctx, ref, pick, bound=None):
             tally.add(cat, f"{name} (kv head copies)", torch.tensor([spread]), torch.zeros(1))
 
 
-def _report(tally: _Tally, plan, opt_name, loss, ref: dict, ctx, skipped=()) -> int:
+def _report(tally: _Tally, plan, vcfg: dict, loss, ref: dict, ctx, skipped=()) -> int:
+    opt_name = vcfg["optimizer"]
     ref_loss = ref["loss"]
     errs = torch.tensor([tally.err[c] for c in CATEGORIES], dtype=torch.float64)
     bad = torch.tensor([tally.bad[c] for c in CATEGORIES], dtype=torch.float64)
@@ -320,9 +331,6 @@ def _report(tally: _Tally, plan, opt_name, loss, ref: dict, ctx, skipped=()) -> 
                      for c, b in zip(CATEGORIES, bad.tolist()) if b]
             print("verify: mismatches in " + "; ".join(worst))
         if not ok and "loss.chunked" in ref:
-            why = not_sample_mean(ref, m["dp"], plan.microbatches, tally.atol, tally.rtol)
-            print(f"verify: {why}" if why else
-                  "verify: the unmodified model's loss over this program's dp x microbatch "
-                  "chunks averages to its whole-batch loss, so the loss is a mean over samples")
+            print(f"verify: {chunks_line(ref, m['dp'], plan.microbatches, vcfg)}")
         print("PASS" if ok else "FAIL", flush=True)
     return 0 if ok else 1

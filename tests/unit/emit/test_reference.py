@@ -93,3 +93,23 @@ def test_no_rounding_estimate_for_a_model_above_the_size_limit(monkeypatch):
     monkeypatch.setattr(reference, "NOISE_MAX_PARAMETERS", 10)
     ref = compute_reference(nn.Linear(6, 3), _batch(), _mse, ["x"], load_spec(SPEC, []))
     assert "grad.weight" in ref and not any(k.startswith("noise.") for k in ref)
+
+
+def test_run_time_chunk_line_compares_the_fp32_losses_at_fp32_tolerances():
+    """run.py --verify's line after a FAIL: the chunked and whole-batch losses are both the
+    fp32 model's, so chunk losses 0.1 % apart (a BatchNorm's per-chunk statistics, a break
+    test's Conformer at dp2) are named even when the program runs bf16, whose tolerances
+    (3e-2) had called the loss a mean over samples."""
+    from parallelizer.runtime.verify import chunks_line, tolerances
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6), nn.Linear(6, 3)).train()
+    ref = compute_reference(model, _batch(), _mse, ["x"], load_spec(SPEC, ["mesh.dp=2"]))
+    vcfg = {"atol": 1e-5, "rtol": 1e-5}
+    ref["loss.chunked"] = ref["loss"] * 1.001
+    atol, rtol = tolerances(vcfg, "bf16")
+    assert torch.allclose(ref["loss.chunked"], ref["loss"], atol=atol, rtol=rtol)
+    assert chunks_line(ref, 2, 1, vcfg).startswith(
+        "the loss is not a mean over samples: on the batch cut into mesh.dp (2) x "
+        "pipeline.microbatches (1) chunks")
+    ref["loss.chunked"] = ref["loss"].clone()
+    assert chunks_line(ref, 2, 1, vcfg).endswith("so the loss is a mean over samples")
