@@ -249,7 +249,7 @@ class _Rank(fx.Interpreter):
             return _SEQUENCE_OPS[target].apply(x, dim, seq, _RankComm(self.comm, self.rank))
         if target is sp.gathered_linears:
             shard, dim, seq, kinds, *params = args
-            return sp.GatheredLinears.apply(shard, dim, seq, _RankComm(self.comm, self.rank),
+            return sp.gathered_linears_over(_RankComm(self.comm, self.rank), shard, dim, seq,
                                             kinds, *params)
         if target in (sp.random_op_on_sequence_shard, sp.random_op_on_tp_shard):
             return target(*args, comm=_RankComm(self.comm, self.rank), **kwargs)

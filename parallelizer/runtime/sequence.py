@@ -248,14 +248,16 @@ class GatheredLinears(torch.autograd.Function):
         full = _all_gather(comm, shard, dim, seq)
         ctx.args = (dim, seq, comm, kinds)
         ctx.save_for_backward(shard, *params)
-        return tuple(_linear_forward(k, full, params[2 * i], params[2 * i + 1])
+        flat = full.reshape(-1, full.shape[-1])  # 2-D outputs: see gathered_linears_over
+        return tuple(_linear_forward(k, flat, params[2 * i], params[2 * i + 1])
                      for i, k in enumerate(kinds))
 
     @staticmethod
     def backward(ctx, *grads):
         dim, seq, comm, kinds = ctx.args
         shard, *params = ctx.saved_tensors
-        full = _all_gather(comm, shard, dim, seq)
+        gathered = _all_gather(comm, shard, dim, seq)
+        full = gathered.reshape(-1, gathered.shape[-1])
         gx, out = None, []
         for i, (kind, g) in enumerate(zip(kinds, grads)):
             w, b = params[2 * i], params[2 * i + 1]
@@ -266,7 +268,7 @@ class GatheredLinears(torch.autograd.Function):
                                            ctx.needs_input_grad[6 + 2 * i])
             gx = gxi if gx is None else gx + gxi
             out += [gw, gb]
-        gshard = None if gx is None else _reduce_scatter(comm, gx, dim, seq)
+        gshard = None if gx is None else _reduce_scatter(comm, gx.view(gathered.shape), dim, seq)
         return (gshard, None, None, None, None, *out)
 
 
@@ -277,7 +279,19 @@ def gathered_linears(shard: torch.Tensor, dim: int, seq, kinds: tuple, *params):
     if COMM.size() == 1:
         return tuple(_linear_forward(k, shard, params[2 * i], params[2 * i + 1])
                      for i, k in enumerate(kinds))
-    return GatheredLinears.apply(shard, dim, seq, COMM, tuple(kinds), *params)
+    return gathered_linears_over(COMM, shard, dim, seq, kinds, *params)
+
+
+def gathered_linears_over(comm, shard: torch.Tensor, dim: int, seq, kinds: tuple, *params):
+    """:class:`GatheredLinears` over ``comm``, each output viewed to the gathered input's
+    leading dims here, outside the Function: a view made inside a custom Function may not be
+    modified in place ("Output 0 of GatheredLinears is a view and is being modified inplace":
+    nn.ReLU(inplace=True) after fc, a break test), one made outside is an ordinary view
+    autograd rebases."""
+    lead = list(shard.shape[:-1])
+    lead[dim % shard.dim()] *= comm.size()
+    outs = GatheredLinears.apply(shard, dim, seq, comm, tuple(kinds), *params)
+    return tuple(o.view(*lead, o.shape[-1]) for o in outs)
 
 
 def random_op_on_sequence_shard(stream: str, op: str, dim: int, seq, *args, comm=None, **kwargs):

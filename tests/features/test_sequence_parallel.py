@@ -347,3 +347,37 @@ def test_an_image_input_is_not_called_a_sequence_tp_does_not_divide():
         "sequence parallel: off (dim 1 of the first model input, 3, is a constant of the captured "
         "graph, no sequence length (an image's channels, a feature dim), and mesh.tp (2) does "
         "not divide it)"), s.report
+
+
+class _InPlaceAfterColumn(nn.Module):
+    """Blocks whose column linears' outputs are modified in place: ``gate.mul_(up)`` and
+    nn.ReLU(inplace=True) after it."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.gate, self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        h = self.ln(x)
+        return x + self.down(self.act(self.gate(h).mul_(self.up(h))))
+
+
+def test_in_place_ops_on_the_gathered_linears_outputs_compile_and_match():
+    """GatheredLinears' outputs were views made inside the custom Function, which autograd
+    forbids to modify in place ("Output 0 of GatheredLinears is a view and is being modified
+    inplace": the compile's shape check refused the program as an internal error, a break
+    test); the views are taken outside it now. The compile's own self-check runs both tp
+    ranks against the model."""
+    import parallelizer as pz
+    from parallelizer.frontend.spec import Spec
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(32, 16), _InPlaceAfterColumn(), _InPlaceAfterColumn(),
+                          nn.LayerNorm(16)).train()
+    batch = (torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1)),)
+    spec = Spec.model_validate({"mesh": {"tp": 2}, "self_check": {"mode": True}})
+    program = pz.compile(model, spec, batch, reference=False)
+    assert any(line.startswith("sequence parallel: on") for line in program.report.splitlines()
+               for line in [line.removeprefix("- ")])
+    assert any("self-check: 2 tp rank(s)" in n for n in program.notes), program.notes
