@@ -18,11 +18,10 @@ from .graph_facts import source_line
 
 aten = torch.ops.aten
 
-# ops that move or copy index values without changing them
+# ops that move or copy index values, all of them, without changing them
 _KEEPS = {aten.unsqueeze.default, aten.expand.default, aten.view.default,
-          aten.reshape.default, aten._unsafe_view.default, aten.slice.Tensor,
-          aten.to.dtype, aten._to_copy.default, aten.clone.default, aten.contiguous.default,
-          aten.squeeze.dim, aten.repeat.default}
+          aten.reshape.default, aten._unsafe_view.default, aten.to.dtype, aten._to_copy.default,
+          aten.clone.default, aten.contiguous.default, aten.squeeze.dim, aten.repeat.default}
 
 
 def size_ranges(gm: fx.GraphModule, input_names) -> tuple:
@@ -102,43 +101,53 @@ def _embedding_bounds(gm: fx.GraphModule) -> dict:
 
 
 def _largest(node, depth: int = 12):
-    """An upper bound of the integer values of ``node`` as an expression of the input
-    symbols, for values built from ``arange`` / ``ones`` / ``cumsum`` by copies, views and
-    adding or subtracting a number (non-negative before any subtraction); else None."""
+    """The largest integer value of ``node``, exactly, as an expression of the input symbols,
+    for values built from ``arange`` / ``ones`` / ``cumsum`` of ones by copies, views, whole
+    slices and adding, subtracting or multiplying by a number (or by ones); else None. Exact,
+    not a bound: a refusal must never turn away a length the model runs (``wpe(arange(T)[:16])``
+    runs any ``T``, so a partial slice gives None)."""
     if not isinstance(node, fx.Node) or node.op != "call_function" or depth == 0:
         return None
     t, args = node.target, node.args
-    if t in _KEEPS:
+    if t in _KEEPS or (t is aten.slice.Tensor and _whole(args)):
         return _largest(args[0], depth - 1)
     if t is aten.arange.default:
         end = _expr(args[0])
         return end - 1 if end is not None else None
-    if t in (aten.arange.start, aten.arange.start_step):  # values below the end, step > 0
+    if t in (aten.arange.start, aten.arange.start_step) and (len(args) < 3 or args[2] == 1):
         end = _expr(args[1])
-        step = args[2] if len(args) > 2 else 1
-        return end - 1 if end is not None and isinstance(step, int) and step > 0 else None
-    if t is aten.ones.default or t is aten.ones_like.default:
+        return end - 1 if end is not None else None
+    if _is_ones(node):
         return sympy.Integer(1)
-    if t is aten.cumsum.default:
-        each = _largest(args[0], depth - 1)
-        size = node.meta["val"].shape[args[1]]
-        return each * _expr(size) if each is not None and each.is_nonnegative \
-            and _expr(size) is not None else None
+    if t is aten.cumsum.default and _is_ones(args[0]):
+        return _expr(node.meta["val"].shape[args[1]])
     if t in (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor) and len(args) == 2:
-        a, b = (_largest(x, depth - 1) if isinstance(x, fx.Node) else _expr(x) for x in args)
-        if a is None or b is None:
+        a, b = args
+        if t is aten.mul.Tensor and _is_ones(a):
+            a, b = b, a
+        if t is aten.mul.Tensor and _is_ones(b):
+            return _largest(a, depth - 1)
+        number = _expr(b) if not isinstance(b, fx.Node) else None
+        top = _largest(a, depth - 1)
+        if top is None or number is None:
             return None
         if t is aten.add.Tensor:
-            return a + b
+            return top + number
         if t is aten.sub.Tensor:
-            return a - _smallest(args[1]) if _smallest(args[1]) is not None else None
-        return a * b if a.is_nonnegative and b.is_nonnegative else None
+            return top - number
+        return top * number if number.is_nonnegative else None
     return None
 
 
-def _smallest(x):
-    """A lower bound of a subtracted operand: a number, or ``ones`` (1)."""
-    if not isinstance(x, fx.Node):
-        return _expr(x)
-    return sympy.Integer(1) if x.op == "call_function" and x.target in (
-        aten.ones.default, aten.ones_like.default) else None
+def _is_ones(x) -> bool:
+    return isinstance(x, fx.Node) and x.op == "call_function" and x.target in (
+        aten.ones.default, aten.ones_like.default)
+
+
+def _whole(args) -> bool:
+    """A slice's arguments keep every element (export's ``x[:, :]``: start 0, end max)."""
+    start = args[2] if len(args) > 2 else 0
+    end = args[3] if len(args) > 3 else None
+    step = args[4] if len(args) > 4 else 1
+    return start in (0, None) and step == 1 and (
+        end is None or (isinstance(end, int) and end >= 2 ** 62))

@@ -60,6 +60,11 @@ class Unbounded(Base):
         return self.head(self.emb(ids) * torch.arange(ids.shape[1]).unsqueeze(-1))
 
 
+class FirstFourPositions(Base):  # a partial slice: any length runs
+    def forward(self, ids):
+        return self.head(self.emb(ids) + self.wpe(torch.arange(ids.shape[1])[:4]).mean(0))
+
+
 class SlotsPerSample(Base):
     def forward(self, ids):
         return self.head(self.emb(ids) + self.wpe.weight[:ids.shape[0]].unsqueeze(1))
@@ -113,6 +118,9 @@ def test_an_assert_bounds_the_sequence():
 def test_a_model_without_bounds_has_none():
     c = captured(Unbounded(), _ids())
     assert size_ranges(c.gm, c.input_names) == ()
+    FirstFourPositions()(torch.randint(0, V, (1, 2 * P)))  # runs past the table's rows ...
+    c = captured(FirstFourPositions(), _ids())
+    assert all(r[3] is None for r in size_ranges(c.gm, c.input_names))  # ... so no bound
     check_fixed_sizes(_plan(()), 1024, 4096, "--batch-size", "--seq-len")
 
 
