@@ -226,7 +226,7 @@ class ParallelPlan:
     # --batch-size / --seq-len / data.seq_len that differ
     fixed_sizes: tuple = ()
     # (input name, dim, low, high or None, where) of each batch / sequence size the model's
-    # code bounds (analysis/outputs.py size_ranges): run.py refuses sizes outside [low, high]
+    # code bounds (analysis/input_bounds.py size_ranges): run.py refuses sizes outside [low, high]
     size_ranges: tuple = ()
 
     @property

@@ -79,7 +79,7 @@ def check_fixed_sizes(plan: ParallelPlan, batch: int | None, seq: int | None,
             raise UserError(f"{key} {flag}{per}: the model's code accepts the {what} {span} "
                             f"of input {name!r}{' (' + where + ')' if where else ''}: a bound in "
                             f"the captured graph (a position table sliced or looked up by it, "
-                            f"an assert), which a longer input fails inside the forward; use "
+                            f"an assert), which another size fails inside the forward; use "
                             f"a {what} in that range")
 
 

@@ -135,9 +135,10 @@ class VocabOutputs:
     with one warning; so does one whose backward loss_parallel would get wrong (a
     log_softmax read other than by cross-entropy: :mod:`.loss_parallel_guard`), found on the
     loss's autograd graph before any backward. Such a failure is the same on every tp rank
-    (same code, same ops), so they all switch together. Out-of-memory and distributed errors are raised, not taken for
-    a DTensor limitation (they may hit one rank only, whose peers would then wait in other
-    collectives). A DTensor loss is returned as its full (replicated) value.
+    (same code, same ops), so they all switch together. Out-of-memory and distributed errors
+    are raised, not taken for a DTensor limitation (they may hit one rank only, whose peers
+    would then wait in other collectives). A DTensor loss is returned as its full
+    (replicated) value.
     """
 
     def __init__(self, plan, mesh):
