@@ -70,6 +70,7 @@ from .planning.tensors import alias_map, build_plan, pipeline_structure, tied_gr
 from .planning.sequence import plan_sequence_parallel
 from .passes.explicit_sizes import apply_explicit_sizes
 from .passes.norm_precision import apply_norm_precision
+from .passes.recompute_writes import apply_recompute_writes
 from .planning.tp import plan_tp
 from .planning.tp_matrices import tp_kept_note, tp_summary
 from .planning.vocab import plan_vocab, vocab_summary
@@ -314,6 +315,7 @@ def apply_passes(analysis: Analysis, planned: Planned, spec: Spec, batch,
     # costs saw the ATen ops
     passes.run("rng_streams", apply_rng_streams, gm, planned.dropout + planned.random)
     passes.run("norm_precision", apply_norm_precision, gm, spec.mixed_precision.param_dtype)
+    passes.run("recompute_writes", apply_recompute_writes, gm, spec.activation_checkpointing.mode)
     # plan on the rewritten graph (see above); raises for "true"
     sequence = plan_sequence_parallel(gm.graph, spec.mesh.tp,
                                       spec.tensor_parallel.sequence_parallel_mode,

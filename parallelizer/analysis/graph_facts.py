@@ -421,15 +421,28 @@ def written_attrs(graph: fx.Graph) -> dict:
     of them (a return that aliases its input, ``Tensor(a)``) -> the first node writing it."""
     out: dict = {}
     for n in graph.nodes:
-        schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
-        if schema is None:
-            continue
-        for i, arg in enumerate(schema.arguments):
-            value = n.args[i] if i < len(n.args) else n.kwargs.get(arg.name)  # out= too
-            if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, fx.Node):
-                base = _view_base(value)
-                if base.op == "get_attr":
-                    out.setdefault(base.target, n)
+        for _i, base in _written(n):
+            if base.op == "get_attr":
+                out.setdefault(base.target, n)
+    return out
+
+
+def written_buffer_args(node: fx.Node, buffers) -> list[int]:
+    """Indices of the arguments ``node`` writes in place (as :func:`written_attrs` reads the
+    schema) that are, or are views of, a get_attr of a name in ``buffers``."""
+    return [i for i, base in _written(node) if base.op == "get_attr" and base.target in buffers]
+
+
+def _written(n: fx.Node) -> list:
+    """``(argument index, the node it is a view of)`` for each argument ``n`` writes."""
+    schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
+    if schema is None:
+        return []
+    out = []
+    for i, arg in enumerate(schema.arguments):
+        value = n.args[i] if i < len(n.args) else n.kwargs.get(arg.name)  # out= too
+        if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, fx.Node):
+            out.append((i, _view_base(value)))
     return out
 
 

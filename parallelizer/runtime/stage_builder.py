@@ -19,7 +19,7 @@ from ..checkpoint.reader import load_shard
 from ..errors import CheckpointError
 from ..plan.parallel_plan import ParallelPlan
 from .data_parallel import apply_data_parallel
-from . import rng
+from . import recompute, rng
 from .modules import EmittedModule
 from .setup import RankContext
 
@@ -156,11 +156,20 @@ def apply_activation_checkpointing(stage: EmittedModule, plan: ParallelPlan) -> 
     """Recompute checkpointed blocks in backward instead of saving their activations
     (Chen et al. 2016; ``torch.utils.checkpoint``, non-reentrant). The block's forward is
     wrapped in place, so FQNs stay the original ones and FSDP2 hooks still fire. The
-    recompute draws the dropout masks the forward drew (``rng.checkpoint_contexts``)."""
+    recompute draws the dropout masks the forward drew and leaves the forward's buffer
+    writes undone (:func:`checkpoint_contexts`)."""
     for name, block in stage.emitted_blocks():
         if name in plan.checkpointed:  # decided by the planner (planning/tensors.py)
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False,
-                                              context_fn=rng.checkpoint_contexts)
+                                              context_fn=checkpoint_contexts)
+
+
+def checkpoint_contexts():
+    """``context_fn`` of the checkpointed blocks: the forward's RNG streams restored in the
+    recompute (``rng.checkpoint_contexts``), which runs with ``recompute.recomputing()``
+    true, so the forward's buffer writes are not done again (``runtime/recompute.py``)."""
+    forward, again = rng.checkpoint_contexts()
+    return forward, recompute.Recomputing(again)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
