@@ -88,19 +88,19 @@ def stage_activations(stages: list, plan: ParallelPlan, batch, loss_fn, mode,
     ``alltoall``, if given, gets per stage the bytes of its largest expert-parallel
     dispatch or combine (runtime/expert_parallel.py ``BalancedShapes``; 0 without ep)."""
     from ..runtime import expert_parallel, sequence, tp
-    group = tp.tp_group()
-    tp.set_tp_group(None)  # f and g as identities: no collective on FakeTensors
-    try:
-        # sequence-parallel regions hold 1/tp of the sequence: their operators give the
-        # shapes a tp rank has (Korthikanti et al. 2022, Table 2: sbh/t (34 + 5as/h));
-        # dispatch and combine give an ep rank's rows under balanced routing
-        with sequence.using_comm(sequence.ShapeComm(plan.mesh["tp"])), \
-                expert_parallel.balanced_shapes(plan.ep) as balanced, IntegerHistcOnFloat(), \
-                BalancedExpertRows() as rows:
-            return _stage_activations(stages, plan, batch, loss_fn, mode, per_block, balanced,
-                                      alltoall, rows.value)
-    finally:
-        tp.set_tp_group(group)
+    # the tp operators give the shapes a tp rank has, with no collective on FakeTensors (the
+    # compile's own shape check's stand-in): f and g keep them, a scatter to the rank's
+    # heads cuts a replicated per-head buffer as on a cluster (RetNet's decay mask, which
+    # f and g as identities left whole: "Attempting to broadcast a dimension of length 4");
+    # sequence-parallel regions hold 1/tp of the sequence (Korthikanti et al. 2022,
+    # Table 2: sbh/t (34 + 5as/h)); dispatch and combine give an ep rank's rows under
+    # balanced routing
+    with tp.using_transport(tp.ShapeTransport(plan.mesh["tp"])), \
+            sequence.using_comm(sequence.ShapeComm(plan.mesh["tp"])), \
+            expert_parallel.balanced_shapes(plan.ep) as balanced, IntegerHistcOnFloat(), \
+            BalancedExpertRows() as rows:
+        return _stage_activations(stages, plan, batch, loss_fn, mode, per_block, balanced,
+                                  alltoall, rows.value)
 
 
 def _stage_activations(stages: list, plan: ParallelPlan, batch, loss_fn, mode,

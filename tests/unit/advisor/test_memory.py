@@ -229,3 +229,71 @@ def test_estimate_values_per_module_expert_rows_at_balanced_routing(name, rows):
     spec = load_spec(models / "spec.yaml", ["mesh.dp=2", "mesh.ep=2"])
     _, ranks = estimate_model_file(models / f"{name}.py", spec)
     assert {r.alltoall_buffers for r in ranks} == {3 * rows * 32 * 4}
+
+
+_PER_HEAD_BUFFER = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+H, D, T = 4, 32, 8
+
+
+class Retention(nn.Module):
+    """RetNet-style: a per-head decay mask buffer (H, T, T) on head-sharded scores."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
+        gammas = 1 - 2.0 ** (-5 - torch.arange(H, dtype=torch.float32))
+        n = torch.arange(T)
+        decay = gammas[:, None, None] ** (n[:, None] - n[None, :]).clamp(min=0)
+        self.register_buffer("decay", decay * (n[:, None] >= n[None, :]))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (f(x).view(b, t, H, -1).transpose(1, 2) for f in (self.q, self.k, self.v))
+        s = (q @ k.transpose(-1, -2)) * self.decay[:, :t, :t]
+        return x + self.o((s @ v).transpose(1, 2).reshape(b, t, D))
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, D)
+        self.layers = nn.ModuleList([Retention() for _ in range(2)])
+        self.head = nn.Linear(D, 64)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def build_model():
+    return Model()
+
+
+def example_inputs():
+    return (torch.randint(0, 64, (2, T)),)
+
+
+def loss_fn(logits, batch):
+    return F.cross_entropy(logits.flatten(0, 1), batch[0].flatten())
+'''
+
+
+def test_estimate_runs_a_per_head_buffer_cut_to_the_ranks_heads(tmp_path):
+    """``parallelize estimate`` ran the stages with f and g as identities, which left a
+    replicated per-head buffer whole where the program cuts it to the rank's heads:
+    RetNet-style models crashed at tp2 ("Attempting to broadcast a dimension of length 4")
+    while their program ran and passed --verify (a break test). The tp operators now give a
+    tp rank's shapes, as the compile's own shape check does."""
+    from parallelizer.advisor.memory import estimate_model_file
+    path, spec = tmp_path / "retention.py", tmp_path / "spec.yaml"
+    path.write_text(_PER_HEAD_BUFFER)
+    spec.write_text("mesh: {tp: 2}\n")
+    plan, ranks = estimate_model_file(path, load_spec(spec))
+    assert plan.mesh["tp"] == 2 and len(ranks) == 2
+    assert all(r.activations > 0 for r in ranks)
