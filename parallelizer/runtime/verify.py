@@ -59,8 +59,8 @@ def not_sample_mean(ref: dict, dp: int, microbatches: int, atol: float, rtol: fl
             f"{whole:.6f} (a router auxiliary loss, batch statistics such as BatchNorm's); every "
             f"data-parallel program, as DDP or FSDP training, computes the chunks' mean, so "
             f"run.py --verify against the whole-batch reference differs by that much. Verify "
-            f"the layout at mesh.dp=1 pipeline.microbatches=1 (tp, pp with one microbatch) to "
-            f"compare exactly")
+            f"the layout at mesh.dp=1 mesh.pp=1 pipeline.microbatches=1 (tp alone; a pipeline "
+            f"needs pipeline.microbatches >= mesh.pp) to compare exactly")
 
 
 def chunks_line(ref: dict, dp: int, microbatches: int, vcfg: dict) -> str:

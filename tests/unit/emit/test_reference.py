@@ -62,7 +62,8 @@ def test_router_auxiliary_loss_under_dp_is_a_compile_warning():
     text = "\n".join(program.warnings)
     assert "the loss is not a mean over samples: on the batch cut into mesh.dp (2) x " \
            "pipeline.microbatches (2) chunks" in text, program.warnings
-    assert "Verify the layout at mesh.dp=1 pipeline.microbatches=1" in text
+    assert "Verify the layout at mesh.dp=1 mesh.pp=1 pipeline.microbatches=1 (tp alone; a " \
+           "pipeline needs pipeline.microbatches >= mesh.pp)" in text
 
 
 def _normed_square(out, batch):
