@@ -134,3 +134,15 @@ def compile_steps(model: nn.Module, batch, spec: dict, mutate_tp=None):
         mutate_tp(planned.tp)
     stages, sequence = compiler.apply_passes(analysis, planned, spec_, batch, passes)
     return analysis, planned, stages, sequence
+
+
+class ConvBN(nn.Module):
+    """A convolution and a BatchNorm1d (running statistics, ``num_batches_tracked``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(4, 8, 3, padding=1)
+        self.bn = nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        return self.bn(self.conv(x)).relu()

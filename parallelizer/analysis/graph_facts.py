@@ -29,6 +29,13 @@ def shape(node) -> tuple:
     return tuple(node.meta["val"].shape)
 
 
+def input_values(gm: fx.GraphModule, input_names) -> list:
+    """``(name, FakeTensor)`` of each placeholder of ``gm`` in ``input_names`` holding a tensor."""
+    vals = [(n.name, n.meta.get("val")) for n in gm.graph.nodes
+            if n.op == "placeholder" and n.name in input_names]
+    return [(name, v) for name, v in vals if isinstance(v, torch.Tensor)]
+
+
 def from_constants(node: fx.Node) -> bool:
     """``node`` is computed from parameters, buffers and constants alone (no placeholder
     upstream)."""

@@ -14,7 +14,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from .graph_facts import source_line
+from .graph_facts import input_values, source_line
 
 aten = torch.ops.aten
 
@@ -31,7 +31,7 @@ def size_ranges(gm: fx.GraphModule, input_names) -> tuple:
     ``where``: ``OP at FILE:LINE`` of the op that bounds it, where found, else ""."""
     looked_up = _embedding_bounds(gm)
     out = []
-    for name, val in _inputs(gm, input_names):
+    for name, val in input_values(gm, input_names):
         for d in range(min(val.dim(), 2)):
             size = val.shape[d]
             if not isinstance(size, torch.SymInt) or not size.node.expr.is_Symbol:
@@ -46,12 +46,6 @@ def size_ranges(gm: fx.GraphModule, input_names) -> tuple:
             if high is not None or low > 2:
                 out.append((name, d, low, high, where))
     return tuple(out)
-
-
-def _inputs(gm: fx.GraphModule, input_names) -> list:
-    vals = [(n.name, n.meta.get("val")) for n in gm.graph.nodes
-            if n.op == "placeholder" and n.name in input_names]
-    return [(name, v) for name, v in vals if isinstance(v, torch.Tensor)]
 
 
 def _sliced_by(gm: fx.GraphModule, symbol, high: int) -> str:

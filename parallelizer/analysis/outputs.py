@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import PlanError
-from .graph_facts import source_line
+from .graph_facts import input_values, source_line
 
 # ops whose int arguments are sizes: where a batch size fixed by the model's code shows
 _SIZED = {"expand", "view", "reshape", "_unsafe_view", "repeat", "new_zeros", "new_ones",
@@ -108,9 +108,7 @@ def fixed_sizes(gm: fx.GraphModule, input_names) -> tuple:
     first layer fixes by nature, nor a 2-dim float input's features (an MLP on tabular data). A fixed dim 1 is no sequence where another input's dim 1 is
     a symbol (features beside token ids: the sequence is that input's), and is left out."""
     out = []
-    vals = [(n.name, n.meta.get("val")) for n in gm.graph.nodes
-            if n.op == "placeholder" and n.name in input_names]
-    vals = [(name, v) for name, v in vals if isinstance(v, torch.Tensor)]
+    vals = input_values(gm, input_names)
     sequence = any(v.dim() > 1 and not str(v.shape[1]).isdigit() for _, v in vals)
     for name, val in vals:
         for d in range(min(val.dim(), 2 - sequence)):

@@ -8,23 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from parallelizer.passes.norm_precision import apply_norm_precision
 from parallelizer.runtime.precision import in_stats_dtype
-from tp_small_models import captured
-
-
-class ConvBN(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv1d(4, 8, 3, padding=1)
-        self.bn = nn.BatchNorm1d(8)
-
-    def forward(self, x):
-        return self.bn(self.conv(x)).relu()
+from tp_small_models import ConvBN, captured
 
 
 @pytest.fixture

@@ -9,23 +9,12 @@ import copy
 import functools
 
 import torch
-from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from parallelizer.passes.recompute_writes import apply_recompute_writes
 from parallelizer.runtime import recompute
 from parallelizer.runtime.stage_builder import checkpoint_contexts
-from tp_small_models import captured
-
-
-class ConvBN(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv1d(4, 8, 3, padding=1)
-        self.bn = nn.BatchNorm1d(8)
-
-    def forward(self, x):
-        return self.bn(self.conv(x)).relu()
+from tp_small_models import ConvBN, captured
 
 
 def _x(seed):
