@@ -19,9 +19,11 @@ batch, in the model's fp32:
 - the program's gradients are synchronised as ``runtime/step.py`` does: a weight held by
   several stages summed over its copies, ``plan.grad_sync``'s ``replicated_heads`` runs over
   the ranks holding one kv head and its ``partial_tp`` parameters over all tp ranks;
-- every output (a 0-dim one is the model's loss) and every parameter gradient is compared,
-  each rank's piece against the same piece of the reference (which is the comparison of the
-  gathered tensor, and also holds every copy of a replicated value to the reference).
+- every output (a 0-dim one is the model's loss), every parameter gradient and every buffer
+  the forward writes (BatchNorm's running statistics, sharded with its channels where they
+  arrive sharded) is compared, each rank's piece against the same piece of the reference
+  (which is the comparison of the gathered tensor, and also holds every copy of a replicated
+  value to the reference).
 
 Dropout is inactive and every other random op gives its fixed stand-in on both sides, as
 under ``run.py --verify`` (``rng.dropout_active(False)`` in the program,
@@ -65,10 +67,12 @@ _FIX = "; compile with mesh.tp=1 meanwhile"
 @dataclass(frozen=True)
 class Reference:
     """The unmodified model's flat outputs, the cotangent given to each (None: not a
-    floating-point tensor) and its parameters' gradients (canonical FQN -> tensor or None)."""
+    floating-point tensor), its parameters' gradients (canonical FQN -> tensor or None) and
+    the buffers its forward wrote (FQN -> the value after it)."""
     outputs: list
     cotangents: list
     grads: dict
+    buffers: dict
 
 
 @dataclass(frozen=True)
@@ -82,12 +86,15 @@ class Checked:
     margin: float  # the largest |got - want| / tolerance of an element (< 1: passed)
     seconds: float
     coarse: str = ""  # the coarser float dtype the model computes in ("" for none)
+    buffers: int = 0  # buffers the forward writes, compared after it
 
     def note(self) -> str:
         return (f"self-check: {self.tp} tp rank(s) of the program against the model on the "
                 f"example batch (fp32): {self.outputs} output(s) max abs err "
                 f"{self.output_err:.2g}, {self.gradients} gradient(s) max abs err "
-                f"{self.gradient_err:.2g}, at most {100 * self.margin:.2g}% of the tolerance"
+                f"{self.gradient_err:.2g}"
+                + (f", {self.buffers} buffer(s) the forward writes" if self.buffers else "")
+                + f", at most {100 * self.margin:.2g}% of the tolerance"
                 + (f" ({self.coarse}'s, the dtype the model computes in)" if self.coarse else "")
                 + f" ({self.seconds:.1f} s)")
 
@@ -169,8 +176,10 @@ def check_numerics(plan, sources: dict, model: torch.nn.Module, batch, state: di
     margin = [0.0]
     out_err = _compare_outputs(outputs, want, margin, tol)
     grad_err = _compare_grads(plan, grads, want, tp, margin, tol)
+    _compare_buffers(plan, modules, want, tp, margin, tol)
     return Checked(tp, len(want.outputs), len([g for g in want.grads.values() if g is not None]),
-                   out_err, grad_err, margin[0], time.perf_counter() - start, tol.coarse)
+                   out_err, grad_err, margin[0], time.perf_counter() - start, tol.coarse,
+                   len(want.buffers))
 
 
 def reference(model: torch.nn.Module, batch, seed: int = 0) -> Reference:
@@ -193,6 +202,8 @@ def reference(model: torch.nn.Module, batch, seed: int = 0) -> Reference:
                 found = torch.autograd.grad([o for o, _ in pairs], list(params.values()),
                                             [c for _, c in pairs], allow_unused=True)
                 grads = dict(zip(params, found))
+        written = {n: b.detach().clone() for n, b in model.named_buffers()
+                   if not torch.equal(b, saved[n])}
     finally:
         # train-mode running statistics as they were; after the backward, which may read
         # a buffer the forward saved (Gemma's embedding normalizer)
@@ -200,7 +211,8 @@ def reference(model: torch.nn.Module, batch, seed: int = 0) -> Reference:
             for n, b in model.named_buffers():
                 if not torch.equal(b, saved[n]):
                     b.copy_(saved[n])
-    return Reference([o.detach() if isinstance(o, torch.Tensor) else o for o in flat], cot, grads)
+    return Reference([o.detach() if isinstance(o, torch.Tensor) else o for o in flat], cot,
+                     grads, written)
 
 
 def cotangents(flat: list, seed: int) -> list:
@@ -435,3 +447,26 @@ def _compare_grads(plan, grads: list, want: Reference, tp: int, margin: list,
                 raise _mismatch(f"the gradient of {fqn}", f"max abs error {err:.3g} on tp "
                                                           f"rank {r}'s piece", tol)
     return worst
+
+
+def _compare_buffers(plan, modules: list, want: Reference, tp: int, margin: list,
+                     tol: Tolerance = Tolerance()) -> None:
+    """Each rank's piece of every buffer the model's forward wrote, after the program's
+    forward, against the same piece of the model's (an integer count exactly)."""
+    for r, mods in enumerate(modules):
+        for module in mods:
+            for name, got in module.named_buffers():
+                fqn = plan.aliases.get(name, name)
+                w = want.buffers.get(fqn)
+                if w is None:
+                    continue
+                piece = local_piece(w, plan.tensors[fqn], tp, r)
+                if not w.is_floating_point():
+                    if not torch.equal(got, piece):
+                        raise _mismatch(f"the buffer {fqn}", f"{got.tolist()} on tp rank {r}, "
+                                                            f"the model's {piece.tolist()}")
+                    continue
+                err, bad = _error(got, piece, margin, tol.rtol, tol.atol)
+                if bad:
+                    raise _mismatch(f"the buffer {fqn} after the forward",
+                                    f"max abs error {err:.3g} on tp rank {r}'s piece", tol)

@@ -1,6 +1,7 @@
 """Reference results of the unmodified model on its example inputs, for ``run.py --verify``:
 inputs, flat outputs, loss, gradients and parameters after one optimizer step, all fp32 on
-CPU, keyed ``input.NAME``, ``output.I``, ``loss``, ``grad.FQN``, ``param.FQN``. Dropout is
+CPU, keyed ``input.NAME``, ``output.I``, ``loss``, ``grad.FQN``, ``param.FQN``, and
+``buffer.FQN`` for each buffer the forward writes (BatchNorm's running statistics). Dropout is
 inactive (the model stays in training mode) and every other random op gives its fixed
 stand-in (``runtime.rng.RandomStandIns``: a drop path's ``torch.rand`` is 0.5), as in the
 program under ``--verify``."""
@@ -74,11 +75,13 @@ def rounding_noise(ref: dict, wide: torch.nn.Module, batch, loss_fn, spec, model
 
 
 def _one_step(model: torch.nn.Module, batch, loss_fn, spec, model_file, chunks: bool = True) -> dict:
-    """loss, outputs, gradients and the stepped parameters of one step of ``model``; with
+    """loss, outputs, gradients, the buffers the forward wrote and the stepped parameters of
+    one step of ``model``; with
     ``chunks``, the loss over the program's dp x microbatch chunks too (:func:`chunked_loss`)."""
     args, kwargs = split_args(batch)
     ref = {}
     model.zero_grad(set_to_none=True)
+    before = {name: b.detach().clone() for name, b in model.named_buffers()}
     with checkpoint_off():
         with EagerDropoutOff(), RandomStandIns():
             outputs = model(*args, **kwargs)
@@ -90,6 +93,9 @@ def _one_step(model: torch.nn.Module, batch, loss_fn, spec, model_file, chunks: 
     ref["loss"] = loss.detach().reshape(())
     for i, t in enumerate(flat_out):
         ref[f"output.{i}"] = t.detach().contiguous()
+    for name, b in model.named_buffers():
+        if not torch.equal(b, before[name]):
+            ref[f"buffer.{name}"] = b.detach().clone()
     named = dict(model.named_parameters())  # canonical names (first alias) only
     for name, p in named.items():
         if p.grad is not None:

@@ -39,13 +39,11 @@ from typing import Optional
 
 import torch
 import torch.fx as fx
-from torch._guards import detect_fake_mode
+
+from .graph_rewrite import caller, is_param, val
 
 aten = torch.ops.aten
 
-# same values, same shape: a weight read through these is still the weight
-_CASTS = {aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default,
-          aten.type_as.default, aten.contiguous.default, aten.clone.default, aten.alias.default}
 _LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
@@ -75,7 +73,7 @@ def _batched_matmul(graph: fx.Graph, node: fx.Node) -> bool:
             or len(node.args[1]) != 2 or not all(isinstance(t, fx.Node) for t in node.args[1]):
         return False
     a, b = node.args[1]
-    va, vb = _val(a), _val(b)
+    va, vb = val(a), val(b)
     eq = node.args[0].replace(" ", "")
     if "..." in eq or "->" not in eq or not isinstance(va, torch.Tensor) \
             or not isinstance(vb, torch.Tensor):
@@ -96,7 +94,7 @@ def _batched_matmul(graph: fx.Graph, node: fx.Node) -> bool:
             or any(str(va.shape[as_.index(c)]) != str(vb.shape[bs.index(c)])
                    for c in batch + contracted):
         return False
-    call = _caller(graph, node, [va, vb])
+    call = caller(graph, node, [va, vb])
 
     def permuted(x, letters, order):
         perm = [letters.index(c) for c in order]
@@ -111,23 +109,7 @@ def _batched_matmul(graph: fx.Graph, node: fx.Node) -> bool:
     return True
 
 
-def _val(n):
-    return n.meta.get("val") if isinstance(n, fx.Node) else None
 
-
-def _is_param(w: fx.Node, params: set) -> bool:
-    """``w`` is a parameter read directly or through casts that keep its shape."""
-    for _ in range(8):
-        if w.op == "get_attr":
-            return w.target in params
-        if w.op != "call_function" or w.target not in _CASTS or not w.args \
-                or not isinstance(w.args[0], fx.Node):
-            return False
-        src = w.args[0]
-        if not isinstance(_val(src), torch.Tensor) or tuple(_val(src).shape) != tuple(_val(w).shape):
-            return False
-        w = src
-    return False
 
 
 def _equation(eq: str, x_rank: int) -> Optional[tuple[str, str, str]]:
@@ -177,14 +159,14 @@ def _projection(node: fx.Node, params: set):
         return None
     eq, operands = node.args[0], node.args[1]
     if not isinstance(eq, str) or len(operands) != 2 or not all(
-            isinstance(_val(o), torch.Tensor) for o in operands):
+            isinstance(val(o), torch.Tensor) for o in operands):
         return None
-    which = [_is_param(o, params) for o in operands]
+    which = [is_param(o, params) for o in operands]
     if which.count(True) != 1:
         return None
     wi = which.index(True)
     x, w = operands[1 - wi], operands[wi]
-    if _val(x).dtype != _val(w).dtype or not _val(x).is_floating_point():
+    if val(x).dtype != val(w).dtype or not val(x).is_floating_point():
         return None
     ins, arrow, out = eq.replace(" ", "").partition("->")
     parts = ins.split(",")
@@ -192,11 +174,11 @@ def _projection(node: fx.Node, params: set):
         return None
     if wi == 0:  # the weight first: the same map with the operands swapped
         eq = f"{parts[1]},{parts[0]}{arrow}{out}"
-    letters = _equation(eq, _val(x).dim())
+    letters = _equation(eq, val(x).dim())
     if letters is None:
         return None
     xs, ws, os_ = letters
-    if len(ws) != _val(w).dim():
+    if len(ws) != val(w).dim():
         return None
     contracted = set(xs) & set(ws)
     features = set(ws) - set(xs)
@@ -206,7 +188,7 @@ def _projection(node: fx.Node, params: set):
     out_first = _runs(ws, contracted)
     if out_first is None:
         return None
-    xshape, wshape = _val(x).shape, _val(w).shape
+    xshape, wshape = val(x).shape, val(w).shape
     for c in contracted:  # no broadcasting of a size-1 dim: the sizes match as ints
         a, b = xshape[xs.index(c)], wshape[ws.index(c)]
         if not isinstance(a, int) or not isinstance(b, int) or a != b:
@@ -216,29 +198,13 @@ def _projection(node: fx.Node, params: set):
     return x, w, xs, ws, os_, out_first
 
 
-def _caller(graph: fx.Graph, node: fx.Node, inputs: list):
-    """``call(target, *args)``: a new node of ``graph`` with ``node``'s meta (module, source
-    line) and its FakeTensor value, computed in the fake mode of ``inputs``."""
-    fake = detect_fake_mode(inputs)
-    meta = {k: v for k, v in node.meta.items() if k != "val"}
-
-    def call(target, *args):
-        new = graph.call_function(target, args)
-        vals = [[_val(a) if isinstance(a, fx.Node) else a for a in arg] if isinstance(arg, list)
-                else _val(arg) if isinstance(arg, fx.Node) else arg for arg in args]
-        with fake:
-            new.meta = {**meta, "val": target(*vals)}
-        return new
-    return call
-
-
 def _rewrite(graph: fx.Graph, node: fx.Node, x, w, xs, ws, os_, out_first) -> None:
-    call = _caller(graph, node, [_val(x), _val(w)])
+    call = caller(graph, node, [val(x), val(w)])
     meta = {k: v for k, v in node.meta.items() if k != "val"}
     contracted = [c for c in ws if c in xs]
     features = [c for c in ws if c not in xs]
     batch = [c for c in os_ if c not in ws]
-    xshape, wshape = _val(x).shape, _val(w).shape
+    xshape, wshape = val(x).shape, val(w).shape
     with graph.inserting_before(node):
         sizes = {}
         for i, c in enumerate(xs):
@@ -282,7 +248,7 @@ def _transposed_param(wt, params: set):
     if not isinstance(wt, fx.Node) or wt.op != "call_function" or not wt.args:
         return None
     w = wt.args[0]
-    if not isinstance(w, fx.Node) or not isinstance(_val(w), torch.Tensor) or _val(w).dim() != 2:
+    if not isinstance(w, fx.Node) or not isinstance(val(w), torch.Tensor) or val(w).dim() != 2:
         return None
     if wt.target is aten.t.default or wt.target is aten.numpy_T.default:
         pass
@@ -294,25 +260,30 @@ def _transposed_param(wt, params: set):
             return None
     else:
         return None
-    return w if _is_param(w, params) else None
+    return w if is_param(w, params) else None
 
 
 def matmuls_as_linears(gm: fx.GraphModule) -> int:
     """Rewrite ``matmul(x, W.t())`` with W a 2-D parameter and x of rank 2 or more (a tied LM
     head written ``hidden @ embedder.weight.t()``, gemma_pytorch) into the ``linear(x, W)``
     it computes, so the planners see an ``nn.Linear``-style head (vocab_parallel then shards
-    a tied table with its head). The transpose stays while something else reads it. Returns
-    how many."""
+    a tied table with its head). The transpose stays while something else reads it. The
+    weight first, ``matmul(W, y)`` with y of rank 3 or more (features on dim -2: Mamba's
+    ``dt_proj.weight @ time_step.transpose(1, 2)``), is ``linear(y.mT, W).mT``. Returns how
+    many."""
     params = {name for name, _ in gm.named_parameters()}
     done = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not aten.matmul.default \
                 or len(node.args) != 2 or node.kwargs:
             continue
+        if _weight_first(gm.graph, node, params):
+            done += 1
+            continue
         x, wt = node.args
         w = _transposed_param(wt, params)
-        if w is None or not isinstance(_val(x), torch.Tensor) or _val(x).dim() < 2 \
-                or _val(x).dtype != _val(w).dtype or not _val(x).is_floating_point():
+        if w is None or not isinstance(val(x), torch.Tensor) or val(x).dim() < 2 \
+                or val(x).dtype != val(w).dtype or not val(x).is_floating_point():
             continue
         node.target = aten.linear.default
         node.args = (x, w)
@@ -323,3 +294,22 @@ def matmuls_as_linears(gm: fx.GraphModule) -> int:
         gm.graph.lint()
         gm.recompile()
     return done
+
+
+def _weight_first(graph: fx.Graph, node: fx.Node, params: set) -> bool:
+    """Rewrite ``matmul(W, y)`` (W a 2-D parameter read directly or through casts, y of
+    rank 3 or more and W's dtype) into ``linear(y.transpose(-1, -2), W).transpose(-1, -2)``;
+    False (left as it is) otherwise."""
+    w, y = node.args
+    vw, vy = val(w), val(y)
+    if not isinstance(vw, torch.Tensor) or not isinstance(vy, torch.Tensor) or vw.dim() != 2 \
+            or vy.dim() < 3 or not is_param(w, params) or vy.dtype != vw.dtype \
+            or not vy.is_floating_point():
+        return False
+    call = caller(graph, node, [vw, vy])
+    with graph.inserting_before(node):
+        out = call(aten.linear.default, call(aten.transpose.int, y, -1, -2), w)
+        out = call(aten.transpose.int, out, -1, -2)
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)
+    return True

@@ -85,7 +85,7 @@ def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False,
             decision.layouts[site.bias] = layouts[site.bias]
     for fqn, (d, _groups) in sorted(prop.per_head.items()):
         decision.per_head[fqn] = decision.dims[fqn] = d
-        decision.report.append(f"sharded along heads (dim {d}): {fqn}")
+        decision.report.append(f"sharded with the heads or channels it meets (dim {d}): {fqn}")
     for name, (d, _groups) in sorted(prop.narrow.items()):
         decision.narrows[name] = d
         decision.report.append(f"cut to each rank's heads (dim {d}): {op_text(by_name[name])} "

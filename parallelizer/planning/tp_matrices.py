@@ -81,7 +81,9 @@ def other_matrices(graph: fx.Graph, decision: TPDecision) -> dict:
                    f"the redistribution of {producer}")
         else:
             why = ("no tensor-parallel rule splits a weight this op reads: only linear layers "
-                   "(a product with a 2-D weight) and per-head tensors are sharded")
+                   "(a product with a 2-D weight, a pointwise conv), per-head tensors and the "
+                   "per-channel tensors of a grouped conv or a norm over sharded channels are "
+                   "sharded")
         out[n.target] = (f"replicated: {n.target} ({shape_text}, read by {op_text(use)}: "
                          f"{why})")
     return out

@@ -1,7 +1,8 @@
 """``run.py --verify``: one step of the parallel program against the unmodified model.
 
 Forward, backward and one optimizer step on the reference inputs; loss, outputs, gradients
-and updated parameters (each gathered back to full shape) are compared with
+and updated parameters, and the buffers the forward writes where the batch runs in one piece
+(each gathered back to full shape) are compared with
 ``reference.safetensors`` in fp32 with the spec's atol/rtol, the atol scaled by each
 tensor's magnitude (:func:`within`, the compile's self-check's rule). Gradients are compared
 directly: AdamW's first step is nearly invariant to a uniform gradient scale, so checking
@@ -30,7 +31,7 @@ from .setup import RankContext
 from .stage_builder import local_tensor
 from .step import StepRunner
 
-CATEGORIES = ("loss", "outputs", "gradients", "parameters")
+CATEGORIES = ("loss", "outputs", "gradients", "parameters", "buffers")
 # (atol, rtol) floor by the dtype the program computes in (mixed_precision.param_dtype); the
 # reference is the fp32 model. About 2-4 ulp at |x| ~ 1: bf16 has 8 mantissa bits (eps
 # 7.8e-3), fp16 11 (eps 9.8e-4). fp32 uses verify.atol / verify.rtol as given.
@@ -206,7 +207,24 @@ def run_verify(out_dir: Path, plan: ParallelPlan, spec: dict, stage, ctx: RankCo
     param_bound = (lambda fqn, want: 2 * lr * want.numel() ** 0.5) if dropped and not sgd else None
     _compare_tensors(tally, "parameters", "param", stage, plan, ctx, ref,
                      lambda p: p - lr * dropped[id(p)] if sgd and id(p) in dropped else p, param_bound)
+    _compare_buffers(tally, stage, plan, ctx, ref)
     return _report(tally, plan, vcfg, loss, ref, ctx, skipped)
+
+
+def _compare_buffers(tally, stage, plan: ParallelPlan, ctx: RankContext, ref: dict) -> None:
+    """The buffers the forward wrote (BatchNorm's running statistics; the reference's
+    ``buffer.FQN``), gathered to full shape. Only when the batch runs in one piece (dp =
+    microbatches = 1): else each chunk updates them from its own rows, as DDP and a pipeline
+    do, which no whole-batch reference can equal. Collective over tp, in every rank's order of
+    the stage's buffers."""
+    if plan.mesh["dp"] * plan.microbatches != 1:
+        return
+    for name, buf in stage.named_buffers():
+        fqn = plan.aliases.get(name, name)
+        want = ref.get(f"buffer.{fqn}")
+        if want is not None and fqn in plan.tensors:
+            full = full_tensor(buf, plan.tensors[fqn], ctx, plan.mesh["tp"])
+            tally.add("buffers", name, full, want, noise=ref.get(f"noise.buffer.{fqn}"))
 
 
 def _mean_residuals(stage, ctx: RankContext, runner: StepRunner) -> dict:
@@ -326,6 +344,12 @@ def _report(tally: _Tally, plan, vcfg: dict, loss, ref: dict, ctx, skipped=()) -
             if skipped else ""))
         print(f"verify: gradients (gathered to full shape) max abs err {errs[2]:.3g}")
         print(f"verify: parameters after one {opt_name} step max abs err {errs[3]:.3g}")
+        written = sum(1 for k in ref if k.startswith("buffer."))
+        if written:
+            print(f"verify: buffers the forward writes ({written}): " + (
+                f"max abs err {errs[4]:.3g}" if m["dp"] * plan.microbatches == 1 else
+                "not compared (each of the dp x microbatches chunks updates them from its own "
+                "rows)"))
         if not ok:
             worst = [f"{c} ({int(b)} mismatched; worst on rank 0: {tally.worst[c] or '-'})"
                      for c, b in zip(CATEGORIES, bad.tolist()) if b]

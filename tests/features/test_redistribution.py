@@ -40,14 +40,16 @@ class ProjectionNormAttention(nn.Module):
         return x + self.o(y.transpose(1, 2).reshape(b, s, H))
 
 
-class DepthwiseConvMixer(nn.Module):
-    """A causal depthwise conv over the channels of a column projection (Mamba's conv1d):
-    gathered before the conv, cut again before the row projection."""
+class DenseConvMixer(nn.Module):
+    """A causal conv over the channels of a column projection, each output channel reading
+    every input channel (one group; a depthwise one, Mamba's, takes the channels sharded:
+    test_channel_parallel.py): gathered before the conv, cut again before the row
+    projection."""
 
     def __init__(self):
         super().__init__()
         self.inp, self.out = nn.Linear(H, 2 * H), nn.Linear(2 * H, H)
-        self.conv = nn.Conv1d(2 * H, 2 * H, 3, groups=2 * H, padding=2)
+        self.conv = nn.Conv1d(2 * H, 2 * H, 3, padding=2)
 
     def forward(self, x):
         h = self.inp(x).transpose(1, 2)
@@ -87,7 +89,7 @@ def test_norm_over_a_sharded_projection_is_reduced_not_replicated(tp):
 @pytest.mark.parametrize("tp", [2, 4])
 def test_conv_over_sharded_channels_is_gathered(tp):
     torch.manual_seed(0)
-    model = DepthwiseConvMixer()
+    model = DenseConvMixer()
     d = plan_and_check(model, x_batch(t=6), tp)
     assert _sharded(d) == {"inp.weight", "out.weight"}
     assert {r.kind for r in d.redistributions} >= {"all_gather", "scatter"}
@@ -103,7 +105,7 @@ def test_summary_line_counts_the_all_gathers():
     says nothing more."""
     from parallelizer.planning.tp_matrices import tp_summary
     torch.manual_seed(0)
-    model = DepthwiseConvMixer()
+    model = DenseConvMixer()
     d = plan_and_check(model, x_batch(t=6), 2)
     n = sum(r.kind == "all_gather" for r in d.redistributions)
     assert n >= 1

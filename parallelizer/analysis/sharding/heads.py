@@ -12,7 +12,7 @@ operand pairs element ``i`` of the sharded dim with the rank's
 element ``i``, so its source is sharded along that dim.
 
 Only ops whose dim mapping is unambiguous are walked back: same-shape ops, broadcasting
-elementwise ops with exactly one input holding the dim at full size, unsqueeze, permute,
+elementwise ops with exactly one input holding the dim at full size, unsqueeze, squeeze, permute,
 transpose, expand, views that keep the dim whole, embedding (output last dim = weight dim 1)
 and a gather of a table's rows (``table[idx]``: Swin's relative position bias table).
 """
@@ -30,6 +30,7 @@ from .state import add_constraint, add_rewrite, dim_of, inputs_of, placement
 _SAME = {aten.contiguous.default, aten.clone.default, aten.to.dtype, aten._to_copy.default,
          aten.alias.default, aten.detach.default, aten.dropout.default, aten.type_as.default}
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+_SQUEEZES = {aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default}
 _FACTORIES = {aten.zeros.default, aten.ones.default, aten.full.default, aten.empty.memory_format}
 
 
@@ -51,6 +52,11 @@ def trace_head_source(node: fx.Node, dim: int, limit: int = 32) -> Optional[tupl
             if u == dim:
                 return None
             node, dim = node.args[0], dim - (1 if u < dim else 0)
+        elif t in _SQUEEZES:
+            kept = _kept_dims(node)
+            if kept is None:
+                return None
+            node, dim = node.args[0], kept[dim]
         elif t is aten.permute.default:
             node, dim = node.args[0], node.args[1][dim] % len(shape(node))
         elif t is aten.transpose.int:
@@ -78,6 +84,18 @@ def trace_head_source(node: fx.Node, dim: int, limit: int = 32) -> Optional[tupl
         else:
             return None
     return None
+
+
+def _kept_dims(node: fx.Node) -> Optional[list]:
+    """The input dim of each output dim of a squeeze (Mamba's depthwise conv weight
+    ``w.squeeze(1)`` unsqueezed back for ``F.conv1d``); None when its dims are not ints."""
+    ins = shape(node.args[0])
+    dims = node.args[1] if len(node.args) > 1 else [i for i, s in enumerate(ins) if same(s, 1)]
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    if not all(isinstance(d, int) for d in dims):
+        return None
+    gone = {d % len(ins) for d in dims if same(ins[d % len(ins)], 1)}
+    return [i for i in range(len(ins)) if i not in gone]
 
 
 def _view_source_dim(node: fx.Node, dim: int):
@@ -154,14 +172,14 @@ def request_broadcast(node: fx.Node, prop, groups, tp: int) -> None:
     """``node`` (elementwise) could not take its inputs: its sharded inputs agree on one
     output dim ``d``, but a replicated input holds ``d`` at full size. Ask the next run to
     shard that input's source along its dim (:func:`request_heads`), when every sharded
-    input is an even split of ``d`` (:func:`_even`) and tp divides the size: then the rank's
+    input is an even split of ``d`` (:func:`even_split`) and tp divides the size: then the rank's
     piece of the source is its even block, as the even Shard the request gives it. A size
     tp does not divide (a gain per kv head at tp > kv heads, whose heads are copied, not
     split) is not requested: the op's conflict keeps that attention replicated (reported)."""
     rank = len(shape(node))
     sharded = [a for a in inputs_of(node) if is_tensor(a) and dim_of(prop, a) is not None]
     dims = {dim_of(prop, a) + rank - len(shape(a)) for a in sharded}
-    if len(dims) != 1 or not all(_even(prop, a) for a in sharded):
+    if len(dims) != 1 or not all(even_split(prop, a) for a in sharded):
         return
     d = dims.pop()
     for b in inputs_of(node):
@@ -174,12 +192,14 @@ def request_broadcast(node: fx.Node, prop, groups, tp: int) -> None:
             request_heads(prop, b, k, groups)
 
 
-def _even(prop, a: fx.Node) -> bool:
+def even_split(prop, a: fx.Node, raw: bool = False) -> bool:
     """``a``'s sharded dim is split evenly over the tp ranks whatever layouts later runs
     find: not copied or expanded kv heads, not a merged (batch, heads) dim, and not a column
     output's raw features (their layout, fused or not, is settled only by later runs, while
-    a request holds for every run after it)."""
+    a request holds for every run after it). With ``raw``, raw features count as even: for a
+    rule whose taking them records an even use of them (propagate._consume_markers), so that
+    a later run laying them out otherwise meets a layout conflict, never a wrong shard."""
     mark = prop.heads.get(a.name)
     if mark is not None and (mark.replicated or mark.expanded):
         return False
-    return a.name not in prop.strided and a.name not in prop.raw
+    return a.name not in prop.strided and (raw or a.name not in prop.raw)

@@ -7,6 +7,7 @@ import operator
 
 from ..graph_facts import aten, expr, is_tensor, same, shape
 from .dtensor import Wants, tensor_args
+from .channels import CONVS, batch_norm_rule, group_norm_rule, grouped_conv_rule
 from .heads import embedding_rule, request_heads
 from .cuts import einsum_letters, index_rule, slice_rule
 from .layouts import expand_rule, split_rule, view_rule
@@ -295,6 +296,9 @@ RULES = {
     aten.view_as_complex.default: complex_view_rule, aten.view_as_real.default: complex_view_rule,
     aten.flatten.using_ints: flatten_rule,
     operator.getitem: _getitem,
+    **{op: grouped_conv_rule for op in CONVS},
+    aten.batch_norm.default: batch_norm_rule, aten.instance_norm.default: batch_norm_rule,
+    aten.group_norm.default: group_norm_rule,
 }
 
 # Rules that are nothing but a placement map: DTensor's strategy answers these ops first

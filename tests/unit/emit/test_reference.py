@@ -49,6 +49,21 @@ def test_loss_over_chunks_is_the_whole_batch_loss_only_for_a_mean_over_samples(n
         assert torch.equal(model[1].running_mean, again[1].running_mean)
 
 
+def test_the_buffers_the_forward_writes_are_kept_as_after_the_step():
+    """``buffer.FQN`` for BatchNorm's running statistics and count, as the forward left them
+    (run.py --verify compares them); none for a buffer no forward writes."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6), nn.Linear(6, 3)).train()
+    model.register_buffer("scale", torch.ones(3))
+    eager = nn.BatchNorm1d(6).train()
+    eager(model[0](_batch()[0]))
+    ref = compute_reference(model, _batch(), _mse, ["x"], load_spec(SPEC, []))
+    assert {k for k in ref if k.startswith("buffer.")} == {
+        "buffer.1.running_mean", "buffer.1.running_var", "buffer.1.num_batches_tracked"}
+    torch.testing.assert_close(ref["buffer.1.running_mean"], eager.running_mean.detach())
+    assert int(ref["buffer.1.num_batches_tracked"]) == 1
+
+
 def test_one_chunk_or_rows_it_does_not_split_give_no_chunked_loss():
     model = nn.Linear(6, 3)
     assert chunked_loss(model, _batch(), _mse, 1) is None

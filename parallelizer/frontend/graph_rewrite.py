@@ -1,0 +1,50 @@
+"""Helpers of the capture's graph rewrites (``einsum.py``, ``conv.py``): a node's FakeTensor
+value, whether a node is a parameter read as it is, and new nodes that carry the rewritten
+node's meta (module, source line) and a FakeTensor value, so that every planner reads the
+rewritten graph as it reads a captured one."""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+
+aten = torch.ops.aten
+
+# same values, same shape: a weight read through these is still the weight
+CASTS = {aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default,
+         aten.type_as.default, aten.contiguous.default, aten.clone.default, aten.alias.default}
+
+
+def val(n):
+    return n.meta.get("val") if isinstance(n, fx.Node) else None
+
+
+def is_param(w: fx.Node, params: set) -> bool:
+    """``w`` is a parameter read directly or through casts that keep its shape."""
+    for _ in range(8):
+        if w.op == "get_attr":
+            return w.target in params
+        if w.op != "call_function" or w.target not in CASTS or not w.args \
+                or not isinstance(w.args[0], fx.Node):
+            return False
+        src = w.args[0]
+        if not isinstance(val(src), torch.Tensor) or tuple(val(src).shape) != tuple(val(w).shape):
+            return False
+        w = src
+    return False
+
+
+def caller(graph: fx.Graph, node: fx.Node, inputs: list):
+    """``call(target, *args)``: a new node of ``graph`` with ``node``'s meta (module, source
+    line) and its FakeTensor value, computed in the fake mode of ``inputs``."""
+    fake = detect_fake_mode(inputs)
+    meta = {k: v for k, v in node.meta.items() if k != "val"}
+
+    def call(target, *args):
+        new = graph.call_function(target, args)
+        vals = [[val(a) if isinstance(a, fx.Node) else a for a in arg] if isinstance(arg, list)
+                else val(arg) if isinstance(arg, fx.Node) else arg for arg in args]
+        with fake:
+            new.meta = {**meta, "val": target(*vals)}
+        return new
+    return call
