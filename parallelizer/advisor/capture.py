@@ -43,7 +43,8 @@ def _capture_workload(model_path: Path, seq: int | None):
     cfg = getattr(model, "config", None)
     heads = getattr(cfg, "num_attention_heads", None)
     symbols = _symbols(analysis.gm)
-    roles, sites, notes = tensor_roles(analysis.gm.graph, heads or 1, analysis.canonical, symbols)
+    roles, sites, notes, divides = tensor_roles(analysis.gm.graph, heads, analysis.canonical,
+                                                symbols)
     measured = measure(analysis, passes)
     costs, partition = measured.costs, measured.partition
     seen, params, tied, tensors = set(), [], 0.0, []
@@ -55,8 +56,12 @@ def _capture_workload(model_path: Path, seq: int | None):
         params.append(sum(costs.param_bytes[f] for f in new) / 4)   # fp32 model: 4 bytes each
         tensors.append(float(len(new)))
     hidden = getattr(cfg, "hidden_size", None) or max(1, int(costs.cut_bytes[1] // (2 * seq * 4)))
-    heads = heads or max(1, hidden // 64)
-    vocab = getattr(cfg, "vocab_size", 0) or 0
+    if heads is None:  # no config: tp must divide what the tp planner splits (1: no tp)
+        heads = divides
+        degrees = ", ".join(str(t) for t in range(1, divides + 1) if divides % t == 0)
+        notes = list(notes) + [f"heads: no config; the sizes the tp planner splits (heads, "
+                               f"features) are multiples of {divides}: tp in {{{degrees}}}"]
+    vocab = getattr(cfg, "vocab_size", 0) or _table_rows(analysis.gm)
     vocab_sharded = any(r == "shard" for n, (r, _) in roles.items()
                         if n.target is torch.ops.aten.embedding.default)
     moe, grouped, expert_flops, expert_sites = _moe_layers(analysis.gm, partition.unit_of,
@@ -118,6 +123,15 @@ def _rows_in(node):
     """A grouped matmul's rows operand (the 2-D floating input)."""
     return next(a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)
                 and a.meta["val"].dim() == 2 and a.meta["val"].is_floating_point())
+
+
+def _table_rows(gm) -> int:
+    """The rows of the largest table an ``aten.embedding`` reads (the vocabulary of a model
+    file without a config, for the logits the loss keeps); 0 for none."""
+    rows = [int(n.args[0].meta["val"].shape[0]) for n in gm.graph.nodes
+            if n.op == "call_function" and n.target is torch.ops.aten.embedding.default
+            and isinstance(n.args[0], torch.fx.Node) and "val" in n.args[0].meta]
+    return max(rows, default=0)
 
 
 def _symbols(gm) -> dict:

@@ -42,8 +42,9 @@ def explain(pred, index: int = 1) -> str:
 
 
 def sources_line(cluster, workload) -> str:
-    """What the prediction rests on: the calibration (device, date) or the datasheet, and the
-    attention the workload assumes."""
+    """What the prediction rests on: the calibration (device, date) or the datasheet, the
+    attention the workload assumes, and where its heads count comes from when the model has
+    no config."""
     m = cluster.measured
     if m is not None:
         src = f"measured by parallelize calibrate on {m.device} ({m.date}, {m.mode})"
@@ -54,7 +55,8 @@ def sources_line(cluster, workload) -> str:
                           "(--attention eager for materialised scores)",
                  "eager": "eager attention: scores, softmax and dropout in memory (--attention eager)",
                  "graph": "attention as the model file's graph runs it"}[workload.attention]
-    return f"figures: {src}; {attention}"
+    heads = next((f"; {n}" for n in workload.notes if n.startswith("heads: ")), "")
+    return f"figures: {src}; {attention}{heads}"
 
 
 REP_LEGEND = ("rep=R: HSDP, ZeRO sharding inside each of R replica groups (dp = R x dp/R: "

@@ -18,6 +18,8 @@ expert parallelism regroups per rank (``Kernel.regrouped``).
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -239,21 +241,26 @@ def requires_grad_nodes(graph: fx.Graph) -> set:
     return out
 
 
-def tensor_roles(graph: fx.Graph, heads: int, canonical: dict, symbols: dict) -> tuple[dict, dict, list]:
-    """node -> (role, split size) and node -> "f" | "g" from the compiler's tp and vocab
-    planners at the smallest tp degree dividing ``heads`` (module docstring); with no such
-    degree, or when the planners refuse, every node is replicated (a note says why)."""
+def tensor_roles(graph: fx.Graph, heads: Optional[int], canonical: dict,
+                 symbols: dict) -> tuple[dict, dict, list, int]:
+    """node -> (role, split size), node -> "f" | "g" from the compiler's tp and vocab
+    planners at the smallest tp degree dividing ``heads`` (module docstring; 2 where the
+    heads are not known: a model file without a config), the notes, and the number every tp
+    degree that shards the planned groups divides (``TPDecision.divides``: the heads where
+    the planner found them). With no such degree, or when the planners refuse, every node is
+    replicated (a note says why) and that number is 1."""
     from ..planning.tp import plan_tp
     from ..planning.vocab import plan_vocab
-    t0 = next((t for t in range(2, heads + 1) if heads % t == 0), None)
+    t0 = 2 if heads is None else next((t for t in range(2, heads + 1) if heads % t == 0), None)
     notes: list = []
     if t0 is None:
-        return {}, {}, ["no tp degree divides the heads: every node costed as replicated"]
+        return {}, {}, ["no tp degree divides the heads: every node costed as replicated"], 1
     try:
         tp = plan_tp(graph, t0)
         vocab = plan_vocab(graph, t0, "auto", canonical, tp)
     except PlanError as e:
-        return {}, {}, [f"tensor parallelism not planned ({e}); every node costed as replicated"]
+        return {}, {}, [f"tensor parallelism not planned ({e}); every node costed as "
+                        f"replicated"], 1
     roles: dict = {}
     sites: dict = {}
     seq_syms = {s for s, kind in symbols.items() if kind in ("batch", "seq")}
@@ -274,7 +281,7 @@ def tensor_roles(graph: fx.Graph, heads: int, canonical: dict, symbols: dict) ->
             table = node.args[0].target if isinstance(node.args[0], fx.Node) else None
             if table is not None and canonical.get(table, table) in vocab.vocab:
                 sites[node] = "g"
-    return roles, sites, notes
+    return roles, sites, notes, (tp.divides or 1) if tp.column or tp.row else 1
 
 
 def _role(node, tp, vocab, seq_syms) -> tuple[str, int]:

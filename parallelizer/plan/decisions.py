@@ -86,6 +86,10 @@ class TPDecision:
     # replicated parameter fqn -> "op (node) at file:line in module" that makes its gradient
     # Partial over tp: summed over the tp ranks once per step (plan.grad_sync "partial_tp")
     partial: dict = field(default_factory=dict)
+    # the greatest common divisor of the sizes the sharded groups split (heads, features,
+    # channel groups; kv heads that may be copied left out): every tp that shards them all
+    # divides it. The advisor's heads count for a model file without a config
+    divides: int = 1
 
 
 @dataclass

@@ -20,6 +20,8 @@ split into parts (q|k|v), ``replicated_heads`` for GQA kv heads when tp exceeds 
 """
 from __future__ import annotations
 
+import math
+
 import torch.fx as fx
 
 from ..plan.decisions import TPDecision
@@ -70,6 +72,8 @@ def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False,
     pairs, column, row, prop = merged_whole(graph, sites, tp, decision, (pairs, column, row, prop))
     layouts = prop.found_layouts()
     decision.column, decision.row, decision.rewrites = column, row, prop.rewrites
+    kv = frozenset(prop.kv_weights)
+    decision.divides = math.gcd(*[c.size for c in prop.constraints if not c.replicable(kv)])
     decision.size_copies = dict(prop.size_copies)
     by_name = {n.name: n for n in graph.nodes}
     decision.placements = dict(prop.placements)

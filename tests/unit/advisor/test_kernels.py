@@ -54,6 +54,22 @@ def test_captured_llama_inventory(tools):
     assert w.ends_tp_sharded                                  # vocab_parallel applies to it
 
 
+def test_a_model_without_a_config_gets_the_heads_the_tp_planner_splits(tools):
+    """examples/gpt has no config: its 4 heads come from the tp planner (every size it
+    splits a multiple of 4), not hidden // 64 (1, which left plan only tp = 1), and the
+    figures line says so; its vocabulary from its embedding table (was 0: no logits)."""
+    from parallelizer.advisor.capture import capture_workload
+    from parallelizer.advisor.explain import sources_line
+    from parallelizer.advisor.cluster import load_cluster
+    w = capture_workload(tools.examples / "gpt" / "model.py", None)
+    assert w.heads == 4 and w.vocab == 96  # VOCAB_SIZE: its embedding table's rows
+    assert {r for r, _, k in w.source.units(2)[1].fwd if k.kind == "mm"} == {"column", "row"}
+    cluster = load_cluster(tools.repo / "specs" / "clusters" / "h200-node.yaml")
+    assert sources_line(cluster, w).endswith(
+        "heads: no config; the sizes the tp planner splits (heads, features) are multiples of "
+        "4: tp in {1, 2, 4}")
+
+
 def test_shape_kernels_count_the_flops_of_eq3():
     shape = parse_shape("layers=4,hidden=1024,heads=16,vocab=32000,seq=512")
     w = from_shape(shape, attention="eager")
