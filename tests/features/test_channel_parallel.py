@@ -92,6 +92,27 @@ def test_pointwise_convs_are_linears_and_glu_its_halves():
     torch.testing.assert_close(gm(*_seq())[0], model(*_seq()), rtol=1e-6, atol=1e-6)
 
 
+class GluMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 64), nn.Linear(32, 16)
+
+    def forward(self, x):
+        return x + self.down(F.glu(self.up(x)))
+
+
+def test_glu_after_a_linear_makes_it_a_fused_column():
+    """``glu``'s halves are the gate/up parts of one projection: each rank holds its block of
+    both (``fused [32, 32]``), where aten.glu had no rule over a sharded dim."""
+    torch.manual_seed(0)
+    x = (torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(0)),)
+    model = GluMLP()
+    gm, decision = planned(model, x, 2)
+    assert decision.column == {"up.weight"} and decision.row == {"down.weight"}
+    assert decision.layouts["up.weight"].text() == "fused [32, 32]"
+    assert_tp_matches(model, x, 2, decision, gm)
+
+
 @pytest.mark.parametrize("conv", [
     nn.Conv1d(4, 6, 3, padding=1), nn.Conv1d(4, 6, 1, stride=2), nn.Conv1d(4, 6, 1, padding=1),
     nn.Conv1d(4, 6, 1, groups=2)])
