@@ -199,13 +199,14 @@ def test_mamba_shards_every_block_matrix_and_its_per_channel_parameters():
 def test_the_self_check_compares_the_running_statistics(monkeypatch):
     torch.manual_seed(0)
     model = ConformerConv().train()
+    model.bn.running_mean.normal_()  # statistics of earlier steps: each rank's piece differs
     program = compiler.compile_module(model, _seq(), Spec.model_validate({"mesh": {"tp": 2}}),
                                       reference=False)
     (note,) = [n for n in program.notes if n.startswith("self-check")]
     assert "3 buffer(s) the forward writes" in note, note
     real = numerics_check.local_piece
 
-    def other_ranks_piece(full, tplan, tp, rank):  # a statistic cut for the wrong rank
+    def other_ranks_piece(full, tplan, tp, rank):  # each rank given another rank's statistics
         return real(full, tplan, tp, (rank + 1) % tp if tplan.fqn == "bn.running_mean" else rank)
     monkeypatch.setattr(numerics_check, "local_piece", other_ranks_piece)
     with pytest.raises(PlanError, match=re.escape("differs first at the buffer bn.running_mean")):
