@@ -122,7 +122,8 @@ class Linear(NamedTuple):
     (:func:`weight_source`): casts and copies (``w.to(x.dtype)``, ``type_as``, ``float()``,
     ``contiguous``), views to the same shape, and for W transposes (``W.T``, ``W.t()``,
     ``W.transpose(0, 1)``, ``W.permute(1, 0)``; ``F.linear(x, W.t())`` of a W stored (in,
-    out)).
+    out)). A 3-D W (E, in, out) read by ``bmm`` / ``matmul`` from an x (E, rows, in) is E
+    linears side by side (:func:`_batched_site`: ``out_dim`` 2, ``in_dim`` 1).
 
     Attributes:
         node: the call_function node of the product.
@@ -161,6 +162,8 @@ class Linear(NamedTuple):
     def in_dim(self) -> int:
         if self.merged is not None:
             return self.merged if self.out_dim == 0 else 0
+        if self.out_dim == 2:  # a batched weight (E, in, out): :func:`_batched_site`
+            return 1
         return 1 - self.out_dim
 
     def features(self, dim: int) -> int:
@@ -388,7 +391,28 @@ def as_linear(n: fx.Node) -> Optional[Linear]:
             return None
         return _site(n, x, w, b)
     if n.target in _PRODUCTS and len(n.args) == 2:
-        return _site(n, n.args[0], n.args[1], None)
+        return _site(n, n.args[0], n.args[1], None) or _batched_site(n, n.args[0], n.args[1])
+    return None
+
+
+def _batched_site(n: fx.Node, x, w) -> Optional[Linear]:
+    """``bmm(x, W)`` / ``matmul(x, W)`` with W a 3-D parameter (E, in, out) read directly or
+    through casts and x (E, rows, in) of the same E: E linears side by side, one per slice
+    of dim 0 (a dense mixture of experts, every token through every expert's (in, out)
+    matrix). Its output features are W's dim 2, its input features dim 1; a column shards
+    dim 2, a row dim 1, each rank every expert's block (Megatron's split inside each
+    expert, Shoeybi et al. 2019 §3, applied per slice)."""
+    if not is_tensor(x) or not is_tensor(w) or len(shape(x)) != 3 or len(shape(w)) != 3 \
+            or not same(shape(x)[0], shape(w)[0]) or not same(shape(x)[2], shape(w)[1]):
+        return None
+    param = w
+    for _ in range(_PATH_LIMIT):
+        if _param(param, 3):
+            return Linear(n, x, param.target, None, 2, w, None, param)
+        if param.op != "call_function" or param.target not in _CASTS or not param.args \
+                or not is_tensor(param.args[0]) or shape(param.args[0]) != shape(param):
+            return None
+        param = param.args[0]
     return None
 
 
@@ -420,48 +444,6 @@ def attr_targets(graph: fx.Graph) -> list[str]:
         if n.op == "get_attr" and n.target != RUNTIME_DEVICE and n.target not in out:
             out.append(n.target)
     return out
-
-
-def written_attrs(graph: fx.Graph) -> dict:
-    """get_attr targets some op of ``graph`` writes in place (an argument its schema marks
-    written, ``Tensor(a!)``: ``add_``, ``copy_``, ``index_put_``), directly or through views
-    of them (a return that aliases its input, ``Tensor(a)``) -> the first node writing it."""
-    out: dict = {}
-    for n in graph.nodes:
-        for _i, base in _written(n):
-            if base.op == "get_attr":
-                out.setdefault(base.target, n)
-    return out
-
-
-def written_buffer_args(node: fx.Node, buffers) -> list[int]:
-    """Indices of the arguments ``node`` writes in place (as :func:`written_attrs` reads the
-    schema) that are, or are views of, a get_attr of a name in ``buffers``."""
-    return [i for i, base in _written(node) if base.op == "get_attr" and base.target in buffers]
-
-
-def _written(n: fx.Node) -> list:
-    """``(argument index, the node it is a view of)`` for each argument ``n`` writes."""
-    schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
-    if schema is None:
-        return []
-    out = []
-    for i, arg in enumerate(schema.arguments):
-        value = n.args[i] if i < len(n.args) else n.kwargs.get(arg.name)  # out= too
-        if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, fx.Node):
-            out.append((i, _view_base(value)))
-    return out
-
-
-def _view_base(node: fx.Node) -> fx.Node:
-    """The node ``node`` is a view of (itself when it is not the result of a view op)."""
-    while node.op == "call_function":
-        schema = getattr(node.target, "_schema", None)
-        if schema is None or not schema.returns or schema.returns[0].alias_info is None \
-                or not node.args or not isinstance(node.args[0], fx.Node):
-            break
-        node = node.args[0]
-    return node
 
 
 def source_line(node: fx.Node, outer: int = 0) -> str:

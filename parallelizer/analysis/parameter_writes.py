@@ -4,7 +4,7 @@ hand-written weight clamp or EMA of a parameter under ``no_grad``. Under data pa
 each rank would write only its own copy, from its own samples (DDP), or a gathered copy
 FSDP2 then drops: the replicas drift apart from the unmodified model. Reads the captured
 graph (ATen schemas' write annotations, followed back through views and ``detach``:
-``graph_facts.written_attrs``)."""
+``writes.written_attrs``)."""
 from __future__ import annotations
 
 from operator import attrgetter
@@ -13,12 +13,13 @@ import torch
 import torch.fx as fx
 
 from ..errors import PlanError
-from .graph_facts import module_path, source_line, written_attrs
+from .graph_facts import module_path, source_line
+from .writes import written_attrs
 
 
 def parameter_writes(gm: fx.GraphModule) -> list[tuple[str, fx.Node]]:
     """``(parameter fqn, first writing node)`` for each trainable parameter some op writes
-    in place (:func:`parallelizer.analysis.graph_facts.written_attrs`)."""
+    in place (:func:`parallelizer.analysis.writes.written_attrs`)."""
     return [(t, n) for t, n in written_attrs(gm.graph).items() if _is_parameter(gm, t)]
 
 

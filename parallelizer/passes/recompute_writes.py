@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ..analysis.graph_facts import aten, written_buffer_args
+from ..analysis.graph_facts import aten
+from ..analysis.writes import written_buffer_args
 from ..runtime import recompute
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..analysis.graph_facts import attr_targets, block_of, source_line, written_attrs
+from ..analysis.graph_facts import attr_targets, block_of, source_line
+from ..analysis.writes import written_attrs
 from ..errors import PlanError
 from ..plan.parallel_plan import ParallelPlan
 

@@ -1,0 +1,74 @@
+"""A 3-D parameter (E, in, out) read by ``bmm`` / ``matmul`` with an input of the same E is
+E linears side by side (analysis/graph_facts.py ``_batched_site``): a dense mixture of
+experts written with ``torch.bmm`` or ``einsum("end,edf->enf")`` has its up weight column
+parallel along dim 2 and its down weight row parallel along dim 1, every expert split
+inside (was: both replicated, "no tensor-parallel rule splits a weight this op reads").
+Ranks in lockstep in one process: outputs, every gradient and one SGD step equal the
+unmodified model's pieces (fp32, 1e-5)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from parallelizer.analysis.graph_facts import linear_sites
+from tp_check import assert_tp_matches, planned
+from tp_small_models import captured
+
+D, FF, E = 16, 32, 4
+
+
+class DenseMoE(nn.Module):
+    """Every token through every expert, weighted by a softmax router (soft mixture)."""
+
+    def __init__(self, einsum: bool):
+        super().__init__()
+        self.router = nn.Linear(D, E)
+        self.w1 = nn.Parameter(0.1 * torch.randn(E, D, FF))
+        self.w2 = nn.Parameter(0.1 * torch.randn(E, FF, D))
+        self.einsum = einsum
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        gate = self.router(x).softmax(-1).reshape(b * t, E).t().unsqueeze(-1)  # (E, N, 1)
+        xs = x.reshape(1, b * t, D).expand(E, -1, -1)
+        if self.einsum:
+            y = torch.einsum("enf,efd->end", F.gelu(torch.einsum("end,edf->enf", xs, self.w1)),
+                             self.w2)
+        else:
+            y = torch.bmm(F.gelu(torch.bmm(xs, self.w1)), self.w2)
+        return x + (y * gate).sum(0).reshape(b, t, D)
+
+
+class Broadcast(nn.Module):
+    """``x @ W`` with x (1, N, in) broadcast against W (E, in, out): no matched E, so no
+    side-by-side linears."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(0.1 * torch.randn(E, D, FF))
+        self.out = nn.Linear(FF, D)
+
+    def forward(self, x):
+        return self.out(torch.matmul(x.reshape(1, -1, D), self.w).mean(0)).reshape(x.shape)
+
+
+def _x():
+    return (torch.randn(2, 5, D, generator=torch.Generator().manual_seed(0)),)
+
+
+@pytest.mark.parametrize("einsum", [False, True])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_dense_experts_split_inside_every_expert(einsum, tp):
+    torch.manual_seed(0)
+    model = DenseMoE(einsum)
+    gm, decision = planned(model, _x(), tp)
+    assert decision.column == {"w1"} and decision.row == {"w2"}
+    assert decision.dims["w1"] == 2 and decision.dims["w2"] == 1
+    assert_tp_matches(model, _x(), tp, decision, gm)
+
+
+def test_a_broadcast_batch_dim_is_no_batched_linear():
+    gm = captured(Broadcast(), _x()).gm
+    assert {s.weight for s in linear_sites(gm.graph)} == {"out.weight"}
