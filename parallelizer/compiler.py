@@ -34,6 +34,7 @@ from .checkpoint.hf import load_hf_state_dict, match_to_model
 from .errors import CheckpointError, PlanError
 from .frontend.model_file import default_loss, load_model
 from .frontend.capture import Captured, capture
+from .frontend.modes import training_modes
 from .analysis.costs import PipelineCosts
 from .analysis.gradient_accounting import check_gradients
 from .analysis.parameter_writes import check_parameter_writes, written_buffer_warnings
@@ -145,6 +146,7 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
                                                    analysis.captured.input_names),
                                        analysis.captured.gm)
     pp_warnings += written_buffer_warnings(analysis.captured.gm, spec.pipeline.microbatches)
+    pp_warnings += list(analysis.warnings)
     planned = plan(analysis, spec, passes)
     stages, sequence = apply_passes(analysis, planned, spec, batch, passes)
     checked = check_stages(analysis, planned, stages, sequence)
@@ -171,6 +173,7 @@ class Analysis:
     attention: tuple = ()  # (module FQN, changes) of each SDPA call the attention pass rewrote
     stacked: dict = field(default_factory=dict)  # stacked expert FQN -> the experts' FQNs
     module_experts: tuple = ()  # expert lists the stack_experts pass could not stack (why)
+    warnings: tuple = ()  # the model built in eval mode, compiled in training mode (modes.py)
 
     @property
     def gm(self) -> torch.fx.GraphModule:
@@ -179,7 +182,8 @@ class Analysis:
 
 def analyse(model: torch.nn.Module, batch, name: Path, passes: PassManager,
             pp: int = 1, ep: int = 1, microbatches: int = 1, dp: int = 1) -> Analysis:
-    """Capture ``model`` in train mode on ``batch`` and rewrite attention as eager runs it, so
+    """Capture ``model`` (in training mode where it was built all in eval mode, else each
+    module's mode as built: frontend/modes.py) on ``batch`` and rewrite attention as eager runs it, so
     that every planner sees what the model computes (SDPA's is_causal / enable_gqa for the
     mask and the repeated kv heads export materialised). At ``ep`` > 1 a list of expert
     modules becomes one grouped computation on stacked weights (passes/stack_experts.py).
@@ -188,7 +192,7 @@ def analyse(model: torch.nn.Module, batch, name: Path, passes: PassManager,
         CaptureError: the model cannot be captured. PlanError: ``pp`` > 1 and an output has
             no batch dim (the microbatches cannot be concatenated back).
     """
-    model.train()
+    modes = training_modes(model)
     captured = capture(model, batch, name)
     if pp > 1 or microbatches > 1 or dp > 1:  # the step runs the graph on fewer samples
         check_batch_is_dynamic(captured.gm, captured.input_names)
@@ -205,7 +209,7 @@ def analyse(model: torch.nn.Module, batch, name: Path, passes: PassManager,
         passes.run("stack_experts", apply_stack_experts, captured.gm, lists, stacked)
     groups = tied_groups(model)
     return Analysis(model, captured, groups, alias_map(groups), find_blocks(model), name,
-                    tuple(rewritten), stacked, tuple(unstacked))
+                    tuple(rewritten), stacked, tuple(unstacked), tuple(modes))
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,46 @@
+"""Training modes (frontend/modes.py): a model built all in eval mode is compiled in
+training mode, with a warning naming its mode-dependent modules; a model with modules in
+both modes keeps each module's mode as built (a frozen BatchNorm: captured as eval runs it,
+its running statistics read, not written). Was: every model switched to training mode,
+silently."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from parallelizer.compiler import analyse
+from parallelizer.frontend.modes import training_modes
+from parallelizer.passes.manager import PassManager
+
+aten = torch.ops.aten
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(0.1), nn.Linear(8, 4))
+
+
+def _batch_norm_training(model) -> list:
+    gm = analyse(model, (torch.randn(6, 4),), Path("<test>"), PassManager()).gm
+    return [n.args[5] for n in gm.graph.nodes if n.target is aten.batch_norm.default]
+
+
+def test_a_model_built_in_eval_mode_is_compiled_in_training_mode_with_a_warning():
+    model = _model().eval()
+    (warning,) = training_modes(model)
+    assert all(m.training for m in model.modules())
+    assert "its BatchNorm1d, Dropout modules run as in training" in warning
+    assert training_modes(nn.Sequential(nn.Linear(2, 2)).eval()) == []  # nothing depends on it
+
+
+def test_a_frozen_batch_norm_is_captured_as_eval_runs_it():
+    model = _model()
+    model[1].eval()  # frozen: normalises by its running statistics, writes none
+    model[1].running_mean.uniform_(-1, 1)
+    before = model[1].running_mean.clone()
+    assert training_modes(model) == [] and not model[1].training and model[0].training
+    assert _batch_norm_training(model) == [False]
+    assert torch.equal(model[1].running_mean, before)
+    assert _batch_norm_training(_model()) == [True]
