@@ -95,7 +95,7 @@ def _walk(start: fx.Node, is_linear: dict, residual_stop: bool, siblings=None,
                 continue
             if user.target in _STOP:
                 continue
-            if _conditioning(user, node):
+            if _conditioning(user, node) and _one_row_per_sample(start):
                 conditioned.add(user)
                 continue
             if residual_stop and _residual_add(user, seen, start, is_linear):
@@ -190,6 +190,16 @@ def _conditioning(op: fx.Node, walked: fx.Node) -> bool:
         return False
     return any(isinstance(a, fx.Node) and a is not walked and _same_shape(a.meta.get("val"), out)
                and not from_constants(a) for a in op.args[:2])
+
+
+def _one_row_per_sample(linear: fx.Node) -> bool:
+    """``linear``'s output is one row per sample ((B, F) or (B, 1, F)), as a conditioning
+    linear's is: Mamba's ``dt_proj``, one row per position (B, L, E), whose output a
+    selective scan broadcasts over a dim of its own (``dBx.unsqueeze(1)`` against (B, t, s,
+    E, N)), is no conditioning vector (it was kept whole as one)."""
+    v = linear.meta.get("val")
+    return getattr(v, "shape", None) is not None and v.dim() >= 1 and all(
+        isinstance(s, int) and s == 1 for s in v.shape[1:-1])
 
 
 def _feeds_residual(node: fx.Node, is_linear: dict) -> bool:

@@ -13,7 +13,8 @@ activation now ends the walk (planning/tp_seeds.py ``_conditioning``): qkv | pro
 fc1 | fc2 are Megatron pairs, adaLN replicated (its matmul is one row per sample).
 
 A gate that is not a broadcast (SwiGLU's ``silu(gate(x)) * up(x)``, both per token) and a
-per-head scalar broadcast over head_dim are unchanged. Each rank equals the unmodified
+per-head scalar broadcast over head_dim are unchanged; a per-position linear broadcast over a
+dim of its own (a segsum scan's dt) is no conditioning vector. Each rank equals the unmodified
 model (outputs, every gradient, one SGD step; fp32, 1e-5).
 """
 import pytest
@@ -116,3 +117,26 @@ def test_swiglu_gate_and_per_head_scale_still_pair():
     torch.manual_seed(0)
     d = plan_and_check(PerHeadScale(), x_batch(), 2)
     assert {"v.weight", "b.weight"} <= d.column and d.row == {"o.weight"}, (d.column, d.row)
+
+
+class PairwiseDecay(nn.Module):
+    """A per-position linear (B, L, F) broadcast over a dim of its own against a (B, t, s,
+    F) tensor, as a hand-written Mamba's segsum scan reads ``dt_proj``: one row per
+    position, no conditioning vector (it was reported as one, "a per-sample conditioning
+    vector (adaLN, FiLM)", a break test)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.dt, self.down = nn.Linear(H, H), nn.Linear(H, H), nn.Linear(H, H)
+
+    def forward(self, x):
+        h = self.up(x)
+        pair = h.unsqueeze(2) - h.unsqueeze(1)                       # (B, t, s, H)
+        y = (pair * torch.sigmoid(self.dt(x)).unsqueeze(1)).sum(2)   # dt broadcast over t
+        return x + self.down(y)
+
+
+def test_a_per_position_linear_is_no_conditioning_vector():
+    torch.manual_seed(0)
+    d = plan_and_check(PairwiseDecay(), x_batch(), 2)
+    assert not any("conditioning" in line for line in d.report), d.report
