@@ -158,6 +158,21 @@ def test_instance_norm_over_sharded_channels():
     assert_tp_matches(model, x, 2, decision, gm)
 
 
+def test_channels_tp_does_not_divide_are_named_channels():
+    """A per-channel tensor's size is named as channels, with the module reading it (it was
+    "the number of heads (6) of the model (dim 0 of the per-head 1.weight)"), and a pointwise
+    conv's (O, C, 1) weight viewed (O, C) by its features (it was "the 30 heads of pw1")."""
+    model = nn.Sequential(nn.Conv1d(8, 6, 1), nn.BatchNorm1d(6), nn.Conv1d(6, 8, 1)).train()
+    with pytest.raises(PlanError, match=re.escape(
+            "mesh.tp (4) must divide the number of channels (6) of 1 (dim 0 of the per-channel "
+            "1.weight); valid choices: tp in {1, 2, 3, 6}")):
+        planned(model, (torch.randn(2, 8, 5),), 4)
+    model = nn.Sequential(nn.Conv1d(8, 6, 1), nn.GELU(), nn.Conv1d(6, 8, 1))
+    with pytest.raises(PlanError, match=re.escape("the number of features (6) of 0 "
+                                                  "(out_features of 0.weight)")):
+        planned(model, (torch.randn(2, 8, 5),), 4)
+
+
 def test_groups_tp_does_not_divide_keep_the_conv_whole():
     """2 groups at tp 4: the conv reads its input gathered, the block's pointwise convs and
     its GroupNorm of 4 groups stay sharded."""

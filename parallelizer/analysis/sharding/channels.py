@@ -34,6 +34,29 @@ CONVS = frozenset({aten.conv1d.default, aten.conv2d.default, aten.conv3d.default
                    aten.conv1d.padding, aten.conv2d.padding, aten.conv3d.padding})
 
 
+_READERS = CONVS | {aten.batch_norm.default, aten.instance_norm.default, aten.group_norm.default}
+_PATH = {aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.unsqueeze.default,
+         aten.to.dtype, aten._to_copy.default, aten.contiguous.default, aten.clone.default}
+
+
+def channel_reader(param):
+    """The conv or norm over channels that reads ``param`` (directly or through squeezes
+    and casts: Mamba's ``w.squeeze(1).unsqueeze(1)``), or None: a per-channel tensor, named
+    so in the messages instead of "per-head"."""
+    todo, seen = [param], set()
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            if u in seen or u.op != "call_function":
+                continue
+            seen.add(u)
+            if u.target in _READERS:
+                return u
+            if u.target in _PATH:
+                todo.append(u)
+    return None
+
+
 def grouped_conv_rule(node, prop, tp):
     """A convolution over channels sharded along whole groups (see the module docstring)."""
     x, w = node.args[0], node.args[1]

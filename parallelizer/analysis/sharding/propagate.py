@@ -47,6 +47,7 @@ import torch.fx as fx
 from ..graph_facts import as_linear, aten, module_path, same, shape, weight_path
 from .dtensor import NO_RULE, Wants, dtensor_rule
 from . import redistribute
+from .channels import channel_reader
 from .heads import factory_rule, request_broadcast
 from ...plan.layouts import InterleavedHeads, in_units
 from .cuts import copied_whole_unsqueeze, fuse_slices, one_head_unsqueeze
@@ -177,8 +178,10 @@ def _rule(node: fx.Node, prop: Propagation, column, row, weight_dims, tp):
             return Shard(weight_dims[node.target]), frozenset()
         if node.target in prop.per_head:
             d, g = prop.per_head[node.target]
-            add_constraint(prop, shape(node)[d], "heads", module_path(node),
-                           f"dim {d} of the per-head {node.target}")
+            reader = channel_reader(node)
+            add_constraint(prop, shape(node)[d], "channels" if reader else "heads",
+                           module_path(reader or node), f"dim {d} of the per-"
+                           f"{'channel' if reader else 'head'} {node.target}")
             return Shard(d), g
         if node.target in prop.column_biases:
             w, key = prop.column_biases[node.target]
@@ -413,6 +416,8 @@ def _merged_cut(prop, node, site, dim: int, layout, groups) -> None:
     so the layouts found stay the same from round to round."""
     size = int(shape(site.param)[dim])
     text = "x".join(str(d) for d in shape(site.param))
+    if size == int(site.features(dim)):  # the dim is the features (a pointwise conv's
+        return  # (O, C, 1, 1) viewed (O, C)): the features' constraint names it
     if layout is None or isinstance(layout, InterleavedHeads):
         origin = {site.weight} if site.weight in groups else set()
         add_constraint(prop, size, "heads", module_path(node),
