@@ -159,10 +159,15 @@ class Linear(NamedTuple):
     merged: Optional[int] = None
 
     @property
+    def batched(self) -> bool:
+        """A 3-D weight (E, in, out), E linears side by side (:func:`_batched_site`)."""
+        return self.merged is None and self.out_dim == 2
+
+    @property
     def in_dim(self) -> int:
         if self.merged is not None:
             return self.merged if self.out_dim == 0 else 0
-        if self.out_dim == 2:  # a batched weight (E, in, out): :func:`_batched_site`
+        if self.batched:
             return 1
         return 1 - self.out_dim
 

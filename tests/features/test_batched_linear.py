@@ -41,6 +41,26 @@ class DenseMoE(nn.Module):
         return x + (y * gate).sum(0).reshape(b, t, D)
 
 
+class SoftMoE(nn.Module):
+    """Soft MoE's slots (Puigcerver et al. 2023, §2.1): tokens dispatched into (E, slots, D)
+    by an einsum of two activations, the batched experts, combined back. A 2-D linear before
+    the dispatch must not pair with the experts' up weight as its row (its features land on
+    the slots): that left nothing sharded (a break test)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.phi = nn.Linear(D, D), nn.Linear(D, E * 2, bias=False)
+        self.w1 = nn.Parameter(0.1 * torch.randn(E, D, FF))
+        self.w2 = nn.Parameter(0.1 * torch.randn(E, FF, D))
+
+    def forward(self, x):
+        xt = self.inp(x).reshape(-1, D)
+        logits = self.phi(xt).reshape(-1, E, 2)
+        slots = torch.einsum("sec,sd->ecd", logits.softmax(0), xt)
+        ys = torch.bmm(F.gelu(torch.bmm(slots, self.w1)), self.w2)
+        return x + torch.einsum("sec,ecd->sd", logits.softmax(-1), ys).reshape(x.shape)
+
+
 class Broadcast(nn.Module):
     """``x @ W`` with x (1, N, in) broadcast against W (E, in, out): no matched E, so no
     side-by-side linears."""
@@ -67,6 +87,14 @@ def test_dense_experts_split_inside_every_expert(einsum, tp):
     assert decision.column == {"w1"} and decision.row == {"w2"}
     assert decision.dims["w1"] == 2 and decision.dims["w2"] == 1
     assert_tp_matches(model, _x(), tp, decision, gm)
+
+
+def test_soft_moe_experts_pair_with_each_other_only():
+    torch.manual_seed(0)
+    model = SoftMoE()
+    gm, decision = planned(model, _x(), 2)
+    assert "w1" in decision.column and "w2" in decision.row
+    assert_tp_matches(model, _x(), 2, decision, gm)
 
 
 def test_a_broadcast_batch_dim_is_no_batched_linear():
