@@ -183,10 +183,11 @@ class Analysis:
 def analyse(model: torch.nn.Module, batch, name: Path, passes: PassManager,
             pp: int = 1, ep: int = 1, microbatches: int = 1, dp: int = 1) -> Analysis:
     """Capture ``model`` (in training mode where it was built all in eval mode, else each
-    module's mode as built: frontend/modes.py) on ``batch`` and rewrite attention as eager runs it, so
-    that every planner sees what the model computes (SDPA's is_causal / enable_gqa for the
-    mask and the repeated kv heads export materialised). At ``ep`` > 1 a list of expert
-    modules becomes one grouped computation on stacked weights (passes/stack_experts.py).
+    module's mode as built: frontend/modes.py) on ``batch`` and rewrite attention as eager
+    runs it, so that every planner sees what the model computes (SDPA's is_causal /
+    enable_gqa for the mask and the repeated kv heads export materialised). At ``ep`` > 1 a
+    list of expert modules becomes one grouped computation on stacked weights
+    (passes/stack_experts.py).
 
     Raises:
         CaptureError: the model cannot be captured. PlanError: ``pp`` > 1 and an output has

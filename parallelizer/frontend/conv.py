@@ -15,9 +15,10 @@ large matmuls"):
 
 A convolution with a kernel wider than 1 is left as it is (its weight replicated unless its
 channels arrive sharded and its groups split with them:
-:mod:`parallelizer.analysis.sharding.channels`). Every node added carries the rewritten node's meta (module, source line) and a
-FakeTensor value. The rewrite is exact up to the order of the channel sum, which the conv and
-the linear kernels need not share (fp32 rounding).
+:mod:`parallelizer.analysis.sharding.channels`). Every node added carries the rewritten
+node's meta (module, source line) and a FakeTensor value. The rewrite is exact up to the
+order of the channel sum, which the conv and the linear kernels need not share (fp32
+rounding).
 """
 from __future__ import annotations
 

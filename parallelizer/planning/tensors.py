@@ -53,7 +53,8 @@ def _placement(name: str, tp: TPDecision, vocab: VocabDecision) -> tuple:
     if name in tp.row:
         return tp.dims[name], "row_parallel", layout
     if name in tp.per_head:
-        return tp.dims[name], "per-head or per-channel (sharded with the heads or channels it meets)", None
+        return (tp.dims[name], "per-head or per-channel (sharded with the heads or channels it "
+                "meets)", None)
     for w, b in tp.biases.items():
         if b == name and w in tp.column:
             return tp.dims[name], "column_parallel", layout

@@ -91,8 +91,9 @@ def _walk(start: fx.Node, is_linear: dict, residual_stop: bool, siblings=None,
                 # E linears side by side pair with E linears side by side only: a row reads
                 # its expert's columns (a 2-D column reaching one through a dispatch einsum,
                 # Soft MoE's, put its features on the experts' slots: nothing paired)
-                if is_linear[user].x is node and is_linear[user].batched == is_linear[start].batched:
-                    reached.add(is_linear[user].weight)
+                site = is_linear[user]
+                if site.x is node and site.batched == is_linear[start].batched:
+                    reached.add(site.weight)
                 continue
             if user.target in _NORMS and _whole_features(user, start):
                 continue
