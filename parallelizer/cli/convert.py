@@ -90,9 +90,16 @@ def export_main(argv: list[str]) -> int:
     _destination(p)
     p.add_argument("--max-shard-size", default="5GB", help="shard above this size (default 5GB)")
     ns = p.parse_args(argv)
-    from parallelizer.convert.export import export_hf
+    from parallelizer.convert.export import export_hf, unread_keys
     files = export_hf(ns.src, ns.out, ns.max_shard_size, ns.force, not ns.no_progress)
     print(f"exported {ns.src} -> {ns.out}: {', '.join(files)}")
+    from parallelizer.checkpoint.reader import read_manifest
+    unread = unread_keys(read_manifest(ns.src))
+    if unread:
+        shown = ", ".join(unread[:4]) + (f" and {len(unread) - 4} more" if len(unread) > 4 else "")
+        print(f"not exported: {len(unread)} state_dict key(s) the model's forward never reads "
+              f"({shown}): the checkpoint holds what the program reads; load the export with "
+              f"load_state_dict(strict=False) to keep the model's own values of these")
     return 0
 
 

@@ -59,20 +59,26 @@ def stacked_members(manifest_or_structure: dict) -> dict:
 
 def export_names(manifest: dict) -> list[tuple[str, str]]:
     """``(state_dict name, stored fqn)`` in the original state_dict order; an expert the
-    compiler stacked is stored as its stacked tensor (:func:`stacked_members`)."""
+    compiler stacked is stored as its stacked tensor (:func:`stacked_members`). A key the
+    checkpoint does not hold (:func:`unread_keys`) is left out."""
+    return [(k, fqn) for k, fqn in _stored_as(manifest) if fqn in manifest["tensors"]]
+
+
+def unread_keys(manifest: dict) -> list[str]:
+    """The model's state_dict keys the checkpoint does not hold: tensors its forward never
+    reads (a frozen BatchNorm's ``num_batches_tracked``, a pooler whose output is not
+    returned), which the plan leaves out (planning/tensors.py: only what a stage reads)."""
+    return [k for k, fqn in _stored_as(manifest) if fqn not in manifest["tensors"]]
+
+
+def _stored_as(manifest: dict) -> list[tuple[str, str]]:
     aliases = manifest.get("aliases", {})
     stacked = stacked_members(manifest)
     keys = (manifest.get("structure") or {}).get("state_dict_keys")
     if keys is None:  # checkpoints of plans compiled before the keys were recorded
         model = [k for k, e in manifest["tensors"].items() if e.get("kind", "model") == "model"]
         keys = sorted(model + list(aliases))
-    out = []
-    for k in keys:
-        fqn = stacked[k][0] if k in stacked else aliases.get(k, k)
-        if fqn not in manifest["tensors"]:
-            raise CheckpointError(f"state_dict key {k} is not stored in the checkpoint (as {fqn})")
-        out.append((k, fqn))
-    return out
+    return [(k, stacked[k][0] if k in stacked else aliases.get(k, k)) for k in keys]
 
 
 def export_hf(src, dst, max_shard_size: str = "5GB", force: bool = False,

@@ -44,3 +44,26 @@ def test_a_frozen_batch_norm_is_captured_as_eval_runs_it():
     assert _batch_norm_training(model) == [False]
     assert torch.equal(model[1].running_mean, before)
     assert _batch_norm_training(_model()) == [True]
+
+
+def test_a_frozen_batch_norm_compiles_and_exports_without_its_count(tmp_path, capsys):
+    """The frozen BatchNorm never reads its ``num_batches_tracked``: no stage holds it and
+    export leaves it out, saying so (it raised "state_dict key ... is not stored in the
+    checkpoint"); its running statistics are exported as built."""
+    from safetensors.torch import load_file
+
+    from parallelizer import compiler
+    from parallelizer.cli.parallelize import main as cli
+    from parallelizer.frontend.spec import Spec
+    model = _model()
+    model[1].eval()
+    model[1].running_mean.uniform_(-1, 1)
+    program = compiler.compile_module(model, (torch.randn(6, 4),),
+                                      Spec.model_validate({"mesh": {"tp": 2}}), reference=False)
+    program.save(tmp_path / "out")
+    assert cli(["export", str(tmp_path / "out" / "checkpoint"), "-o", str(tmp_path / "hf")]) == 0
+    assert "not exported: 1 state_dict key(s) the model's forward never reads " \
+           "(1.num_batches_tracked)" in capsys.readouterr().out
+    hf = load_file(tmp_path / "hf" / "model.safetensors")
+    assert "1.num_batches_tracked" not in hf
+    assert torch.equal(hf["1.running_mean"], model[1].running_mean)
