@@ -97,6 +97,36 @@ def test_soft_moe_experts_pair_with_each_other_only():
     assert_tp_matches(model, _x(), 2, decision, gm)
 
 
+class SharedExperts(nn.Module):
+    """Two blocks reading one pair of expert weights."""
+
+    def __init__(self):
+        super().__init__()
+        first = DenseMoE(einsum=False)
+        second = DenseMoE(einsum=False)
+        second.w1, second.w2 = first.w1, first.w2
+        self.blocks = nn.ModuleList([first, second])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def test_weights_shared_by_two_blocks_are_counted_sharded():
+    """The count line said "0 of 4 ... (0 % of parameters)" while report.md's table had both
+    expert weights sharded (a break test): they are planned under the name the graph reads
+    them by. The compile (which reads a shared weight under one name) checks the numbers."""
+    from parallelizer import compiler
+    from parallelizer.frontend.spec import Spec
+    torch.manual_seed(0)
+    program = compiler.compile_module(SharedExperts(), _x(), Spec.model_validate(
+        {"mesh": {"tp": 2}}), reference=False)
+    line = next(n for n in program.notes if n.startswith("tensor parallel: "))
+    assert line.startswith("tensor parallel: 2 of 4 weight matrices in blocks sharded (97 %"), line
+    assert any(n.startswith("self-check: 2 tp rank(s)") for n in program.notes)
+
+
 def test_a_broadcast_batch_dim_is_no_batched_linear():
     gm = captured(Broadcast(), _x()).gm
     assert {s.weight for s in linear_sites(gm.graph)} == {"out.weight"}
