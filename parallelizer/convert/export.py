@@ -72,6 +72,7 @@ def unread_keys(manifest: dict) -> list[str]:
 
 
 def _stored_as(manifest: dict) -> list[tuple[str, str]]:
+    """``(state_dict name, the fqn it is stored as)`` for every key of the model."""
     aliases = manifest.get("aliases", {})
     stacked = stacked_members(manifest)
     keys = (manifest.get("structure") or {}).get("state_dict_keys")

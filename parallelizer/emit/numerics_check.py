@@ -63,8 +63,6 @@ from .numerics_compare import (BUG, FIX, compare_buffers, compare_grads, compare
                                tolerance)
 from .tp_threads import rank_threads, run_ranks
 
-_BUG, _FIX = BUG, FIX
-
 
 @dataclass(frozen=True)
 class Reference:
@@ -299,8 +297,8 @@ def _rank_stage(cls, plan, state: dict, tp: int, rank: int) -> torch.nn.Module:
     for name, t in list(module.named_parameters()) + list(module.named_buffers()):
         fqn = plan.aliases.get(name, name)
         if fqn not in state or fqn not in plan.tensors:
-            raise PlanError(f"{_BUG}the program's tensor {name} is not a tensor of the plan "
-                            f"(numerics self-check){_FIX}")
+            raise PlanError(f"{BUG}the program's tensor {name} is not a tensor of the plan "
+                            f"(numerics self-check){FIX}")
         t.copy_(local_piece(state[fqn].detach(), plan.tensors[fqn], tp, rank))
     return module
 
@@ -320,8 +318,8 @@ def _run_program(plan, modules: list, flat_in: list, cot: list) -> list:
         whole = [gather_from_tp_region(t, vocab[i]) if i in vocab else t
                  for i, t in enumerate(inputs)]
         if len(whole) != len(cot):
-            raise PlanError(f"{_BUG}the program returns {len(whole)} outputs, the model "
-                            f"{len(cot)} (numerics self-check){_FIX}")
+            raise PlanError(f"{BUG}the program returns {len(whole)} outputs, the model "
+                            f"{len(cot)} (numerics self-check){FIX}")
         pairs = [(o, c) for o, c in zip(whole, cot) if c is not None and
                  isinstance(o, torch.Tensor) and o.requires_grad and o.shape == c.shape]
         where[rank] = "backward"
@@ -337,8 +335,8 @@ def _run_program(plan, modules: list, flat_in: list, cot: list) -> list:
         except Exception as e:  # noqa: BLE001 - any failure here is the compiler's
             r = getattr(e, "tp_rank", 0)
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            raise PlanError(f"{_BUG}the program fails in the numerics self-check on tp rank "
-                            f"{r} in the {where[r]}: {type(e).__name__}: {first}{_FIX}") from e
+            raise PlanError(f"{BUG}the program fails in the numerics self-check on tp rank "
+                            f"{r} in the {where[r]}: {type(e).__name__}: {first}{FIX}") from e
 
 
 def _rank_grads(plan, modules: list) -> dict:
