@@ -410,15 +410,10 @@ def _batched_site(n: fx.Node, x, w) -> Optional[Linear]:
     if not is_tensor(x) or not is_tensor(w) or len(shape(x)) != 3 or len(shape(w)) != 3 \
             or not same(shape(x)[0], shape(w)[0]) or not same(shape(x)[2], shape(w)[1]):
         return None
-    param = w
-    for _ in range(_PATH_LIMIT):
-        if _param(param, 3):
-            return Linear(n, x, param.target, None, 2, w, None, param)
-        if param.op != "call_function" or param.target not in _CASTS or not param.args \
-                or not is_tensor(param.args[0]) or shape(param.args[0]) != shape(param):
-            return None
-        param = param.args[0]
-    return None
+    param, _t, part, _m = _walk_weight(w, 3)
+    if param is None or part is not None or any(s.target not in _CASTS for s in weight_path(w)):
+        return None
+    return Linear(n, x, param.target, None, 2, w, None, param)
 
 
 def bias_operand(site: Linear) -> Optional[fx.Node]:

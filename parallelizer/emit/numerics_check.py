@@ -41,13 +41,12 @@ parallelizer, with mesh.tp=1 as the workaround.
 """
 from __future__ import annotations
 
-import copy
 import sys
 import time
 from dataclasses import dataclass, field, replace
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
 from ..checkpoint.slicing import local_piece
 from ..errors import PlanError
@@ -59,6 +58,7 @@ from ..runtime import rng
 from ..runtime.batching import flatten
 from ..runtime.stage_builder import stage_class_from_source
 from ..runtime.vocab import gather_from_tp_region
+from .reference import fp64_copy, max_abs_diff, to_fp64
 from .numerics_compare import (BUG, FIX, compare_buffers, compare_grads, compare_outputs,
                                tolerance)
 from .tp_threads import rank_threads, run_ranks
@@ -209,12 +209,12 @@ def _with_rounding(model: torch.nn.Module, batch, want: Reference, seed: int):
     --verify``. Only asked for after a difference beyond the fixed tolerance, so a
     well-conditioned model pays nothing; None when the float64 step fails (an op without a
     float64 kernel) or the model is not fp32."""
-    if any(p.dtype != torch.float32 for p in model.parameters()):
+    wide = fp64_copy(model) if all(p.dtype == torch.float32 for p in model.parameters()) \
+        else None
+    if wide is None:
         return None
-    wide_batch = tree_map(lambda t: t.double() if isinstance(t, torch.Tensor)
-                          and t.dtype == torch.float32 else t, batch)
     try:
-        exact = reference(copy.deepcopy(model).double(), wide_batch, seed,
+        exact = reference(wide, to_fp64(batch), seed,
                           [c.double() if c is not None else None for c in want.cotangents])
     except Exception:  # noqa: BLE001  the allowance is optional; the mismatch stands
         return None
@@ -232,9 +232,7 @@ def _diff(a, b) -> float:
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) \
             or not a.is_floating_point() or a.shape != b.shape:
         return 0.0
-    d = (a.double() - b).abs()
-    d = d[torch.isfinite(d)]
-    return d.max().item() if d.numel() else 0.0
+    return max_abs_diff(a, b)
 
 
 def reference(model: torch.nn.Module, batch, seed: int = 0, given=None) -> Reference:

@@ -28,7 +28,7 @@ def compute_reference(model: torch.nn.Module, batch, loss_fn, input_names, spec,
     args, kwargs = split_args(batch)
     flat_in, _ = tree_flatten((args, kwargs))
     ref = {f"input.{n}": t.detach().clone().contiguous() for n, t in zip(input_names, flat_in)}
-    wide = _fp64_copy(model)
+    wide = fp64_copy(model)
     ref.update(_one_step(model, batch, loss_fn, spec, model_file))
     if wide is not None:
         ref.update(rounding_noise(ref, wide, batch, loss_fn, spec, model_file))
@@ -39,7 +39,7 @@ def compute_reference(model: torch.nn.Module, batch, loss_fn, input_names, spec,
 NOISE_MAX_PARAMETERS = 1 << 26
 
 
-def _fp64_copy(model: torch.nn.Module):
+def fp64_copy(model: torch.nn.Module):
     """``model`` in float64 (before its step), or None when it is too large or holds a
     parameter on another device than the CPU or of a non-floating dtype."""
     params = list(model.parameters())
@@ -58,20 +58,29 @@ def rounding_noise(ref: dict, wide: torch.nn.Module, batch, loss_fn, spec, model
     rstd ~ 1e6) amplifies fp32 rounding of its gradient beyond any fixed atol, and a bf16
     model rounds at 8 bits. {} when the float64 step fails (an op without a float64
     kernel)."""
-    wide_batch = tree_map(lambda t: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point()
-                          else t, batch)
     try:
-        exact = _one_step(wide, wide_batch, loss_fn, spec, model_file, chunks=False)
+        exact = _one_step(wide, to_fp64(batch), loss_fn, spec, model_file, chunks=False)
     except Exception:  # noqa: BLE001  the estimate is optional; the fp32 step ran
         return {}
     out = {}
     for key, want in exact.items():
         got = ref.get(key)
         if got is not None and got.shape == want.shape and got.is_floating_point():
-            diff = (got.double() - want).abs()
-            diff = diff[torch.isfinite(diff)]
-            out[f"noise.{key}"] = (diff.max() if diff.numel() else torch.zeros((), dtype=torch.float64)).float()
+            out[f"noise.{key}"] = torch.tensor(max_abs_diff(got, want), dtype=torch.float32)
     return out
+
+
+def to_fp64(batch):
+    """``batch`` with its floating-point tensors in float64."""
+    return tree_map(lambda t: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point()
+                    else t, batch)
+
+
+def max_abs_diff(got: torch.Tensor, exact: torch.Tensor) -> float:
+    """max |got - exact| over the elements where it is finite (0.0 for none)."""
+    diff = (got.double() - exact.double()).abs()
+    diff = diff[torch.isfinite(diff)]
+    return diff.max().item() if diff.numel() else 0.0
 
 
 def _one_step(model: torch.nn.Module, batch, loss_fn, spec, model_file, chunks: bool = True) -> dict:
