@@ -123,7 +123,8 @@ class Linear(NamedTuple):
     ``contiguous``), views to the same shape, and for W transposes (``W.T``, ``W.t()``,
     ``W.transpose(0, 1)``, ``W.permute(1, 0)``; ``F.linear(x, W.t())`` of a W stored (in,
     out)). A 3-D W (E, in, out) read by ``bmm`` / ``matmul`` from an x (E, rows, in) is E
-    linears side by side (:func:`_batched_site`: ``out_dim`` 2, ``in_dim`` 1).
+    linears side by side (:func:`_batched_site`: ``out_dim`` 2, ``in_dim`` 1; 1 and 2 for
+    W (E, out, in) read transposed).
 
     Attributes:
         node: the call_function node of the product.
@@ -160,15 +161,16 @@ class Linear(NamedTuple):
 
     @property
     def batched(self) -> bool:
-        """A 3-D weight (E, in, out), E linears side by side (:func:`_batched_site`)."""
-        return self.merged is None and self.out_dim == 2
+        """A 3-D weight (E, in, out) or (E, out, in), E linears side by side
+        (:func:`_batched_site`)."""
+        return self.merged is None and self.param is not None and len(shape(self.param)) == 3
 
     @property
     def in_dim(self) -> int:
         if self.merged is not None:
             return self.merged if self.out_dim == 0 else 0
         if self.batched:
-            return 1
+            return 3 - self.out_dim
         return 1 - self.out_dim
 
     def features(self, dim: int) -> int:
@@ -250,10 +252,12 @@ def _walk_weight(w, rank: int):
                 and merge_point(shape(src), shape(w)) is not None:
             merged = merge_point(shape(src), shape(w))
             rank = len(shape(src))
-        elif w.target in _TRANSPOSES and rank == 2 and merged is None and _swaps(w):
+        elif w.target in _TRANSPOSES and merged is None \
+                and (rank == 2 and _swaps(w) or rank == 3 and _swaps_last_two(w)):
             transposed = not transposed
             if part is not None:  # the piece was cut after this transpose: the other dim
-                part = (1 - part[0],) + part[1:]
+                a, b = (0, 1) if rank == 2 else (1, 2)
+                part = ({a: b, b: a}.get(part[0], part[0]),) + part[1:]
         elif not (w.target in _CASTS or w.target in VIEWS) \
                 or len(shape(src)) != rank or not all(map(same, shape(src), shape(w))):
             return None, False, None, None
@@ -406,14 +410,28 @@ def _batched_site(n: fx.Node, x, w) -> Optional[Linear]:
     of dim 0 (a dense mixture of experts, every token through every expert's (in, out)
     matrix). Its output features are W's dim 2, its input features dim 1; a column shards
     dim 2, a row dim 1, each rank every expert's block (Megatron's split inside each
-    expert, Shoeybi et al. 2019 §3, applied per slice)."""
+    expert, Shoeybi et al. 2019 §3, applied per slice). W stored (E, out, in) and read
+    through a swap of its last two dims (``W.transpose(1, 2)``, ``W.mT``) has them the other
+    way round; a weight-first ``bmm(W, y)`` reaches here as ``bmm(y.mT, W.mT).mT``
+    (``frontend/einsum.py``)."""
     if not is_tensor(x) or not is_tensor(w) or len(shape(x)) != 3 or len(shape(w)) != 3 \
             or not same(shape(x)[0], shape(w)[0]) or not same(shape(x)[2], shape(w)[1]):
         return None
-    param, _t, part, _m = _walk_weight(w, 3)
-    if param is None or part is not None or any(s.target not in _CASTS for s in weight_path(w)):
+    param, transposed, part, _m = _walk_weight(w, 3)
+    if param is None or part is not None:
         return None
-    return Linear(n, x, param.target, None, 2, w, None, param)
+    # W stored (E, out, in), each expert an nn.Linear's weight, read as W.transpose(1, 2)
+    return Linear(n, x, param.target, None, 1 if transposed else 2, w, None, param)
+
+
+def _swaps_last_two(n: fx.Node) -> bool:
+    """A transpose of a 3-D value's dims 1 and 2 (``transpose(1, 2)``, ``mT``,
+    ``permute(0, 2, 1)``)."""
+    if n.target is aten.transpose.int:
+        return sorted(a % 3 for a in n.args[1:3]) == [1, 2]
+    if n.target is aten.permute.default:
+        return [a % 3 for a in n.args[1]] == [0, 2, 1]
+    return n.target is aten.mT.default
 
 
 def bias_operand(site: Linear) -> Optional[fx.Node]:
@@ -455,30 +473,3 @@ def source_line(node: fx.Node, outer: int = 0) -> str:
               for path, line in reversed(re.findall(r'File "([^"]+)", line (\d+)', trace))
               if f"{os.sep}torch{os.sep}" not in path]
     return frames[outer] if len(frames) > outer else ""
-
-
-# ops that keep logits sharded along their last (vocabulary) dim column for column: dtype
-# casts, copies, and a scalar scale or softcap (Gemma's tanh(x / c) * c)
-_SHARD_KEEPING = {aten.to.dtype, aten._to_copy.default, aten.contiguous.default,
-                  aten.clone.default, aten.alias.default, aten.detach.default, aten.tanh.default}
-_SCALED = {aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar}
-
-
-def logits_region(head: fx.Node) -> list[fx.Node]:
-    """``head`` (an LM head's logits, sharded along the last dim) and the nodes computed from
-    it column for column (:data:`_SHARD_KEEPING`, a multiply or divide by a number, a slice of
-    another dim), in graph order: their values are sharded like the head's."""
-    region, frontier = {head}, [head]
-    while frontier:
-        node = frontier.pop()
-        for u in node.users:
-            if u in region or u.op != "call_function" or u.args[0] is not node:
-                continue
-            keeps = u.target in _SHARD_KEEPING or (
-                u.target in _SCALED and len(u.args) == 2 and isinstance(u.args[1], (int, float))) \
-                or (u.target is aten.slice.Tensor and is_tensor(u) and len(u.args) > 1
-                    and u.args[1] % len(shape(u)) != len(shape(u)) - 1)
-            if keeps:
-                region.add(u)
-                frontier.append(u)
-    return [n for n in head.graph.nodes if n in region]

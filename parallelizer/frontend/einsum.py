@@ -49,7 +49,9 @@ _LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 def einsums_as_linears(gm: fx.GraphModule) -> int:
     """Rewrite every einsum projection of ``gm`` (see the module docstring); returns how
-    many."""
+    many. A 3-D parameter first, ``bmm(W, y)`` of W (E, out, in) and y (E, in, rows) (an
+    einsum ``"edf,end->enf"`` lowers to that), is ``bmm(y.mT, W.mT).mT``: E linears side by
+    side, as ``analysis/graph_facts.py`` reads them."""
     params = {name for name, _ in gm.named_parameters()}
     done = 0
     for node in list(gm.graph.nodes):
@@ -270,15 +272,19 @@ def matmuls_as_linears(gm: fx.GraphModule) -> int:
     a tied table with its head). The transpose stays while something else reads it. The
     weight first, ``matmul(W, y)`` with y of rank 3 or more (features on dim -2: Mamba's
     ``dt_proj.weight @ time_step.transpose(1, 2)``), is ``linear(y.mT, W).mT``. Returns how
-    many."""
+    many. A 3-D parameter first, ``bmm(W, y)`` of W (E, out, in) and y (E, in, rows) (an
+    einsum ``"edf,end->enf"`` lowers to that), is ``bmm(y.mT, W.mT).mT``: E linears side by
+    side, as ``analysis/graph_facts.py`` reads them."""
     params = {name for name, _ in gm.named_parameters()}
     done = 0
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not aten.matmul.default \
+        if node.op != "call_function" or node.target not in (aten.matmul.default, aten.bmm.default) \
                 or len(node.args) != 2 or node.kwargs:
             continue
-        if _weight_first(gm.graph, node, params):
+        if _weight_first(gm.graph, node, params) or _experts_first(gm.graph, node, params):
             done += 1
+            continue
+        if node.target is aten.bmm.default:
             continue
         x, wt = node.args
         w = _transposed_param(wt, params)
@@ -302,7 +308,8 @@ def _weight_first(graph: fx.Graph, node: fx.Node, params: set) -> bool:
     False (left as it is) otherwise."""
     w, y = node.args
     vw, vy = val(w), val(y)
-    if not isinstance(vw, torch.Tensor) or not isinstance(vy, torch.Tensor) or vw.dim() != 2 \
+    if node.target is not aten.matmul.default or not isinstance(vw, torch.Tensor) \
+            or not isinstance(vy, torch.Tensor) or vw.dim() != 2 \
             or vy.dim() < 3 or not is_param(w, params) or vy.dtype != vw.dtype \
             or not vy.is_floating_point():
         return False
@@ -313,3 +320,38 @@ def _weight_first(graph: fx.Graph, node: fx.Node, params: set) -> bool:
     node.replace_all_uses_with(out)
     graph.erase_node(node)
     return True
+
+
+def _experts_first(graph: fx.Graph, node: fx.Node, params: set) -> bool:
+    """Rewrite ``bmm(W, y)`` / ``matmul(W, y)`` (W a 3-D parameter (E, out, in) read through
+    casts, or the transpose of one stored (E, in, out); y (E, in, rows) of W's dtype) into
+    ``bmm(y.mT, W.mT).mT``; False (left as it is) otherwise."""
+    w, y = node.args
+    vw, vy = val(w), val(y)
+    if not isinstance(vw, torch.Tensor) or not isinstance(vy, torch.Tensor) or vw.dim() != 3 \
+            or vy.dim() != 3 or vy.dtype != vw.dtype or not vy.is_floating_point() \
+            or vw.shape[0] != vy.shape[0] or vw.shape[2] != vy.shape[1]:
+        return False
+    stored = None if is_param(w, params) else _untransposed(w)
+    if stored is None and not is_param(w, params) or stored is not None and not is_param(stored, params):
+        return False
+    call = caller(graph, node, [vw, vy])
+    with graph.inserting_before(node):
+        wt = stored if stored is not None else call(aten.transpose.int, w, 1, 2)
+        out = call(aten.transpose.int, call(node.target, call(aten.transpose.int, y, 1, 2), wt), 1, 2)
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)
+    if stored is not None and not w.users:
+        graph.erase_node(w)
+    return True
+
+
+def _untransposed(w: fx.Node):
+    """``t`` when ``w`` is ``t`` (3-D) with dims 1 and 2 swapped, else None."""
+    if w.op != "call_function" or not w.args or not isinstance(w.args[0], fx.Node):
+        return None
+    if w.target is aten.transpose.int and sorted(a % 3 for a in w.args[1:3]) == [1, 2] \
+            or w.target is aten.permute.default and [a % 3 for a in w.args[1]] == [0, 2, 1] \
+            or w.target is aten.mT.default:
+        return w.args[0]
+    return None

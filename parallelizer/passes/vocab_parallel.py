@@ -9,7 +9,7 @@
   an all-gather fused with the head) with logits ``Shard(-1)``; the model outputs listed in
   ``outputs`` keep them sharded (run time hands them to loss_fn under loss_parallel),
   every other use reads ``vocab.gather_from_tp_region(logits, vocabulary)``; ops that keep
-  the logits column for column (``analysis.graph_facts.logits_region``: casts, a scalar
+  the logits column for column (``analysis.logits.logits_region``: casts, a scalar
   scale or softcap) run on the shard first.
 - an ``aten.cross_entropy_loss`` over those logits (``losses``: Hugging Face's in-graph
   loss) becomes ``vocab.vocab_parallel_cross_entropy`` on the shards.
@@ -22,7 +22,8 @@ from ..plan.decisions import TP_OPERATOR, VocabDecision
 from ..runtime.tp import copy_to_tp_region, reduce_from_tp_region
 from ..runtime.vocab import gather_from_tp_region, vocab_parallel_lookup
 from ..runtime.vocab_loss import vocab_parallel_cross_entropy
-from ..analysis.graph_facts import aten, logits_region
+from ..analysis.graph_facts import aten
+from ..analysis.logits import logits_region
 
 
 def apply_vocab_parallel(gm: fx.GraphModule, decision: VocabDecision) -> bool:

@@ -31,8 +31,8 @@ from ..plan.decisions import TPDecision, VocabDecision
 from ..plan.layouts import Padded
 from .tp_matrices import linear_counts
 from ..errors import PlanError
-from ..analysis.graph_facts import (aten, is_tensor, logits_region, same, shape, source_line,
-                                    weight_fqn)
+from ..analysis.graph_facts import aten, is_tensor, same, shape, source_line, weight_fqn
+from ..analysis.logits import logits_region
 
 KEY = "tensor_parallel.vocab_parallel"
 

@@ -36,8 +36,8 @@ def _written(name: str, out: Path, stdout: str, args) -> dict:
 def bench_warm(name: str, tmp_path: Path, tools, monkeypatch, capsys, *args: str) -> tuple[dict, str]:
     """``bench`` with the script's ``main`` run in this process and its compiles and torchrun
     launches (benchmarks/_common.run) forked from the warm server (``tools.run_command``):
-    the same commands, without a fresh interpreter importing torch for each. test_overhead_quick
-    and test_compile_quick run their scripts as a user does, every process fresh."""
+    the same commands, without a fresh interpreter importing torch for each. test_compile_quick
+    runs its script as a user does, every process fresh (its peak memory is a fresh process's)."""
     import importlib
     from benchmarks import _common
 
@@ -74,8 +74,8 @@ def test_compile_quick(tmp_path):
     assert "<= 1.5x" in out and "<= 2.0 GB" in out
 
 
-def test_overhead_quick(tmp_path):
-    data, out = bench("overhead", tmp_path, "--models", "llama-example")
+def test_overhead_quick(tmp_path, tools, monkeypatch, capsys):
+    data, out = bench_warm("overhead", tmp_path, tools, monkeypatch, capsys, "--models", "llama-example")
     (run,) = data["runs"]
     _check_run(run, 3, 1)
     assert run["baseline"] == "eager" and run["mesh"] == {"dp": 1, "pp": 1, "tp": 1}

@@ -20,22 +20,31 @@ D, FF, E = 16, 32, 4
 
 
 class DenseMoE(nn.Module):
-    """Every token through every expert, weighted by a softmax router (soft mixture)."""
+    """Every token through every expert, weighted by a softmax router (soft mixture). ``how``
+    spells the expert products: ``bmm``, ``einsum``, ``"linear-layout"`` (weights stored (E,
+    out, in) as nn.Linear's, read ``w.transpose(1, 2)`` / ``w.mT``) or ``"weight-first"``
+    (``einsum("edf,end->enf", w, x)``, ``bmm(w.transpose(1, 2), x.mT)``)."""
 
-    def __init__(self, einsum: bool):
+    def __init__(self, how: str = "bmm"):
         super().__init__()
         self.router = nn.Linear(D, E)
-        self.w1 = nn.Parameter(0.1 * torch.randn(E, D, FF))
-        self.w2 = nn.Parameter(0.1 * torch.randn(E, FF, D))
-        self.einsum = einsum
+        stored = (E, FF, D) if how == "linear-layout" else (E, D, FF)
+        self.w1 = nn.Parameter(0.1 * torch.randn(*stored))
+        self.w2 = nn.Parameter(0.1 * torch.randn(E, stored[2], stored[1]))
+        self.how = how
 
     def forward(self, x):
         b, t, _ = x.shape
         gate = self.router(x).softmax(-1).reshape(b * t, E).t().unsqueeze(-1)  # (E, N, 1)
         xs = x.reshape(1, b * t, D).expand(E, -1, -1)
-        if self.einsum:
+        if self.how == "einsum":
             y = torch.einsum("enf,efd->end", F.gelu(torch.einsum("end,edf->enf", xs, self.w1)),
                              self.w2)
+        elif self.how == "linear-layout":
+            y = F.gelu(torch.bmm(xs, self.w1.transpose(1, 2))) @ self.w2.mT
+        elif self.how == "weight-first":
+            h = F.gelu(torch.einsum("edf,end->enf", self.w1, xs))
+            y = torch.bmm(self.w2.transpose(1, 2), h.mT).mT
         else:
             y = torch.bmm(F.gelu(torch.bmm(xs, self.w1)), self.w2)
         return x + (y * gate).sum(0).reshape(b, t, D)
@@ -78,15 +87,26 @@ def _x():
     return (torch.randn(2, 5, D, generator=torch.Generator().manual_seed(0)),)
 
 
-@pytest.mark.parametrize("einsum", [False, True])
-@pytest.mark.parametrize("tp", [2, 4])
-def test_dense_experts_split_inside_every_expert(einsum, tp):
+@pytest.mark.parametrize("how, tp", [("bmm", 2), ("bmm", 4), ("einsum", 2), ("einsum", 4),
+                                     ("weight-first", 2)])
+def test_dense_experts_split_inside_every_expert(how, tp):
     torch.manual_seed(0)
-    model = DenseMoE(einsum)
+    model = DenseMoE(how)
     gm, decision = planned(model, _x(), tp)
     assert decision.column == {"w1"} and decision.row == {"w2"}
     assert decision.dims["w1"] == 2 and decision.dims["w2"] == 1
     assert_tp_matches(model, _x(), tp, decision, gm)
+
+
+def test_experts_stored_as_linear_weights_split_along_their_out_and_in_dims():
+    """W (E, out, in) read transposed: the column shards dim 1 (its out features), the row
+    dim 2 (was: both replicated, and the refusal named the router's linear)."""
+    torch.manual_seed(0)
+    model = DenseMoE("linear-layout")
+    gm, decision = planned(model, _x(), 2)
+    assert decision.column == {"w1"} and decision.row == {"w2"}
+    assert decision.dims["w1"] == 1 and decision.dims["w2"] == 2
+    assert_tp_matches(model, _x(), 2, decision, gm)
 
 
 def test_soft_moe_experts_pair_with_each_other_only():
@@ -102,8 +122,8 @@ class SharedExperts(nn.Module):
 
     def __init__(self):
         super().__init__()
-        first = DenseMoE(einsum=False)
-        second = DenseMoE(einsum=False)
+        first = DenseMoE()
+        second = DenseMoE()
         second.w1, second.w2 = first.w1, first.w2
         self.blocks = nn.ModuleList([first, second])
 
