@@ -3,7 +3,7 @@
 :func:`compile_module` is its steps, in order:
 
 - :func:`analyse`: capture the model and rewrite attention as eager runs it (the front end
-  the layout advisor shares, with :func:`measure`: the per-unit costs);
+  the layout advisor shares, with :func:`measure`: the per-unit costs; ``analyse.py``);
 - :func:`plan`: every planner on the captured graph, each returning its own decision, and
   the spec with those decisions turned into the ParallelPlan once;
 - :func:`apply_passes`: the rewrites the plan asks for, then sequence parallelism, planned
@@ -22,30 +22,24 @@ from __future__ import annotations
 
 import copy
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from operator import attrgetter
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from .analyse import Analysis, analyse, measure
 from .emit.stages import stage_sources
 from .checkpoint.hf import load_hf_state_dict, match_to_model
 from .errors import CheckpointError, PlanError
 from .frontend.model_file import default_loss, load_model
-from .frontend.capture import Captured, capture
-from .frontend.modes import training_modes
-from .analysis.costs import PipelineCosts
 from .analysis.gradient_accounting import check_gradients
-from .analysis.parameter_writes import check_parameter_writes, written_buffer_warnings
-from .analysis.outputs import (check_batch_is_dynamic, check_outputs_have_batch_dim,
-                               fixed_size_warnings, fixed_sizes)
+from .analysis.parameter_writes import written_buffer_warnings
+from .analysis.outputs import fixed_size_warnings, fixed_sizes
 from .passes.aliases import apply_untie
-from .passes.attention import apply_eager_attention
-from .passes.cleanup import apply_cleanup
 from .passes.dropout import apply_rng_streams
 from .passes.expert_parallel import apply_expert_parallel
-from .passes.stack_experts import apply_stack_experts
 from .passes.manager import PassManager
 from .passes.split_blocks import split_blocks
 from .passes.split_check import check_split, check_written_buffers, shared_weights
@@ -55,21 +49,17 @@ from .passes.tensor_parallel import apply_tensor_parallel
 from .passes.vocab_parallel import apply_vocab_parallel
 from .analysis.expert_ffn import expert_ffn
 from .analysis.experts import find_expert_layers
-from .analysis.expert_modules import find_module_experts
-from .analysis.graph_costs import collect_costs
-from .analysis.partition import GraphPartition
 from .plan.decisions import (EPDecision, PipelineDecision, SequenceParallelDecision, TPDecision,
                              VocabDecision)
 from .plan.parallel_plan import ParallelPlan
 from .planning.dropout import (describe as describe_dropout, describe_random, plan_dropout,
                                plan_random_ops)
 from .planning.experts import ep_summary, plan_ep
-from .planning.pipeline import find_blocks, plan_from_costs
+from .planning.pipeline import plan_from_costs
 from .planning.pipeline_summary import (check_microbatches, check_placement, summarize,
                                         virtual_stages_of)
 from .planning.tensors import alias_map, build_plan, pipeline_structure, tied_groups
 from .planning.sequence import plan_sequence_parallel
-from .passes.explicit_sizes import apply_explicit_sizes
 from .passes.norm_precision import apply_norm_precision
 from .passes.recompute_writes import apply_recompute_writes
 from .planning.tp import plan_tp
@@ -157,77 +147,6 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
                    owns_model=owns_model, pp_warnings=pp_warnings + planned.warnings)
     program.notes = program.notes + checked_note  # printed, not in report.md (it has seconds)
     return program
-
-
-@dataclass
-class Analysis:
-    """The model as the front end sees it (:func:`analyse`): its captured graph (rewritten
-    in place by the passes that follow), tied-weight groups and their alias map (every name
-    -> its canonical name), its blocks (module FQNs in execution order)."""
-    model: torch.nn.Module
-    captured: Captured
-    groups: list
-    canonical: dict
-    blocks: tuple
-    name: Path  # model.py, or "<in-memory model>": capture's and the program's messages
-    attention: tuple = ()  # (module FQN, changes) of each SDPA call the attention pass rewrote
-    stacked: dict = field(default_factory=dict)  # stacked expert FQN -> the experts' FQNs
-    module_experts: tuple = ()  # expert lists the stack_experts pass could not stack (why)
-    warnings: tuple = ()  # the model built in eval mode, compiled in training mode (modes.py)
-
-    @property
-    def gm(self) -> torch.fx.GraphModule:
-        return self.captured.gm
-
-
-def analyse(model: torch.nn.Module, batch, name: Path, passes: PassManager,
-            pp: int = 1, ep: int = 1, microbatches: int = 1, dp: int = 1) -> Analysis:
-    """Capture ``model`` (in training mode where it was built all in eval mode, else each
-    module's mode as built: frontend/modes.py) on ``batch`` and rewrite attention as eager
-    runs it, so that every planner sees what the model computes (SDPA's is_causal /
-    enable_gqa for the mask and the repeated kv heads export materialised). At ``ep`` > 1 a
-    list of expert modules becomes one grouped computation on stacked weights
-    (passes/stack_experts.py).
-
-    Raises:
-        CaptureError: the model cannot be captured. PlanError: ``pp`` > 1 and an output has
-            no batch dim (the microbatches cannot be concatenated back).
-    """
-    modes = training_modes(model)
-    captured = capture(model, batch, name)
-    if pp > 1 or microbatches > 1 or dp > 1:  # the step runs the graph on fewer samples
-        check_batch_is_dynamic(captured.gm, captured.input_names)
-    if pp > 1:
-        check_outputs_have_batch_dim(captured.gm, captured.input_names)
-    check_parameter_writes(captured.gm, dp)
-    rewritten: list = []
-    passes.run("eager_attention", apply_eager_attention, captured.gm, rewritten)
-    passes.run("explicit_sizes", apply_explicit_sizes, captured.gm)
-    stacked: dict = {}
-    unstacked: list = []
-    if ep > 1:
-        lists, unstacked = find_module_experts(captured.gm.graph)
-        passes.run("stack_experts", apply_stack_experts, captured.gm, lists, stacked)
-    groups = tied_groups(model)
-    return Analysis(model, captured, groups, alias_map(groups), find_blocks(model), name,
-                    tuple(rewritten), stacked, tuple(unstacked), tuple(modes))
-
-
-@dataclass(frozen=True)
-class Measured:
-    """Per-unit costs of the cleaned captured graph (:func:`measure`) and the partition of
-    its nodes into the units (before, blocks, after) they were summed over."""
-    partition: GraphPartition
-    costs: PipelineCosts
-
-
-def measure(analysis: Analysis, passes: PassManager) -> Measured:
-    """The cleanup pass (device constants, export's metadata checks), then the FLOPs of whole
-    stages (all tp ranks), parameters and cut bytes of every unit (before, blocks, after)."""
-    passes.run("cleanup", apply_cleanup, analysis.gm)
-    partition = GraphPartition.of(analysis.gm.graph, analysis.blocks)
-    return Measured(partition, collect_costs(analysis.gm, analysis.blocks, analysis.canonical,
-                                             partition))
 
 
 @dataclass

@@ -118,17 +118,18 @@ def line_of(path, code: str) -> int:
 
 
 def compile_steps(model: nn.Module, batch, spec: dict, mutate_tp=None):
-    """The compiler's steps up to the stage graphs (parallelizer/compiler.py: analyse, plan,
-    apply_passes), for tests that mutate a real plan or decision before the compile-time
+    """The compiler's steps up to the stage graphs (parallelizer/analyse.py: analyse;
+    compiler.py: plan, apply_passes), for tests that mutate a real plan or decision before the compile-time
     checks. ``mutate_tp(decision)`` edits the TPDecision before the passes apply it.
     Returns (analysis, planned, stages, sequence)."""
     from parallelizer import compiler
+    from parallelizer.analyse import analyse
     from parallelizer.frontend.spec import Spec
     from parallelizer.passes.manager import PassManager
 
     spec_ = Spec.model_validate(spec)
     passes = PassManager(None)
-    analysis = compiler.analyse(model, batch, Path(__file__), passes, pp=spec_.mesh.pp)
+    analysis = analyse(model, batch, Path(__file__), passes, pp=spec_.mesh.pp)
     planned = compiler.plan(analysis, spec_, passes)
     if mutate_tp is not None:
         mutate_tp(planned.tp)

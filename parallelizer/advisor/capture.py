@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from ..compiler import analyse, measure
+from ..analyse import analyse, measure
 from ..frontend.model_file import load_model
 from ..passes.manager import PassManager
 from ..analysis.expert_ffn import expert_ffn
@@ -29,7 +29,7 @@ def capture_workload(model_path: Path, seq: int | None):
 def _capture_workload(model_path: Path, seq: int | None):
     """Capture ``model_path`` on the meta device at 2 x ``seq`` tokens (default the
     example's; 2 rather than 1 so that export keeps the batch dim dynamic) with the
-    compiler's front end (:func:`parallelizer.compiler.analyse` and ``measure``: the same
+    compiler's front end (:func:`parallelizer.analyse.analyse` and ``measure``: the same
     capture, attention rewrite and costs), and turn its per-unit costs, halved to one
     sequence, into a Workload whose kernels (``advisor/inventory.py``) the step-time model
     evaluates at any micro-batch size."""
