@@ -393,4 +393,6 @@ def _capture_message(e: Exception, model_file: Path) -> str:
             f"(the symbolic_trace route failed too): {type(e).__name__}: {first}"
             f"{user_frame(e, model_file)}\nFix: make the failing line traceable (no data-dependent "
             f"Python control flow on tensor values, no .item()/.tolist() in forward), or return "
-            f"only tensors / ModelOutputs from forward.")
+            f"only tensors / ModelOutputs from forward; where it fails inside a layer, that "
+            f"layer's setting may be the cause (BatchNorm with momentum=None reads its batch "
+            f"count as a Python float: give it a momentum).")

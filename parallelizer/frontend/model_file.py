@@ -175,7 +175,24 @@ def user_frame(e: BaseException, model_file: Path) -> str:
     if not chosen:
         return ""
     f = chosen[-1]
-    return f"\n  at {f.filename}:{f.lineno}: {(f.line or '').strip()}"
+    where = f"\n  at {f.filename}:{f.lineno}: {(f.line or '').strip()}"
+    # the layer that line calls, when it failed inside one (torch.nn's BatchNorm with
+    # momentum=None reads float(num_batches_tracked)): the line to change may be its setting
+    inner = [g for g in frames[frames.index(f) + 1:] if _layer_code(g.filename, libraries)]
+    if inner:
+        g = inner[-1]
+        where += f"\n  inside {g.filename}:{g.lineno}: {(g.line or '').strip()}"
+    return where
+
+
+def _layer_code(filename: str, libraries: tuple) -> bool:
+    """A layer's own code: torch.nn's modules and functional (not the call machinery of
+    ``module.py`` / ``container.py``), or model code outside the libraries."""
+    nn_dir = os.path.join(os.path.dirname(torch.__file__), "nn") + os.sep
+    path = os.path.abspath(filename)
+    if path.startswith(nn_dir):
+        return os.path.basename(path) not in ("module.py", "container.py")
+    return not _under(filename, libraries) and "<" not in filename
 
 
 def _under(filename: str, folders: tuple) -> bool:
