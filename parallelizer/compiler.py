@@ -179,7 +179,7 @@ def plan(analysis: Analysis, spec: Spec, passes: PassManager) -> Planned:
     mesh, pipe, graph = spec.mesh, spec.pipeline, analysis.gm.graph
     ep = _plan_experts(graph, mesh, analysis.module_experts)  # raises early, naming the module
     tp = plan_tp(graph, mesh.tp, spec.tensor_parallel.allow_replicated,  # raises early
-                 experts_split=any(layer["tp"] for layer in ep.layers))
+                 expert_dims=ep.dims)
     vocab = plan_vocab(graph, mesh.tp, spec.tensor_parallel.vocab_parallel, analysis.canonical, tp)
     counted = (tp, analysis.model, vocab, analysis.blocks, ep.dims, analysis.stacked)
     notes = [tp_summary(*counted), tp_kept_note(*counted),

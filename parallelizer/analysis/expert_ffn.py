@@ -49,6 +49,14 @@ class ExpertFFN:
         sizes: ``(node, arg index, list index or None, global size)`` of every size along the
             FFN dim in the region (rewritten to ``size / tp``).
         widths: weight fqn -> the length of its FFN dim.
+        biases: bias fqn -> ``(column weight fqn, bias dim)``: a bias added to that weight's
+            whole output, split along ``dim`` as the weight's FFN dim is (a per-expert bias
+            (E, N) gathered by expert ``bias[expert_ids]``: dim 1; one (N,) for all: dim 0).
+        bias_rows: the region's inputs that are those biases' rows (each tp rank's block of
+            the features already: no f on them).
+        strides: column weight fqn -> the step of the strided slices that take its output's
+            interleaved parts (GPT-OSS's ``gate_up[..., ::2]``, ``[..., 1::2]``): each rank's
+            contiguous block holds whole groups of ``step`` when tp x step divides the width.
         blocker: why tp cannot split the layer ('' when it can): op, source line, reason.
     """
 
@@ -57,6 +65,9 @@ class ExpertFFN:
     parts: dict = field(default_factory=dict)
     sizes: list = field(default_factory=list)
     widths: dict = field(default_factory=dict)
+    biases: dict = field(default_factory=dict)
+    bias_rows: set = field(default_factory=set)
+    strides: dict = field(default_factory=dict)
     blocker: str = ""
 
 
@@ -149,17 +160,20 @@ def _walk(facts: ExpertFFN, region: list, members: set, info: dict) -> dict:
         elif n.target in _CUTS:
             origin[n] = _cut(facts, n, origin, cuts)
         else:
-            origin[n] = _elementwise(n, members, origin)
+            origin[n] = _elementwise(facts, n, members, origin)
     for w in facts.column:
+        if w in cuts and w in facts.strides:
+            raise _Blocked(f"{w}'s output features are cut both into blocks and by a strided "
+                           f"slice")
         facts.parts[w] = _parts(w, cuts[w]) if w in cuts else None
     return origin
 
 
-def _elementwise(n: fx.Node, members: set, origin: dict) -> tuple:
+def _elementwise(facts: ExpertFFN, n: fx.Node, members: set, origin: dict) -> tuple:
     ins = [a for a in n.all_input_nodes if a in members]
-    for a in n.all_input_nodes:  # operands from outside: per-row scalars only
+    for a in n.all_input_nodes:  # operands from outside: per-row scalars, or a bias
         if a not in members and is_tensor(a) and a.meta["val"].numel() > 1 and \
-                (len(shape(a)) < 2 or shape(a)[-1] != 1):
+                (len(shape(a)) < 2 or shape(a)[-1] != 1) and not _bias(facts, n, a, ins, origin):
             raise _Blocked(f"{_where(n)}: reads {a.name} {list(shape(a))} across the FFN "
                            f"features (each tp rank holds only its block of them)")
     if not ins or any(a not in origin or isinstance(origin[a], list) for a in ins) or \
@@ -169,6 +183,33 @@ def _elementwise(n: fx.Node, members: set, origin: dict) -> tuple:
     if len(widths) != 1:
         raise _Blocked(f"{_where(n)}: combines features of different widths {sorted(widths)}")
     return origin[ins[0]] if len(ins) == 1 else ("*", 0, widths.pop())
+
+
+def _bias(facts: ExpertFFN, n: fx.Node, a: fx.Node, ins: list, origin: dict) -> bool:
+    """``a`` is a bias that ``n`` (an add) adds to a column weight's whole output, a parameter
+    read through casts: (N,) as it is, or (E, N) gathered along its experts dim
+    (``bias[expert_ids]``: any rows, its features dim stays dim 1). Recorded in
+    ``facts.biases``; False (not a bias) otherwise."""
+    if n.target not in (aten.add.Tensor, aten.add_.Tensor) or len(ins) != 1 \
+            or not isinstance(origin.get(ins[0]), tuple) or origin[ins[0]][0] == "*":
+        return False
+    w, lo, hi = origin[ins[0]]
+    width = facts.widths[w]
+    src, dim = _through_casts(a), 0
+    if src.target is aten.index.Tensor and len(src.args[1]) == 1 and len(shape(src.args[0])) == 2:
+        src, dim = _through_casts(src.args[0]), 1
+    if (lo, hi) != (0, width) or src.op != "get_attr" or len(shape(src)) != dim + 1 \
+            or shape(src)[dim] != width or shape(a)[-1] != width:
+        return False
+    facts.biases[src.target] = (w, dim)
+    facts.bias_rows.add(a.name)
+    return True
+
+
+def _through_casts(n: fx.Node) -> fx.Node:
+    while n.op == "call_function" and n.target in _CASTS:
+        n = n.args[0]
+    return n
 
 
 _CUTS = {aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default,
@@ -196,6 +237,8 @@ def _cut(facts: ExpertFFN, n: fx.Node, origin: dict, cuts: dict):
             spans.append((lo, lo + s))
             facts.sizes.append((n.name, 1, i, s))
             lo += s
+    elif _step(n) != 1:
+        return _strided(facts, n, w, width)
     else:
         spans = [_interval(facts, n, width)]
     cuts.setdefault(w, []).extend(spans)
@@ -206,6 +249,25 @@ def _cut(facts: ExpertFFN, n: fx.Node, origin: dict, cuts: dict):
 def _dim(n: fx.Node) -> int:
     i = 1 if n.target in (aten.slice.Tensor, aten.narrow.default) else 2
     return n.args[i] if len(n.args) > i else n.kwargs.get("dim", 0)
+
+
+def _step(n: fx.Node) -> int:
+    return n.args[4] if n.target is aten.slice.Tensor and len(n.args) > 4 else 1
+
+
+def _strided(facts: ExpertFFN, n: fx.Node, w: str, width: int) -> tuple:
+    """A slice taking every ``step``-th feature from an offset below ``step`` to the end (the
+    gate and up of an interleaved gate_up): on each rank's contiguous block, whose start is a
+    multiple of ``step``, the same slice takes that block's share (checked by the planner:
+    tp x step divides the width)."""
+    step, lo, hi = n.args[4], n.args[2] or 0, n.args[3]
+    if not isinstance(step, int) or not isinstance(lo, int) or not 0 <= lo < step \
+            or not (hi is None or isinstance(hi, int) and hi >= width) \
+            or facts.strides.get(w, step) != step or width % step:
+        raise _Blocked(f"{_where(n)}: a strided slice of the features (step {step}) that "
+                       f"does not take every step-th one from the start to the end")
+    facts.strides[w] = step
+    return ("*", 0, width // step)
 
 
 def _interval(facts: ExpertFFN, n: fx.Node, width: int) -> tuple[int, int]:

@@ -52,7 +52,9 @@ def _rewrite(graph: fx.Graph, layer: dict, by_name: dict, ep: bool) -> None:
         users = [u for u in region if x in u.all_input_nodes]
         sent = x
         with graph.inserting_before(users[0]):
-            if layer["tp"]:  # f: the replicated rows' gradient is summed over tp
+            if layer["tp"] and name not in layer.get("split_rows", ()):
+                # f: the replicated rows' gradient is summed over tp (a bias's rows arrive
+                # split with the features: each rank's gradient is its own block)
                 sent = _call(graph, copy_to_tp_region, (sent,), x)
             if ep:
                 sent = _call(graph, ep_dispatch, (sent, route), x)

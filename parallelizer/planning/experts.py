@@ -40,7 +40,7 @@ def plan_ep(layers: list[ExpertLayer], unsupported: list[Unsupported], ep: int, 
     if ep == 1:
         decision.report = [f"expert layer (mesh.ep = 1: every rank holds all its experts): {f}" for f in found] + \
             decision.report
-        decision.layers = [_layer(l, True) for l in layers if l.module in split]
+        decision.layers = [_layer(l, True, split[l.module]) for l in layers if l.module in split]
         return decision
     if unsupported:
         u = unsupported[0]
@@ -59,28 +59,31 @@ def plan_ep(layers: list[ExpertLayer], unsupported: list[Unsupported], ep: int, 
             valid = [d for d in range(1, l.num_experts + 1) if l.num_experts % d == 0]
             raise PlanError(f"mesh.ep ({ep}) must divide the number of experts ({l.num_experts}) "
                             f"of {l.module}; valid choices: ep in {{{', '.join(map(str, valid))}}}")
-        decision.layers.append(_layer(l, l.module in split))
+        decision.layers.append(_layer(l, l.module in split, split.get(l.module, ())))
     decision.report = [f"expert parallel over ep={ep} ({l.num_experts // ep} experts per rank): {f}"
                        for l, f in zip(layers, found)] + decision.report
     return decision
 
 
-def _layer(l: ExpertLayer, tp: bool) -> dict:
+def _layer(l: ExpertLayer, tp: bool, split_rows=()) -> dict:
+    """The layer as the expert_parallel pass reads it; ``split_rows``: inputs already split
+    over tp along the features (a bias's rows), which get no f."""
     return {"module": l.module, "experts": l.num_experts, "weights": list(l.weights),
             "offsets": l.offsets, "inputs": list(l.inputs), "outputs": list(l.outputs),
-            "matmuls": list(l.matmuls), "region": list(l.region), "router": l.router, "tp": tp}
+            "matmuls": list(l.matmuls), "region": list(l.region), "router": l.router, "tp": tp,
+            "split_rows": sorted(split_rows)}
 
 
 def plan_expert_tp(decision: EPDecision, layers: list[ExpertLayer], ffn: list[ExpertFFN],
-                   tp: int) -> set:
+                   tp: int) -> dict:
     """Record in ``decision`` the tp split of every layer that takes one; returns their
-    modules. A layer is split when the analysis found no blocker and tp divides its weights'
+    modules, each with the inputs that arrive split (its biases' rows). A layer is split when the analysis found no blocker and tp divides its weights'
     FFN dims, every part the region cuts them into and every explicit size along them: its
     gate | up weight gets the :class:`Fused` layout of its parts (each rank holds its block
     of each part, so the region's own chunk gives it matching gate and up blocks), its down
     weight the even split of the dim it contracts. Otherwise report.md says why it stays
     whole on every tp rank (still correct: every rank computes all of it)."""
-    split: set = set()
+    split: dict = {}
     if tp == 1:
         return split
     for layer, facts in zip(layers, ffn):
@@ -88,12 +91,16 @@ def plan_expert_tp(decision: EPDecision, layers: list[ExpertLayer], ffn: list[Ex
         if why:
             decision.report.append(f"experts of {layer.module} kept whole on every tp rank: {why}")
             continue
-        split.add(layer.module)
+        split[layer.module] = tuple(facts.bias_rows)
         decision.dims.update(facts.column)
         decision.dims.update(facts.row)
         for w, parts in facts.parts.items():
             if parts is not None and len(parts) > 1:
                 decision.layouts[w] = Fused(tuple(parts))
+        for b, (w, dim) in facts.biases.items():  # split as the features it is added to
+            decision.dims[b] = dim
+            if w in decision.layouts:
+                decision.layouts[b] = decision.layouts[w]
         for node, arg, index, size in facts.sizes:
             decision.rewrites.setdefault(node, []).append((arg, index, size // tp))
         decision.report.append(f"experts of {layer.module} split over tp={tp} along their FFN "
@@ -106,13 +113,18 @@ def _roles(facts: ExpertFFN, decision: EPDecision) -> str:
     col = [f"{w} column_parallel (dim {d}"
            + (f", fused parts {list(decision.layouts[w].parts)})" if w in decision.layouts else ")")
            for w, d in facts.column.items()]
-    return "; ".join(col + [f"{w} row_parallel (dim {d})" for w, d in facts.row.items()])
+    bias = [f"{b} with {w} (dim {d})" for b, (w, d) in facts.biases.items()]
+    return "; ".join(col + [f"{w} row_parallel (dim {d})" for w, d in facts.row.items()] + bias)
 
 
 def _indivisible(facts: ExpertFFN, tp: int) -> str:
     for w, n in facts.widths.items():
         if n % tp:
             return f"mesh.tp ({tp}) does not divide the {n} FFN features of {w}"
+    for w, step in facts.strides.items():
+        if facts.widths[w] % (tp * step):
+            return (f"mesh.tp ({tp}) x the step {step} of the strided slices of {w}'s output "
+                    f"does not divide its {facts.widths[w]} FFN features")
     for w, parts in facts.parts.items():
         for p in parts or ():
             if p % tp:

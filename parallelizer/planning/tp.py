@@ -37,10 +37,11 @@ from .tp_seeds import conditioning_ops, linears_feeding, nearest_linears
 
 
 def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False,
-            experts_split: bool = False) -> TPDecision:
+            expert_dims: dict | None = None) -> TPDecision:
     """Decide the Megatron column/row pairs for ``graph`` at tp degree ``tp``.
-    ``experts_split``: the experts planner splits some expert FFNs over tp
-    (planning/experts.py), so tp shards something even when no pair is found here.
+    ``expert_dims``: the parameters the experts planner splits over tp (planning/experts.py:
+    fqn -> dim), so tp shards something even when no pair is found here, and those are not
+    reported replicated.
 
     Raises:
         PlanError: tp does not divide a sharded size (heads, kv heads, features); the
@@ -64,7 +65,8 @@ def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False,
         # names why), with the linears behind heads tp is a multiple of kept whole, or with
         # the groups behind every such size kept whole, whichever shards most; else the
         # error below names the size and the tp degrees that divide it
-        pairs, column, row, prop = indivisible(graph, sites, tp, decision, first, experts_split)
+        pairs, column, row, prop = indivisible(graph, sites, tp, decision, first,
+                                               bool(expert_dims))
     if allow_replicated and not divisible(prop, tp):  # run replicated, the size named
         pairs, column, row, prop = replicated_plan(graph, tp, decision, prop)
     check_divisible(prop, tp)
@@ -111,10 +113,10 @@ def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False,
             decision.replicated.setdefault(site.weight, []).append(line)
             decision.report.append(line)
     decision.report += custom_op_weights(graph)
-    decision.other_replicated = other_matrices(graph, decision)
+    decision.other_replicated = other_matrices(graph, decision, expert_dims or {})
     decision.report += list(decision.other_replicated.values())
     if not column and not row:
-        _nothing_sharded(decision, tp, allow_replicated, experts_split)
+        _nothing_sharded(decision, tp, allow_replicated, bool(expert_dims))
     else:  # the backward's f edges and Partial gradients, derived (planning/gradients.py)
         plan_gradients(graph, decision)
     return decision

@@ -45,12 +45,13 @@ _WEIGHT_PATH = frozenset({
     aten.squeeze.dim, aten.expand.default, aten._assert_tensor_metadata.default})
 
 
-def other_matrices(graph: fx.Graph, decision: TPDecision) -> dict:
+def other_matrices(graph: fx.Graph, decision: TPDecision, expert_dims=()) -> dict:
     """fqn -> report line of every parameter of two or more dims that ``graph`` reads, that
     tensor parallelism leaves whole on every rank and that no other line accounts for: not a
     linear's weight (those are counted and named by role), not read by ``aten.embedding`` (the
     vocabulary planner reports tables), by an operator outside ATen (:func:`custom_op_weights`)
-    or as stacked experts (the experts planner). The line names the op that reads it and its
+    or as stacked experts, nor split by the experts planner (``expert_dims``: an expert
+    layer's bias). The line names the op that reads it and its
     source line: an einsum that is no linear map (capture makes those linears: a per-head
     block-diagonal ``einsum("bshd,hde->bshe", x, w)``),
     a convolution, a mixing matrix of the heads. Per-head tensors cut to each rank's heads
@@ -58,7 +59,7 @@ def other_matrices(graph: fx.Graph, decision: TPDecision) -> dict:
     owner = graph.owning_module
     params = dict(owner.named_parameters()) if owner is not None else None
     linears = set(decision.linears)
-    experts = {w for layer in find_expert_layers(graph)[0] for w in layer.weights}
+    experts = {w for layer in find_expert_layers(graph)[0] for w in layer.weights} | set(expert_dims)
     cut = {r.producer for r in decision.redistributions}
     out: dict = {}
     for n in graph.nodes:

@@ -175,6 +175,39 @@ def expert_modules(stage, plan) -> list:
     return [m for m in stage.modules() if any(id(p) in mine for p in m.parameters(recurse=False))]
 
 
+def ignored_dense_params(stage, plan) -> list:
+    """The parameters DDP leaves out with :func:`expert_modules` that are no expert's (GPT-OSS's
+    expert biases, (E, N), beside the stacked weights, are held whole by every ep rank): their
+    gradients are averaged over dp by :func:`sync_ignored_dense_grads`."""
+    if plan.ep == 1 or plan.zero_stage >= 2:
+        return []
+    mine = {id(p) for p in expert_params(stage, plan)}
+    seen: dict = {}
+    # a rank's LocalStages (stage_builder.py) lists its stage modules; or one stage module
+    for module in stage.modules if isinstance(stage.modules, list) else [stage]:
+        for m in expert_modules(module, plan):
+            for p in m.parameters():
+                if id(p) not in mine:
+                    seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+def sync_ignored_dense_grads(stage, plan, ctx: RankContext, manual_dp: bool) -> None:
+    """Average over dp the gradients of :func:`ignored_dense_params` (DDP left them out; they
+    were never reduced: a wrong gradient at ep > 1, zero_stage 0/1, a break test), unless the
+    step averaged every dense gradient itself (``manual_dp``: under pp > 1)."""
+    if manual_dp or ctx.mesh["dp"].size() == 1:
+        return
+    grads = [p.grad for p in ignored_dense_params(stage, plan) if p.grad is not None]
+    if not grads:
+        return
+    flat = torch._utils._flatten_dense_tensors(grads)
+    torch.distributed.all_reduce(flat, group=ctx.group("dp"))
+    flat /= ctx.mesh["dp"].size()
+    for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        g.copy_(synced)
+
+
 def sync_expert_grads(stages, plan, ctx: RankContext) -> None:
     """Expert gradients as data parallelism would give them: each ep rank's expert
     gradient already sums what every rank of its ep group routed to it (the dispatch's

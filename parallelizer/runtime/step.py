@@ -25,7 +25,8 @@ from ..plan.schedules import SINGLE_STAGE, schedule_class
 from ..plan.layouts import ReplicatedHeads, copied_heads, copied_runs
 from ..plan.parallel_plan import ParallelPlan
 from .batching import flatten, index_rows
-from .data_parallel import all_reduce_grads, dense_params, sync_expert_grads, sync_scalar_grads
+from .data_parallel import (all_reduce_grads, dense_params, sync_expert_grads,
+                            sync_ignored_dense_grads, sync_scalar_grads)
 from .pipeline_stage import TimedPipelineStage
 from .setup import RankContext
 from .stage_builder import LocalStages, local_tensor
@@ -82,6 +83,7 @@ class StepRunner:
         if self.manual_dp:  # an expert weight's dp ranks hold other experts: sync_expert_grads
             all_reduce_grads(dense_params(self.stage, self.plan), self.ctx)
         sync_expert_grads(self.stage, self.plan, self.ctx)
+        sync_ignored_dense_grads(self.stage, self.plan, self.ctx, self.manual_dp)
         sync_scalar_grads(self.stage, self.plan, self.ctx)
         if self.ctx.compression is not None:
             self.ctx.compression.finish_step()

@@ -5,7 +5,8 @@ and run on two gloo ranks.
 - ``--verify``: loss, outputs, gradients gathered to full shape and parameters after one SGD
   step equal the unmodified model's at fp32 1e-5: Mixtral (softmax top-k, renormalised) under
   the real torchrun, Qwen2-MoE (top-k without renormalisation, a shared expert beside the
-  routed ones) in ranks forked from the warm server.
+  routed ones) and GPT-OSS (expert biases beside the stacked weights, under DDP) in ranks
+  forked from the warm server.
 - Each rank holds half the experts (the emitted parameter is (E/2, ...)).
 - Two expert replicas (mesh.dp=4, mesh.ep=2: edp = 2, the replicas sum their expert
   gradients): ``--verify`` at 1e-5, and the global gradient norm ``--train`` logs (and clips
@@ -83,9 +84,13 @@ def _eager(steps: int, max_norm: float, lr: float):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name, real", [("mixtral_auto", True), ("qwen2_moe_ep", False)])
-def test_verify_at_ep2(tmp_path, tools, name, real):
-    program = _compile(name, tmp_path / "out")
+@pytest.mark.parametrize("name, real, zero", [("mixtral_auto", True, 3), ("qwen2_moe_ep", False, 3),
+                                              ("gpt_oss_ep", False, 0)])
+def test_verify_at_ep2(tmp_path, tools, name, real, zero):
+    """GPT-OSS under DDP: its experts' biases sit in the experts module DDP leaves out (the
+    experts are synced by hand), so nothing averaged their gradients over dp (FAIL, max err
+    4e-3, a break test); now they are averaged as the dense ones are."""
+    program = _compile(name, tmp_path / "out", EP2 + [f"zero_stage={zero}"])
     t = program.plan.tensors[EXPERT]
     assert t.experts.ep == 2 and t.rank_shape(1)[0] == t.shape[0] // 2
     run = tools.real_torchrun if real else tools.torchrun

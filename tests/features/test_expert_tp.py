@@ -8,7 +8,9 @@ parallel, an f on the rows entering the experts and one g after them.
   emitted program in threads of one process against the unmodified model, outputs and every
   gradient (emit/numerics_check.py).
 - Explicit sizes in the region (gate | up cut by slices of F) are rewritten to the local size;
-  a cut tp cannot split (a strided slice) keeps that layer's experts whole on every tp rank,
+  gate and up interleaved (strided slices) split in contiguous blocks; a bias added to the
+  gate | up output (GPT-OSS's, per expert) split with it; what tp cannot split (a tensor made
+  in forward across the features) keeps that layer's experts whole on every tp rank,
   report.md naming the op and the line, and the program is still right.
 - A program missing the experts' f or g is a compile error.
 - ep x tp: the ranks' (E/ep, 2F/tp, H) pieces and f -> dispatch -> experts -> g -> combine.
@@ -74,8 +76,13 @@ def _slices(self, h):  # gate | up cut by explicit sizes: F is rewritten to F / 
     return self.act_fn(h[:, :f]) * h[:, f:]
 
 
-def _strided(self, h):  # gate and up interleaved: tp's contiguous blocks do not cut it
+def _strided(self, h):  # gate and up interleaved: each rank's contiguous block holds pairs
     return self.act_fn(h[..., ::2]) * h[..., 1::2]
+
+
+def _ramp(self, h):  # a tensor made in forward across the features: tp cannot split it
+    f = h.shape[-1] // 2
+    return self.act_fn(h[:, :f]) * h[:, f:] * torch.linspace(0.5, 1.5, f)
 
 
 def test_explicit_slices_in_the_experts_are_rewritten_to_the_local_size():
@@ -90,17 +97,44 @@ def test_explicit_slices_in_the_experts_are_rewritten_to_the_local_size():
     assert program.plan.tensors["model.layers.0.mlp.experts.gate_up_proj"].layout.parts == (64, 64)
 
 
-def test_a_cut_tp_cannot_split_keeps_the_experts_whole_naming_the_line():
+def test_interleaved_gate_and_up_split_in_contiguous_blocks():
+    """``h[..., ::2]`` / ``h[..., 1::2]`` on each rank's contiguous block of 2F / tp (even)
+    take that block's gates and ups: the experts split (they were kept whole)."""
     model, batch = _user("mixtral_auto")
     for e in _experts(model):
         e._apply_gate = types.MethodType(_strided, e)
     program = _compile(model, batch)
+    assert [n for n in program.notes if n.startswith("self-check: 2 tp rank")]
+    gate_up = program.plan.tensors["model.layers.0.mlp.experts.gate_up_proj"]
+    assert gate_up.tp_dim == 1 and gate_up.layout is None  # plain blocks, no fused parts
+
+
+def test_what_tp_cannot_split_keeps_the_experts_whole_naming_the_line():
+    model, batch = _user("mixtral_auto")
+    for e in _experts(model):
+        e._apply_gate = types.MethodType(_ramp, e)
+    program = _compile(model, batch)
     assert [n for n in program.notes if n.startswith("self-check: 2 tp rank")]  # still right
     # the op and the line export recorded for it (the experts' forward in transformers)
     assert re.search(r"experts of model.layers.0.mlp.experts kept whole on every tp rank: "
-                     r"aten.slice.Tensor \(slice_\d+\) at \w+.py:\d+: a strided slice of the "
-                     r"features \(step 2\)", program.report), program.report
+                     r"aten.mul.Tensor \(mul_\d+\) at \w+.py:\d+: reads linspace \[64\] across "
+                     r"the FFN features", program.report), program.report
     assert program.plan.tensors["model.layers.0.mlp.experts.gate_up_proj"].tp_dim is None
+
+
+def test_gpt_oss_experts_split_with_their_biases():
+    """GPT-OSS (transformers): a per-expert bias (E, 2F) gathered by expert and added to the
+    gate | up output is split with it along dim 1, gate and up interleaved; the down bias,
+    added after the all-reduce, stays whole. Was: experts kept whole ("reads index_2 across
+    the FFN features"), 17 % of parameters sharded."""
+    program = _compile(*_user("gpt_oss_ep"))
+    assert [n for n in program.notes if n.startswith("self-check: 2 tp rank")], program.notes
+    t = program.plan.tensors
+    pre = "model.layers.0.mlp.experts."
+    assert (t[pre + "gate_up_proj"].tp_dim, t[pre + "gate_up_proj_bias"].tp_dim) == (2, 1)
+    assert t[pre + "down_proj"].tp_dim == 1 and t[pre + "down_proj_bias"].tp_dim is None
+    assert f"replicated: {pre}gate_up_proj_bias" not in program.report
+    assert f"{pre}gate_up_proj_bias with {pre}gate_up_proj (dim 1)" in program.report
 
 
 @pytest.fixture(params=[copy_to_tp_region, reduce_from_tp_region], ids=["f", "g"])
