@@ -20,7 +20,6 @@ Planners read facts and return data; passes read a plan and rewrite the graph (d
 """
 from __future__ import annotations
 
-import copy
 import sys
 from dataclasses import dataclass
 from operator import attrgetter
@@ -68,8 +67,8 @@ from .planning.vocab import plan_vocab, vocab_summary
 from .emit.program import Program, check_replaceable
 from .emit.rank_check import check_ranks
 from .emit.numerics_check import check_numerics, when as self_check_when
-from .emit.reference import (compute_reference, nonfinite_warnings, sample_mean_warnings,
-                             stack_reference)
+from .emit.reference import (compute_reference, copy_model, nonfinite_warnings,
+                             sample_mean_warnings, stack_reference)
 from .emit.report import render_report, stage_sends
 from .frontend.spec import Spec
 
@@ -343,7 +342,7 @@ def emit(analysis: Analysis, planned: Planned, checked: Checked,
     if weights:
         state = {fqn: attrgetter(fqn)(gm).detach().clone() for fqn in plan_.tensors}
         if reference:
-            stepped = model if owns_model else copy.deepcopy(model)
+            stepped = model if owns_model else copy_model(model)
             ref = stack_reference(compute_reference(stepped, batch, loss_fn or default_loss,
                                                     analysis.captured.input_names, spec, model_file),
                                   analysis.stacked)

@@ -46,7 +46,30 @@ def fp64_copy(model: torch.nn.Module):
     if sum(p.numel() for p in params) > NOISE_MAX_PARAMETERS or any(
             p.device.type != "cpu" or not p.is_floating_point() for p in params):
         return None
-    return copy.deepcopy(model).double()
+    return copy_model(model).double()
+
+
+def copy_model(model: torch.nn.Module) -> torch.nn.Module:
+    """``copy.deepcopy(model)``, a tensor a forward left on a module as a plain attribute
+    (RecurrentGemma's ``recurrent_states``, computed with gradient) copied detached: deepcopy
+    refuses a tensor that is no graph leaf ("Only Tensors created explicitly by the user"),
+    and the compile crashed on it (a break test)."""
+    memo: dict = {}
+    for m in model.modules():
+        _detached_into(vars(m), memo, 0)
+    return copy.deepcopy(model, memo)
+
+
+def _detached_into(value, memo: dict, depth: int) -> None:
+    if isinstance(value, torch.Tensor):
+        if not value.is_leaf:
+            memo[id(value)] = value.detach().clone()
+    elif isinstance(value, (list, tuple)) and depth < 4:
+        for v in value:
+            _detached_into(v, memo, depth + 1)
+    elif isinstance(value, dict) and depth < 4:
+        for v in value.values():
+            _detached_into(v, memo, depth + 1)
 
 
 def rounding_noise(ref: dict, wide: torch.nn.Module, batch, loss_fn, spec, model_file) -> dict:

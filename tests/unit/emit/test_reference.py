@@ -129,3 +129,32 @@ def test_run_time_chunk_line_compares_the_fp32_losses_at_fp32_tolerances():
         "pipeline.microbatches (1) chunks")
     ref["loss.chunked"] = ref["loss"].clone()
     assert chunks_line(ref, 2, 1, vcfg).endswith("so the loss is a mean over samples")
+
+
+class _KeepsState(nn.Module):
+    """Keeps a tensor of its forward as a plain attribute (RecurrentGemma's RG-LRU keeps
+    ``recurrent_states`` so, use_cache or not)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 12), nn.Linear(12, 6)
+        self.state = None
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x))
+        self.state = h[:, -1]
+        return x + self.fc2(h)
+
+
+def test_a_model_holding_a_tensor_of_its_last_forward_compiles_with_its_reference():
+    """deepcopy refuses a tensor that is no graph leaf: the compile crashed in the reference
+    step's float64 copy (a break test); such tensors are copied detached."""
+    from parallelizer import compiler
+    from parallelizer.frontend.spec import Spec
+    torch.manual_seed(0)
+    model = _KeepsState()
+    model(*_batch())  # the model as a user may hand it over: after a forward
+    assert not model.state.is_leaf
+    program = compiler.compile_module(model, _batch(), Spec.model_validate({"mesh": {"tp": 2}}),
+                                      loss_fn=_mse)
+    assert "noise.loss" in program.reference and "grad.fc1.weight" in program.reference
