@@ -152,6 +152,9 @@ def _nothing_sharded(decision: TPDecision, tp: int, allow_replicated: bool,
            "no linear layer feeds another (a matmul with a 2-D parameter operand whose output "
            "reaches a second one; a weight computed in forward (torch.nn.utils.parametrizations: "
            "weight_norm, spectral_norm) is no parameter operand)")
+    flat = [line for line in decision.other_replicated.values() if ", flat, read by " in line]
+    if flat and not decision.blockers:  # the matrices the model does use, stored flat
+        why += f"; {flat[0].removeprefix('replicated: ')}"
     if experts_split:
         if any(w.startswith(f"mesh.tp={tp} keeps") for w in decision.warnings):
             return  # tp_candidates._kept_warning said which linears and why

@@ -11,7 +11,7 @@ import torch.fx as fx
 from ..plan.decisions import TPDecision
 from ..plan.layouts import ReplicatedHeads
 from ..analysis.experts import find_expert_layers
-from ..analysis.graph_facts import aten, source_line
+from ..analysis.graph_facts import VIEWS, aten, source_line
 
 
 def linear_counts(decision: TPDecision, vocab_heads=()) -> str:
@@ -64,7 +64,7 @@ def other_matrices(graph: fx.Graph, decision: TPDecision, expert_dims=()) -> dic
     out: dict = {}
     for n in graph.nodes:
         v = n.meta.get("val")
-        if n.op != "get_attr" or not isinstance(v, torch.Tensor) or v.dim() < 2 \
+        if n.op != "get_attr" or not isinstance(v, torch.Tensor) or v.dim() < 2 and not _as_matrix(n) \
                 or n.target in decision.dims or n.target in linears or n.target in experts \
                 or n.target in out:
             continue
@@ -75,7 +75,7 @@ def other_matrices(graph: fx.Graph, decision: TPDecision, expert_dims=()) -> dic
                 getattr(u.target, "namespace", "aten") not in ("aten", "prims") for u, _ in readers):
             continue
         use, via = readers[0]
-        shape_text = "x".join(str(d) for d in v.shape)
+        shape_text = "x".join(str(d) for d in v.shape) + (", flat" if v.dim() == 1 else "")
         producer = next((c for c in cut if c == n.name or c in via), None)
         if producer is not None:
             why = (f"each rank cuts its heads, or its copy of them, from it as the step runs: "
@@ -84,10 +84,25 @@ def other_matrices(graph: fx.Graph, decision: TPDecision, expert_dims=()) -> dic
             why = ("no tensor-parallel rule splits a weight this op reads: only linear layers "
                    "(a product with a 2-D weight, a pointwise conv), per-head tensors and the "
                    "per-channel tensors of a grouped conv or a norm over sharded channels are "
-                   "sharded")
+                   "sharded" + ("; a flat weight viewed as the matrix is not: store it 2-D"
+                                if v.dim() == 1 else ""))
         out[n.target] = (f"replicated: {n.target} ({shape_text}, read by {op_text(use)}: "
                          f"{why})")
     return out
+
+
+def _as_matrix(param: fx.Node) -> bool:
+    """A 1-D parameter viewed as a matrix on its way to the op reading it (a flat weight,
+    ``F.linear(x, w.view(o, i))``): a weight matrix as the op sees it, reported like one."""
+    frontier = [param]
+    while frontier:
+        for u in frontier.pop().users:
+            if u.op == "call_function" and u.target in _WEIGHT_PATH:
+                v = u.meta.get("val")
+                if u.target in VIEWS and isinstance(v, torch.Tensor) and v.dim() >= 2:
+                    return True
+                frontier.append(u)
+    return False
 
 
 def _readers(param: fx.Node) -> list:

@@ -120,3 +120,33 @@ def test_lora_with_frozen_bases_matches():
     torch.manual_seed(0)
     d = plan_and_check(LoRANet(frozen=True), x_batch(3, 5, seed=1), 2)
     assert "layers.1.up.base.weight" in d.column and "layers.1.down.base.weight" in d.row
+
+
+class _FlatUp(torch.nn.Module):
+    """An MLP whose up weight is stored flat and viewed to (4d, d) before F.linear."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.d = d
+        self.w_up = torch.nn.Parameter(0.05 * torch.randn(4 * d * d))
+        self.down = torch.nn.Linear(4 * d, d, bias=False)
+
+    def forward(self, x):
+        up = torch.nn.functional.linear(x, self.w_up.view(4 * self.d, self.d))
+        return x + self.down(torch.nn.functional.gelu(up))
+
+
+def test_a_flat_weight_viewed_as_the_matrix_is_named_not_left_silent():
+    """A 1-D parameter viewed as a linear's weight is not sharded (its row split would be
+    strided): it was in no report line and the refusal named nothing (a break test); now
+    report.md and the refusal name it, with the fix."""
+    from parallelizer.errors import PlanError
+    from parallelizer.planning.tp import plan_tp
+    torch.manual_seed(0)
+    gm = captured(_FlatUp(), (torch.randn(2, 5, 16),)).gm
+    d = plan_tp(gm.graph, 2, allow_replicated=True)
+    line = d.other_replicated["w_up"]
+    assert line.startswith("replicated: w_up (1024, flat, read by aten.linear.default at "
+                           "test_weight_paths.py:") and line.endswith("store it 2-D)"), line
+    with pytest.raises(PlanError, match=r"no weight matrix could be sharded; .*; w_up \(1024, flat"):
+        plan_tp(gm.graph, 2)
