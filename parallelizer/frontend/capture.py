@@ -162,7 +162,8 @@ def capture(model: torch.nn.Module, batch: tuple | dict, model_file: Path) -> Ca
                 raise CaptureError(_eager_message(eager, model_file)) from eager
             if opaque:  # export cannot return it (a transformers Cache: use_cache on)
                 raise CaptureError(_opaque_message(opaque, model_file)) from export_error
-            raise CaptureError(_capture_message(export_error, model_file)) from export_error
+            raise CaptureError(_capture_message(export_error, model_file)
+                               + _mask_hint(model, args, kwargs)) from export_error
     gm = ep.module()
     out_spec = gm._out_spec
     try:
@@ -385,6 +386,26 @@ def _eager_message(e: Exception, model_file: Path) -> str:
     return (f"the model from {model_file} fails on example_inputs() when it runs as it is, "
             f"without parallelizer: {type(e).__name__}: {first}{user_frame(e, model_file)}\n"
             f"Fix: the model or example_inputs() (parallelizer compiles what the model computes).")
+
+
+def _mask_hint(model: torch.nn.Module, args, kwargs) -> str:
+    """A hint when forward takes an ``attention_mask`` the example leaves out: transformers
+    fills one in when it runs as it is but not under torch.export
+    (``torch.compiler.is_compiling()``), so the traced model takes a branch its eager run
+    never does (LongT5's transient-global attention then fails at a ``torch.cat``; a break
+    test)."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return ""
+    names = list(params)
+    given = set(kwargs) | set(names[:len(args)])
+    if "attention_mask" not in params or "attention_mask" in given:
+        return ""
+    return ("\nThe model's forward takes an attention_mask that example_inputs() does not give: "
+            "transformers makes one when the model runs as it is, not under torch.export, so "
+            "the captured code may take a branch its eager run never does. Give it in example_inputs() (ones of the "
+            "input_ids' shape for no padding).")
 
 
 def _capture_message(e: Exception, model_file: Path) -> str:

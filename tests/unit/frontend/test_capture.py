@@ -464,3 +464,34 @@ def test_an_input_taken_through_var_keywords_is_captured_dynamic():
     with torch.no_grad():
         (got,) = cap.gm(x=x, labels=labels)
         torch.testing.assert_close(got, model(x, labels=labels), rtol=0, atol=0)
+
+
+
+class _MasksOnlyEagerly(nn.Module):
+    """As transformers' LongT5 stack: a mask of ones made when none is given, except under
+    ``torch.compiler.is_compiling()``; the mask-less branch is broken (a (1, ...) bias
+    concatenated to a (batch, ...) one, LongT5's transient-global attention)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, input_ids, attention_mask=None):
+        h = self.proj(input_ids.float().unsqueeze(-1).expand(-1, -1, 4))
+        if attention_mask is None and not torch.compiler.is_compiling():
+            attention_mask = torch.ones_like(input_ids)
+        bias = torch.zeros(1, h.shape[1], 1) if attention_mask is None else \
+            attention_mask[..., None].float()
+        return torch.cat([bias, h], dim=-1)
+
+
+def test_an_attention_mask_transformers_makes_only_eagerly_is_named(tmp_path):
+    """The model runs as it is but fails under torch.export, which takes the mask-less
+    branch; the refusal says to give the mask (a break test: LongT5 with it compiles and
+    passes --verify at tp4)."""
+    ids = torch.randint(0, 9, (2, 8))
+    with pytest.raises(CaptureError, match=r"takes an attention_mask that example_inputs\(\) "
+                                           r"does not give"):
+        capture(_MasksOnlyEagerly(), {"input_ids": ids}, tmp_path / "model.py")
+    capture(_MasksOnlyEagerly(), {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+            tmp_path / "model.py")
