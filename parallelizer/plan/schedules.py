@@ -93,11 +93,17 @@ def compute_actions(schedule: str, pp: int, virtual_stages: int,
         order = _pipeline_order(cls, single, pp, microbatches, virtual_stages)
     except AttributeError:  # a torch whose schedules read more of a stage: its own mock
         order = get_schedule_ops(cls, pp, microbatches, None if single else virtual_stages)
-    out = []
+    out, kind_of = [], {}
     for actions in order:
         flat = [s for a in actions if a is not None for s in (a.sub_actions or (a,))]
-        out.append([(kinds[a.computation_type.name], a.stage_index, a.microbatch_index)
-                    for a in flat if a.computation_type.name in kinds])
+        mine = []
+        for a in flat:
+            t = a.computation_type  # an enum member: its .name is slow in a loop this long
+            if t not in kind_of:
+                kind_of[t] = kinds.get(t.name)
+            if kind_of[t] is not None:
+                mine.append((kind_of[t], a.stage_index, a.microbatch_index))
+        out.append(mine)
     return out
 
 

@@ -199,14 +199,25 @@ def min_max_starts(costs: Sequence[float], k: int,
     arg = [dict.fromkeys(ends, 0) for _ in range(k)]
     for j in ends:
         best[0][j] = prefix[j]
+    # with costs >= 0, best[s - 1][i] grows with i (past the infeasible first ends): once it
+    # reaches best[s][j], no later i can lower it (an exact cut of the search, same ties)
+    monotone = all(x >= 0 for x in costs)
     for s in range(1, k):
+        prev, row, args = best[s - 1], best[s], arg[s]
         for j in ends:
+            pj, b, a = prefix[j], row[j], args[j]
             for i in ends:
                 if i >= j:
                     break
-                v = max(best[s - 1][i], prefix[j] - prefix[i])
-                if v < best[s][j]:
-                    best[s][j], arg[s][j] = v, i
+                left = prev[i]
+                if left == inf:  # fewer ends before i than stages: the first ones only
+                    continue
+                if monotone and left >= b:
+                    break
+                v = left if left > pj - prefix[i] else pj - prefix[i]
+                if v < b:
+                    b, a = v, i
+            row[j], args[j] = b, a
     if best[k - 1][m] == inf:
         raise AssertionError(f"no split of {m} units into {k} stages")  # the caller checks counts
     starts, j = [], m

@@ -367,3 +367,37 @@ def test_split_points_errors_list_the_valid_fqns(points, parts, message):
     with pytest.raises(PlanError) as e:
         plan_pipeline([10] * 3, 0, 0, 2, names(3), parts=parts, split_points=points)
     assert message in str(e.value)
+
+
+def _brute_force_starts(costs, k, may_start):
+    """Every split into k non-empty stages beginning only where allowed: the least largest
+    stage cost, ties to the lexicographically earliest starts."""
+    import itertools
+    m, best = len(costs), None
+    for starts in itertools.combinations([i for i in range(1, m) if may_start[i]], k - 1):
+        bounds = [0, *starts, m]
+        top = max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:]))
+        if best is None or top < best[0]:
+            best = (top, list(starts))
+    return best
+
+
+def test_min_max_starts_is_the_least_largest_stage():
+    """The one min-max partitioner (stages of the compile, the advisor's rank_stats) against
+    every split: the same largest stage cost, on integer costs with zeros (ties) and with
+    positions where no stage may begin."""
+    import random
+    from parallelizer.planning.pipeline import min_max_starts
+    rng = random.Random(0)
+    for _ in range(400):
+        m = rng.randint(1, 9)
+        k = rng.randint(1, m)
+        costs = [rng.choice([0, 1, 2, 3, 5]) for _ in range(m)]
+        may = [True] + [rng.random() < 0.7 for _ in range(m - 1)]
+        want = _brute_force_starts(costs, k, may)
+        if want is None:
+            continue
+        got = min_max_starts(costs, k, may)
+        bounds = [0, *got, m]
+        assert all(may[s] for s in got) and len(got) == k - 1 and bounds == sorted(set(bounds))
+        assert max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])) == want[0], (costs, k, may)
