@@ -173,8 +173,11 @@ def check(schedule: str, pp: int, virtual_stages: int, microbatches: int) -> Opt
 def _check_microbatches(schedule: str, pp: int, v: int, m: int) -> Optional[str]:
     fix = "set pipeline.microbatches"
     if schedule == "1f1b" and m < pp:
+        # every schedule needs a microbatch per stage (planning/pipeline_summary.py): no
+        # other schedule is the way out (it named gpipe, refused next: a break test)
         return (f"pipeline.microbatches ({m}) must be >= mesh.pp ({pp}) for schedule '1f1b'; "
-                f"{fix}={pp} or more, or pipeline.schedule=gpipe.")
+                f"{fix}={pp} or more (>= {2 * pp} keeps the pipeline bubble at most a third "
+                f"of the step).")
     if schedule in ("interleaved_1f1b", "interleaved_zero_bubble"):
         rounds = max(1, m // pp)
         if m % rounds:

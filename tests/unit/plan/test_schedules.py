@@ -97,11 +97,15 @@ def test_valid_combinations_load(tmp_path):
     (("mesh.pp=1", "pipeline.virtual_stages=2"),
      ["pipeline.virtual_stages (2) needs mesh.pp > 1"]),
     (("pipeline.virtual_stages=0",), ["pipeline.virtual_stages must be an integer >= 1"]),
+    (("pipeline.microbatches=1",),
+     ["pipeline.microbatches (1) must be >= mesh.pp (2) for schedule '1f1b'",
+      "set pipeline.microbatches=2 or more"]),
 ])
 def test_schedule_constraints_are_spec_errors(tmp_path, overrides, needles):
     msg = _spec_error(tmp_path, *overrides)
     for needle in needles:
         assert needle in msg, (needle, msg)
+    assert "gpipe" not in msg or "gpipe" in " ".join(overrides) + " ".join(needles), msg
 
 
 def test_zero_bubble_with_every_zero_stage_over_dp_is_allowed(tmp_path):
