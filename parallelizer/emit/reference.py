@@ -12,6 +12,7 @@ import copy
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ..errors import CaptureError
 from ..frontend.capture import split_args
 from ..frontend.custom_functions import checkpoint_off
 from ..frontend.model_file import call_loss_fn
@@ -47,6 +48,32 @@ def fp64_copy(model: torch.nn.Module):
             p.device.type != "cpu" or not p.is_floating_point() for p in params):
         return None
     return copy_model(model).double()
+
+
+def carried_tensors(model: torch.nn.Module) -> list[str]:
+    """FQNs of the tensors a forward left on ``model``'s modules as plain attributes (not
+    parameters or buffers) that are part of an autograd graph."""
+    out = []
+    for name, m in model.named_modules():
+        for attr, value in vars(m).items():
+            if isinstance(value, torch.Tensor) and not value.is_leaf:
+                out.append(f"{name}.{attr}" if name else attr)
+    return out
+
+
+def _refuse_carried_state(model: torch.nn.Module, e: RuntimeError, model_file) -> None:
+    """A backward through an earlier call's freed graph: the model reads, in one call, what
+    an earlier call left on its modules (a break test crashed here with torch's traceback)."""
+    carried = carried_tensors(model)
+    if "backward through the graph a second time" not in str(e) or not carried:
+        return
+    raise CaptureError(
+        f"the model from {model_file or 'memory'} carries tensors from one forward to the next: "
+        f"{', '.join(carried[:4])}{' and more' if len(carried) > 4 else ''} hold values of an "
+        f"earlier call, with its autograd graph, and the next call reads them (its backward "
+        f"then runs through the earlier call's freed graph). The compiled program computes "
+        f"each step as the captured call did. Fix: keep such state out of the training "
+        f"forward (a cache only when use_cache is set), or detach and reset it every call") from e
 
 
 def copy_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -120,7 +147,11 @@ def _one_step(model: torch.nn.Module, batch, loss_fn, spec, model_file, chunks: 
         loss = call_loss_fn(loss_fn, outputs, batch, model_file,
                             " (the reference step: the unmodified model's outputs on "
                             "example_inputs())")
-        loss.backward()
+        try:
+            loss.backward()
+        except RuntimeError as e:
+            _refuse_carried_state(model, e, model_file)
+            raise
     flat_out, _ = tree_flatten(outputs)
     ref["loss"] = loss.detach().reshape(())
     for i, t in enumerate(flat_out):

@@ -158,3 +158,40 @@ def test_a_model_holding_a_tensor_of_its_last_forward_compiles_with_its_referenc
     program = compiler.compile_module(model, _batch(), Spec.model_validate({"mesh": {"tp": 2}}),
                                       loss_fn=_mse)
     assert "noise.loss" in program.reference and "grad.fc1.weight" in program.reference
+
+
+
+
+_CARRIES_STATE = """
+import torch, torch.nn as nn
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 12), nn.Linear(12, 6)
+        self.state = None
+
+    def forward(self, x):  # reads back, in the next call, what the last call kept
+        h = torch.relu(self.fc1(x))
+        if self.state is not None:
+            h = h + self.state[:, None]
+        self.state = h[:, -1]
+        return x + self.fc2(h)
+
+def build_model():
+    torch.manual_seed(0)
+    return nn.Sequential(Block(), Block())
+
+def example_inputs():
+    return (torch.randn(4, 5, 6, generator=torch.Generator().manual_seed(0)),)
+"""
+
+
+def test_a_model_carrying_state_across_calls_is_refused_naming_it(tmp_path):
+    """The compile crashed with torch's "backward through the graph a second time" traceback
+    in the reference step (a break test); it is refused, naming the attributes."""
+    from parallelizer.errors import CaptureError
+    (tmp_path / "model.py").write_text(_CARRIES_STATE)
+    with pytest.raises(CaptureError, match=r"carries tensors from one forward to the next: "
+                                           r"0.state, 1.state hold values of an earlier call"):
+        compile_model(tmp_path / "model.py", load_spec(SPEC, ["mesh.tp=2"]))
