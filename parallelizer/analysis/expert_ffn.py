@@ -252,7 +252,7 @@ def _dim(n: fx.Node) -> int:
 
 
 def _step(n: fx.Node) -> int:
-    return n.args[4] if n.target is aten.slice.Tensor and len(n.args) > 4 else 1
+    return (n.args[4] or 1) if n.target is aten.slice.Tensor and len(n.args) > 4 else 1
 
 
 def _strided(facts: ExpertFFN, n: fx.Node, w: str, width: int) -> tuple:
@@ -279,10 +279,7 @@ def _interval(facts: ExpertFFN, n: fx.Node, width: int) -> tuple[int, int]:
             raise _Blocked(f"{_where(n)}: a cut of the features by a size known at run time only")
         facts.sizes += [(n.name, 2, None, lo), (n.name, 3, None, length)]
         return lo, lo + length
-    lo, hi, step = args[2] or 0, args[3], args[4] or 1
-    if step != 1:
-        raise _Blocked(f"{_where(n)}: a strided slice of the features (step {step}); tp splits "
-                       f"them into contiguous blocks")
+    lo, hi = args[2] or 0, args[3]  # a strided slice went to _strided
     if not isinstance(lo, int) or not (hi is None or isinstance(hi, int)):
         raise _Blocked(f"{_where(n)}: a cut of the features by a size known at run time only")
     lo = lo + width if lo < 0 else lo

@@ -11,6 +11,8 @@ import sympy
 import torch
 import torch.fx as fx
 
+from ..frontend.graph_rewrite import swaps_last_two
+
 aten = torch.ops.aten
 
 # the emitted modules' device attribute (cleanup pass): read with get_attr, not a tensor
@@ -253,7 +255,7 @@ def _walk_weight(w, rank: int):
             merged = merge_point(shape(src), shape(w))
             rank = len(shape(src))
         elif w.target in _TRANSPOSES and merged is None \
-                and (rank == 2 and _swaps(w) or rank == 3 and _swaps_last_two(w)):
+                and (rank == 2 and _swaps(w) or rank == 3 and swaps_last_two(w)):
             transposed = not transposed
             if part is not None:  # the piece was cut after this transpose: the other dim
                 a, b = (0, 1) if rank == 2 else (1, 2)
@@ -423,15 +425,6 @@ def _batched_site(n: fx.Node, x, w) -> Optional[Linear]:
     # W stored (E, out, in), each expert an nn.Linear's weight, read as W.transpose(1, 2)
     return Linear(n, x, param.target, None, 1 if transposed else 2, w, None, param)
 
-
-def _swaps_last_two(n: fx.Node) -> bool:
-    """A transpose of a 3-D value's dims 1 and 2 (``transpose(1, 2)``, ``mT``,
-    ``permute(0, 2, 1)``)."""
-    if n.target is aten.transpose.int:
-        return sorted(a % 3 for a in n.args[1:3]) == [1, 2]
-    if n.target is aten.permute.default:
-        return [a % 3 for a in n.args[1]] == [0, 2, 1]
-    return n.target is aten.mT.default
 
 
 def bias_operand(site: Linear) -> Optional[fx.Node]:

@@ -40,7 +40,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from .graph_rewrite import caller, is_param, val
+from .graph_rewrite import caller, is_param, swaps_last_two, val
 
 aten = torch.ops.aten
 
@@ -49,9 +49,7 @@ _LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 def einsums_as_linears(gm: fx.GraphModule) -> int:
     """Rewrite every einsum projection of ``gm`` (see the module docstring); returns how
-    many. A 3-D parameter first, ``bmm(W, y)`` of W (E, out, in) and y (E, in, rows) (an
-    einsum ``"edf,end->enf"`` lowers to that), is ``bmm(y.mT, W.mT).mT``: E linears side by
-    side, as ``analysis/graph_facts.py`` reads them."""
+    many."""
     params = {name for name, _ in gm.named_parameters()}
     done = 0
     for node in list(gm.graph.nodes):
@@ -330,10 +328,12 @@ def _experts_first(graph: fx.Graph, node: fx.Node, params: set) -> bool:
     vw, vy = val(w), val(y)
     if not isinstance(vw, torch.Tensor) or not isinstance(vy, torch.Tensor) or vw.dim() != 3 \
             or vy.dim() != 3 or vy.dtype != vw.dtype or not vy.is_floating_point() \
-            or vw.shape[0] != vy.shape[0] or vw.shape[2] != vy.shape[1]:
+            or not all(isinstance(d, int) for d in (*vy.shape[:2], *vw.shape)) \
+            or (vy.shape[0], vy.shape[1]) != (vw.shape[0], vw.shape[2]):
         return False
-    stored = None if is_param(w, params) else _untransposed(w)
-    if stored is None and not is_param(w, params) or stored is not None and not is_param(stored, params):
+    direct = is_param(w, params)
+    stored = None if direct or not swaps_last_two(w) else w.args[0]
+    if not direct and (stored is None or not is_param(stored, params)):
         return False
     call = caller(graph, node, [vw, vy])
     with graph.inserting_before(node):
@@ -344,14 +344,3 @@ def _experts_first(graph: fx.Graph, node: fx.Node, params: set) -> bool:
     if stored is not None and not w.users:
         graph.erase_node(w)
     return True
-
-
-def _untransposed(w: fx.Node):
-    """``t`` when ``w`` is ``t`` (3-D) with dims 1 and 2 swapped, else None."""
-    if w.op != "call_function" or not w.args or not isinstance(w.args[0], fx.Node):
-        return None
-    if w.target is aten.transpose.int and sorted(a % 3 for a in w.args[1:3]) == [1, 2] \
-            or w.target is aten.permute.default and [a % 3 for a in w.args[1]] == [0, 2, 1] \
-            or w.target is aten.mT.default:
-        return w.args[0]
-    return None

@@ -48,3 +48,15 @@ def caller(graph: fx.Graph, node: fx.Node, inputs: list):
             new.meta = {**meta, "val": target(*vals)}
         return new
     return call
+
+
+def swaps_last_two(n: fx.Node) -> bool:
+    """``n`` transposes a 3-D value's dims 1 and 2 (``transpose(1, 2)``, ``mT``,
+    ``permute(0, 2, 1)``): a stacked (E, a, b) weight read as (E, b, a)."""
+    if n.op != "call_function" or not n.args:
+        return False
+    if n.target is aten.transpose.int:
+        return sorted(a % 3 for a in n.args[1:3]) == [1, 2]
+    if n.target is aten.permute.default:
+        return [a % 3 for a in n.args[1]] == [0, 2, 1]
+    return n.target is aten.mT.default

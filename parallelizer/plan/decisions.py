@@ -223,9 +223,10 @@ class EPDecision:
     ``ep``: ranks each layer's experts are split over (1: off). ``layers``: one per expert
     layer the pass rewrites (every layer at ep > 1; at ep = 1 those split over tp),
     ``{"module", "experts", "weights", "offsets", "inputs", "outputs", "matmuls", "region",
-    "router", "tp"}``, node names of the captured graph (analysis/experts.py ExpertLayer);
-    ``"tp"``: whether the layer's FFN dim is split over tp (an f on each row tensor entering
-    its region, a g on each leaving it). ``tp``: the tp degree planned for. ``dims``: expert
+    "router", "tp", "split_rows"}``, node names of the captured graph (analysis/experts.py
+    ExpertLayer); ``"tp"``: whether the layer's FFN dim is split over tp (an f on each row
+    tensor entering its region but the ``split_rows``, a bias's rows already split, a g on
+    each leaving it). ``tp``: the tp degree planned for. ``dims``: expert
     weight fqn -> its FFN dim (``tp_dim``) for the layers split over tp; ``layouts``: fqn ->
     its :class:`~parallelizer.plan.layouts.Fused` layout (a gate | up weight; absent: the
     even split); ``rewrites``: node name -> ``[(arg index, list index or None, local size)]``

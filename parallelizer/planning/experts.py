@@ -77,11 +77,13 @@ def _layer(l: ExpertLayer, tp: bool, split_rows=()) -> dict:
 def plan_expert_tp(decision: EPDecision, layers: list[ExpertLayer], ffn: list[ExpertFFN],
                    tp: int) -> dict:
     """Record in ``decision`` the tp split of every layer that takes one; returns their
-    modules, each with the inputs that arrive split (its biases' rows). A layer is split when the analysis found no blocker and tp divides its weights'
-    FFN dims, every part the region cuts them into and every explicit size along them: its
-    gate | up weight gets the :class:`Fused` layout of its parts (each rank holds its block
-    of each part, so the region's own chunk gives it matching gate and up blocks), its down
-    weight the even split of the dim it contracts. Otherwise report.md says why it stays
+    modules, each with the inputs that arrive split (its biases' rows). A layer is split
+    when the analysis found no blocker and tp divides its weights' FFN dims (times the step
+    of a strided slice of them), every part the region cuts them into and every explicit
+    size along them: its gate | up weight gets the :class:`Fused` layout of its parts (each
+    rank holds its block of each part, so the region's own chunk gives it matching gate and
+    up blocks), a bias added to its output the same split, its down weight the even split of
+    the dim it contracts. Otherwise report.md says why it stays
     whole on every tp rank (still correct: every rank computes all of it)."""
     split: dict = {}
     if tp == 1:

@@ -91,15 +91,22 @@ def other_matrices(graph: fx.Graph, decision: TPDecision, expert_dims=()) -> dic
     return out
 
 
+_PRODUCTS = frozenset({aten.linear.default, aten.mm.default, aten.bmm.default,
+                       aten.matmul.default, aten.addmm.default, aten.baddbmm.default,
+                       aten.einsum.default, aten.convolution.default})
+
+
 def _as_matrix(param: fx.Node) -> bool:
-    """A 1-D parameter viewed as a matrix on its way to the op reading it (a flat weight,
-    ``F.linear(x, w.view(o, i))``): a weight matrix as the op sees it, reported like one."""
+    """A 1-D parameter viewed as a matrix on its way to a product reading it (a flat weight,
+    ``F.linear(x, w.view(o, i))``): a weight matrix as the op sees it, reported like one (a
+    bias viewed ``(1, 1, n)`` for an add is none)."""
     frontier = [param]
     while frontier:
         for u in frontier.pop().users:
             if u.op == "call_function" and u.target in _WEIGHT_PATH:
                 v = u.meta.get("val")
-                if u.target in VIEWS and isinstance(v, torch.Tensor) and v.dim() >= 2:
+                if u.target in VIEWS and isinstance(v, torch.Tensor) and v.dim() >= 2 \
+                        and any(r.target in _PRODUCTS for r, _ in _readers(u)):
                     return True
                 frontier.append(u)
     return False
