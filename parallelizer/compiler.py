@@ -328,7 +328,8 @@ def self_check(analysis: Analysis, checked: Checked, spec: Spec, batch, sources:
     if not run:
         return [note] if note else []
     state = {fqn: attrgetter(fqn)(analysis.gm) for fqn in checked.plan.tensors}
-    return [check_numerics(checked.plan, sources, analysis.model, batch, state, spec.seed).note()]
+    return [check_numerics(checked.plan, sources, analysis.model, batch, state, spec.seed,
+                           analysis.name).note()]
 
 
 def emit(analysis: Analysis, planned: Planned, checked: Checked,

@@ -44,13 +44,14 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 from torch.utils._pytree import tree_flatten
 
 from ..checkpoint.slicing import local_piece
-from ..errors import PlanError
-from ..frontend.capture import split_args
+from ..errors import CaptureError, PlanError
+from ..frontend.capture import eager_message, split_args
 from ..frontend.custom_functions import checkpoint_off
 from ..plan.dtypes import differentiable
 from ..plan.layouts import copied_heads, copied_runs
@@ -152,7 +153,7 @@ def _blocker(plan, model: torch.nn.Module, weights: bool) -> str:
 
 
 def check_numerics(plan, sources: dict, model: torch.nn.Module, batch, state: dict,
-                   seed: int = 0) -> Checked:
+                   seed: int = 0, model_file=None) -> Checked:
     """Run every tp rank of the program and the model on ``batch`` and compare them.
 
     Args:
@@ -163,11 +164,15 @@ def check_numerics(plan, sources: dict, model: torch.nn.Module, batch, state: di
 
     Raises:
         PlanError: an output or gradient differs (naming it and the max abs error), or the
-            program fails on a rank.
+            program fails on a rank. CaptureError: the model itself fails on ``batch``
+            (``model_file`` names it).
     """
     start = time.perf_counter()
     tp = plan.mesh["tp"]
-    want = reference(model, batch, seed)
+    try:
+        want = reference(model, batch, seed)
+    except Exception as e:  # the model as it is, not the program: the user's to fix
+        raise CaptureError(eager_message(e, model_file or Path("<in-memory model>"))) from e
     classes = _stage_classes(plan, sources)
     try:
         modules = [[_rank_stage(classes[st.index], plan, state, tp, r) for st in plan.stages]

@@ -8,12 +8,13 @@ program under ``--verify``."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..errors import CaptureError
-from ..frontend.capture import split_args
+from ..frontend.capture import eager_message, split_args
 from ..frontend.custom_functions import checkpoint_off
 from ..frontend.model_file import call_loss_fn
 from ..runtime.optim import make_optimizer
@@ -143,7 +144,10 @@ def _one_step(model: torch.nn.Module, batch, loss_fn, spec, model_file, chunks: 
     before = {name: b.detach().clone() for name, b in model.named_buffers()}
     with checkpoint_off():
         with EagerDropoutOff(), RandomStandIns():
-            outputs = model(*args, **kwargs)
+            try:
+                outputs = model(*args, **kwargs)
+            except Exception as e:  # the model as it is: the user's to fix
+                raise CaptureError(eager_message(e, model_file or Path("<in-memory model>"))) from e
         loss = call_loss_fn(loss_fn, outputs, batch, model_file,
                             " (the reference step: the unmodified model's outputs on "
                             "example_inputs())")

@@ -159,7 +159,7 @@ def capture(model: torch.nn.Module, batch: tuple | dict, model_file: Path) -> Ca
         except Exception:
             eager, opaque = _eager_run(model, args, kwargs)
             if eager is not None:  # not a tracing problem: the model fails as it is
-                raise CaptureError(_eager_message(eager, model_file)) from eager
+                raise CaptureError(eager_message(eager, model_file)) from eager
             if opaque:  # export cannot return it (a transformers Cache: use_cache on)
                 raise CaptureError(_opaque_message(opaque, model_file)) from export_error
             raise CaptureError(_capture_message(export_error, model_file)
@@ -381,7 +381,10 @@ def _opaque_message(opaque: list[str], model_file: Path) -> str:
             f"for a config that holds one).")
 
 
-def _eager_message(e: Exception, model_file: Path) -> str:
+def eager_message(e: Exception, model_file: Path) -> str:
+    """The refusal of a model that fails on its example batch as it is (an op the eager
+    kernel refuses though export traced it: transformers' grouped_mm on an expert width whose
+    rows are not 16-byte aligned), naming the model's line."""
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return (f"the model from {model_file} fails on example_inputs() when it runs as it is, "
             f"without parallelizer: {type(e).__name__}: {first}{user_frame(e, model_file)}\n"

@@ -195,3 +195,32 @@ def test_a_model_carrying_state_across_calls_is_refused_naming_it(tmp_path):
     with pytest.raises(CaptureError, match=r"carries tensors from one forward to the next: "
                                            r"0.state, 1.state hold values of an earlier call"):
         compile_model(tmp_path / "model.py", load_spec(SPEC, ["mesh.tp=2"]))
+
+
+class _FailsOnlyEagerly(nn.Module):
+    """Traced fine, refused by the eager kernel (transformers' grouped_mm on GPT-OSS with an
+    expert width whose rows are not 16-byte aligned: a fallback under export, torch's
+    ``_grouped_mm`` eagerly)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 12), nn.Linear(12, 6)
+
+    def forward(self, x):
+        if not torch.compiler.is_compiling():
+            raise RuntimeError("strides should be multiple of 16 bytes")
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+@pytest.mark.parametrize("self_check", [True, False])
+def test_a_model_failing_as_it_is_after_capture_is_a_clear_error(self_check):
+    """The self-check's (or the reference step's) run of the model raised torch's traceback
+    from inside the compile (a break test); it is the model's own failure, said as capture
+    says it."""
+    from parallelizer import compiler
+    from parallelizer.errors import CaptureError
+    from parallelizer.frontend.spec import Spec
+    spec = Spec.model_validate({"mesh": {"tp": 2}, "self_check": {"mode": self_check}})
+    with pytest.raises(CaptureError, match=r"fails on example_inputs\(\) when it runs as it is, "
+                                           r"without parallelizer: RuntimeError: strides should"):
+        compiler.compile_module(_FailsOnlyEagerly(), _batch(), spec, loss_fn=_mse)
