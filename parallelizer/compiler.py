@@ -401,7 +401,7 @@ def _check_batch(batch, spec: Spec) -> None:
         PlanError: names mesh.dp, pipeline.microbatches and the batch size.
     """
     first = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
-    m = spec.pipeline.microbatches if spec.mesh.pp > 1 else 1
+    m = spec.pipeline.microbatches  # at pp = 1 too: the step accumulates them (batching.py)
     need = spec.mesh.dp * m
     if first.shape[0] % need:
         raise PlanError(f"the example batch size ({first.shape[0]}) is not divisible by mesh.dp "

@@ -125,8 +125,11 @@ def test_unserialisable_output_is_a_capture_error(tmp_path):
     assert "cannot be sent between processes" in str(e.value) and "ModelOutput" in str(e.value)
 
 
-def test_example_batch_must_split_over_dp_and_microbatches():
-    spec = load_spec(GPT / "spec.yaml", ["mesh.tp=1", "mesh.dp=2", "mesh.pp=2",
+@pytest.mark.parametrize("pp", [2, 1])
+def test_example_batch_must_split_over_dp_and_microbatches(pp):
+    """At pp = 1 the step accumulates the microbatches too: dp4 x 2 microbatches on a batch
+    of 8 compiled and run.py refused it (a break test)."""
+    spec = load_spec(GPT / "spec.yaml", ["mesh.tp=1", "mesh.dp=2", f"mesh.pp={pp}",
                                          "pipeline.microbatches=8"])
     with pytest.raises(PlanError) as e:
         compile_model(GPT / "model.py", spec)
