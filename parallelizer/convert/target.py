@@ -158,7 +158,10 @@ def target_layout(manifest: dict, tp: int, pp: int, dp: Optional[int] = None,
             sharded = [x for x in src.model_tensors().values() if x.tp_dim is not None]
             common = [d for d in range(1, _MAX_TP + 1) if all(_fits(x, d) for x in sharded)]
             raise CheckpointError(f"{e}; tp values that fit every tensor of this checkpoint: "
-                                  f"{', '.join(map(str, common))}") from None
+                                  f"{', '.join(map(str, common))}. A compile at tp={tp} may "
+                                  f"still lay it out (kv heads tp does not divide are copied "
+                                  f"to each rank): compile the model at that tp and pass the "
+                                  f"program with --plan OUT") from None
     tensors = dict(model)
     for name, fqn in src.params.items():
         tensors[name] = optim_entry(model[fqn], name, src.tensors[name].dtype)

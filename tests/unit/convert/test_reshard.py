@@ -211,7 +211,9 @@ def test_tp_that_does_not_fit_names_tensor_and_valid_values(src, tmp_path):
     out, _, _ = src
     with pytest.raises(CheckpointError, match=r"tp=3 does not fit layers\.0\.c_attn\.weight .*fit "
                                               r"this tensor: 1, 2, 4, 8; tp values that fit every "
-                                              r"tensor of this checkpoint: 1, 2, 4$"):
+                                              r"tensor of this checkpoint: 1, 2, 4\. A compile "
+                                              r"at tp=3 may still lay it out .* pass the program "
+                                              r"with --plan OUT$"):
         reshard(out, tmp_path / "dst", tp=3)
     assert not (tmp_path / "dst").exists()
     assert cli(["reshard", str(out), "-o", str(tmp_path / "d"), "--pp", "4"]) == 2  # 3 blocks
