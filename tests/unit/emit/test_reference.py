@@ -224,3 +224,26 @@ def test_a_model_failing_as_it_is_after_capture_is_a_clear_error(self_check):
     with pytest.raises(CaptureError, match=r"fails on example_inputs\(\) when it runs as it is, "
                                            r"without parallelizer: RuntimeError: strides should"):
         compiler.compile_module(_FailsOnlyEagerly(), _batch(), spec, loss_fn=_mse)
+
+
+class _Logits(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(6, 5)
+
+    def forward(self, x, labels):
+        return self.head(x)
+
+
+def test_a_token_mean_with_unevenly_ignored_labels_is_named():
+    """A cross-entropy averaged over the labels not ignored (-100), with the ignored ones
+    spread unevenly over the chunks, is no mean over samples (a break test's padded Helium at
+    tp2 x pp2): the warning names that cause."""
+    torch.manual_seed(0)
+    labels = torch.tensor([0, 1, -100, -100, -100, 2, 3, 4])
+    batch = (_batch()[0], labels)
+    spec = load_spec(SPEC, ["mesh.dp=2", "pipeline.microbatches=1"])
+    ref = compute_reference(_Logits(), batch, lambda out, b: F.cross_entropy(out, b[1]),
+                            ["x", "labels"], spec)
+    (warning,) = sample_mean_warnings(ref, spec)
+    assert "a mean over tokens with ignored labels (-100) spread unevenly" in warning, warning
