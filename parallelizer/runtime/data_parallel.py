@@ -199,13 +199,8 @@ def sync_ignored_dense_grads(stage, plan, ctx: RankContext, manual_dp: bool) -> 
     if manual_dp or ctx.mesh["dp"].size() == 1:
         return
     grads = [p.grad for p in ignored_dense_params(stage, plan) if p.grad is not None]
-    if not grads:
-        return
-    flat = torch._utils._flatten_dense_tensors(grads)
-    torch.distributed.all_reduce(flat, group=ctx.group("dp"))
-    flat /= ctx.mesh["dp"].size()
-    for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-        g.copy_(synced)
+    if grads:
+        _average_over_dp(grads, ctx)
 
 
 def sync_expert_grads(stages, plan, ctx: RankContext) -> None:
@@ -219,10 +214,7 @@ def sync_expert_grads(stages, plan, ctx: RankContext) -> None:
     if not grads:
         return
     if ctx.ep_mesh["edp"].size() > 1:
-        flat = torch._utils._flatten_dense_tensors(grads)
-        torch.distributed.all_reduce(flat, group=ctx.ep_mesh["edp"].get_group())
-        for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-            g.copy_(synced)
+        _sum_flat(grads, ctx.ep_mesh["edp"].get_group())
     for g in grads:
         g.div_(plan.mesh["dp"])
 
@@ -256,8 +248,19 @@ def all_reduce_grads(params, ctx: RankContext) -> None:
     if ctx.compression is not None:
         ctx.compression.reduce(grads, params)
         return
+    _average_over_dp(grads, ctx)
+
+
+def _average_over_dp(grads: list, ctx: RankContext) -> None:
+    """The mean of ``grads`` over the dp group, in place (DDP's result)."""
+    _sum_flat(grads, ctx.group("dp"))
+    for g in grads:
+        g.div_(ctx.mesh["dp"].size())
+
+
+def _sum_flat(grads: list, group) -> None:
+    """All-reduce (sum) ``grads`` over ``group`` in place, as one coalesced flat buffer."""
     flat = torch._utils._flatten_dense_tensors(grads)
-    torch.distributed.all_reduce(flat, group=ctx.group("dp"))
-    flat /= ctx.mesh["dp"].size()
+    torch.distributed.all_reduce(flat, group=group)
     for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
         g.copy_(synced)
