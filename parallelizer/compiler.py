@@ -21,7 +21,7 @@ Planners read facts and return data; passes read a plan and rewrite the graph (d
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from operator import attrgetter
 from pathlib import Path
 from typing import Optional
@@ -45,11 +45,12 @@ from .passes.split_check import check_split, check_written_buffers, shared_weigh
 from .passes.split_stages import split_stages
 from .passes.sequence_parallel import apply_sequence_parallel
 from .passes.tensor_parallel import apply_tensor_parallel
+from .passes.token_mean import apply_token_mean
 from .passes.vocab_parallel import apply_vocab_parallel
 from .analysis.expert_ffn import expert_ffn
 from .analysis.experts import find_expert_layers
-from .plan.decisions import (EPDecision, PipelineDecision, SequenceParallelDecision, TPDecision,
-                             VocabDecision)
+from .plan.decisions import (EPDecision, PipelineDecision, SequenceParallelDecision,
+                             TokenMeanDecision, TPDecision, VocabDecision)
 from .plan.parallel_plan import ParallelPlan
 from .planning.dropout import (describe as describe_dropout, describe_random, plan_dropout,
                                plan_random_ops)
@@ -59,6 +60,7 @@ from .planning.pipeline_summary import (check_microbatches, check_placement, sum
                                         virtual_stages_of)
 from .planning.tensors import alias_map, build_plan, pipeline_structure, tied_groups
 from .planning.sequence import plan_sequence_parallel
+from .planning.token_mean import plan_token_mean, token_mean_note
 from .passes.norm_precision import apply_norm_precision
 from .passes.recompute_writes import apply_recompute_writes
 from .planning.tp import plan_tp
@@ -161,6 +163,7 @@ class Planned:
     warnings: list                # check_placement's (report.md, stderr)
     ep: EPDecision = None
     random: tuple = ()            # planning/dropout.plan_random_ops: RandomSite each
+    token: TokenMeanDecision = TokenMeanDecision()
 
 
 def plan(analysis: Analysis, spec: Spec, passes: PassManager) -> Planned:
@@ -188,6 +191,8 @@ def plan(analysis: Analysis, spec: Spec, passes: PassManager) -> Planned:
         notes.append(ep_summary(ep))
     random = plan_random_ops(graph, tp.placements, mesh.tp)  # raises: one tp cannot draw alike
     dropout = plan_dropout(graph, tp.placements, tp.redistributions)
+    token = plan_token_mean(graph, analysis.captured.input_names)  # copies nodes cleanup changes
+    notes += [token_mean_note(token)] if token.sites else []
     measured = measure(analysis, passes)
     costs, blocks = measured.costs, analysis.blocks
     num_stages = _num_stages(spec, blocks, costs.block_parts())
@@ -199,6 +204,9 @@ def plan(analysis: Analysis, spec: Spec, passes: PassManager) -> Planned:
         structure["stacked"] = {k: list(v) for k, v in analysis.stacked.items()}
     built = build_plan(spec, analysis.captured, analysis.gm, analysis.model, analysis.groups, tp,
                        vocab, dropout, pipeline, structure, ep, random)
+    if token.sites:
+        built = replace(built, token_means={"sites": list(token.sites), "counter": token.counter,
+                                            "exact": token.exact})
     summary = summarize(pipeline, costs, pipe.schedule, mesh.pp, pipe.microbatches,
                         virtual_stages_of(pipe))
     stacked = {m for members in analysis.stacked.values() for m in members}
@@ -206,7 +214,7 @@ def plan(analysis: Analysis, spec: Spec, passes: PassManager) -> Planned:
               if n not in stacked} | set(analysis.stacked)
     warnings = check_placement(summary, [st.fqns for st in built.stages], params,
                                analysis.canonical)
-    return Planned(built, tp, vocab, dropout, pipeline, summary, notes, warnings, ep, random)
+    return Planned(built, tp, vocab, dropout, pipeline, summary, notes, warnings, ep, random, token)
 
 
 def _plan_experts(graph, mesh, unstacked: tuple = ()) -> EPDecision:
@@ -231,6 +239,7 @@ def apply_passes(analysis: Analysis, planned: Planned, spec: Spec, batch,
         PlanError: ``tensor_parallel.sequence_parallel`` is "true" and cannot apply.
     """
     gm = analysis.gm
+    passes.run("token_mean", apply_token_mean, gm, planned.token)
     passes.run("expert_parallel", apply_expert_parallel, gm, planned.ep)
     passes.run("tensor_parallel", apply_tensor_parallel, gm, planned.tp)
     passes.run("vocab_parallel", apply_vocab_parallel, gm, planned.vocab)
@@ -344,8 +353,11 @@ def emit(analysis: Analysis, planned: Planned, checked: Checked,
         state = {fqn: attrgetter(fqn)(gm).detach().clone() for fqn in plan_.tensors}
         if reference:
             stepped = model if owns_model else copy_model(model)
+            # a loss that is only whole-step token means is the whole batch's at any chunking
+            whole = loss_fn in (None, default_loss) and plan_.token_means.get("exact", False)
             ref = stack_reference(compute_reference(stepped, batch, loss_fn or default_loss,
-                                                    analysis.captured.input_names, spec, model_file),
+                                                    analysis.captured.input_names, spec, model_file,
+                                                    chunks=not whole),
                                   analysis.stacked)
             pp_warnings = pp_warnings + nonfinite_warnings(ref) + sample_mean_warnings(ref, spec)
     tp = planned.tp

@@ -23,15 +23,18 @@ from ..runtime.verify import not_sample_mean
 
 
 def compute_reference(model: torch.nn.Module, batch, loss_fn, input_names, spec,
-                      model_file=None) -> dict:
+                      model_file=None, chunks: bool = True) -> dict:
     """Run one training step of ``model`` (mutates it: call after snapshotting weights)
     with ``spec.verify.optimizer`` at ``spec.optimizer.lr``; with ``noise.KEY`` entries
-    (:func:`rounding_noise`) for models of at most NOISE_MAX_PARAMETERS parameters."""
+    (:func:`rounding_noise`) for models of at most NOISE_MAX_PARAMETERS parameters.
+    ``chunks``: also the loss over the program's dp x microbatch chunks (``loss.chunked``);
+    off when the program's loss is the whole batch's whatever the chunks (a token mean over
+    the whole step's count, runtime/token_mean.py)."""
     args, kwargs = split_args(batch)
     flat_in, _ = tree_flatten((args, kwargs))
     ref = {f"input.{n}": t.detach().clone().contiguous() for n, t in zip(input_names, flat_in)}
     wide = fp64_copy(model)
-    ref.update(_one_step(model, batch, loss_fn, spec, model_file))
+    ref.update(_one_step(model, batch, loss_fn, spec, model_file, chunks))
     if wide is not None:
         ref.update(rounding_noise(ref, wide, batch, loss_fn, spec, model_file))
     return ref

@@ -244,3 +244,20 @@ class EPDecision:
     @property
     def weights(self) -> set:
         return {w for layer in self.layers for w in layer["weights"]}
+
+
+@dataclass(frozen=True)
+class TokenMeanDecision:
+    """Quotients over a count the inputs decide (planning/token_mean.py), divided by the
+    whole step's count instead of each chunk's (passes/token_mean.py, runtime/token_mean.py).
+
+    ``sites``: one dict per quotient, in graph order: {"node": node name of the mean-reduced
+    loss or the ``aten.div``, "kind": "loss" | "div", "count": the target / divisor node,
+    "ignore_index", "line"}; ``counter``: Python source (torch.fx code generation) of
+    ``forward(self, *model inputs in plan.input_names order)`` returning each site's count on
+    a chunk (an integer or floating 0-dim tensor); ``exact``: every 0-dim floating output is a
+    constant combination of the sites, so the program's loss is the whole batch's."""
+
+    sites: tuple = ()
+    counter: str = ""
+    exact: bool = False

@@ -228,6 +228,10 @@ class ParallelPlan:
     # (input name, dim, low, high or None, where) of each batch / sequence size the model's
     # code bounds (analysis/input_bounds.py size_ranges): run.py refuses sizes outside [low, high]
     size_ranges: tuple = ()
+    # Token means divided by the whole step's count (planning/token_mean.py): {"sites": [...],
+    # "counter": source of the per-chunk count, "exact": bool} (plan/decisions.py
+    # TokenMeanDecision); empty when the graph has none
+    token_means: dict = field(default_factory=dict)
 
     @property
     def world_size(self) -> int:

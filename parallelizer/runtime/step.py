@@ -15,6 +15,8 @@ copies take the true gradient's update.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, _CustomReducer
@@ -30,6 +32,7 @@ from .data_parallel import (all_reduce_grads, dense_params, sync_expert_grads,
 from .pipeline_stage import TimedPipelineStage
 from .setup import RankContext
 from .stage_builder import LocalStages, local_tensor
+from .token_mean import counter, denominators, whole_step_counts
 from .vocab_loss import VocabOutputs
 
 
@@ -59,6 +62,9 @@ class StepRunner:
         self.manual_dp = plan.zero_stage in (0, 1) and plan.mesh["dp"] > 1 and self.pp > 1
         # vocab_parallel logits: loss_fn sees them Shard(-1) under loss_parallel (runtime/vocab_loss.py)
         self.vocab = VocabOutputs(plan, ctx.mesh["tp"] if plan.vocab_outputs and self.is_last else None)
+        # token means divided by the whole step's count (runtime/token_mean.py), on every rank:
+        # a stage before the last may compute one (a loss mid-model)
+        self.count = counter(plan.token_means["counter"]) if plan.token_means else None
 
     def step(self, batch, target=None, keep_outputs: bool = True) -> tuple[torch.Tensor, list | None]:
         """Forward and backward of this rank's share ``batch`` (already on device); the
@@ -75,7 +81,7 @@ class StepRunner:
             BatchError: the batch size is not divisible by the microbatches.
         """
         target = batch if target is None else target
-        with self.vocab.context():
+        with self.vocab.context(), self._whole_step_counts(batch, self.microbatches):
             if self.pp == 1:
                 loss, outputs = self._local_step(batch, target, keep_outputs)
             else:
@@ -96,7 +102,7 @@ class StepRunner:
         """The mean loss of ``batch`` (this rank's share) over the global batch, forward only
         (no gradients; under pp > 1 the schedule's ``eval``). Collective like :meth:`step`."""
         target = batch if target is None else target
-        with self.vocab.context():
+        with self.vocab.context(), self._whole_step_counts(batch, 1 if self.pp == 1 else self.microbatches):
             if self.pp == 1:
                 flat = flatten(self.plan, batch)
                 loss = self.vocab.loss(self.loss_fn, _as_tuple(self.stage.modules[0](*flat)),
@@ -113,6 +119,20 @@ class StepRunner:
                 loss = torch.stack([l.detach() for l in losses]).mean() / self.loss_scale \
                     if self.is_last else torch.zeros((), device=self.ctx.device)
         return self._global_loss(loss)
+
+    def _whole_step_counts(self, batch, chunks: int):
+        """Within the block the token means divide by the count over the whole global
+        batch (runtime/token_mean.py): ``batch`` (this rank's rows) cut into ``chunks``
+        chunks as the step runs it, summed over the dp ranks. Collective over dp; a no-op
+        for a model without token means."""
+        if self.count is None:
+            return nullcontext()
+        flat = flatten(self.plan, batch)
+        rows = _row_chunks(flat[0].shape[0], chunks, self.plan, self.ctx.device)
+        parts = [index_rows(flat, r) if r is not None else flat for r in rows]
+        dp = self.plan.mesh["dp"]
+        return whole_step_counts(denominators(self.count, parts, chunks * dp, self.ctx.device,
+                                              self.ctx.group("dp") if dp > 1 else None))
 
     def whole_outputs(self, outputs: list) -> list:
         """``outputs`` of :meth:`step` with the vocab_parallel logits gathered over tp
