@@ -3,7 +3,9 @@
 A value is *recomputable* when it depends only on non-trainable attributes (buffers such as
 rotary ``inv_freq``, the runtime device), literal constants and symbolic sizes
 (``sym_size`` of a tensor: its shape, not its values), through deterministic ops that
-mutate nothing: HF Llama's causal mask (b x 1 x s x s) and rotary cos/sin (b x s x
+mutate nothing, and that nothing writes in place afterwards (``mask = ones(b, t);
+mask[:, :k] = 0``: a copy of ``ones`` in a later stage missed the write, and the loss read an
+all-ones mask; analysis/writes.py ``written_nodes``): HF Llama's causal mask (b x 1 x s x s) and rotary cos/sin (b x s x
 head_dim). Sending them costs pipeline bandwidth that grows with s^2; each stage that uses
 one copies its producer chain instead, as torchtitan's stages recompute them
 (torchtitan ``models/llama3/model.py``: every stage rebuilds ``freqs_cis``).
@@ -18,7 +20,13 @@ from operator import attrgetter
 import torch
 import torch.fx as fx
 
+from ..runtime import rng, sequence
 from .graph_facts import RUNTIME_DEVICE, aten, expr, is_tensor
+from .writes import written_nodes
+
+# the draws the rng_streams pass makes of random ATen ops: a second stage's copy would draw
+# again (another value), and the plan, made on the ATen op, has the value sent
+_DRAWS = {rng.random_op, sequence.random_op_on_tp_shard, sequence.random_op_on_sequence_shard}
 
 
 class Recompute:
@@ -28,8 +36,9 @@ class Recompute:
     def __init__(self, graph: fx.Graph):
         self.needs: dict = {}   # recomputable node -> frozenset of size expressions
         gm = graph.owning_module
+        written = written_nodes(graph)
         for n in graph.nodes:
-            need = self._needs(n, gm)
+            need = None if n in written else self._needs(n, gm)
             if need is not None:
                 self.needs[n] = need
 
@@ -64,7 +73,7 @@ class Recompute:
         if n.target is aten.sym_size.int:
             return frozenset({expr(n.meta["val"])})
         op = n.target
-        if isinstance(op, torch._ops.OpOverload) and (
+        if op in _DRAWS or isinstance(op, torch._ops.OpOverload) and (
                 op._schema.is_mutable or torch.Tag.nondeterministic_seeded in op.tags):
             return None
         out = frozenset()

@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 
 from .graph_facts import aten, source_line, val
+from .writes import written_nodes
 
 # mean-reduced losses: (reduction, weight, ignore_index) argument positions and defaults
 _LOSSES = {aten.cross_entropy_loss.default, aten.nll_loss_nd.default, aten.nll_loss.default,
@@ -65,15 +66,19 @@ def reduction(node: fx.Node) -> int:
     return _arg(node, 3, "reduction", _MEAN)
 
 
-def _from_inputs(node, inputs: set) -> bool:
+def _from_inputs(node, inputs: set, written: set) -> bool:
     """``node`` is computed from the model inputs ``inputs`` alone, by deterministic ops
-    (no parameter, buffer or random draw), and reads at least one of them."""
+    (no parameter, buffer or random draw) on values nothing writes in place afterwards
+    (``written``: the counter copies the producers, not the writes), and reads at least one
+    of the inputs."""
     todo, seen, reads = [node], set(), False
     while todo:
         n = todo.pop()
         if not isinstance(n, fx.Node) or n in seen:
             continue
         seen.add(n)
+        if n in written:
+            return False
         if n.op == "placeholder":
             if n.name not in inputs:
                 return False
@@ -158,22 +163,22 @@ def _descendants(node: fx.Node) -> set:
     return seen
 
 
-def _loss_site(node: fx.Node, inputs: set) -> Optional[TokenMeanSite]:
+def _loss_site(node: fx.Node, inputs: set, written: set) -> Optional[TokenMeanSite]:
     target = node.args[1]
     t = val(target)
     if (reduction(node) != _MEAN or _arg(node, 2, "weight", None) is not None
             or not isinstance(t, torch.Tensor) or t.is_floating_point()
-            or not _from_inputs(target, inputs) or not linear_to_outputs(node)):
+            or not _from_inputs(target, inputs, written) or not linear_to_outputs(node)):
         return None
     return TokenMeanSite(node.name, "loss", target.name, int(_arg(node, 4, "ignore_index", -100)),
                          source_line(node))
 
 
-def _div_site(node: fx.Node, inputs: set) -> Optional[TokenMeanSite]:
+def _div_site(node: fx.Node, inputs: set, written: set) -> Optional[TokenMeanSite]:
     num, den = node.args[0], node.args[1]
     if not (isinstance(num, fx.Node) and isinstance(den, fx.Node) and _zero_dim(node)
             and _zero_dim(den) and _full_sum(num) and _full_sum(den)
-            and not _from_inputs(num, inputs) and _from_inputs(den, inputs)
+            and not _from_inputs(num, inputs, written) and _from_inputs(den, inputs, written)
             and linear_to_outputs(node)):
         return None
     return TokenMeanSite(node.name, "div", den.name, 0, source_line(node))
@@ -182,15 +187,15 @@ def _div_site(node: fx.Node, inputs: set) -> Optional[TokenMeanSite]:
 def token_mean_sites(graph: fx.Graph, input_names) -> list[TokenMeanSite]:
     """The quotients of ``graph`` (as captured) whose denominator is a count over the model
     inputs ``input_names`` and whose value reaches the 0-dim outputs linearly, in graph order."""
-    inputs, sites = set(input_names), []
+    inputs, sites, written = set(input_names), [], written_nodes(graph)
     for node in graph.nodes:
         if node.op != "call_function":
             continue
         site = None
         if node.target in _LOSSES:
-            site = _loss_site(node, inputs)
+            site = _loss_site(node, inputs, written)
         elif node.target in (aten.div.Tensor, operator.truediv):
-            site = _div_site(node, inputs)
+            site = _div_site(node, inputs, written)
         if site:
             sites.append(site)
     return sites

@@ -21,6 +21,20 @@ def written_attrs(graph: fx.Graph) -> dict:
     return out
 
 
+def written_nodes(graph: fx.Graph) -> set:
+    """The nodes whose value some op of ``graph`` changes in place after they are made:
+    each tensor an op writes (through views, as :func:`written_attrs`) and every view of it
+    (``mask = ones(b, t); mask[:, :k] = 0`` writes ``ones`` through its slices). Copying
+    such a node's producers elsewhere copies the value before the write."""
+    out, todo = set(), [base for n in graph.nodes for _i, base in _written(n)]
+    while todo:
+        node = todo.pop()
+        if node not in out:
+            out.add(node)
+            todo += [u for u in node.users if _returns_view(u) and u.args[0] is node]
+    return out
+
+
 def written_buffer_args(node: fx.Node, buffers) -> list[int]:
     """Indices of the arguments ``node`` writes in place (as :func:`written_attrs` reads the
     schema) that are, or are views of, a get_attr of a name in ``buffers``."""
@@ -40,12 +54,15 @@ def _written(n: fx.Node) -> list:
     return out
 
 
+def _returns_view(node: fx.Node) -> bool:
+    """``node`` is a view of its first argument (its schema's return aliases the input)."""
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    return (schema is not None and bool(schema.returns) and schema.returns[0].alias_info is not None
+            and bool(node.args) and isinstance(node.args[0], fx.Node))
+
+
 def _view_base(node: fx.Node) -> fx.Node:
     """The node ``node`` is a view of (itself when it is not the result of a view op)."""
-    while node.op == "call_function":
-        schema = getattr(node.target, "_schema", None)
-        if schema is None or not schema.returns or schema.returns[0].alias_info is None \
-                or not node.args or not isinstance(node.args[0], fx.Node):
-            break
+    while _returns_view(node):
         node = node.args[0]
     return node

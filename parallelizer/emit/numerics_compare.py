@@ -18,7 +18,7 @@ from ..runtime.verify import NOISE_FACTOR, finite_part
 
 ATOL = RTOL = 1e-4
 BUG = "internal error (a bug in parallelizer, please report it): "
-FIX = "; compile with mesh.tp=1 meanwhile"
+FIX = "; compile with mesh.tp=1 meanwhile (mesh.pp=1 where mesh.tp is 1 already)"
 
 
 @dataclass(frozen=True)

@@ -212,7 +212,7 @@ class SelfCheck(BaseModel):
         "auto", description="'auto', true or false (the compile's numerics self-check: every tp "
                             "rank of the program run in one process on the example batch and "
                             "compared with the unmodified model, outputs and every gradient, "
-                            "before OUT/ is written; auto: when mesh.tp > 1 and the model and "
+                            "before OUT/ is written; auto: when mesh.tp > 1 or mesh.pp > 1 and the model and "
                             "batch are within the bounds below; true: always (parallelize "
                             "--self-check); false: never (--no-self-check))",
         json_schema_extra=_doc(

@@ -474,3 +474,70 @@ def test_every_stage_output_is_sent_contiguous():
     stage = stage_class_from_source(program.sources["program/stage0.py"], 0)("cpu")
     outs = stage(torch.randn(2, 8, 16))
     assert len(outs) >= 2 and all(o.is_contiguous() for o in outs), [o.stride() for o in outs]
+
+
+class _MaskWrittenInPlace(torch.nn.Module):
+    """A mask made from the batch's sizes and written in place through a slice (ViTMAE's
+    ``random_masking`` shape), read only by the loss in the last stage."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x):
+        mask = torch.ones(x.shape[0], x.shape[1])
+        mask[:, :3] = 0
+        for block in self.blocks:
+            x = x + block(x)
+        per_token = x.pow(2).mean(-1)
+        return (per_token * mask).sum() / mask.sum()
+
+
+def test_a_value_written_in_place_is_sent_not_recomputed_without_its_write():
+    """A zoo's hand-written model at pp2 FAILed --verify (loss 0.390 against 0.405): the last
+    stage recomputed ``ones(b, t)`` from the sizes, as it does the causal mask, without the
+    slice's ``fill_``, and the loss read an all-ones mask. A value some op writes in place is
+    now sent from the stage that wrote it; the self-check, now on at pp > 1 too, chains the
+    stages on one rank and compares (before the fix it refused this compile as an internal
+    error)."""
+    from parallelizer import compiler
+    from parallelizer.frontend.spec import Spec
+    torch.manual_seed(0)
+    spec = Spec.model_validate({"mesh": {"pp": 2}, "pipeline": {"microbatches": 2}})
+    program = compiler.compile_module(_MaskWrittenInPlace(), (torch.randn(4, 8, 16),), spec,
+                                      reference=False)
+    assert "ones" in program.plan.stages[1].inputs, program.plan.stages[1].inputs
+    assert "fill_" not in program.sources["program/stage1.py"]
+    assert any(n.startswith("self-check: 1 tp rank(s)") for n in program.notes), program.notes
+
+
+class _RandomTable(torch.nn.Module):
+    """A table every block reads, made from a buffer scaled by a random draw (DINOv3's rotary
+    coordinates, jittered by ``uniform_`` in training)."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(4))
+        self.register_buffer("freq", torch.linspace(0.5, 1.5, d), persistent=False)
+
+    def forward(self, x):
+        table = self.freq * torch.empty(1, device=x.device).uniform_(0.9, 1.1)
+        for block in self.blocks:
+            x = x + block(x) * table
+        return x
+
+
+def test_a_value_drawn_at_random_is_sent_not_redrawn_by_a_later_stage():
+    """DINOv3 at pp2 was an internal error ("stage 1 ... reads ['rope_embeddings.inv_freq']
+    beyond the plan"): after the rng_streams pass the draw is a runtime call, which the
+    split took for a deterministic op and recomputed in stage 1 (a second draw, another
+    table) while the plan, on the ATen op, had the table sent. Both now send it."""
+    from parallelizer import compiler
+    from parallelizer.frontend.spec import Spec
+    torch.manual_seed(0)
+    spec = Spec.model_validate({"mesh": {"pp": 2}, "pipeline": {"microbatches": 2}})
+    program = compiler.compile_module(_RandomTable(), (torch.randn(4, 8, 16),), spec,
+                                      reference=False)
+    stage1 = program.sources["program/stage1.py"]
+    assert "random_op" not in stage1 and "freq" not in stage1, stage1
+    assert any(n.startswith("self-check: 1 tp rank(s)") for n in program.notes), program.notes

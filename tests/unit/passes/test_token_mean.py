@@ -51,6 +51,10 @@ class _Loss(nn.Module):
         m = mask.flatten().float()
         if self.kind == "masked":
             return (per * m).sum() / m.sum()
+        if self.kind == "masked_written":  # the counter would copy ones(), not the write
+            m = torch.ones_like(m)
+            m[:5] = 0
+            return (per * m).sum() / m.sum()
         if self.kind == "masked_clamped":  # not a sum of the chunks' counts
             return (per * m).sum() / m.sum().clamp(min=1)
         if self.kind == "perplexity":  # exp of the mean is not linear in it
@@ -79,7 +83,7 @@ def _captured(model, batch):
 
 @pytest.mark.parametrize("kind, found", [
     ("cross_entropy", "loss"), ("smoothed", "loss"), ("nll", "loss"), ("plus_scaled", "loss"),
-    ("masked", "div"), ("masked_clamped", None), ("perplexity", None), ("weighted", None),
+    ("masked", "div"), ("masked_written", None), ("masked_clamped", None), ("perplexity", None), ("weighted", None),
     ("target_from_weights", None)])
 def test_sites_are_quotients_over_input_counts_reaching_the_loss_linearly(kind, found):
     c = _captured(_Loss(kind), _batch())
