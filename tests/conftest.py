@@ -253,3 +253,13 @@ class Tools:
 @pytest.fixture(scope="session")
 def tools() -> type[Tools]:
     return Tools
+
+
+@pytest.fixture
+def in_place_kept(monkeypatch):
+    """Capture keeps the model's in-place writes as written. It spells a write into the
+    forward's own unaliased tensor out of place (frontend/capture.py ``_out_of_place``); the
+    tests using this are of the planner meeting one (a write into a sharded value, which no
+    gathered copy can stand in for)."""
+    from parallelizer.frontend import capture
+    monkeypatch.setattr(capture, "_out_of_place", lambda node, order: False)

@@ -154,7 +154,7 @@ def capture(model: torch.nn.Module, batch: tuple | dict, model_file: Path) -> Ca
     except Exception as export_error:
         try:
             with custom_functions.recorded() as applied, custom_functions.checkpoint_off():
-                ep = _export(torch.fx.symbolic_trace(model), args, kwargs)
+                ep = _export(_symbolic_trace(model), args, kwargs)
             route = "symbolic_trace+torch.export"
         except Exception:
             eager, opaque = _eager_run(model, args, kwargs)
@@ -163,6 +163,7 @@ def capture(model: torch.nn.Module, batch: tuple | dict, model_file: Path) -> Ca
             if opaque:  # export cannot return it (a transformers Cache: use_cache on)
                 raise CaptureError(_opaque_message(opaque, model_file)) from export_error
             raise CaptureError(_capture_message(export_error, model_file)
+                               + _layerdrop_hint(model)
                                + _mask_hint(model, args, kwargs)) from export_error
     gm = ep.module()
     out_spec = gm._out_spec
@@ -183,6 +184,22 @@ def capture(model: torch.nn.Module, batch: tuple | dict, model_file: Path) -> Ca
     channel_maps_as_linears(gm)
     custom_functions.check_backward(model, gm, args, kwargs, applied, model_file)
     return Captured(gm, names, bool(kwargs), out_spec, route)
+
+
+def _symbolic_trace(model: torch.nn.Module) -> torch.fx.GraphModule:
+    """``torch.fx.symbolic_trace(model)``, refused when the trace drew random numbers: a
+    draw that reads no traced value (``torch.rand([])``) runs once, at trace time, and its
+    value would be a constant of every step's program (LayerDrop's skip decided forever).
+
+    Raises:
+        RuntimeError: the default generator's state changed during the trace.
+    """
+    state = torch.random.get_rng_state()
+    traced = torch.fx.symbolic_trace(model)
+    if not torch.equal(state, torch.random.get_rng_state()):
+        torch.random.set_rng_state(state)
+        raise RuntimeError("symbolic_trace drew random numbers at trace time")
+    return traced
 
 
 def _inline_no_grad_regions(gm: torch.fx.GraphModule) -> None:
@@ -234,9 +251,6 @@ def _inline_no_grad_regions(gm: torch.fx.GraphModule) -> None:
 _SAME_OP = {torch.ops.aten.broadcast_to.default: torch.ops.aten.expand.default}
 
 
-# in-place ops whose out-of-place form computes the same value where nothing reads their
-# input after them (``nn.Dropout(inplace=True)``: MobileViT's classifier dropout)
-_OUT_OF_PLACE = {torch.ops.aten.dropout_.default: torch.ops.aten.dropout.default}
 
 
 _aten = torch.ops.aten
@@ -251,10 +265,46 @@ _VIEW_IN_PLACE = {
 }
 
 
+def _functional(op):
+    """The out-of-place overload of in-place ATen ``op`` (``masked_fill_.Scalar`` ->
+    ``masked_fill.Scalar``) returning a new tensor, or None."""
+    if not isinstance(op, torch._ops.OpOverload):
+        return None
+    packet, overload = op._schema.name.split("::")[-1], op._overloadname
+    if not packet.endswith("_") or packet.startswith("_"):
+        return None
+    functional = getattr(getattr(torch.ops.aten, packet[:-1], None), overload, None)
+    if not isinstance(functional, torch._ops.OpOverload):
+        return None
+    schema = functional._schema  # a new tensor (detach_ -> detach is a view: left alone)
+    return None if schema.is_mutable or any(r.alias_info for r in schema.returns) else functional
+
+
+def _returns_alias(node) -> bool:
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    return schema is not None and bool(schema.returns) and schema.returns[0].alias_info is not None
+
+
+def _out_of_place(node: torch.fx.Node, order: dict) -> bool:
+    """``node`` writes in place into a tensor the forward made (``softmax(x).masked_fill_(m,
+    0)``, ``nn.ReLU(inplace=True)``, ``nn.Dropout(inplace=True)``) that nothing else aliases:
+    not a model input, parameter or buffer, not a view, with no view of it taken. Its
+    out-of-place form, read by every later reader of the tensor, computes the same values,
+    and the graph stays differentiable where the in-place write had modified a value
+    autograd saved (SEW-D's ``XSoftmax``: its own backward allowed the write, the captured
+    forward's softmax backward did not)."""
+    if _functional(node.target) is None or not node.args:
+        return False
+    x = node.args[0]
+    return (isinstance(x, torch.fx.Node) and x.op == "call_function" and not _returns_alias(x)
+            and not any(_returns_alias(u) and u.args[0] is x and u is not node for u in x.users))
+
+
 def _one_op_per_meaning(gm: torch.fx.GraphModule) -> None:
-    """Replace each op of :data:`_SAME_OP` by the op it is defined as, each of
-    :data:`_OUT_OF_PLACE` whose input no later node reads by its out-of-place form, and each
-    of :data:`_VIEW_IN_PLACE` by its out-of-place view, read instead of its input after it."""
+    """Replace each op of :data:`_SAME_OP` by the op it is defined as, each in-place write
+    into a tensor nothing else aliases (:func:`_out_of_place`) by its out-of-place form, and
+    each of :data:`_VIEW_IN_PLACE` by its out-of-place view; both are read instead of their
+    input after them."""
     changed = False
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in gm.graph.nodes:
@@ -270,9 +320,10 @@ def _one_op_per_meaning(gm: torch.fx.GraphModule) -> None:
         elif node.target in _SAME_OP:
             node.target = _SAME_OP[node.target]
             changed = True
-        elif node.target in _OUT_OF_PLACE and isinstance(node.args[0], torch.fx.Node) and \
-                all(order[u] <= order[node] for u in node.args[0].users):
-            node.target = _OUT_OF_PLACE[node.target]
+        elif _out_of_place(node, order):
+            x, node.target = node.args[0], _functional(node.target)
+            for u in [u for u in x.users if order[u] > order[node]]:
+                u.replace_input_with(x, node)
             changed = True
         elif node.target is torch.ops.aten.expand_as.default:
             _expand_to_sizes(gm.graph, node)
@@ -403,12 +454,36 @@ def _mask_hint(model: torch.nn.Module, args, kwargs) -> str:
         return ""
     names = list(params)
     given = set(kwargs) | set(names[:len(args)])
-    if "attention_mask" not in params or "attention_mask" in given:
+    # a model of input_values / pixel_values makes no mask from them (WavLM: a zoo's noise)
+    if "attention_mask" not in params or "attention_mask" in given or "input_ids" not in given:
         return ""
     return ("\nThe model's forward takes an attention_mask that example_inputs() does not give: "
             "transformers makes one when the model runs as it is, not under torch.export, so "
             "the captured code may take a branch its eager run never does. Give it in example_inputs() (ones of the "
             "input_ids' shape for no padding).")
+
+
+def _layerdrop_hint(model: torch.nn.Module) -> str:
+    """A hint when a transformers config of the model sets LayerDrop (``layerdrop``,
+    ``encoder_layerdrop``, ``decoder_layerdrop`` > 0, Fan et al. 2019): in training each
+    layer draws a random number and Python skips the layer on it, a branch on a tensor's
+    value no graph holds (Wav2Vec2, WavLM, Data2VecAudio, NLLB-MoE in a held-out zoo, refused
+    at the ``if`` with the generic fix)."""
+    set_ = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        for key in dir(config) if config is not None else ():
+            if key.endswith("layerdrop") and not key.startswith("_"):
+                value = getattr(config, key, None)
+                if isinstance(value, (int, float)) and value > 0:
+                    set_[key] = value
+    if not set_ or not model.training:
+        return ""
+    keys = ", ".join(f"{k}={v}" for k, v in sorted(set_.items()))
+    return (f"\nThe model's config sets LayerDrop ({keys}): in training each layer draws a "
+            f"random number and Python skips the layer on it, which no captured graph can "
+            f"hold. Set {' and '.join(f'config.{k} = 0.0' for k in sorted(set_))} in "
+            f"build_model() to compile it (every layer then runs, as in evaluation).")
 
 
 def _capture_message(e: Exception, model_file: Path) -> str:

@@ -145,14 +145,14 @@ def _no_row_graph():
     return cap.gm, d
 
 
-def test_sequence_parallel_true_names_the_blocker():
+def test_sequence_parallel_true_names_the_blocker(in_place_kept):
     gm, d = _no_row_graph()
     with pytest.raises(PlanError, match=r"tensor_parallel.sequence_parallel=true cannot apply: "
                                         r"no row_parallel linear .*auto or false"):
         plan_sequence_parallel(gm.graph, 2, "true", d.placements)
 
 
-def test_sequence_parallel_auto_reports_why_off():
+def test_sequence_parallel_auto_reports_why_off(in_place_kept):
     gm, d = _no_row_graph()
     s = plan_sequence_parallel(gm.graph, 2, "auto", d.placements)
     assert not s.enabled and s.report[0].startswith("sequence parallel: off (no row_parallel")

@@ -220,7 +220,7 @@ def request_narrow(node, prop, groups) -> None:
             continue
         inner = b.args[0]
         kk = k - (len(b.args[1]) - len(shape(inner)))
-        if kk >= 0 and same(shape(inner)[kk], prop.strided[a.name]):
+        if kk >= 0 and same(shape(inner)[kk], prop.strided[a.name]) and _fixed(shape(inner)[kk]):
             prop.narrow_requests[inner.name] = (kk, frozenset(groups))
 
 
@@ -232,10 +232,16 @@ def _request_merged(b, k, heads, prop, groups) -> None:
     inner = b.args[0]
     ins, outs = shape(inner), shape(b)
     for j in range(1, len(ins)):
-        if same(ins[j], heads) and same(prod(ins[:j + 1]), prod(outs[:k + 1])) and \
-                any(same(prod(ins[:i]), prod(outs[:k])) for i in range(j)):
+        if same(ins[j], heads) and _fixed(ins[j]) and same(prod(ins[:j + 1]), prod(outs[:k + 1])) \
+                and any(same(prod(ins[:i]), prod(outs[:k])) for i in range(j)):
             prop.narrow_requests[inner.name] = (j, frozenset(groups))
             return
+
+
+def _fixed(size) -> bool:
+    """A size the model fixes (a heads count), not the batch's or the sequence's symbol: only
+    such a dim is cut to each rank's heads."""
+    return expr(size).is_Integer
 
 
 def narrowed(node, prop):

@@ -495,3 +495,87 @@ def test_an_attention_mask_transformers_makes_only_eagerly_is_named(tmp_path):
         capture(_MasksOnlyEagerly(), {"input_ids": ids}, tmp_path / "model.py")
     capture(_MasksOnlyEagerly(), {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
             tmp_path / "model.py")
+
+
+class _MaskedSoftmax(torch.autograd.Function):
+    """DeBERTa / SEW-D's ``XSoftmax``: the softmax output is zeroed in place where masked,
+    which its own backward allows (it saves the output after the write)."""
+
+    @staticmethod
+    def forward(ctx, x, mask):
+        out = torch.softmax(x.masked_fill(~mask, torch.finfo(x.dtype).min), -1)
+        out.masked_fill_(~mask, 0)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        return torch._softmax_backward_data(grad, out, -1, out.dtype), None
+
+
+class _InPlaceWrites(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.v = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril()
+        scores = self.q(x) @ x.transpose(1, 2)
+        h = _MaskedSoftmax.apply(scores, mask) @ self.v(x)
+        h = self.act(h) + x
+        h.mul_(2.0)
+        return h
+
+
+def test_in_place_writes_into_the_forwards_own_tensors_are_captured_out_of_place():
+    """A SEW-D zoo model was an internal error (a traceback from the capture's backward
+    check: "one of the variables needed for gradient computation has been modified by an
+    inplace operation", the captured softmax's output zeroed in place): torch.export keeps the
+    Function's forward, not its backward. A write into a tensor the forward made and nothing
+    else aliases (not an input, parameter or view) is now its out-of-place op, read by every
+    later reader; the captured graph's gradients equal the model's."""
+    torch.manual_seed(0)
+    model, x = _InPlaceWrites(), torch.randn(2, 5, 8)
+    captured = capture(model, (x,), Path("model.py"))
+    targets = {str(n.target) for n in captured.gm.graph.nodes if n.op == "call_function"}
+    assert {"aten.masked_fill_.Scalar", "aten.relu_.default", "aten.mul_.Tensor"}.isdisjoint(targets)
+    want = torch.autograd.grad(model(x).pow(2).sum(), list(model.parameters()))
+    got = torch.autograd.grad(captured.gm(x)[0].pow(2).sum(), list(captured.gm.parameters()))
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+
+
+class _LayerDrop(nn.Module):
+    """A transformers-style encoder with LayerDrop (Wav2Vec2Encoder's loop)."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import PretrainedConfig
+        self.config = PretrainedConfig(layerdrop=0.1)
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, input_values, attention_mask=None):
+        for layer in self.layers:
+            skip = False
+            if self.training and self.config.layerdrop > 0.0:
+                skip = torch.rand([]) < self.config.layerdrop
+            if not skip:
+                input_values = layer(input_values)
+        return input_values
+
+
+def test_layerdrop_refusal_names_the_config_key_and_no_mask_hint():
+    """Wav2Vec2, WavLM, Data2VecAudio and NLLB-MoE as configured were refused at the layer
+    loop's ``if`` with the generic fix and an attention_mask hint "of the input_ids' shape"
+    for a model of input_values (a held-out zoo). Worse, this loop was captured by the
+    symbolic_trace fallback, whose ``torch.rand([])`` ran once at trace time: the skip it drew
+    would have held for every step. A trace that draws is refused now; the refusal names
+    LayerDrop's config key and the fix, and the mask hint is for models given input_ids."""
+    with pytest.raises(CaptureError) as e:
+        capture(_LayerDrop(), {"input_values": torch.randn(2, 4)}, Path("model.py"))
+    message = str(e.value)
+    assert "The model's config sets LayerDrop (layerdrop=0.1)" in message, message
+    assert "Set config.layerdrop = 0.0 in build_model()" in message, message
+    assert "attention_mask" not in message, message

@@ -167,7 +167,7 @@ def _nothing_shardable():
     return captured(nn.Sequential(nn.Linear(H, 64), _Cumsum(), nn.Linear(64, H)), x_batch())
 
 
-def test_tp_that_shards_nothing_is_a_plan_error_naming_the_op():
+def test_tp_that_shards_nothing_is_a_plan_error_naming_the_op(in_place_kept):
     """The only pair has an in-place cumsum over the sharded features (no gathered copy can
     stand in for a value written in place): nothing could be sharded, so tp=2 would only
     add all-reduces; the error names the op, its source line, why, and the key."""
@@ -184,7 +184,7 @@ def test_tp_that_shards_nothing_is_a_plan_error_naming_the_op():
     assert "tensor_parallel.allow_replicated=true" in msg and "mesh.tp=1" in msg
 
 
-def test_tp_that_shards_nothing_allowed_warns():
+def test_tp_that_shards_nothing_allowed_warns(in_place_kept):
     cap = _nothing_shardable()
     decision = plan_tp(cap.gm.graph, 2, allow_replicated=True)
     assert not decision.column and not decision.row

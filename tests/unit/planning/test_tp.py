@@ -326,7 +326,7 @@ def test_compile_prints_tp_summary_line(tmp_path, capsys):
     assert "- tensor parallel: 4 of 4 weight matrices in blocks sharded" in report
 
 
-def test_compile_with_nothing_sharded_exits_2_naming_the_op(tmp_path, capsys):
+def test_compile_with_nothing_sharded_exits_2_naming_the_op(tmp_path, capsys, in_place_kept):
     code, io = _compile_cli(tmp_path, capsys, "(lambda h: h.cumsum_(-1))")
     assert code == 2
     assert io.err.startswith("error: mesh.tp=2 but no weight matrix could be sharded; the first "
