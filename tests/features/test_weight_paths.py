@@ -150,3 +150,36 @@ def test_a_flat_weight_viewed_as_the_matrix_is_named_not_left_silent():
                            "test_weight_paths.py:") and line.endswith("store it 2-D)"), line
     with pytest.raises(PlanError, match=r"no weight matrix could be sharded; .*; w_up \(1024, flat"):
         plan_tp(gm.graph, 2)
+
+
+class _ConcatenatedBiases(torch.nn.Module):
+    """q and k projections applied with their biases concatenated and cut again (WavLM's
+    call of ``F.multi_head_attention_forward``), then an MLP the planner can pair."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.q, self.k = torch.nn.Linear(d, d), torch.nn.Linear(d, d)
+        self.up, self.down = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        bq, bk = torch.cat([self.q.bias, self.k.bias]).chunk(2)
+        q = torch.nn.functional.linear(x, self.q.weight, bq)
+        k = torch.nn.functional.linear(x, self.k.weight, bk)
+        h = x + torch.softmax(q @ k.transpose(1, 2), -1) @ x
+        return h + self.down(torch.nn.functional.gelu(self.up(h)))
+
+
+def test_a_linear_with_a_computed_bias_is_named_as_one():
+    """WavLM's q, k and v projections were reported "read by aten.linear.default: no
+    tensor-parallel rule splits a weight this op reads: only linear layers ... are sharded"
+    (a held-out zoo): a linear, told it is not one. The line now names the bias the planner
+    cannot split with the weight."""
+    from parallelizer.planning.tp import plan_tp
+    torch.manual_seed(0)
+    gm = captured(_ConcatenatedBiases(), (torch.randn(2, 5, 16),)).gm
+    d = plan_tp(gm.graph, 2, allow_replicated=True)
+    assert "up.weight" in d.column and "down.weight" in d.row
+    line = d.other_replicated["q.weight"]
+    assert line.startswith("replicated: q.weight (16x16, read by aten.linear.default at "
+                           "test_weight_paths.py:"), line
+    assert "a product whose bias is computed (getitem of chunk.default of cat.default" in line, line
