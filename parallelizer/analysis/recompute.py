@@ -5,8 +5,8 @@ rotary ``inv_freq``, the runtime device), literal constants and symbolic sizes
 (``sym_size`` of a tensor: its shape, not its values), through deterministic ops that
 mutate nothing, and that nothing writes in place afterwards (``mask = ones(b, t);
 mask[:, :k] = 0``: a copy of ``ones`` in a later stage missed the write, and the loss read an
-all-ones mask; analysis/writes.py ``written_nodes``): HF Llama's causal mask (b x 1 x s x s) and rotary cos/sin (b x s x
-head_dim). Sending them costs pipeline bandwidth that grows with s^2; each stage that uses
+all-ones mask; analysis/writes.py ``written_nodes``): HF Llama's causal mask (b x 1 x s x s)
+and rotary cos/sin (b x s x head_dim). Sending them costs pipeline bandwidth that grows with s^2; each stage that uses
 one copies its producer chain instead, as torchtitan's stages recompute them
 (torchtitan ``models/llama3/model.py``: every stage rebuilds ``freqs_cis``).
 Values derived from a model input's or an activation's values (MiniLM's extended attention

@@ -22,7 +22,8 @@ import torch.fx as fx
 from .graph_facts import aten, source_line, val
 from .writes import written_nodes
 
-# mean-reduced losses: (reduction, weight, ignore_index) argument positions and defaults
+# losses reduced by ``reduction`` (arg 3; mean by default) over the targets other than
+# ``ignore_index`` (arg 4), weighted by ``weight`` (arg 2)
 _LOSSES = {aten.cross_entropy_loss.default, aten.nll_loss_nd.default, aten.nll_loss.default,
            aten.nll_loss2d.default}
 _MEAN, _SUM = 1, 2
@@ -107,8 +108,9 @@ def _full_sum(node) -> bool:
     if node.target is aten.sum.dim_IntList:
         x = val(node.args[0])
         dims = node.args[1] if len(node.args) > 1 else None
-        return isinstance(x, torch.Tensor) and (not dims or len(set(d % max(x.dim(), 1) for d in dims)) == x.dim()) \
-            and not _arg(node, 2, "keepdim", False)
+        if not isinstance(x, torch.Tensor) or _arg(node, 2, "keepdim", False):
+            return False
+        return not dims or len({d % max(x.dim(), 1) for d in dims}) == x.dim()
     return False
 
 

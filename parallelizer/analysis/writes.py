@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from ..frontend.graph_rewrite import returns_view
+
 
 def written_attrs(graph: fx.Graph) -> dict:
     """get_attr targets some op of ``graph`` writes in place (an argument its schema marks
@@ -31,7 +33,7 @@ def written_nodes(graph: fx.Graph) -> set:
         node = todo.pop()
         if node not in out:
             out.add(node)
-            todo += [u for u in node.users if _returns_view(u) and u.args[0] is node]
+            todo += [u for u in node.users if returns_view(u) and u.args[0] is node]
     return out
 
 
@@ -54,15 +56,8 @@ def _written(n: fx.Node) -> list:
     return out
 
 
-def _returns_view(node: fx.Node) -> bool:
-    """``node`` is a view of its first argument (its schema's return aliases the input)."""
-    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-    return (schema is not None and bool(schema.returns) and schema.returns[0].alias_info is not None
-            and bool(node.args) and isinstance(node.args[0], fx.Node))
-
-
 def _view_base(node: fx.Node) -> fx.Node:
     """The node ``node`` is a view of (itself when it is not the result of a view op)."""
-    while _returns_view(node):
+    while returns_view(node):
         node = node.args[0]
     return node

@@ -29,6 +29,7 @@ from ..errors import CaptureError
 from . import custom_functions
 from .conv import channel_maps_as_linears
 from .einsum import einsums_as_linears, matmuls_as_linears
+from .graph_rewrite import returns_view
 from .model_file import user_frame
 
 def split_args(batch: tuple | dict) -> tuple[tuple, dict]:
@@ -280,11 +281,6 @@ def _functional(op):
     return None if schema.is_mutable or any(r.alias_info for r in schema.returns) else functional
 
 
-def _returns_alias(node) -> bool:
-    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-    return schema is not None and bool(schema.returns) and schema.returns[0].alias_info is not None
-
-
 def _out_of_place(node: torch.fx.Node, order: dict) -> bool:
     """``node`` writes in place into a tensor the forward made (``softmax(x).masked_fill_(m,
     0)``, ``nn.ReLU(inplace=True)``, ``nn.Dropout(inplace=True)``) that nothing else aliases:
@@ -296,8 +292,8 @@ def _out_of_place(node: torch.fx.Node, order: dict) -> bool:
     if _functional(node.target) is None or not node.args:
         return False
     x = node.args[0]
-    return (isinstance(x, torch.fx.Node) and x.op == "call_function" and not _returns_alias(x)
-            and not any(_returns_alias(u) and u.args[0] is x and u is not node for u in x.users))
+    return (isinstance(x, torch.fx.Node) and x.op == "call_function" and not returns_view(x)
+            and not any(returns_view(u) and u.args[0] is x and u is not node for u in x.users))
 
 
 def _one_op_per_meaning(gm: torch.fx.GraphModule) -> None:

@@ -4,6 +4,8 @@ node's meta (module, source line) and a FakeTensor value, so that every planner 
 rewritten graph as it reads a captured one."""
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
@@ -60,3 +62,15 @@ def swaps_last_two(n: fx.Node) -> bool:
     if n.target is aten.permute.default:
         return [a % 3 for a in n.args[1]] == [0, 2, 1]
     return n.target is aten.mT.default
+
+
+def returns_view(node: fx.Node) -> bool:
+    """``node`` returns a view of (an alias into) its first argument, by its ATen schema
+    (``Tensor(a)`` returns: ``slice``, ``view``, ``transpose``; ``Tensor(a!)``: an in-place op),
+    or is one piece of a list of views (``getitem`` of ``chunk``, ``split``, ``unbind``)."""
+    if node.op == "call_function" and node.target is operator.getitem \
+            and isinstance(node.args[0], fx.Node):
+        return returns_view(node.args[0])
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    return (schema is not None and bool(schema.returns) and schema.returns[0].alias_info is not None
+            and bool(node.args) and isinstance(node.args[0], fx.Node))

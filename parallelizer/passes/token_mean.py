@@ -59,9 +59,8 @@ def _loss_mean(graph: fx.Graph, node: fx.Node, ignore_index: int, index: int) ->
         count = graph.call_function(aten.sum.default, (ne,))
     with graph.inserting_after(count):
         mean = graph.call_function(global_mean, (node, count, index))
-    t = target.meta.get("val")
-    for n, v in ((ne, None if t is None else t.ne(ignore_index)),):
-        n.meta.update(node.meta, val=v)
-    count.meta.update(node.meta, val=None if ne.meta["val"] is None else ne.meta["val"].sum())
+    t = target.meta.get("val")  # fake tensors, for the analyses after this pass
+    ne.meta.update(node.meta, val=None if t is None else t.ne(ignore_index))
+    count.meta.update(node.meta, val=None if t is None else ne.meta["val"].sum())
     mean.meta.update(node.meta)
     return mean

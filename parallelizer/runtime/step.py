@@ -102,7 +102,8 @@ class StepRunner:
         """The mean loss of ``batch`` (this rank's share) over the global batch, forward only
         (no gradients; under pp > 1 the schedule's ``eval``). Collective like :meth:`step`."""
         target = batch if target is None else target
-        with self.vocab.context(), self._whole_step_counts(batch, 1 if self.pp == 1 else self.microbatches):
+        chunks = 1 if self.pp == 1 else self.microbatches  # pp = 1: one forward of the batch
+        with self.vocab.context(), self._whole_step_counts(batch, chunks):
             if self.pp == 1:
                 flat = flatten(self.plan, batch)
                 loss = self.vocab.loss(self.loss_fn, _as_tuple(self.stage.modules[0](*flat)),

@@ -579,3 +579,27 @@ def test_layerdrop_refusal_names_the_config_key_and_no_mask_hint():
     assert "The model's config sets LayerDrop (layerdrop=0.1)" in message, message
     assert "Set config.layerdrop = 0.0 in build_model()" in message, message
     assert "attention_mask" not in message, message
+
+
+class _WriteIntoAChunk(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(4, 8)
+
+    def forward(self, x):
+        h = self.up(x)
+        with torch.no_grad():  # autograd refuses a write into one of several views
+            g = h.clone()
+            a, _b = g.chunk(2, -1)
+            a.mul_(2.0)  # writes into g through the chunk: stays in place
+        return h + g
+
+
+def test_a_write_through_a_piece_of_a_chunk_stays_in_place():
+    """The out-of-place spelling is only for a tensor nothing else aliases: a piece of
+    ``chunk`` is a view of its input, so the write into it must still reach ``g``."""
+    torch.manual_seed(0)
+    model, x = _WriteIntoAChunk(), torch.randn(2, 3, 4)
+    captured = capture(model, (x,), Path("model.py"))
+    assert any(str(n.target) == "aten.mul_.Tensor" for n in captured.gm.graph.nodes)
+    torch.testing.assert_close(captured.gm(x)[0], model(x), rtol=0, atol=0)
