@@ -69,7 +69,7 @@ from .planning.vocab import plan_vocab, vocab_summary
 from .emit.program import Program, check_replaceable
 from .emit.rank_check import check_ranks
 from .emit.numerics_check import check_numerics, when as self_check_when
-from .emit.reference import (compute_reference, copy_model, nonfinite_warnings,
+from .emit.reference import (compute_reference, copy_model, nonfinite_warnings, refuse_failing_model,
                              sample_mean_warnings, stack_reference)
 from .emit.report import render_report, stage_sends
 from .frontend.spec import Spec
@@ -313,13 +313,18 @@ def check_program(analysis: Analysis, checked: Checked, batch) -> dict:
     Raises:
         PlanError: a stage fails on a rank's shapes (names the op and the model's source
             line), or a parameter's gradient has another shape than planned.
+        CaptureError: it fails because the unmodified model fails by itself.
     """
     plan_ = checked.plan
     sources = stage_sources(plan_, checked.stages, checked.block_graphs, analysis.model,
                             analysis.name)
     graphs = [(st.graph, {b.fqn: b.graph for b in blocks})
               for st, blocks in zip(checked.stages, checked.block_graphs)]
-    check_ranks(plan_, sources, batch, graphs)
+    try:
+        check_ranks(plan_, sources, batch, graphs)
+    except PlanError:
+        refuse_failing_model(analysis.model, batch, analysis.name)  # the model's own error?
+        raise
     return sources
 
 

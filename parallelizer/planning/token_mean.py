@@ -78,7 +78,9 @@ def token_mean_note(decision: TokenMeanDecision) -> str:
             f"{' at ' + s['line'] if s['line'] else ''} ("
             + (f"targets other than {s['ignore_index']}" if s["kind"] == "loss" else "its divisor")
             + ")" for s in decision.sites]
+    whole = ("the loss and its gradients are the whole batch's" if decision.exact else
+             "that part of the loss is the whole batch's, its other terms still average each "
+             "chunk's own (a warning follows where that differs)")
     return (f"token mean: {', '.join(what)} divided by the count over the whole step's batch "
             f"(summed over dp ranks, microbatches and gradient accumulation before the step), "
-            f"not each chunk's: the loss and its gradients are the whole batch's (Hugging "
-            f"Face's num_items_in_batch)")
+            f"not each chunk's: {whole} (Hugging Face's num_items_in_batch)")

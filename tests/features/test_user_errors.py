@@ -398,3 +398,33 @@ def test_an_output_folder_run_py_logged_into_is_refused_as_such(tmp_path):
                             f"metrics, loss curve, TensorBoard events); compiling again replaces "
                             f"OUT whole, so move it away first, or choose another -o")
     assert (out / "logs" / "metrics.jsonl").read_text() == "{}\n"
+
+
+class _ReluWrittenInPlace(torch.nn.Module):
+    """Blocks that multiply a slice of a ReLU's output in place: autograd refuses the
+    backward of the model as it is ("modified by an inplace operation")."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(d, 2 * d) for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            h = block(x).relu()
+            h[..., :x.shape[-1]].mul_(2.0)
+            x = x + h[..., :x.shape[-1]]
+        return x
+
+
+def test_a_model_whose_own_backward_fails_is_named_not_called_a_parallelizer_bug():
+    """At pp2 the compile's rank check met the model's own backward failure and called it
+    "internal error (a bug in parallelizer) ...; compile with mesh.tp=1 meanwhile" (a break
+    test). A failing compile check now first runs the model as it is: its own failure is the
+    user's error, with the fix line."""
+    from parallelizer.compiler import compile_module
+    from parallelizer.frontend.spec import Spec
+    spec = Spec.model_validate({"mesh": {"pp": 2}, "pipeline": {"microbatches": 2}})
+    with pytest.raises(CaptureError, match=r"fails on example_inputs\(\) when it runs as it is, "
+                                           r"without parallelizer: RuntimeError: one of the "
+                                           r"variables needed for gradient computation"):
+        compile_module(_ReluWrittenInPlace(), (torch.randn(4, 3, 8),), spec, reference=False)

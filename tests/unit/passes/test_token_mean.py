@@ -20,7 +20,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from parallelizer.analysis.token_mean import token_mean_sites
 from parallelizer.frontend.capture import capture
 from parallelizer.passes.token_mean import apply_token_mean
-from parallelizer.planning.token_mean import plan_token_mean
+from parallelizer.planning.token_mean import plan_token_mean, token_mean_note
 from parallelizer.runtime.token_mean import counter, denominators, whole_step_counts
 
 CHUNKS = 4
@@ -157,3 +157,16 @@ def test_counter_counts_what_a_causal_lm_divides_by():
     assert [s["kind"] for s in decision.sites] == ["loss"] and decision.exact, decision
     (n,) = counter(decision.counter)(*[batch[k] for k in c.input_names])
     assert int(n) == int((labels[:, 1:] != -100).sum()) == 3 + 6
+
+
+@pytest.mark.parametrize("kind, exact", [("cross_entropy", True), ("plus_scaled", False)])
+def test_the_note_says_the_loss_is_the_whole_batchs_only_when_it_is(kind, exact):
+    """A loss adding another term to a token mean: the note said "the loss and its gradients
+    are the whole batch's" and the warning that it is not a mean over samples, both (a break
+    test); the note now says which part is."""
+    c = _captured(_Loss(kind), _batch())
+    decision = plan_token_mean(c.gm.graph, c.input_names)
+    note = token_mean_note(decision)
+    assert decision.exact is exact
+    assert ("the loss and its gradients are the whole batch's" in note) is exact, note
+    assert ("its other terms still average each chunk's own" in note) is not exact, note
