@@ -68,8 +68,8 @@ from .planning.tp_matrices import tp_kept_note, tp_summary
 from .planning.vocab import plan_vocab, vocab_summary
 from .emit.program import Program, check_replaceable
 from .emit.rank_check import check_ranks
-from .emit.numerics_check import check_numerics, when as self_check_when
-from .emit.reference import (compute_reference, copy_model, nonfinite_warnings, refuse_failing_model,
+from .emit.numerics_check import check_numerics, model_reference, when as self_check_when
+from .emit.reference import (compute_reference, copy_model, nonfinite_warnings,
                              sample_mean_warnings, stack_reference)
 from .emit.report import render_report, stage_sends
 from .frontend.spec import Spec
@@ -323,7 +323,8 @@ def check_program(analysis: Analysis, checked: Checked, batch) -> dict:
     try:
         check_ranks(plan_, sources, batch, graphs)
     except PlanError:
-        refuse_failing_model(analysis.model, batch, analysis.name)  # the model's own error?
+        if not any(p.is_meta for p in analysis.model.parameters()):  # the model's own error?
+            model_reference(analysis.model, batch, model_file=analysis.name)
         raise
     return sources
 

@@ -148,9 +148,7 @@ def linear_to_outputs(node: fx.Node) -> bool:
 def _outputs_are_zero_dim(node: fx.Node) -> bool:
     """No non-0-dim model output holds ``node``'s value (a 0-dim output is averaged over
     the chunks; one concatenated over rows would hold each chunk's weighted value)."""
-    graph = node.graph
-    out = next(n for n in reversed(graph.nodes) if n.op == "output")
-    flat = torch.utils._pytree.tree_leaves(out.args[0])
+    flat = torch.utils._pytree.tree_leaves(node.graph.output_node().args[0])
     reached = _descendants(node)
     return all(_zero_dim(o) for o in flat if isinstance(o, fx.Node) and o in reached)
 
@@ -208,8 +206,7 @@ def only_sites(graph: fx.Graph, sites: list[TokenMeanSite]) -> bool:
     (through the ops :func:`linear_to_outputs` follows): the program's loss is then the
     whole batch's, whatever the chunks."""
     names = {s.node for s in sites}
-    out = next(n for n in reversed(graph.nodes) if n.op == "output")
-    todo = [o for o in torch.utils._pytree.tree_leaves(out.args[0])
+    todo = [o for o in torch.utils._pytree.tree_leaves(graph.output_node().args[0])
             if isinstance(o, fx.Node) and _zero_dim(o) and val(o).is_floating_point()]
     seen = set()
     while todo:

@@ -170,10 +170,7 @@ def check_numerics(plan, sources: dict, model: torch.nn.Module, batch, state: di
     """
     start = time.perf_counter()
     tp = plan.mesh["tp"]
-    try:
-        want = reference(model, batch, seed)
-    except Exception as e:  # the model as it is, not the program: the user's to fix
-        raise CaptureError(eager_message(e, model_file or Path("<in-memory model>"))) from e
+    want = model_reference(model, batch, seed, model_file)
     classes = _stage_classes(plan, sources)
     try:
         modules = [[_rank_stage(classes[st.index], plan, state, tp, r) for st in plan.stages]
@@ -239,6 +236,20 @@ def _diff(a, b) -> float:
             or not a.is_floating_point() or a.shape != b.shape:
         return 0.0
     return max_abs_diff(a, b)
+
+
+def model_reference(model: torch.nn.Module, batch, seed: int = 0, model_file=None) -> Reference:
+    """:func:`reference`, where the unmodified model failing by itself is the user's error: a
+    compile check that fails on the program runs this first (a ReLU output the model
+    multiplies in place through a slice: autograd refuses its backward eagerly too).
+
+    Raises:
+        CaptureError: the model's own failure, with its line (``eager_message``).
+    """
+    try:
+        return reference(model, batch, seed)
+    except Exception as e:  # the model as it is, not the program: the user's to fix
+        raise CaptureError(eager_message(e, model_file or Path("<in-memory model>"))) from e
 
 
 def reference(model: torch.nn.Module, batch, seed: int = 0, given=None) -> Reference:

@@ -130,29 +130,6 @@ def to_fp64(batch):
                     else t, batch)
 
 
-def refuse_failing_model(model: torch.nn.Module, batch, model_file=None) -> None:
-    """Raise when the unmodified model fails by itself, forward or backward, on ``batch``: a
-    compile check that then fails on the program is the model's error, not parallelizer's (a
-    ReLU output the model multiplies in place through a slice: autograd refuses its backward
-    eagerly too). Runs a copy, with a sum of every output as the loss; nothing for a model on
-    the meta device.
-
-    Raises:
-        CaptureError: the model's own failure, with its line (:func:`eager_message`).
-    """
-    if any(p.is_meta for p in model.parameters()):
-        return
-    args, kwargs = split_args(batch)
-    try:
-        with torch.random.fork_rng(devices=[]), checkpoint_off():
-            flat, _ = tree_flatten(copy_model(model)(*args, **kwargs))
-            outs = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
-            if outs:
-                sum(t.float().sum() for t in outs).backward()
-    except Exception as e:  # the model as it is: the user's to fix
-        raise CaptureError(eager_message(e, model_file or Path("<in-memory model>"))) from e
-
-
 def max_abs_diff(got: torch.Tensor, exact: torch.Tensor) -> float:
     """max |got - exact| over the elements where it is finite (0.0 for none)."""
     diff = (got.double() - exact.double()).abs()
