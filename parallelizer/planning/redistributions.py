@@ -59,6 +59,11 @@ def report_lines(redistributions: list) -> list:
     return lines
 
 
+def all_reduce_bytes(node: fx.Node, tp: int) -> int:
+    """Bytes one rank sends per step to all-reduce ``node``'s value over tp (a ring)."""
+    return _bytes(node, "all_reduce", tp)
+
+
 def _bytes(node: fx.Node, kind: str, tp: int, dim=None) -> int:
     """Bytes one rank sends per step for ``node``'s value (the example's shapes), as the
     runtime's operator (runtime/tp.py) moves it. Ring collectives: a rank sends ``tp - 1``

@@ -31,6 +31,7 @@ from .gradients import plan_gradients
 from .redistributions import redistributions, report_lines
 from .tp_candidates import (check_divisible, divisible, indivisible, merged_layout, merged_whole,
                             one_head_whole, pairs_settled, replicated_plan)
+from .tp_chains import chains_whole
 from .tp_matrices import custom_op_weights, op_text, other_matrices
 from .tp_seeds import conditioning_ops, linears_feeding, nearest_linears
 
@@ -57,7 +58,7 @@ def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False,
             decision.biases[site.weight] = site.bias
     if tp == 1:
         return decision
-    first = pairs_settled(graph, sites, tp, decision)
+    first = chains_whole(graph, sites, tp, decision, pairs_settled(graph, sites, tp, decision))
     pairs, column, row, prop = first
     if not divisible(prop, tp):
         # a group needs a size tp does not divide (3 heads at tp 2, an FFN of 37 at tp 2):

@@ -33,12 +33,13 @@ _ELEMENTWISE = _ADDS | {aten.mul.Tensor, aten.mul_.Tensor, aten.sub.Tensor, aten
                         aten.div.Tensor, aten.div_.Tensor}
 
 
-def seed_pairs(sites: list, residual_stop: bool) -> dict:
+def seed_pairs(sites: list, residual_stop: bool, whole: frozenset = frozenset()) -> dict:
     """column weight FQN -> row weight FQNs its output reaches as their input (walks ending
     at residual adds when ``residual_stop``). The last linears of a sibling branch added to
     a column's output (:func:`_sibling_linears`: LoRA's ``B`` in ``base(h) + B(A(h))``) are
     columns with the same rows, never rows themselves; what feeds them (``A``) pairs
-    nothing and stays replicated: the sum of linear maps of one input is sharded as one."""
+    nothing and stays replicated: the sum of linear maps of one input is sharded as one.
+    ``whole``: weights kept whole (:func:`chain_heads`), neither column nor row."""
     is_linear = {s.node: s for s in sites}
     siblings: dict = {}
     # every walk first, so that no walk takes a sibling as its row, in any order; an output
@@ -52,6 +53,7 @@ def seed_pairs(sites: list, residual_stop: bool) -> dict:
     pairs, taken = {}, set(co_columns)
     for site in sites:
         w = site.weight
+        walks[site.node] = set() if w in whole else walks[site.node] - whole
         if w in taken:
             pairs[w] = set()
             continue
@@ -64,6 +66,19 @@ def seed_pairs(sites: list, residual_stop: bool) -> dict:
             if pairs.get(w) and sibling != w:
                 pairs[sibling] = pairs[sibling] | pairs[w]
     return pairs
+
+
+def chain_heads(sites: list, pairs: dict) -> frozenset:
+    """Column weights of ``pairs`` one of whose rows, walked as a column itself, reaches
+    rows of its own: the head of a chain of linears within a block (a low-rank projection,
+    DeepSeek's MLA ``q_a -> norm -> q_b -> heads -> attention -> o``). Paired first, the
+    head shards the chain's small rank and its row's output is summed over tp before
+    attention, which every rank then computes whole; kept whole, its row is the column over
+    heads and the chain's end the row (planning/tp_chains.py weighs the two)."""
+    is_linear = {s.node: s for s in sites}
+    by_weight = {s.weight: s for s in sites}
+    return frozenset(c for c, rows in pairs.items() if any(
+        r in by_weight and _walk(by_weight[r].node, is_linear, True) - {c} for r in rows))
 
 
 def _out_features(site) -> int | None:

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from parallelizer.planning import tp as tp_plan
 from parallelizer.planning.tp import plan_tp
 from tp_check import plan_and_check
 from tp_small_models import H, captured, x_batch
@@ -127,7 +128,8 @@ def test_cat_along_the_sharded_dim_gathers_the_shard():
 class LowRankThenMLP(nn.Module):
     """A low-rank pair (a -> norm -> b), a linear after it that nothing pairs, the residual,
     then an MLP: the walk from ``after`` must stop at the residual add, or it pairs ``after``
-    (as column) with the MLP's ``up`` (as row) and ``down`` with nothing."""
+    (as column) with the MLP's ``up`` (as row) and ``down`` with nothing. (The chain
+    ``a -> b -> after`` keeps ``a`` whole: ``b`` column, ``after`` its row, decision 99.)"""
 
     def __init__(self):
         super().__init__()
@@ -146,7 +148,8 @@ def test_a_column_is_not_paired_across_the_residual_stream():
     model = LowRankThenMLP()
     d = plan_and_check(model, x_batch(), 2)
     assert "up.weight" in d.column and "down.weight" in d.row
-    assert "after.weight" not in d.column | d.row
+    assert "after.weight" not in d.column
+    assert (d.column, d.row) == ({"b.weight", "up.weight"}, {"after.weight", "down.weight"})
 
 
 def test_report_names_each_redistribution_with_its_op_and_line():
@@ -237,10 +240,17 @@ class HyperConnections(nn.Module):
         return h.sum(2)
 
 
-def test_a_reduced_partial_value_is_cut_from_its_reduction():
+def test_a_reduced_partial_value_is_cut_from_its_reduction(monkeypatch):
     """The cut was inserted on the Partial value itself and left unread, the reader kept the
     whole reduced value: a gradient Mixed over tp (the compile's accounting raised an internal
-    error on DeepSeek-V4 at tp2)."""
+    error on DeepSeek-V4 at tp2). The walks' own pairing (``fn`` column, ``up2`` row) is
+    checked: the plan taken keeps ``fn``, the head of a chain, whole (decision 99), and
+    shards both MLPs with no redistribution."""
+    torch.manual_seed(0)
+    d = plan_and_check(HyperConnections(), x_batch(), 2)
+    assert (d.column, d.row, d.redistributions) == (
+        {"up.weight", "up2.weight"}, {"down.weight", "down2.weight"}, [])
+    monkeypatch.setattr(tp_plan, "chains_whole", lambda graph, sites, tp, decision, chosen: chosen)
     torch.manual_seed(0)
     d = plan_and_check(HyperConnections(), x_batch(), 2)
     reduced = {r.producer for r in d.redistributions if r.kind == "all_reduce"}

@@ -1,0 +1,49 @@
+"""Chains of linears within a block (:func:`parallelizer.planning.tp_seeds.chain_heads`): the
+walks pair a chain's first two linears, a low-rank projection and its up-projection
+(DeepSeek-V2/V3's multi-head latent attention: ``q_a -> norm -> q_b``, ``kv_a -> norm ->
+kv_b``), so the rank dim is sharded, the up-projection's output is summed over tp and
+attention is computed whole on every rank. The other plan keeps the chain's head whole: the
+up-projection is the column over heads and the output projection its row, as Megatron-LM
+shards MLA. Of the two, the one sending fewer bytes per step is taken, provided it keeps
+sharded every weight the first shards other than the chain heads. Reads the graph, never
+changes it."""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from ..plan.decisions import TPDecision
+from .redistributions import all_reduce_bytes, redistributions
+from .tp_candidates import _candidate, divisible
+from .tp_seeds import chain_heads, seed_pairs
+
+
+def chains_whole(graph: fx.Graph, sites: list, tp: int, decision: TPDecision, chosen):
+    """``chosen`` (pairs, column, row, propagation), or the plan with its chain heads kept
+    whole when that settles divisible, shards every other weight ``chosen`` shards and sends
+    fewer bytes per step (:func:`bytes_per_step`); its report then says so."""
+    heads = chain_heads(sites, chosen[0]) & chosen[1]
+    if not heads:
+        return chosen
+    scratch = TPDecision(tp=tp, linears=decision.linears, biases=decision.biases)
+    found = _candidate(graph, seed_pairs(sites, True, whole=heads), tp, scratch)
+    if not divisible(found[3], tp) or not (chosen[1] | chosen[2]) - heads <= found[1] | found[2]:
+        return chosen
+    before, after = bytes_per_step(graph, sites, chosen, tp), bytes_per_step(graph, sites, found, tp)
+    if after >= before:
+        return chosen
+    decision.blockers, decision.report = scratch.blockers, scratch.report
+    decision.report.append(
+        f"kept whole, the head of a chain of linears: {', '.join(sorted(heads))} (the linears "
+        f"it fed are columns instead: {after} bytes per rank per step instead of {before})")
+    return found
+
+
+def bytes_per_step(graph: fx.Graph, sites: list, found, tp: int) -> int:
+    """Bytes one rank sends per step (the example's shapes) for a settled plan: the row
+    linears' outputs and the column linears' inputs all-reduced (Megatron's g forward, f
+    backward; once per distinct input) and every redistribution."""
+    _pairs, column, row, prop = found
+    inputs = {s.x for s in sites if s.weight in column and isinstance(s.x, fx.Node)}
+    outputs = {s.bias_add or s.node for s in sites if s.weight in row}
+    return sum(all_reduce_bytes(n, tp) for n in inputs | outputs) + sum(
+        r.bytes or 0 for r in redistributions(graph, prop, tp))
