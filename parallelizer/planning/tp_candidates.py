@@ -11,7 +11,7 @@ import torch
 from ..plan.decisions import TPDecision
 from ..plan.layouts import check, in_units
 from ..errors import PlanError
-from ..analysis.graph_facts import linear_sites, shape
+from ..analysis.graph_facts import linear_sites, module_path, shape
 from ..analysis.sharding.propagate import Propagation, propagate
 from .redistributions import redistributions
 from .tp_matrices import op_text
@@ -233,6 +233,7 @@ def _settle(graph, pairs: dict, column: set, row: set, tp: int, decision,
         bad = _left_unpaired(pairs, groups & (column | row), column, row) if groups & (
             column | row) else _component(pairs, column)
         op = op_text(by_name[node]) if node in by_name else node
+        module = module or (module_path(by_name[node]) if node in by_name else "")
         decision.blockers.append(f"{op} in {module or 'the root module'}: {reason}"
                                  + _indivisible_cause(prop, _component(pairs, bad), tp))
         decision.report.append(f"kept replicated: {', '.join(sorted(bad))} (at {node} = "

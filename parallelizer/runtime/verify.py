@@ -165,6 +165,8 @@ class _Tally:
         pair = finite_part(got, want)
         e = float("inf") if pair is None else \
             (pair[0] - pair[1]).abs().max().item() if pair[1].numel() else 0.0
+        if e != e:  # a nan in the program where the reference is finite: never below another
+            e, name = float("inf"), f"{name} (nan where the reference is finite)"
         self.count[cat] += 1
         if e > self.err[cat]:
             self.err[cat], self.worst[cat] = e, name

@@ -129,8 +129,9 @@ class Propagation:
         out = []
         for w, uses in sorted(self.uses.items()):
             uses = _merged(uses)
-            if len(uses) > 1:
-                out.append((self.part_of.get(w, w), sorted(uses.values())[0], f"{w}'s output is "
+            if len(uses) > 1:  # named at a read in a layout other than the even split
+                odd = [n for u, n in uses.items() if u is not None] or list(uses.values())
+                out.append((self.part_of.get(w, w), sorted(odd)[0], f"{w}'s output is "
                             "used both as " + " and as ".join(_describe(u) for u in
                                                              sorted(uses, key=_text))))
         found = self.found_layouts()

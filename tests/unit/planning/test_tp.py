@@ -487,3 +487,16 @@ def test_matrices_sharded_outside_the_blocks_are_counted_too():
                                            "sharded; also 2 outside them (")
     assert tp_kept_note(d, model).startswith("tensor parallel: not sharded blocks.0.weight and "
                                              "1 more; ")
+
+
+def test_a_layout_conflict_names_the_read_in_parts_and_its_module(tmp_path, capsys):
+    """A column output scaled in place through a slice of its features (a break test's
+    custom Function did it): the refusal named the block's last line "in the root module";
+    it names the slice and its block."""
+    code, io = _compile_cli(tmp_path, capsys,
+                            "(lambda h: (lambda y: (y[..., :4].mul_(0.5), y)[1])(h * 2.0))")
+    assert code == 2
+    assert io.err.startswith("error: mesh.tp=2 but no weight matrix could be sharded; the first "
+                             "op that stopped it: aten.slice.Tensor at model.py:12 in blocks.0: "
+                             "blocks.0.fc1.weight's output is used both as an evenly split "
+                             "tensor and as a fused tensor"), io.err

@@ -16,6 +16,16 @@ def test_a_gradient_only_one_side_has_is_named_as_the_worst():
     assert tally.worst["gradients"].startswith("table: grad present in the program")
 
 
+def test_a_nan_in_the_program_is_the_worst_not_an_error_of_zero():
+    """A program gradient with a nan where the reference is finite was counted, but its
+    error (nan) never exceeded another: the report read "max abs err 0", worst "-"."""
+    tally = _Tally(1e-5, 1e-5)
+    tally.add("gradients", "a.weight", torch.ones(3) + 1e-3, torch.ones(3))
+    tally.add("gradients", "b.weight", torch.tensor([1.0, float("nan")]), torch.ones(2))
+    assert tally.bad["gradients"] == 2 and tally.err["gradients"] == float("inf")
+    assert tally.worst["gradients"] == "b.weight (nan where the reference is finite)"
+
+
 def test_a_shape_difference_is_named():
     tally = _Tally(1e-5, 1e-5)
     tally.add("parameters", "w", torch.ones(2, 3), torch.ones(3, 2))
