@@ -31,7 +31,7 @@ _VERIFY = {
     "gradients": re.compile(r"verify: gradients \(gathered to full shape\) max abs err (\S+)"),
     "parameters": re.compile(r"verify: parameters after one \w+ step max abs err (\S+)"),
 }
-_MISMATCH = re.compile(r"(loss|outputs|gradients|parameters) \((\d+) mismatched; worst on rank 0: "
+_MISMATCH = re.compile(r"(loss|outputs|gradients|parameters) \((\d+) mismatched; worst on rank \d+: "
                        r"([^)]*(?:\([^)]*\))?[^);]*)\)")
 
 

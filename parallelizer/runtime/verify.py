@@ -298,6 +298,19 @@ def _compare_tensors(tally, cat, key, stage, plan, ctx, ref, pick, bound=None):
             tally.add(cat, f"{name} (kv head copies)", torch.tensor([spread]), torch.zeros(1))
 
 
+def _worst_over_ranks(tally: _Tally) -> dict:
+    """Category -> (rank, tensor) of the largest error over all ranks (a pipeline's outputs
+    are only on its last stage: rank 0 had no name to give). Collective."""
+    mine = {c: (tally.err[c], tally.worst[c]) for c in CATEGORIES}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    out = {}
+    for c in CATEGORIES:
+        rank = max(range(len(every)), key=lambda r: (bool(every[r][c][1]), every[r][c][0], -r))
+        out[c] = (rank, every[rank][c][1])
+    return out
+
+
 def _report(tally: _Tally, plan, vcfg: dict, loss, ref: dict, ctx, skipped=()) -> int:
     opt_name = vcfg["optimizer"]
     ref_loss = ref["loss"]
@@ -306,6 +319,7 @@ def _report(tally: _Tally, plan, vcfg: dict, loss, ref: dict, ctx, skipped=()) -
     dist.all_reduce(errs, op=dist.ReduceOp.MAX)
     dist.all_reduce(bad)
     ok = bad.sum().item() == 0
+    worst = _worst_over_ranks(tally) if not ok else {}
     if ctx.rank == 0:
         m = plan.mesh
         own = {str(t.dtype).replace("torch.", "") for k, t in ref.items()
@@ -357,9 +371,9 @@ def _report(tally: _Tally, plan, vcfg: dict, loss, ref: dict, ctx, skipped=()) -
                 "not compared (each of the dp x microbatches chunks updates them from its own "
                 "rows)"))
         if not ok:
-            worst = [f"{c} ({int(b)} mismatched; worst on rank 0: {tally.worst[c] or '-'})"
-                     for c, b in zip(CATEGORIES, bad.tolist()) if b]
-            print("verify: mismatches in " + "; ".join(worst))
+            print("verify: mismatches in " + "; ".join(
+                f"{c} ({int(b)} mismatched; worst on rank {worst[c][0]}: {worst[c][1] or '-'})"
+                for c, b in zip(CATEGORIES, bad.tolist()) if b))
         if not ok and "loss.chunked" in ref:
             print(f"verify: {chunks_line(ref, m['dp'], plan.microbatches, vcfg)}")
         print("PASS" if ok else "FAIL", flush=True)

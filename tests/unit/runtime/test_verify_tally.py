@@ -64,3 +64,35 @@ def test_the_models_own_rounding_error_is_allowed_and_named_where_it_is_most_of_
     tally.add("gradients", "cls_token", want + 5e-5, want, noise=3e-4)
     tally.add("gradients", "fc.weight", good, good, noise=2.4e-7)
     assert tally.bad["gradients"] == 0 and list(tally.noisy) == ["gradient cls_token"]
+
+
+def _worst_rank(rank: int, port: int, found) -> None:
+    import os
+    import torch.distributed as dist
+    from parallelizer.runtime.verify import _worst_over_ranks
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        tally = _Tally(1e-5, 1e-5)
+        tally.add("gradients", f"w{rank}", torch.ones(2) + 0.1 * (rank + 1), torch.ones(2))
+        if rank == 1:  # a pipeline's outputs live on its last stage only
+            tally.add("outputs", "output.0", torch.ones(2) + 0.5, torch.ones(2))
+        found[rank] = _worst_over_ranks(tally)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_worst_tensor_is_named_from_the_rank_that_has_it():
+    """At pp2 the outputs are compared on the last stage only: the summary printed rank 0's
+    (empty) worst, "-". It names the rank with the largest error and its tensor."""
+    import socket
+    import torch.multiprocessing as mp
+    import warm
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    found = warm.context().Manager().dict()
+    mp.start_processes(_worst_rank, args=(port, found), nprocs=2, start_method="forkserver")
+    for rank in (0, 1):
+        assert found[rank]["outputs"] == (1, "output.0")
+        assert found[rank]["gradients"] == (1, "w1")
