@@ -25,13 +25,18 @@ import torch.fx as fx
 
 from ..graph_facts import aten, is_tensor, module_path, prod, same, shape, weight_fqn
 from .placements import CONFLICT, REPLICATE, Shard
+from .redistribute import writes_into
 from .state import add_constraint, add_rewrite, dim_of, inputs_of, placement
 
 _SAME = {aten.contiguous.default, aten.clone.default, aten.to.dtype, aten._to_copy.default,
          aten.alias.default, aten.detach.default, aten.dropout.default, aten.type_as.default}
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _SQUEEZES = {aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default}
-_FACTORIES = {aten.zeros.default, aten.ones.default, aten.full.default, aten.empty.memory_format}
+_FACTORIES = {aten.zeros.default, aten.ones.default, aten.full.default, aten.empty.memory_format,
+              aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default,
+              aten.new_full.default}
+_NEW = {aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default,
+        aten.new_full.default}  # x.new_*(sizes): the sizes are the second argument
 
 
 def trace_head_source(node: fx.Node, dim: int, limit: int = 32) -> Optional[tuple]:
@@ -44,7 +49,13 @@ def trace_head_source(node: fx.Node, dim: int, limit: int = 32) -> Optional[tupl
             return None
         t = node.target
         if t in _FACTORIES:
-            return ("factory", node.name, dim)
+            size = node.args[_size_arg(node)][dim]
+            return ("factory", node.name, dim) if isinstance(size, int) else None
+        if t is aten.slice.Tensor:  # a slice along another dim keeps this one whole
+            if (node.args[1] if len(node.args) > 1 else 0) % len(shape(node)) == dim:
+                return None
+            node = node.args[0]
+            continue
         if t in _SAME:
             node = node.args[0]
         elif t is aten.unsqueeze.default:
@@ -149,12 +160,39 @@ def embedding_rule(node, prop, tp):
 
 
 def factory_rule(node, prop, tp):
-    """A zeros/ones/full whose heads dim the planner shards: its size constant is local."""
+    """A zeros/ones/full/new_empty whose heads dim the planner shards: its size constant is
+    local."""
     dim = prop.per_head_factories[node.name][0]
-    sizes = list(node.args[0])
+    arg = _size_arg(node)
+    sizes = list(node.args[arg])
     add_constraint(prop, int(sizes[dim]), "heads", module_path(node), f"dim {dim} of {node.target}")
-    add_rewrite(prop, node, 0, dim, int(sizes[dim]) // tp)
+    add_rewrite(prop, node, arg, dim, int(sizes[dim]) // tp)
     return Shard(dim)
+
+
+def _size_arg(node) -> int:
+    return 1 if node.target in _NEW else 0
+
+
+def request_written(node: fx.Node, prop, groups, tp: int) -> bool:
+    """``node`` writes a sharded value in place into a replicated target made by a factory op
+    (keys assembled by ``copy_`` into the slices of a ``new_empty``: DeepSeek-V3's and
+    MiniCPM3's ``expand_kv``). An in-place op keeps its target's placement, so DTensor would
+    gather the value; the factory is sharded instead, its heads constant local, and the
+    write goes sharded into sharded (:func:`request_heads`). Returns whether it asked."""
+    target = next((a for a in inputs_of(node) if is_tensor(a) and writes_into(node, a)), None)
+    if target is None or dim_of(prop, target) is not None:
+        return False
+    sharded = [a for a in inputs_of(node) if is_tensor(a) and dim_of(prop, a) is not None]
+    rank = len(shape(target))
+    dims = {dim_of(prop, a) + rank - len(shape(a)) for a in sharded}
+    if len(dims) != 1 or not all(even_split(prop, a) for a in sharded):
+        return False
+    d = dims.pop()
+    src = trace_head_source(target, d)
+    if src is None or src[0] != "factory":
+        return False
+    return request_heads(prop, target, d, groups)
 
 
 def request_heads(prop, mask: fx.Node, dim: int, groups) -> bool:

@@ -48,7 +48,7 @@ from ..graph_facts import as_linear, aten, module_path, same, shape, weight_path
 from .dtensor import NO_RULE, Wants, dtensor_rule
 from . import redistribute
 from .channels import channel_reader
-from .heads import factory_rule, request_broadcast
+from .heads import factory_rule, request_broadcast, request_written
 from ...plan.layouts import InterleavedHeads, in_units
 from .cuts import copied_whole_unsqueeze, fuse_slices, one_head_unsqueeze
 from .layouts import view_rule
@@ -245,7 +245,8 @@ def _rule(node: fx.Node, prop: Propagation, column, row, weight_dims, tp):
         request_narrow(node, prop, groups)
         if fn in BROADCASTING:
             request_broadcast(node, prop, groups, tp)
-        requested = redistribute.request(node, prop, tp, out)
+        requested = request_written(node, prop, groups, tp) or \
+            redistribute.request(node, prop, tp, out)
         why = "" if requested else redistribute.why_not(node, prop)
     elif fn is not view_rule and not carry_strided(node, prop, out):
         # tiled heads (GQA by ``k.repeat(1, n_rep, 1, 1)``: query head h reads kv head

@@ -249,7 +249,7 @@ def _ask(node, prop, wants: Wants) -> bool:
 def _edges(node, prop, changes: dict) -> bool:
     """Request the new edges of ``changes``; an edge once asked for is never changed (so the
     runs cannot flip it back and forth)."""
-    if any(_written(node, a) for a in changes):
+    if any(writes_into(node, a) for a in changes):
         return False  # the op would write into the copy, not the value (DTensor refuses too)
     have = prop.edges.get(node.name, {})
     new = {a.name: w for a, w in changes.items() if a.name not in have}
@@ -260,12 +260,12 @@ def _edges(node, prop, changes: dict) -> bool:
 
 def why_not(node: fx.Node, prop) -> str:
     """Why no redistribution can stand in at ``node`` ("" when one might)."""
-    if any(_written(node, a) for a in inputs_of(node) if placement(prop, a) != REPLICATE):
+    if any(writes_into(node, a) for a in inputs_of(node) if placement(prop, a) != REPLICATE):
         return "; it writes into its sharded input in place, which no gathered copy can stand in for"
     return ""
 
 
-def _written(node: fx.Node, a: fx.Node) -> bool:
+def writes_into(node: fx.Node, a: fx.Node) -> bool:
     """``node`` (an in-place op: ``copy_``, ``add_``) writes into its argument ``a``."""
     schema = getattr(node.target, "_schema", None)
     if schema is None:

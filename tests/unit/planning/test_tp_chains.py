@@ -82,3 +82,32 @@ def test_chain_that_would_lose_a_matrix_keeps_its_pairs():
     torch.manual_seed(0)
     d = plan_and_check(Stack(), (torch.randn(2, 3, D),), 2)
     assert (d.column, d.row) == ({"a.weight", "c.weight"}, {"b.weight", "d.weight"})
+
+
+def test_transformers_deepseek_v3_keys_written_into_new_empty_stay_sharded():
+    """transformers' DeepSeek-V3 builds each key by ``copy_`` of head-sharded ``k_nope`` and
+    the shared rope key into the slices of a ``new_empty`` (``expand_kv``). An in-place op
+    keeps its target's placement, so the keys were all-gathered into a whole ``new_empty``
+    and cut again for attention; the ``new_empty`` is now made with the rank's heads (its
+    heads constant local) and only the shared rope key is cut, locally."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    class Loss(nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, ids):
+            return self.m(input_ids=ids, labels=ids).loss
+
+    cfg = DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
+                           q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+                           qk_rope_head_dim=4, v_head_dim=8, first_k_dense_replace=1,
+                           n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1)
+    torch.manual_seed(0)
+    d = plan_and_check(Loss(DeepseekV3ForCausalLM(cfg)), (torch.randint(0, 64, (2, 6)),), 2)
+    attn = "m.model.layers.0.self_attn."
+    assert {attn + "q_b_proj.weight", attn + "kv_b_proj.weight"} <= d.column
+    assert attn + "o_proj.weight" in d.row
+    assert [(r.kind, "expand" in r.producer) for r in d.redistributions] == [("scatter", True)]
