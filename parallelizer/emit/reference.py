@@ -19,7 +19,7 @@ from ..frontend.custom_functions import checkpoint_off
 from ..frontend.model_file import call_loss_fn
 from ..runtime.optim import make_optimizer
 from ..runtime.rng import EagerDropoutOff, RandomStandIns
-from ..runtime.verify import not_sample_mean
+from ..runtime.verify import not_sample_mean, within
 
 
 def compute_reference(model: torch.nn.Module, batch, loss_fn, input_names, spec,
@@ -34,9 +34,11 @@ def compute_reference(model: torch.nn.Module, batch, loss_fn, input_names, spec,
     flat_in, _ = tree_flatten((args, kwargs))
     ref = {f"input.{n}": t.detach().clone().contiguous() for n, t in zip(input_names, flat_in)}
     wide = fp64_copy(model)
-    ref.update(_one_step(model, batch, loss_fn, spec, model_file, chunks))
+    chunk_grads: dict = {}
+    ref.update(_one_step(model, batch, loss_fn, spec, model_file, chunks, chunk_grads))
     if wide is not None:
         ref.update(rounding_noise(ref, wide, batch, loss_fn, spec, model_file))
+    ref.update(gradient_gap(ref, chunk_grads, spec.verify.atol, spec.verify.rtol))
     return ref
 
 
@@ -137,10 +139,11 @@ def max_abs_diff(got: torch.Tensor, exact: torch.Tensor) -> float:
     return diff.max().item() if diff.numel() else 0.0
 
 
-def _one_step(model: torch.nn.Module, batch, loss_fn, spec, model_file, chunks: bool = True) -> dict:
+def _one_step(model: torch.nn.Module, batch, loss_fn, spec, model_file, chunks: bool = True,
+              chunk_grads: dict | None = None) -> dict:
     """loss, outputs, gradients, the buffers the forward wrote and the stepped parameters of
-    one step of ``model``; with
-    ``chunks``, the loss over the program's dp x microbatch chunks too (:func:`chunked_loss`)."""
+    one step of ``model``; with ``chunks``, the loss over the program's dp x microbatch
+    chunks too (:func:`chunked_step`), its gradients into ``chunk_grads``."""
     args, kwargs = split_args(batch)
     ref = {}
     model.zero_grad(set_to_none=True)
@@ -172,10 +175,12 @@ def _one_step(model: torch.nn.Module, batch, loss_fn, spec, model_file, chunks: 
             ref[f"grad.{name}"] = p.grad.detach().clone()
     # the weights before the step; after the whole batch's loss_fn (its errors name the
     # reference step) and its backward (the chunks put buffers back in place)
-    chunked = chunked_loss(model, batch, loss_fn, spec.mesh.dp * spec.pipeline.microbatches,
-                           model_file) if chunks else None
-    if chunked is not None:
-        ref["loss.chunked"] = chunked
+    step = chunked_step(model, batch, loss_fn, spec.mesh.dp * spec.pipeline.microbatches,
+                        model_file) if chunks else None
+    if step is not None:
+        ref["loss.chunked"] = step[0]
+        if chunk_grads is not None:
+            chunk_grads.update(step[1])
     opt = make_optimizer(named.values(), spec.verify.optimizer, spec.optimizer.lr,
                          spec.optimizer.weight_decay)
     opt.step()
@@ -185,34 +190,74 @@ def _one_step(model: torch.nn.Module, batch, loss_fn, spec, model_file, chunks: 
 
 
 def chunked_loss(model: torch.nn.Module, batch, loss_fn, chunks: int, model_file=None):
+    """The loss of :func:`chunked_step` (None where it is None)."""
+    step = chunked_step(model, batch, loss_fn, chunks, model_file)
+    return None if step is None else step[0]
+
+
+def chunked_step(model: torch.nn.Module, batch, loss_fn, chunks: int, model_file=None):
     """The mean of the model's loss over ``chunks`` equal row chunks of ``batch`` (in order:
     the data-parallel ranks' rows, each cut into its microbatches), as the program computes
-    its loss; 0-dim fp32, or None when ``chunks`` is 1 or does not divide the rows. Forward
-    only; buffers a forward updates (BatchNorm's running statistics) and the random number
-    generator's state are put back, so the rest of the reference step is unchanged.
+    its loss (0-dim fp32), and the gradients of that mean (parameter name -> tensor), or None
+    when ``chunks`` is 1 or does not divide the rows. The parameters' ``.grad``, the buffers
+    a forward updates (BatchNorm's running statistics) and the random number generator's
+    state are put back, so the rest of the reference step is unchanged.
 
-    A loss that is a mean over samples gives the whole batch's loss back (to rounding); one
-    that is not (a router auxiliary loss over the batch's routing, batch statistics) does not,
-    and no data-parallel program can then equal the whole-batch reference (see
-    runtime/verify.py)."""
+    A loss that is a mean over samples gives the whole batch's loss and gradients back (to
+    rounding); one that is not (a router auxiliary loss over the batch's routing, batch
+    statistics) does not, and no data-parallel program can then equal the whole-batch
+    reference (see runtime/verify.py). A term weighted small (an auxiliary loss x 1e-3) may
+    leave the loss within tolerance and still dominate a weight's gradient: both are kept."""
     flat, _ = tree_flatten(batch)
     rows = next((t.shape[0] for t in flat if isinstance(t, torch.Tensor) and t.dim()), 0)
     if chunks <= 1 or not rows or rows % chunks:
         return None
     n = rows // chunks
     buffers = {k: b.detach().clone() for k, b in model.named_buffers()}
-    losses = []
+    named = dict(model.named_parameters())
+    kept = {name: p.grad for name, p in named.items()}
+    losses, backward = [], True
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]), EagerDropoutOff(), RandomStandIns():
+        model.zero_grad(set_to_none=True)
+        with torch.random.fork_rng(devices=[]), checkpoint_off(), EagerDropoutOff(), \
+                RandomStandIns():
             for c in range(chunks):
                 part = tree_map(lambda t: t[c * n:(c + 1) * n] if isinstance(t, torch.Tensor)
                                 and t.dim() and t.shape[0] == rows else t, batch)
                 a, kw = split_args(part)
-                losses.append(call_loss_fn(loss_fn, model(*a, **kw), part, model_file).float())
+                loss = call_loss_fn(loss_fn, model(*a, **kw), part, model_file)
+                if backward and loss.requires_grad:
+                    try:
+                        (loss / chunks).backward()
+                    except RuntimeError:  # state a forward carries over (the step refuses it)
+                        backward = False
+                losses.append(loss.detach().float())
+        grads = {name: p.grad.detach().clone() for name, p in named.items()
+                 if p.grad is not None} if backward else {}
     finally:
-        for k, b in model.named_buffers():
-            b.copy_(buffers[k])
-    return torch.stack(losses).mean().reshape(())
+        with torch.no_grad():
+            for k, b in model.named_buffers():
+                b.copy_(buffers[k])
+        for name, p in named.items():
+            p.grad = kept[name]
+    return torch.stack(losses).mean().reshape(()), grads
+
+
+def gradient_gap(ref: dict, grads: dict, atol: float, rtol: float) -> dict:
+    """``{"chunked.grad.NAME": max abs difference}`` for the parameter whose gradient over the
+    chunks (:func:`chunked_step`) differs most from the whole batch's ``grad.NAME`` beyond
+    ``atol`` / ``rtol`` and the model's own rounding error of it (``noise.grad.NAME``, as
+    :func:`parallelizer.runtime.verify.within` allows it); {} when none does."""
+    worst = None
+    for name, g in grads.items():
+        want = ref.get(f"grad.{name}")
+        noise = float(ref.get(f"noise.grad.{name}", 0.0))
+        if want is None or g.shape != want.shape or within(g, want, atol, rtol, noise):
+            continue
+        err = (g.float() - want.float()).abs().nan_to_num(float("inf")).max().item()
+        if worst is None or err > worst[1]:
+            worst = (name, err)
+    return {} if worst is None else {f"chunked.grad.{worst[0]}": torch.tensor(worst[1])}
 
 
 def sample_mean_warnings(ref: dict, spec) -> list[str]:

@@ -47,17 +47,23 @@ def tolerances(vcfg: dict, param_dtype: str, compression: str = "none") -> tuple
 
 def not_sample_mean(ref: dict, dp: int, microbatches: int, atol: float, rtol: float) -> str:
     """Why a data-parallel program cannot equal the whole-batch reference ``ref`` when its
-    loss over the program's row chunks (``loss.chunked``, emit/reference.py ``chunked_loss``)
-    is not its whole-batch loss within ``atol`` / ``rtol``, and what to verify instead; ''
-    when it is (or ``ref`` has no chunked loss)."""
+    loss over the program's row chunks (``loss.chunked``, emit/reference.py ``chunked_step``)
+    is not its whole-batch loss within ``atol`` / ``rtol``, or a gradient of it is not
+    (``chunked.grad.NAME``: the largest difference, emit/reference.py ``gradient_gap``), and
+    what to verify instead; '' when both are (or ``ref`` has no chunked loss)."""
     chunked = ref.get("loss.chunked")
-    if chunked is None or torch.allclose(chunked, ref["loss"].float(), atol=atol, rtol=rtol):
+    gap = next(((k.removeprefix("chunked.grad."), float(v)) for k, v in ref.items()
+                if k.startswith("chunked.grad.")), None)
+    if chunked is None or gap is None and torch.allclose(chunked, ref["loss"].float(),
+                                                         atol=atol, rtol=rtol):
         return ""
     chunked, whole = chunked.item(), ref["loss"].item()
+    grad = "" if gap is None else (f"; the gradient of {gap[0]} differs from the whole batch's "
+                                   f"by up to {gap[1]:.3g}")
     return (f"the loss is not a mean over samples: on the batch cut into mesh.dp ({dp}) x "
             f"pipeline.microbatches ({microbatches}) chunks, as the program computes it, the "
             f"unmodified model's loss averages to {chunked:.6f}, on the whole batch it is "
-            f"{whole:.6f} (a router auxiliary loss, batch statistics such as BatchNorm's, a mean "
+            f"{whole:.6f}{grad} (a router auxiliary loss, batch statistics such as BatchNorm's, a mean "
             f"over tokens with ignored labels (-100) spread unevenly over the chunks that the "
             f"compile could not divide by the whole batch's count: one in loss_fn, one whose "
             f"labels are written in place (mask them with torch.where), or one not linear in "

@@ -321,7 +321,7 @@ def test_router_auxiliary_loss_under_dp_verify_fail_says_why(tmp_path, tools):
     got = float(re.search(r"^verify: loss (\S+) \(reference", res.stdout, re.M).group(1))
     hint = re.search(r"^verify: the loss is not a mean over samples: on the batch cut into "
                      r"mesh.dp \(2\) x pipeline.microbatches \(2\) chunks, as the program "
-                     r"computes it, the unmodified model's loss averages to (\S+), on the whole "
-                     r"batch it is (\S+) ", res.stdout, re.M)
+                     r"computes it, the unmodified model's loss averages to ([-0-9.e]+), on the "
+                     r"whole batch it is ([-0-9.e]+)", res.stdout, re.M)
     assert hint, res.explain()
     assert abs(got - float(hint.group(1))) <= 1e-5 < abs(got - float(hint.group(2)))

@@ -128,6 +128,9 @@ def test_run_time_chunk_line_compares_the_fp32_losses_at_fp32_tolerances():
         "the loss is not a mean over samples: on the batch cut into mesh.dp (2) x "
         "pipeline.microbatches (1) chunks")
     ref["loss.chunked"] = ref["loss"].clone()
+    assert any(k.startswith("chunked.grad.") for k in ref)  # batch statistics: gradients too
+    assert chunks_line(ref, 2, 1, vcfg).startswith("the loss is not a mean over samples")
+    ref = {k: v for k, v in ref.items() if not k.startswith("chunked.")}
     assert chunks_line(ref, 2, 1, vcfg).endswith("so the loss is a mean over samples")
 
 
@@ -247,3 +250,36 @@ def test_a_token_mean_with_unevenly_ignored_labels_is_named():
                             ["x", "labels"], spec)
     (warning,) = sample_mean_warnings(ref, spec)
     assert "a mean over tokens with ignored labels (-100) spread unevenly" in warning, warning
+
+
+class _AuxLoss(nn.Module):
+    """A mean square plus 1e-4 x a load-balancing term over the batch's mean routing
+    probabilities (not linear in the samples): the chunks' loss stays within 1e-5 of the
+    whole batch's, the router's gradient, which only that term reaches, does not."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.gate = nn.Linear(6, 6), nn.Linear(6, 4, bias=False)
+
+    def forward(self, x):
+        importance = self.gate(x).softmax(-1).mean(0)
+        return self.fc(x).pow(2).mean() + 1e-4 * 4 * (importance * importance).sum()
+
+
+def test_a_gradient_the_chunks_change_is_a_compile_warning_when_the_loss_agrees():
+    """A held-out zoo's router-style auxiliary loss at pp2 x 2 microbatches: no warning, and
+    --verify FAILed on the router's gradient while saying "the loss is a mean over samples"."""
+    from parallelizer.runtime.verify import chunks_line
+    torch.manual_seed(0)
+    spec = load_spec(SPEC, ["mesh.dp=2"])
+    batch = (torch.randn(8, 6, generator=torch.Generator().manual_seed(0)) * 10,)
+    ref = compute_reference(_AuxLoss(), batch, lambda out, b: out, ["x"], spec)
+    assert torch.allclose(ref["loss.chunked"], ref["loss"], atol=1e-5, rtol=1e-5)
+    assert [k for k in ref if k.startswith("chunked.")] == ["chunked.grad.gate.weight"]
+    warnings = sample_mean_warnings(ref, spec)
+    assert len(warnings) == 1 and "; the gradient of gate.weight differs from the whole " \
+                                  "batch's by up to" in warnings[0], warnings
+    assert chunks_line(ref, 2, 2, {"atol": 1e-5, "rtol": 1e-5}) == warnings[0]
+    # a mean over samples: neither
+    ref = compute_reference(nn.Linear(6, 3), batch, _mse, ["x"], spec)
+    assert sample_mean_warnings(ref, spec) == [] and not any(k.startswith("chunked.") for k in ref)
