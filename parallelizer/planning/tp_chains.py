@@ -35,6 +35,13 @@ def chains_whole(graph: fx.Graph, sites: list, tp: int, decision: TPDecision, ch
     decision.report.append(
         f"kept whole, the head of a chain of linears: {', '.join(sorted(heads))} (the linears "
         f"it fed are columns instead: {after} bytes per rank per step instead of {before})")
+    pairs = chosen[0]
+    for w in sorted(heads):  # planning/tp.py reports these lines for each, not "no pair"
+        fed = ", ".join(sorted(pairs[w] & found[1])) or "none"
+        decision.replicated[w] = [
+            f"replicated linear: {w} (the head of a chain of linears, kept whole: the linears "
+            f"it feeds are column_parallel over heads ({fed}) and the chain's end their row, "
+            f"{after} bytes per rank per step instead of {before} with it sharded)"]
     return found
 
 

@@ -62,6 +62,9 @@ def test_latent_attention_shards_heads_not_the_rank():
     assert d.column == {"q_b.weight", "kv_b.weight"} and d.row == {"o.weight"}, d.report
     assert any(line.startswith("kept whole, the head of a chain of linears: kv_a.weight, "
                                "q_a.weight") for line in d.report), d.report
+    assert d.replicated["q_a.weight"][0].startswith(
+        "replicated linear: q_a.weight (the head of a chain of linears, kept whole: the linears "
+        "it feeds are column_parallel over heads (q_b.weight) and the chain's end their row, ")
     # the shared rope key is cut to each rank's heads locally, never all-reduced
     assert {r.kind for r in d.redistributions} == {"scatter"}, d.redistributions
 
