@@ -61,6 +61,7 @@ from .planning.pipeline_summary import (check_microbatches, check_placement, sum
 from .planning.tensors import alias_map, build_plan, pipeline_structure, tied_groups
 from .planning.sequence import plan_sequence_parallel
 from .planning.token_mean import plan_token_mean, token_mean_note
+from .runtime.token_mean import counter
 from .passes.norm_precision import apply_norm_precision
 from .passes.recompute_writes import apply_recompute_writes
 from .planning.tp import plan_tp
@@ -359,11 +360,15 @@ def emit(analysis: Analysis, planned: Planned, checked: Checked,
         state = {fqn: attrgetter(fqn)(gm).detach().clone() for fqn in plan_.tensors}
         if reference:
             stepped = model if owns_model else copy_model(model)
-            # a loss that is only whole-step token means is the whole batch's at any chunking
-            whole = loss_fn in (None, default_loss) and plan_.token_means.get("exact", False)
+            # a loss that is one whole-step token mean: the chunks weighed by their counts
+            # (several sites: no chunk weighing fits every one, no check)
+            means = plan_.token_means if loss_fn in (None, default_loss) else {}
+            whole = means.get("exact", False)
+            count = counter(means["counter"]) if whole and len(means["sites"]) == 1 else None
             ref = stack_reference(compute_reference(stepped, batch, loss_fn or default_loss,
                                                     analysis.captured.input_names, spec, model_file,
-                                                    chunks=not whole),
+                                                    chunks=not whole or count is not None,
+                                                    count=count),
                                   analysis.stacked)
             pp_warnings = pp_warnings + nonfinite_warnings(ref) + sample_mean_warnings(ref, spec)
     tp = planned.tp

@@ -23,19 +23,21 @@ from ..runtime.verify import not_sample_mean, within
 
 
 def compute_reference(model: torch.nn.Module, batch, loss_fn, input_names, spec,
-                      model_file=None, chunks: bool = True) -> dict:
+                      model_file=None, chunks: bool = True, count=None) -> dict:
     """Run one training step of ``model`` (mutates it: call after snapshotting weights)
     with ``spec.verify.optimizer`` at ``spec.optimizer.lr``; with ``noise.KEY`` entries
     (:func:`rounding_noise`) for models of at most NOISE_MAX_PARAMETERS parameters.
-    ``chunks``: also the loss over the program's dp x microbatch chunks (``loss.chunked``);
-    off when the program's loss is the whole batch's whatever the chunks (a token mean over
-    the whole step's count, runtime/token_mean.py)."""
+    ``chunks``: also the loss over the program's dp x microbatch chunks (``loss.chunked``).
+    ``count``: where the program's loss is one token mean over the whole step's count
+    (runtime/token_mean.py), the plan's counter (its inputs the flat batch, its first value
+    the count): each chunk's loss is then weighted by its share of the count, as the program
+    weighs it, so that only what else couples the chunks (BatchNorm's statistics) shows."""
     args, kwargs = split_args(batch)
     flat_in, _ = tree_flatten((args, kwargs))
     ref = {f"input.{n}": t.detach().clone().contiguous() for n, t in zip(input_names, flat_in)}
     wide = fp64_copy(model)
     chunk_grads: dict = {}
-    ref.update(_one_step(model, batch, loss_fn, spec, model_file, chunks, chunk_grads))
+    ref.update(_one_step(model, batch, loss_fn, spec, model_file, chunks, chunk_grads, count))
     if wide is not None:
         ref.update(rounding_noise(ref, wide, batch, loss_fn, spec, model_file))
     ref.update(gradient_gap(ref, chunk_grads, spec.verify.atol, spec.verify.rtol))
@@ -140,7 +142,7 @@ def max_abs_diff(got: torch.Tensor, exact: torch.Tensor) -> float:
 
 
 def _one_step(model: torch.nn.Module, batch, loss_fn, spec, model_file, chunks: bool = True,
-              chunk_grads: dict | None = None) -> dict:
+              chunk_grads: dict | None = None, count=None) -> dict:
     """loss, outputs, gradients, the buffers the forward wrote and the stepped parameters of
     one step of ``model``; with ``chunks``, the loss over the program's dp x microbatch
     chunks too (:func:`chunked_step`), its gradients into ``chunk_grads``."""
@@ -176,7 +178,7 @@ def _one_step(model: torch.nn.Module, batch, loss_fn, spec, model_file, chunks: 
     # the weights before the step; after the whole batch's loss_fn (its errors name the
     # reference step) and its backward (the chunks put buffers back in place)
     step = chunked_step(model, batch, loss_fn, spec.mesh.dp * spec.pipeline.microbatches,
-                        model_file) if chunks else None
+                        model_file, count) if chunks else None
     if step is not None:
         ref["loss.chunked"] = step[0]
         if chunk_grads is not None:
@@ -195,7 +197,8 @@ def chunked_loss(model: torch.nn.Module, batch, loss_fn, chunks: int, model_file
     return None if step is None else step[0]
 
 
-def chunked_step(model: torch.nn.Module, batch, loss_fn, chunks: int, model_file=None):
+def chunked_step(model: torch.nn.Module, batch, loss_fn, chunks: int, model_file=None,
+                 count=None):
     """The mean of the model's loss over ``chunks`` equal row chunks of ``batch`` (in order:
     the data-parallel ranks' rows, each cut into its microbatches), as the program computes
     its loss (0-dim fp32), and the gradients of that mean (parameter name -> tensor), or None
@@ -207,12 +210,23 @@ def chunked_step(model: torch.nn.Module, batch, loss_fn, chunks: int, model_file
     rounding); one that is not (a router auxiliary loss over the batch's routing, batch
     statistics) does not, and no data-parallel program can then equal the whole-batch
     reference (see runtime/verify.py). A term weighted small (an auxiliary loss x 1e-3) may
-    leave the loss within tolerance and still dominate a weight's gradient: both are kept."""
+    leave the loss within tolerance and still dominate a weight's gradient: both are kept.
+    ``count``: a token mean's counter (:func:`compute_reference`); chunk ``c``'s loss is
+    weighted ``count(c) / count(batch)`` instead of ``1 / chunks``, and None is returned
+    where a chunk counts no token (its mean is 0 / 0)."""
     flat, _ = tree_flatten(batch)
     rows = next((t.shape[0] for t in flat if isinstance(t, torch.Tensor) and t.dim()), 0)
     if chunks <= 1 or not rows or rows % chunks:
         return None
     n = rows // chunks
+    parts = [tree_map(lambda t: t[c * n:(c + 1) * n] if isinstance(t, torch.Tensor)
+                      and t.dim() and t.shape[0] == rows else t, batch) for c in range(chunks)]
+    weights = [1.0 / chunks] * chunks
+    if count is not None:
+        counted = [float(count(*tree_flatten(split_args(p))[0])[0]) for p in parts]
+        if not all(counted):
+            return None
+        weights = [c / sum(counted) for c in counted]
     buffers = {k: b.detach().clone() for k, b in model.named_buffers()}
     named = dict(model.named_parameters())
     kept = {name: p.grad for name, p in named.items()}
@@ -221,14 +235,12 @@ def chunked_step(model: torch.nn.Module, batch, loss_fn, chunks: int, model_file
         model.zero_grad(set_to_none=True)
         with torch.random.fork_rng(devices=[]), checkpoint_off(), EagerDropoutOff(), \
                 RandomStandIns():
-            for c in range(chunks):
-                part = tree_map(lambda t: t[c * n:(c + 1) * n] if isinstance(t, torch.Tensor)
-                                and t.dim() and t.shape[0] == rows else t, batch)
+            for part, weight in zip(parts, weights):
                 a, kw = split_args(part)
-                loss = call_loss_fn(loss_fn, model(*a, **kw), part, model_file)
+                loss = call_loss_fn(loss_fn, model(*a, **kw), part, model_file) * weight
                 if backward and loss.requires_grad:
                     try:
-                        (loss / chunks).backward()
+                        loss.backward()
                     except RuntimeError:  # state a forward carries over (the step refuses it)
                         backward = False
                 losses.append(loss.detach().float())
@@ -240,7 +252,7 @@ def chunked_step(model: torch.nn.Module, batch, loss_fn, chunks: int, model_file
                 b.copy_(buffers[k])
         for name, p in named.items():
             p.grad = kept[name]
-    return torch.stack(losses).mean().reshape(()), grads
+    return torch.stack(losses).sum().reshape(()), grads
 
 
 def gradient_gap(ref: dict, grads: dict, atol: float, rtol: float) -> dict:
