@@ -7,7 +7,8 @@ Reads the graph and the TP decision, changes neither; returns its own
 :class:`~parallelizer.plan.decisions.VocabDecision` (passes/vocab_parallel.py applies it):
 
 - the vocabulary tables are the ``aten.embedding`` weights an LM head reads (tied) or has the
-  shape of, else (no head: an encoder) those with the most rows; position and token-type
+  shape of, else (no head: an encoder) those with the most rows among the tables the model's
+  inputs index (token ids, not ``arange`` positions or distances); position and token-type
   tables stay replicated. Each is ``Shard(0)`` with layout ``padded``: padded to a multiple
   of tp when tp does not divide it (padded_size = the vocabulary when it does, so a reshard
   to another tp pads it);
@@ -74,7 +75,13 @@ def plan_vocab(graph: fx.Graph, tp: int, mode, canonical: dict, tp_decision: TPD
     headed = {f for f in rows if any(u.target is aten.linear.default for a in reads[f]
                                      for u in a.users)}
     headed |= {f for f in rows for n in untied if tuple(shape(n.args[1])) == rows[f]}
-    pool = headed or set(rows)
+    # without a head (an encoder) the vocabulary is a table the model's inputs index: a
+    # relative-position table indexed by ``arange`` distances (Wav2Vec2-BERT's
+    # distance_embedding, read per head) is no vocabulary, whatever its rows
+    pool = headed or {canon(n.args[0].target) for n in lookups if _indexed_by_inputs(n.args[1])}
+    if not pool:
+        return _off(decision, mode, "no embedding is indexed by the model's inputs (the "
+                                    "tables are positions or distances it computes)")
     vocab = max(rows[f][0] for f in pool)
     tables = sorted(f for f in pool if rows[f][0] == vocab)
     for f in sorted(set(rows) - set(tables)):
@@ -259,6 +266,26 @@ def _plain_ce(c: fx.Node, logits: fx.Node) -> bool:
         return False
     args = list(c.args) + [None, 1, -100, 0.0][len(c.args) - 2:]
     return args[0] is logits and args[1] is not logits and args[2] is None and args[5] == 0.0
+
+
+def _indexed_by_inputs(idx) -> bool:
+    """``idx`` (an embedding's indices) is computed from a model input's values (token ids,
+    clamped or shifted), not only from sizes (``arange(x.shape[1])``) and buffers."""
+    todo, seen = [idx], set()
+    while todo:
+        n = todo.pop()
+        if not isinstance(n, fx.Node) or n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            return True
+        if n.op == "call_function" and n.target in _SIZES:
+            continue
+        todo += n.all_input_nodes
+    return False
+
+
+_SIZES = {aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int}
 
 
 def _off(decision: VocabDecision, mode, why: str) -> VocabDecision:

@@ -63,7 +63,9 @@ VOCAB = {
     "t5": (["decoder.embed_tokens.weight", "encoder.embed_tokens.weight", "lm_head.weight",
             "shared.weight"], ["lm_head.weight"]),
     "vit": ([], []),  # no embedding
-    "electra": (["embeddings.position_embeddings.weight", "embeddings.word_embeddings.weight"], []),
+    # ELECTRA's positions come from its position_ids buffer, not the inputs: no vocabulary
+    # (RoBERTa's are computed from input_ids, so its table of the vocabulary's rows still is)
+    "electra": (["embeddings.word_embeddings.weight"], []),
 }
 
 
