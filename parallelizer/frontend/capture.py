@@ -28,7 +28,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, treespec_dumps
 from ..errors import CaptureError
 from . import custom_functions
 from .conv import channel_maps_as_linears
-from .einsum import einsums_as_linears, matmuls_as_linears
+from .einsum import einsums_as_linears, matmuls_as_linears, zero_baddbmm_as_bmm
 from .graph_rewrite import returns_view
 from .model_file import user_frame
 
@@ -182,6 +182,7 @@ def capture(model: torch.nn.Module, batch: tuple | dict, model_file: Path) -> Ca
     _one_op_per_meaning(gm)
     einsums_as_linears(gm)
     matmuls_as_linears(gm)
+    zero_baddbmm_as_bmm(gm)
     channel_maps_as_linears(gm)
     custom_functions.check_backward(model, gm, args, kwargs, applied, model_file)
     return Captured(gm, names, bool(kwargs), out_spec, route)

@@ -300,6 +300,41 @@ def matmuls_as_linears(gm: fx.GraphModule) -> int:
     return done
 
 
+_ZEROS = {aten.zeros.default, aten.new_zeros.default, aten.zeros_like.default}
+
+
+def zero_baddbmm_as_bmm(gm: fx.GraphModule) -> int:
+    """Rewrite ``baddbmm(zeros(..), q, k, beta, alpha)`` (or any input with ``beta=0``) into
+    the ``alpha * bmm(q, k)`` it computes: attention scores started from a zeros tensor of
+    the merged (batch x heads) shape (GPT-NeoX-Japanese). The zeros, sized by the global
+    heads, have no sharded rule beside head-sharded q and k, which kept the attention
+    replicated; ``bmm`` has one. Returns how many."""
+    done = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.baddbmm.default \
+                or len(node.args) != 3:
+            continue
+        base, q, k = node.args
+        beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
+        if set(node.kwargs) - {"beta", "alpha"} or not (beta == 0 or isinstance(base, fx.Node)
+                                                        and base.target in _ZEROS):
+            continue
+        with gm.graph.inserting_before(node):
+            call = caller(gm.graph, node, [val(q), val(k)])
+            out = call(aten.bmm.default, q, k)
+            if alpha != 1:
+                out = call(aten.mul.Tensor, out, alpha)
+        node.replace_all_uses_with(out)
+        gm.graph.erase_node(node)
+        if isinstance(base, fx.Node) and not base.users:
+            gm.graph.erase_node(base)
+        done += 1
+    if done:
+        gm.graph.lint()
+        gm.recompile()
+    return done
+
+
 def _weight_first(graph: fx.Graph, node: fx.Node, params: set) -> bool:
     """Rewrite ``matmul(W, y)`` (W a 2-D parameter read directly or through casts, y of
     rank 3 or more and W's dtype) into ``linear(y.transpose(-1, -2), W).transpose(-1, -2)``;
