@@ -33,7 +33,7 @@ from .tp_candidates import (check_divisible, divisible, indivisible, merged_layo
                             one_head_whole, pairs_settled, replicated_plan)
 from .tp_chains import chains_whole
 from .tp_matrices import custom_op_weights, op_text, other_matrices
-from .tp_seeds import conditioning_ops, linears_feeding, nearest_linears
+from .tp_seeds import conditioning_ops, first_end, linears_feeding, nearest_linears
 
 
 
@@ -117,7 +117,7 @@ def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False,
     decision.other_replicated = other_matrices(graph, decision, expert_dims or {})
     decision.report += list(decision.other_replicated.values())
     if not column and not row:
-        _nothing_sharded(decision, tp, allow_replicated, bool(expert_dims))
+        _nothing_sharded(decision, tp, allow_replicated, bool(expert_dims), first_end(sites))
     else:  # the backward's f edges and Partial gradients, derived (planning/gradients.py)
         plan_gradients(graph, decision)
     return decision
@@ -145,17 +145,18 @@ def _why_unpaired(site, is_linear: dict, column: set, row: set) -> str:
 
 
 def _nothing_sharded(decision: TPDecision, tp: int, allow_replicated: bool,
-                     experts_split: bool = False) -> None:
+                     experts_split: bool = False, ends: str = "") -> None:
     """tp > 1 with nothing sharded: every rank would hold the whole model and only add
     all-reduces. An error unless the spec allows it (then a warning), or a warning that only
     the experts are split."""
     why = (f"the first op that stopped it: {decision.blockers[0]}" if decision.blockers else
+           f"no column/row pair was found: {ends}" if ends else
            "no linear layer feeds another (a matmul with a 2-D parameter operand whose output "
            "reaches a second one; a weight computed in forward (torch.nn.utils.parametrizations: "
            "weight_norm, spectral_norm) is no parameter operand)")
-    flat = [line for line in decision.other_replicated.values() if ", flat, read by " in line]
-    if flat and not decision.blockers:  # the matrices the model does use, stored flat
-        why += f"; {flat[0].removeprefix('replicated: ')}"
+    other = sorted(decision.other_replicated.values(), key=lambda line: ", flat, read by " not in line)
+    if other and not decision.blockers:  # the matrices the model does use (stored flat, convs)
+        why += f"; {other[0].removeprefix('replicated: ')}"
     if experts_split:
         if any(w.startswith(f"mesh.tp={tp} keeps") for w in decision.warnings):
             return  # tp_candidates._kept_warning said which linears and why

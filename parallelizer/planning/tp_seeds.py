@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..analysis.graph_facts import aten, from_constants
+from ..analysis.graph_facts import aten, from_constants, source_line
 from ..plan.parallel_plan import DROPOUT_OPS
 
 _STOP = {aten.embedding.default}
@@ -81,25 +81,45 @@ def chain_heads(sites: list, pairs: dict) -> frozenset:
         r in by_weight and _walk(by_weight[r].node, is_linear, True) - {c} for r in rows))
 
 
+def first_end(sites: list) -> str:
+    """Where the first linear's walk (graph order) that reaches no other linear ends and
+    why, when such a walk ends at a norm, an embedding, a router or a conditioning op ('';
+    not at a residual add, a block's end): for a model with linears but no pair."""
+    is_linear = {s.node: s for s in sites}
+    for site in sites:
+        ends: list = []
+        if _feeds_residual(site.node, is_linear):  # the stream itself: no column (seed_pairs)
+            continue
+        if not _walk(site.node, is_linear, True, ends=ends) and ends:
+            node, why = ends[0]
+            where = source_line(node)
+            return (f"{site.weight}'s output meets {node.target}"
+                    f"{f' at {where}' if where else ''} ({why}) before any other linear")
+    return ""
+
+
 def _out_features(site) -> int | None:
     val = site.node.meta.get("val")
     return int(val.shape[-1]) if val is not None and val.dim() else None
 
 
 def _walk(start: fx.Node, is_linear: dict, residual_stop: bool, siblings=None,
-          conditioned=None) -> set:
+          conditioned=None, ends=None) -> set:
     """Row weights ``start``'s output reaches; the weights of sibling branches it passes
     (:func:`_sibling_linears`) are added to ``siblings``, the conditioning ops it stops at
-    (:func:`_conditioning`) to ``conditioned``."""
+    (:func:`_conditioning`) to ``conditioned``, each op that ends a path to ``ends`` (a
+    list of (node, why))."""
     seen, frontier, reached = {start}, [start], set()
     siblings = set() if siblings is None else siblings
     conditioned = set() if conditioned is None else conditioned
+    ends = [] if ends is None else ends
     while frontier and len(seen) < _WALK_LIMIT:
         node = frontier.pop()
         for user in _data_users(node):
             if user in seen or user.op != "call_function":
                 continue
             if user.target in _ROUTING:
+                ends.append((user, "a mixture-of-experts router's top-k"))
                 return set()
             seen.add(user)
             if user in is_linear:
@@ -111,15 +131,19 @@ def _walk(start: fx.Node, is_linear: dict, residual_stop: bool, siblings=None,
                     reached.add(site.weight)
                 continue
             if user.target in _NORMS and _whole_features(user, start):
+                ends.append((user, "a LayerNorm over all its features, which ends a pair as a "
+                                   "block's input norm does"))
                 continue
             if user.target in _STOP:
+                ends.append((user, "an embedding"))
                 continue
             if _conditioning(user, node) and _one_row_per_sample(start):
                 conditioned.add(user)
+                ends.append((user, "a per-sample conditioning broadcast"))
                 continue
             if residual_stop and _residual_add(user, seen, start, is_linear):
                 branch = _sibling_linears(user, node, start, is_linear)
-                if branch is None:
+                if branch is None:  # a block's end: no reason worth naming
                     continue
                 siblings |= branch
             frontier.append(user)

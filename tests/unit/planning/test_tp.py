@@ -500,3 +500,16 @@ def test_a_layout_conflict_names_the_read_in_parts_and_its_module(tmp_path, caps
                              "op that stopped it: aten.slice.Tensor at model.py:12 in blocks.0: "
                              "blocks.0.fc1.weight's output is used both as an evenly split "
                              "tensor and as a fused tensor"), io.err
+
+
+def test_a_pair_ended_by_a_norm_names_the_norm_not_no_linear(tmp_path, capsys):
+    """fc1 -> LayerNorm over its features -> fc2 (NormFormer's FFN norm): the refusal said "no
+    linear layer feeds another" (a held-out zoo); it names the norm that ends the walk."""
+    code, io = _compile_cli(tmp_path, capsys,
+                            "(lambda h: torch.nn.functional.layer_norm(h, (64,)))")
+    assert code == 2
+    assert io.err.startswith("error: mesh.tp=2 but no weight matrix could be sharded; no "
+                             "column/row pair was found: blocks.0.fc1.weight's output meets "
+                             "aten.layer_norm.default at model.py:12 (a LayerNorm over all its "
+                             "features, which ends a pair as a block's input norm does) before "
+                             "any other linear"), io.err
