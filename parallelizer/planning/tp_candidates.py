@@ -26,14 +26,14 @@ def pairs_settled(graph, sites, tp: int, decision: TPDecision):
     cheaper program by communication. (Through the residual stream with redistributions,
     the walks pair a block's output projection with the next block's linears and cut the
     residual stream to meet them.)"""
-    first = _candidate(graph, seed_pairs(sites, True), tp, decision)
+    first = candidate(graph, seed_pairs(sites, True), tp, decision)
     if first[1] and not (first[3].applied or first[3].applied_reduces):
         return first
     other = seed_pairs(sites, False)
     if other == first[0]:
         return first
     scratch = TPDecision(tp=tp, linears=decision.linears, biases=decision.biases)
-    second = _candidate(graph, other, tp, scratch)
+    second = candidate(graph, other, tp, scratch)
     size = _weight_sizes(graph)
     if second[3].applied or second[3].applied_reduces or sum(
             size.get(w, 0) for w in second[1] | second[2]) < sum(
@@ -57,7 +57,7 @@ def indivisible(graph, sites, tp: int, decision: TPDecision, first, experts_spli
     prop = first[3]
     if prop.applied or prop.applied_reduces:
         plain = TPDecision(tp=tp, linears=decision.linears, biases=decision.biases)
-        chosen = _candidate(graph, seed_pairs(sites, True), tp, plain, redistribute=False)
+        chosen = candidate(graph, seed_pairs(sites, True), tp, plain, redistribute=False)
     options = [(chosen, plain), _whole_indivisible(graph, tp, decision, first)]
     kv = _whole_kv(graph, seed_pairs(sites, True), tp, decision, prop)
     if kv is not None:  # other sizes left (OLMo-2's FFN of 37 at tp 4): those groups whole too
@@ -104,7 +104,7 @@ def _whole_kv(graph, pairs: dict, tp: int, decision: TPDecision, prop):
             return (found, scratch, kept) if kept else None
         kept.update(new)
         scratch = TPDecision(tp=tp, linears=decision.linears, biases=decision.biases)
-        found = _candidate(graph, pairs, tp, scratch, kept=kept)
+        found = candidate(graph, pairs, tp, scratch, kept=kept)
         prop = found[3]
     return None
 
@@ -132,7 +132,7 @@ def one_head_whole(graph, tp: int, decision: TPDecision, chosen):
     why = ("its output is one head ([.., 1, head_dim] by a view, or [.., 1, tokens, head_dim] "
            "by an unsqueeze); split, it would be split "
            "along head_dim, which attention takes only gathered")
-    found = _candidate(graph, pairs, tp, scratch, kept={w: why for w in one})
+    found = candidate(graph, pairs, tp, scratch, kept={w: why for w in one})
     size = _weight_sizes(graph)
     more = sum(size.get(w, 0) for w in found[1] | found[2]) > sum(
         size.get(w, 0) for w in column | row)
@@ -174,7 +174,7 @@ def _two_roles(graph, column: set, row: set) -> list[str]:
     return sorted(w for w, d in dims.items() if len(d) > 1 or (w in column and w in row))
 
 
-def _candidate(graph, pairs: dict, tp: int, decision: TPDecision, redistribute: bool = True,
+def candidate(graph, pairs: dict, tp: int, decision: TPDecision, redistribute: bool = True,
                kept=None):
     """Settle the pairs; ``kept``: column weights left whole (:func:`_whole_kv`,
     :func:`one_head_whole`), each with why, reported."""
@@ -344,7 +344,7 @@ def replicated_plan(graph, tp: int, decision: TPDecision, prop: Propagation):
     needs a size tp does not divide and no plan keeps only its groups whole: the size is
     the blocker the compile's warning names."""
     decision.blockers = [f"tp must divide {_size_text(_not_dividing(prop, tp)[0], prop)}"]
-    return _candidate(graph, {}, tp, TPDecision(tp=tp, linears=decision.linears,
+    return candidate(graph, {}, tp, TPDecision(tp=tp, linears=decision.linears,
                                                 biases=decision.biases))
 
 
@@ -405,7 +405,7 @@ def _whole_indivisible(graph, tp: int, decision: TPDecision, first, kept=None):
         why.update(new)
         scratch = TPDecision(tp=tp, linears=decision.linears, biases=decision.biases)
         left = {c: set() if c in why else rows - set(why) for c, rows in pairs.items()}
-        found = _candidate(graph, left, tp, scratch, kept=kept)
+        found = candidate(graph, left, tp, scratch, kept=kept)
         prop = found[3]
     if found is None or _not_dividing(prop, tp):
         return None
@@ -461,7 +461,7 @@ def merged_whole(graph, sites, tp: int, decision: TPDecision, chosen):
     if not bad:
         return chosen
     scratch = TPDecision(tp=tp, linears=decision.linears, biases=decision.biases)
-    found = _candidate(graph, pairs, tp, scratch, kept=bad)
+    found = candidate(graph, pairs, tp, scratch, kept=bad)
     if not divisible(found[3], tp):
         w, why = sorted(bad.items())[0]
         raise PlanError(f"mesh.tp ({tp}) cannot shard {w}: {why}; store the weight with the "

@@ -13,7 +13,7 @@ import torch.fx as fx
 
 from ..plan.decisions import TPDecision
 from .redistributions import all_reduce_bytes, redistributions
-from .tp_candidates import _candidate, divisible
+from .tp_candidates import candidate, divisible
 from .tp_seeds import chain_heads, seed_pairs
 
 
@@ -25,7 +25,7 @@ def chains_whole(graph: fx.Graph, sites: list, tp: int, decision: TPDecision, ch
     if not heads:
         return chosen
     scratch = TPDecision(tp=tp, linears=decision.linears, biases=decision.biases)
-    found = _candidate(graph, seed_pairs(sites, True, whole=heads), tp, scratch)
+    found = candidate(graph, seed_pairs(sites, True, whole=heads), tp, scratch)
     if not divisible(found[3], tp) or not (chosen[1] | chosen[2]) - heads <= found[1] | found[2]:
         return chosen
     before, after = bytes_per_step(graph, sites, chosen, tp), bytes_per_step(graph, sites, found, tp)
