@@ -21,6 +21,7 @@ from .passes.attention import apply_eager_attention
 from .passes.cleanup import apply_cleanup
 from .passes.explicit_sizes import apply_explicit_sizes
 from .passes.manager import PassManager
+from .passes.norms_over_projections import apply_norms_over_projections
 from .passes.stack_experts import apply_stack_experts
 from .planning.pipeline import find_blocks
 from .planning.tensors import alias_map, tied_groups
@@ -48,13 +49,15 @@ class Analysis:
 
 
 def analyse(model: torch.nn.Module, batch, name: Path, passes: PassManager,
-            pp: int = 1, ep: int = 1, microbatches: int = 1, dp: int = 1) -> Analysis:
+            pp: int = 1, ep: int = 1, microbatches: int = 1, dp: int = 1,
+            tp: int = 1) -> Analysis:
     """Capture ``model`` (in training mode where it was built all in eval mode, else each
     module's mode as built: frontend/modes.py) on ``batch`` and rewrite attention as eager
     runs it, so that every planner sees what the model computes (SDPA's is_causal /
     enable_gqa for the mask and the repeated kv heads export materialised). At ``ep`` > 1 a
     list of expert modules becomes one grouped computation on stacked weights
-    (passes/stack_experts.py).
+    (passes/stack_experts.py); at ``tp`` > 1 a norm over a linear's whole output is written
+    as the means it computes (passes/norms_over_projections.py).
 
     Raises:
         CaptureError: the model cannot be captured. PlanError: ``pp`` > 1 and an output has
@@ -70,6 +73,8 @@ def analyse(model: torch.nn.Module, batch, name: Path, passes: PassManager,
     rewritten: list = []
     passes.run("eager_attention", apply_eager_attention, captured.gm, rewritten)
     passes.run("explicit_sizes", apply_explicit_sizes, captured.gm)
+    if tp > 1:
+        passes.run("norms_over_projections", apply_norms_over_projections, captured.gm)
     stacked: dict = {}
     unstacked: list = []
     if ep > 1:

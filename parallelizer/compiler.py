@@ -133,7 +133,7 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
     passes = PassManager(dump_passes)
     analysis = analyse(model, batch, model_file or Path("<in-memory model>"), passes,
                        pp=spec.mesh.pp, ep=spec.mesh.ep,
-                       microbatches=spec.pipeline.microbatches, dp=spec.mesh.dp)
+                       microbatches=spec.pipeline.microbatches, dp=spec.mesh.dp, tp=spec.mesh.tp)
     pp_warnings += fixed_size_warnings(fixed_sizes(analysis.captured.gm,
                                                    analysis.captured.input_names),
                                        analysis.captured.gm)

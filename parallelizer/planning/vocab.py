@@ -32,8 +32,8 @@ from ..plan.decisions import TPDecision, VocabDecision
 from ..plan.layouts import Padded
 from .tp_matrices import linear_counts
 from ..errors import PlanError
-from ..analysis.graph_facts import aten, is_tensor, same, shape, source_line, weight_fqn
-from ..analysis.logits import logits_region
+from ..analysis.graph_facts import aten, shape, source_line, weight_fqn
+from ..analysis.logits import logits_region, produces_logits
 
 KEY = "tensor_parallel.vocab_parallel"
 
@@ -107,43 +107,6 @@ def plan_vocab(graph: fx.Graph, tp: int, mode, canonical: dict, tp_decision: TPD
                 heads.append(n)
     _decide(graph, decision, tp, vocab, tables, heads, canonical)
     return decision
-
-
-# products and attention: a value past one of these is no longer the head's logits
-_CONTRACTIONS = frozenset({
-    aten.linear.default, aten.addmm.default, aten.mm.default, aten.bmm.default,
-    aten.matmul.default, aten.baddbmm.default, aten.einsum.default, aten.convolution.default,
-    aten.scaled_dot_product_attention.default,
-    aten._scaled_dot_product_flash_attention.default,
-    aten._scaled_dot_product_efficient_attention.default,
-    aten._scaled_dot_product_flash_attention_for_cpu.default,
-    aten._scaled_dot_product_cudnn_attention.default})
-_HEAD_SPLITS = frozenset({aten.view.default, aten.reshape.default, aten._unsafe_view.default,
-                          aten.unflatten.int})
-
-
-def produces_logits(linear: fx.Node) -> bool:
-    """Whether ``linear``'s output reaches the graph's output (the logits returned, or a loss
-    computed from them) with no product or attention between and without its features being
-    split into heads (a view to more dims that keeps no dim of their size): the LM head's
-    role in the graph. A block's q|k|v, gate or up projection feeds attention or the down
-    projection first; its k returned as a cache is viewed into heads."""
-    features = shape(linear)[-1] if is_tensor(linear) else -1
-    seen, frontier = {linear}, [linear]
-    while frontier:
-        node = frontier.pop()
-        for u in node.users:
-            if u.op == "output":
-                return True
-            if u in seen or u.op != "call_function" or u.target in _CONTRACTIONS:
-                continue
-            if u.target in _HEAD_SPLITS and is_tensor(node) and is_tensor(u) \
-                    and len(shape(u)) > len(shape(node)) \
-                    and not any(same(d, features) for d in shape(u)):
-                continue
-            seen.add(u)
-            frontier.append(u)
-    return False
 
 
 def a_of(user: fx.Node, attrs: list) -> fx.Node:

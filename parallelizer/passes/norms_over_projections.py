@@ -1,0 +1,118 @@
+"""norms_over_projections pass: at mesh.tp > 1, a LayerNorm or RMSNorm over a linear's whole
+output (not the residual stream) is written as the means it computes.
+
+Such a norm sits inside a Megatron pair: NormFormer's FFN norm (``fc2(LayerNorm(gelu(fc1
+(x))))``), a query norm over the whole projection written with ``nn.RMSNorm`` (OLMo-2's, which
+transformers spells out). As one op it ended the seed walk as a block's input norm does (the
+pair's two linears stayed whole, or the whole model was refused), and where a pair reached it
+DTensor's strategy all-gathered the features. Written out, its means over the sharded
+features are Partial and all-reduced right after ([B, T, 1] each, analysis/sharding/
+redistribute.py), its weight and bias sharded with the features, as transformers' own
+OLMo-2 q_norm already was. The values differ from the fused kernel's by rounding only;
+at mesh.tp = 1 nothing is rewritten (the program stays bit-exact where it was).
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ..analysis.graph_facts import aten, as_linear
+from ..analysis.logits import produces_logits
+from ..frontend.graph_rewrite import caller, val
+
+_NORMS = {aten.layer_norm.default, aten.rms_norm.default}
+# a linear's output reaches the norm through these alone (activations, dropout, casts)
+_ONE_INPUT = {aten.gelu.default, aten.silu.default, aten.relu.default, aten.tanh.default,
+              aten.sigmoid.default, aten.dropout.default, aten.clone.default,
+              aten._to_copy.default, aten.to.dtype, aten.contiguous.default}
+
+
+def apply_norms_over_projections(gm: fx.GraphModule) -> int:
+    """Rewrite each such norm of ``gm`` in place; how many. A norm feeding an LM head is
+    left whole (BERT's MLM transform ``dense -> gelu -> LayerNorm -> decoder``): the head is
+    vocab_parallel, over the vocabulary, on a replicated input."""
+    tables = _tables(gm.graph)
+    done = 0
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in _NORMS and _over_projection(node) \
+                and not _feeds_head(node, tables):
+            _write_out(gm.graph, node)
+            done += 1
+    if done:
+        gm.graph.lint()
+        gm.recompile()
+    return done
+
+
+def _over_projection(norm: fx.Node) -> bool:
+    """``norm`` normalises the last dim only, all of a linear's output features, reached
+    from the linear through one-input activations, dropout and casts."""
+    x, shape = norm.args[0], norm.args[1]
+    if not isinstance(x, fx.Node) or not isinstance(val(x), torch.Tensor) or len(shape) != 1:
+        return False
+    for _ in range(8):
+        site = as_linear(x)
+        if site is not None:
+            out = val(x)
+            return isinstance(out, torch.Tensor) and out.shape[-1] == shape[0]
+        if x.op != "call_function" or x.target not in _ONE_INPUT \
+                or not isinstance(x.args[0], fx.Node):
+            return False
+        x = x.args[0]
+    return False
+
+
+def _tables(graph: fx.Graph) -> tuple[set, set]:
+    """(get_attr targets, shapes) of the 2-D tables ``aten.embedding`` reads."""
+    targets, shapes = set(), set()
+    for n in graph.nodes:
+        if n.op == "call_function" and n.target is aten.embedding.default \
+                and isinstance(n.args[0], fx.Node) and n.args[0].op == "get_attr":
+            targets.add(n.args[0].target)
+            shapes.add(tuple(val(n.args[0]).shape))
+    return targets, shapes
+
+
+def _feeds_head(norm: fx.Node, tables: tuple[set, set]) -> bool:
+    """A linear ``norm``'s output reaches (through one-input ops) is an LM head: it reads an
+    embedding table or a weight of a table's shape, or it has a table's rows as its output
+    features and produces the logits (RemBERT's decoder, untied and narrower than its input
+    table)."""
+    targets, shapes = tables
+    rows = {s[0] for s in shapes}
+    todo, seen = list(norm.users), set()
+    while todo:
+        n = todo.pop()
+        if n in seen or n.op != "call_function":
+            continue
+        seen.add(n)
+        site = as_linear(n)
+        if site is not None:
+            w, out = site.param, val(n)
+            if w.target in targets or tuple(val(w).shape) in shapes or (
+                    out.shape[-1] in rows and produces_logits(n)):
+                return True
+        elif n.target in _ONE_INPUT:
+            todo += list(n.users)
+    return False
+
+
+def _write_out(graph: fx.Graph, norm: fx.Node) -> None:
+    x = norm.args[0]
+    layer = norm.target is aten.layer_norm.default
+    weight = norm.args[2] if len(norm.args) > 2 else None
+    bias = norm.args[3] if layer and len(norm.args) > 3 else None
+    eps = norm.args[4 if layer else 3] if len(norm.args) > (4 if layer else 3) else None
+    eps = (1e-5 if layer else torch.finfo(val(x).dtype).eps) if eps is None else eps
+    with graph.inserting_before(norm):
+        call = caller(graph, norm, [val(x)])
+        centred = call(aten.sub.Tensor, x, call(aten.mean.dim, x, [-1], True)) if layer else x
+        var = call(aten.mean.dim, call(aten.mul.Tensor, centred, centred), [-1], True)
+        out = call(aten.mul.Tensor, centred, call(aten.rsqrt.default,
+                                                  call(aten.add.Tensor, var, eps)))
+        if isinstance(weight, fx.Node):
+            out = call(aten.mul.Tensor, out, weight)
+        if isinstance(bias, fx.Node):
+            out = call(aten.add.Tensor, out, bias)
+    norm.replace_all_uses_with(out)
+    graph.erase_node(norm)
