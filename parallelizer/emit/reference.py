@@ -191,12 +191,6 @@ def _one_step(model: torch.nn.Module, batch, loss_fn, spec, model_file, chunks: 
     return ref
 
 
-def chunked_loss(model: torch.nn.Module, batch, loss_fn, chunks: int, model_file=None):
-    """The loss of :func:`chunked_step` (None where it is None)."""
-    step = chunked_step(model, batch, loss_fn, chunks, model_file)
-    return None if step is None else step[0]
-
-
 def chunked_step(model: torch.nn.Module, batch, loss_fn, chunks: int, model_file=None,
                  count=None):
     """The mean of the model's loss over ``chunks`` equal row chunks of ``batch`` (in order:

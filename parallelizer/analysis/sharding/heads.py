@@ -32,11 +32,11 @@ _SAME = {aten.contiguous.default, aten.clone.default, aten.to.dtype, aten._to_co
          aten.alias.default, aten.detach.default, aten.dropout.default, aten.type_as.default}
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _SQUEEZES = {aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default}
-_FACTORIES = {aten.zeros.default, aten.ones.default, aten.full.default, aten.empty.memory_format,
-              aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default,
-              aten.new_full.default}
+# x.new_*(sizes): the sizes are the second argument
 _NEW = {aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default,
-        aten.new_full.default}  # x.new_*(sizes): the sizes are the second argument
+        aten.new_full.default}
+_FACTORIES = {aten.zeros.default, aten.ones.default, aten.full.default,
+              aten.empty.memory_format} | _NEW
 
 
 def trace_head_source(node: fx.Node, dim: int, limit: int = 32) -> Optional[tuple]:
@@ -183,13 +183,8 @@ def request_written(node: fx.Node, prop, groups, tp: int) -> bool:
     target = next((a for a in inputs_of(node) if is_tensor(a) and writes_into(node, a)), None)
     if target is None or dim_of(prop, target) is not None:
         return False
-    sharded = [a for a in inputs_of(node) if is_tensor(a) and dim_of(prop, a) is not None]
-    rank = len(shape(target))
-    dims = {dim_of(prop, a) + rank - len(shape(a)) for a in sharded}
-    if len(dims) != 1 or not all(even_split(prop, a) for a in sharded):
-        return False
-    d = dims.pop()
-    src = trace_head_source(target, d)
+    d = _agreed_dim(node, prop, len(shape(target)))
+    src = None if d is None else trace_head_source(target, d)
     if src is None or src[0] != "factory":
         return False
     return request_heads(prop, target, d, groups)
@@ -215,11 +210,9 @@ def request_broadcast(node: fx.Node, prop, groups, tp: int) -> None:
     tp does not divide (a gain per kv head at tp > kv heads, whose heads are copied, not
     split) is not requested: the op's conflict keeps that attention replicated (reported)."""
     rank = len(shape(node))
-    sharded = [a for a in inputs_of(node) if is_tensor(a) and dim_of(prop, a) is not None]
-    dims = {dim_of(prop, a) + rank - len(shape(a)) for a in sharded}
-    if len(dims) != 1 or not all(even_split(prop, a) for a in sharded):
+    d = _agreed_dim(node, prop, rank)
+    if d is None:
         return
-    d = dims.pop()
     for b in inputs_of(node):
         if not is_tensor(b) or dim_of(prop, b) is not None:
             continue
@@ -228,6 +221,17 @@ def request_broadcast(node: fx.Node, prop, groups, tp: int) -> None:
         if not same(size, 1) and same(size, shape(node)[d]) and isinstance(size, int) \
                 and size % tp == 0:
             request_heads(prop, b, k, groups)
+
+
+def _agreed_dim(node: fx.Node, prop, rank: int):
+    """The one dim of a ``rank``-dim value (broadcast from the right) that every sharded
+    input of ``node`` is sharded along, each an even split of it (:func:`even_split`), or
+    None."""
+    sharded = [a for a in inputs_of(node) if is_tensor(a) and dim_of(prop, a) is not None]
+    dims = {dim_of(prop, a) + rank - len(shape(a)) for a in sharded}
+    if len(dims) != 1 or not all(even_split(prop, a) for a in sharded):
+        return None
+    return dims.pop()
 
 
 def even_split(prop, a: fx.Node, raw: bool = False) -> bool:

@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from parallelizer.compiler import compile_model
-from parallelizer.emit.reference import chunked_loss, compute_reference, sample_mean_warnings
+from parallelizer.emit.reference import chunked_step, compute_reference, sample_mean_warnings
 from parallelizer.frontend.spec import load_spec
 
 MODELS = Path(__file__).resolve().parents[2] / "distributed" / "user_models"
@@ -66,8 +66,8 @@ def test_the_buffers_the_forward_writes_are_kept_as_after_the_step():
 
 def test_one_chunk_or_rows_it_does_not_split_give_no_chunked_loss():
     model = nn.Linear(6, 3)
-    assert chunked_loss(model, _batch(), _mse, 1) is None
-    assert chunked_loss(model, _batch(), _mse, 3) is None
+    assert chunked_step(model, _batch(), _mse, 1) is None
+    assert chunked_step(model, _batch(), _mse, 3) is None
 
 
 def test_router_auxiliary_loss_under_dp_is_a_compile_warning():
