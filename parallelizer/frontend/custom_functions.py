@@ -56,7 +56,8 @@ def check_backward(model: torch.nn.Module, gm: torch.fx.GraphModule, args, kwarg
     cotangent of every floating-point output. Nothing to compare on the meta device.
 
     Raises:
-        CaptureError: a parameter's gradient differs by more than ``rtol`` of its magnitude:
+        CaptureError: a parameter's gradient differs by more than ``rtol`` of its magnitude,
+            or the model has one and the graph none (a forward under ``torch.no_grad``):
             names the Functions applied and where.
     """
     params = dict(model.named_parameters())
@@ -67,21 +68,29 @@ def check_backward(model: torch.nn.Module, gm: torch.fx.GraphModule, args, kwarg
     model.load_state_dict(state)
     flat = [*args, *kwargs.values()]
     mine = dict(gm.named_parameters())
-    got = _grads(lambda: list(gm(*flat)), mine.values(), mine)
+    # {} when no output has a gradient path: every parameter's gradient is None
+    got = _grads(lambda: list(gm(*flat)), mine.values(), mine) or dict.fromkeys(mine)
     model.load_state_dict(state)
     for name, w in want.items():
-        g = got.get(name)
-        if w is None or g is None:
+        if w is None or name not in got or not w.abs().max() > 0:
             continue
-        if (g - w).abs().max() > rtol * max(w.abs().max().item(), 1e-6):
-            where = ", ".join(dict.fromkeys(f"{cls} at {line}" for cls, line in applied))
-            raise CaptureError(
-                f"{model_file}: the model applies a torch.autograd.Function ({where}) whose "
-                f"backward is not the derivative of its forward (the gradient of {name} "
-                f"differs); torch.export keeps the forward only, so the program would train "
-                f"with another gradient. Fix: write the Function's gradient as plain tensor "
-                f"operations (a straight-through estimator as x + (f(x) - x).detach()), or "
-                f"configure the model not to use it")
+        g = got[name]
+        if g is None:  # no gradient path in the graph: a forward run under torch.no_grad
+            detail = (f"the model's gradient of {name} (max {w.abs().max().item():.3g}) has "
+                      f"no path in the captured graph: its forward runs under torch.no_grad "
+                      f"or detaches, as a reversible residual's does, and only its backward "
+                      f"makes the gradient")
+        elif (g - w).abs().max() > rtol * max(w.abs().max().item(), 1e-6):
+            detail = f"the gradient of {name} differs"
+        else:
+            continue
+        where = ", ".join(dict.fromkeys(f"{cls} at {line}" for cls, line in applied))
+        raise CaptureError(
+            f"{model_file}: the model applies a torch.autograd.Function ({where}) whose "
+            f"backward is not the derivative of its forward ({detail}); torch.export keeps "
+            f"the forward only, so the program would train with another gradient. Fix: "
+            f"write the Function's gradient as plain tensor operations (a straight-through "
+            f"estimator as x + (f(x) - x).detach()), or configure the model not to use it")
 
 
 def _grads(run, tensors, named) -> dict:
