@@ -198,6 +198,7 @@ def _settle(graph, pairs: dict, column: set, row: set, tp: int, decision,
     layouts, no_replication, per_head, narrow = {}, {}, {}, {}
     edges, reduces, one_head_dim = {}, {}, set()
     by_name = {n.name: n for n in graph.nodes}
+    seen: list = []  # the layouts assumed so far: one found again is a cycle, not progress
     for _ in range(4 * (len(column) + len(row)) + len(by_name) + 8):
         # a per-head tensor whose attention was kept replicated stays replicated too
         per_head = {k: v for k, v in per_head.items() if v[1] & column}
@@ -220,11 +221,13 @@ def _settle(graph, pairs: dict, column: set, row: set, tp: int, decision,
             narrow.update(new)
             continue
         found = prop.found_layouts()
-        if found != layouts:
+        cycle = found != layouts and found in seen
+        if found != layouts and not cycle:
+            seen.append(layouts)
             layouts = found
             continue
-        conflicts = prop.conflicts + [(n, "", frozenset({w}), r)
-                                      for w, n, r in prop.layout_conflicts()]
+        conflicts = _alternating(graph, layouts, found) if cycle else prop.conflicts + [
+            (n, "", frozenset({w}), r) for w, n, r in prop.layout_conflicts()]
         if not conflicts:
             return prop
         if redistribute and _redistribute(prop, edges, reduces):
@@ -240,10 +243,23 @@ def _settle(graph, pairs: dict, column: set, row: set, tp: int, decision,
                                f"{decision.blockers[-1]})")
         column -= bad
         row -= bad
+        seen.clear()
         # the redistributions asked for met the layouts of the linears dropped: asked anew
         edges.clear()
         reduces.clear()
     raise AssertionError("tp planning did not settle")  # each round removes or fixes something
+
+
+def _alternating(graph: torch.fx.Graph, assumed: dict, found: dict) -> list:
+    """Conflicts for the weights whose layouts alternate: propagated with one layout a weight
+    needs another, and with that one the first again (ZAYA's k_proj at tp 4, fewer kv heads
+    than ranks, read both per head and through a grouped convolution over q|k channels).
+    Neither plan is consistent, so each such weight's group is kept replicated."""
+    flips = sorted(w for w in assumed.keys() | found.keys() if assumed.get(w) != found.get(w))
+    reader = {n.target: next(iter(n.users), n).name for n in graph.nodes if n.op == "get_attr"}
+    return [(reader.get(w, w), "", frozenset({w}),
+             f"its layout does not settle (assumed {assumed.get(w) or 'even'}, the propagation "
+             f"then needs {found.get(w) or 'even'}, and back)") for w in flips]
 
 
 def _indivisible_cause(prop: Propagation, bad: set, tp: int) -> str:
