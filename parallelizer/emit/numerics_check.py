@@ -131,13 +131,25 @@ def when(cfg, plan, model: torch.nn.Module, batch, weights: bool) -> tuple[bool,
     params = sum(p.numel() for p in model.parameters())
     largest = max((t.numel() for t in flatten(plan, batch) if isinstance(t, torch.Tensor)),
                   default=0)
+    gflops = step_flops(plan) / 1e9
     if params > cfg.max_params:
         blocker = f"{params:,} parameters > self_check.max_params ({cfg.max_params:,})"
-    elif largest > cfg.max_input_elements:
+    elif gflops > cfg.max_gflops:
+        blocker = (f"a step of the example batch costs {gflops:,.0f} GFLOPs > "
+                   f"self_check.max_gflops ({cfg.max_gflops:g})")
+    elif cfg.max_input_elements is not None and largest > cfg.max_input_elements:
         blocker = (f"the example batch's largest input has {largest:,} elements > "
                    f"self_check.max_input_elements ({cfg.max_input_elements:,})")
     return not blocker, (f"self-check: skipped ({blocker}; --self-check forces it)"
                          if blocker else "")
+
+
+def step_flops(plan) -> int:
+    """Forward + backward FLOPs of one step of the example batch, from the plan's cost-model
+    units (``plan.structure``: torch.utils.flop_counter's counts the pipeline planner
+    weighs); 0 where the plan carries none."""
+    st = plan.structure
+    return sum(st.get("block_costs", ())) + st.get("pre_cost", 0) + st.get("post_cost", 0)
 
 
 def _blocker(plan, model: torch.nn.Module, weights: bool) -> str:

@@ -22,7 +22,7 @@ Defaults::
            eval: null, eval_batches: 8}
     compile: false
     verify: {atol: 1.0e-5, rtol: 1.0e-5, optimizer: sgd}
-    self_check: {mode: auto, max_params: 50000000, max_input_elements: 4096}
+    self_check: {mode: auto, max_params: 50000000, max_gflops: 1000, max_input_elements: null}
     activation_checkpointing: {mode: none, every: 2}
     fsdp: {prefetch: {forward: null, backward: null}, offload: false}   # null prefetch = 1
     mixed_precision: {param_dtype: fp32, reduce_dtype: null}          # null = param_dtype
@@ -225,10 +225,18 @@ class SelfCheck(BaseModel):
                                       "models of at most this many parameters)",
         json_schema_extra=_doc("The check costs about one fp32 forward and backward of the "
                                "model on the CPU, and of each tp rank's share."))
-    max_input_elements: int = Field(
-        4096, ge=0, description="an integer >= 0 (auto runs the self-check only when the "
-                                "example batch's largest input has at most this many elements, "
-                                "e.g. batch x sequence length of the token ids)")
+    max_gflops: float = Field(
+        1000.0, ge=0, description="a number >= 0 (auto runs the self-check only when one "
+                                  "training step of the example batch costs at most this many "
+                                  "GFLOPs: forward + backward, by torch.utils.flop_counter, as "
+                                  "the pipeline planner counts them)",
+        json_schema_extra=_doc("1000 GFLOPs is about a 50M-parameter model on 3,000 tokens; "
+                               "an image or audio batch of a small model costs a fraction of "
+                               "one GFLOP, whatever its element count."))
+    max_input_elements: Optional[int] = Field(
+        None, ge=0, description="null or an integer >= 0 (auto runs the self-check only when "
+                                "the example batch's largest input has at most this many "
+                                "elements; null: no bound beyond max_gflops)")
 
 
 class ActivationCheckpointing(BaseModel):

@@ -201,13 +201,21 @@ def test_no_self_check_flag_and_auto_bound_skip_it(tmp_path, capsys, drops_a_g):
             "--self-check forces it)") in io.out
     code, io, _ = _cli(tmp_path, capsys, "self_check.max_params=1000", "--self-check")
     assert code == 2 and "differs first at output 0" in io.err, io
+    # the default bound is the step's compute, not the inputs' size; both may be set
+    code, io, _ = _cli(tmp_path, capsys, "self_check.max_gflops=0")
+    assert code == 0, io
+    assert re.search(r"self-check: skipped \(a step of the example batch costs [0-9]+ GFLOPs > "
+                     r"self_check.max_gflops \(0\); --self-check forces it\)", io.out), io.out
+    code, io, _ = _cli(tmp_path, capsys, "self_check.max_input_elements=4")
+    assert code == 0 and "elements > self_check.max_input_elements (4)" in io.out, io
 
 
 def test_forced_self_check_it_cannot_run_is_an_error():
     """--self-check needs the weights, fp32 and mesh.ep = 1 (auto skips, saying why)."""
     model = HeadNormAttention()
     forced, auto = SelfCheck(mode=True), SelfCheck()
-    tp2 = types.SimpleNamespace(ep=1, mesh={"tp": 2}, input_names=("x",), inputs_are_kwargs=False)
+    tp2 = types.SimpleNamespace(ep=1, mesh={"tp": 2}, input_names=("x",), inputs_are_kwargs=False,
+                                structure={})
     cases = [(model, tp2, False, "the model has no weights"),
              (HeadNormAttention().double(), tp2, True, r"it compares in fp32 and q_norm is float64"),
              (model, types.SimpleNamespace(ep=2, mesh={"tp": 1}), True,

@@ -45,7 +45,8 @@ def test_defaults_for_empty_file(tmp_path):
                           "powersgd": {"rank": None, "start_iter": None}, "topk": {"ratio": None}},
         "tensor_parallel": {"allow_replicated": False, "vocab_parallel": "auto",
                             "sequence_parallel": "auto"},
-        "self_check": {"mode": "auto", "max_params": 50_000_000, "max_input_elements": 4096},
+        "self_check": {"mode": "auto", "max_params": 50_000_000, "max_gflops": 1000.0,
+                       "max_input_elements": None},
     }
     assert spec == Spec()
 
