@@ -26,7 +26,7 @@ from torch.export import Dim
 from torch.utils._pytree import TreeSpec, tree_flatten, treespec_dumps
 
 from ..errors import CaptureError
-from . import custom_functions
+from . import capture_hints, custom_functions
 from .conv import channel_maps_as_linears
 from .einsum import einsums_as_linears, matmuls_as_linears, zero_baddbmm_as_bmm
 from .graph_rewrite import returns_view
@@ -164,8 +164,8 @@ def capture(model: torch.nn.Module, batch: tuple | dict, model_file: Path) -> Ca
             if opaque:  # export cannot return it (a transformers Cache: use_cache on)
                 raise CaptureError(_opaque_message(opaque, model_file)) from export_error
             raise CaptureError(_capture_message(export_error, model_file)
-                               + _layerdrop_hint(model)
-                               + _mask_hint(model, args, kwargs)) from export_error
+                               + capture_hints.hints(model, args, kwargs, export_error,
+                                                     model_file)) from export_error
     gm = ep.module()
     out_spec = gm._out_spec
     try:
@@ -437,50 +437,6 @@ def eager_message(e: Exception, model_file: Path) -> str:
     return (f"the model from {model_file} fails on example_inputs() when it runs as it is, "
             f"without parallelizer: {type(e).__name__}: {first}{user_frame(e, model_file)}\n"
             f"Fix: the model or example_inputs() (parallelizer compiles what the model computes).")
-
-
-def _mask_hint(model: torch.nn.Module, args, kwargs) -> str:
-    """A hint when forward takes an ``attention_mask`` the example leaves out: transformers
-    fills one in when it runs as it is but not under torch.export
-    (``torch.compiler.is_compiling()``), so the traced model takes a branch its eager run
-    never does (LongT5's transient-global attention then fails at a ``torch.cat``; a break
-    test)."""
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return ""
-    names = list(params)
-    given = set(kwargs) | set(names[:len(args)])
-    # a model of input_values / pixel_values makes no mask from them (WavLM: a zoo's noise)
-    if "attention_mask" not in params or "attention_mask" in given or "input_ids" not in given:
-        return ""
-    return ("\nThe model's forward takes an attention_mask that example_inputs() does not give: "
-            "transformers makes one when the model runs as it is, not under torch.export, so "
-            "the captured code may take a branch its eager run never does. Give it in example_inputs() (ones of the "
-            "input_ids' shape for no padding).")
-
-
-def _layerdrop_hint(model: torch.nn.Module) -> str:
-    """A hint when a transformers config of the model sets LayerDrop (``layerdrop``,
-    ``encoder_layerdrop``, ``decoder_layerdrop`` > 0, Fan et al. 2019): in training each
-    layer draws a random number and Python skips the layer on it, a branch on a tensor's
-    value no graph holds (Wav2Vec2, WavLM, Data2VecAudio, NLLB-MoE in a held-out zoo, refused
-    at the ``if`` with the generic fix)."""
-    set_ = {}
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        for key in dir(config) if config is not None else ():
-            if key.endswith("layerdrop") and not key.startswith("_"):
-                value = getattr(config, key, None)
-                if isinstance(value, (int, float)) and value > 0:
-                    set_[key] = value
-    if not set_ or not model.training:
-        return ""
-    keys = ", ".join(f"{k}={v}" for k, v in sorted(set_.items()))
-    return (f"\nThe model's config sets LayerDrop ({keys}): in training each layer draws a "
-            f"random number and Python skips the layer on it, which no captured graph can "
-            f"hold. Set {' and '.join(f'config.{k} = 0.0' for k in sorted(set_))} in "
-            f"build_model() to compile it (every layer then runs, as in evaluation).")
 
 
 def _capture_message(e: Exception, model_file: Path) -> str:

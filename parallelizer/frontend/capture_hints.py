@@ -1,0 +1,100 @@
+"""Hints added to a capture refusal (frontend/capture.py) where the model's own settings
+are the cause: a branch or a host computation that no graph can hold, which a setting of the
+model or of model.py removes. Each names the setting and the fix; none changes the model."""
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import torch
+
+from .model_file import user_frame
+
+
+def hints(model: torch.nn.Module, args, kwargs, error: Exception, model_file: Path) -> str:
+    """Every hint that applies, each on its own line (or "")."""
+    return (layerdrop_hint(model) + specaugment_hint(model)
+            + loss_hint(args, kwargs, error, model_file) + mask_hint(model, args, kwargs))
+
+
+def mask_hint(model: torch.nn.Module, args, kwargs) -> str:
+    """A hint when forward takes an ``attention_mask`` the example leaves out: transformers
+    fills one in when it runs as it is but not under torch.export
+    (``torch.compiler.is_compiling()``), so the traced model takes a branch its eager run
+    never does (LongT5's transient-global attention then fails at a ``torch.cat``; a break
+    test)."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return ""
+    names = list(params)
+    given = set(kwargs) | set(names[:len(args)])
+    # a model of input_values / pixel_values makes no mask from them (WavLM: a zoo's noise)
+    if "attention_mask" not in params or "attention_mask" in given or "input_ids" not in given:
+        return ""
+    return ("\nThe model's forward takes an attention_mask that example_inputs() does not give: "
+            "transformers makes one when the model runs as it is, not under torch.export, so "
+            "the captured code may take a branch its eager run never does. Give it in example_inputs() (ones of the "
+            "input_ids' shape for no padding).")
+
+
+def layerdrop_hint(model: torch.nn.Module) -> str:
+    """A hint when a transformers config of the model sets LayerDrop (``layerdrop``,
+    ``encoder_layerdrop``, ``decoder_layerdrop`` > 0, Fan et al. 2019): in training each
+    layer draws a random number and Python skips the layer on it, a branch on a tensor's
+    value no graph holds (Wav2Vec2, WavLM, Data2VecAudio, NLLB-MoE in a held-out zoo, refused
+    at the ``if`` with the generic fix)."""
+    set_ = _config_values(model, ("layerdrop",))
+    if not set_ or not model.training:
+        return ""
+    keys = ", ".join(f"{k}={v}" for k, v in sorted(set_.items()))
+    return (f"\nThe model's config sets LayerDrop ({keys}): in training each layer draws a "
+            f"random number and Python skips the layer on it, which no captured graph can "
+            f"hold. Set {' and '.join(f'config.{k} = 0.0' for k in sorted(set_))} in "
+            f"build_model() to compile it (every layer then runs, as in evaluation).")
+
+
+def _config_values(model: torch.nn.Module, suffixes: tuple) -> dict:
+    """The settings of every transformers config in ``model`` named with one of ``suffixes``
+    and set above 0."""
+    found = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        for key in dir(config) if config is not None else ():
+            if key.endswith(suffixes) and not key.startswith("_"):
+                value = getattr(config, key, None)
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+                    found[key] = value
+    return found
+
+
+def specaugment_hint(model: torch.nn.Module) -> str:
+    """A hint when a transformers config sets SpecAugment (``mask_time_prob``,
+    ``mask_feature_prob`` > 0, Park et al. 2019): in training the audio models draw its
+    masks with numpy on the host (``_compute_mask_indices``), values no graph holds
+    (HuBERT in a held-out zoo, refused at ``np.put_along_axis``)."""
+    set_ = _config_values(model, ("mask_time_prob", "mask_feature_prob"))
+    if not set_ or not model.training:
+        return ""
+    keys = ", ".join(f"{k}={v}" for k, v in sorted(set_.items()))
+    return (f"\nThe model's config sets SpecAugment ({keys}): in training its masks are drawn "
+            f"with numpy outside torch, which no captured graph can hold. Set "
+            f"{' and '.join(f'config.{k} = 0.0' for k in sorted(set_))} in build_model() to "
+            f"compile it (mask the features in your data pipeline instead, if you need it).")
+
+
+def loss_hint(args, kwargs, error: Exception, model_file: Path) -> str:
+    """A hint when the capture failed in the model's own loss: the line that failed reads the
+    labels (transformers' ``labels.max() >= vocab_size`` check) or the op is a loss whose
+    output shape depends on the data (``aten._ctc_loss``). The loss then belongs in
+    model.py's ``loss_fn(outputs, batch)``, which runs as it is, outside the graph."""
+    labels = [k for k in kwargs if "label" in k.lower()]
+    where = user_frame(error, model_file)
+    in_loss = "loss" in str(error).splitlines()[0].lower() if str(error).strip() else False
+    if not in_loss and not (labels and any(k in where for k in labels)):
+        return ""
+    drop = (f"leave {', '.join(labels)} out of example_inputs() (the model then returns its "
+            f"outputs, not a loss) and " if labels else "")
+    return (f"\nThe capture failed in the model's loss: {drop}compute the loss in model.py's "
+            f"loss_fn(outputs, batch) (a mean over samples), which runs as written, outside "
+            f"the captured graph.")

@@ -1,0 +1,90 @@
+"""The hints a capture refusal adds where the model's own settings are the cause
+(frontend/capture_hints.py). A held-out zoo's HuBERT, Parakeet-CTC and a plain CTC model were
+refused with the generic fix ("make the failing line traceable") at lines the user cannot
+edit: transformers' ``labels.max() >= vocab_size`` check, SpecAugment's numpy masks, and
+``aten._ctc_loss`` (an output shape that depends on the data). Each refusal now names the
+setting and the fix, and the fix compiles."""
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parallelizer import compiler
+from parallelizer.errors import CaptureError
+from parallelizer.frontend.capture import capture
+from parallelizer.frontend.spec import Spec
+
+T = pytest.importorskip("transformers")
+MODEL = Path("model.py")
+
+
+def _hubert(**overrides):
+    torch.manual_seed(0)
+    config = T.HubertConfig(vocab_size=16, hidden_size=32, num_hidden_layers=1,
+                            num_attention_heads=4, intermediate_size=64, conv_dim=[16, 16],
+                            conv_stride=[5, 4], conv_kernel=[10, 4], num_conv_pos_embeddings=8,
+                            num_conv_pos_embedding_groups=4, mask_time_length=2,
+                            layerdrop=0.0, **overrides)
+    return T.HubertForCTC(config).train()
+
+
+def _values(batch=2):
+    return torch.randn(batch, 800, generator=torch.Generator().manual_seed(1))
+
+
+def test_specaugment_names_its_config_keys_and_off_it_captures():
+    with pytest.raises(CaptureError) as e:
+        capture(_hubert(mask_time_prob=0.05), {"input_values": _values()}, MODEL)
+    message = str(e.value)
+    assert "The model's config sets SpecAugment (mask_time_prob=0.05)" in message, message
+    assert "Set config.mask_time_prob = 0.0 in build_model()" in message, message
+    assert "LayerDrop" not in message and "loss" not in message, message
+    capture(_hubert(mask_time_prob=0.0), {"input_values": _values()}, MODEL)
+
+
+def test_a_labels_check_in_forward_points_to_loss_fn():
+    labels = torch.randint(1, 16, (2, 3), generator=torch.Generator().manual_seed(2))
+    with pytest.raises(CaptureError) as e:
+        capture(_hubert(mask_time_prob=0.0), {"input_values": _values(), "labels": labels}, MODEL)
+    message = str(e.value)
+    assert "modeling_hubert.py" in message and "labels.max()" in message, message
+    assert ("The capture failed in the model's loss: leave labels out of example_inputs()"
+            in message), message
+    assert "loss_fn(outputs, batch)" in message and "SpecAugment" not in message, message
+
+
+class _CTC(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc, self.head = nn.Linear(8, 32), nn.Linear(32, 6)
+
+    def logits(self, feats):
+        return self.head(torch.tanh(self.enc(feats)))
+
+    def forward(self, feats, targets=None):
+        out = self.logits(feats)
+        return out if targets is None else _ctc(out, targets)
+
+
+def _ctc(logits, targets):
+    b, t = logits.shape[:2]
+    lp = logits.log_softmax(-1).transpose(0, 1)
+    return F.ctc_loss(lp, targets, torch.full((b,), t, dtype=torch.long),
+                      torch.full((b,), targets.shape[1], dtype=torch.long))
+
+
+def test_a_loss_export_cannot_hold_points_to_loss_fn_and_there_it_compiles():
+    gen = torch.Generator().manual_seed(0)
+    feats, targets = torch.randn(4, 10, 8, generator=gen), torch.randint(1, 6, (4, 3), generator=gen)
+    torch.manual_seed(0)
+    with pytest.raises(CaptureError) as e:
+        capture(_CTC(), {"feats": feats, "targets": targets}, MODEL)
+    message = str(e.value)
+    assert "_ctc_loss" in message and "The capture failed in the model's loss" in message, message
+    assert "loss_fn(outputs, batch)" in message, message
+    program = compiler.compile_module(
+        _CTC(), {"feats": feats}, Spec.model_validate({"mesh": {"tp": 2}}),
+        loss_fn=lambda out, batch: _ctc(out, targets), reference=False)
+    assert program.plan.tensors["enc.weight"].tp_dim is not None
