@@ -323,7 +323,8 @@ def _one_op_per_meaning(gm: torch.fx.GraphModule) -> None:
                 u.replace_input_with(x, node)
             changed = True
         elif node.target is torch.ops.aten.expand_as.default:
-            _expand_to_sizes(gm.graph, node)
+            for size in _expand_to_sizes(gm.graph, node):  # read before node: ordered so
+                order[size] = order[node] - 0.5  # (a later in-place write meets them)
             changed = True
     if changed:
         gm.recompile()
@@ -333,23 +334,25 @@ def _is_tensor(value) -> bool:
     return isinstance(value, torch.fx.Node) and isinstance(value.meta.get("val"), torch.Tensor)
 
 
-def _expand_to_sizes(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
+def _expand_to_sizes(graph: torch.fx.Graph, node: torch.fx.Node) -> list:
     """``expand_as(x, other)`` as ``expand(x, sizes)``, which ATen defines it as, with
     ``other``'s sizes spelled out (a number, or a ``sym_size`` of ``other`` for a dynamic dim):
     the planner reads expand's sizes (global, made local where the value is sharded), where
     expand_as took a rank's local sizes from ``other`` at run time (F.normalize's norm expanded
-    as a column output: cut twice)."""
+    as a column output: cut twice). Returns the ``sym_size`` nodes it inserted."""
     x, other = node.args[0], node.args[1]
-    sizes = []
+    sizes, inserted = [], []
     with graph.inserting_before(node):
         for i, size in enumerate(other.meta["val"].shape):
             if isinstance(size, torch.SymInt):
                 dim = graph.call_function(torch.ops.aten.sym_size.int, (other, i))
                 dim.meta = {**node.meta, "val": size}
                 sizes.append(dim)
+                inserted.append(dim)
             else:
                 sizes.append(int(size))
     node.target, node.args = torch.ops.aten.expand.default, (x, sizes)
+    return inserted
 
 
 def _no_grad(graph: torch.fx.Graph, value):

@@ -85,3 +85,30 @@ def test_sew_d_disentangled_attention_is_captured_and_planned_at_tp2():
     assert "aten.masked_fill_.Scalar" not in targets
     decision = plan_tp(gm.graph, 2, allow_replicated=True)
     assert len(decision.column) >= 3 and len(decision.row) >= 3, decision.report
+
+
+class ExpandAsThenInPlace(nn.Module):
+    """XLM's pattern: a mask expanded to a tensor's shape, then that tensor written in place
+    (``m = mask.unsqueeze(-1).expand_as(h); h.add_(1.0)``). Capture spells ``expand_as`` as
+    ``expand`` of ``h``'s sizes, inserting ``sym_size`` readers of ``h``; the in-place write
+    then looked them up in an order built before they existed (``KeyError: sym_size_int``, a
+    traceback at every layout in a held-out zoo, XLM and FlauBERT). They are ordered before
+    the expand now; the later write is spelled out of place and the model is sharded."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(H, 64), nn.Linear(64, H)
+
+    def forward(self, x):
+        h = self.a(x)
+        m = (x[..., :1] > 0).expand_as(h)
+        h.add_(1.0)
+        return self.b(h * m.to(h.dtype))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_an_in_place_write_after_expand_as_of_it(tp):
+    ops = {str(n.target) for n in captured(ExpandAsThenInPlace(), x_batch()).gm.graph.nodes}
+    assert "aten.add_.Tensor" not in ops and "aten.expand_as.default" not in ops, ops
+    d = plan_and_check(ExpandAsThenInPlace(), x_batch(t=6), tp)
+    assert d.column == {"a.weight"} and d.row == {"b.weight"}
