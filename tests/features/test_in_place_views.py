@@ -112,3 +112,32 @@ def test_an_in_place_write_after_expand_as_of_it(tp):
     assert "aten.add_.Tensor" not in ops and "aten.expand_as.default" not in ops, ops
     d = plan_and_check(ExpandAsThenInPlace(), x_batch(t=6), tp)
     assert d.column == {"a.weight"} and d.row == {"b.weight"}
+
+
+class HeadSliceWrite(nn.Module):
+    """A write in place through a slice along the heads (``q[:, 1:3] = q[:, 1:3] * 0.5``, a
+    held-out zoo's head shuffle). The planner all-gathered the slice's input for the slice
+    no sharded rule took, so the write landed in the gathered copy and attention read q
+    unwritten: a wrong gradient the compile's self-check refused as an internal error, and a
+    model past its bounds would have been emitted wrong. A view that is written through now
+    takes no redistribution: q is computed whole, k, v and o stay sharded."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(H, H) for _ in range(4))
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = (m(x).view(B, T, HEADS, -1).transpose(1, 2) for m in (self.q, self.k, self.v))
+        q = q.contiguous()
+        q[:, 1:3] = q[:, 1:3] * 0.5
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.o(y.transpose(1, 2).reshape(B, T, H))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_write_through_a_slice_of_heads_is_not_redistributed(tp):
+    torch.manual_seed(0)
+    d = plan_and_check(HeadSliceWrite(), x_batch(t=6), tp)
+    assert "q.weight" not in d.column and {"k.weight", "v.weight"} <= d.column, d.column
+    assert any("a write in place through this view" in r for r in d.report), d.report
