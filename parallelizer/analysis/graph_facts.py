@@ -315,6 +315,15 @@ def slice_bound(b: int, n: int) -> int:
     return max(0, min(b + n if b < 0 else b, n))
 
 
+def full_slice(node: fx.Node) -> bool:
+    """``aten.slice`` of the whole dim (``x[:, :, ...]``: a no-op slice)."""
+    start = node.args[2] if len(node.args) > 2 else 0
+    end = node.args[3] if len(node.args) > 3 else None
+    step = node.args[4] if len(node.args) > 4 else 1
+    return start in (0, None) and step == 1 and \
+        (end is None or (isinstance(end, int) and end >= 2 ** 62))
+
+
 def piece_dim(node: fx.Node) -> int:
     """The dim a split / chunk / slice / narrow node cuts (of its source, non-negative)."""
     at = 1 if node.target in PIECE_SLICES else 2

@@ -13,8 +13,9 @@ import torch
 import torch.fx as fx
 
 from ...plan.layouts import Fused, ReplicatedHeads, local_length
-from ..graph_facts import aten, expr, from_constants, module_path, same, shape, slice_bound
+from ..graph_facts import aten, expr, full_slice, module_path, same, shape, slice_bound
 from .dtensor import dtensor_rule
+from .one_head import copied_parts
 from .placements import CONFLICT, REPLICATE, PerOutput, Shard, shard
 from .state import (HeadsMark, add_constraint, add_rewrite, dim_arg, dim_of, local_at,
                     placement, record_use, sizes_arg)
@@ -29,7 +30,7 @@ def only_cut_on(node, e) -> bool:
     def cuts(u):
         if u.op != "call_function" or u.args[0] is not node:
             return False
-        if u.target is aten.slice.Tensor and _full_slice(u):  # x[:, :, ...]: no-op slices
+        if u.target is aten.slice.Tensor and full_slice(u):  # x[:, :, ...]: no-op slices
             return only_cut_on(u, e)
         if u.target is aten.slice.Tensor:
             return dim_arg(u, 1) == e
@@ -107,18 +108,10 @@ def _part_layout(layout, lo, hi):
     return None
 
 
-def _full_slice(node) -> bool:
-    start = node.args[2] if len(node.args) > 2 else 0
-    end = node.args[3] if len(node.args) > 3 else None
-    step = node.args[4] if len(node.args) > 4 else 1
-    return start in (0, None) and step == 1 and \
-        (end is None or (isinstance(end, int) and end >= 2 ** 62))
-
-
 def slice_rule(node, prop, tp):
     d = dim_of(prop, node.args[0])
     dim = dim_arg(node, 1)
-    if _full_slice(node):
+    if full_slice(node):
         if node.args[0].name in prop.head_raw:  # x[:, :, cut]: the heads view's cuts follow
             prop.head_raw[node.name] = prop.head_raw[node.args[0].name]
         return shard(d)
@@ -361,179 +354,3 @@ def _view_unit(value, d: int):
                 ins[d], outs[d], outs[d + 1])) and outs[d] * outs[d + 1] == ins[d] > outs[d + 1]:
             return outs[d + 1]
     return None
-
-
-def copied_parts(node, prop, d: int, raw) -> dict:
-    """The parts of a split of a column output's features (along ``d``) that are one kv head
-    each: GPTBigCode's multi-query ``c_attn(x).unsqueeze(1).split((E, D, D), dim=3)``, whose
-    k and v parts keep a dim of size 1 that repeat_kv's expand (or SDPA's ``enable_gqa``)
-    then spreads over the query heads. Split evenly, their shard would land on head_dim,
-    which attention takes only gathered; as one copied head (``replicated_heads(1, D)``)
-    every rank holds the whole part, placed on that size-1 dim. Returns {part index: that
-    dim}; empty when every part would be copied (no query heads left to split) or a previous
-    run refused copies of ``raw`` (they reached an op other than attention's kv spread)."""
-    if raw & prop.no_replication or node.target is not aten.split_with_sizes.default:
-        return {}
-    ins = shape(node.args[0])
-    ones = [j for j in range(len(ins)) if j != d and same(ins[j], 1)]
-    taken = {u.args[1]: u for u in node.users if u.target is operator.getitem}
-    out = {}
-    for i, value in taken.items():
-        h = next((j for j in ones if _spread_over_heads(value, j)), None)
-        if h is not None:
-            out[i] = h
-        elif _broadcast_by_einsum(value, d) or _unsqueezed_over_heads(value):
-            out[i] = None  # held whole: analysis/sharding/placements.CopiedWhole
-    return out if len(out) < len(node.meta["val"]) else {}
-
-
-def _broadcast_by_einsum(value, d: int) -> bool:
-    """Every use of ``value`` is an einsum that broadcasts it over a letter it lacks and an
-    activation operand and the output have, ``d`` its last dim: one k or v head with no
-    heads dim, against the query heads (PaLM's multi-query ``einsum('bhid,bjd->bhij', q,
-    k)``, Chowdhery et al. 2022 §2). Such a part is one head, whole on every rank."""
-    if not value.users or d != len(shape(value)) - 1:
-        return False
-    for u in value.users:
-        if u.target is not aten.einsum.default or not isinstance(u.args[0], str):
-            return False
-        ops = list(u.args[1])
-        if sum(o is value for o in ops) != 1:
-            return False
-        read = einsum_letters(u.args[0], [len(shape(o)) for o in ops])
-        if read is None:
-            return False
-        spelled, out = read
-        mine = spelled[ops.index(value)]
-        others = {c for o, ls in zip(ops, spelled) if o is not value and not from_constants(o)
-                  for c in ls}
-        if not (set(out) & others) - set(mine):
-            return False
-    return True
-
-
-def _unsqueezed_over_heads(value) -> bool:
-    """Every use of ``value`` (one head with no heads dim) is an unsqueeze whose new size-1
-    dim is spread over the query heads (PaLM written for SDPA: ``k.unsqueeze(1).expand(b,
-    heads, n, head_dim)``)."""
-    rank = len(shape(value))
-    return bool(value.users) and all(
-        u.target is aten.unsqueeze.default and _spread_over_heads(u, u.args[1] % (rank + 1))
-        for u in value.users)
-
-
-def copied_whole_unsqueeze(node, prop):
-    """The unsqueeze of a part held whole (:func:`_unsqueezed_over_heads`): its new size-1
-    dim carries the copy, placed and marked as GPTBigCode's copied kv head; else None."""
-    src = node.args[0]
-    weights = prop.copied_whole.get(src.name)
-    h = node.args[1] % (len(shape(src)) + 1)
-    if weights is None or not _spread_over_heads(node, h):
-        return None
-    prop.claimed.add(node.name)
-    prop.heads[node.name] = HeadsMark(weights, 1, True)
-    return Shard(h)
-
-
-def one_head_unsqueeze(node, prop):
-    """A column output of one head (multi-query k_proj, ``(B, T, D)``) unsqueezed to
-    ``(B, 1, T, D)`` and then spread over the query heads (:func:`_spread_over_heads`): the
-    separate-projection form of GPTBigCode's split, without a view into (.., 1, head_dim).
-    The projection is one kv head copied to every rank (``replicated_heads(1, D)``), the
-    value placed on the new dim and marked as copied heads; else None (the plain rules)."""
-    src = node.args[0]
-    raw = prop.raw.get(src.name)
-    ins = shape(src)
-    h = node.args[1] % (len(ins) + 1)
-    column = raw or prop.part_slices.get(src.name, (None,))[0]  # or a part of a fused one
-    if column and dim_of(prop, src) == len(ins) - 1 and len(ins) >= 3 and h <= len(ins) - 2 \
-            and not any(u.target in _CUTS for u in node.users):  # not GPTBigCode's q | k | v
-        # a new heads dim of 1 before (tokens, features): the shard would land on head_dim
-        # (planning/tp_candidates.one_head_whole then tries the projection kept whole; its
-        # one head broadcast against the rank's query heads, analysis/sharding/rules._matmul)
-        prop.one_head_dim |= prop.groups.get(src.name, frozenset())
-    if not raw or raw & prop.no_replication or dim_of(prop, src) != len(ins) - 1 \
-            or h == len(ins) or not isinstance(ins[-1], int) \
-            or any(prop.features.get(w) != ins[-1] for w in raw) \
-            or not _spread_over_heads(node, h):
-        return None
-    prop.claimed.add(node.name)
-    prop.heads[node.name] = HeadsMark(frozenset(raw), 1, True)
-    record_use(prop, raw, ReplicatedHeads(1, ins[-1]), node)
-    return Shard(h)
-
-
-_COPIES = (aten.contiguous.default, aten.clone.default, aten.alias.default)
-_CUTS = (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
-         aten.slice.Tensor, aten.narrow.default)
-
-
-def _spread_over_heads(value, h: int, depth: int = 6) -> bool:
-    """Every use of ``value`` (dim ``h`` of size 1) spreads that dim over the query heads:
-    an expand of ``h`` or of a new size-1 dim after it (repeat_kv's unsqueeze + expand), or
-    SDPA's key or value with ``enable_gqa`` (``h`` its heads dim), through full slices,
-    unsqueezes, transposes and copies."""
-    if depth == 0 or not value.users:
-        return False
-    for u in value.users:
-        if u.op != "call_function" or u.args[0] is not value and u.target is not \
-                aten.scaled_dot_product_attention.default:
-            return False
-        t, ins = u.target, shape(value)
-        if t in _COPIES or t is aten.slice.Tensor and _full_slice(u):
-            ok = _spread_over_heads(u, h, depth - 1)
-        elif t is aten.unsqueeze.default:
-            k = u.args[1] % (len(ins) + 1)
-            ok = _spread_over_heads(u, h + (1 if k <= h else 0), depth - 1)
-        elif t is aten.transpose.int:
-            a, b = (x % len(ins) for x in u.args[1:3])
-            ok = _spread_over_heads(u, b if h == a else a if h == b else h, depth - 1)
-        elif t is aten.expand.default:
-            outs = shape(u)
-            ok = len(outs) == len(ins) and any(
-                j < len(ins) and same(ins[j], 1) and isinstance(outs[j], int) and outs[j] > 1
-                for j in (h, h + 1))
-        elif t is aten.scaled_dot_product_attention.default:
-            ok = value in u.args[1:3] and value is not u.args[0] and h == 1 and \
-                len(ins) == 4 and bool(u.kwargs.get("enable_gqa"))
-        else:
-            return False
-        if not ok:
-            return False
-    return True
-
-
-def einsum_letters(eq: str, ranks: list):
-    """Each operand's letters and the output's of an explicit or implicit einsum equation,
-    an ellipsis spelled as fresh letters right-aligned across the operands (numpy's
-    broadcasting of the ``...`` dims); None when it cannot be read."""
-    eq = eq.replace(" ", "")
-    ins, arrow, out = eq.partition("->")
-    parts = ins.split(",")
-    if len(parts) != len(ranks):
-        return None
-    fresh = [c for c in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in eq]
-    ell = max([r - (len(p) - 3) for p, r in zip(parts, ranks) if "..." in p], default=0)
-    if ell > len(fresh) or ell < 0:
-        return None
-    fill = fresh[:ell]
-    spelled = []
-    for p, r in zip(parts, ranks):
-        if "..." in p:
-            n = r - (len(p) - 3)
-            if n < 0 or p.count("...") != 1:
-                return None
-            p = p.replace("...", "".join(fill[ell - n:]))
-        if len(p) != r or not p.isalpha():
-            return None
-        spelled.append(p)
-    if not arrow:  # implicit output: the ellipsis, then the letters seen once, sorted
-        letters = "".join(spelled)
-        out = "".join(fill) + "".join(sorted(c for c in set(letters) if letters.count(c) == 1
-                                             and c not in fill))
-    else:
-        if "..." in out:
-            out = out.replace("...", "".join(fill))
-        if not out.isalpha() and out:
-            return None
-    return spelled, out

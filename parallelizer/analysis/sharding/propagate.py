@@ -39,6 +39,7 @@ what DTensor does not express (layouts, shape constants, copied kv heads, per-he
 """
 from __future__ import annotations
 
+import operator
 from typing import Optional
 
 import torch
@@ -50,9 +51,10 @@ from . import redistribute
 from .channels import channel_reader
 from .heads import factory_rule, request_broadcast, request_written
 from ...plan.layouts import InterleavedHeads, in_units
-from .cuts import copied_whole_unsqueeze, fuse_slices, one_head_unsqueeze
+from .cuts import fuse_slices
+from .one_head import ROTARY, copied_whole_unsqueeze, one_head_unsqueeze, reads_parameters
 from .layouts import view_rule
-from .placements import CONFLICT, REPLICATE, Conflict, Shard, shard_dim
+from .placements import CONFLICT, COPIED_WHOLE, REPLICATE, Conflict, Shard, shard_dim
 from .rules import (BROADCASTING, DTENSOR_FIRST, KEEP_HEADS, KEEP_RAW, OURS_AFTER_DTENSOR, RULES,
                     pointwise_rule)
 from .strided import tiled_by, carry_strided, check_sizes, narrowed, request_narrow
@@ -207,7 +209,7 @@ def _rule(node: fx.Node, prop: Propagation, column, row, weight_dims, tp):
     if node.name in prop.narrow and not ins:  # a cut of a replicated value only
         return narrowed(node, prop)
     if not ins:
-        return REPLICATE, groups
+        return _replicated(node, prop), groups
     if not _holds_tensors(node):  # sizes (SymInt) and other non-tensor values
         return REPLICATE, groups
     if node.target is aten.unsqueeze.default:  # before DTensor: one kv head to copy
@@ -270,6 +272,21 @@ def _rule(node: fx.Node, prop: Propagation, column, row, weight_dims, tp):
                             if source is dtensor_rule else "") + why)
     _consume_markers(node, prop, fn, out)
     return out, groups
+
+
+def _replicated(node, prop):
+    """Replicate; CopiedWhole for what a part held whole computes (PaLM's rotary on its one
+    k head before the heads dim), carrying its weights to the unsqueeze that places it."""
+    held = [prop.copied_whole[a.name] for a in inputs_of(node) if a.name in prop.copied_whole]
+    if not held:
+        return REPLICATE
+    whole = all(a.name in prop.copied_whole or not reads_parameters(a)
+                for a in inputs_of(node))
+    if whole and (node.target in ROTARY or node.target is operator.getitem or node.target in (
+            aten.chunk.default, aten.split.Tensor)):
+        prop.copied_whole[node.name] = frozenset().union(*held)
+        return COPIED_WHOLE
+    return REPLICATE
 
 
 def _copies_only(node, prop):

@@ -9,7 +9,8 @@ from ..graph_facts import aten, expr, is_tensor, same, shape
 from .dtensor import Wants, tensor_args
 from .channels import CONVS, batch_norm_rule, group_norm_rule, grouped_conv_rule
 from .heads import embedding_rule, request_heads
-from .cuts import einsum_letters, index_rule, slice_rule
+from .cuts import index_rule, slice_rule
+from .einsum_read import einsum_letters
 from .layouts import expand_rule, split_rule, view_rule
 from .placements import CONFLICT, REPLICATE, CopiedHeads, PerOutput, Shard, shard
 from .state import dim_arg, dim_of, inputs_of, placement
@@ -198,6 +199,7 @@ def _matmul(node, prop, tp):
     if pa is not None and pb is not None:
         if ra != rb or pa != pb or pa >= ra - 2:
             return CONFLICT
+        _one_copied_head(node, prop, a, b, pa)
         return Shard(pa + ro - ra)
     (s, ps, rs), (o, ro_) = ((a, pa, ra), (b, rb)) if pa is not None else ((b, pb, rb), (a, ra))
     if ps is None or ps >= rs - 2 or placement(prop, o) != REPLICATE:
@@ -206,6 +208,21 @@ def _matmul(node, prop, tp):
     if k >= 0 and not same(shape(o)[k], 1):
         return CONFLICT
     return Shard(ps + ro - rs)
+
+
+def _one_copied_head(node, prop, a, b, d: int) -> None:
+    """A copied kv head of size 1 along ``d`` (multi-query k or v, every rank holding it)
+    against the rank's block of query heads: the matmul broadcasts it, as SDPA's
+    ``enable_gqa`` does (:func:`_gqa_kv`), and its output is the rank's heads, not a copy."""
+    marks = {x: prop.heads.get(x.name) for x in (a, b)}
+    copied = [x for x, m in marks.items() if m is not None and m.replicated]
+    if len(copied) != 1 or not same(shape(copied[0])[d], 1):
+        return
+    other = b if copied[0] is a else a
+    if same(shape(other)[d], 1):
+        return
+    prop.kv_weights |= marks[copied[0]].weights
+    prop.claimed.add(node.name)
 
 
 def _einsum(node, prop, tp):

@@ -178,19 +178,68 @@ class BroadcastMatmulMQA(nn.Module):
         return x + self.o((att @ v.unsqueeze(1)).transpose(1, 2).reshape(b, t, H))
 
 
-@pytest.mark.parametrize("tp, fused", [(2, True), (4, True), (2, False)])
+@pytest.mark.parametrize("tp, fused", [(2, True), (4, True), (2, False), (4, False)])
 def test_one_head_broadcast_by_matmul_is_kept_whole_and_the_rest_sharded(tp, fused):
-    """The one-head projection is kept whole (split, its shard would land on head_dim: q, k
-    and v were then kept replicated, "a linear got a (batch, heads) merged input"); its one
-    head broadcasts against each rank's query heads (the matmul rule for a replicated
-    operand of size 1 along the sharded batch dim), so q and o are sharded, with no
+    """The fused one-head projection is kept whole (split, its shard would land on
+    head_dim: q, k and v were then kept replicated, "a linear got a (batch, heads) merged
+    input"); its one head broadcasts against each rank's query heads (the matmul rule for a
+    replicated operand of size 1 along the sharded batch dim). Separate k and v projections
+    are each one kv head copied to every rank (``replicated_heads(1, D)``), the matmul
+    broadcasting the copy as SDPA's ``enable_gqa`` does. q and o are sharded, with no
     redistribution, and each rank equals the unmodified model."""
     torch.manual_seed(0)
     model = BroadcastMatmulMQA(fused)
     gm, d = planned(model, x_batch(), tp)
-    assert d.column == {"q.weight"} and d.row == {"o.weight"}, (d.column, d.row)
+    kv = set() if fused else {"k.weight", "v.weight"}
+    assert d.column == {"q.weight"} | kv and d.row == {"o.weight"}, (d.column, d.row)
+    assert all(d.layouts[w] == ReplicatedHeads(1, D) for w in kv)
     assert d.redistributions == []
     assert_tp_matches(model, x_batch(), tp, d, gm)
+
+
+class FusedRotaryMQA(nn.Module):
+    """A fused q | k | v projection split by sizes, k and v one head each with no heads
+    dim, rotary on k before (``rope(k).unsqueeze(1)``) or after (``rope(k.unsqueeze(1))``)
+    its heads dim, attention by matmuls broadcasting the one head (hand-written PaLM, a
+    held-out zoo: the fused projection was kept whole, 4 of 6 matrices sharded)."""
+
+    def __init__(self, rotary_first: bool):
+        super().__init__()
+        self.rotary_first = rotary_first
+        self.qkv, self.o = nn.Linear(H, H + 2 * D, bias=False), nn.Linear(H, H, bias=False)
+
+    @staticmethod
+    def rope(x):
+        t = x.shape[-2]
+        f = torch.outer(torch.arange(t, device=x.device).float(),
+                        1.0 / 10000 ** (torch.arange(0, D, 2, device=x.device).float() / D))
+        cos, sin = torch.cat([f, f], -1).cos(), torch.cat([f, f], -1).sin()
+        x1, x2 = x.chunk(2, -1)
+        return x * cos + torch.cat([-x2, x1], -1) * sin
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).split((H, D, D), dim=-1)
+        q = self.rope(q.view(b, t, HEADS, D).transpose(1, 2))
+        k = self.rope(k).unsqueeze(1) if self.rotary_first else self.rope(k.unsqueeze(1))
+        att = (q * D ** -0.5 @ k.transpose(-1, -2)).softmax(-1)
+        return x + self.o((att @ v.unsqueeze(1)).transpose(1, 2).reshape(b, t, H))
+
+
+@pytest.mark.parametrize("tp, rotary_first", [(2, True), (4, True), (2, False)])
+def test_a_fused_one_head_part_through_rotary_and_matmul_is_copied(tp, rotary_first):
+    """The k and v parts are copied kv heads (rotary's element-wise ops with its tables,
+    rotate_half's chunks and cat, then the matmul's broadcast count as spreading the one
+    head over the query heads; before the heads dim the part is held whole), the q part
+    and o sharded, no redistribution; outputs, every gradient and one SGD step match."""
+    torch.manual_seed(0)
+    model = FusedRotaryMQA(rotary_first)
+    gm, d = planned(model, x_batch(t=6), tp)
+    assert d.column == {"qkv.weight"} and d.row == {"o.weight"}, (d.column, d.row)
+    assert d.layouts["qkv.weight"] == Fused((H, D, D), (None, ReplicatedHeads(1, D),
+                                                        ReplicatedHeads(1, D)))
+    assert d.redistributions == []
+    assert_tp_matches(model, x_batch(t=6), tp, d, gm)
 
 
 class PaLMBlock(nn.Module):
