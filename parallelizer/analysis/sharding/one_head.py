@@ -205,9 +205,9 @@ ROTARY = (aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.neg.default,
 
 def _keeps_one(node, value, h: int, root) -> bool:
     """``node`` (an element-wise op or a ``cat``, :data:`ROTARY`) keeps ``value``'s dim
-    ``h`` of size 1, right-aligned, and its other operands read no model input except
-    through ``root``, the head the walk began at (rotary's cos/sin tables, rotate_half's
-    pieces): its output is still one head, a function of that head alone."""
+    ``h`` of size 1, right-aligned, and its other operands carry no gradient except through
+    ``root``, the head the walk began at (rotary's cos/sin tables, rotate_half's pieces): its
+    output is still one head, a function of that head alone."""
     outs, ins = shape(node), shape(value)
     e = h + len(outs) - len(ins)
     if e < 0 or not same(outs[e], 1):
