@@ -183,3 +183,31 @@ def test_a_linear_with_a_computed_bias_is_named_as_one():
     assert line.startswith("replicated: q.weight (16x16, read by aten.linear.default at "
                            "test_weight_paths.py:"), line
     assert "a product whose bias is computed (getitem of chunk.default of cat.default" in line, line
+
+
+class _NoGradThenGrad(torch.nn.Module):
+    """A block run once under ``torch.no_grad()`` and again with gradients (HRM's first
+    cycles, a held-out zoo): capture inlines the no_grad region with every parameter read
+    through ``detach``, a weight path the planner did not follow, so that copy of the block
+    read the rank's shard of its weights as a replicated linear (a shape error at tp2, a wrong
+    forward in transformers' HRM that only the self-check caught). ``detach`` is a cast of the
+    weight now: both calls are the same column/row pair."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+    def block(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+    def forward(self, x):
+        with torch.no_grad():
+            z = self.block(x)
+        return self.block(z + x)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_block_called_under_no_grad_and_with_grad_is_one_pair(tp):
+    torch.manual_seed(0)
+    d = plan_and_check(_NoGradThenGrad(), (torch.randn(2, 5, 16),), tp)
+    assert d.column == {"up.weight"} and d.row == {"down.weight"}, (d.column, d.row)
