@@ -125,12 +125,33 @@ def example_batch(module: ModuleType) -> tuple | dict:
     for key, v in items:
         if not isinstance(v, torch.Tensor) or v.dim() == 0:
             where = f"key {key!r}" if isinstance(batch, dict) else f"item {key}"
-            fix = ("; a setting such as use_cache belongs in build_model's config, not in the "
-                   "inputs" if not isinstance(v, torch.Tensor) else "")
             raise ModelFileError(f"example_inputs() in {module.__file__} must hold tensors with a "
-                                 f"batch dim (dim 0); {where} is {type(v).__name__} "
-                                 f"{tuple(v.shape) if isinstance(v, torch.Tensor) else repr(v)}{fix}")
+                                 f"batch dim (dim 0); {where} is {_described(v)}{_fix(v)}")
     return batch
+
+
+def _described(v) -> str:
+    """A value of example_inputs() by its structure (a tensor by its shape and dtype), not
+    its contents: a dict of token ids printed whole buried the message."""
+    if isinstance(v, torch.Tensor):
+        return f"Tensor {tuple(v.shape)} {str(v.dtype).replace('torch.', '')}"
+    if isinstance(v, dict):
+        return "dict {" + ", ".join(f"{k!r}: {_described(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, (list, tuple)):
+        return f"{type(v).__name__} [" + ", ".join(_described(x) for x in v) + "]"
+    text = repr(v)
+    return f"{type(v).__name__} {text if len(text) <= 80 else text[:77] + '...'}"
+
+
+def _fix(v) -> str:
+    if isinstance(v, dict) and v and all(isinstance(x, torch.Tensor) for x in v.values()):
+        return ("; the batch is split along dim 0 of each input, so forward takes tensors: return "
+                "that dict itself from example_inputs() where forward takes its keys as keyword "
+                "arguments, or wrap a forward that takes one dict (def forward(self, tokens, "
+                "...): return self.model({'tokens': tokens, ...}))")
+    if not isinstance(v, torch.Tensor):
+        return "; a setting such as use_cache belongs in build_model's config, not in the inputs"
+    return ""
 
 
 def call_loss_fn(loss_fn: Callable, outputs, batch, model_file: Path | None,

@@ -140,6 +140,10 @@ def test_build_model_on_meta_uses_no_memory(tmp_path):
     # a config flag among the inputs (a break test: 'got bool', naming no key)
     ("{'input_ids': torch.zeros(2, 8), 'use_cache': False}",
      ["key 'use_cache' is bool False; a setting such as use_cache belongs in build_model's config"]),
+    # forward taking one dict (a break test: the dict's token ids printed whole, no fix)
+    ("({'tokens': torch.zeros(2, 8, dtype=torch.long), 'mask': torch.ones(2, 8)},)",
+     ["item 0 is dict {'tokens': Tensor (2, 8) int64, 'mask': Tensor (2, 8) float32}",
+      "return that dict itself from example_inputs()", "or wrap a forward that takes one dict"]),
     ("5", ["returned int; return a tuple or a dict of tensors"]),
     ("'tokens'", ["returned str; return a tuple or a dict of tensors"]),
 ])
@@ -151,6 +155,7 @@ def test_example_batch_errors(tmp_path, batch, words):
     msg = str(e.value)
     assert msg.startswith(f"example_inputs() in {path.resolve()}")
     assert all(w in msg for w in words), msg
+    assert "tensor([" not in msg, msg  # values are described by shape, never printed
 
 
 @pytest.mark.parametrize("batch, expected_type", [
