@@ -21,7 +21,7 @@ T = pytest.importorskip("transformers")
 
 def _zaya():
     torch.manual_seed(0)
-    config = T.ZayaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+    config = T.ZayaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                           max_position_embeddings=32, moe_intermediate_size=16, num_experts=2,
                           num_experts_per_tok=1, router_hidden_size=8, pad_token_id=0,
