@@ -316,6 +316,24 @@ def slice_bound(b: int, n: int) -> int:
     return max(0, min(b + n if b < 0 else b, n))
 
 
+def reads_parameters(node: fx.Node, limit: Optional[int] = None) -> bool:
+    """A trained parameter (a get_attr whose value requires grad) is upstream of ``node``:
+    its value can carry a gradient. With ``limit``, True as well past that many nodes looked
+    at (a caller for which "maybe" means "yes")."""
+    todo, seen = [node], set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        val = n.meta.get("val")
+        if n.op == "get_attr" and isinstance(val, torch.Tensor) and val.requires_grad \
+                or limit is not None and len(seen) > limit:
+            return True
+        todo += n.all_input_nodes
+    return False
+
+
 def full_slice(node: fx.Node) -> bool:
     """``aten.slice`` of the whole dim (``x[:, :, ...]``: a no-op slice)."""
     start = node.args[2] if len(node.args) > 2 else 0

@@ -44,14 +44,9 @@ def layerdrop_hint(model: torch.nn.Module) -> str:
     layer draws a random number and Python skips the layer on it, a branch on a tensor's
     value no graph holds (Wav2Vec2, WavLM, Data2VecAudio, NLLB-MoE in a held-out zoo, refused
     at the ``if`` with the generic fix)."""
-    set_ = _config_values(model, ("layerdrop",))
-    if not set_ or not model.training:
-        return ""
-    keys = ", ".join(f"{k}={v}" for k, v in sorted(set_.items()))
-    return (f"\nThe model's config sets LayerDrop ({keys}): in training each layer draws a "
-            f"random number and Python skips the layer on it, which no captured graph can "
-            f"hold. Set {' and '.join(f'config.{k} = 0.0' for k in sorted(set_))} in "
-            f"build_model() to compile it (every layer then runs, as in evaluation).")
+    return _setting_hint(model, ("layerdrop",), "LayerDrop",
+                         "in training each layer draws a random number and Python skips the "
+                         "layer on it", "every layer then runs, as in evaluation")
 
 
 def _config_values(model: torch.nn.Module, suffixes: tuple) -> dict:
@@ -73,14 +68,23 @@ def specaugment_hint(model: torch.nn.Module) -> str:
     ``mask_feature_prob`` > 0, Park et al. 2019): in training the audio models draw its
     masks with numpy on the host (``_compute_mask_indices``), values no graph holds
     (HuBERT in a held-out zoo, refused at ``np.put_along_axis``)."""
-    set_ = _config_values(model, ("mask_time_prob", "mask_feature_prob"))
+    return _setting_hint(model, ("mask_time_prob", "mask_feature_prob"), "SpecAugment",
+                         "in training its masks are drawn with numpy outside torch",
+                         "mask the features in your data pipeline instead, if you need it")
+
+
+def _setting_hint(model: torch.nn.Module, suffixes: tuple, name: str, why: str,
+                  then: str) -> str:
+    """The hint for a training-only setting of the model's transformers config that no
+    captured graph can hold (:func:`_config_values` of ``suffixes``): names each key, ``why``,
+    and the fix, with what follows from it (``then``); "" where none is set or in eval."""
+    set_ = _config_values(model, suffixes)
     if not set_ or not model.training:
         return ""
     keys = ", ".join(f"{k}={v}" for k, v in sorted(set_.items()))
-    return (f"\nThe model's config sets SpecAugment ({keys}): in training its masks are drawn "
-            f"with numpy outside torch, which no captured graph can hold. Set "
-            f"{' and '.join(f'config.{k} = 0.0' for k in sorted(set_))} in build_model() to "
-            f"compile it (mask the features in your data pipeline instead, if you need it).")
+    return (f"\nThe model's config sets {name} ({keys}): {why}, which no captured graph can "
+            f"hold. Set {' and '.join(f'config.{k} = 0.0' for k in sorted(set_))} in "
+            f"build_model() to compile it ({then}).")
 
 
 def loss_hint(args, kwargs, error: Exception, model_file: Path) -> str:

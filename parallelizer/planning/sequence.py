@@ -31,7 +31,8 @@ import torch.fx as fx
 
 from ..plan.decisions import TP_OPERATOR, SequenceParallelDecision
 from ..errors import PlanError
-from ..analysis.graph_facts import VIEWS, aten, expr, module_path, prod, same, shape
+from ..analysis.graph_facts import (VIEWS, aten, expr, module_path, prod, reads_parameters, same,
+                                    shape)
 from ..analysis.sharding.placements import is_replicated
 
 _COPIES = {aten.clone.default, aten.contiguous.default, aten._to_copy.default,
@@ -332,28 +333,13 @@ def _decide(facts, out: SequenceParallelDecision) -> None:
             kind = _edge(facts, n, place, a)
             if kind == "split":
                 out.splits.setdefault(a.name, _split_place(facts, n, place, a))
-            elif kind == "broadcast" and _carries_param(a):
+            elif kind == "broadcast" and reads_parameters(a):
                 out.param_inputs.append((name, a.name))
         if n.target in VIEWS and place == (1, False):
             sizes = n.args[1]
             if not (isinstance(sizes[1], int) and sizes[1] == -1):
                 out.views[name] = [(1, 1)]
     _report(facts, out, by_name)
-
-
-def _carries_param(a: fx.Node) -> bool:
-    """Whether a parameter (a get_attr whose value requires grad) reaches ``a``."""
-    seen, stack = set(), [a]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        v = n.meta.get("val")
-        if n.op == "get_attr" and isinstance(v, torch.Tensor) and v.requires_grad:
-            return True
-        stack.extend(n.all_input_nodes)
-    return False
 
 
 def _named(names, by_name) -> str:

@@ -13,7 +13,7 @@ import operator
 import torch
 
 from ...plan.layouts import ReplicatedHeads
-from ..graph_facts import aten, from_constants, full_slice, same, shape
+from ..graph_facts import aten, from_constants, full_slice, reads_parameters, same, shape
 from .einsum_read import einsum_letters
 from .placements import Shard
 from .state import HeadsMark, dim_of, record_use
@@ -199,6 +199,8 @@ def _spread_over_heads(value, h: int, depth: int = 12, root=None) -> bool:
     return True
 
 
+# a search past this many nodes takes a value for one that carries a gradient
+SEARCH_LIMIT = 256
 ROTARY = (aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.neg.default,
            aten.cat.default)
 
@@ -226,28 +228,11 @@ def _derived_from(node, value, depth: int = 8) -> bool:
     """``node`` is computed from ``value`` and values without a gradient alone (rotate_half's
     ``cat(-x2, x1)`` of ``x``'s chunks, rotary tables of the positions), looked up at most
     ``depth`` ops back."""
-    if node is value or not reads_parameters(node):
+    if node is value or not reads_parameters(node, SEARCH_LIMIT):
         return True
     if depth == 0 or node.op != "call_function":
         return False
     return all(_derived_from(a, value, depth - 1) for a in node.all_input_nodes)
-
-
-def reads_parameters(node, limit: int = 256) -> bool:
-    """A trained parameter is upstream of ``node`` (its value can carry a gradient); True as
-    well past ``limit`` nodes looked at."""
-    todo, seen = [node], set()
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        val = n.meta.get("val")
-        if n.op == "get_attr" and isinstance(val, torch.Tensor) and val.requires_grad \
-                or len(seen) > limit:
-            return True
-        todo += n.all_input_nodes
-    return False
 
 
 def _broadcast_by_matmul(node, value, h: int) -> bool:

@@ -45,14 +45,15 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from ..graph_facts import as_linear, aten, module_path, same, shape, weight_path
+from ..graph_facts import (as_linear, aten, module_path, reads_parameters, same, shape,
+                           weight_path)
 from .dtensor import NO_RULE, Wants, dtensor_rule
 from . import redistribute
 from .channels import channel_reader
 from .heads import factory_rule, request_broadcast, request_written
 from ...plan.layouts import InterleavedHeads, in_units
 from .cuts import fuse_slices
-from .one_head import ROTARY, copied_whole_unsqueeze, one_head_unsqueeze, reads_parameters
+from .one_head import ROTARY, SEARCH_LIMIT, copied_whole_unsqueeze, one_head_unsqueeze
 from .layouts import view_rule
 from .placements import CONFLICT, COPIED_WHOLE, REPLICATE, Conflict, Shard, shard_dim
 from .rules import (BROADCASTING, DTENSOR_FIRST, KEEP_HEADS, KEEP_RAW, OURS_AFTER_DTENSOR, RULES,
@@ -280,7 +281,7 @@ def _replicated(node, prop):
     held = [prop.copied_whole[a.name] for a in inputs_of(node) if a.name in prop.copied_whole]
     if not held:
         return REPLICATE
-    whole = all(a.name in prop.copied_whole or not reads_parameters(a)
+    whole = all(a.name in prop.copied_whole or not reads_parameters(a, SEARCH_LIMIT)
                 for a in inputs_of(node))
     if whole and (node.target in ROTARY or node.target is operator.getitem or node.target in (
             aten.chunk.default, aten.split.Tensor)):
