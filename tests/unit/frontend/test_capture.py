@@ -479,36 +479,6 @@ def test_an_input_taken_through_var_keywords_is_captured_dynamic():
 
 
 
-class _MasksOnlyEagerly(nn.Module):
-    """As transformers' LongT5 stack: a mask of ones made when none is given, except under
-    ``torch.compiler.is_compiling()``; the mask-less branch is broken (a (1, ...) bias
-    concatenated to a (batch, ...) one, LongT5's transient-global attention)."""
-
-    def __init__(self):
-        super().__init__()
-        self.proj = nn.Linear(4, 4)
-
-    def forward(self, input_ids, attention_mask=None):
-        h = self.proj(input_ids.float().unsqueeze(-1).expand(-1, -1, 4))
-        if attention_mask is None and not torch.compiler.is_compiling():
-            attention_mask = torch.ones_like(input_ids)
-        bias = torch.zeros(1, h.shape[1], 1) if attention_mask is None else \
-            attention_mask[..., None].float()
-        return torch.cat([bias, h], dim=-1)
-
-
-def test_an_attention_mask_transformers_makes_only_eagerly_is_named(tmp_path):
-    """The model runs as it is but fails under torch.export, which takes the mask-less
-    branch; the refusal says to give the mask (a break test: LongT5 with it compiles and
-    passes --verify at tp4)."""
-    ids = torch.randint(0, 9, (2, 8))
-    with pytest.raises(CaptureError, match=r"takes an attention_mask that example_inputs\(\) "
-                                           r"does not give"):
-        capture(_MasksOnlyEagerly(), {"input_ids": ids}, tmp_path / "model.py")
-    capture(_MasksOnlyEagerly(), {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
-            tmp_path / "model.py")
-
-
 class _MaskedSoftmax(torch.autograd.Function):
     """DeBERTa / SEW-D's ``XSoftmax``: the softmax output is zeroed in place where masked,
     which its own backward allows (it saves the output after the write)."""
@@ -557,40 +527,6 @@ def test_in_place_writes_into_the_forwards_own_tensors_are_captured_out_of_place
     got = torch.autograd.grad(captured.gm(x)[0].pow(2).sum(), list(captured.gm.parameters()))
     for w, g in zip(want, got):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
-
-
-class _LayerDrop(nn.Module):
-    """A transformers-style encoder with LayerDrop (Wav2Vec2Encoder's loop)."""
-
-    def __init__(self):
-        super().__init__()
-        from transformers import PretrainedConfig
-        self.config = PretrainedConfig(layerdrop=0.1)
-        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
-
-    def forward(self, input_values, attention_mask=None):
-        for layer in self.layers:
-            skip = False
-            if self.training and self.config.layerdrop > 0.0:
-                skip = torch.rand([]) < self.config.layerdrop
-            if not skip:
-                input_values = layer(input_values)
-        return input_values
-
-
-def test_layerdrop_refusal_names_the_config_key_and_no_mask_hint():
-    """Wav2Vec2, WavLM, Data2VecAudio and NLLB-MoE as configured were refused at the layer
-    loop's ``if`` with the generic fix and an attention_mask hint "of the input_ids' shape"
-    for a model of input_values (a held-out zoo). Worse, this loop was captured by the
-    symbolic_trace fallback, whose ``torch.rand([])`` ran once at trace time: the skip it drew
-    would have held for every step. A trace that draws is refused now; the refusal names
-    LayerDrop's config key and the fix, and the mask hint is for models given input_ids."""
-    with pytest.raises(CaptureError) as e:
-        capture(_LayerDrop(), {"input_values": torch.randn(2, 4)}, Path("model.py"))
-    message = str(e.value)
-    assert "The model's config sets LayerDrop (layerdrop=0.1)" in message, message
-    assert "Set config.layerdrop = 0.0 in build_model()" in message, message
-    assert "attention_mask" not in message, message
 
 
 class _WriteIntoAChunk(nn.Module):
