@@ -27,6 +27,7 @@ import torch.fx as fx
 from ..plan.decisions import TPDecision
 from ..errors import PlanError
 from ..analysis.graph_facts import linear_sites, shape
+from ..analysis.sharding.placements import Shard
 from .gradients import plan_gradients
 from .redistributions import redistributions, report_lines
 from .tp_candidates import (check_divisible, divisible, indivisible, merged_layout, merged_whole,
@@ -109,8 +110,8 @@ def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False,
         if kept:
             decision.report += [line for line in kept if line not in decision.report]
         elif site.weight not in paired:
-            line = f"replicated linear: {site.weight} ({_why_unpaired(site, is_linear, column, row)}; " \
-                   f"{op_text(site.node)})"
+            why = _why_unpaired(site, is_linear, column, row, prop)
+            line = f"replicated linear: {site.weight} ({why}; {op_text(site.node)})"
             decision.replicated.setdefault(site.weight, []).append(line)
             decision.report.append(line)
     decision.report += custom_op_weights(graph)
@@ -123,11 +124,19 @@ def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False,
     return decision
 
 
-def _why_unpaired(site, is_linear: dict, column: set, row: set) -> str:
+def _why_unpaired(site, is_linear: dict, column: set, row: set, prop) -> str:
     """Why a linear no pair took stays whole: it only feeds column linears (LoRA's ``A``,
     whose small rank dim a cut would pay an all-reduce for), reads a row linear's Partial
-    output (LoRA's ``B`` after a row-parallel ``A``), conditions every position (adaLN), or
-    no pair was found. ``is_linear``: node -> its linear site."""
+    output (LoRA's ``B`` after a row-parallel ``A``), conditions every position (adaLN), is
+    a product within each head of a column's output (its input sharded along a dim it does
+    not contract, in ``prop``'s placements), or no pair was found. ``is_linear``: node ->
+    its linear site."""
+    px = prop.placements.get(site.x.name) if isinstance(site.x, fx.Node) else None
+    if isinstance(px, Shard):  # propagate._uncontracted: a product within each head
+        by = ", ".join(sorted(prop.groups.get(site.x.name, ()))) or "a sharded value"
+        return (f"applied whole to each rank's shard of its input along dim {px.dim}, a dim "
+                f"it does not contract (the sharded output of {by}); its gradient is summed "
+                f"over tp")
     fed = nearest_linears(site.node, is_linear)
     if fed and fed <= column:
         return f"feeds only column_parallel {', '.join(sorted(fed))}, which take its output whole"

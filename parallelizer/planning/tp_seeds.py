@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..analysis.graph_facts import aten, from_constants, source_line
+from ..analysis.graph_facts import aten, from_constants, prod, same, source_line
 from ..plan.parallel_plan import DROPOUT_OPS
 
 _STOP = {aten.embedding.default}
@@ -46,11 +46,13 @@ def seed_pairs(sites: list, residual_stop: bool, whole: frozenset = frozenset())
     # that is itself the residual stream (ELECTRA's embeddings_project, added to the first
     # block's attention output) walks nothing: it is no column, since a shard of it would
     # have to be gathered for the stream and the linears it feeds would lose their pairs
+    inside: set = set()  # linears within a pair (:func:`_within_pair`): no column, no row
     walks = {site.node: set() if residual_stop and _feeds_residual(site.node, is_linear) else
-             _walk(site.node, is_linear, residual_stop, siblings.setdefault(site.weight, set()))
+             _walk(site.node, is_linear, residual_stop, siblings.setdefault(site.weight, set()),
+                   inside=inside)
              for site in sites}
     co_columns = {w for ws in siblings.values() for w in ws}
-    pairs, taken = {}, set(co_columns)
+    pairs, taken = {}, set(co_columns) | inside
     for site in sites:
         w = site.weight
         walks[site.node] = set() if w in whole else walks[site.node] - whole
@@ -59,7 +61,7 @@ def seed_pairs(sites: list, residual_stop: bool, whole: frozenset = frozenset())
             continue
         # one output feature (Qwen2-MoE's shared_expert_gate): nothing to shard
         reached = set() if _out_features(site) == 1 else walks[site.node]
-        pairs[w] = reached - co_columns
+        pairs[w] = reached - co_columns - inside
         taken |= reached
     for w, ws in siblings.items():
         for sibling in ws:
@@ -98,17 +100,34 @@ def first_end(sites: list) -> str:
     return ""
 
 
+def _within_pair(site, start: fx.Node) -> bool:
+    """``site`` (a 2-D weight) reads all of ``start``'s output values but contracts another
+    dim than the walked features: a part of them that a view split into more dims
+    (``rel(h).view(B, T, H, d) @ P``, one P for every head) or a dim a transpose put last
+    (Linformer's ``E(k.transpose(1, 2))`` over the sequence). A product within the pair,
+    not a row; the rows are further on (propagation keeps the shard of the dim it does not
+    contract: analysis/sharding/propagate.py ``_uncontracted``). A linear reading a part of
+    the values (DeepSeek's ``kv_b_proj`` on one part of ``kv_a``'s split) is a row."""
+    x, out = site.x.meta.get("val") if isinstance(site.x, fx.Node) else None, start.meta.get("val")
+    if site.batched or site.merged is not None or getattr(x, "shape", None) is None \
+            or getattr(out, "shape", None) is None or not out.dim():
+        return False
+    return x.dim() >= out.dim() and not same(x.shape[-1], out.shape[-1]) \
+        and same(prod(x.shape), prod(out.shape))
+
+
 def _out_features(site) -> int | None:
     val = site.node.meta.get("val")
     return int(val.shape[-1]) if val is not None and val.dim() else None
 
 
 def _walk(start: fx.Node, is_linear: dict, residual_stop: bool, siblings=None,
-          conditioned=None, ends=None) -> set:
+          conditioned=None, ends=None, inside=None) -> set:
     """Row weights ``start``'s output reaches; the weights of sibling branches it passes
     (:func:`_sibling_linears`) are added to ``siblings``, the conditioning ops it stops at
     (:func:`_conditioning`) to ``conditioned``, each op that ends a path to ``ends`` (a
-    list of (node, why))."""
+    list of (node, why)), the linears within the pair it passes (:func:`_within_pair`) to
+    ``inside``."""
     seen, frontier, reached = {start}, [start], set()
     siblings = set() if siblings is None else siblings
     conditioned = set() if conditioned is None else conditioned
@@ -127,6 +146,11 @@ def _walk(start: fx.Node, is_linear: dict, residual_stop: bool, siblings=None,
                 # its expert's columns (a 2-D column reaching one through a dispatch einsum,
                 # Soft MoE's, put its features on the experts' slots: nothing paired)
                 site = is_linear[user]
+                if site.x is node and _within_pair(site, start):
+                    if inside is not None:
+                        inside.add(site.weight)
+                    frontier.append(user)
+                    continue
                 if site.x is node and site.batched == is_linear[start].batched:
                     reached.add(site.weight)
                 continue
@@ -291,11 +315,38 @@ def _residual_add(node: fx.Node, seen: set, start: fx.Node | None = None,
     if node.target not in _ADDS:
         return False
     out = node.meta.get("val")
+    if start is not None and _wider_than_stream(node, is_linear[start].x):
+        return False
     return any(isinstance(a, fx.Node) and a not in seen and a.op != "get_attr"
                and _same_shape(a.meta.get("val"), out) and not from_constants(a)
                and (start is None or not _local(a, start, is_linear)
                     and _stream(a, is_linear))
                for a in node.args[:2])
+
+
+def _wider_than_stream(add: fx.Node, x) -> bool:
+    """``add``'s value has more dims than the block's input ``x`` (the walk's first linear
+    reads it) and another last dim, and no operand of it is what ``x`` is computed from:
+    attention scores ``(B, H, T, T)`` plus a bias computed by a linear (a relative-position
+    bias per head), not the residual stream, which a block reads. Hyper-connections' ``n``
+    streams ``(B, S, n, D)``, read flattened ``(B, S, n * D)``, are the stream: a block end."""
+    out = add.meta.get("val")
+    xv = x.meta.get("val") if isinstance(x, fx.Node) else None
+    if getattr(out, "shape", None) is None or getattr(xv, "shape", None) is None \
+            or not xv.dim() or out.dim() <= xv.dim() or same(out.shape[-1], xv.shape[-1]):
+        return False
+    # breadth first from the operands: the stream reaches x in a few ops (a norm, a view)
+    todo = [a for a in add.args[:2] if isinstance(a, fx.Node)]
+    seen, i = set(todo), 0
+    while i < len(todo) and len(seen) < _WALK_LIMIT:
+        n, i = todo[i], i + 1
+        if n is x:
+            return False
+        for m in _data_users(n):
+            if m not in seen:
+                seen.add(m)
+                todo.append(m)
+    return True
 
 
 _LAYERS = {aten.embedding.default, aten.convolution.default}

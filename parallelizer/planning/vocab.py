@@ -16,7 +16,8 @@ Reads the graph and the TP decision, changes neither; returns its own
   vocabulary table (tied) or, untied, has its shape and produces the logits (its output
   reaches the model's outputs with no other product, attention or split into heads between,
   :func:`produces_logits`): it becomes column_parallel over the vocabulary, its logits
-  ``Shard(-1)``. Logits the model returns are handed to ``loss_fn`` sharded (flat output
+  ``Shard(-1)``; a head applied several times (multi-token prediction's one head for every
+  depth) is sharded once, each use a head. Logits the model returns are handed to ``loss_fn`` sharded (flat output
   index in ``vocab_outputs``); any other use reads them gathered over tp.
 
 A table read by anything else (a norm, ``embedding_renorm_``; a matmul of its transpose is a
@@ -100,7 +101,7 @@ def plan_vocab(graph: fx.Graph, tp: int, mode, canonical: dict, tp_decision: TPD
         return _off(decision, mode, blockers[0])
     for n in untied:
         if tuple(shape(n.args[1])) in {rows[f] for f in tables}:
-            why = _untied_blocker(n, reads[canon(n.args[1].target)])
+            why = _untied_blocker(n, reads[canon(n.args[1].target)], untied)
             if why:
                 decision.report.append(f"replicated LM head: {n.args[1].target} ({why})")
             else:
@@ -140,10 +141,13 @@ def _bias_ok(n: fx.Node) -> bool:
     return b is None or (bool(weight_fqn(b)) and len(shape(b)) == 1 and len(b.users) == 1)
 
 
-def _untied_blocker(n: fx.Node, attrs: list) -> str:
+def _untied_blocker(n: fx.Node, attrs: list, untied: list) -> str:
+    """Why the untied head ``n`` stays replicated ('' if it does not). Its weight may be read
+    by other heads (``untied``: linears producing logits), each sharded the same way: a
+    multi-token-prediction model applies one LM head to every depth's hidden states."""
     if not _bias_ok(n):
         return "its bias is not a parameter read by the head alone"
-    others = [u for a in attrs for u in a.users if u is not n]
+    others = [u for a in attrs for u in a.users if u is not n and u not in untied]
     return f"its weight is also read by {others[0].target}" if others else ""
 
 
@@ -174,10 +178,12 @@ def _decide(graph, decision: VocabDecision, tp: int, vocab: int, tables: list, h
         f"{vocab} vocabulary rows per rank{pad}; lookups outside a rank's rows give zero, "
         f"summed over tp (Megatron g: an all-reduce, a reduce-scatter along the sequence under "
         f"sequence parallelism)")
-    for n in heads:
+    uses = [n.args[1].target for n in heads]
+    for w in sorted(set(uses)):
+        times = f", applied {uses.count(w)} times" if uses.count(w) > 1 else ""
         decision.report.append(
-            f"vocab_parallel LM head: {n.args[1].target} column_parallel over the vocabulary "
-            f"(logits Shard(-1))")
+            f"vocab_parallel LM head: {w} column_parallel over the vocabulary "
+            f"(logits Shard(-1){times})")
     for i in sorted(decision.outputs):
         decision.report.append(
             f"vocab_parallel logits: model output {i} is handed to loss_fn as a DTensor "

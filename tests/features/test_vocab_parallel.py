@@ -462,3 +462,40 @@ def test_a_table_no_input_indexes_is_no_vocabulary():
     assert not v.vocab and "distance.weight" not in v.dims
     assert v.off.startswith("vocab_parallel: off (no embedding is indexed by the model's inputs")
     assert d.column == {"q.weight"} and d.row == {"o.weight"}
+
+
+class _MultiTokenLM(nn.Module):
+    """DeepSeek-V3-style multi-token prediction (a held-out zoo's model): one untied LM head
+    predicts token t+1 from the trunk and t+2 from an MTP module's hidden states."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.emb = nn.Embedding(V, d)
+        self.up, self.down = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+        self.mtp, self.norm = nn.Linear(2 * d, d), nn.LayerNorm(d)
+        self.head = nn.Linear(d, V, bias=False)
+
+    def forward(self, input_ids):
+        h = self.emb(input_ids)
+        h = h + self.down(F.gelu(self.up(h)))
+        loss = _ce(self.head(h), input_ids)
+        h2 = self.mtp(torch.cat([h[:, :-1], self.emb(input_ids[:, 1:])], -1))
+        return loss + 0.3 * _ce(self.head(self.norm(h2)), input_ids[:, 1:])
+
+
+def test_lm_head_applied_at_every_prediction_depth_is_vocab_parallel_and_matches():
+    """An untied head read by two linears, each producing logits for its own cross-entropy,
+    was kept replicated ("its weight is also read by aten.linear"); each use is now a
+    vocab_parallel head, both losses on the logits' shards: loss, gradients, SGD step equal."""
+    torch.manual_seed(0)
+    model = _MultiTokenLM().train()
+    batch = {"input_ids": ids()}
+    cap, gm, d, v = planned(model, batch, 2)
+    assert v.heads == {"head.weight"} and len(v.losses) == 2, v.report
+    assert any(r.endswith("(logits Shard(-1), applied 2 times)") for r in v.report), v.report
+    rewrite(gm, d, v)
+    ref, grads, stepped = reference(model, batch, lambda o: o)
+    ranks = run_ranks(gm, (d, v), 2, [batch["input_ids"]], lambda outs: outs[0], LR)
+    for res in ranks:
+        torch.testing.assert_close(res.outputs[0], ref, **TOL)
+    assert_ranks_match(ranks, (d, v), 2, grads, stepped)

@@ -419,11 +419,25 @@ def _linear(node, site, prop, column, row, groups):
                 redistribute.gather_all(node, prop, [x])
             return _conflict(prop, node, groups, "row_parallel linear needs Shard(-1) input")
         return REPLICATE, groups  # Partial, resolved by the g after it at once
+    if _uncontracted(px, x, site):
+        return px, groups
     if px != REPLICATE:
         redistribute.gather_all(node, prop, [x])
         return _conflict(prop, node, groups, "replicated linear got a sharded input")
     return REPLICATE, groups
 
+
+def _uncontracted(px, x, site) -> bool:
+    """A replicated 2-D weight applied to an input sharded on a dim the product does not
+    contract (a per-head product ``x.view(B, T, H, d) @ P`` on a rank's heads, Linformer's
+    ``E(k.transpose(1, 2))`` on a rank's features) keeps that shard in the output, whose
+    leading dims are the input's: DTensor's strategy for ``mm`` with a sharded batch dim
+    and a replicated other side (planning/tp_seeds.py ``_within_pair`` leaves such a weight
+    out of the pairs). Its gradient is then Partial (analysis/gradients.py), summed over tp."""
+    if not isinstance(px, Shard) or site.batched or site.merged is not None:
+        return False
+    rank = len(shape(x))
+    return px.dim % rank != rank - 1
 
 
 def _merged_cut(prop, node, site, dim: int, layout, groups) -> None:
