@@ -113,8 +113,10 @@ def compare_outputs(ranks: list, want, margin: list,
 
 def compare_grads(plan, grads: list, want, tp: int, margin: list,
                    tol: Tolerance = Tolerance()) -> float:
-    """Each rank's gradient piece against the same piece of the reference gradient (None on
-    either side: zeros); a parameter of the model the program does not hold must get none."""
+    """Each rank's gradient piece against the same piece of the reference gradient (a
+    program's None against the model's: zeros); a parameter of the model the program does not
+    hold must get none, and one whose gradient the model leaves None (no path from it to the
+    outputs) must get none either: a zero gradient is not None to weight decay or momentum."""
     worst = 0.0
     for fqn, w in want.grads.items():
         tplan = plan.tensors.get(plan.aliases.get(fqn, fqn))
@@ -123,6 +125,10 @@ def compare_grads(plan, grads: list, want, tp: int, margin: list,
             if w is not None and w.abs().max().item() > 0:
                 raise mismatch(f"the gradient of {fqn}", "the program holds no such parameter")
             continue
+        if w is None and any(g[tplan.fqn] is not None for g in held):
+            raise mismatch(f"the gradient of {fqn}", "the program computes one where the "
+                                                     "model's is None (nothing it computes "
+                                                     "reaches the outputs)", tol)
         full = torch.zeros(tplan.shape, dtype=w.dtype if w is not None else torch.float32) \
             if w is None else w
         rtol = max(tol.rtol, _rounded_rtol(full))

@@ -184,8 +184,24 @@ def capture(model: torch.nn.Module, batch: tuple | dict, model_file: Path) -> Ca
     matmuls_as_linears(gm)
     zero_baddbmm_as_bmm(gm)
     channel_maps_as_linears(gm)
+    _drop_dead_code(gm)
     custom_functions.check_backward(model, gm, args, kwargs, applied, model_file)
     return Captured(gm, names, bool(kwargs), out_spec, route)
+
+
+def _drop_dead_code(gm: torch.fx.GraphModule) -> None:
+    """Remove the values nothing reads (a stream the last block updates but the model does
+    not return, LiLT's layout stream): eager computes them, but their parameters get no
+    gradient (None). Kept, the passes fuse them with live ops (the linears sharing one
+    sequence-parallel all-gather, one autograd Function) whose backward gives them a zero
+    gradient, which weight decay and momentum then apply where the model's optimizer does
+    nothing; and they cost compute and collectives. Random draws and writes in place stay
+    (``Node.is_impure``): the random streams are the model's. So do the parameter reads
+    (``get_attr``), as export made them (a tied weight's unused alias among them). A
+    parameter only dead code read is then one the forward never reads (a pooler whose
+    output is not returned): in no stage, and export names it (docs/checkpoints.md)."""
+    if gm.graph.eliminate_dead_code(lambda n: n.op == "get_attr" or n.is_impure()):
+        gm.recompile()
 
 
 def _symbolic_trace(model: torch.nn.Module) -> torch.fx.GraphModule:

@@ -247,6 +247,9 @@ class GatheredLinears(torch.autograd.Function):
     def forward(ctx, shard, dim, seq, comm, kinds, *params):
         full = _all_gather(comm, shard, dim, seq)
         ctx.args = (dim, seq, comm, kinds)
+        # an output nothing differentiable reads (a dead branch: LiLT's last layout value)
+        # gives its linear no gradient, None as unfused autograd leaves it, not zeros
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(shard, *params)
         flat = full.reshape(-1, full.shape[-1])  # 2-D outputs: see gathered_linears_over
         return tuple(_linear_forward(k, flat, params[2 * i], params[2 * i + 1])
