@@ -54,6 +54,7 @@ import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from .graph_facts import aten, module_path, source_line
+from .writes import written_args
 
 WHOLE, PARTIAL, MIXED = "whole", "partial", "mixed"
 
@@ -199,7 +200,17 @@ def derive(graph: fx.Graph, fwd: Forward, outputs: Optional[list] = None,
             if c is not None:
                 contribs.setdefault(a, []).append(c)
     for n in reversed(nodes):
-        cot = _combine(contribs.pop(n, None), n)
+        pending = contribs.pop(n, None) or []
+        for _i, base in written_args(n):
+            # a write in place (``copy_`` into a slice of a ``new_empty``: DeepSeek's keys)
+            # is read through the tensor it writes: its readers after the write, processed
+            # already, give the written value its cotangent when it is whole (a Partial one
+            # there, xLSTM's chunk states written step by step into a replicated buffer, is
+            # left to the readers of the write itself, as before this rule)
+            written = _combine(contribs.get(base), base)
+            if written is not None and written.kind == WHOLE:
+                pending = pending + [written]
+        cot = _combine(pending, n)
         if cot is None:
             continue
         flow.values[n.name] = cot
@@ -295,7 +306,16 @@ def carries(nodes, grad_inputs) -> dict:
         elif n.op == "call_function":
             out[n] = (n.target not in _NO_GRADIENT and _differentiable(n)
                       and any(out.get(a) for a in n.all_input_nodes))
+            _mark_written(n, out)
     return out
+
+
+def _mark_written(n: fx.Node, out: dict) -> None:
+    """A write in place of a value ``out`` marks (a ``copy_`` of a gradient-carrying key
+    into a slice of a ``new_empty``) marks the tensor written, for its readers after it."""
+    if out.get(n):
+        for _i, base in written_args(n):
+            out[base] = True
 
 
 def _data_dependent(nodes) -> dict:
@@ -307,4 +327,5 @@ def _data_dependent(nodes) -> dict:
             out[n] = isinstance(n.meta.get("val"), torch.Tensor)
         else:
             out[n] = any(out.get(a) and _holds_tensor(a) for a in n.all_input_nodes)
+            _mark_written(n, out)
     return out

@@ -17,7 +17,7 @@ def written_attrs(graph: fx.Graph) -> dict:
     of them (a return that aliases its input, ``Tensor(a)``) -> the first node writing it."""
     out: dict = {}
     for n in graph.nodes:
-        for _i, base in _written(n):
+        for _i, base in written_args(n):
             if base.op == "get_attr":
                 out.setdefault(base.target, n)
     return out
@@ -28,7 +28,7 @@ def written_nodes(graph: fx.Graph) -> set:
     each tensor an op writes (through views, as :func:`written_attrs`) and every view of it
     (``mask = ones(b, t); mask[:, :k] = 0`` writes ``ones`` through its slices). Copying
     such a node's producers elsewhere copies the value before the write."""
-    out, todo = set(), [base for n in graph.nodes for _i, base in _written(n)]
+    out, todo = set(), [base for n in graph.nodes for _i, base in written_args(n)]
     while todo:
         node = todo.pop()
         if node not in out:
@@ -40,10 +40,10 @@ def written_nodes(graph: fx.Graph) -> set:
 def written_buffer_args(node: fx.Node, buffers) -> list[int]:
     """Indices of the arguments ``node`` writes in place (as :func:`written_attrs` reads the
     schema) that are, or are views of, a get_attr of a name in ``buffers``."""
-    return [i for i, base in _written(node) if base.op == "get_attr" and base.target in buffers]
+    return [i for i, base in written_args(node) if base.op == "get_attr" and base.target in buffers]
 
 
-def _written(n: fx.Node) -> list:
+def written_args(n: fx.Node) -> list:
     """``(argument index, the node it is a view of)`` for each argument ``n`` writes."""
     schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
     if schema is None:

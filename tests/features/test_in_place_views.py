@@ -141,3 +141,58 @@ def test_a_write_through_a_slice_of_heads_is_not_redistributed(tp):
     d = plan_and_check(HeadSliceWrite(), x_batch(t=6), tp)
     assert "q.weight" not in d.column and {"k.weight", "v.weight"} <= d.column, d.column
     assert any("a write in place through this view" in r for r in d.report), d.report
+
+
+N, R, V = 4, 4, 8
+
+
+def rope(x, cos, sin):
+    a, b = x.chunk(2, -1)
+    return x * cos + torch.cat((-b, a), -1) * sin
+
+
+class WrittenKeys(nn.Module):
+    """Mistral-Large-4's keys, cut down: a trained rotary parameter (LeRoPE's ``alpha``)
+    rotates head-sharded q and one rope key computed whole for every head, which is written
+    with the per-head keys into a ``new_empty`` by ``copy_`` (DeepSeek's ``expand_kv``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("inv", 1.0 / (10000 ** (torch.arange(0, R, 2).float() / R)),
+                             persistent=False)
+        self.alpha = nn.Parameter(torch.randn(R // 2) * 0.1)
+        self.q = nn.Linear(H, HEADS * (N + R))
+        self.k_nope = nn.Linear(H, HEADS * N)
+        self.k_rope = nn.Linear(H, R)
+        self.v = nn.Linear(H, HEADS * V)
+        self.o = nn.Linear(HEADS * V, H)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        freqs = torch.arange(t, device=x.device).float()[:, None] * self.inv * self.alpha.exp()
+        emb = torch.cat((freqs, freqs), -1)
+        cos, sin = emb.cos(), emb.sin()
+        q_pass, q_rot = self.q(x).view(b, t, HEADS, N + R).transpose(1, 2).split([N, R], -1)
+        q = torch.cat((q_pass, rope(q_rot, cos, sin)), -1)
+        k_rot = rope(self.k_rope(x).view(b, 1, t, R), cos, sin)
+        k_pass = self.k_nope(x).view(b, t, HEADS, N).transpose(1, 2)
+        k = k_pass.new_empty(b, HEADS, t, N + R)
+        k[..., :N].copy_(k_pass)
+        k[..., N:].copy_(k_rot.expand(b, HEADS, t, R))
+        v = self.v(x).view(b, t, HEADS, V).transpose(1, 2)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.o(a.transpose(1, 2).reshape(b, t, HEADS * V))
+
+
+def test_a_gradient_through_a_write_in_place_is_derived():
+    """The gradient planner did not follow a value written in place into a tensor later
+    read (the ``new_empty`` of the keys): the whole rope key's share of ``alpha``'s gradient
+    was unseen, ``alpha`` taken for Partial (q's heads alone) and summed over tp, counting
+    that share tp times (a held-out zoo's Mistral-Large-4: the compile's self-check refused
+    it; a model past the check's bounds would have trained wrong). Readers after the write
+    now give the written value its cotangent: Mixed, so the tables get an f into q's
+    sharded rotary and ``alpha``'s gradient is whole."""
+    torch.manual_seed(0)
+    d = plan_and_check(WrittenKeys(), x_batch(2, 6), 2)
+    assert "alpha" not in d.partial and {"k_nope.weight", "q.weight"} <= d.column
+    assert d.f_edges, "the rotary tables enter q's sharded compute through an f"
