@@ -132,6 +132,9 @@ def _walk(start: fx.Node, is_linear: dict, residual_stop: bool, siblings=None,
     siblings = set() if siblings is None else siblings
     conditioned = set() if conditioned is None else conditioned
     ends = [] if ends is None else ends
+    # past a norm or the residual stream the walked features are no longer what a product
+    # along another dim is measured against (MLP-Mixer's channel MLP after the token one)
+    crossed: set = set()
     while frontier and len(seen) < _WALK_LIMIT:
         node = frontier.pop()
         for user in _data_users(node):
@@ -146,7 +149,7 @@ def _walk(start: fx.Node, is_linear: dict, residual_stop: bool, siblings=None,
                 # its expert's columns (a 2-D column reaching one through a dispatch einsum,
                 # Soft MoE's, put its features on the experts' slots: nothing paired)
                 site = is_linear[user]
-                if site.x is node and _within_pair(site, start):
+                if site.x is node and node not in crossed and _within_pair(site, start):
                     if inside is not None:
                         inside.add(site.weight)
                     frontier.append(user)
@@ -170,6 +173,9 @@ def _walk(start: fx.Node, is_linear: dict, residual_stop: bool, siblings=None,
                 if branch is None:  # a block's end: no reason worth naming
                     continue
                 siblings |= branch
+            if node in crossed or user.target in _NORMS or (
+                    user.target in _ADDS and _residual_add(user, seen, start, is_linear)):
+                crossed.add(user)
             frontier.append(user)
     return reached
 

@@ -10,7 +10,9 @@ dropped every group: both models were refused at tp 2 ("no weight matrix could b
 sharded"), Inkling2-loop sharded only its experts (8 of 92 matrices). Such a product keeps
 the shard of the dim it does not contract (DTensor's mm strategy for a sharded batch dim),
 the weight stays whole with its gradient summed over tp (Partial), and the walk from q and k
-goes on through the bias add (an add wider than the stream is no block end).
+goes on through the bias add (an add wider than the stream is no block end). Past a norm or
+the residual stream a product along another dim is a row again: MLP-Mixer's channel MLP
+after its token MLP keeps both pairs.
 """
 import pytest
 import torch
@@ -69,3 +71,44 @@ def test_a_product_along_another_dim_keeps_the_shard_and_sums_its_weight_gradien
     line = (f"replicated linear: {shared} (applied whole to each rank's shard of its input along "
             f"dim {dim}, a dim it does not contract (the sharded output of {column})")
     assert any(r.startswith(line) for r in d.report), d.report
+
+
+PATCHES, CHANNELS = 16, 8  # the token MLP's features a multiple of the channels
+
+
+class MixerBlock(nn.Module):
+    """MLP-Mixer (lucidrains' mlp-mixer-pytorch): a token MLP over the patches (transposed),
+    then a channel MLP, pre-norm residuals."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(CHANNELS), nn.LayerNorm(CHANNELS)
+        self.t1, self.t2 = nn.Linear(PATCHES, 2 * PATCHES), nn.Linear(2 * PATCHES, PATCHES)
+        self.c1, self.c2 = nn.Linear(CHANNELS, 2 * CHANNELS), nn.Linear(2 * CHANNELS, CHANNELS)
+
+    def forward(self, x):
+        x = x + self.t2(F.gelu(self.t1(self.norm1(x).transpose(1, 2)))).transpose(1, 2)
+        return x + self.c2(F.gelu(self.c1(self.norm2(x))))
+
+
+class Mixer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, CHANNELS, kernel_size=4, stride=4)
+        self.blocks = nn.Sequential(MixerBlock(), MixerBlock())
+        self.head = nn.Linear(CHANNELS, 5)
+
+    def forward(self, images):
+        x = self.blocks(self.stem(images).flatten(2).transpose(1, 2))
+        return self.head(x.mean(1))
+
+
+def test_a_channel_mlp_after_a_token_mlp_is_a_pair_of_its_own():
+    """The token MLP's output, transposed back, reaches the channel MLP's ``c1`` through the
+    residual add and a norm: ``c1`` contracts another dim than ``t2``'s features, but past
+    the stream and a norm it is no product within ``t2``'s pair (it was left out of every
+    pair: a plan-diff sweep's MLP-Mixer lost its first channel MLP)."""
+    torch.manual_seed(0)
+    d = plan_and_check(Mixer(), (torch.randn(2, 3, 16, 16),), 2)
+    assert {f"blocks.{b}.{w}.weight" for b in "01" for w in ("t1", "c1")} == d.column
+    assert {f"blocks.{b}.{w}.weight" for b in "01" for w in ("t2", "c2")} == d.row
