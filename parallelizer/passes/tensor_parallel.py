@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ..plan.decisions import TP_OPERATOR, TPDecision
+from ..runtime.expert_parallel import ep_dispatch
 from ..runtime.tp import (copy_to_tp_region, gather_from_tp_dim, reduce_from_tp_region,
                           reduce_partial_from_tp, scatter_copies_to_tp_region,
                           scatter_to_tp_region)
@@ -109,7 +110,7 @@ def _insert_redistributions(graph: fx.Graph, redistributions: list) -> dict:
             reduced[r.producer] = new
             continue
         node = reduced.get(r.producer, node)
-        readers = [by_name[n] for n in r.readers]
+        readers = [_reading(by_name[n], node) for n in r.readers]
         first = min(readers, key=order.__getitem__)
         with graph.inserting_before(first):
             new = graph.call_function(gather_from_tp_dim, (node, r.dim, r.inner)) \
@@ -120,6 +121,26 @@ def _insert_redistributions(graph: fx.Graph, redistributions: list) -> dict:
         for u in readers:
             u.replace_input_with(node, new)
     return reduced
+
+
+# operators the expert_parallel pass (run before this one) puts on an expert region's inputs
+_ENTERING = (copy_to_tp_region, ep_dispatch)
+
+
+def _reading(reader: fx.Node, value: fx.Node) -> fx.Node:
+    """The node that reads ``value`` for ``reader``: the reader itself, or the operator the
+    expert_parallel pass put between them (an expert region's f, its ep dispatch), which the
+    redistribution then feeds: ``f(all_gather(x))``, so that the f sums the split experts'
+    Partial gradient before the gather's backward takes the rank's slice (Muse-Spark's
+    experts read a norm over a column linear's sharded output; the gather was left unread
+    and the experts read the shard)."""
+    todo = [reader]
+    while todo:
+        n = todo.pop()
+        if value in n.all_input_nodes:
+            return n
+        todo += [a for a in n.all_input_nodes if a.op == "call_function" and a.target in _ENTERING]
+    return reader
 
 
 def _f_readers(graph: fx.Graph, sites: list, decision: TPDecision, reduced: dict) -> dict:

@@ -244,3 +244,27 @@ def test_heads_tp_does_not_divide_keep_attention_whole_and_the_experts_split():
         "experts split: tp must divide the number of kv heads (3) of model.layers.0.self_attn "
         "(dim 2 of the view to [*, *, 3, 8]), or be a multiple of it (each kv head is then held "
         "by tp / kv heads ranks); tp in {3, 6} shards them too; see report.md"]
+
+
+def test_experts_reading_a_gathered_shard_get_their_f_after_the_gather():
+    """transformers' Muse-Spark: a column-parallel ``pre_expert_proj``, a norm over its
+    whole (sharded) output, then experts split over tp. The norm's output is all-gathered
+    for the experts (a redistribution) and the experts' f is put on the same edge by the
+    expert pass first: the gather was left unread and the experts read the shard, refused
+    as an internal error by the gradient accounting (a held-out zoo). The gather now feeds
+    the f: f(all_gather(x)), the split experts' Partial gradient summed before the gather's
+    backward takes the rank's slice."""
+    import transformers as T
+    torch.manual_seed(0)
+    config = T.MuseSparkTextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=32,
+        layer_types=["full_attention"], mlp_layer_types=["sparse"], moe_intermediate_size=16,
+        moe_hidden_size=16, num_local_experts=4, num_experts_per_tok=2, pad_token_id=0,
+        use_cache=False, attn_implementation="sdpa")
+    ids = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    program = _compile(T.MuseSparkTextModel(config).train(), {"input_ids": ids})
+    assert any(re.match(NOTE, n) for n in program.notes), program.notes
+    src = program.sources["program/stage0.py"]
+    f_after_gather = r"copy_to_tp_region_?\d* = tp\.copy_to_tp_region\(gather_from_tp_dim\)"
+    assert re.search(f_after_gather, src), src
