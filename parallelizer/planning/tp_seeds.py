@@ -168,13 +168,13 @@ def _walk(start: fx.Node, is_linear: dict, residual_stop: bool, siblings=None,
                 conditioned.add(user)
                 ends.append((user, "a per-sample conditioning broadcast"))
                 continue
-            if residual_stop and _residual_add(user, seen, start, is_linear):
+            residual = _residual_add(user, seen, start, is_linear)
+            if residual_stop and residual:
                 branch = _sibling_linears(user, node, start, is_linear)
                 if branch is None:  # a block's end: no reason worth naming
                     continue
                 siblings |= branch
-            if node in crossed or user.target in _NORMS or (
-                    user.target in _ADDS and _residual_add(user, seen, start, is_linear)):
+            if node in crossed or user.target in _NORMS or residual:
                 crossed.add(user)
             frontier.append(user)
     return reached
