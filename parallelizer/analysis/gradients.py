@@ -311,8 +311,9 @@ def carries(nodes, grad_inputs) -> dict:
 
 
 def _mark_written(n: fx.Node, out: dict) -> None:
-    """A write in place of a value ``out`` marks (a ``copy_`` of a gradient-carrying key
-    into a slice of a ``new_empty``) marks the tensor written, for its readers after it."""
+    """When ``n`` writes in place a value ``out`` marks (a ``copy_`` of a gradient-carrying
+    key into a slice of a ``new_empty``), mark the tensor it writes too, for its readers
+    after the write."""
     if out.get(n):
         for _i, base in written_args(n):
             out[base] = True

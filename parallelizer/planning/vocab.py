@@ -17,8 +17,9 @@ Reads the graph and the TP decision, changes neither; returns its own
   reaches the model's outputs with no other product, attention or split into heads between,
   :func:`produces_logits`): it becomes column_parallel over the vocabulary, its logits
   ``Shard(-1)``; a head applied several times (multi-token prediction's one head for every
-  depth) is sharded once, each use a head. Logits the model returns are handed to ``loss_fn`` sharded (flat output
-  index in ``vocab_outputs``); any other use reads them gathered over tp.
+  depth) is sharded once, each use a head. Logits the model returns are handed to
+  ``loss_fn`` sharded (flat output index in ``vocab_outputs``); any other use reads them
+  gathered over tp.
 
 A table read by anything else (a norm, ``embedding_renorm_``; a matmul of its transpose is a
 linear since capture, ``frontend/einsum.py`` ``matmuls_as_linears``) or an
