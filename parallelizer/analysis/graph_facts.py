@@ -1,6 +1,7 @@
 """Read-only facts about a captured graph: shapes, module paths, parameter uses."""
 from __future__ import annotations
 
+import functools
 import math
 import operator
 import os
@@ -66,9 +67,18 @@ def same(a, b) -> bool:
 
     ``sympy.simplify`` costs milliseconds per call and the view rule compares thousands of
     sizes on a 70B graph (18 s of a 31 s compile); an expanded polynomial is zero exactly
-    when it is identically zero, so simplify is left for FloorDiv/Mod-like expressions.
+    when it is identically zero, so simplify is left for FloorDiv/Mod-like expressions, and
+    their answers are kept: the planners ask the same few questions many times (SEW-D's
+    conv lengths, 1408 calls to simplify for a handful of pairs: most of its tp plan's time).
     """
-    diff = sympy.expand(expr(a) - expr(b))
+    ea, eb = expr(a), expr(b)
+    return ea == eb or _same_exprs(ea, eb)
+
+
+@functools.lru_cache(maxsize=4096)
+def _same_exprs(a: sympy.Expr, b: sympy.Expr) -> bool:
+    # the answer depends on the expressions alone, so one cache serves every graph
+    diff = sympy.expand(a - b)
     if diff == 0:
         return True
     if diff.is_number or diff.is_polynomial():

@@ -6,6 +6,8 @@ op updates in forward (analysis/parameter_writes.py), the buffers BatchNorm's co
 (passes/split_check.py)."""
 from __future__ import annotations
 
+import functools
+
 import torch.fx as fx
 
 from ..frontend.graph_rewrite import returns_view
@@ -45,15 +47,24 @@ def written_buffer_args(node: fx.Node, buffers) -> list[int]:
 
 def written_args(n: fx.Node) -> list:
     """``(argument index, the node it is a view of)`` for each argument ``n`` writes."""
-    schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
-    if schema is None:
+    if n.op != "call_function":
         return []
     out = []
-    for i, arg in enumerate(schema.arguments):
-        value = n.args[i] if i < len(n.args) else n.kwargs.get(arg.name)  # out= too
-        if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, fx.Node):
+    for i, name in _written_positions(n.target):
+        value = n.args[i] if i < len(n.args) else n.kwargs.get(name)  # out= too
+        if isinstance(value, fx.Node):
             out.append((i, _view_base(value)))
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _written_positions(target) -> tuple:
+    # per op, not per node: the gradient passes ask of every node of large graphs
+    schema = getattr(target, "_schema", None)
+    if schema is None:
+        return ()
+    return tuple((i, arg.name) for i, arg in enumerate(schema.arguments)
+                 if arg.alias_info is not None and arg.alias_info.is_write)
 
 
 def _view_base(node: fx.Node) -> fx.Node:

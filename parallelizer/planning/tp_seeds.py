@@ -168,7 +168,9 @@ def _walk(start: fx.Node, is_linear: dict, residual_stop: bool, siblings=None,
                 conditioned.add(user)
                 ends.append((user, "a per-sample conditioning broadcast"))
                 continue
-            residual = _residual_add(user, seen, start, is_linear)
+            # past a crossing the answer matters only where the stream stops the walk
+            residual = (residual_stop or (node not in crossed and user.target not in _NORMS)) \
+                and _residual_add(user, seen, start, is_linear)
             if residual_stop and residual:
                 branch = _sibling_linears(user, node, start, is_linear)
                 if branch is None:  # a block's end: no reason worth naming
