@@ -110,7 +110,9 @@ def _packed_parts(features, outs, e, tp) -> bool:
     if not k:
         return False
     parts, inner = int(expr(outs[e])), int(expr(outs[e + 1]))
-    return parts > 1 and inner % tp == 0
+    # split as heads, P parts tp neither divides nor copies fail too: the size tp must
+    # divide is then a part's (6 heads of q, k and v, not the 3 parts)
+    return parts > 1 and (inner % tp == 0 or parts % tp != 0 and tp % parts != 0)
 
 
 _SAME_DIMS = {aten.contiguous.default, aten.clone.default, aten.alias.default}

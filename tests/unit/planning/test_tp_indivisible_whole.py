@@ -255,3 +255,37 @@ def test_allow_replicated_runs_a_model_whose_only_pair_tp_does_not_divide():
         "mesh.tp=2 but no weight matrix could be sharded (the first op that stopped it: tp "
         "must divide the number of features (37) of fc1 (out_features of fc1.weight)): every "
         "rank holds the whole model (tensor_parallel.allow_replicated); see report.md"]
+
+
+class PackedQKV6(nn.Module):
+    """timm's ViT attention with 6 heads: q | k | v in one projection viewed ``(B, T, 3, 6,
+    8)``, each part taken by the unbind of a permute; an MLP after it."""
+
+    def __init__(self, ffn=64):
+        super().__init__()
+        self.qkv, self.o = nn.Linear(H, 3 * 48), nn.Linear(48, H)
+        self.up, self.down = nn.Linear(H, ffn), nn.Linear(ffn, H)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, 6, 8).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+        x = x + self.o(a.reshape(b, t, 48))
+        return x + self.down(F.gelu(self.up(x)))
+
+
+def test_packed_parts_tp_does_not_divide_name_a_parts_heads():
+    """At tp 4 the reason named the 3 parts as the heads ("does not divide the 3 heads (dim 2
+    of the view to [*, *, 3, 6, 8])", a held-out zoo): the parts are q, k and v, each of 6
+    heads, and the degrees offered followed the 3. The 6 heads are named now, and the tp the
+    warning offers shards them."""
+    torch.manual_seed(0)
+    model = PackedQKV6()
+    gm, d = planned(model, x_batch(), 4)
+    assert d.column == {"up.weight"} and d.row == {"down.weight"}
+    assert "kept whole: qkv.weight (tp = 4 does not divide the 6 heads of the model (a part " \
+           "of dim 2 of the view to [*, *, 3, 6, 8]))" in d.report, d.report
+    assert d.warnings[0].endswith("tp in {2} shards them too; see report.md"), d.warnings
+    assert_tp_matches(model, x_batch(), 4, d, gm)
+    _gm2, d2 = planned(PackedQKV6(), x_batch(), 2)
+    assert {"qkv.weight", "up.weight"} <= d2.column and d2.warnings == []
