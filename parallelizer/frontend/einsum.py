@@ -20,12 +20,18 @@ and reaches the output; W's contracted and feature letters are each one contiguo
 An einsum of two activations that is a batched matrix product (attention's scores and
 context written as ``einsum('b i d, b j d -> b i j', q, k)`` and ``einsum('b i j, b j d ->
 b i d', attn, v)``, CompVis ldm's CrossAttention: batch letters in all three operands, one
-contracted letter, one free letter of each operand) becomes the ``aten.matmul`` of its
+contracted letter, free letters of each operand) becomes the ``aten.matmul`` of its
 operands permuted to ``(batch.., i, d)`` and ``(batch.., d, j)``, permuted back to the
 output's order: the sharding rules take it as they take ``q @ k.transpose(-2, -1)`` (no
 rule takes ``aten.einsum`` itself, so such an attention and its q/k/v/out projections
-were kept replicated).
-Any other einsum (a sum over a dim of one operand, a diagonal, several contracted or free
+were kept replicated). With a parameter for an operand, several free letters of an
+operand are folded into one dim first and unfolded after, as torch's own einsum does
+before its bmm: an expert-choice MoE's ``einsum('becd,edf->becf', tokens, w1)`` becomes E
+linears side by side, the ``matmul`` of (E, rows, in) by a 3-D weight, which
+``analysis/graph_facts.py`` shards as it does ``nn.Linear``. Two activations stay an
+einsum then, whose own rule (``analysis/sharding/einsum_read.py``) keeps each letter's
+shard (PaLM's one k head against the query heads, ``'bhid,bjd->bhij'``).
+Any other einsum (a sum over a dim of one operand, a diagonal, several contracted
 letters) is left as it is, and the planner reports its weight replicated.
 
 W is a parameter read directly or through casts (``w.to(torch.bfloat16).to(x.dtype)``).
@@ -58,7 +64,7 @@ def einsums_as_linears(gm: fx.GraphModule) -> int:
             if plan is not None:
                 _rewrite(gm.graph, node, *plan)
                 done += 1
-            elif _batched_matmul(gm.graph, node):
+            elif _batched_matmul(gm.graph, node, params):
                 done += 1
     if done:
         gm.graph.lint()
@@ -66,7 +72,7 @@ def einsums_as_linears(gm: fx.GraphModule) -> int:
     return done
 
 
-def _batched_matmul(graph: fx.Graph, node: fx.Node) -> bool:
+def _batched_matmul(graph: fx.Graph, node: fx.Node, params: set) -> bool:
     """Rewrite ``einsum(eq, a, b)`` into ``matmul`` of permutes when ``eq`` is a batched
     matrix product (see the module docstring); False (left as it is) otherwise."""
     if len(node.args) != 2 or node.kwargs or not isinstance(node.args[0], str) \
@@ -89,20 +95,44 @@ def _batched_matmul(graph: fx.Graph, node: fx.Node) -> bool:
     contracted = [c for c in as_ if c in bs and c not in os_]
     free_a = [c for c in as_ if c not in bs]
     free_b = [c for c in bs if c not in as_]
-    if len(contracted) != 1 or len(free_a) != 1 or len(free_b) != 1 \
+    if len(contracted) != 1 or not free_a or not free_b \
             or not set(free_a + free_b) <= set(os_) \
             or any(str(va.shape[as_.index(c)]) != str(vb.shape[bs.index(c)])
                    for c in batch + contracted):
         return False
+    folded = len(free_a) > 1 or len(free_b) > 1
+    if folded and not (is_param(a, params) or is_param(b, params)):
+        return False  # two activations: the einsum rule keeps their letters apart
     call = caller(graph, node, [va, vb])
+    meta = {k: v for k, v in node.meta.items() if k != "val"}
 
     def permuted(x, letters, order):
         perm = [letters.index(c) for c in order]
         return x if perm == list(range(len(perm))) else call(aten.permute.default, x, perm)
 
+    def size(c):  # a letter's size: an int, or the sym_size node reading it
+        x, letters = (a, as_) if c in as_ else (b, bs)
+        s = val(x).shape[letters.index(c)]
+        if not isinstance(s, torch.SymInt):
+            return int(s)
+        n = graph.call_function(aten.sym_size.int, (x, letters.index(c)))
+        n.meta = {**meta, "val": s}
+        return n
+
     with graph.inserting_before(node):
-        y = call(aten.matmul.default, permuted(a, as_, batch + free_a + contracted),
-                 permuted(b, bs, batch + contracted + free_b))
+        xa = permuted(a, as_, batch + free_a + contracted)
+        xb = permuted(b, bs, batch + contracted + free_b)
+        if folded:
+            # several free letters of an operand (an expert's tokens "becd,edf->becf"): one
+            # dim, as torch's own einsum folds them before its bmm
+            lead, k = [size(c) for c in batch], size(contracted[0])
+            if len(free_a) > 1:
+                xa = call(aten.reshape.default, xa, lead + [-1, k])
+            if len(free_b) > 1:
+                xb = call(aten.reshape.default, xb, lead + [k, -1])
+        y = call(aten.matmul.default, xa, xb)
+        if folded:
+            y = call(aten.reshape.default, y, lead + [size(c) for c in free_a + free_b])
         y = permuted(y, batch + free_a + free_b, list(os_))
     node.replace_all_uses_with(y)
     graph.erase_node(node)

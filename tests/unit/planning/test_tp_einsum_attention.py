@@ -94,3 +94,44 @@ def test_einsum_contracting_the_sharded_letter_still_matches():
     apply_cleanup(cap.gm)
     apply_tensor_parallel(cap.gm, d)
     assert_tp_matches(model, x_batch(), 2, d, cap.gm)
+
+
+class ExpertChoiceFFN(nn.Module):
+    """An expert-choice MoE's experts (Zhou et al. 2022, §3.1): each expert takes its top-C
+    tokens by ``gather``, and its FFN is written as einsums over the (batch, expert,
+    capacity) token dims by 3-D weights, then ``scatter_add`` back."""
+
+    def __init__(self, experts=4, ffn=16, cap=3):
+        super().__init__()
+        self.cap = cap
+        self.router = nn.Linear(H, experts, bias=False)
+        self.w1 = nn.Parameter(torch.randn(experts, H, ffn) * H ** -0.5)
+        self.w2 = nn.Parameter(torch.randn(experts, ffn, H) * ffn ** -0.5)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        e = self.w1.shape[0]
+        g, idx = self.router(x).softmax(-1).transpose(1, 2).topk(self.cap, dim=-1)
+        xin = torch.gather(x.unsqueeze(1).expand(b, e, t, d), 2,
+                           idx.unsqueeze(-1).expand(b, e, self.cap, d))
+        h = F.gelu(torch.einsum("becd,edf->becf", xin, self.w1))
+        y = torch.einsum("becf,efd->becd", h, self.w2) * g.unsqueeze(-1)
+        rows = idx.reshape(b, e * self.cap, 1).expand(b, e * self.cap, d)
+        return x + torch.zeros_like(x).scatter_add(1, rows, y.reshape(b, e * self.cap, d))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_expert_einsums_over_several_token_dims_are_column_and_row(tp):
+    """``einsum('becd,edf->becf')`` has two free letters of the tokens (b, c): it was left
+    an einsum, which no rule takes, and the compile was refused ("no weight matrix could be
+    sharded", a held-out zoo's expert-choice MoE) although the same experts written with
+    ``bmm`` shard. The token letters are folded into one dim now, as torch's einsum folds
+    them: w1 column (Shard(2)), w2 row (Shard(1)), each rank equal to the model."""
+    torch.manual_seed(0)
+    model = ExpertChoiceFFN()
+    cap = captured(model, x_batch())
+    d = plan_tp(cap.gm.graph, tp)
+    assert d.column == {"w1"} and d.row == {"w2"}, d.report
+    apply_cleanup(cap.gm)
+    apply_tensor_parallel(cap.gm, d)
+    assert_tp_matches(model, x_batch(), tp, d, cap.gm)
