@@ -302,11 +302,15 @@ def _local(node: fx.Node, source: fx.Node, is_linear: dict) -> bool:
 
 
 def _whole_features(norm: fx.Node, start: fx.Node) -> bool:
-    """``norm`` normalises as many features as ``start`` (a linear) outputs, or more."""
+    """``norm`` normalises as many features as ``start`` (a linear) outputs, or more, or a
+    value of ``start``'s rank: a part of a fused output whole (the GRU-gated residual's z of
+    ``sigmoid(gates(..)).chunk(2)``, x-transformers, then the MLP's pre-norm), where a
+    per-head norm reads the heads split out into a dim of their own."""
     x, out = norm.args[0].meta.get("val"), start.meta.get("val")
     if x is None or out is None or not x.dim() or not out.dim():
         return True
-    return x.shape[-1] == out.shape[-1] or not (out.shape[-1] % x.shape[-1] == 0)
+    return x.shape[-1] == out.shape[-1] or not (out.shape[-1] % x.shape[-1] == 0) \
+        or x.dim() == out.dim()
 
 
 def _residual_add(node: fx.Node, seen: set, start: fx.Node | None = None,
