@@ -417,7 +417,11 @@ def _linear(node, site, prop, column, row, groups):
                 redistribute.cut(node, prop, x, last)
             else:
                 redistribute.gather_all(node, prop, [x])
-            return _conflict(prop, node, groups, "row_parallel linear needs Shard(-1) input")
+            # an input no column's shard reaches names no group, and a conflict naming none
+            # drops every group (a grouped FFN's shuffle took the attention with it): the
+            # row's own group is to blame then
+            blamed = groups if groups & (column | row) else groups | {wt}
+            return _conflict(prop, node, blamed, "row_parallel linear needs Shard(-1) input")
         return REPLICATE, groups  # Partial, resolved by the g after it at once
     if _uncontracted(px, x, site):
         return px, groups

@@ -135,3 +135,42 @@ def test_expert_einsums_over_several_token_dims_are_column_and_row(tp):
     apply_cleanup(cap.gm)
     apply_tensor_parallel(cap.gm, d)
     assert_tp_matches(model, x_batch(), tp, d, cap.gm)
+
+
+class ShuffledGroupsBlock(nn.Module):
+    """Attention, then a grouped FFN by einsums over (G, D/G, F/G) weights with a channel
+    shuffle between them (ShuffleNet's transpose of the groups and their features)."""
+
+    def __init__(self, groups=2, ffn=32):
+        super().__init__()
+        self.g, self.f = groups, ffn
+        self.attn = EinsumAttention(scale=False)
+        self.w1 = nn.Parameter(torch.randn(groups, H // groups, ffn // groups) * 0.2)
+        self.w2 = nn.Parameter(torch.randn(groups, ffn // groups, H // groups) * 0.2)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        g, f = self.g, self.f
+        x = self.attn(x)
+        h = F.gelu(torch.einsum("btgd,gdf->btgf", x.view(b, t, g, H // g), self.w1))
+        h = h.view(b, t, g, g, f // g // g).transpose(2, 3).reshape(b, t, g, f // g)
+        return x + torch.einsum("btgf,gfd->btgd", h, self.w2).reshape(b, t, H)
+
+
+def test_a_row_whose_input_no_column_shards_drops_its_own_group_only():
+    """The grouped FFN's einsums are G linears side by side now (decision 115); the shuffle
+    leaves w2's input unsharded along its features, and that conflict named no group, so it
+    dropped every group: the compile was refused, attention included ("no weight matrix
+    could be sharded", a held-out zoo's grouped-linear model, 4 of 8 matrices before). The
+    row's own group is dropped: attention stays sharded, the FFN whole, each rank equal to
+    the model."""
+    torch.manual_seed(0)
+    model = ShuffledGroupsBlock()
+    cap = captured(model, x_batch())
+    d = plan_tp(cap.gm.graph, 2)
+    assert d.column == {"attn.q.weight", "attn.k.weight", "attn.v.weight"}, d.report
+    assert d.row == {"attn.o.weight"}, d.report
+    assert any(line.startswith("kept replicated: w1, w2 (") for line in d.report), d.report
+    apply_cleanup(cap.gm)
+    apply_tensor_parallel(cap.gm, d)
+    assert_tp_matches(model, x_batch(), 2, d, cap.gm)
