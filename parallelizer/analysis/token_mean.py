@@ -98,11 +98,13 @@ def _strip_casts(node):
 
 
 def _full_sum(node) -> bool:
-    """``node`` (through dtype casts) sums every element of its input: additive over row
-    chunks."""
+    """``node`` (through dtype casts) sums every element of its input, or a loss summed over
+    its targets (``reduction="sum"``): additive over row chunks."""
     node = _strip_casts(node)
     if not isinstance(node, fx.Node) or node.op != "call_function":
         return False
+    if node.target in _LOSSES:  # reduction="sum": transformers' fixed_cross_entropy
+        return reduction(node) == _SUM
     if node.target in _FULL_SUMS:
         return _arg(node, 1, "dim", None) is None
     if node.target is aten.sum.dim_IntList:
