@@ -93,9 +93,13 @@ def plan_vocab(graph: fx.Graph, tp: int, mode, canonical: dict, tp_decision: TPD
     heads, blockers = [], []
     for f in tables:
         for user in (u for a in reads[f] for u in a.users):
-            why = _blocker(user, a_of(user, reads[f]))
+            attr = a_of(user, reads[f])
+            why = _blocker(user, attr)
             if why:
                 blockers.append(f"{_op_text(user)} reads {f}: {why}")
+            elif _tp_sharded(user, attr, tp_decision):
+                return _off(decision, mode, _tp_sharded(user, attr, tp_decision),
+                            "the embedding table split as the tp plan splits its head")
             elif user.target is aten.linear.default:
                 heads.append(user)
     if blockers:
@@ -134,6 +138,18 @@ def _blocker(user: fx.Node, attr: fx.Node) -> str:
         return ""
     return (f"vocab_parallel needs the table read only by aten.embedding and as the weight of "
             f"an nn.Linear head (here: {user.target})")
+
+
+def _tp_sharded(user: fx.Node, attr: fx.Node, tp_decision: TPDecision) -> str:
+    """Why a tied head the tp plan already shards keeps the table out of vocab_parallel (''
+    if it does not): a row of a column before it (OPT-350m's ``project_out``, narrowing the
+    hidden size to the embedding's) splits the table along its embedding dim, and one tensor
+    is split one way. An untied head the tp plan shards is left to it the same way."""
+    if user.target is not aten.linear.default or attr.target not in tp_decision.dims:
+        return ""
+    role = "row_parallel" if attr.target in tp_decision.row else "column_parallel"
+    return (f"the tp plan shards the LM head {attr.target} as a {role} linear (split along "
+            f"dim {tp_decision.dims[attr.target]}); one tensor is split one way")
 
 
 def _bias_ok(n: fx.Node) -> bool:
@@ -258,11 +274,12 @@ def _indexed_by_inputs(idx) -> bool:
 _SIZES = {aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int}
 
 
-def _off(decision: VocabDecision, mode, why: str) -> VocabDecision:
+def _off(decision: VocabDecision, mode, why: str,
+         held: str = "embedding and LM head replicated") -> VocabDecision:
     if mode is True:
         raise PlanError(f"{KEY}=true but the vocabulary cannot be sharded over tp: {why}; set "
                         f"{KEY}=auto (or false) to keep the embedding and LM head replicated")
-    decision.off = f"vocab_parallel: off ({why}); embedding and LM head replicated"
+    decision.off = f"vocab_parallel: off ({why}); {held}"
     decision.report.append(decision.off)
     return decision
 
