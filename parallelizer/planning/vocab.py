@@ -94,11 +94,11 @@ def plan_vocab(graph: fx.Graph, tp: int, mode, canonical: dict, tp_decision: TPD
     for f in tables:
         for user in (u for a in reads[f] for u in a.users):
             attr = a_of(user, reads[f])
-            why = _blocker(user, attr)
+            why, split = _blocker(user, attr), _tp_sharded(user, attr, tp_decision)
             if why:
                 blockers.append(f"{_op_text(user)} reads {f}: {why}")
-            elif _tp_sharded(user, attr, tp_decision):
-                return _off(decision, mode, _tp_sharded(user, attr, tp_decision),
+            elif split:
+                return _off(decision, mode, split,
                             "the embedding table split as the tp plan splits its head")
             elif user.target is aten.linear.default:
                 heads.append(user)

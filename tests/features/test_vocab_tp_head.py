@@ -41,7 +41,8 @@ MODEL = textwrap.dedent("""
 
 
     def example_inputs():
-        return {"input_ids": torch.randint(0, V, (4, 8), generator=torch.Generator().manual_seed(1))}
+        g = torch.Generator().manual_seed(1)
+        return {"input_ids": torch.randint(0, V, (4, 8), generator=g)}
 
 
     def loss_fn(logits, batch):

@@ -50,7 +50,8 @@ class _Loss(nn.Module):
         if self.kind == "sum_over_count":  # transformers' fixed_cross_entropy's spelling
             return F.cross_entropy(flat, target, reduction="sum") / (target != -100).sum()
         if self.kind == "nll_sum_over_count":
-            return F.nll_loss(F.log_softmax(flat, -1), target, reduction="sum") / (labels != -100).sum()
+            summed = F.nll_loss(F.log_softmax(flat, -1), target, reduction="sum")
+            return summed / (labels != -100).sum()
         per = F.cross_entropy(flat, target.clamp(min=0), reduction="none")
         m = mask.flatten().float()
         if self.kind == "masked":
@@ -87,7 +88,8 @@ def _captured(model, batch):
 
 @pytest.mark.parametrize("kind, found", [
     ("cross_entropy", "loss"), ("smoothed", "loss"), ("nll", "loss"), ("plus_scaled", "loss"),
-    ("masked", "div"), ("sum_over_count", "div"), ("nll_sum_over_count", "div"), ("masked_written", None), ("masked_clamped", None), ("perplexity", None), ("weighted", None),
+    ("masked", "div"), ("sum_over_count", "div"), ("nll_sum_over_count", "div"),
+    ("masked_written", None), ("masked_clamped", None), ("perplexity", None), ("weighted", None),
     ("target_from_weights", None)])
 def test_sites_are_quotients_over_input_counts_reaching_the_loss_linearly(kind, found):
     c = _captured(_Loss(kind), _batch())

@@ -415,11 +415,13 @@ def test_einsum_weights_kept_whole_are_reported_and_counted():
     d = plan_tp(cap.gm.graph, 2)
     whole = [f"blocks.{i}.w2" for i in range(2)]
     assert sorted(d.other_replicated) == whole
-    assert linear_counts(d).endswith("replicated: 2 linears (blocks.0.w3, blocks.1.w3); "
-                                     f"replicated too: 2 other weight matrices ({', '.join(whole)})")
+    assert linear_counts(d).endswith(
+        "replicated: 2 linears (blocks.0.w3, blocks.1.w3); "
+        f"replicated too: 2 other weight matrices ({', '.join(whole)})")
     for i in range(2):
-        assert any(line.startswith(f"replicated linear: blocks.{i}.w3 (no column/row pair found; "
-                                   "aten.matmul.default at test_tp.py:") for line in d.report)
+        assert any(line.startswith(f"replicated linear: blocks.{i}.w3 (no column/row pair "
+                                   "found; aten.matmul.default at test_tp.py:")
+                   for line in d.report)
     for fqn, line in d.other_replicated.items():
         assert line in d.report and line.startswith(f"replicated: {fqn} (")
         assert "read by aten.einsum.default at test_tp.py:" in line, line
