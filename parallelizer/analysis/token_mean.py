@@ -98,13 +98,18 @@ def _strip_casts(node):
 
 
 def _full_sum(node) -> bool:
-    """``node`` (through dtype casts) sums every element of its input, or a loss summed over
-    its targets (``reduction="sum"``): additive over row chunks."""
+    """``node`` (through dtype casts) sums every element of its input, is a loss summed over
+    its targets (``reduction="sum"``), or adds such sums (a loss computed in sequence chunks,
+    ``total = x.new_zeros(()); total = total + ce(chunk, reduction="sum")``): additive over
+    row chunks."""
     node = _strip_casts(node)
     if not isinstance(node, fx.Node) or node.op != "call_function":
         return False
     if node.target in _LOSSES:  # reduction="sum": transformers' fixed_cross_entropy
         return reduction(node) == _SUM
+    if node.target in (aten.add.Tensor, operator.add):  # chunked: 0 + sum_1 + sum_2 + ...
+        return len(node.args) == 2 and not node.kwargs and all(
+            _full_sum(a) or _zero(a) for a in node.args) and not all(_zero(a) for a in node.args)
     if node.target in _FULL_SUMS:
         return _arg(node, 1, "dim", None) is None
     if node.target is aten.sum.dim_IntList:
@@ -114,6 +119,16 @@ def _full_sum(node) -> bool:
             return False
         return not dims or len({d % max(x.dim(), 1) for d in dims}) == x.dim()
     return False
+
+
+_ZEROS = {aten.new_zeros.default, aten.zeros.default, aten.zeros_like.default}
+
+
+def _zero(node) -> bool:
+    """``node`` is the number 0 or a tensor of zeros made from nothing else's values."""
+    if not isinstance(node, fx.Node):
+        return node == 0
+    return node.op == "call_function" and node.target in _ZEROS
 
 
 def _zero_dim(node) -> bool:

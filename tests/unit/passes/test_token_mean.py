@@ -49,6 +49,11 @@ class _Loss(nn.Module):
             return 0.5 * F.cross_entropy(flat, target) + logits.pow(2).mean() - 1.0
         if self.kind == "sum_over_count":  # transformers' fixed_cross_entropy's spelling
             return F.cross_entropy(flat, target, reduction="sum") / (target != -100).sum()
+        if self.kind == "chunked_sum_over_count":  # the loss computed 3 positions at a time
+            total = flat.new_zeros(())
+            for xc, yc in zip(logits.split(3, 1), labels.split(3, 1)):
+                total = total + F.cross_entropy(xc.flatten(0, 1), yc.flatten(), reduction="sum")
+            return total / (labels != -100).sum()
         if self.kind == "nll_sum_over_count":
             summed = F.nll_loss(F.log_softmax(flat, -1), target, reduction="sum")
             return summed / (labels != -100).sum()
@@ -89,6 +94,7 @@ def _captured(model, batch):
 @pytest.mark.parametrize("kind, found", [
     ("cross_entropy", "loss"), ("smoothed", "loss"), ("nll", "loss"), ("plus_scaled", "loss"),
     ("masked", "div"), ("sum_over_count", "div"), ("nll_sum_over_count", "div"),
+    ("chunked_sum_over_count", "div"),
     ("masked_written", None), ("masked_clamped", None), ("perplexity", None), ("weighted", None),
     ("target_from_weights", None)])
 def test_sites_are_quotients_over_input_counts_reaching_the_loss_linearly(kind, found):
@@ -100,7 +106,7 @@ def test_sites_are_quotients_over_input_counts_reaching_the_loss_linearly(kind, 
 
 
 @pytest.mark.parametrize("kind", ["cross_entropy", "smoothed", "nll", "plus_scaled", "masked",
-                                  "sum_over_count", "nll_sum_over_count"])
+                                  "sum_over_count", "nll_sum_over_count", "chunked_sum_over_count"])
 def test_chunks_over_the_whole_step_count_give_the_whole_batch_loss_and_gradients(kind):
     """The rewritten graph on 4 row chunks under the whole step's count: the mean of the
     chunks' losses and gradients is the whole batch's (fp32 rounding); without it (each
