@@ -19,6 +19,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.fx as fx
 
+from ..frontend.graph_rewrite import ZEROS
 from .graph_facts import aten, source_line, val
 from .writes import written_nodes
 
@@ -121,14 +122,11 @@ def _full_sum(node) -> bool:
     return False
 
 
-_ZEROS = {aten.new_zeros.default, aten.zeros.default, aten.zeros_like.default}
-
-
 def _zero(node) -> bool:
     """``node`` is the number 0 or a tensor of zeros made from nothing else's values."""
     if not isinstance(node, fx.Node):
         return node == 0
-    return node.op == "call_function" and node.target in _ZEROS
+    return node.op == "call_function" and node.target in ZEROS
 
 
 def _zero_dim(node) -> bool:

@@ -46,7 +46,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from .graph_rewrite import caller, is_param, swaps_last_two, val
+from .graph_rewrite import ZEROS, caller, is_param, swaps_last_two, val
 
 aten = torch.ops.aten
 
@@ -330,9 +330,6 @@ def matmuls_as_linears(gm: fx.GraphModule) -> int:
     return done
 
 
-_ZEROS = {aten.zeros.default, aten.new_zeros.default, aten.zeros_like.default}
-
-
 def zero_baddbmm_as_bmm(gm: fx.GraphModule) -> int:
     """Rewrite ``baddbmm(zeros(..), q, k, beta, alpha)`` (or any input with ``beta=0``) into
     the ``alpha * bmm(q, k)`` it computes: attention scores started from a zeros tensor of
@@ -347,7 +344,7 @@ def zero_baddbmm_as_bmm(gm: fx.GraphModule) -> int:
         base, q, k = node.args
         beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
         if set(node.kwargs) - {"beta", "alpha"} or not (beta == 0 or isinstance(base, fx.Node)
-                                                        and base.target in _ZEROS):
+                                                        and base.target in ZEROS):
             continue
         with gm.graph.inserting_before(node):
             call = caller(gm.graph, node, [val(q), val(k)])

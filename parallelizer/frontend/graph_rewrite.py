@@ -12,6 +12,9 @@ from torch._guards import detect_fake_mode
 
 aten = torch.ops.aten
 
+# factories of a tensor of zeros, whose value reads nothing else's
+ZEROS = {aten.zeros.default, aten.new_zeros.default, aten.zeros_like.default}
+
 # same values, same shape: a weight read through these is still the weight
 CASTS = {aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default,
          aten.type_as.default, aten.contiguous.default, aten.clone.default, aten.alias.default}
