@@ -7,14 +7,24 @@ copied again: the planner's fixed point never came and the compile died with
 ``AssertionError: tp planning did not settle`` (a held-out zoo). Now a layout seen before is
 a cycle: each weight whose layout alternates keeps its group whole, named in the report, the
 rest sharded, and the program passes the numerics self-check against the unmodified model.
+
+The weight named is the group kept whole: where a bias's layout flips with its weight's (a
+``D -> 2 D`` linear viewed as 2 candidates mixed by a softmax gate, at tp 4), the bias named
+nothing in the plan's column/row sets and the whole model was kept replicated, refused as
+"no weight matrix could be sharded" (zoo 9's hw9_pair_mix). Its weight's group is kept whole,
+the block's MLP sharded.
 """
 import re
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from parallelizer import compiler
 from parallelizer.frontend.spec import Spec
+
+from tp_check import assert_tp_matches, planned
 
 T = pytest.importorskip("transformers")
 
@@ -43,3 +53,33 @@ def test_alternating_kv_layout_keeps_its_group_whole_and_the_program_checks():
         program.report[:3000]
     assert any(program.plan.tensors[f].tp_dim is not None for f in program.plan.tensors
                if ".mlp." in f or "experts" in f), "the rest is still sharded"
+
+
+class _CandidateMix(nn.Module):
+    """Two candidate updates from one linear, mixed by a softmax gate; then an MLP."""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.d = d
+        self.cand, self.gate = nn.Linear(d, 2 * d), nn.Linear(d, 2)
+        self.out, self.up, self.down = nn.Linear(d, d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        g = self.gate(x).softmax(-1).unsqueeze(-1)
+        x = x + self.out((self.cand(x).view(b, t, 2, self.d) * g).sum(2))
+        return x + self.down(F.relu(self.up(x)))
+
+
+def test_a_bias_whose_layout_flips_keeps_its_weights_group_whole_not_the_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(_CandidateMix(), _CandidateMix())
+    batch = (torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(1)),)
+    gm, d = planned(model, batch, 4)
+    assert d.column == {"0.up.weight", "1.up.weight"}
+    assert d.row == {"0.down.weight", "1.down.weight"}
+    kept = [line for line in d.report if line.startswith("kept replicated:")]
+    assert any(line.startswith("kept replicated: 0.cand.weight, 0.out.weight (")
+               for line in kept), kept
+    assert not any("up.weight" in line for line in kept), kept
+    assert_tp_matches(model, batch, 4, d, gm)
