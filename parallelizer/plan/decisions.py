@@ -45,9 +45,11 @@ class Redistribution:
 @dataclass
 class TPDecision:
     """Column/row weight FQNs (get_attr targets), the shape-constant rewrites and the
-    report. ``biases`` maps a linear weight FQN to its bias FQN; ``dims`` maps every sharded
-    weight and column bias to its sharded dim (``tp_dim``), ``layouts`` those with a layout
-    other than the even split to it (a :mod:`parallelizer.plan.layouts` class)."""
+    report. ``biases`` maps a linear's bias FQN to its weight FQN (a weight read in pieces,
+    each with its own bias, has several: ``F.linear(x, w[:d], q_bias)``, ``F.linear(x,
+    w[2 * d:], v_bias)``); ``dims`` maps every sharded weight and column bias to its sharded
+    dim (``tp_dim``), ``layouts`` those with a layout other than the even split to it (a
+    :mod:`parallelizer.plan.layouts` class)."""
 
     column: set = field(default_factory=set)
     row: set = field(default_factory=set)

@@ -55,11 +55,11 @@ def _placement(name: str, tp: TPDecision, vocab: VocabDecision) -> tuple:
     if name in tp.per_head:
         return (tp.dims[name], "per-head or per-channel (sharded with the heads or channels it "
                 "meets)", None)
-    for w, b in tp.biases.items():
-        if b == name and w in tp.column:
-            return tp.dims[name], "column_parallel", layout
-        if b == name and w in tp.row:
-            return None, "row_parallel bias (added after the all-reduce)", None
+    w = tp.biases.get(name)
+    if w in tp.column:
+        return tp.dims[name], "column_parallel", layout
+    if w in tp.row:
+        return None, "row_parallel bias (added after the all-reduce)", None
     return None, "replicate", None
 
 

@@ -56,7 +56,7 @@ def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False,
     decision.linears = list(dict.fromkeys(site.weight for site in sites))
     for site in sites:
         if site.bias:
-            decision.biases[site.weight] = site.bias
+            decision.biases[site.bias] = site.weight
     if tp == 1:
         return decision
     first = chains_whole(graph, sites, tp, decision, pairs_settled(graph, sites, tp, decision))

@@ -198,7 +198,6 @@ def _settle(graph, pairs: dict, column: set, row: set, tp: int, decision,
     layouts, no_replication, per_head, narrow = {}, {}, {}, {}
     edges, reduces, one_head_dim = {}, {}, set()
     by_name = {n.name: n for n in graph.nodes}
-    owner = {b: w for w, b in decision.biases.items()}
     seen: list = []  # the layouts assumed so far: one found again is a cycle, not progress
     for _ in range(4 * (len(column) + len(row)) + len(by_name) + 8):
         # a per-head tensor whose attention was kept replicated stays replicated too
@@ -235,7 +234,7 @@ def _settle(graph, pairs: dict, column: set, row: set, tp: int, decision,
             continue
         node, module, groups, reason = conflicts[0]
         # a bias's layout flips with its weight's: the weight names the group to drop
-        groups = frozenset(owner.get(g, g) for g in groups)
+        groups = frozenset(decision.biases.get(g, g) for g in groups)
         bad = _left_unpaired(pairs, groups & (column | row), column, row) if groups & (
             column | row) else _component(pairs, column)
         op = op_text(by_name[node]) if node in by_name else node

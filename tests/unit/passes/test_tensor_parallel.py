@@ -153,7 +153,7 @@ def test_linears_found_by_algebra_pair_and_match():
     cap = captured(model, (torch.randn(2, 5, 16),))
     d = plan_tp(cap.gm.graph, 2)
     assert d.column == {"w1"} and d.row == {"w2"}
-    assert d.dims == {"w1": 0, "b1": 0, "w2": 0} and d.biases == {"w1": "b1", "w2": "b2"}
+    assert d.dims == {"w1": 0, "b1": 0, "w2": 0} and d.biases == {"b1": "w1", "b2": "w2"}
     assert any(line.startswith("replicated linear: w3 (no column/row pair found; aten.mm.default "
                                "at test_tensor_parallel.py:") for line in d.report), d.report
     apply_tensor_parallel(cap.gm, d)

@@ -27,7 +27,7 @@ def test_mlp_first_column_second_row():
     cap = captured(MLP(), x_batch())
     d = plan_tp(cap.gm.graph, 2)
     assert d.column == {"fc1.weight"} and d.row == {"fc2.weight"}
-    assert d.biases == {"fc1.weight": "fc1.bias", "fc2.weight": "fc2.bias"}
+    assert d.biases == {"fc1.bias": "fc1.weight", "fc2.bias": "fc2.weight"}
     assert d.rewrites == {}
     assert d.report == [] and linear_counts(d) == "column_parallel: 1 linears; row_parallel: 1 linears; replicated: none"
 
