@@ -110,10 +110,10 @@ def _simulate(schedule, pp, v, m, stages, send_s) -> PipelineTime:
     busy = tuple(m * p for p in per_mb)
     m1, m2 = reduced_microbatches(pp, m, schedule)
     if m2 is None:
-        makespan = _run(_graph(schedule, pp, v, m), pp, stages, send_s)
+        makespan = _run(_steps(schedule, pp, v, m), stages, send_s)
     else:
-        a = _run(_graph(schedule, pp, v, m1), pp, stages, send_s)
-        b = _run(_graph(schedule, pp, v, m2), pp, stages, send_s)
+        a = _run(_steps(schedule, pp, v, m1), stages, send_s)
+        b = _run(_steps(schedule, pp, v, m2), stages, send_s)
         # no rank finishes before its own work: the linear extension can undershoot that
         # by a fraction of a round where the steady state has no idle slot (zero bubble)
         makespan = max(b + (m - m2) * (b - a) / (m2 - m1), max(busy))
@@ -167,16 +167,28 @@ def _dependency(kind, s, mb, last):
     return ("F", s, mb) if s == last else ("B", s + 1, mb)
 
 
-def _run(graph, pp, stages, send_s) -> float:
-    """The latest finish of the actions in ``graph`` (see :func:`_graph`)."""
-    finish = [0.0] * len(graph)
-    durations = [{"F": st.fwd, "B": st.bwd, "I": st.bwd - st.wgrad, "W": st.wgrad} for st in stages]
-    for i, (r, kind, s, prev, dep, cross) in enumerate(graph):
-        start = finish[prev] if prev >= 0 else 0.0
-        if dep >= 0:
-            ready = finish[dep] + (send_s if cross else 0.0)
-            start = ready if ready > start else start
-        finish[i] = start + durations[s][kind]
+_KINDS = {"F": 0, "B": 1, "I": 2, "W": 3}
+
+
+@lru_cache(maxsize=4096)
+def _steps(schedule: str, pp: int, v: int, m: int) -> tuple:
+    """:func:`_graph` as ``(prev, dep, cross, duration index)`` per action for :func:`_run`:
+    -1 (no predecessor) reads the sentinel finish time 0 at the end of its list, ``cross``
+    is 0 or 1, the duration index is ``4 * stage + kind`` (F, B, I, W)."""
+    return tuple((prev, dep, int(cross), 4 * s + _KINDS[kind])
+                 for _, kind, s, prev, dep, cross in _graph(schedule, pp, v, m))
+
+
+def _run(steps, stages, send_s) -> float:
+    """The latest finish of the actions of :func:`_steps`: each starts when its rank's
+    previous action has finished and its input has arrived (``send_s`` later from another
+    rank)."""
+    finish = [0.0] * (len(steps) + 1)  # the last entry: the finish of "no action"
+    send = (0.0, send_s)
+    durations = [d for st in stages for d in (st.fwd, st.bwd, st.bwd - st.wgrad, st.wgrad)]
+    for i, (prev, dep, cross, k) in enumerate(steps):
+        free, ready = finish[prev], finish[dep] + send[cross]
+        finish[i] = (ready if ready > free else free) + durations[k]
     return max(finish)
 
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from parallelizer.advisor.pipeline_sim import (StageTimes, _graph, _run, peak_in_flight,
+from parallelizer.advisor.pipeline_sim import (StageTimes, _run, _steps, peak_in_flight,
                                                reduced_microbatches, simulate)
 
 
@@ -43,10 +43,10 @@ def test_many_microbatches_extrapolate_the_steady_state(schedule, pp, v):
         send = rng.uniform(0.0, 0.2)
         for m in (5 * pp, 6 * pp):
             assert reduced_microbatches(pp, m, schedule)[1] is not None
-            whole = _run(_graph(schedule, pp, v, m), pp, stages, send)
+            whole = _run(_steps(schedule, pp, v, m), stages, send)
             assert simulate(schedule, pp, v, m, stages, send).makespan == pytest.approx(whole, rel=2e-2)
     equal = [StageTimes(1.0, 2.0, 1.0)] * (pp * v)   # exact on equal stages
-    whole = _run(_graph(schedule, pp, v, 6 * pp), pp, equal, 0.1)
+    whole = _run(_steps(schedule, pp, v, 6 * pp), equal, 0.1)
     assert simulate(schedule, pp, v, 6 * pp, equal, 0.1).makespan == pytest.approx(whole, rel=2e-3)
 
 
