@@ -285,14 +285,16 @@ def reference(model: torch.nn.Module, batch, seed: int = 0, given=None) -> Refer
                 found = torch.autograd.grad([o for o, _ in pairs], list(params.values()),
                                             [c for _, c in pairs], allow_unused=True)
                 grads = dict(zip(params, found))
+        # a buffer the forward registers (a cache: x-transformers' ALiBi bias) is no state
+        # the program writes
         written = {n: b.detach().clone() for n, b in model.named_buffers()
-                   if not torch.equal(b, saved[n])}
+                   if n in saved and not torch.equal(b, saved[n])}
     finally:
         # train-mode running statistics as they were; after the backward, which may read
         # a buffer the forward saved (Gemma's embedding normalizer)
         with torch.no_grad():
             for n, b in model.named_buffers():
-                if not torch.equal(b, saved[n]):
+                if n in saved and not torch.equal(b, saved[n]):
                     b.copy_(saved[n])
     return Reference([o.detach() if isinstance(o, torch.Tensor) else o for o in flat], cot,
                      grads, written)

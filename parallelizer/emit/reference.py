@@ -168,8 +168,8 @@ def _one_step(model: torch.nn.Module, batch, loss_fn, spec, model_file, chunks: 
     ref["loss"] = loss.detach().reshape(())
     for i, t in enumerate(flat_out):
         ref[f"output.{i}"] = t.detach().contiguous()
-    for name, b in model.named_buffers():
-        if not torch.equal(b, before[name]):
+    for name, b in model.named_buffers():  # one the forward registers is a cache, no state
+        if name in before and not torch.equal(b, before[name]):
             ref[f"buffer.{name}"] = b.detach().clone()
     named = dict(model.named_parameters())  # canonical names (first alias) only
     for name, p in named.items():
@@ -243,7 +243,8 @@ def chunked_step(model: torch.nn.Module, batch, loss_fn, chunks: int, model_file
     finally:
         with torch.no_grad():
             for k, b in model.named_buffers():
-                b.copy_(buffers[k])
+                if k in buffers:
+                    b.copy_(buffers[k])
         for name, p in named.items():
             p.grad = kept[name]
     return torch.stack(losses).sum().reshape(()), grads
