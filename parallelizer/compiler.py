@@ -33,6 +33,7 @@ from .emit.stages import stage_sources
 from .checkpoint.hf import load_hf_state_dict, match_to_model
 from .errors import CheckpointError, PlanError
 from .frontend.model_file import default_loss, load_model
+from .frontend.regions import check_autocast_off
 from .analysis.gradient_accounting import check_gradients
 from .analysis.parameter_writes import written_buffer_warnings
 from .analysis.outputs import fixed_size_warnings, fixed_sizes
@@ -134,6 +135,7 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
     analysis = analyse(model, batch, model_file or Path("<in-memory model>"), passes,
                        pp=spec.mesh.pp, ep=spec.mesh.ep,
                        microbatches=spec.pipeline.microbatches, dp=spec.mesh.dp, tp=spec.mesh.tp)
+    check_autocast_off(analysis.captured.gm, spec.mixed_precision.param_dtype)
     pp_warnings += fixed_size_warnings(fixed_sizes(analysis.captured.gm,
                                                    analysis.captured.input_names),
                                        analysis.captured.gm)

@@ -200,7 +200,7 @@ _PRODUCTS = {aten.matmul.default, aten.mm.default, aten.bmm.default}
 # same values, same shape: a weight read through these is still the weight
 _CASTS = {aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default,
           aten.type_as.default, aten.contiguous.default, aten.clone.default, aten.alias.default,
-          aten.detach.default}  # detach: a read under torch.no_grad (capture._no_grad)
+          aten.detach.default}  # detach: a read under torch.no_grad (regions.inline_regions)
 # a tensor under another shape: view, reshape (the sizes in args[1])
 VIEWS = frozenset({aten.view.default, aten.reshape.default, aten._unsafe_view.default})
 _PATH_LIMIT = 8

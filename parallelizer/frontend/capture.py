@@ -12,9 +12,6 @@ import contextlib
 import inspect
 import io
 import logging
-import operator
-import os
-import re
 import sys
 import warnings
 from dataclasses import dataclass
@@ -31,6 +28,7 @@ from .conv import channel_maps_as_linears
 from .einsum import einsums_as_linears, matmuls_as_linears, zero_baddbmm_as_bmm
 from .graph_rewrite import returns_view
 from .model_file import user_frame
+from .regions import inline_regions, model_line
 
 def split_args(batch: tuple | dict) -> tuple[tuple, dict]:
     """A batch as the (args, kwargs) it is called with."""
@@ -205,7 +203,7 @@ def capture(model: torch.nn.Module, batch: tuple | dict, model_file: Path) -> Ca
     names = tuple(kwargs) if kwargs else tuple(
         n.name for n in gm.graph.nodes if n.op == "placeholder")
     _to_flat_calling(gm)
-    _inline_no_grad_regions(gm)
+    inline_regions(gm)
     _refuse_subgraphs(gm, model_file)
     _one_op_per_meaning(gm)
     einsums_as_linears(gm)
@@ -246,49 +244,6 @@ def _symbolic_trace(model: torch.nn.Module) -> torch.fx.GraphModule:
         torch.random.set_rng_state(state)
         raise RuntimeError("symbolic_trace drew random numbers at trace time")
     return traced
-
-
-def _inline_no_grad_regions(gm: torch.fx.GraphModule) -> None:
-    """Inline the subgraphs torch.export keeps for ``torch.no_grad()`` regions of forward
-    (``wrap_with_set_grad_enabled(False, submod, *args)``), their tensor inputs
-    (:func:`_no_grad`) and outputs detached: the
-    same values, none of them carrying gradient, as the region computed them (a SymInt output,
-    ``min(k, x.shape[1])`` computed in the region, is passed on as it is: ``aten.detach``
-    takes tensors only). Every planner and
-    pass then reads one flat graph of ATen ops."""
-    from torch._higher_order_ops.wrap import wrap_with_set_grad_enabled
-    graph = gm.graph
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not wrap_with_set_grad_enabled \
-                or node.args[0] is not False:
-            continue
-        attr = node.args[1]
-        sub = getattr(gm, attr.target)
-        env, outs = {}, None
-        with graph.inserting_before(node):
-            args = iter(node.args[2:])
-            for n in sub.graph.nodes:
-                if n.op == "placeholder":
-                    env[n] = _no_grad(graph, next(args))
-                elif n.op == "output":
-                    outs = n.args[0]
-                elif n.op == "get_attr":
-                    got = graph.get_attr(n.target)
-                    got.meta = dict(n.meta)
-                    env[n] = _no_grad(graph, got)
-                else:
-                    env[n] = graph.node_copy(n, lambda a: env[a])
-            detached = [_detach(graph, env[o]) if _is_tensor(env[o]) else env.get(o, o) for o in outs]
-        for user in list(node.users):
-            assert user.target is operator.getitem, user  # export unpacks the region's tuple
-            user.replace_all_uses_with(detached[user.args[1]])
-            graph.erase_node(user)
-        graph.erase_node(node)
-        if not attr.users:
-            graph.erase_node(attr)
-            delattr(gm, attr.target)
-    graph.lint()
-    gm.recompile()
 
 
 # ops torch defines as another op with the same arguments (ATen's broadcast_to is
@@ -374,10 +329,6 @@ def _one_op_per_meaning(gm: torch.fx.GraphModule) -> None:
         gm.recompile()
 
 
-def _is_tensor(value) -> bool:
-    return isinstance(value, torch.fx.Node) and isinstance(value.meta.get("val"), torch.Tensor)
-
-
 def _expand_to_sizes(graph: torch.fx.Graph, node: torch.fx.Node) -> list:
     """``expand_as(x, other)`` as ``expand(x, sizes)``, which ATen defines it as, with
     ``other``'s sizes spelled out (a number, or a ``sym_size`` of ``other`` for a dynamic dim):
@@ -399,20 +350,6 @@ def _expand_to_sizes(graph: torch.fx.Graph, node: torch.fx.Node) -> list:
     return inserted
 
 
-def _no_grad(graph: torch.fx.Graph, value):
-    """``value`` as a no_grad region reads it: a tensor detached, so that the region's ops,
-    inlined, track no gradient either (spectral_norm's power iteration writes ``div(...,
-    out=self._u)`` from the weight: with gradient tracked, ``out=`` raises). Export's fake
-    values do not say which tensors carry gradient, so every tensor is detached."""
-    return _detach(graph, value) if _is_tensor(value) else value
-
-
-def _detach(graph: torch.fx.Graph, value: torch.fx.Node) -> torch.fx.Node:
-    out = graph.call_function(torch.ops.aten.detach.default, (value,))
-    out.meta = {**value.meta}
-    return out
-
-
 def _refuse_subgraphs(gm: torch.fx.GraphModule, model_file: Path) -> None:
     """Refuse a higher-order op that calls a subgraph (a ``torch.autograd.Function``,
     ``torch.cond``, an autocast region, as torch.export keeps them): the planners read one
@@ -424,9 +361,9 @@ def _refuse_subgraphs(gm: torch.fx.GraphModule, model_file: Path) -> None:
     for node in gm.graph.nodes:
         if node.op == "get_attr" and isinstance(getattr(gm, node.target, None), torch.nn.Module):
             user = next(iter(node.users), node)
-            frames = re.findall(r'File "([^"]+)", line (\d+)', user.meta.get("stack_trace") or "")
-            line = next((f"{os.path.basename(f)}:{n}" for f, n in reversed(frames)
-                         if f"{os.sep}torch{os.sep}" not in f and not f.startswith("<")), "")
+            # the op's own trace, else its subgraph's first op's (export records none for
+            # an autocast region)
+            line = model_line([user]) or model_line(getattr(gm, node.target).graph.nodes)
             raise CaptureError(
                 f"{model_file}: the model calls {getattr(user.target, '__name__', user.target)} on "
                 f"a subgraph{f' at {line}' if line else ''} (a torch.autograd.Function, torch.cond "

@@ -1,0 +1,117 @@
+"""Regions torch.export keeps as subgraphs of a higher-order op, inlined where that keeps
+what the model computes, so that every planner and pass reads one flat graph of ATen ops:
+
+- ``torch.no_grad()`` (``wrap_with_set_grad_enabled(False, submod, *args)``): inputs and
+  outputs detached, the same values, none of them carrying gradient;
+- ``torch.autocast(device, enabled=False)`` (``wrap_with_autocast(device, dtype, False,
+  cache, submod, *args)``: x-transformers' rotary embedding, kept in fp32 under mixed
+  precision): in fp32 no autocast is active, so the region computes what its ops compute
+  anywhere. The compiler refuses such a region under ``mixed_precision.param_dtype`` other
+  than fp32, whose autocast would reach into it (:func:`check_autocast_off`).
+
+An autocast region that turns autocast on, ``torch.cond`` and ``torch.autograd.Function``
+stay subgraphs, which capture refuses.
+"""
+from __future__ import annotations
+
+import operator
+import os
+import re
+
+import torch
+
+from ..errors import CaptureError
+
+_AUTOCAST_OFF = "autocast_off"  # gm.meta key: the source lines of the inlined regions
+
+
+def inline_regions(gm: torch.fx.GraphModule) -> None:
+    """Inline ``gm``'s no_grad and autocast-off regions (module docstring); records the
+    autocast-off regions' source lines in ``gm.meta``."""
+    from torch._higher_order_ops.wrap import wrap_with_autocast, wrap_with_set_grad_enabled
+    graph, lines = gm.graph, []
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is wrap_with_set_grad_enabled and node.args[0] is False:
+            _inline(gm, node, node.args[1], node.args[2:], detach=True)
+        elif node.target is wrap_with_autocast and node.args[2] is False:
+            lines.append(model_line(getattr(gm, node.args[4].target).graph.nodes) or "the model")
+            _inline(gm, node, node.args[4], node.args[5:], detach=False)
+    gm.meta[_AUTOCAST_OFF] = list(dict.fromkeys(lines))
+    graph.lint()
+    gm.recompile()
+
+
+def check_autocast_off(gm: torch.fx.GraphModule, param_dtype: str) -> None:
+    """Refuse mixed precision for a model with autocast-off regions inlined: the program
+    runs each stage's forward under ``torch.autocast(param_dtype)``, which would reach into
+    them (the model keeps them in fp32; x-transformers' rotary embedding).
+
+    Raises:
+        CaptureError: names the regions' source lines, the spec key and the fix.
+    """
+    lines = list(gm.meta.get(_AUTOCAST_OFF, ()))
+    if param_dtype == "fp32" or not lines:
+        return
+    raise CaptureError(
+        f"the model turns autocast off at {', '.join(lines)} (torch.autocast(..., "
+        f"enabled=False)), and mixed_precision.param_dtype={param_dtype} runs every stage "
+        f"under torch.autocast({param_dtype}), which the compiled program cannot turn off "
+        f"for those ops: they would run in {param_dtype}, not as the model keeps them. Set "
+        f"mixed_precision.param_dtype=fp32, or compute that code outside the autocast-off "
+        f"region")
+
+
+def _inline(gm, node, attr, args, detach: bool) -> None:
+    """Copy the subgraph ``attr`` of ``node`` before it, reading ``args``; ``detach``: every
+    tensor read and returned detached (a no_grad region's ops, inlined, track no gradient:
+    spectral_norm's power iteration writes ``div(..., out=self._u)`` from the weight, which
+    raises with gradient tracked; export's fake values do not say which tensors carry
+    gradient, so every tensor is detached). A SymInt output (``min(k, x.shape[1])``) is
+    passed on as it is."""
+    graph, sub = gm.graph, getattr(gm, attr.target)
+    keep = (lambda v: _detach(graph, v) if _is_tensor(v) else v) if detach else (lambda v: v)
+    env, outs, args = {}, None, iter(args)
+    with graph.inserting_before(node):
+        for n in sub.graph.nodes:
+            if n.op == "placeholder":
+                env[n] = keep(next(args))
+            elif n.op == "output":
+                outs = n.args[0]
+            elif n.op == "get_attr":
+                got = graph.get_attr(n.target)
+                got.meta = dict(n.meta)
+                env[n] = keep(got)
+            else:
+                env[n] = graph.node_copy(n, lambda a: env[a])
+        results = [keep(env[o]) if o in env else o for o in outs]
+    for user in list(node.users):
+        assert user.target is operator.getitem, user  # export unpacks the region's tuple
+        user.replace_all_uses_with(results[user.args[1]])
+        graph.erase_node(user)
+    graph.erase_node(node)
+    if not attr.users:
+        graph.erase_node(attr)
+        delattr(gm, attr.target)
+
+
+def model_line(nodes) -> str:
+    """``file.py:line`` of the model code the first of ``nodes`` with a stack trace came
+    from (its innermost frame outside torch), or ''."""
+    for n in nodes:
+        frames = re.findall(r'File "([^"]+)", line (\d+)', n.meta.get("stack_trace") or "")
+        for path, line in reversed(frames):
+            if f"{os.sep}torch{os.sep}" not in path and not path.startswith("<"):
+                return f"{os.path.basename(path)}:{line}"
+    return ""
+
+
+def _is_tensor(value) -> bool:
+    return isinstance(value, torch.fx.Node) and isinstance(value.meta.get("val"), torch.Tensor)
+
+
+def _detach(graph: torch.fx.Graph, value: torch.fx.Node) -> torch.fx.Node:
+    out = graph.call_function(torch.ops.aten.detach.default, (value,))
+    out.meta = {**value.meta}
+    return out
