@@ -3,8 +3,9 @@
 - g (``reduce_from_tp_region``) on a region value -> ``reduce_scatter_to_sequence_parallel_region``;
   f (``copy_to_tp_region``) reading a region value -> ``all_gather_from_sequence_parallel_region``.
 - a replicated value read by the region -> ``split_to_sequence_parallel_region`` (its local
-  slice), once per value, read by the region's nodes only (:func:`enter_region`: the one
-  place a vocab-parallel embedding's Partial output would be reduce-scattered instead).
+  slice), once per value (a parameter once per block reading it), read by the region's
+  nodes only (:func:`enter_region`: the one place a vocab-parallel embedding's Partial
+  output would be reduce-scattered instead).
 - a region value read outside -> ``gather_from_sequence_parallel_region`` for those readers.
 - a parameter broadcast into the region -> f on that edge (its gradient is partial over tp).
 - view sizes holding the global sequence length -> the local one
@@ -56,7 +57,7 @@ def apply_sequence_parallel(gm: fx.GraphModule, d: SequenceParallelDecision) -> 
     for name in d.all_gather:
         _fuse_linears(graph, by_name[name], d.blocks)
     for name, place in d.splits.items():
-        enter_region(graph, by_name[name], place, seq_arg(place), region, d.tp)
+        enter_region(graph, by_name[name], place, seq_arg(place), region, d.tp, d.blocks)
     for name, readers in d.exits.items():
         _exit(graph, by_name[name], d.region[name], seq_arg(d.region[name]),
               [by_name[r] for r in readers])
@@ -146,17 +147,40 @@ def _position(graph):
     return lambda n: order[n]
 
 
-def enter_region(graph: fx.Graph, x: fx.Node, place, seq, region: set, tp: int) -> fx.Node:
+def enter_region(graph: fx.Graph, x: fx.Node, place, seq, region: set, tp: int,
+                 blocks=()) -> list[fx.Node]:
     """``x`` (replicated on every tp rank) enters the sequence-parallel region as this rank's
     slice for the region's readers. A vocab-parallel embedding (Partial output) would
-    enter through a reduce-scatter here instead of an all-reduce and this slice."""
-    with graph.inserting_after(x):
-        s = graph.call_function(split_to_sequence_parallel_region, (x, place[0], seq))
-    s.meta = dict(x.meta)
-    s.meta[SEQUENCE_SHARD] = (*place, tp)
-    for u in list(x.users):
-        if u in region:
-            u.replace_input_with(x, s)
+    enter through a reduce-scatter here instead of an all-reduce and this slice. A
+    parameter is sliced in each block (of ``blocks``) that reads it, before its first
+    reader there: one slice after the read would send a block's weight from the stage that
+    holds the first block (x-transformers' position MLP, a module every block calls).
+    Returns the slices."""
+    readers = [u for u in x.users if u in region]
+    if x.op != "get_attr":
+        return [_slice(graph, x, None, readers, (*place, tp), seq)]
+    # a reader outside every block (a module the block calls but does not own) runs in the
+    # last block before it, as split_stages assigns it
+    groups: dict = {}
+    current, wanted = None, set(readers)
+    for n in graph.nodes:
+        current = (block_of(n, blocks) if n.op != "get_attr" else None) or current
+        if n in wanted:
+            groups.setdefault(current, []).append(n)
+    order = _position(graph)
+    return [_slice(graph, x, min(group, key=order), group, (*place, tp), seq)
+            for group in groups.values()]
+
+
+def _slice(graph, x, first, readers, shard, seq) -> fx.Node:
+    """The slice of ``x`` that ``readers`` read: after ``x``, or before ``first`` in its
+    module."""
+    with graph.inserting_after(x) if first is None else graph.inserting_before(first):
+        s = graph.call_function(split_to_sequence_parallel_region, (x, shard[0], seq))
+    s.meta = dict(x.meta) if first is None else _reader_meta(x, first)
+    s.meta[SEQUENCE_SHARD] = shard
+    for u in readers:
+        u.replace_input_with(x, s)
     return s
 
 

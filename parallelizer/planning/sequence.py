@@ -114,13 +114,17 @@ class _Facts:
         return n.meta.get(TP_OPERATOR) if isinstance(n, fx.Node) else None
 
     def seq_place(self, n) -> Optional[tuple]:
-        """(dim, flat) of the sequence in ``n``'s value, or None."""
+        """(dim, flat) of the sequence in ``n``'s value, or None: (batch, seq, ...), or
+        (batch * seq, ...) flat. The batch is part of it: a table over positions that the
+        model computes, (2 seq - 1, features) with as many features as a fixed sequence
+        length (x-transformers' position-bias MLP), is no sequence shard."""
         v = n.meta.get("val") if isinstance(n, fx.Node) else None
         if isinstance(v, (tuple, list)):
             v = v[0] if v and isinstance(v[0], torch.Tensor) else None
         if not isinstance(v, torch.Tensor) or v.dim() < 2:
             return None
-        if same(v.shape[1], self.seq) and not same(v.shape[0], self.seq):
+        if same(v.shape[1], self.seq) and same(v.shape[0], self.batch) \
+                and not same(v.shape[0], self.seq):
             return (1, False)
         if same(v.shape[0], expr(self.batch) * expr(self.seq)):
             return (0, True)
