@@ -71,8 +71,8 @@ from .planning.vocab import plan_vocab, vocab_summary
 from .emit.program import Program, check_replaceable
 from .emit.rank_check import check_ranks
 from .emit.numerics_check import check_numerics, model_reference, when as self_check_when
-from .emit.reference import (compute_reference, copy_model, nonfinite_warnings,
-                             sample_mean_warnings, stack_reference)
+from .emit.reference import (check_gradients_held, compute_reference, copy_model,
+                             nonfinite_warnings, sample_mean_warnings, stack_reference)
 from .emit.report import render_report, stage_sends
 from .frontend.spec import Spec
 
@@ -372,6 +372,7 @@ def emit(analysis: Analysis, planned: Planned, checked: Checked,
                                                     chunks=not whole or count is not None,
                                                     count=count),
                                   analysis.stacked)
+            check_gradients_held(ref, set(plan_.tensors) | set(plan_.aliases))
             pp_warnings = pp_warnings + nonfinite_warnings(ref) + sample_mean_warnings(ref, spec)
     tp = planned.tp
     tp_lines = planned.notes + tp.warnings + list(plan_.tp_report) + sequence.report + planned.ep.report

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..errors import CaptureError
+from ..errors import CaptureError, PlanError
 from ..frontend.capture import eager_message, split_args
 from ..frontend.custom_functions import checkpoint_off
 from ..frontend.model_file import call_loss_fn
@@ -290,6 +290,25 @@ def stack_reference(ref: dict, stacked: dict) -> dict:
             like = next(p for p in parts if p is not None)
             out[f"{kind}.{fqn}"] = torch.stack([torch.zeros_like(like) if p is None else p for p in parts])
     return out
+
+
+def check_gradients_held(ref: dict, held) -> None:
+    """Every parameter the model computes a gradient for on the example batch is one the
+    program holds (``held``: the plan's FQNs and their aliases): one it does not hold would
+    never train, so the program is not the model's.
+
+    Raises:
+        PlanError: names the parameter (an internal error: the captured graph does not read
+            a parameter the model's forward reads).
+    """
+    missing = sorted(k.removeprefix("grad.") for k in ref
+                     if k.startswith("grad.") and k.removeprefix("grad.") not in held)
+    if missing:
+        raise PlanError(f"internal error (a bug in parallelizer, please report it): the model "
+                        f"computes a gradient for {', '.join(missing[:3])}"
+                        f"{' and more' if len(missing) > 3 else ''} on the example batch, but "
+                        f"the captured graph does not read it, so the program would never "
+                        f"train it")
 
 
 def nonfinite_warnings(ref: dict) -> list[str]:

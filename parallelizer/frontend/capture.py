@@ -28,6 +28,7 @@ from .conv import channel_maps_as_linears
 from .einsum import einsums_as_linears, matmuls_as_linears, zero_baddbmm_as_bmm
 from .graph_rewrite import returns_view
 from .model_file import user_frame
+from .held_params import held_parameters, read_as_parameters
 from .regions import inline_regions, model_line
 
 def split_args(batch: tuple | dict) -> tuple[tuple, dict]:
@@ -172,6 +173,7 @@ def capture(model: torch.nn.Module, batch: tuple | dict, model_file: Path) -> Ca
             graph's own gradient differs from (:mod:`.custom_functions`).
     """
     args, kwargs = split_args(batch)
+    held = held_parameters(model)
     try:
         with custom_functions.recorded() as applied, custom_functions.checkpoint_off(), \
                 _state_kept(model):
@@ -193,6 +195,7 @@ def capture(model: torch.nn.Module, batch: tuple | dict, model_file: Path) -> Ca
                                + capture_hints.hints(model, args, kwargs, export_error,
                                                      model_file)) from export_error
     gm = ep.module()
+    read_as_parameters(gm, held)
     out_spec = gm._out_spec
     try:
         treespec_dumps(out_spec)

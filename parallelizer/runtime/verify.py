@@ -211,6 +211,7 @@ def run_verify(out_dir: Path, plan: ParallelPlan, spec: dict, stage, ctx: RankCo
                 skipped.append(f"output.{i} {tuple(ref[f'output.{i}'].shape)}")
             else:
                 tally.add("outputs", f"output.{i}", out, want, noise=ref.get(f"noise.output.{i}"))
+    _unheld_gradients(tally, plan, ref)
     dropped = _mean_residuals(stage, ctx, runner) if plan.compression.get("method") == "topk" else {}
     _compare_tensors(tally, "gradients", "grad", stage, plan, ctx, ref,
                      lambda p: p.grad if p.grad is None or id(p) not in dropped else p.grad + dropped[id(p)])
@@ -221,6 +222,16 @@ def run_verify(out_dir: Path, plan: ParallelPlan, spec: dict, stage, ctx: RankCo
                      lambda p: p - lr * dropped[id(p)] if sgd and id(p) in dropped else p, param_bound)
     _compare_buffers(tally, stage, plan, ctx, ref)
     return _report(tally, plan, vcfg, loss, ref, ctx, skipped)
+
+
+def _unheld_gradients(tally, plan: ParallelPlan, ref: dict) -> None:
+    """A gradient the reference has for a parameter no stage of the program holds: it
+    would never train (the stages' own parameters are compared one by one)."""
+    held = set(plan.tensors) | set(plan.aliases)
+    for key in sorted(ref):
+        if key.startswith("grad.") and key.removeprefix("grad.") not in held:
+            tally.mismatch("gradients", f"{key.removeprefix('grad.')}: a gradient in the "
+                                        f"reference, held by no stage of the program")
 
 
 def _compare_buffers(tally, stage, plan: ParallelPlan, ctx: RankContext, ref: dict) -> None:
