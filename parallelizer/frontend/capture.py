@@ -30,6 +30,7 @@ from .graph_rewrite import returns_view
 from .model_file import user_frame
 from .held_params import held_parameters, read_as_parameters
 from .regions import inline_regions, model_line
+from .tiles import tiles_as_repeat
 
 def split_args(batch: tuple | dict) -> tuple[tuple, dict]:
     """A batch as the (args, kwargs) it is called with."""
@@ -209,6 +210,7 @@ def capture(model: torch.nn.Module, batch: tuple | dict, model_file: Path) -> Ca
     inline_regions(gm)
     _refuse_subgraphs(gm, model_file)
     _one_op_per_meaning(gm)
+    tiles_as_repeat(gm)
     einsums_as_linears(gm)
     matmuls_as_linears(gm)
     zero_baddbmm_as_bmm(gm)
