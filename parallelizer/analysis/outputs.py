@@ -14,6 +14,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import PlanError
+from ..frontend.guards import shape_guards
 from .graph_facts import input_values, source_line
 
 # ops whose int arguments are sizes: where a batch size fixed by the model's code shows
@@ -57,6 +58,17 @@ def check_batch_is_dynamic(gm: fx.GraphModule, input_names) -> None:
         PlanError: names the input, the fixed size, the first op sized by it (its line) and
             the fix.
     """
+    guarded = [(text, name, size) for text, dims in shape_guards(gm)
+               for name, d, size in dims if d == 0 and size > 1]
+    if guarded:
+        text, name, size = guarded[0]
+        raise PlanError(
+            f"the model's code fixes the batch size at the example's {size}: it turns dim 0 of "
+            f"input {name!r} into a Python number (int(), math on x.shape), and torch.export "
+            f"guarded `{text}`, which fewer samples break; under mesh.pp > 1, "
+            f"pipeline.microbatches > 1 or mesh.dp > 1 the step runs fewer samples at a time. "
+            f"Compute it with tensor ops on the size, or use mesh.pp=1, mesh.dp=1 and "
+            f"pipeline.microbatches=1")
     first = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == input_names[0])
     val = first.meta.get("val")
     # a size export specialised is a SymInt whose expression is a number
@@ -106,7 +118,9 @@ def fixed_sizes(gm: fx.GraphModule, input_names) -> tuple:
     ``warned``: the compile warns about it: a fixed batch, or a fixed dim 1 of token ids or
     of a 3-dim float input (batch, sequence, features); not an image's channels, which its
     first layer fixes by nature, nor a 2-dim float input's features (an MLP on tabular data). A fixed dim 1 is no sequence where another input's dim 1 is
-    a symbol (features beside token ids: the sequence is that input's), and is left out."""
+    a symbol (features beside token ids: the sequence is that input's), and is left out.
+    A dim torch.export guarded (``frontend/guards.py``) is fixed too; its ``warned`` is the
+    guard's text."""
     out = []
     vals = input_values(gm, input_names)
     sequence = any(v.dim() > 1 and not str(v.shape[1]).isdigit() for _, v in vals)
@@ -115,6 +129,12 @@ def fixed_sizes(gm: fx.GraphModule, input_names) -> tuple:
             if str(val.shape[d]).isdigit() and int(str(val.shape[d])) > 1:
                 warned = d == 0 or not val.is_floating_point() or val.dim() == 3
                 out.append((name, d, int(str(val.shape[d])), warned))
+    seen = {(name, d) for name, d, _, _ in out}
+    for text, dims in shape_guards(gm):  # symbols export guarded: fixed too, always said
+        for name, d, size in dims:
+            if (name, d) not in seen:
+                seen.add((name, d))
+                out.append((name, d, size, text))
     return tuple(out)
 
 
@@ -123,8 +143,14 @@ def fixed_size_warnings(fixed: tuple, gm: fx.GraphModule | None = None) -> list[
     op of the model's code sized by it where one is found (``gm``)."""
     out = []
     for name, d, size, warned in fixed:
-        if warned:
-            what, flag, fix = _DIM_WORDS[d]
+        what, flag, fix = _DIM_WORDS[d]
+        if isinstance(warned, str):
+            out.append(f"the model's code fixes the {what} at the example's {size}: it turns "
+                       f"dim {d} of input {name!r} into a Python number (int(), math on "
+                       f"x.shape), and torch.export guarded `{warned}`; the program runs only "
+                       f"that {what}, and run.py refuses another {flag}. Compute it with "
+                       f"tensor ops on the size ({fix}) to run any")
+        elif warned:
             out.append(f"the model's code fixes the {what} at the example's {size} (dim {d} of "
                        f"input {name!r} is a constant in the captured graph: a layer over that "
                        f"dim (a Linear mixing the tokens), a Python loop over it, or a size "

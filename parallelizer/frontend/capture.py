@@ -28,6 +28,7 @@ from .conv import channel_maps_as_linears
 from .einsum import einsums_as_linears, matmuls_as_linears, zero_baddbmm_as_bmm
 from .graph_rewrite import returns_view
 from .model_file import user_frame
+from .guards import record_shape_guards
 from .held_params import held_parameters, read_as_parameters
 from .regions import inline_regions, model_line
 from .tiles import tiles_as_repeat
@@ -206,6 +207,7 @@ def capture(model: torch.nn.Module, batch: tuple | dict, model_file: Path) -> Ca
                            f"tuple or dict of tensors, or a Hugging Face ModelOutput") from e
     names = tuple(kwargs) if kwargs else tuple(
         n.name for n in gm.graph.nodes if n.op == "placeholder")
+    record_shape_guards(gm, ep, names, tree_flatten((args, kwargs))[0])
     _to_flat_calling(gm)
     inline_regions(gm)
     _refuse_subgraphs(gm, model_file)

@@ -1,0 +1,57 @@
+"""A size the model's code turns into a Python number (a router's capacity ``int(1.25 *
+tokens / experts)``, GShard/Switch style) is traced at the example's value: torch.export keeps
+the batch and sequence dims symbolic and guards the expression (``math.trunc(...) == 8``),
+and the flat program dropped that guard. So the program ran other sizes with the example's
+constant, with no warning: at pp2 each microbatch kept the whole batch's capacity, and
+``--verify`` failed (zoo 10's hw10_gshard_top1), and ``run.py --seq-len`` ran a length the
+constant was wrong for. Now a guarded dim is fixed at the example's size: the compile warns
+naming the guard, ``run.py`` refuses another size (``plan.fixed_sizes``), and a guarded batch
+refuses every layout that runs fewer samples at a time.
+"""
+import pytest
+import torch
+from torch import nn
+
+from parallelizer import compiler
+from parallelizer.errors import PlanError
+from parallelizer.frontend.spec import Spec
+
+D = 16
+
+
+class _Capacity(nn.Module):
+    """Keeps the first ``cap`` tokens of each sample; ``cap`` from the tokens it was given."""
+
+    def __init__(self, over_batch: bool):
+        super().__init__()
+        self.over_batch = over_batch
+        self.a, self.b = nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x):
+        tokens = x.shape[0] * x.shape[1] if self.over_batch else x.shape[1]
+        cap = max(1, int(0.125 * tokens))
+        keep = (torch.arange(x.shape[1])[None] < cap).to(x.dtype)
+        return (self.b(self.a(x)) ** 2).mean(-1).mul(keep).sum(1).div(cap).mean()
+
+
+def _compile(over_batch: bool, **mesh):
+    torch.manual_seed(0)
+    batch = (torch.randn(4, 16, D, generator=torch.Generator().manual_seed(1)),)
+    return compiler.compile_module(_Capacity(over_batch), batch,
+                                   Spec.model_validate({"mesh": mesh}))
+
+
+def test_a_guarded_sequence_length_is_fixed_and_said():
+    program = _compile(False)
+    assert ("x", 1, 16) in program.plan.fixed_sizes
+    (warning,) = [w for w in program.warnings if "fixes the sequence length" in w]
+    assert "torch.export guarded `math.trunc(0.125*torch.sym_float(L['x'].size()[1])) == 2`" \
+        in warning and "run.py refuses another --seq-len" in warning
+
+
+def test_a_guarded_batch_refuses_layouts_that_run_fewer_samples():
+    with pytest.raises(PlanError, match=r"fixes the batch size at the example's 4: it turns "
+                                        r"dim 0 of input 'x' into a Python number .*guarded "
+                                        r"`math\.trunc\(.*== 8`.*mesh\.dp > 1"):
+        _compile(True, dp=2)
+    assert ("x", 0, 4) in _compile(True).plan.fixed_sizes
