@@ -74,12 +74,22 @@ def not_sample_mean(ref: dict, dp: int, microbatches: int, atol: float, rtol: fl
             f"needs pipeline.microbatches >= mesh.pp) to compare exactly")
 
 
-def chunks_line(ref: dict, dp: int, microbatches: int, vcfg: dict) -> str:
+def chunks_line(ref: dict, dp: int, microbatches: int, vcfg: dict, loss=None,
+                param_dtype: str = "fp32") -> str:
     """What a failed --verify's chunked reference loss says: :func:`not_sample_mean`, or that
     the loss is a mean over samples. Both losses are the fp32 model's, so they are compared
     at fp32's tolerances (``verify.atol`` / ``rtol``) whatever ``param_dtype`` the program
-    runs: at bf16's a BatchNorm's per-chunk statistics passed for a mean over samples."""
+    runs: at bf16's a BatchNorm's per-chunk statistics passed for a mean over samples.
+    ``loss``: the program's; where it is not the chunks' loss either (at ``param_dtype``'s
+    tolerances) the chunking does not explain the failure, and the line says so first."""
     why = not_sample_mean(ref, dp, microbatches, *tolerances(vcfg, "fp32"))
+    chunked = ref.get("loss.chunked")
+    if why and loss is not None and chunked is not None and not torch.allclose(
+            loss.detach().float().cpu(), chunked.float(), *reversed(tolerances(vcfg, param_dtype))):
+        why = (f"the program's loss {loss.item():.6f} is not the unmodified model's on the "
+               f"same chunks either ({chunked.item():.6f}), so the chunking does not explain "
+               f"the difference: the program computes something else (report it, with this "
+               f"output). Besides, " + why)
     return why or ("the unmodified model's loss over this program's dp x microbatch chunks "
                    "averages to its whole-batch loss, so the loss is a mean over samples")
 
@@ -392,6 +402,6 @@ def _report(tally: _Tally, plan, vcfg: dict, loss, ref: dict, ctx, skipped=()) -
                 f"{c} ({int(b)} mismatched; worst on rank {worst[c][0]}: {worst[c][1] or '-'})"
                 for c, b in zip(CATEGORIES, bad.tolist()) if b))
         if not ok and "loss.chunked" in ref:
-            print(f"verify: {chunks_line(ref, m['dp'], plan.microbatches, vcfg)}")
+            print(f"verify: {chunks_line(ref, m['dp'], plan.microbatches, vcfg, loss, plan.param_dtype)}")
         print("PASS" if ok else "FAIL", flush=True)
     return 0 if ok else 1

@@ -127,6 +127,14 @@ def test_run_time_chunk_line_compares_the_fp32_losses_at_fp32_tolerances():
     assert chunks_line(ref, 2, 1, vcfg).startswith(
         "the loss is not a mean over samples: on the batch cut into mesh.dp (2) x "
         "pipeline.microbatches (1) chunks")
+    # the program's loss is the chunks' loss: the chunking explains it
+    assert chunks_line(ref, 2, 1, vcfg, ref["loss.chunked"].clone()).startswith(
+        "the loss is not a mean over samples")
+    # ... or it is neither (zoo 10's capacity baked from the whole batch): said first
+    other = ref["loss"] * 0.99
+    assert chunks_line(ref, 2, 1, vcfg, other).startswith(
+        f"the program's loss {other.item():.6f} is not the unmodified model's on the same "
+        f"chunks either ({ref['loss.chunked'].item():.6f}), so the chunking does not explain")
     ref["loss.chunked"] = ref["loss"].clone()
     assert any(k.startswith("chunked.grad.") for k in ref)  # batch statistics: gradients too
     assert chunks_line(ref, 2, 1, vcfg).startswith("the loss is not a mean over samples")
