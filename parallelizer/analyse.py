@@ -66,7 +66,7 @@ def analyse(model: torch.nn.Module, batch, name: Path, passes: PassManager,
     modes = training_modes(model)
     captured = capture(model, batch, name)
     if pp > 1 or microbatches > 1 or dp > 1:  # the step runs the graph on fewer samples
-        check_batch_is_dynamic(captured.gm, captured.input_names)
+        check_batch_is_dynamic(captured.gm, captured.input_names, max(2, dp * microbatches))
     if pp > 1:
         check_outputs_have_batch_dim(captured.gm, captured.input_names)
     check_parameter_writes(captured.gm, dp)

@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import PlanError
-from ..frontend.guards import shape_guards
+from ..frontend.guards import batch_breaks, pinned
 from .graph_facts import input_values, source_line
 
 # ops whose int arguments are sizes: where a batch size fixed by the model's code shows
@@ -46,7 +46,7 @@ def scalar_outputs(gm: fx.GraphModule) -> tuple[int, ...]:
                  if isinstance(v, torch.Tensor) and v.dim() == 0 and v.is_floating_point())
 
 
-def check_batch_is_dynamic(gm: fx.GraphModule, input_names) -> None:
+def check_batch_is_dynamic(gm: fx.GraphModule, input_names, chunks: int = 2) -> None:
     """Under pp > 1 (or microbatches > 1 at pp 1) the step runs the graph on microbatches of
     the example batch: the captured
     graph must hold the first input's batch as a symbol. Code that turns it into a Python
@@ -58,22 +58,12 @@ def check_batch_is_dynamic(gm: fx.GraphModule, input_names) -> None:
         PlanError: names the input, the fixed size, the first op sized by it (its line) and
             the fix.
     """
-    guarded = [(text, name, size) for text, dims in shape_guards(gm)
-               for name, d, size in dims if d == 0 and size > 1]
-    if guarded:
-        text, name, size = guarded[0]
-        raise PlanError(
-            f"the model's code fixes the batch size at the example's {size}: it turns dim 0 of "
-            f"input {name!r} into a Python number (int(), math on x.shape), and torch.export "
-            f"guarded `{text}`, which fewer samples break; under mesh.pp > 1, "
-            f"pipeline.microbatches > 1 or mesh.dp > 1 the step runs fewer samples at a time. "
-            f"Compute it with tensor ops on the size, or use mesh.pp=1, mesh.dp=1 and "
-            f"pipeline.microbatches=1")
     first = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == input_names[0])
     val = first.meta.get("val")
     # a size export specialised is a SymInt whose expression is a number
     if not isinstance(val, torch.Tensor) or not val.dim() or not str(val.shape[0]).isdigit() \
             or int(str(val.shape[0])) <= 1:
+        _check_batch_guards(gm, chunks)
         return
     batch = int(str(val.shape[0]))
     where = _sized_by(gm, batch)
@@ -87,6 +77,25 @@ def check_batch_is_dynamic(gm: fx.GraphModule, input_names) -> None:
         f"pipeline.microbatches=1")
 
 
+def _check_batch_guards(gm: fx.GraphModule, chunks: int) -> None:
+    """Refuse a batch that a guard torch.export recorded holds for the whole example batch
+    but not for its share per microbatch and dp rank (``chunks`` of them).
+
+    Raises:
+        PlanError: names the input, the guard and the fix.
+    """
+    broken = batch_breaks(gm, chunks)
+    if broken is not None:
+        text, name, size = broken
+        raise PlanError(
+            f"the model's code fixes the batch size at the example's {size}: it turns dim 0 of "
+            f"input {name!r} into a Python number (int(), math on x.shape), and torch.export "
+            f"guarded `{text}`, which fewer samples break; under mesh.pp > 1, "
+            f"pipeline.microbatches > 1 or mesh.dp > 1 the step runs fewer samples at a time. "
+            f"Compute it with tensor ops on the size, or use mesh.pp=1, mesh.dp=1 and "
+            f"pipeline.microbatches=1")
+
+
 def _first_op(gm, size: int) -> str:
     where = _sized_by(gm, size) if gm is not None else ""
     return f"; the first op sized by it: {where}" if where else ""
@@ -94,16 +103,29 @@ def _first_op(gm, size: int) -> str:
 
 def _sized_by(gm: fx.GraphModule, size: int) -> str:
     """``OP at FILE:LINE`` of the first op of the model's code taking ``size`` as a size
-    argument (a view, an expand, an arange), else ""."""
+    argument (a view, an expand, an arange) or combining a value with a weight of ``size``
+    rows (a learned position table ``x + pos``, pos (1, size, D): broadcasting fixes the
+    length there), else ""."""
     for n in gm.graph.nodes:
-        name = getattr(n.target, "__name__", "").split(".")[0]
-        if n.op != "call_function" or name not in _SIZED:
+        if n.op != "call_function" or not source_line(n):
             continue
+        name = getattr(n.target, "__name__", "").split(".")[0]
         ints = [a for a in n.args[1:] if isinstance(a, int)] + [
             x for a in n.args if isinstance(a, (list, tuple)) for x in a if isinstance(x, int)]
-        if size in ints and source_line(n):
+        if name in _SIZED and size in ints or _with_table(n, size):
             return f"{n.target} at {source_line(n)}"
     return ""
+
+
+def _with_table(n: fx.Node, size: int) -> bool:
+    """``n`` is pointwise over a parameter or buffer of 2+ dims whose second-to-last dim is
+    ``size`` and another operand computed from the inputs."""
+    if torch.Tag.pointwise not in getattr(n.target, "tags", ()):
+        return False
+    ins = [a for a in n.args if isinstance(a, fx.Node)]
+    tables = [a for a in ins if a.op == "get_attr" and isinstance(a.meta.get("val"), torch.Tensor)
+              and a.meta["val"].dim() >= 2 and a.meta["val"].shape[-2] == size]
+    return bool(tables) and any(a.op != "get_attr" for a in ins)
 
 
 _DIM_WORDS = {0: ("batch size", "--batch-size", "x.shape[0]"),
@@ -130,11 +152,12 @@ def fixed_sizes(gm: fx.GraphModule, input_names) -> tuple:
                 warned = d == 0 or not val.is_floating_point() or val.dim() == 3
                 out.append((name, d, int(str(val.shape[d])), warned))
     seen = {(name, d) for name, d, _, _ in out}
-    for text, dims in shape_guards(gm):  # symbols export guarded: fixed too, always said
-        for name, d, size in dims:
-            if (name, d) not in seen:
-                seen.add((name, d))
-                out.append((name, d, size, text))
+    symbolic = {(name, d) for name, v in vals for d in range(min(v.dim(), 2))
+                if not str(v.shape[d]).isdigit()}
+    for text, name, d, size in pinned(gm, symbolic):  # guarded symbols: fixed too, always said
+        if (name, d) not in seen and size > 1:
+            seen.add((name, d))
+            out.append((name, d, size, text))
     return tuple(out)
 
 

@@ -120,6 +120,25 @@ def test_a_sequence_length_fixed_by_the_code_is_warned_and_refused_at_run():
         check_fixed_sizes(plan, None, 32, "--batch-size", "--seq-len")
 
 
+class SeqByTable(nn.Module):
+    """A learned position table added to the stream: broadcasting fixes the length there."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos, self.lin = nn.Parameter(torch.zeros(1, 5, H)), nn.Linear(H, H)
+
+    def forward(self, x):
+        h = x + self.pos  # the table fixes the length
+        return self.lin(h.reshape(x.shape[0], 5, H))
+
+
+def test_the_warning_names_the_table_that_fixes_the_length_not_a_later_view():
+    c = captured(SeqByTable(), _x())
+    (warning,) = fixed_size_warnings(fixed_sizes(c.gm, c.input_names), c.gm)
+    line = line_of(__file__, "h = x + self.pos")
+    assert f"the first op sized by it: aten.add.Tensor at test_outputs_batch.py:{line})" in warning
+
+
 class ImageByConstant(Channels):
     def forward(self, x):  # 3 channels, and a 3 in a view: no claim about which op fixed what
         return self.conv(x).reshape(x.shape[0], 4, -1).flatten(1)
