@@ -45,7 +45,8 @@ def pinned(gm: torch.fx.GraphModule, symbolic) -> list[tuple[str, str, int, int]
             if (name, d) not in symbolic or name not in sizes:
                 continue
             size = sizes[name][d]
-            together = {(n, d): 2 for n, shape in sizes.items() if len(shape) > d and shape[d] == size}
+            together = {(n, d): 2 for n, shape in sizes.items()
+                        if len(shape) > d and shape[d] == size}
             if _holds(text, sizes, together) is not True:
                 out.append((text, name, d, size))
     return out
@@ -85,8 +86,8 @@ class _Inputs(dict):
 def _holds(text: str, sizes: dict, scale: dict):
     """The guard ``text`` with each ``(input, dim)`` of ``scale`` multiplied by its factor
     (rounded down, at least 1): True, False, or None when it cannot be evaluated."""
-    inputs = _Inputs({n: _Sizes([max(1, int(s * scale.get((n, d), 1))) for d, s in enumerate(shape)])
-                      for n, shape in sizes.items()})
+    inputs = _Inputs({n: _Sizes([max(1, int(s * scale.get((n, d), 1)))
+                                 for d, s in enumerate(shape)]) for n, shape in sizes.items()})
     try:
         return bool(eval(text, {"L": inputs, "math": math, "torch": torch}))  # noqa: S307
     except Exception:

@@ -402,6 +402,7 @@ def _report(tally: _Tally, plan, vcfg: dict, loss, ref: dict, ctx, skipped=()) -
                 f"{c} ({int(b)} mismatched; worst on rank {worst[c][0]}: {worst[c][1] or '-'})"
                 for c, b in zip(CATEGORIES, bad.tolist()) if b))
         if not ok and "loss.chunked" in ref:
-            print(f"verify: {chunks_line(ref, m['dp'], plan.microbatches, vcfg, loss, plan.param_dtype)}")
+            line = chunks_line(ref, m["dp"], plan.microbatches, vcfg, loss, plan.param_dtype)
+            print(f"verify: {line}")
         print("PASS" if ok else "FAIL", flush=True)
     return 0 if ok else 1
