@@ -29,7 +29,7 @@ def record_shape_guards(gm: torch.fx.GraphModule, ep, names, values) -> None:
     sizes = {n: tuple(int(s) for s in v.shape) for n, v in zip(names, values)
              if isinstance(v, torch.Tensor)}
     texts = [t for t in getattr(ep, "_guards_code", None) or ()
-             if any(d < 2 and _KEY.findall(k)[-1] in sizes for k, d in _reads(t))]
+             if any(d < 2 and name in sizes for name, d in _reads(t))]
     gm.meta[SHAPE_GUARDS] = (tuple(texts), sizes)
 
 
@@ -41,7 +41,7 @@ def pinned(gm: torch.fx.GraphModule, symbolic) -> list[tuple[str, str, int, int]
     texts, sizes = gm.meta.get(SHAPE_GUARDS, ((), {}))
     out = []
     for text in texts:
-        for name, d in dict.fromkeys((_KEY.findall(k)[-1], d) for k, d in _reads(text)):
+        for name, d in dict.fromkeys(_reads(text)):
             if (name, d) not in symbolic or name not in sizes:
                 continue
             size = sizes[name][d]
@@ -57,15 +57,15 @@ def batch_breaks(gm: torch.fx.GraphModule, chunks: int):
     the input it reads: ``(guard, input name, example batch)``, or None."""
     texts, sizes = gm.meta.get(SHAPE_GUARDS, ((), {}))
     for text in texts:
-        batched = [name for name, d in ((_KEY.findall(k)[-1], d) for k, d in _reads(text))
-                   if d == 0 and name in sizes]
+        batched = [name for name, d in _reads(text) if d == 0 and name in sizes]
         if batched and _holds(text, sizes, {(n, 0): 1 / chunks for n in sizes}) is not True:
             return text, batched[0], sizes[batched[0]][0]
     return None
 
 
 def _reads(text: str) -> list[tuple[str, int]]:
-    return [(keys, int(d)) for keys, d in _SIZE.findall(text)]
+    """``(input name, dim)`` of each size the guard reads: the last key of ``L[...]``."""
+    return [(_KEY.findall(keys)[-1], int(d)) for keys, d in _SIZE.findall(text)]
 
 
 class _Sizes:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from .graph_rewrite import val
+
 aten = torch.ops.aten
 _MERGES = {aten.reshape.default, aten.view.default, aten._unsafe_view.default}
 
@@ -70,7 +72,7 @@ def _tile(node: fx.Node):
 
 
 def _shape(n):
-    v = n.meta.get("val") if isinstance(n, fx.Node) else None
+    v = val(n)
     return list(v.shape) if isinstance(v, torch.Tensor) else None
 
 
