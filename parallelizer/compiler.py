@@ -372,7 +372,7 @@ def emit(analysis: Analysis, planned: Planned, checked: Checked,
                                                     chunks=not whole or count is not None,
                                                     count=count),
                                   analysis.stacked)
-            check_gradients_held(ref, set(plan_.tensors) | set(plan_.aliases))
+            check_gradients_held(ref, plan_)
             pp_warnings = pp_warnings + nonfinite_warnings(ref) + sample_mean_warnings(ref, spec)
     tp = planned.tp
     tp_lines = planned.notes + tp.warnings + list(plan_.tp_report) + sequence.report + planned.ep.report

@@ -19,7 +19,7 @@ from ..frontend.custom_functions import checkpoint_off
 from ..frontend.model_file import call_loss_fn
 from ..runtime.optim import make_optimizer
 from ..runtime.rng import EagerDropoutOff, RandomStandIns
-from ..runtime.verify import not_sample_mean, within
+from ..runtime.verify import not_sample_mean, unheld_gradients, within
 
 
 def compute_reference(model: torch.nn.Module, batch, loss_fn, input_names, spec,
@@ -292,17 +292,16 @@ def stack_reference(ref: dict, stacked: dict) -> dict:
     return out
 
 
-def check_gradients_held(ref: dict, held) -> None:
+def check_gradients_held(ref: dict, plan) -> None:
     """Every parameter the model computes a gradient for on the example batch is one the
-    program holds (``held``: the plan's FQNs and their aliases): one it does not hold would
-    never train, so the program is not the model's.
+    program's ``plan`` holds (:func:`~parallelizer.runtime.verify.unheld_gradients`): one it
+    does not hold would never train, so the program is not the model's.
 
     Raises:
         PlanError: names the parameter (an internal error: the captured graph does not read
             a parameter the model's forward reads).
     """
-    missing = sorted(k.removeprefix("grad.") for k in ref
-                     if k.startswith("grad.") and k.removeprefix("grad.") not in held)
+    missing = unheld_gradients(ref, plan)
     if missing:
         raise PlanError(f"internal error (a bug in parallelizer, please report it): the model "
                         f"computes a gradient for {', '.join(missing[:3])}"

@@ -234,14 +234,20 @@ def run_verify(out_dir: Path, plan: ParallelPlan, spec: dict, stage, ctx: RankCo
     return _report(tally, plan, vcfg, loss, ref, ctx, skipped)
 
 
+def unheld_gradients(ref: dict, plan: ParallelPlan) -> list[str]:
+    """The parameters ``ref`` has a gradient for that no tensor of ``plan`` (or alias of
+    one) holds: the program would never train them."""
+    held = set(plan.tensors) | set(plan.aliases)
+    return sorted(k.removeprefix("grad.") for k in ref
+                  if k.startswith("grad.") and k.removeprefix("grad.") not in held)
+
+
 def _unheld_gradients(tally, plan: ParallelPlan, ref: dict) -> None:
     """A gradient the reference has for a parameter no stage of the program holds: it
     would never train (the stages' own parameters are compared one by one)."""
-    held = set(plan.tensors) | set(plan.aliases)
-    for key in sorted(ref):
-        if key.startswith("grad.") and key.removeprefix("grad.") not in held:
-            tally.mismatch("gradients", f"{key.removeprefix('grad.')}: a gradient in the "
-                                        f"reference, held by no stage of the program")
+    for fqn in unheld_gradients(ref, plan):
+        tally.mismatch("gradients", f"{fqn}: a gradient in the reference, held by no stage "
+                                    f"of the program")
 
 
 def _compare_buffers(tally, stage, plan: ParallelPlan, ctx: RankContext, ref: dict) -> None:
