@@ -1,5 +1,5 @@
 """A tensor tiled by a new outer dim, ``x.unsqueeze(d).expand(..., r, ...)`` merged by a
-``reshape`` into dim ``d`` (einops' ``repeat(k, 'b kvh n d -> b (r kvh) n d')``, how
+``reshape`` (or a ``flatten(d, d + 1)``) into dim ``d`` (einops' ``repeat(k, 'b kvh n d -> b (r kvh) n d')``, how
 x-transformers and other einops code tile GQA's kv heads), is ``x.repeat`` along ``d``:
 element ``i * n + j`` is ``x[j]`` either way. Spelled as the ``repeat`` it is, the tensor
 parallel planner's rule for tiled heads reads it (query head h reads kv head h % kv); the
@@ -16,7 +16,9 @@ import torch.fx as fx
 from .graph_rewrite import val
 
 aten = torch.ops.aten
-_MERGES = {aten.reshape.default, aten.view.default, aten._unsafe_view.default}
+# a flatten is the reshape to its output's shape
+_MERGES = {aten.reshape.default, aten.view.default, aten._unsafe_view.default,
+           aten.flatten.using_ints}
 
 
 def tiles_as_repeat(gm: fx.GraphModule) -> int:

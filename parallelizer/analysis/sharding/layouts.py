@@ -28,7 +28,7 @@ def view_rule(node, prop, tp):
     if mark is not None and mark.replicated:
         if not mark.expanded and _keeps_dim(ins, outs, d):
             return _keep_copied_heads(node, prop, d, mark)
-        return _merge_repeated_heads(node, prop, tp, d, mark)
+        return merge_repeated_heads(node, prop, tp, d, mark)
     if src.name in prop.strided:
         return strided_view(node, prop, tp, d)
     before = prod(ins[:d])
@@ -225,9 +225,10 @@ def _keep_copied_heads(node, prop, d, mark):
     return Shard(d)
 
 
-def _merge_repeated_heads(node, prop, tp, d, mark):
-    """repeat_kv's reshape (B, kv, n_rep, T, D) -> (B, heads, T, D) of replicated kv heads:
-    each rank's (1, heads / tp) piece is its even block of the query heads."""
+def merge_repeated_heads(node, prop, tp, d, mark):
+    """repeat_kv's reshape (B, kv, n_rep, T, D) -> (B, heads, T, D) of replicated kv heads,
+    or a flatten of those dims: each rank's (1, heads / tp) piece is its even block of the
+    query heads."""
     ins, outs = shape(node.args[0]), shape(node)
     merged = d + 1 < len(ins) and d < len(outs) and same(prod(outs[:d]), prod(ins[:d])) and \
         same(outs[d], expr(ins[d]) * expr(ins[d + 1]))

@@ -4,7 +4,9 @@
 - ``view_as_complex`` / ``view_as_real`` (a rotary embedding on complex q and k,
   ``freqs_cis``): the (re, im) pair is the last dim; any other sharded dim keeps its index.
 - ``flatten.using_ints``: dims ``[start, end]`` merge; a sharded dim outside them moves by the
-  dims merged away, one that starts the run is the merged dim's (as DTensor does).
+  dims merged away, one that starts the run is the merged dim's (as DTensor does). Copied kv
+  heads expanded by repeat_kv's new inner dim merge as repeat_kv's reshape merges them
+  (torchtune's ``k.unsqueeze(2).expand(...).flatten(1, 2)``).
 - ``repeat_interleave(x, n_rep, dim)`` over the sharded heads dim of kv heads: query head
   ``h`` reads kv head ``h // n_rep``, the order of transformers' repeat_kv (expand + reshape),
   so a rank's even block of kv heads repeated gives its block of query heads. When tp
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 from ..graph_facts import aten, module_path, shape
 from .placements import CONFLICT, Shard
+from .layouts import merge_repeated_heads
 from .state import add_constraint, add_rewrite, dim_arg, dim_of, mark_not_replicable
 
 
@@ -40,6 +43,8 @@ def flatten_rule(node, prop, tp):
     if d > end:
         return Shard(d - (end - start))
     mark = prop.heads.get(src.name)
+    if mark is not None and mark.replicated and mark.expanded and (start, end) == (d, d + 1):
+        return merge_repeated_heads(node, prop, tp, d, mark)  # torchtune's repeat of kv heads
     if mark is not None:  # heads merged with other dims: no longer heads of their own
         prop.claimed.add(node.name)
         if mark.replicated:

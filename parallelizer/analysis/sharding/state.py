@@ -264,7 +264,10 @@ def add_rewrite(prop, node, arg_index, list_index, new):
 
 def sizes_arg(node):
     """The output sizes a view-like op spells: view/reshape/expand's, or for ``unflatten(x,
-    dim, sizes)`` one per output dim (None for the dims it keeps)."""
+    dim, sizes)`` one per output dim (None for the dims it keeps); None for each of a
+    flatten's."""
+    if node.target is aten.flatten.using_ints:  # spells no sizes
+        return [None] * len(shape(node))
     if node.target is aten.unflatten.int:
         dim, sizes = _unflatten_dim(node), list(node.args[2])
         return [None] * dim + sizes + [None] * (len(shape(node)) - dim - len(sizes))
