@@ -100,8 +100,10 @@ def test_user_models_verify(tmp_path, tools):
     for (name, _), block in blocks.items():
         errs = dict(_ERR.findall(block))
         assert len(errs) == 4, explain
-        if name.startswith("vit-mae"):  # every gradient is rounding (6.9e-4 at most), the step lr x it
-            assert float(errs.pop("gradients")) < 1e-3 and float(errs.pop("parameters")) < 1e-4 \
+        # every gradient is rounding noise (|value| up to 6.6e-4 in the reference, as much in
+        # the program, so they differ by up to twice that: 1.04e-3 seen), the step lr x it
+        if name.startswith("vit-mae"):
+            assert float(errs.pop("gradients")) < 1.5e-3 and float(errs.pop("parameters")) < 1.5e-4 \
                 and "little is checked of" in block and "gradient embeddings.cls_token" in block, explain
         assert max(map(float, errs.values())) <= 1e-5, explain
     assert "outputs max abs err" in p.stdout and "not compared" not in p.stdout, explain
