@@ -212,6 +212,15 @@ def _settle(graph, pairs: dict, column: set, row: set, tp: int, decision,
             for w in sorted(prop.not_replicable - set(no_replication)):
                 no_replication[w] = prop.copies_end.get(w, "")
             continue
+        # layouts settle before per-head cuts are asked for: a cut asked under a layout about
+        # to change is stale (litgpt's rotary cos cut along head_dim, asked while its
+        # one-head k part was still split evenly, then ended that head's copies)
+        found = prop.found_layouts()
+        cycle = found != layouts and found in seen
+        if found != layouts and not cycle:
+            seen.append(layouts)
+            layouts = found
+            continue
         new = {k: v for k, v in prop.head_requests.items() if k not in per_head and v[1] & column}
         if new:
             per_head.update(new)
@@ -219,12 +228,6 @@ def _settle(graph, pairs: dict, column: set, row: set, tp: int, decision,
         new = {k: v for k, v in prop.narrow_requests.items() if k not in narrow and v[1] & column}
         if new:
             narrow.update(new)
-            continue
-        found = prop.found_layouts()
-        cycle = found != layouts and found in seen
-        if found != layouts and not cycle:
-            seen.append(layouts)
-            layouts = found
             continue
         conflicts = _alternating(graph, layouts, found) if cycle else prop.conflicts + [
             (n, "", frozenset({w}), r) for w, n, r in prop.layout_conflicts()]
@@ -344,7 +347,7 @@ def check_divisible(prop: Propagation, tp: int) -> None:
                 f"others whole leaves no plan that shards a weight (they share weights with "
                 f"the rest: a fused projection); or set tensor_parallel.allow_replicated=true "
                 f"to run replicated")
-    raise PlanError(f"mesh.tp ({tp}) must divide {_size_text(bad[0], prop)}; valid choices: "
+    raise PlanError(f"mesh.tp ({tp}) must divide {_sizes_text(bad, prop)}; valid choices: "
                     f"tp in {{{', '.join(map(str, _valid_degrees(prop)))}}} (sharding every "
                     f"group){also}")
 
@@ -357,11 +360,27 @@ def _size_text(c, prop: Propagation) -> str:
             f"{c.module or 'the model'} ({c.detail}){copies if kv_heads else ''}")
 
 
+def _sizes_text(bad: list, prop: Propagation) -> str:
+    """:func:`_size_text` of the first constraint of each distinct size in ``bad`` (3 heads
+    and an FFN of 37 at tp 2: both), so one message names every size to change. A size that
+    a smaller one divides goes unnamed: a tp dividing the 4 heads divides the 32 features
+    they span."""
+    kv, firsts = frozenset(prop.kv_weights), {}
+    for c in bad:
+        firsts.setdefault(c.size, c)
+    roots = [c for c in firsts.values() if not any(
+        a.size < c.size and c.size % a.size == 0 and not a.replicable(kv)
+        for a in firsts.values())]
+    texts = [_size_text(c, prop) for c in roots]
+    more = f", and {len(texts) - 3} more sizes" if len(texts) > 3 else ""
+    return ", and ".join(texts[:3]) + more
+
+
 def replicated_plan(graph, tp: int, decision: TPDecision, prop: Propagation):
     """The plan sharding nothing, for ``tensor_parallel.allow_replicated`` where ``prop``
     needs a size tp does not divide and no plan keeps only its groups whole: the size is
     the blocker the compile's warning names."""
-    decision.blockers = [f"tp must divide {_size_text(_not_dividing(prop, tp)[0], prop)}"]
+    decision.blockers = [f"tp must divide {_sizes_text(_not_dividing(prop, tp), prop)}"]
     return candidate(graph, {}, tp, TPDecision(tp=tp, linears=decision.linears,
                                                 biases=decision.biases))
 
@@ -434,19 +453,19 @@ def _whole_indivisible(graph, tp: int, decision: TPDecision, first, kept=None):
 
 def _kept_warning(tp: int, first, chosen) -> str:
     """The compile's warning for a plan keeping the linears of ``first``'s pairs whole
-    that ``chosen`` does not shard, for the sizes ``first`` needed: the first size and the
+    that ``chosen`` does not shard, for the sizes ``first`` needed: those sizes and the
     degrees that shard everything."""
     pairs, prop = first[0], first[3]
     paired = {w for c, rows in pairs.items() if rows for w in {c} | rows}
     kept = sorted(paired - chosen[1] - chosen[2])
-    c, valid = _not_dividing(prop, tp)[0], _valid_degrees(prop)[1:]
+    bad, valid = _not_dividing(prop, tp), _valid_degrees(prop)[1:]
     every = (f"tp in {{{', '.join(map(str, valid))}}} shards them too" if valid else
              "no tp > 1 divides every size")
     mods = sorted({w.rsplit(".", 1)[0] for w in kept})
     where = ", ".join(mods[:3]) + (f" and {len(mods) - 3} more" if len(mods) > 3 else "")
     rest = "the rest sharded" if chosen[1] | chosen[2] else "only the experts split"
     return (f"mesh.tp={tp} keeps {len(kept)} linears whole on every tp rank ({where}), "
-            f"{rest}: tp must divide {_size_text(c, prop)}; {every}; see report.md")
+            f"{rest}: tp must divide {_sizes_text(bad, prop)}; {every}; see report.md")
 
 
 def merged_layout(site, layout):

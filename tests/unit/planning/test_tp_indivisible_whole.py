@@ -289,3 +289,16 @@ def test_packed_parts_tp_does_not_divide_name_a_parts_heads():
     assert_tp_matches(model, x_batch(), 4, d, gm)
     _gm2, d2 = planned(PackedQKV6(), x_batch(), 2)
     assert {"qkv.weight", "up.weight"} <= d2.column and d2.warnings == []
+
+
+def test_refusal_names_every_size_tp_does_not_divide():
+    """4 heads and an FFN of 37 at tp 3: the refusal named the heads only, so a user who
+    changed them met the FFN on the next compile (zoo 10 F5). Each distinct size is named,
+    once, wherever it recurs."""
+    cap = captured(_block(37), x_batch())
+    with pytest.raises(PlanError) as e:
+        plan_tp(cap.gm.graph, 3)
+    msg = str(e.value)
+    assert msg.startswith("mesh.tp (3) must divide the number of heads (4) of attn "), msg
+    assert ", and the number of features (37) of mlp.gate (out_features of mlp.gate.weight)" \
+        in msg and msg.count("(37)") == 1 and "valid choices: tp in {1}" in msg, msg
