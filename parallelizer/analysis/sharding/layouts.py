@@ -166,7 +166,10 @@ def _split_parts(node, prop, tp, e, raw, detail):
 
 
 def _one_head(features, outs, e) -> bool:
-    return e + 1 < len(outs) and same(outs[e], 1) and same(outs[e + 1], features) \
+    """A view ``(.., features) -> (.., 1, features)``: one head. Never the outermost dim,
+    which batch or tokens precede in any activation: DoRA's per-feature scale
+    ``(m / norm).view(1, -1)`` is no head."""
+    return 0 < e and e + 1 < len(outs) and same(outs[e], 1) and same(outs[e + 1], features) \
         and not same(features, 1)
 
 
