@@ -82,11 +82,21 @@ def _check_batch_guards(gm: fx.GraphModule, chunks: int) -> None:
     but not for its share per microbatch and dp rank (``chunks`` of them).
 
     Raises:
-        PlanError: names the input, the guard and the fix.
+        PlanError: names the input, the guard and the fix: the fewest samples per chunk
+            it holds for, where fewer than the whole batch (``B != 1``), else that the
+            batch is fixed.
     """
     broken = batch_breaks(gm, chunks)
+    if broken is not None and broken[3] < broken[2]:
+        text, name, size, least = broken
+        raise PlanError(
+            f"the model's code needs at least {least} samples at a time: torch.export "
+            f"guarded `{text}` on dim 0 of input {name!r}, which {max(1, size // chunks)} "
+            f"sample(s) break (the example batch of {size} cut into {chunks}: mesh.dp x "
+            f"pipeline.microbatches). Use fewer microbatches or dp ranks, or a larger example "
+            f"batch in example_inputs(), so that each gets at least {least}")
     if broken is not None:
-        text, name, size = broken
+        text, name, size, _least = broken
         raise PlanError(
             f"the model's code fixes the batch size at the example's {size}: it turns dim 0 of "
             f"input {name!r} into a Python number (int(), math on x.shape), and torch.export "

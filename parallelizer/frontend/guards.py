@@ -53,13 +53,21 @@ def pinned(gm: torch.fx.GraphModule, symbolic) -> list[tuple[str, str, int, int]
 
 
 def batch_breaks(gm: torch.fx.GraphModule, chunks: int):
-    """The first guard that the batch cut into ``chunks`` (dp x microbatches) breaks, with
-    the input it reads: ``(guard, input name, example batch)``, or None."""
+    """The first guard that the batch cut into ``chunks`` (dp x microbatches) breaks:
+    ``(guard, input name, example batch, least)``, ``least`` the fewest samples per chunk
+    from which the guard holds for every share up to the whole batch (2 for a guard that
+    only excludes one sample, ``B != 1``: torch's 0/1 specialisation around a ``chunk``),
+    the example batch when only it holds; or None."""
     texts, sizes = gm.meta.get(SHAPE_GUARDS, ((), {}))
     for text in texts:
         batched = [name for name, d in _reads(text) if d == 0 and name in sizes]
         if batched and _holds(text, sizes, {(n, 0): 1 / chunks for n in sizes}) is not True:
-            return text, batched[0], sizes[batched[0]][0]
+            batch = sizes[batched[0]][0]
+            least = batch
+            while least > 1 and _holds(text, sizes, {(n, 0): (least - 1) / batch
+                                                     for n in sizes}) is True:
+                least -= 1
+            return text, batched[0], batch, least
     return None
 
 

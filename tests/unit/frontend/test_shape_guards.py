@@ -55,3 +55,33 @@ def test_a_guarded_batch_refuses_layouts_that_run_fewer_samples():
                                         r"`math\.trunc\(.*== 8`.*mesh\.dp > 1"):
         _compile(True, dp=2)
     assert ("x", 0, 4) in _compile(True).plan.fixed_sizes
+
+
+class _ChunkedHead(nn.Module):
+    """torchtune's chunked output (``set_num_output_chunks``): the LM head per chunk of the
+    sequence. torch.export guards a batch other than 1 there (``64*B*r != 64*r``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, 64)
+
+    def forward(self, x):
+        h = self.b(torch.tanh(self.a(x)))
+        return [self.head(c) for c in h.chunk(4, dim=1)]
+
+
+def test_a_guard_excluding_one_sample_asks_for_two_not_a_fixed_batch():
+    """The refusal said "fixes the batch size at the example's 4" (zoo 11 F4), which a batch
+    of 8 over the same 4 chunks disproves: it names the fewest samples per microbatch
+    the guard holds for and the fix."""
+    torch.manual_seed(0)
+    spec = Spec.model_validate({"mesh": {"dp": 2}, "pipeline": {"microbatches": 2}})
+    with pytest.raises(PlanError) as e:
+        compiler.compile_module(_ChunkedHead(), (torch.randn(4, 16, D),), spec)
+    msg = str(e.value)
+    assert msg.startswith("the model's code needs at least 2 samples at a time: torch.export "
+                          "guarded `"), msg
+    assert "which 1 sample(s) break (the example batch of 4 cut into 4: mesh.dp x " \
+        "pipeline.microbatches). Use fewer microbatches" in msg and "fixes" not in msg, msg
+    program = compiler.compile_module(_ChunkedHead(), (torch.randn(8, 16, D),), spec)
+    assert program.plan.fixed_sizes == ()
