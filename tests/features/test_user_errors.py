@@ -146,16 +146,17 @@ def test_a_non_python_model_file_is_refused():
 def test_output_folder_with_foreign_files_is_kept(tmp_path):
     spec = load_spec(GPT / "spec.yaml", ["mesh.tp=1"])
     out = tmp_path / "out"
-    compile_model(GPT / "model.py", spec).save(out)
+    program = compile_model(GPT / "model.py", spec)  # saved three times: one compile
+    program.save(out)
     (out / "my_notes.md").write_text("keep")
     with pytest.raises(UserError) as e:
-        compile_model(GPT / "model.py", spec).save(out)
+        program.save(out)
     assert "my_notes.md" in str(e.value)
     assert (out / "my_notes.md").read_text() == "keep" and (out / "plan.json").exists()
     (out / "my_notes.md").unlink()
     umask = os.umask(0o022)
     try:
-        compile_model(GPT / "model.py", spec).save(out)  # a plain earlier output is replaced
+        program.save(out)  # a plain earlier output is replaced
     finally:
         os.umask(umask)
     assert (out / "plan.json").exists()
