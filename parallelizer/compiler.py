@@ -27,12 +27,13 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from torch.utils._pytree import tree_map
 
 from .analyse import Analysis, analyse, measure
 from .emit.stages import stage_sources
 from .checkpoint.hf import load_hf_state_dict, match_to_model
-from .errors import CheckpointError, PlanError
-from .frontend.model_file import default_loss, load_model
+from .errors import CaptureError, CheckpointError, PlanError
+from .frontend.model_file import default_loss, load_model, user_frame
 from .frontend.regions import check_autocast_off
 from .analysis.gradient_accounting import check_gradients
 from .analysis.parameter_writes import written_buffer_warnings
@@ -69,7 +70,7 @@ from .planning.tp import plan_tp
 from .planning.tp_matrices import tp_kept_note, tp_summary
 from .planning.vocab import plan_vocab, vocab_summary
 from .emit.program import Program, check_replaceable
-from .emit.rank_check import check_ranks
+from .emit.rank_check import check_ranks, share_rows
 from .emit.numerics_check import check_numerics, model_reference, when as self_check_when
 from .emit.reference import (check_gradients_held, compute_reference, copy_model,
                              nonfinite_warnings, sample_mean_warnings, stack_reference)
@@ -328,8 +329,36 @@ def check_program(analysis: Analysis, checked: Checked, batch) -> dict:
     except PlanError:
         if not any(p.is_meta for p in analysis.model.parameters()):  # the model's own error?
             model_reference(analysis.model, batch, model_file=analysis.name)
+            _model_on_share(analysis, plan_, batch)
         raise
     return sources
+
+
+def _model_on_share(analysis: Analysis, plan_, batch) -> None:
+    """The unmodified model on the samples one stage runs at a time (one microbatch of one
+    dp rank, as the rank check ran them), when fewer than the example batch.
+
+    Raises:
+        PlanError: the model fails on that share by itself (BatchNorm in training mode over
+            a 1x1 map of one sample: LeViT's strided query), naming its error and line, the
+            share and the fix.
+    """
+    rows, size = share_rows(plan_, batch)
+    if rows >= size:
+        return
+    share = tree_map(lambda t: t[:rows] if isinstance(t, torch.Tensor) and t.dim()
+                     and t.shape[0] == size else t, batch)
+    try:
+        model_reference(analysis.model, share, model_file=analysis.name)
+    except CaptureError as e:
+        cause = e.__cause__ or e
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+        raise PlanError(
+            f"the model fails on {rows} sample(s) at a time, the share of the example batch "
+            f"of {size} that one stage runs under mesh.dp x pipeline.microbatches = "
+            f"{size // rows}, without parallelizer too: {type(cause).__name__}: {first}"
+            f"{user_frame(cause, analysis.name)}\nFix: fewer microbatches or dp ranks, or a "
+            f"larger example batch in example_inputs()") from e
 
 
 def self_check(analysis: Analysis, checked: Checked, spec: Spec, batch, sources: dict,

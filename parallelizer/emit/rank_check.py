@@ -35,6 +35,7 @@ from ..runtime.batching import flatten
 from ..runtime.fake_kernels import IntegerHistcOnFloat
 from ..runtime.stage_builder import stage_class_from_source
 from ..runtime.tp import ShapeTransport, using_transport
+from .numerics_compare import FIX
 
 _BUG = "internal error (a bug in parallelizer, please report it): "
 
@@ -67,12 +68,19 @@ def check_ranks(plan, sources: dict, batch, graphs: list) -> None:
                                 graphs[st.index])
 
 
+def share_rows(plan, batch) -> tuple[int, int]:
+    """(the samples of one microbatch of one dp rank of the example batch: what one stage
+    runs at a time, and what the check runs; the example batch's)."""
+    m = plan.microbatches if plan.mesh["pp"] > 1 else 1
+    size = flatten(plan, batch)[0].shape[0]
+    return max(1, size // (plan.mesh["dp"] * m)), size
+
+
 def _microbatch(plan, batch) -> list:
     """One microbatch of one dp rank, as FakeTensors on the CPU."""
-    flat = flatten(plan, batch)
-    m = plan.microbatches if plan.mesh["pp"] > 1 else 1
-    rows = max(1, flat[0].shape[0] // (plan.mesh["dp"] * m))
-    return [torch.empty((rows,) + tuple(t.shape[1:]), dtype=t.dtype) for t in flat]
+    rows, _size = share_rows(plan, batch)
+    return [torch.empty((rows,) + tuple(t.shape[1:]), dtype=t.dtype)
+            for t in flatten(plan, batch)]
 
 
 def _run_stage(plan, st, source: str, inputs: list, graphs) -> list:
@@ -87,7 +95,7 @@ def _run_stage(plan, st, source: str, inputs: list, graphs) -> list:
         if diff:
             torch.autograd.backward(diff, [torch.ones_like(o) for o in diff])
     except Exception as e:  # noqa: BLE001 - any failure here is the compiler's
-        raise PlanError(_describe(e, st, source, filename, module, graphs, inputs)) from e
+        raise PlanError(_describe(e, st, source, filename, module, graphs, inputs) + FIX) from e
     finally:
         sys.modules.pop(f"parallelizer_program_stage{st.index}", None)
     _check_shapes(plan, module, st, "gradient", lambda p: p.grad)
@@ -171,8 +179,8 @@ def _check_shapes(plan, module, st, what: str, pick) -> None:
         want = plan.tensors[fqn].rank_shape(tp)
         if tuple(t.shape) != tuple(want):
             raise PlanError(f"{_BUG}on a tp rank of stage {st.index}, the {what} of {fqn} has "
-                            f"shape {tuple(t.shape)}, the plan's local shape is {tuple(want)}; "
-                            f"compile with mesh.tp=1 meanwhile")
+                            f"shape {tuple(t.shape)}, the plan's local shape is {tuple(want)}"
+                            f"{FIX}")
 
 
 def _describe(e: Exception, st, source: str, filename: str, module, graphs, inputs) -> str:
@@ -191,7 +199,7 @@ def _describe(e: Exception, st, source: str, filename: str, module, graphs, inpu
         where = (f"{node.target} ({node.name}) at {line} in "
                  f"{module_path(node) or 'the root module'}, stage {st.index}")
     return (f"{_BUG}the program fails on a tp rank's shapes at {where}: "
-            f"{type(e).__name__}: {first}; compile with mesh.tp=1 meanwhile")
+            f"{type(e).__name__}: {first}")
 
 
 def _emitted_line(tb, filename: str):

@@ -429,3 +429,40 @@ def test_a_model_whose_own_backward_fails_is_named_not_called_a_parallelizer_bug
                                            r"without parallelizer: RuntimeError: one of the "
                                            r"variables needed for gradient computation"):
         compile_module(_ReluWrittenInPlace(), (torch.randn(4, 3, 8),), spec, reference=False)
+
+
+class _BatchNormToOnePixel(torch.nn.Module):
+    """Strided convs with BatchNorm in training mode down to a 1x1 map (LeViT's strided
+    query): one sample gives BatchNorm one value per channel, which torch refuses."""
+
+    def __init__(self, c=4):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(
+            torch.nn.Conv2d(c, c, 3, stride=2, padding=1), torch.nn.BatchNorm2d(c))
+            for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x).relu()
+        return x
+
+
+def test_a_model_failing_on_one_microbatch_names_the_share_not_a_parallelizer_bug():
+    """LeViT at pp2 with 4 microbatches of a batch of 4 (zoo 11 F7): the rank check's one
+    sample failed in BatchNorm and the compile said "internal error (a bug in parallelizer)
+    ...; compile with mesh.tp=1 meanwhile", at tp 1. The model as it is fails on that share
+    too: the refusal names the share, the model's error and line, and the fix."""
+    from parallelizer.compiler import compile_module
+    from parallelizer.frontend.spec import Spec
+    spec = Spec.model_validate({"mesh": {"pp": 2}, "pipeline": {"microbatches": 4}})
+    with pytest.raises(PlanError) as e:
+        compile_module(_BatchNormToOnePixel(), (torch.randn(4, 4, 4, 4),), spec)
+    msg = str(e.value)
+    assert msg.startswith("the model fails on 1 sample(s) at a time, the share of the example "
+                          "batch of 4 that one stage runs under mesh.dp x pipeline.microbatches "
+                          "= 4, without parallelizer too: ValueError: Expected more than 1 "
+                          "value per channel when training"), msg
+    assert "test_user_errors.py" in msg and "internal error" not in msg, msg
+    assert msg.endswith("Fix: fewer microbatches or dp ranks, or a larger example batch in "
+                        "example_inputs()"), msg
+    compile_module(_BatchNormToOnePixel(), (torch.randn(8, 4, 4, 4),), spec, reference=False)
