@@ -68,7 +68,7 @@ def analyse(model: torch.nn.Module, batch, name: Path, passes: PassManager,
     if pp > 1 or microbatches > 1 or dp > 1:  # the step runs the graph on fewer samples
         check_batch_is_dynamic(captured.gm, captured.input_names, max(2, dp * microbatches))
     if pp > 1:
-        check_outputs_have_batch_dim(captured.gm, captured.input_names)
+        check_outputs_have_batch_dim(captured.gm, captured.input_names, captured.out_spec)
     check_parameter_writes(captured.gm, dp)
     rewritten: list = []
     passes.run("eager_attention", apply_eager_attention, captured.gm, rewritten)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
 
 from ..errors import PlanError
 from ..frontend.guards import batch_breaks, pinned
@@ -26,6 +27,19 @@ def _flat_outputs(gm: fx.GraphModule) -> list:
     out = gm.graph.output_node()
     vals = [n.meta.get("val") if isinstance(n, fx.Node) else None for n in out.args[0]]
     return vals
+
+
+def _output_name(out_spec, i: int) -> str:
+    """Flat output ``i`` by its path in the forward's output (``outputs.router_logits[0]``
+    of a ModelOutput), else by its index."""
+    if out_spec is None:
+        return str(i)
+    try:
+        paths, _ = tree_flatten_with_path(tree_unflatten(list(range(out_spec.num_leaves)),
+                                                         out_spec))
+        return f"{i} (outputs{keystr(paths[i][0])})"
+    except Exception:  # noqa: BLE001 - a structure pytree cannot walk: the index names it
+        return str(i)
 
 
 def _made_at(gm: fx.GraphModule, i: int) -> str:
@@ -193,9 +207,11 @@ def fixed_size_warnings(fixed: tuple, gm: fx.GraphModule | None = None) -> list[
     return out
 
 
-def check_outputs_have_batch_dim(gm: fx.GraphModule, input_names) -> None:
+def check_outputs_have_batch_dim(gm: fx.GraphModule, input_names, out_spec=None) -> None:
     """Under pp > 1 every output but a 0-dim floating-point one (a loss) is concatenated over
     microbatches along dim 0, which fails on a run for an output without the batch dim.
+    ``out_spec``: the forward's output structure, to name an output by its path
+    (``outputs.router_logits[0]``).
 
     Raises:
         PlanError: names the output, its shape and the fix.
@@ -209,12 +225,13 @@ def check_outputs_have_batch_dim(gm: fx.GraphModule, input_names) -> None:
         if val.dim() == 0 or str(val.shape[0]) != str(batch):
             shape = "()" if val.dim() == 0 else str(list(val.shape))
             raise PlanError(
-                f"output {i} of the model{_made_at(gm, i)} has shape {shape} ({val.dtype}), "
-                f"without the batch dim "
+                f"output {_output_name(out_spec, i)} of the model{_made_at(gm, i)} has shape "
+                f"{shape} ({val.dtype}), without the batch dim "
                 f"of the inputs first; under mesh.pp > 1 each output is concatenated over "
                 f"microbatches along dim 0 (a 0-dim floating-point output, a loss, is averaged "
-                f"instead), so return per-sample values and reduce them in loss_fn, or use "
-                f"mesh.pp=1")
+                f"instead), so return per-sample values and reduce them in loss_fn, leave the "
+                f"output out (a config flag that adds it: transformers' output_router_logits, "
+                f"output_attentions), or use mesh.pp=1")
         pairs = [d for d in range(1, val.dim()) if not str(batch).isdigit()
                  and str(val.shape[d]) == str(batch)]
         if pairs:

@@ -351,9 +351,18 @@ def test_output_without_batch_dim_is_refused_under_pp(tmp_path):
     msg = str(e.value)
     line = next(i for i, t in enumerate(path.read_text().splitlines(), 1)
                 if "x.pow(2).mean((0, 1))" in t)
-    assert msg.startswith(f"output 1 of the model (made by aten.mean.dim at model.py:{line}) "
-                          f"has shape [8] (torch.float32), without the batch dim"), msg
+    assert msg.startswith(f"output 1 (outputs[1]) of the model (made by aten.mean.dim at "
+                          f"model.py:{line}) has shape [8] (torch.float32), without the batch "
+                          f"dim"), msg
     assert "return per-sample values and reduce them in loss_fn" in msg and "mesh.pp=1" in msg
+    assert "leave the output out (a config flag that adds it: transformers' " \
+        "output_router_logits" in msg, msg
+    # a dict (a ModelOutput) names the output by its key: Mixtral's router_logits
+    keyed = _LOSS_IS_AN_OUTPUT.replace("return x, x.pow(2).mean()",
+                                       "return {'x': x, 'stats': x.pow(2).mean((0, 1))}")
+    with pytest.raises(PlanError, match=r"^output 1 \(outputs\['stats'\]\) of the model"):
+        compile_model(_model(tmp_path, keyed.replace("outputs[1]", "outputs['x'].mean()")),
+                      spec, weights=False)
     plan = compile_model(_model(tmp_path, _LOSS_IS_AN_OUTPUT), spec, weights=False).plan
     assert plan.scalar_outputs == (1,)
 
