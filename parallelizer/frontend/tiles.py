@@ -1,10 +1,10 @@
 """A tensor tiled by a new outer dim, ``x.unsqueeze(d).expand(..., r, ...)`` merged by a
-``reshape`` (or a ``flatten(d, d + 1)``) into dim ``d`` (einops' ``repeat(k, 'b kvh n d -> b (r kvh) n d')``, how
-x-transformers and other einops code tile GQA's kv heads), is ``x.repeat`` along ``d``:
-element ``i * n + j`` is ``x[j]`` either way. Spelled as the ``repeat`` it is, the tensor
-parallel planner's rule for tiled heads reads it (query head h reads kv head h % kv); the
-expand + reshape spelling ended sharding of that attention ("a (batch, heads) merged dim
-meets a dim sharded another way"). The new dim inside the original one
+``reshape`` (or a ``flatten(d, d + 1)``) into dim ``d`` (einops' ``repeat(k, 'b kvh n d ->
+b (r kvh) n d')``, how x-transformers and other einops code tile GQA's kv heads), is
+``x.repeat`` along ``d``: element ``i * n + j`` is ``x[j]`` either way. Spelled as the
+``repeat`` it is, the tensor parallel planner's rule for tiled heads reads it (query head h
+reads kv head h % kv); the expand + reshape spelling ended sharding of that attention ("a
+(batch, heads) merged dim meets a dim sharded another way"). The new dim inside the original one
 (``x[:, :, None].expand(b, kv, r, ...)``, transformers' ``repeat_kv``) is an interleave and
 stays as it is.
 """
