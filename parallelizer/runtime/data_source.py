@@ -68,9 +68,10 @@ def check_fixed_sizes(plan: ParallelPlan, batch: int | None, seq: int | None,
         if value and value != size:
             raise UserError(f"{key} {flag}: the program runs only the "
                             f"{what} {size} of input {name!r}, which the model's code fixes "
-                            f"(a constant in the captured graph: a layer over that dim, a loop "
-                            f"over it, or a size written as a number); use {size}, or size the "
-                            f"model's code by the tensor and compile again")
+                            f"(a constant in the captured graph, or a condition torch.export "
+                            f"guarded on it: a layer over that dim, a loop over it, a size "
+                            f"turned into a Python number; report.md names it); use {size}, or "
+                            f"size the model's code by the tensor and compile again")
     for name, d, low, high, where in plan.size_ranges:
         key, what, value, flag = given(d)
         if value and (value > (high or value) or (low > 2 and value < low)):

@@ -116,7 +116,9 @@ def test_a_sequence_length_fixed_by_the_code_is_warned_and_refused_at_run():
     check_fixed_sizes(plan, 8, 5, "--batch-size", "--seq-len")
     check_fixed_sizes(plan, None, None, "--batch-size", "--seq-len")
     with pytest.raises(UserError, match=r"^--seq-len 32: the program runs only the sequence "
-                                        r"length 5 of input 'x', which the model's code fixes"):
+                                        r"length 5 of input 'x', which the model's code fixes "
+                                        r"\(a constant in the captured graph, or a condition "
+                                        r"torch.export guarded on it"):
         check_fixed_sizes(plan, None, 32, "--batch-size", "--seq-len")
 
 
