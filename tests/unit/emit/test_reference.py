@@ -324,3 +324,41 @@ def test_a_whole_step_token_mean_weighs_the_chunks_by_their_counts():
     ref = compute_reference(_TokenMean(nn.Identity()), (x, labels), lambda out, b: out,
                             ["x", "labels"], spec)
     assert sample_mean_warnings(ref, spec)
+
+
+class _Fp32Norm(torch.nn.Module):
+    """torchtune's RMSNorm: computes in fp32 whatever its weight's dtype."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), self.scale).type_as(x)
+
+
+def test_the_float64_estimate_does_not_warn_for_the_model():
+    """The rounding estimate's float64 step of a model that casts to fp32 made torch warn
+    "Mismatch dtype between input and weight" on every compile of a torchtune model (zoo 11
+    N1): a warning about our estimate, not the user's model, which its fp32 step ran."""
+    import warnings
+    from parallelizer import compiler
+    from parallelizer.frontend.spec import Spec
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(
+                torch.nn.Sequential(_Fp32Norm(), torch.nn.Linear(8, 8)) for _ in range(2))
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = x + block(x)
+            return x
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        program = compiler.compile_module(Net(), (torch.randn(2, 3, 8),), Spec.model_validate({}))
+    assert not [w for w in seen if "Mismatch dtype" in str(w.message)], \
+        [str(w.message) for w in seen]
+    assert any(k.startswith("noise.") for k in program.reference), sorted(program.reference)[:5]
