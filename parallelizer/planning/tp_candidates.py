@@ -361,16 +361,18 @@ def _size_text(c, prop: Propagation) -> str:
 
 
 def _sizes_text(bad: list, prop: Propagation) -> str:
-    """:func:`_size_text` of the first constraint of each distinct size in ``bad`` (3 heads
-    and an FFN of 37 at tp 2: both), so one message names every size to change. A size that
-    a smaller one divides goes unnamed: a tp dividing the 4 heads divides the 32 features
-    they span."""
-    kv, firsts = frozenset(prop.kv_weights), {}
+    """:func:`_size_text` of the first constraint of each distinct size in ``bad`` (heads
+    first; 3 heads and an FFN of 37 at tp 2: both), so one message names every size to
+    change. A size that every tp dividing a size named before it meets goes unnamed: the 32
+    features 4 heads span, or 2 kv heads after those 4 heads (tp 1, 2 or 4 splits or
+    copies them)."""
+    kv, firsts, roots = frozenset(prop.kv_weights), {}, []
     for c in bad:
         firsts.setdefault(c.size, c)
-    roots = [c for c in firsts.values() if not any(
-        a.size < c.size and c.size % a.size == 0 and not a.replicable(kv)
-        for a in firsts.values())]
+    for c in firsts.values():
+        if not any(not a.replicable(kv) and all(c.allows(t, kv) for t in range(1, a.size + 1)
+                                                if a.size % t == 0) for a in roots):
+            roots.append(c)
     texts = [_size_text(c, prop) for c in roots]
     more = f", and {len(texts) - 3} more sizes" if len(texts) > 3 else ""
     return ", and ".join(texts[:3]) + more
