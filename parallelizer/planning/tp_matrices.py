@@ -64,7 +64,8 @@ def other_matrices(graph: fx.Graph, decision: TPDecision, expert_dims=()) -> dic
     out: dict = {}
     for n in graph.nodes:
         v = n.meta.get("val")
-        if n.op != "get_attr" or not isinstance(v, torch.Tensor) or v.dim() < 2 and not _as_matrix(n) \
+        if n.op != "get_attr" or not isinstance(v, torch.Tensor) \
+                or not is_matrix(v) and not _as_matrix(n) \
                 or n.target in decision.dims or n.target in linears or n.target in experts \
                 or n.target in out:
             continue
@@ -178,15 +179,23 @@ def op_text(node: fx.Node) -> str:
     return f"{node.target} at {where}" if where else str(node.target)
 
 
+def is_matrix(t) -> bool:
+    """A weight matrix (any 2-D tensor: a linear's weight, a projection to one feature
+    included), a kernel or a table (more dims, two of them of more than one element). A
+    per-channel gain stored ``(1, C, 1, 1)`` (a channel LayerNorm's), a LayerScale ``(1, 1,
+    D)`` or a per-head ``(H, 1, 1)`` is a vector however many dims it keeps."""
+    return t.dim() == 2 or t.dim() > 2 and sum(int(s) > 1 for s in t.shape) >= 2
+
+
 def block_matrices(model, blocks=()) -> dict:
-    """fqn -> numel of the weight matrices (parameters of two or more dims: a linear's or an
-    einsum's weight, a per-head 3-D projection, a convolution's kernel) in the model's blocks:
+    """fqn -> numel of the weight matrices (:func:`is_matrix`: a linear's or an einsum's
+    weight, a per-head 3-D projection, a convolution's kernel) in the model's blocks:
     the items of every ``nn.ModuleList`` (T5's encoder and decoder blocks) and ``blocks``
     (module FQNs, planning/blocks.py find_blocks: an ``nn.Sequential``'s or ``ModuleDict``'s
     items too)."""
     prefixes = _block_prefixes(model, blocks)
     return {n: p.numel() for n, p in model.named_parameters()
-            if p.dim() >= 2 and n.startswith(prefixes)}
+            if is_matrix(p) and n.startswith(prefixes)}
 
 
 def _block_prefixes(model, blocks=()) -> tuple:
@@ -224,7 +233,7 @@ def tp_summary(decision: TPDecision, model, vocab=None, blocks=(), experts=None,
     head = "tensor parallel: " if where == "in blocks" else \
         "tensor parallel: no repeated blocks found; "
     # sharded matrices outside the blocks (an attention block between a ResNet's stages)
-    outside = sorted(n for n, p in params.items() if p.dim() >= 2 and n in dims
+    outside = sorted(n for n, p in params.items() if is_matrix(p) and n in dims
                      and n not in mats and not (vocab is not None and n in vocab.dims))
     also = f"; also {len(outside)} outside them" if outside and where == "in blocks" else ""
     gathered = sum(r.kind == "all_gather" for r in decision.redistributions)
@@ -254,7 +263,7 @@ def _counted_matrices(model, blocks=()) -> tuple[dict, str]:
     counts, the whole model's when it has no blocks."""
     if _block_prefixes(model, blocks):
         return block_matrices(model, blocks), "in blocks"
-    return {n: p.numel() for n, p in model.named_parameters() if p.dim() >= 2}, "in the model"
+    return {n: p.numel() for n, p in model.named_parameters() if is_matrix(p)}, "in the model"
 
 
 def _sharded(decision: TPDecision, vocab=None, experts=None, stacked=None) -> dict:

@@ -1,0 +1,48 @@
+"""The compile's count line, ``N of M weight matrices in blocks sharded``, counts matrices:
+vit-pytorch's NesT keeps its channel LayerNorm's gains as ``(1, C, 1, 1)`` and CaiT its
+LayerScale as ``(1, 1, D)``, which the line counted as weight matrices left whole ("8 of 19"
+for NesT at tp2, zoo 11, where every matrix was sharded) and report.md listed as "replicated
+... no tensor-parallel rule splits a weight this op reads". A vector stays a vector however
+many dims it keeps; a 2-D weight (a projection to one feature) is still a matrix."""
+import torch
+from torch import nn
+
+from parallelizer.planning.tp import plan_tp
+from parallelizer.planning.tp_matrices import is_matrix, tp_summary
+
+from tp_small_models import H, captured, x_batch
+
+
+class ScaledBlock(nn.Module):
+    """An MLP with a LayerScale ``(1, 1, H)`` and a gain stored ``(1, 1, H)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(H, 2 * H), nn.Linear(2 * H, H)
+        self.scale = nn.Parameter(torch.full((1, 1, H), 0.1))
+        self.gain = nn.Parameter(torch.ones(1, 1, H))
+
+    def forward(self, x):
+        return x + self.scale * self.down(torch.relu(self.up(x * self.gain)))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(ScaledBlock() for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_vectors_kept_in_more_dims_are_not_counted_as_matrices():
+    assert not is_matrix(torch.ones(1, 8, 1, 1)) and not is_matrix(torch.ones(4, 1, 1))
+    assert is_matrix(torch.ones(1, 8)) and is_matrix(torch.ones(3, 8, 1, 1))
+    torch.manual_seed(0)
+    model = Net()
+    d = plan_tp(captured(model, x_batch()).gm.graph, 2)
+    assert tp_summary(d, model).startswith("tensor parallel: 4 of 4 weight matrices in blocks "
+                                           "sharded"), tp_summary(d, model)
+    assert not d.other_replicated, d.other_replicated
