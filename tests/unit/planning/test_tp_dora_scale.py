@@ -10,12 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallelizer.passes.cleanup import apply_cleanup
-from parallelizer.passes.tensor_parallel import apply_tensor_parallel
-from parallelizer.planning.tp import plan_tp
-
-from tp_check import assert_tp_matches
-from tp_small_models import H, captured, x_batch
+from tp_check import assert_tp_matches, planned
+from tp_small_models import H, x_batch
 
 FFN, RANK = 64, 4
 
@@ -48,11 +44,8 @@ class DoRAMLP(nn.Module):
 def test_dora_per_feature_scale_is_no_head():
     torch.manual_seed(0)
     model = DoRAMLP()
-    cap = captured(model, x_batch())
-    d = plan_tp(cap.gm.graph, 2)
-    apply_cleanup(cap.gm)
-    apply_tensor_parallel(cap.gm, d)
+    gm, d = planned(model, x_batch(), 2)
     assert "up.weight" in d.column and "down.weight" in d.row, d.report
     assert d.dims.get("up.magnitude") == 0, d.report
     assert not any("one head" in line for line in d.report), d.report
-    assert_tp_matches(model, x_batch(), 2, d, cap.gm)
+    assert_tp_matches(model, x_batch(), 2, d, gm)

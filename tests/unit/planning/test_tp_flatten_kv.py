@@ -11,12 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallelizer.passes.cleanup import apply_cleanup
-from parallelizer.passes.tensor_parallel import apply_tensor_parallel
-from parallelizer.planning.tp import plan_tp
-
-from tp_check import assert_tp_matches
-from tp_small_models import H, captured, x_batch
+from tp_check import assert_tp_matches, planned
+from tp_small_models import H, x_batch
 
 HEADS, KV, D = 4, 2, 8
 
@@ -49,17 +45,14 @@ class FlattenGQA(nn.Module):
 def test_kv_heads_repeated_by_flatten_are_sharded(tp, order):
     torch.manual_seed(0)
     model = FlattenGQA(order)
-    cap = captured(model, x_batch())
-    d = plan_tp(cap.gm.graph, tp)
-    apply_cleanup(cap.gm)
-    apply_tensor_parallel(cap.gm, d)
+    gm, d = planned(model, x_batch(), tp)
     assert {"q.weight"} <= d.column and {"o.weight"} <= d.row, d.report
     if order == "interleave":  # each rank its kv head(s), split or copied
         assert {"k.weight", "v.weight"} <= d.column, d.report
         assert not any(line.startswith("kept") for line in d.report), d.report
     else:  # the tile read as the repeat it is (test_tp_tiled_kv.py): cut at attention
-        assert torch.ops.aten.repeat.default in {n.target for n in cap.gm.graph.nodes}
+        assert torch.ops.aten.repeat.default in {n.target for n in gm.graph.nodes}
         cuts = [r for r in d.redistributions if "scaled_dot_product_attention" in r.readers[0]]
         assert len(cuts) == 2 and not any(line.startswith("kept replicated")
                                           for line in d.report), d.report
-    assert_tp_matches(model, x_batch(), tp, d, cap.gm)
+    assert_tp_matches(model, x_batch(), tp, d, gm)

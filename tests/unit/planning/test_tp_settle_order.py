@@ -12,12 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallelizer.passes.cleanup import apply_cleanup
-from parallelizer.passes.tensor_parallel import apply_tensor_parallel
-from parallelizer.planning.tp import plan_tp
-
-from tp_check import assert_tp_matches
-from tp_small_models import H, captured, x_batch
+from tp_check import assert_tp_matches, planned
+from tp_small_models import H, x_batch
 
 HEADS, D = 4, 8
 
@@ -69,12 +65,9 @@ class Model(nn.Module):
 def test_one_head_kv_part_is_copied_through_rotary(tp):
     torch.manual_seed(0)
     model = Model()
-    cap = captured(model, x_batch())
-    d = plan_tp(cap.gm.graph, tp)
-    apply_cleanup(cap.gm)
-    apply_tensor_parallel(cap.gm, d)
+    gm, d = planned(model, x_batch(), tp)
     assert d.column == {"attn.0.qkv.weight", "attn.1.qkv.weight"}, d.report
     assert d.row == {"attn.0.proj.weight", "attn.1.proj.weight"}, d.report
     assert "replicated_heads (1 kv heads" in d.layouts["attn.0.qkv.weight"].text(), d.report
     assert d.warnings == [] and d.redistributions == [], d.report
-    assert_tp_matches(model, x_batch(), tp, d, cap.gm)
+    assert_tp_matches(model, x_batch(), tp, d, gm)

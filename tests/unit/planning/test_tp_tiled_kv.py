@@ -16,11 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallelizer.passes.cleanup import apply_cleanup
-from parallelizer.passes.tensor_parallel import apply_tensor_parallel
-from parallelizer.planning.tp import plan_tp
-
-from tp_check import assert_tp_matches
+from tp_check import assert_tp_matches, planned
 from tp_small_models import H, captured, x_batch
 
 HEADS, KV, D = 4, 2, 8
@@ -55,15 +51,12 @@ class TiledGQA(nn.Module):
 def test_tiled_kv_heads_are_gathered_before_the_repeat_and_cut_at_attention(tp, spelling):
     torch.manual_seed(0)
     model = TiledGQA(spelling)
-    cap = captured(model, x_batch())
-    d = plan_tp(cap.gm.graph, tp)
-    apply_cleanup(cap.gm)
-    apply_tensor_parallel(cap.gm, d)
+    gm, d = planned(model, x_batch(), tp)
     assert {"q.weight", "up.weight"} <= d.column and {"o.weight", "down.weight"} <= d.row
     cuts = [r for r in d.redistributions if "scaled_dot_product_attention" in r.readers[0]]
     assert len(cuts) == 2 and all(r.kind == "scatter" for r in cuts), d.report
     assert not any(line.startswith("kept replicated") for line in d.report), d.report
-    assert_tp_matches(model, x_batch(), tp, d, cap.gm)
+    assert_tp_matches(model, x_batch(), tp, d, gm)
 
 
 def test_the_interleave_stays_an_expand():
