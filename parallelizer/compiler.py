@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from torch.utils._pytree import tree_map
 
 from .analyse import Analysis, analyse, measure
 from .emit.stages import stage_sources
@@ -72,7 +71,7 @@ from .planning.vocab import plan_vocab, vocab_summary
 from .emit.program import Program, check_replaceable
 from .emit.rank_check import check_ranks, share_rows
 from .emit.numerics_check import check_numerics, model_reference, when as self_check_when
-from .emit.reference import (check_gradients_held, compute_reference, copy_model,
+from .emit.reference import (batch_rows, check_gradients_held, compute_reference, copy_model,
                              nonfinite_warnings, sample_mean_warnings, stack_reference)
 from .emit.report import render_report, stage_sends
 from .frontend.spec import Spec
@@ -346,10 +345,9 @@ def _model_on_share(analysis: Analysis, plan_, batch) -> None:
     rows, size = share_rows(plan_, batch)
     if rows >= size:
         return
-    share = tree_map(lambda t: t[:rows] if isinstance(t, torch.Tensor) and t.dim()
-                     and t.shape[0] == size else t, batch)
     try:
-        model_reference(analysis.model, share, model_file=analysis.name)
+        model_reference(analysis.model, batch_rows(batch, size, 0, rows),
+                        model_file=analysis.name)
     except CaptureError as e:
         cause = e.__cause__ or e
         first = str(cause).strip().splitlines()[0] if str(cause).strip() else ""

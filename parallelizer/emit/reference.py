@@ -196,6 +196,13 @@ def _one_step(model: torch.nn.Module, batch, loss_fn, spec, model_file, chunks: 
     return ref
 
 
+def batch_rows(batch, size: int, lo: int, hi: int):
+    """Samples ``[lo, hi)`` of ``batch``: rows of every tensor whose dim 0 is the batch's
+    ``size``; any other value as it is."""
+    return tree_map(lambda t: t[lo:hi] if isinstance(t, torch.Tensor) and t.dim()
+                    and t.shape[0] == size else t, batch)
+
+
 def chunked_step(model: torch.nn.Module, batch, loss_fn, chunks: int, model_file=None,
                  count=None):
     """The mean of the model's loss over ``chunks`` equal row chunks of ``batch`` (in order:
@@ -218,8 +225,7 @@ def chunked_step(model: torch.nn.Module, batch, loss_fn, chunks: int, model_file
     if chunks <= 1 or not rows or rows % chunks:
         return None
     n = rows // chunks
-    parts = [tree_map(lambda t: t[c * n:(c + 1) * n] if isinstance(t, torch.Tensor)
-                      and t.dim() and t.shape[0] == rows else t, batch) for c in range(chunks)]
+    parts = [batch_rows(batch, rows, c * n, (c + 1) * n) for c in range(chunks)]
     weights = [1.0 / chunks] * chunks
     if count is not None:
         counted = [float(count(*tree_flatten(split_args(p))[0])[0]) for p in parts]
