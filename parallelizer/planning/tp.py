@@ -30,10 +30,11 @@ from ..analysis.graph_facts import linear_sites, shape
 from ..analysis.sharding.placements import Shard
 from .gradients import plan_gradients
 from .redistributions import redistributions, report_lines
-from .tp_candidates import (check_divisible, divisible, indivisible, merged_layout, merged_whole,
-                            one_head_whole, pairs_settled, replicated_plan)
+from .tp_candidates import (indivisible, merged_layout, merged_whole, one_head_whole,
+                            pairs_settled, replicated_plan)
 from .tp_chains import chains_whole
 from .tp_matrices import custom_op_weights, op_text, other_matrices
+from .tp_sizes import check_divisible, divisible
 from .tp_seeds import conditioning_ops, first_end, linears_feeding, nearest_linears
 
 

@@ -16,6 +16,7 @@ from ..analysis.sharding.propagate import Propagation, propagate
 from .redistributions import redistributions
 from .tp_matrices import op_text
 from .tp_seeds import seed_pairs
+from .tp_sizes import divisible, indivisible_cause, not_dividing, sizes_text, valid_degrees
 
 
 def pairs_settled(graph, sites, tp: int, decision: TPDecision):
@@ -50,7 +51,7 @@ def indivisible(graph, sites, tp: int, decision: TPDecision, first, experts_spli
     the pair groups behind every size tp does not divide kept whole
     (:func:`_whole_indivisible`). Of those that are divisible, the one sharding the most
     weight elements is taken, the earlier on a tie; when none is, the plain one (its
-    sizes are then refused by :func:`check_divisible`). A plan sharding no linear counts
+    sizes are then refused by ``tp_sizes.check_divisible``). A plan sharding no linear counts
     only where ``experts_split`` (the experts planner splits expert FFNs over tp: GraniteMoE
     with 3 kv heads at tp 2 keeps attention whole and runs its experts split)."""
     plain, chosen = decision, first
@@ -243,7 +244,7 @@ def _settle(graph, pairs: dict, column: set, row: set, tp: int, decision,
         op = op_text(by_name[node]) if node in by_name else node
         module = module or (module_path(by_name[node]) if node in by_name else "")
         decision.blockers.append(f"{op} in {module or 'the root module'}: {reason}"
-                                 + _indivisible_cause(prop, _component(pairs, bad), tp))
+                                 + indivisible_cause(prop, _component(pairs, bad), tp))
         decision.report.append(f"kept replicated: {', '.join(sorted(bad))} (at {node} = "
                                f"{decision.blockers[-1]})")
         column -= bad
@@ -265,26 +266,6 @@ def _alternating(graph: torch.fx.Graph, assumed: dict, found: dict) -> list:
     return [(reader.get(w, w), "", frozenset({w}),
              f"its layout does not settle (assumed {assumed.get(w) or 'even'}, the propagation "
              f"then needs {found.get(w) or 'even'}, and back)") for w in flips]
-
-
-def _indivisible_cause(prop: Propagation, bad: set, tp: int) -> str:
-    """The heads (or features) of ``bad``'s modules that tp does not divide, named as the
-    cause of the conflict they lead to (a per-head op on 2 kv heads split at tp 3); "" when
-    every size divides. ``bad``: the pair component of the linears a conflict drops, so
-    that a k dropped alone is named with its attention's query heads."""
-    kv = frozenset(prop.kv_weights)
-
-    def ours(c) -> bool:
-        return not c.allows(tp, kv) and (bool((c.weights | c.origin) & bad) or bool(
-            c.module) and any(w.startswith(c.module + ".") for w in bad))
-    # heads tp is a multiple of may be copies (their kv role not yet seen): named last
-    sizes = sorted(filter(ours, prop.constraints),
-                   key=lambda c: (c.what == "heads" and tp % c.size == 0, c.what != "heads"))
-    if not sizes:
-        return ""
-    c = sizes[0]
-    return (f"; the cause: tp = {tp} does not divide the {c.size} {c.what} of "
-            f"{c.module or 'the model'} ({c.detail})")
 
 
 def _redistribute(prop: Propagation, edges: dict, reduces: dict) -> bool:
@@ -330,87 +311,13 @@ def _component(pairs: dict, seeds) -> set:
     return comp
 
 
-def divisible(prop: Propagation, tp: int) -> bool:
-    kv = frozenset(prop.kv_weights)
-    return all(c.allows(tp, kv) for c in prop.constraints)
-
-
-def check_divisible(prop: Propagation, tp: int) -> None:
-    bad = _not_dividing(prop, tp)
-    if not bad:
-        return
-    some = _partial_degrees(prop)
-    also = (f"; tp in {{{', '.join(map(str, some))}}} divides some of the sizes: it shards those "
-            f"groups and keeps the others whole" if some else "")
-    if tp in some:  # that plan was tried at this tp and sharded nothing or did not settle
-        also = (f"; tp = {tp} divides some of the sizes, but keeping the groups behind the "
-                f"others whole leaves no plan that shards a weight (they share weights with "
-                f"the rest: a fused projection); or set tensor_parallel.allow_replicated=true "
-                f"to run replicated")
-    raise PlanError(f"mesh.tp ({tp}) must divide {_sizes_text(bad, prop)}; valid choices: "
-                    f"tp in {{{', '.join(map(str, _valid_degrees(prop)))}}} (sharding every "
-                    f"group){also}")
-
-
-def _size_text(c, prop: Propagation) -> str:
-    """'the number of kv heads (2) of attn (...), or be a multiple of it (...)'."""
-    kv_heads = c.what == "heads" and c.replicable(frozenset(prop.kv_weights))
-    copies = ", or be a multiple of it (each kv head is then held by tp / kv heads ranks)"
-    return (f"the number of {'kv heads' if kv_heads else c.what} ({c.size}) of "
-            f"{c.module or 'the model'} ({c.detail}){copies if kv_heads else ''}")
-
-
-def _sizes_text(bad: list, prop: Propagation) -> str:
-    """:func:`_size_text` of the first constraint of each distinct size in ``bad`` (heads
-    first; 3 heads and an FFN of 37 at tp 2: both), so one message names every size to
-    change. A size that every tp dividing a size named before it meets goes unnamed: the 32
-    features 4 heads span, or 2 kv heads after those 4 heads (tp 1, 2 or 4 splits or
-    copies them)."""
-    kv, firsts, roots = frozenset(prop.kv_weights), {}, []
-    for c in bad:
-        firsts.setdefault(c.size, c)
-    for c in firsts.values():
-        if not any(not a.replicable(kv) and all(c.allows(t, kv) for t in range(1, a.size + 1)
-                                                if a.size % t == 0) for a in roots):
-            roots.append(c)
-    texts = [_size_text(c, prop) for c in roots]
-    more = f", and {len(texts) - 3} more sizes" if len(texts) > 3 else ""
-    return ", and ".join(texts[:3]) + more
-
-
 def replicated_plan(graph, tp: int, decision: TPDecision, prop: Propagation):
     """The plan sharding nothing, for ``tensor_parallel.allow_replicated`` where ``prop``
     needs a size tp does not divide and no plan keeps only its groups whole: the size is
     the blocker the compile's warning names."""
-    decision.blockers = [f"tp must divide {_sizes_text(_not_dividing(prop, tp), prop)}"]
+    decision.blockers = [f"tp must divide {sizes_text(not_dividing(prop, tp), prop)}"]
     return candidate(graph, {}, tp, TPDecision(tp=tp, linears=decision.linears,
                                                 biases=decision.biases))
-
-
-def _not_dividing(prop: Propagation, tp: int) -> list:
-    """The constraints tp does not meet, heads first."""
-    kv = frozenset(prop.kv_weights)
-    return sorted((c for c in prop.constraints if not c.allows(tp, kv)),
-                  key=lambda c: c.what != "heads")
-
-
-def _valid_degrees(prop: Propagation) -> list:
-    kv = frozenset(prop.kv_weights)
-    top = max(x.size for x in prop.constraints)
-    return [t for t in range(1, top + 1) if all(x.allows(t, kv) for x in prop.constraints)]
-
-
-def _partial_degrees(prop: Propagation) -> list:
-    """tp degrees > 1 that divide some sizes but not all (6 heads and an FFN of 130: 3, 5,
-    6, ...): the compile keeps the other groups whole (:func:`_whole_indivisible`)."""
-    kv = frozenset(prop.kv_weights)
-    top = max(x.size for x in prop.constraints)
-    full = set(_valid_degrees(prop))
-    def shards_a_group(t: int) -> bool:  # every size of some group (weights in common)
-        return any(all(x.allows(t, kv) for x in prop.constraints
-                       if x is c or (c.origin and x.origin and x.origin & c.origin))
-                   for c in prop.constraints if c.allows(t, kv))
-    return [t for t in range(2, min(top, 64) + 1) if t not in full and shards_a_group(t)]
 
 
 def _whole_indivisible(graph, tp: int, decision: TPDecision, first, kept=None):
@@ -426,7 +333,7 @@ def _whole_indivisible(graph, tp: int, decision: TPDecision, first, kept=None):
     pairs, column, row, prop = first
     why, found, scratch = {}, None, None
     for _ in range(8):
-        bad = _not_dividing(prop, tp)
+        bad = not_dividing(prop, tp)
         if not bad:
             break
         new = {}
@@ -446,7 +353,7 @@ def _whole_indivisible(graph, tp: int, decision: TPDecision, first, kept=None):
         left = {c: set() if c in why else rows - set(why) for c, rows in pairs.items()}
         found = candidate(graph, left, tp, scratch, kept=kept)
         prop = found[3]
-    if found is None or _not_dividing(prop, tp):
+    if found is None or not_dividing(prop, tp):
         return None
     for w, reason in why.items():  # plan_tp reports them among the replicated linears
         scratch.replicated[w] = [f"kept whole: {w} ({reason})"]
@@ -460,14 +367,14 @@ def _kept_warning(tp: int, first, chosen) -> str:
     pairs, prop = first[0], first[3]
     paired = {w for c, rows in pairs.items() if rows for w in {c} | rows}
     kept = sorted(paired - chosen[1] - chosen[2])
-    bad, valid = _not_dividing(prop, tp), _valid_degrees(prop)[1:]
+    bad, valid = not_dividing(prop, tp), valid_degrees(prop)[1:]
     every = (f"tp in {{{', '.join(map(str, valid))}}} shards them too" if valid else
              "no tp > 1 divides every size")
     mods = sorted({w.rsplit(".", 1)[0] for w in kept})
     where = ", ".join(mods[:3]) + (f" and {len(mods) - 3} more" if len(mods) > 3 else "")
     rest = "the rest sharded" if chosen[1] | chosen[2] else "only the experts split"
     return (f"mesh.tp={tp} keeps {len(kept)} linears whole on every tp rank ({where}), "
-            f"{rest}: tp must divide {_sizes_text(bad, prop)}; {every}; see report.md")
+            f"{rest}: tp must divide {sizes_text(bad, prop)}; {every}; see report.md")
 
 
 def merged_layout(site, layout):

@@ -13,8 +13,9 @@ import torch.fx as fx
 
 from ..plan.decisions import TPDecision
 from .redistributions import all_reduce_bytes, redistributions
-from .tp_candidates import candidate, divisible
+from .tp_candidates import candidate
 from .tp_seeds import chain_heads, seed_pairs
+from .tp_sizes import divisible
 
 
 def chains_whole(graph: fx.Graph, sites: list, tp: int, decision: TPDecision, chosen):
