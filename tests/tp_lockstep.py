@@ -27,7 +27,7 @@ from parallelizer.plan.parallel_plan import TensorPlan
 from parallelizer.runtime import rng, sequence as sp
 from parallelizer.runtime.tp import (copy_to_tp_region, gather_from_tp_dim, reduce_from_tp_region,
                                      reduce_partial_from_tp, scatter_copies_to_tp_region,
-                                     scatter_to_tp_region)
+                                     scatter_pieces_to_tp_region, scatter_to_tp_region)
 from parallelizer.runtime.vocab import (GatherLastDim, gather_from_tp_region, local_lookup,
                                         vocab_parallel_lookup)
 from parallelizer.runtime.vocab_loss import VocabParallelCrossEntropy, vocab_parallel_cross_entropy
@@ -161,6 +161,25 @@ class _ScatterCopies(torch.autograd.Function):
         return ctx.comm(ctx.rank, full), None, None, None
 
 
+class _ScatterPieces(torch.autograd.Function):
+    """runtime/tp.py scatter_pieces_to_tp_region over threads: the rank's ranges ``runs[rank]``
+    side by side; backward: each rank's gradient added into its ranges (a sum of zero-padded
+    pieces; copies of one range sum their shares)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, runs, comm, rank):
+        ctx.dim, ctx.runs, ctx.comm, ctx.rank, ctx.shape = dim, runs[rank], comm, rank, x.shape
+        return torch.cat([x.narrow(dim, at, n) for at, n in ctx.runs], dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        full, at_piece = grad.new_zeros(ctx.shape), 0
+        for at, n in ctx.runs:
+            full.narrow(ctx.dim, at, n).copy_(grad.narrow(ctx.dim, at_piece, n))
+            at_piece += n
+        return ctx.comm(ctx.rank, full), None, None, None, None
+
+
 class _GatherDim(torch.autograd.Function):
     """runtime/tp.py gather_from_tp_dim over threads: the ranks' blocks side by side (along
     the inner factor of a merged dim when ``inner``); backward: the rank's block."""
@@ -257,6 +276,8 @@ class _Rank(fx.Interpreter):
             return _Scatter.apply(args[0], args[1], self.comm, self.rank)
         if target is scatter_copies_to_tp_region:
             return _ScatterCopies.apply(args[0], args[1], self.comm, self.rank)
+        if target is scatter_pieces_to_tp_region:
+            return _ScatterPieces.apply(*args, self.comm, self.rank)
         if target is gather_from_tp_dim:
             return _GatherDim.apply(args[0], args[1], (list(args) + [0])[2], self.comm, self.rank)
         if target is reduce_partial_from_tp:

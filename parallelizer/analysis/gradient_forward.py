@@ -28,7 +28,7 @@ import torch.fx as fx
 from ..runtime import sequence as sp
 from ..runtime.tp import (copy_to_tp_region, gather_from_tp_dim, reduce_from_tp_region,
                           reduce_partial_from_tp, scatter_copies_to_tp_region,
-                          scatter_to_tp_region)
+                          scatter_pieces_to_tp_region, scatter_to_tp_region)
 from ..runtime.vocab import gather_from_tp_region, vocab_parallel_lookup
 from ..runtime.vocab_loss import vocab_parallel_cross_entropy
 from .graph_facts import aten, bias_operand, linear_sites
@@ -40,7 +40,7 @@ _WHOLE_OUTPUT = {reduce_from_tp_region, gather_from_tp_region, vocab_parallel_cr
                  sp.all_gather_from_sequence_parallel_region,
                  sp.gather_from_sequence_parallel_region}
 # operators whose output is this rank's piece of a replicated input
-_CUTS = {scatter_to_tp_region, scatter_copies_to_tp_region,
+_CUTS = {scatter_to_tp_region, scatter_copies_to_tp_region, scatter_pieces_to_tp_region,
          sp.split_to_sequence_parallel_region}
 _RANK_OUTPUT = _CUTS | {sp.reduce_scatter_to_sequence_parallel_region, vocab_parallel_lookup,
                         sp.gathered_linears, sp.random_op_on_sequence_shard}
@@ -70,7 +70,7 @@ class PlannedForward:
             edges = {(u, r.producer) for u in r.readers}
             if r.kind == "all_gather":
                 self.gathered |= edges
-            elif r.kind in ("scatter", "scatter_copies"):
+            elif r.kind in ("scatter", "scatter_copies", "scatter_pieces"):
                 self.cut |= edges
         self.sharded = set(decision.dims)  # parameters the plan shards (column biases too)
         self.column_in, self.row_bias, self.weight_views = {}, {}, set()

@@ -403,7 +403,8 @@ def _range(cut, dim: int, n) -> Optional[tuple]:
 def _site(n, x, w, b) -> Optional[Linear]:
     """The :class:`Linear` of product ``n`` with input ``x``, weight operand ``w`` and bias
     operand ``b`` (or None), or None when a piece of the weight or bias is cut along its
-    input features (those stay unrecognised: replicated)."""
+    input features (those stay unrecognised: replicated). A bias operand no parameter
+    reaches (:func:`computed_bias`) leaves ``bias`` None."""
     param, transposed, cut, merged = _walk_weight(w, 2)
     linear = n.target is aten.linear.default
     if param is None or not linear and (not is_tensor(x) or len(shape(x)) < 2):
@@ -417,6 +418,8 @@ def _site(n, x, w, b) -> Optional[Linear]:
     bias_add = None
     if b is None:
         b, bias_add = _bias_add(n, shape(n)[-1])
+    elif _bias_source(b) is None:
+        b = None  # computed in forward
     bias, _t, bias_cut, _m = _walk_weight(b, 1) if b is not None else (None, False, None, None)
     bias_part = _range(bias_cut, 0, shape(bias)[0]) if bias is not None else None
     if bias_part is False:
@@ -431,13 +434,9 @@ def as_linear(n: fx.Node) -> Optional[Linear]:
         return None
     if n.target is aten.linear.default:
         b = n.args[2] if len(n.args) > 2 else None
-        if b is not None and _bias_source(b) is None:
-            return None
         return _site(n, n.args[0], n.args[1], b)
     if n.target is aten.addmm.default and len(n.args) == 3 and not n.kwargs:
         b, x, w = n.args
-        if _bias_source(b) is None:
-            return None
         return _site(n, x, w, b)
     if n.target in _PRODUCTS and len(n.args) == 2:
         return _site(n, n.args[0], n.args[1], None) or _batched_site(n, n.args[0], n.args[1])
@@ -463,6 +462,18 @@ def _batched_site(n: fx.Node, x, w) -> Optional[Linear]:
     # W stored (E, out, in), each expert an nn.Linear's weight, read as W.transpose(1, 2)
     return Linear(n, x, param.target, None, 1 if transposed else 2, w, None, param)
 
+
+
+def computed_bias(site: Linear) -> Optional[fx.Node]:
+    """The bias operand of ``aten.linear`` / ``aten.addmm`` when no parameter reaches it
+    through a weight path, a value computed in forward (timm's EVA and BEiT attention:
+    ``F.linear(x, qkv.weight, torch.cat((q_bias, k_bias, v_bias)))``); else None."""
+    n = site.node
+    if site.bias is not None or site.bias_add is not None:
+        return None
+    b = n.args[2] if n.target is aten.linear.default and len(n.args) > 2 else \
+        n.args[0] if n.target is aten.addmm.default else None
+    return b if isinstance(b, fx.Node) else None
 
 
 def bias_operand(site: Linear) -> Optional[fx.Node]:

@@ -15,7 +15,7 @@
   keeping its block of heads.
 - the redistributions where no sharded rule takes a value as it is
   (``decision.redistributions``): ``gather_from_tp_dim`` / ``scatter_to_tp_region`` /
-  ``scatter_copies_to_tp_region`` before the readers named, ``reduce_partial_from_tp`` after an op with a Partial output.
+  ``scatter_copies_to_tp_region`` / ``scatter_pieces_to_tp_region`` before the readers named, ``reduce_partial_from_tp`` after an op with a Partial output.
 Parameter shapes themselves are the checkpoint's business (plan ``tp_dim``); the graph only
 reads them with get_attr.
 """
@@ -27,7 +27,7 @@ from ..plan.decisions import TP_OPERATOR, TPDecision
 from ..runtime.expert_parallel import ep_dispatch
 from ..runtime.tp import (copy_to_tp_region, gather_from_tp_dim, reduce_from_tp_region,
                           reduce_partial_from_tp, scatter_copies_to_tp_region,
-                          scatter_to_tp_region)
+                          scatter_pieces_to_tp_region, scatter_to_tp_region)
 from ..analysis.graph_facts import Linear, aten, linear_sites
 
 
@@ -114,7 +114,9 @@ def _insert_redistributions(graph: fx.Graph, redistributions: list) -> dict:
         first = min(readers, key=order.__getitem__)
         with graph.inserting_before(first):
             new = graph.call_function(gather_from_tp_dim, (node, r.dim, r.inner)) \
-                if r.kind == "all_gather" else graph.call_function(_CUTS[r.kind], (node, r.dim))
+                if r.kind == "all_gather" else graph.call_function(
+                    scatter_pieces_to_tp_region, (node, r.dim, r.runs)) \
+                if r.kind == "scatter_pieces" else graph.call_function(_CUTS[r.kind], (node, r.dim))
         # the value's meta, in the reader's module and line (a parameter has neither: the
         # block and stage splits place a node by its module)
         new.meta = {**node.meta, **{k: first.meta[k] for k in _WHERE if k in first.meta}}

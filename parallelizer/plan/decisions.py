@@ -23,7 +23,8 @@ class Redistribution:
     ``kind``: "all_gather" (Shard(dim) -> Replicate; runtime/tp.py gather_from_tp_dim),
     "scatter" (Replicate -> Shard(dim), each rank's block; scatter_to_tp_region),
     "scatter_copies" (Replicate -> the copy of one of fewer than tp kv heads along dim that
-    the rank's query heads read; scatter_copies_to_tp_region) or
+    the rank's query heads read; scatter_copies_to_tp_region), "scatter_pieces" (Replicate ->
+    the rank's piece under a column linear's layout, ``runs``; scatter_pieces_to_tp_region) or
     "all_reduce" (the Partial output of ``producer``, ``reduce_op`` "sum" | "avg";
     reduce_partial_from_tp). ``producer``: node name of the value; ``readers``: the nodes
     that read it so (all of its readers for an all_reduce). ``bytes``: what one rank sends
@@ -31,7 +32,8 @@ class Redistribution:
     (tp - 1) / tp of the whole value, an all-reduce twice that). ``why``: the op and source
     line that needed it. ``inner``: for an all_gather of a (outer, inner) merged dim whose
     inner factor is sharded (a (batch, heads) merge), the inner factor's global size; 0
-    for a plain Shard."""
+    for a plain Shard. ``runs``: for a scatter_pieces, per tp rank the ``(full_offset,
+    length)`` ranges along ``dim`` that make its piece, in order (plan/layouts.py segments)."""
     kind: str
     producer: str
     readers: tuple
@@ -40,6 +42,7 @@ class Redistribution:
     reduce_op: Optional[str] = None
     bytes: int = 0
     why: str = ""
+    runs: tuple = ()
 
 
 @dataclass

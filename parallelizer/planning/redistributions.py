@@ -7,10 +7,12 @@ import torch
 import torch.fx as fx
 
 from ..analysis.graph_facts import source_line
-from ..analysis.sharding.placements import CopiedHeads
+from ..analysis.sharding.placements import CopiedHeads, LaidOut
 from ..plan.decisions import Redistribution
+from ..plan.layouts import segments
 
-_RING = {"all_gather": 1.0, "scatter": 1.0, "scatter_copies": 1.0, "all_reduce": 2.0}
+_RING = {"all_gather": 1.0, "scatter": 1.0, "scatter_copies": 1.0, "scatter_pieces": 1.0,
+         "all_reduce": 2.0}
 
 
 def redistributions(graph: fx.Graph, prop, tp: int) -> list:
@@ -27,18 +29,31 @@ def redistributions(graph: fx.Graph, prop, tp: int) -> list:
         names = tuple(sorted(names, key=order.__getitem__))
         gather = not hasattr(want, "dim")
         dim = prop.placements[producer].dim if gather else want.dim
+        runs = _runs(by_name[producer], want, prop.layouts, tp)
         kind = "all_gather" if gather else "scatter_copies" if isinstance(
-            want, CopiedHeads) else "scatter"
+            want, CopiedHeads) else "scatter_pieces" if runs else "scatter"
         inner = int(prop.strided.get(producer, 0)) if gather else 0
         out.append(Redistribution(kind, producer, names, dim=dim, inner=inner,
-                                  bytes=_bytes(by_name[producer], kind, tp, dim),
-                                  why=_why(by_name[names[0]])))
+                                  bytes=_bytes(by_name[producer], kind, tp, dim, runs),
+                                  why=_why(by_name[names[0]]), runs=runs))
     for name, op in prop.applied_reduces.items():
         node = by_name[name]
         out.append(Redistribution("all_reduce", name, tuple(u.name for u in node.users),
                                   reduce_op=op, bytes=_bytes(node, "all_reduce", tp),
                                   why=_why(node)))
     return sorted(out, key=lambda r: (order[r.producer], r.kind))
+
+
+def _runs(node: fx.Node, want, layouts: dict, tp: int) -> tuple:
+    """Per tp rank, the (full_offset, length) ranges of ``node``'s dim ``want.dim`` that a
+    :class:`LaidOut` cut keeps, in the order of the rank's piece; () for every other want,
+    and for a linear laid out as the even split (a plain scatter)."""
+    layout = layouts.get(want.key) if isinstance(want, LaidOut) else None
+    if layout is None:
+        return ()
+    n = int(node.meta["val"].shape[want.dim])
+    return tuple(tuple((s.full_offset, s.length) for s in sorted(
+        segments(n, layout, tp, r), key=lambda s: s.piece_offset)) for r in range(tp))
 
 
 def report_lines(redistributions: list) -> list:
@@ -51,6 +66,10 @@ def report_lines(redistributions: list) -> list:
                 "scatter_copies": f"each rank's copy of the kv head its query heads read "
                                   f"(Replicate -> copied heads along dim {r.dim}; backward "
                                   f"all-gathers the gradient and sums each head's copies)",
+                "scatter_pieces": f"each rank's piece under its linear's layout (Replicate -> "
+                                  f"Shard({r.dim}), rank 0's (offset, length) ranges "
+                                  f"{list(r.runs[0]) if r.runs else []}; "
+                                  f"backward all-gathers the gradient)",
                 "all_reduce": f"all-reduce ({r.reduce_op}) of a Partial output"}[r.kind]
         lines.append(f"redistribution: {what} of {r.producer} -> {', '.join(r.readers)} "
                      f"(no sharded rule takes it as it is: {r.why}); "
@@ -64,14 +83,14 @@ def all_reduce_bytes(node: fx.Node, tp: int) -> int:
     return _bytes(node, "all_reduce", tp)
 
 
-def _bytes(node: fx.Node, kind: str, tp: int, dim=None) -> int:
+def _bytes(node: fx.Node, kind: str, tp: int, dim=None, runs=()) -> int:
     """Bytes one rank sends per step for ``node``'s value (the example's shapes), as the
     runtime's operator (runtime/tp.py) moves it. Ring collectives: a rank sends ``tp - 1``
     times the piece each rank contributes. The all-gather (forward) and the scatter's
     backward all-gather contribute a 1/tp block of the whole value; the all-reduce sends
     twice that. ``scatter_copies`` (``n`` entries along ``dim`` copied to tp / n ranks each)
     all-gathers in backward the gradient of each rank's copy, one entry: 1/n of the value,
-    not 1/tp."""
+    not 1/tp; ``scatter_pieces`` the rank's piece, its ``runs`` long along ``dim``."""
     v = node.meta.get("val")
     if not isinstance(v, torch.Tensor):
         return 0
@@ -83,7 +102,8 @@ def _bytes(node: fx.Node, kind: str, tp: int, dim=None) -> int:
             return 0
         sizes.append(int(hint))
         numel *= int(hint)
-    piece = numel / sizes[dim] if kind == "scatter_copies" else numel / tp
+    piece = numel / sizes[dim] if kind == "scatter_copies" else \
+        numel / sizes[dim] * sum(n for _at, n in runs[0]) if kind == "scatter_pieces" else numel / tp
     return int(_RING[kind] * (tp - 1) * piece * v.element_size())
 
 

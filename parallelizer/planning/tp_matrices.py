@@ -81,11 +81,6 @@ def other_matrices(graph: fx.Graph, decision: TPDecision, expert_dims=()) -> dic
         if producer is not None:
             why = (f"each rank cuts its heads, or its copy of them, from it as the step runs: "
                    f"the redistribution of {producer}")
-        elif use.target in _PRODUCTS and _computed_bias(use) is not None:
-            why = (f"a product whose bias is computed ({_computed_bias(use)}), not a parameter "
-                   f"or a piece of one, is not taken as a linear layer: a bias split with "
-                   f"its weight needs its own parameter (pass each projection's bias, not a "
-                   f"concatenation of them)")
         else:
             why = ("no tensor-parallel rule splits a weight this op reads: only linear layers "
                    "(a product with a 2-D weight, a pointwise conv), per-head tensors and the "
@@ -100,25 +95,6 @@ def other_matrices(graph: fx.Graph, decision: TPDecision, expert_dims=()) -> dic
 _PRODUCTS = frozenset({aten.linear.default, aten.mm.default, aten.bmm.default,
                        aten.matmul.default, aten.addmm.default, aten.baddbmm.default,
                        aten.einsum.default, aten.convolution.default})
-
-
-def _computed_bias(product: fx.Node):
-    """The op making ``aten.linear``'s bias operand when no parameter reaches it through
-    casts and views (WavLM hands ``F.multi_head_attention_forward`` the concatenation of its
-    q, k and v biases, which torch's function cuts again), else None."""
-    if product.target is not aten.linear.default or len(product.args) < 3 \
-            or not isinstance(product.args[2], fx.Node):
-        return None
-    b = product.args[2]
-    while b.op == "call_function" and b.target in _WEIGHT_PATH:
-        b = b.args[0]
-    if b.op == "get_attr":
-        return None
-    ops, where = [], source_line(product.args[2])
-    while b.op == "call_function" and b.all_input_nodes and len(ops) < 3:
-        ops.append(getattr(b.target, "__name__", str(b.target)))
-        b = b.all_input_nodes[0]
-    return " of ".join(ops) + (f" at {where}" if where else "")
 
 
 def _as_matrix(param: fx.Node) -> bool:

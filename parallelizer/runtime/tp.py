@@ -10,6 +10,8 @@ placed after a per-head value that must meet the rank's heads (BLOOM's ALiBi slo
 where a replicated value re-enters sharded compute (a redistribution).
 ``scatter_copies_to_tp_region``: the same for fewer entries than tp ranks (GQA kv heads
 computed whole, met by sharded query heads): each rank keeps the copy its query heads read.
+``scatter_pieces_to_tp_region``: the same under a column linear's layout (a bias computed in
+forward for a fused q|k|v: the rank's block of each part).
 ``gather_from_tp_dim``: the whole value of one sharded along a dim (Megatron's
 gather-from-model-parallel-region; backward keeps the rank's slice), before an op with no
 sharded rule. ``reduce_partial_from_tp``: the all-reduce (sum or average) of an op's Partial
@@ -171,6 +173,32 @@ def scatter_copies_to_tp_region(x: torch.Tensor, dim: int) -> torch.Tensor:
     Backward: the gradient all-gathered over tp and each entry's copies summed (every rank
     holding a copy contributed its query heads' share)."""
     return x if _tp_size() == 1 else _ScatterCopies.apply(x, dim)
+
+
+class _ScatterPieces(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, runs):
+        ctx.dim, ctx.runs, ctx.shape = dim, runs, x.shape
+        return torch.cat([x.narrow(dim, at, n) for at, n in runs[_tp_rank()]], dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        whole = grad.new_zeros(ctx.shape)
+        for piece, runs in zip(_all_gather_list(grad), ctx.runs):
+            at_piece = 0
+            for at, n in runs:  # a range held by several ranks (copied heads) sums their shares
+                whole.narrow(ctx.dim, at, n).add_(piece.narrow(ctx.dim, at_piece, n))
+                at_piece += n
+        return whole, None, None
+
+
+def scatter_pieces_to_tp_region(x: torch.Tensor, dim: int, runs: tuple) -> torch.Tensor:
+    """This tp rank's piece of ``x`` along ``dim`` under a column linear's layout (a fused
+    q|k|v: the rank's block of each part, or its copy of a kv head): the ranges ``runs[r]``
+    (``(full_offset, length)``, plan/layouts.py segments) side by side. Replicate -> Shard
+    under that layout, no communication in forward; backward all-gathers the gradient and
+    adds each rank's piece into its ranges (copies of one range sum their shares)."""
+    return x if _tp_size() == 1 else _ScatterPieces.apply(x, dim, runs)
 
 
 def _all_gather_cat(x: torch.Tensor, dim: int) -> torch.Tensor:

@@ -169,20 +169,23 @@ class _ConcatenatedBiases(torch.nn.Module):
         return h + self.down(torch.nn.functional.gelu(self.up(h)))
 
 
-def test_a_linear_with_a_computed_bias_is_named_as_one():
+def test_a_linear_with_a_computed_bias_is_taken_as_one():
     """WavLM's q, k and v projections were reported "read by aten.linear.default: no
-    tensor-parallel rule splits a weight this op reads: only linear layers ... are sharded"
-    (a held-out zoo): a linear, told it is not one. The line now names the bias the planner
-    cannot split with the weight."""
-    from parallelizer.planning.tp import plan_tp
+    tensor-parallel rule splits a weight this op reads" (a held-out zoo), then "a product
+    whose bias is computed": a linear, told it is not one. A bias computed in forward no
+    longer hides the linear (a column's is cut by its layout, tests/unit/planning/
+    test_tp_computed_bias.py); here q and k, whose product ``q @ k^T`` no row linear reads,
+    are replicated linears for that reason, and every rank equals the model."""
+    from tp_check import assert_tp_matches, planned
     torch.manual_seed(0)
-    gm = captured(_ConcatenatedBiases(), (torch.randn(2, 5, 16),)).gm
-    d = plan_tp(gm.graph, 2, allow_replicated=True)
+    model, batch = _ConcatenatedBiases(), (torch.randn(2, 5, 16),)
+    gm, d = planned(model, batch, 2)
     assert "up.weight" in d.column and "down.weight" in d.row
-    line = d.other_replicated["q.weight"]
-    assert line.startswith("replicated: q.weight (16x16, read by aten.linear.default at "
-                           "test_weight_paths.py:"), line
-    assert "a product whose bias is computed (getitem of chunk.default of cat.default" in line, line
+    assert "q.weight" in d.linears and "q.weight" not in d.other_replicated, d.other_replicated
+    assert any(line.startswith("replicated linear: q.weight (no column/row pair found; "
+                               "aten.linear.default at test_weight_paths.py:")
+               for line in d.report), d.report
+    assert_tp_matches(model, batch, 2, d, gm)
 
 
 class _NoGradThenGrad(torch.nn.Module):

@@ -19,6 +19,9 @@ one only a redistribution asks for (:mod:`.redistribute`):
 - :class:`CopiedHeads`: a replicated value read, on one edge, as the copy of one of its
   ``heads`` entries along ``dim`` that the rank's query heads read (GQA kv heads when tp is a
   multiple of them); inside the reader it is a ``Shard(dim)`` with a copied-heads mark.
+- :class:`LaidOut`: a replicated value read, on one edge, as the rank's piece under the
+  layout of a column linear's output (a fused q|k|v's parts, each cut to the rank's heads);
+  inside the reader it is a ``Shard(dim)`` raw from that linear.
 
 All compare by value and hash, so they serve as dict values, set members and ``==``
 operands (``Shard(2) == Shard(2)``; ``Shard(2) != 2``).
@@ -58,6 +61,16 @@ class CopiedHeads:
 
     dim: int
     heads: int
+
+
+@dataclass(frozen=True)
+class LaidOut:
+    """Each tp rank keeps its piece of dim ``dim`` under the layout of the column linear
+    ``key`` (:func:`parallelizer.plan.layouts.segments`; the even split's block when the
+    linear has no other layout): what a bias of that linear would hold."""
+
+    dim: int
+    key: str
 
 
 class CopiedWhole(Replicate):

@@ -45,8 +45,8 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from ..graph_facts import (as_linear, aten, module_path, reads_parameters, same, shape,
-                           weight_path)
+from ..graph_facts import (as_linear, aten, computed_bias, module_path, reads_parameters, same,
+                           shape, weight_path)
 from .dtensor import NO_RULE, Wants, dtensor_rule
 from . import redistribute
 from .channels import channel_reader
@@ -404,6 +404,10 @@ def _linear(node, site, prop, column, row, groups):
         if px != REPLICATE:
             redistribute.gather_all(node, prop, [x])
             return _conflict(prop, node, groups, "column_parallel linear needs a replicated input")
+        bias = computed_bias(site)
+        if bias is not None and _bias_unplaced(node, prop, bias, key):
+            return _conflict(prop, node, groups, "a column_parallel linear's bias computed in "
+                                                 "forward must be cut as its outputs are")
         prop.raw[node.name] = frozenset({key})
         return Shard(len(shape(node)) - 1), groups | {wt}
     if wt in row:
@@ -429,6 +433,18 @@ def _linear(node, site, prop, column, row, groups):
         redistribute.gather_all(node, prop, [x])
         return _conflict(prop, node, groups, "replicated linear got a sharded input")
     return REPLICATE, groups
+
+
+def _bias_unplaced(node, prop, bias, key: str) -> bool:
+    """The bias ``node`` adds, computed in forward, is not yet the rank's piece of the column
+    linear ``key``'s outputs: a replicated one is asked to be cut by that linear's layout
+    (redistribute.lay_out), False when it is already read so."""
+    pb = placement(prop, bias)
+    if pb == Shard(0) and prop.raw.get(bias.name) == frozenset({key}):
+        return False
+    if pb == REPLICATE:
+        redistribute.lay_out(node, prop, bias, 0, key)
+    return True
 
 
 def _uncontracted(px, x, site) -> bool:

@@ -13,6 +13,9 @@ at an op asks the next run (:func:`parallelizer.planning.tp_candidates._settle`)
 - ``Replicate -> CopiedHeads(d, K)``: each rank keeps the one of the K kv heads its query
   heads read (tp a multiple of K; backward all-gathers the gradient and sums each head's
   copies), where attention's query heads are sharded and its kv side was computed whole;
+- ``Replicate -> LaidOut(d, key)``: each rank keeps its piece under a column linear's layout
+  (its block of each part of a fused q|k|v; backward all-gathers the gradient and places each
+  rank's piece), for a bias computed in forward and handed to that linear;
 - a ``Partial(sum | avg)`` output (a mean over the sharded dim: an RMS norm over a sharded
   projection): an all-reduce right after the op.
 
@@ -37,7 +40,7 @@ from ...plan.layouts import InterleavedHeads
 from ...frontend.graph_rewrite import returns_view
 from ..graph_facts import aten, expr, is_tensor, module_path, shape
 from .dtensor import Wants, dtensor_rule, tensor_args
-from .placements import REPLICATE, CopiedHeads, Shard
+from .placements import REPLICATE, CopiedHeads, LaidOut, Shard
 from .state import HeadsMark, add_constraint, dim_of, inputs_of, placement, record_use
 
 _REDUCIBLE = ("sum", "avg")
@@ -63,29 +66,38 @@ def seen(node: fx.Node, prop):
         a = by_name.get(name)
         if a is None or (name not in gathers and not (meets and placement(prop, a) == REPLICATE)):
             continue
-        saved[name] = (prop.placements.get(name), prop.groups.get(name), prop.heads.get(name))
+        saved[name] = (prop.placements.get(name), prop.groups.get(name), prop.heads.get(name),
+                       prop.raw.get(name))
         if want == REPLICATE:
             for w in prop.raw.get(name, ()):  # the gather reassembles the even split
                 record_use(prop, {w}, None, node)
             prop.groups[name] = frozenset()
         elif isinstance(want, CopiedHeads):  # the reader sees copied kv heads
             prop.heads[name] = HeadsMark(frozenset(), want.heads, True)
+        elif isinstance(want, LaidOut):  # the reader sees a piece, as the linear's bias is
+            prop.raw[name] = frozenset({want.key})
         else:
             add_constraint(prop, int(expr(shape(a)[want.dim])), "elements", module_path(node),
                            f"dim {want.dim} of {name}, cut to each rank's block for "
                            f"{node.target}")
-        prop.placements[name] = Shard(want.dim) if isinstance(want, CopiedHeads) else want
+        prop.placements[name] = Shard(want.dim) if isinstance(want, (CopiedHeads, LaidOut)) \
+            else want
         prop.applied.setdefault(node.name, {})[name] = want
     try:
         yield
     finally:
-        for name, (p, g, mark) in saved.items():
+        for name, (p, g, mark, raw) in saved.items():
             prop.placements[name] = p
             prop.groups[name] = g
-            if mark is None:
-                prop.heads.pop(name, None)
-            else:
-                prop.heads[name] = mark
+            _restore(prop.heads, name, mark)
+            _restore(prop.raw, name, raw)
+
+
+def _restore(table: dict, name: str, value) -> None:
+    if value is None:
+        table.pop(name, None)
+    else:
+        table[name] = value
 
 
 def gatherable(a: fx.Node, prop) -> bool:
@@ -215,6 +227,13 @@ def cut(node: fx.Node, prop, a: fx.Node, dim: int) -> bool:
     return _static(a, dim) and _edges(node, prop, {a: Shard(dim)})
 
 
+def lay_out(node: fx.Node, prop, a: fx.Node, dim: int, key: str) -> bool:
+    """``node`` reads the replicated ``a`` as each rank's piece of ``dim`` under the layout of
+    the column linear ``key`` (:class:`LaidOut`: a bias computed in forward for a fused
+    q|k|v, cut as the linear's own bias parameter would be)."""
+    return _static(a, dim) and _edges(node, prop, {a: LaidOut(dim, key)})
+
+
 def _static(a: fx.Node, dim: int) -> bool:
     """``a`` has a dim ``dim`` of a size known at compile time (a legacy empty 1-D tensor
     that ``torch.cat`` accepts beside n-D ones has no such dim: XLM's empty kv cache)."""
@@ -234,7 +253,7 @@ def _ask(node, prop, wants: Wants) -> bool:
         if p == REPLICATE and type(want) in (Shard, CopiedHeads):
             if prop.edges.get(node.name, {}).get(a.name) == REPLICATE or not _static(a, want.dim):
                 return False  # gathered already (DTensor wants Shard(d) -> Shard(e)), or a
-            changes[a] = want  # cut along a dynamic dim (the sequence)
+            changes[a] = _as_piece(node, prop, a, want)  # cut along a dynamic dim (the sequence)
         elif type(p) is Shard and gatherable(a, prop):
             changes[a] = REPLICATE  # Shard(d) -> Shard(e) too: gathered, cut next run
         else:
@@ -245,6 +264,26 @@ def _ask(node, prop, wants: Wants) -> bool:
         prop.reduce_requests[node.name] = wants.partial
         return True
     return False
+
+
+def _as_piece(node: fx.Node, prop, a: fx.Node, want):
+    """``want`` for the replicated ``a``, or, where ``a`` meets (broadcast, aligned from the
+    right) the raw output features of one column linear along the cut dim (a bias computed
+    in forward added after a fused q|k|v's product), the cut under that linear's layout
+    (:class:`LaidOut`): the op's output stays that linear's raw features, so the layout of
+    its parts is found where they are split. Features this run already used as the even
+    split (an RMS norm's mean over them, OLMo-2's k_norm) are cut as the even split: their
+    layout can be no other."""
+    if type(want) is not Shard:
+        return want
+    right = len(shape(a)) - want.dim
+    for b in inputs_of(node):
+        keys = prop.raw.get(b.name, ())
+        d = dim_of(prop, b)
+        if b is not a and len(keys) == 1 and d is not None and len(shape(b)) - d == right:
+            key = next(iter(keys))
+            return want if None in prop.uses.get(key, {}) else LaidOut(want.dim, key)
+    return want
 
 
 def _edges(node, prop, changes: dict) -> bool:
