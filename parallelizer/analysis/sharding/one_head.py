@@ -38,54 +38,51 @@ def copied_parts(node, prop, d: int, raw) -> dict:
         h = next((j for j in ones if _spread_over_heads(value, j)), None)
         if h is not None:
             out[i] = h
-        elif _broadcast_by_einsum(value, d) or _unsqueezed_over_heads(value):
+        elif d == len(shape(value)) - 1 and _held_whole(value):
             out[i] = None  # held whole: analysis/sharding/placements.CopiedWhole
     return out if len(out) < len(node.meta["val"]) else {}
 
 
-def _broadcast_by_einsum(value, d: int) -> bool:
-    """Every use of ``value`` is an einsum that broadcasts it over a letter it lacks and an
-    activation operand and the output have, ``d`` its last dim: one k or v head with no
-    heads dim, against the query heads (PaLM's multi-query ``einsum('bhid,bjd->bhij', q,
-    k)``, Chowdhery et al. 2022 §2). Such a part is one head, whole on every rank."""
-    if not value.users or d != len(shape(value)) - 1:
+def _broadcast_by_einsum(u, value) -> bool:
+    """``u`` is an einsum that broadcasts ``value`` over a letter it lacks and an activation
+    operand and the output have: one k or v head with no heads dim, against the query heads
+    (PaLM's multi-query ``einsum('bhid,bjd->bhij', q, k)``, Chowdhery et al. 2022 §2)."""
+    if u.target is not aten.einsum.default or not isinstance(u.args[0], str):
         return False
-    for u in value.users:
-        if u.target is not aten.einsum.default or not isinstance(u.args[0], str):
-            return False
-        ops = list(u.args[1])
-        if sum(o is value for o in ops) != 1:
-            return False
-        read = einsum_letters(u.args[0], [len(shape(o)) for o in ops])
-        if read is None:
-            return False
-        spelled, out = read
-        mine = spelled[ops.index(value)]
-        others = {c for o, ls in zip(ops, spelled) if o is not value and not from_constants(o)
-                  for c in ls}
-        if not (set(out) & others) - set(mine):
-            return False
-    return True
+    ops = list(u.args[1])
+    if sum(o is value for o in ops) != 1:
+        return False
+    read = einsum_letters(u.args[0], [len(shape(o)) for o in ops])
+    if read is None:
+        return False
+    spelled, out = read
+    mine = spelled[ops.index(value)]
+    others = {c for o, ls in zip(ops, spelled) if o is not value and not from_constants(o)
+              for c in ls}
+    return bool((set(out) & others) - set(mine))
 
 
-def _unsqueezed_over_heads(value, depth: int = 12, root=None) -> bool:
-    """Every use of ``value`` (one head with no heads dim) is an unsqueeze whose new size-1
-    dim is spread over the query heads (PaLM written for SDPA: ``k.unsqueeze(1).expand(b,
-    heads, n, head_dim)``), maybe after rotary embeddings on the head as it is (element-wise
-    ops with tables and rotate_half's chunks and cat, :func:`carries_copied_whole`).
-    ``root``: where the walk began (default ``value``)."""
+def _held_whole(value, depth: int = 12, root=None) -> bool:
+    """Every use of ``value`` (one head with no heads dim, its features the last dim) reads
+    it, shaped as the part, as one head against the query heads: an einsum broadcasting it over them
+    (:func:`_broadcast_by_einsum`), or an unsqueeze whose new size-1 dim is spread over
+    them (PaLM written for SDPA: ``k.unsqueeze(1).expand(b, heads, n, head_dim)``), maybe
+    after ops that compute from the head alone (rotary embeddings with their tables,
+    rotate_half's chunks, views, ``unbind`` and ``cat``: :func:`carries_copied_whole`).
+    Such a part is one head, whole on every rank. ``root``: where the walk began (default
+    ``value``)."""
     root = value if root is None else root
-    rank = len(shape(value))
     if depth == 0 or not value.users:
         return False
     for u in value.users:
+        # read as the head: a value shaped as the part (a view into heads is no one head)
+        head = isinstance(value.meta.get("val"), torch.Tensor) and shape(value) == shape(root)
         if u.target is aten.unsqueeze.default and u.args[0] is value:
-            ok = _spread_over_heads(u, u.args[1] % (rank + 1))
-        elif u.target in (aten.chunk.default, aten.split.Tensor) and u.args[0] is value:
-            ok = all(g.target is operator.getitem and _unsqueezed_over_heads(g, depth - 1, root)
-                     for g in u.users)
-        elif carries_copied_whole(u, root):
-            ok = _unsqueezed_over_heads(u, depth - 1, root)
+            ok = head and _spread_over_heads(u, u.args[1] % (len(shape(value)) + 1))
+        elif u.target is aten.einsum.default:
+            ok = head and _broadcast_by_einsum(u, value)
+        elif u.target is operator.getitem or carries_copied_whole(u, root):
+            ok = _held_whole(u, depth - 1, root)
         else:
             return False
         if not ok:
@@ -94,16 +91,15 @@ def _unsqueezed_over_heads(value, depth: int = 12, root=None) -> bool:
 
 
 def carries_copied_whole(node, root) -> bool:
-    """``node`` (element-wise, or a ``cat``) computes from ``root`` (a part held whole) and
-    values without a gradient only: rotary embeddings before the heads dim (PaLM's
-    ``rope(k)`` of shape (B, T, head_dim), rotate_half's chunks and cat). Every rank computes
-    it whole, and its gradient is the rank's share, as the part's is
+    """``node`` computes from ``root`` (a part held whole) and values without a gradient
+    only: rotary embeddings before the heads dim (PaLM's ``rope(k)`` of shape (B, T,
+    head_dim); rotate_half's chunks and cat, or its ``(j d) -> j d`` view and ``unbind``).
+    Every rank computes it whole, and its gradient is the rank's share, as the part's is
     (placements.CopiedWhole)."""
-    if node.target not in ROTARY:
+    if node.op != "call_function" or not isinstance(node.meta.get("val"), (torch.Tensor, tuple, list)):
         return False
-    operands = list(node.args[0]) if node.target is aten.cat.default else [
-        a for a in node.args if isinstance(a, torch.fx.Node)]
-    return all(_derived_from(o, root) for o in operands)
+    operands = [a for a in node.all_input_nodes if isinstance(a, torch.fx.Node)]
+    return bool(operands) and all(_derived_from(o, root) for o in operands)
 
 
 def copied_whole_unsqueeze(node, prop):

@@ -39,7 +39,6 @@ what DTensor does not express (layouts, shape constants, copied kv heads, per-he
 """
 from __future__ import annotations
 
-import operator
 from typing import Optional
 
 import torch
@@ -53,9 +52,10 @@ from .channels import channel_reader
 from .heads import factory_rule, request_broadcast, request_written
 from ...plan.layouts import InterleavedHeads, in_units
 from .cuts import fuse_slices
-from .one_head import ROTARY, SEARCH_LIMIT, copied_whole_unsqueeze, one_head_unsqueeze
+from .one_head import SEARCH_LIMIT, copied_whole_unsqueeze, one_head_unsqueeze
 from .layouts import view_rule
-from .placements import CONFLICT, COPIED_WHOLE, REPLICATE, Conflict, Shard, shard_dim
+from .placements import (CONFLICT, COPIED_WHOLE, REPLICATE, Conflict, CopiedWhole, Shard,
+                         shard_dim)
 from .rules import (BROADCASTING, DTENSOR_FIRST, KEEP_HEADS, KEEP_RAW, OURS_AFTER_DTENSOR, RULES,
                     pointwise_rule)
 from .strided import tiled_by, carry_strided, check_sizes, narrowed, request_narrow
@@ -126,6 +126,7 @@ def propagate(graph: fx.Graph, column: set, row: set, tp: int, layouts: Optional
         # a replicated value (e.g. after g) carries no shard: a conflict further down the
         # residual stream must not blame the pairs upstream of it
         prop.groups[node.name] = frozenset() if placement == REPLICATE else groups
+    _copies_met_whole(graph, prop)
     fuse_slices(prop, tp)
     prop.kv_weights -= prop.no_replication  # their heads are not copied: tp divides them
     _mark_kv_heads(prop)
@@ -133,6 +134,25 @@ def propagate(graph: fx.Graph, column: set, row: set, tp: int, layouts: Optional
         groups = frozenset().union(*[prop.groups.get(v, frozenset()) for v in views])
         prop.conflicts.append((name, "", groups, reason))
     return prop
+
+
+def _copies_met_whole(graph: fx.Graph, prop) -> None:
+    """A part held whole (:class:`~.placements.CopiedWhole`: one kv head every rank holds)
+    read by an op computed whole on every rank: that op's gradient for the part is the
+    whole gradient on each rank, not the rank's query heads' share, so the copies' sum over
+    tp would count it tp times (palm-pytorch's v when its attention was gathered, zoo 12
+    F6). Its copies are refused (``not_replicable``: the next run splits the part), and the
+    projection is offered kept whole (``one_head_dim``: tp_candidates.one_head_whole, its
+    readers then cutting the rank's heads from it)."""
+    for node in graph.nodes:
+        if node.op != "call_function" or type(placement(prop, node)) is not type(REPLICATE) \
+                or not _holds_tensors(node):
+            continue
+        for a in inputs_of(node):
+            if isinstance(placement(prop, a), CopiedWhole) and a.name in prop.copied_whole:
+                weights = prop.copied_whole[a.name]
+                mark_not_replicable(prop, [HeadsMark(weights, 1, True)], node)
+                prop.one_head_dim |= weights
 
 
 def _output(node: fx.Node, prop, groups):
@@ -276,15 +296,15 @@ def _rule(node: fx.Node, prop: Propagation, column, row, weight_dims, tp):
 
 
 def _replicated(node, prop):
-    """Replicate; CopiedWhole for what a part held whole computes (PaLM's rotary on its one
-    k head before the heads dim), carrying its weights to the unsqueeze that places it."""
+    """Replicate; CopiedWhole for what a part held whole computes from itself and values
+    without a gradient (PaLM's rotary on its one k head before the heads dim), carrying its
+    weights to the unsqueeze or einsum that places it."""
     held = [prop.copied_whole[a.name] for a in inputs_of(node) if a.name in prop.copied_whole]
-    if not held:
+    if not held or not _holds_tensors(node):
         return REPLICATE
     whole = all(a.name in prop.copied_whole or not reads_parameters(a, SEARCH_LIMIT)
                 for a in inputs_of(node))
-    if whole and (node.target in ROTARY or node.target is operator.getitem or node.target in (
-            aten.chunk.default, aten.split.Tensor)):
+    if whole:
         prop.copied_whole[node.name] = frozenset().union(*held)
         return COPIED_WHOLE
     return REPLICATE

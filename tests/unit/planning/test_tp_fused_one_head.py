@@ -247,9 +247,9 @@ class PaLMBlock(nn.Module):
     up | gate, k and v one head with no heads dim, read by einsum against the query heads;
     attention and SwiGLU summed into the stream. Weights as raw parameters with F.linear."""
 
-    def __init__(self, sdpa: bool, ff=2 * H):
+    def __init__(self, sdpa: bool, ff=2 * H, rotary=False, scan=False):
         super().__init__()
-        self.sdpa, self.dims = sdpa, (H, D, D, ff, ff)
+        self.sdpa, self.dims, self.rotary, self.scan = sdpa, (H, D, D, ff, ff), rotary, scan
         self.fused_in = nn.Parameter(torch.randn(sum(self.dims), H) / H ** 0.5)
         self.attn_out = nn.Parameter(torch.randn(H, H) / H ** 0.5)
         self.ff_out = nn.Parameter(torch.randn(H, ff) / ff ** 0.5)
@@ -257,7 +257,12 @@ class PaLMBlock(nn.Module):
     def forward(self, x):
         b, n, _ = x.shape
         q, k, v, up, gate = F.linear(F.layer_norm(x, (H,)), self.fused_in).split(self.dims, -1)
+        if self.scan:  # an op over q's features: gathered, attention then computed whole
+            q = q.cumsum(-1)
         q = q.view(b, n, HEADS, D).transpose(1, 2) * D ** -0.5
+        if self.rotary:
+            pos = torch.arange(n, dtype=x.dtype)[:, None] * torch.arange(1, D + 1, dtype=x.dtype)
+            q, k = _rope(q, pos), _rope(k, pos)
         if self.sdpa:  # the same written for SDPA: the one head unsqueezed and expanded
             k, v = (t.unsqueeze(1).expand(b, HEADS, n, D) for t in (k, v))
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0)
@@ -269,10 +274,17 @@ class PaLMBlock(nn.Module):
         return x + F.linear(out, self.attn_out) + F.linear(F.silu(gate) * up, self.ff_out)
 
 
+def _rope(t, pos):
+    """palm-pytorch's rotary embedding: rotate_half as ``rearrange('... (j d) -> ... j d',
+    j=2)`` and ``unbind(dim=-2)``."""
+    x1, x2 = t.reshape(*t.shape[:-1], 2, t.shape[-1] // 2).unbind(dim=-2)
+    return t * pos.cos() + torch.cat((-x2, x1), dim=-1) * pos.sin()
+
+
 class PaLM(nn.Module):
-    def __init__(self, sdpa: bool):
+    def __init__(self, sdpa: bool, **kwargs):
         super().__init__()
-        self.blocks = nn.ModuleList(PaLMBlock(sdpa) for _ in range(2))
+        self.blocks = nn.ModuleList(PaLMBlock(sdpa, **kwargs) for _ in range(2))
 
     def forward(self, x):
         for block in self.blocks:
@@ -297,3 +309,34 @@ def test_palm_one_head_parts_are_copied(tp, sdpa):
         assert {f"blocks.{i}.attn_out", f"blocks.{i}.ff_out"} <= d.row
     assert d.redistributions == [] and not d.f_edges, (d.redistributions, d.f_edges)
     assert_tp_matches(model, x_batch(), tp, d, gm)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_palm_rotary_on_the_one_head_keeps_it_whole(tp):
+    """palm-pytorch's rotary on k before the einsum, rotate_half spelled with a ``(j d) ->
+    j d`` view and ``unbind`` (zoo 12 F6): k was split along head_dim and gathered, q gathered
+    at the einsum, and v, held whole, met attention computed whole, so its copies' gradients
+    were summed over tp though each rank's was whole: wrong gradients (the self-check caught
+    it; with ``--no-self-check`` the program was emitted). Any op computing from the head
+    and values without a gradient keeps it one head: k is held whole like v."""
+    torch.manual_seed(0)
+    model = PaLM(False, rotary=True)
+    gm, d = planned(model, x_batch(), tp)
+    assert all(f"blocks.{i}.fused_in" in d.column for i in range(2)), d.report
+    assert d.redistributions == [] and not d.f_edges, (d.redistributions, d.f_edges)
+    assert_tp_matches(model, x_batch(), tp, d, gm)
+
+
+def test_a_one_head_part_met_by_attention_computed_whole_is_not_copied():
+    """q scanned over its features (gathered first) makes attention whole on every rank: a
+    copy of v read there gets the whole gradient on each rank, not its query heads' share
+    (``propagate._copies_met_whole``). The projection is kept whole, its readers cut the
+    rank's heads, and every rank equals the model (before: an internal error naming a Mixed
+    gradient)."""
+    torch.manual_seed(0)
+    model = PaLM(False, scan=True)
+    gm, d = planned(model, x_batch(), 2)
+    assert not any(f"blocks.{i}.fused_in" in d.column for i in range(2)), d.report
+    assert any(line.startswith("kept whole: blocks.0.fused_in") for line in d.report), d.report
+    assert_tp_matches(model, x_batch(), 2, d, gm)
+
