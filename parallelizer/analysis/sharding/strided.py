@@ -26,7 +26,7 @@ import operator
 import torch.fx as fx
 
 from ..graph_facts import VIEWS, aten, expr, is_tensor, module_path, prod, same, shape
-from .placements import CONFLICT, REPLICATE, Shard
+from .placements import CONFLICT, REPLICATE, PerOutput, Shard
 from .state import add_constraint, add_rewrite, dim_of, inputs_of, placement, sizes_arg
 
 _SAME = {aten.to.dtype, aten._to_copy.default, aten.clone.default, aten.contiguous.default,
@@ -164,15 +164,21 @@ def tiled_by(a: fx.Node, prop):
 def carry_strided(node, prop, out) -> bool:
     """After a rule: the merge marker follows a sharded dim the op keeps (False: a merged
     value met a plain shard, or merges of different heads)."""
-    kinds = {prop.strided.get(a.name) for a in inputs_of(node)
-             if dim_of(prop, a) is not None and is_tensor(a)}
+    kinds = {prop.strided.get(a.name) for a in inputs_of(node) if _sharded(placement(prop, a))}
     if kinds == {None} or not kinds:
         return True
     if len(kinds) > 1:
         return False
-    if node.name not in prop.strided and isinstance(out, Shard):
+    if node.name not in prop.strided and _sharded(out):
         prop.strided[node.name] = kinds.pop()
     return True
+
+
+def _sharded(p) -> bool:
+    """A Shard, or a multi-output op's placements with one (the pieces of a chunk along
+    head_dim of a merged value, ESM's rotate_half: each piece keeps the merge)."""
+    return isinstance(p, Shard) or isinstance(p, PerOutput) and any(
+        isinstance(o, Shard) for o in p.outputs)
 
 
 def check_sizes(graph, prop) -> list:
