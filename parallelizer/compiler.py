@@ -389,11 +389,11 @@ def emit(analysis: Analysis, planned: Planned, checked: Checked,
         state = {fqn: attrgetter(fqn)(gm).detach().clone() for fqn in plan_.tensors}
         if reference:
             stepped = model if owns_model else copy_model(model)
-            # a loss that is one whole-step token mean: the chunks weighed by their counts
-            # (several sites: no chunk weighing fits every one, no check)
+            # a loss of whole-step token means: the chunks weighed by their counts (sites
+            # weighing them differently: no one weighing fits, no check; reference.py)
             means = plan_.token_means if loss_fn in (None, default_loss) else {}
             whole = means.get("exact", False)
-            count = counter(means["counter"]) if whole and len(means["sites"]) == 1 else None
+            count = counter(means["counter"]) if whole else None
             ref = stack_reference(compute_reference(stepped, batch, loss_fn or default_loss,
                                                     analysis.captured.input_names, spec, model_file,
                                                     chunks=not whole or count is not None,

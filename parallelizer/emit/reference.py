@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import warnings
 from pathlib import Path
+from typing import Optional
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
@@ -219,7 +220,8 @@ def chunked_step(model: torch.nn.Module, batch, loss_fn, chunks: int, model_file
     leave the loss within tolerance and still dominate a weight's gradient: both are kept.
     ``count``: a token mean's counter (:func:`compute_reference`); chunk ``c``'s loss is
     weighted ``count(c) / count(batch)`` instead of ``1 / chunks``, and None is returned
-    where a chunk counts no token (its mean is 0 / 0)."""
+    where a chunk counts no token (its mean is 0 / 0) or where the loss's several token
+    means weigh the chunks differently (no one weight per chunk is the program's then)."""
     flat, _ = tree_flatten(batch)
     rows = next((t.shape[0] for t in flat if isinstance(t, torch.Tensor) and t.dim()), 0)
     if chunks <= 1 or not rows or rows % chunks:
@@ -228,10 +230,9 @@ def chunked_step(model: torch.nn.Module, batch, loss_fn, chunks: int, model_file
     parts = [batch_rows(batch, rows, c * n, (c + 1) * n) for c in range(chunks)]
     weights = [1.0 / chunks] * chunks
     if count is not None:
-        counted = [float(count(*tree_flatten(split_args(p))[0])[0]) for p in parts]
-        if not all(counted):
+        weights = _count_weights([count(*tree_flatten(split_args(p))[0]) for p in parts])
+        if weights is None:
             return None
-        weights = [c / sum(counted) for c in counted]
     buffers = {k: b.detach().clone() for k, b in model.named_buffers()}
     named = dict(model.named_parameters())
     kept = {name: p.grad for name, p in named.items()}
@@ -259,6 +260,20 @@ def chunked_step(model: torch.nn.Module, batch, loss_fn, chunks: int, model_file
         for name, p in named.items():
             p.grad = kept[name]
     return torch.stack(losses).sum().reshape(()), grads
+
+
+def _count_weights(counted: list) -> Optional[list]:
+    """Each chunk's share of the whole batch's count, from each chunk's per-site counts
+    (a token mean's counter), when every site gives the same shares (a contrastive loss's two
+    cross-entropies over the same labels; one site); else None, as where a chunk counts
+    none of a site's tokens."""
+    per_site = torch.tensor([[float(c) for c in chunk] for chunk in counted], dtype=torch.float64)
+    if not bool((per_site > 0).all()):
+        return None
+    shares = per_site / per_site.sum(0)
+    if not torch.allclose(shares, shares[:, :1].expand_as(shares), rtol=1e-12, atol=0.0):
+        return None
+    return shares[:, 0].tolist()
 
 
 def gradient_gap(ref: dict, grads: dict, atol: float, rtol: float) -> dict:

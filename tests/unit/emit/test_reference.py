@@ -362,3 +362,49 @@ def test_the_float64_estimate_does_not_warn_for_the_model():
     assert not [w for w in seen if "Mismatch dtype" in str(w.message)], \
         [str(w.message) for w in seen]
     assert any(k.startswith("noise.") for k in program.reference), sorted(program.reference)[:5]
+
+
+class _InBatchContrastive(nn.Module):
+    """CLIP's and CoCa's in-batch contrastive loss inside forward: each sample's logits are
+    its similarities to the batch's other samples, its label its own index."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x, y):
+        sim = self.a(x) @ self.b(y).t()
+        labels = torch.arange(x.shape[0])
+        return (F.cross_entropy(sim, labels) + F.cross_entropy(sim.t(), labels)) * 0.5
+
+
+def test_an_in_batch_contrastive_loss_is_warned_though_its_two_token_means_are_exact():
+    """Two token means (the symmetric cross-entropies) skipped the chunk check, which weighed
+    chunks by one site's count only: CoCa at pp2 trained another loss unwarned (zoo 12 F7).
+    Sites that weigh the chunks alike are weighed so; this loss then is no mean over
+    samples, and the compile says so."""
+    from parallelizer.compiler import compile_module
+    from parallelizer.frontend.spec import Spec
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randn(8, 6, generator=g), torch.randn(8, 6, generator=g))
+    torch.manual_seed(0)
+    program = compile_module(_InBatchContrastive(), batch,
+                             Spec.model_validate({"pipeline": {"microbatches": 2}}))
+    assert program.plan.token_means and len(program.plan.token_means["sites"]) == 2
+    assert any(w.startswith("the loss is not a mean over samples: on the batch cut into "
+                            "mesh.dp (1) x pipeline.microbatches (2) chunks")
+               for w in program.warnings), program.warnings
+
+
+def test_token_means_weighing_the_chunks_differently_give_no_chunked_loss():
+    spec = load_spec(SPEC, ["mesh.dp=2", "pipeline.microbatches=1"])
+    g = torch.Generator().manual_seed(0)
+    x, labels = torch.randn(8, 6, generator=g), torch.randint(0, 5, (8,), generator=g)
+    alike = lambda x, labels: [(labels >= 0).sum(), 2 * (labels >= 0).sum()]  # noqa: E731
+    unlike = lambda x, labels: [(labels >= 0).sum(), (labels > 1).sum()]  # noqa: E731
+    for count, chunked in ((alike, True), (unlike, False)):
+        torch.manual_seed(0)
+        ref = compute_reference(_TokenMean(nn.Identity()), (x, labels), lambda out, b: out,
+                                ["x", "labels"], spec, count=count)
+        assert ("loss.chunked" in ref) is chunked, count
+
