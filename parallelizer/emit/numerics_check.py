@@ -54,6 +54,7 @@ from ..checkpoint.slicing import local_piece
 from ..errors import CaptureError, PlanError
 from ..frontend.capture import eager_message, split_args
 from ..frontend.custom_functions import checkpoint_off
+from ..frontend.module_state import state_kept
 from ..plan.dtypes import differentiable
 from ..plan.layouts import copied_heads, copied_runs
 from ..runtime import rng
@@ -273,7 +274,7 @@ def reference(model: torch.nn.Module, batch, seed: int = 0, given=None) -> Refer
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     saved = {n: b.detach().clone() for n, b in model.named_buffers()}
     try:
-        with checkpoint_off():  # the backward reruns nothing
+        with checkpoint_off(), state_kept(model, tensors=False):  # the backward reruns nothing
             with torch.random.fork_rng(devices=[]), rng.EagerDropoutOff(), rng.RandomStandIns():
                 flat, _ = tree_flatten(model(*args, **kwargs))
             # the outputs autograd tracks in the model get a cotangent in the program too

@@ -28,6 +28,7 @@ from .conv import channel_maps_as_linears
 from .einsum import einsums_as_linears, matmuls_as_linears, zero_baddbmm_as_bmm
 from .graph_rewrite import returns_view
 from .model_file import user_frame
+from .module_state import state_kept
 from .guards import record_shape_guards
 from .held_params import held_parameters, read_as_parameters
 from .regions import inline_regions, model_line
@@ -70,32 +71,6 @@ def _dynamic_shapes(args: tuple, kwargs: dict, shared_batch: bool = True) -> Any
     if kwargs:
         return {k: dims(v) for k, v in kwargs.items()}
     return tuple(dims(a) for a in args)
-
-
-@contextlib.contextmanager
-def _state_kept(model: torch.nn.Module):
-    """The tensors every submodule holds (parameters, buffers, tensor attributes) as they
-    were before, after export: export runs the module's own forward on fake tensors, and a
-    forward that caches a value into its module (x-transformers' ALiBi registers its bias as
-    a buffer on first use) left a FakeTensor in the user's model, which every later eager
-    run (the numerics self-check, the reference) then failed on."""
-    saved = [(m, dict(m._parameters), dict(m._buffers),
-              {k: v for k, v in vars(m).items() if isinstance(v, torch.Tensor)})
-             for m in model.modules()]
-    try:
-        yield
-    finally:
-        for m, params, buffers, attrs in saved:
-            for now, before in ((m._parameters, params), (m._buffers, buffers)):
-                if now.keys() != before.keys() or any(now[k] is not v for k, v in before.items()):
-                    now.clear()
-                    now.update(before)
-            for k in [k for k, v in vars(m).items() if isinstance(v, torch.Tensor)]:
-                if k not in attrs:
-                    delattr(m, k)
-            for k, v in attrs.items():
-                if vars(m).get(k) is not v:
-                    object.__setattr__(m, k, v)
 
 
 def _export(model, args, kwargs):
@@ -178,13 +153,13 @@ def capture(model: torch.nn.Module, batch: tuple | dict, model_file: Path) -> Ca
     held = held_parameters(model)
     try:
         with custom_functions.recorded() as applied, custom_functions.checkpoint_off(), \
-                _state_kept(model):
+                state_kept(model):
             ep = _export(model, args, kwargs)
         route = "torch.export"
     except Exception as export_error:
         try:
             with custom_functions.recorded() as applied, custom_functions.checkpoint_off(), \
-                    _state_kept(model):
+                    state_kept(model):
                 ep = _export(_symbolic_trace(model), args, kwargs)
             route = "symbolic_trace+torch.export"
         except Exception:

@@ -75,3 +75,41 @@ def test_a_forward_that_caches_a_buffer_compiles_and_checks():
     (note,) = [n for n in program.notes if n.startswith("self-check")]
     assert re.match(r"self-check: 2 tp rank\(s\) of the program against the model", note), note
     assert program.plan.tensors["0.qkv.weight"].tp_dim == 0
+
+
+class _CachedTable(nn.Module):
+    """rotary-embedding-torch's cache: a table written into a buffer on first use, with its
+    length kept as a plain int attribute that the next call trusts."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("table", torch.zeros(16, D), persistent=False)
+        self.table_len = 0
+        self.up, self.down = nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
+
+    def forward(self, x):
+        t = x.shape[1]
+        if self.table_len >= t:
+            table = self.table[:t]
+        else:
+            table = (torch.arange(t, dtype=x.dtype)[:, None] + torch.arange(D) / D).cos()
+            self.table[:t] = table.detach()
+            self.table_len = t
+        return x + self.down(F.gelu(self.up(x * table)))
+
+
+def test_a_cached_length_is_put_back_after_capture_and_the_self_check():
+    """zoo 12 F12: the self-check's eager run put the table buffer back but kept
+    ``table_len``, so the reference step read a table of zeros and --verify FAILed a right
+    program. Every attribute is now put back: the reference's loss is the fresh model's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_CachedTable(), _CachedTable())
+    torch.manual_seed(0)
+    fresh = nn.Sequential(_CachedTable(), _CachedTable())
+    batch = _batch()
+    want = fresh(*batch).square().mean()
+    program = compiler.compile_module(model, batch, Spec.model_validate({"mesh": {"tp": 2}}),
+                                      lambda out, b: out.square().mean())
+    assert [m.table_len for m in model] == [0, 0]
+    torch.testing.assert_close(program.reference["loss"], want.detach(), rtol=0, atol=0)
+

@@ -1,0 +1,50 @@
+"""A model's module state put back after the compiler ran it: capture (torch.export runs
+the model's own forward on fake tensors) and the eager checks (the numerics self-check) must
+leave the user's model as they found it.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+@contextlib.contextmanager
+def state_kept(model: torch.nn.Module, tensors: bool = True):
+    """Every submodule's parameters, buffers and attributes as they were before, after the
+    block (the same objects; a buffer written in place keeps its new values: the eager
+    checks put those back themselves). Export runs the module's own forward on fake
+    tensors, and a forward that caches a value into its module (x-transformers' ALiBi
+    registers its bias as a buffer on first use) left a FakeTensor in the user's model,
+    which every later eager run (the numerics self-check, the reference) then failed on.
+    Attributes other than tensors too: rotary-embedding-torch records the length of the
+    table it caches into a buffer (``cached_freqs_seq_len``); the self-check's eager run put
+    the buffer back but kept the length, and the reference step then rotated by a table of
+    zeros: ``--verify`` FAILed a right program (zoo 12 F12). ``tensors=False`` leaves the
+    tensor attributes as the block leaves them (the self-check's eager run: a tensor a
+    forward keeps for the next call is what the reference step then refuses as carried
+    state, naming it)."""
+    saved = [(m, dict(m._parameters), dict(m._buffers),
+              {k: v for k, v in vars(m).items() if k not in _MODULE_TABLES
+               and (tensors or not isinstance(v, torch.Tensor))})
+             for m in model.modules()]
+    try:
+        yield
+    finally:
+        for m, params, buffers, attrs in saved:
+            for now, before in ((m._parameters, params), (m._buffers, buffers)):
+                if now.keys() != before.keys() or any(now[k] is not v for k, v in before.items()):
+                    now.clear()
+                    now.update(before)
+            for k in [k for k, v in vars(m).items() if k not in attrs and k not in _MODULE_TABLES
+                      and (tensors or not isinstance(v, torch.Tensor))
+                      and (isinstance(v, torch.Tensor) or not k.startswith("_"))]:
+                delattr(m, k)
+            for k, v in attrs.items():
+                now = vars(m).get(k)
+                if now is not v and (tensors or not isinstance(now, torch.Tensor)):
+                    object.__setattr__(m, k, v)
+
+
+# the tables nn.Module keeps its parameters, buffers and children in (restored as tables)
+_MODULE_TABLES = frozenset({"_parameters", "_buffers", "_modules"})
