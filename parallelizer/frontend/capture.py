@@ -26,6 +26,7 @@ from ..errors import CaptureError
 from . import capture_hints, custom_functions
 from .conv import channel_maps_as_linears
 from .einsum import einsums_as_linears, matmuls_as_linears, zero_baddbmm_as_bmm
+from .factories import factories_of_constants
 from .graph_rewrite import returns_view
 from .model_file import user_frame
 from .module_state import state_kept
@@ -191,6 +192,7 @@ def capture(model: torch.nn.Module, batch: tuple | dict, model_file: Path) -> Ca
     einsums_as_linears(gm)
     matmuls_as_linears(gm)
     zero_baddbmm_as_bmm(gm)
+    factories_of_constants(gm)
     channel_maps_as_linears(gm)
     _drop_dead_code(gm)
     custom_functions.check_backward(model, gm, args, kwargs, applied, model_file)

@@ -16,6 +16,8 @@ import torch
 import torch.fx as fx
 
 from ..analysis.graph_facts import aten, from_constants, prod, same, source_line
+from ..analysis.sharding.redistribute import writes_into
+from ..frontend.graph_rewrite import returns_view
 from ..plan.parallel_plan import DROPOUT_OPS
 
 _STOP = {aten.embedding.default}
@@ -396,7 +398,36 @@ def _data_users(node: fx.Node) -> list:
     sizes): a size carries none of the values. A walk going through one reached every
     linear whose input a view sized by it (``B, N, D = h.shape`` in a block: the projection
     into the blocks took each block's attention output projection as its row)."""
-    return [u for u in node.users if not isinstance(u.meta.get("val"), _SIZES)]
+    users = [u for u in node.users if not isinstance(u.meta.get("val"), _SIZES)]
+    return users + [w for u in users for w in _written_roots(u, node) if w not in users]
+
+
+def _written_roots(op: fx.Node, value: fx.Node) -> list:
+    """The tensors ``op`` writes ``value`` into in place, through views, where it is the
+    only write (a kv cache filled by ``cache[:b, :t] = k``, read back by later views of the
+    cache): their readers read ``value`` from then on. A tensor assembled from several
+    written pieces (DeepSeek's ``expand_kv``: the per-head keys and one rope key copied over
+    the heads into a ``new_empty``) is left to the pieces' own rules: a walk through it
+    would pair the whole rope key's projection too, which no tp splits."""
+    roots = []
+    for a in op.all_input_nodes:
+        if a is not value and writes_into(op, a):
+            while returns_view(a) and a.args and isinstance(a.args[0], fx.Node):
+                a = a.args[0]
+            if _writers(a) == {op}:
+                roots.append(a)
+    return roots
+
+
+def _writers(root: fx.Node, depth: int = 8) -> set:
+    """The in-place ops writing into ``root`` or a view of it."""
+    out = set()
+    for u in root.users:
+        if any(writes_into(u, a) for a in u.all_input_nodes if a is root):
+            out.add(u)
+        elif depth and returns_view(u) and u.args and u.args[0] is root:
+            out |= _writers(u, depth - 1)
+    return out
 
 
 def _same_shape(a, b) -> bool:

@@ -28,8 +28,9 @@ from .placements import CONFLICT, REPLICATE, Shard
 from .redistribute import writes_into
 from .state import add_constraint, add_rewrite, dim_of, inputs_of, placement
 
-_SAME = {aten.contiguous.default, aten.clone.default, aten.to.dtype, aten._to_copy.default,
-         aten.alias.default, aten.detach.default, aten.dropout.default, aten.type_as.default}
+_SAME = {aten.contiguous.default, aten.clone.default, aten.to.dtype, aten.to.device,
+         aten.to.dtype_layout, aten._to_copy.default, aten.alias.default, aten.detach.default,
+         aten.dropout.default, aten.type_as.default}
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _SQUEEZES = {aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default}
 # x.new_*(sizes): the sizes are the second argument
