@@ -185,6 +185,7 @@ def capture(model: torch.nn.Module, batch: tuple | dict, model_file: Path) -> Ca
         n.name for n in gm.graph.nodes if n.op == "placeholder")
     record_shape_guards(gm, ep, names, tree_flatten((args, kwargs))[0])
     _to_flat_calling(gm)
+    _one_name_per_module(gm, model)
     inline_regions(gm)
     _refuse_subgraphs(gm, model_file)
     _one_op_per_meaning(gm)
@@ -278,6 +279,30 @@ def _out_of_place(node: torch.fx.Node, order: dict) -> bool:
     x = node.args[0]
     return (isinstance(x, torch.fx.Node) and x.op == "call_function" and not returns_view(x)
             and not any(returns_view(u) and u.args[0] is x and u is not node for u in x.users))
+
+
+def _one_name_per_module(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
+    """Module paths in ``nn_module_stack`` as the first path ``named_modules()`` gives each
+    module, where that path is never called: a module registered twice (Enformer's
+    ``self._trunk = nn.Sequential(self.stem, self.conv_tower, ...)``) is called through one
+    path and named, with its parameters, by the other; the planners and passes place nodes
+    by the parameters' names."""
+    first: dict = {}
+    paths: dict = {}
+    for name, m in model.named_modules(remove_duplicate=False):
+        paths[name] = first.setdefault(id(m), name)
+    called = {path for n in gm.graph.nodes
+              for path, _kind in (n.meta.get("nn_module_stack") or {}).values()}
+    # a first path that is called itself stays as it is: one block in every slot (ALBERT's
+    # ModuleList([block] * 3)) is called through each slot, the stage check's evidence
+    renamed = {p: q for p, q in paths.items() if p != q and q not in called}
+    if not renamed:
+        return
+    for node in gm.graph.nodes:
+        stack = node.meta.get("nn_module_stack")
+        if stack:
+            node.meta["nn_module_stack"] = {
+                k: (renamed.get(path, path), kind) for k, (path, kind) in stack.items()}
 
 
 def _one_op_per_meaning(gm: torch.fx.GraphModule) -> None:
