@@ -62,19 +62,24 @@ def _broadcast_by_einsum(u, value) -> bool:
     return bool((set(out) & others) - set(mine))
 
 
-def _held_whole(value, depth: int = 12, root=None) -> bool:
+def _held_whole(value, depth: int = 32, root=None, held=None) -> bool:
     """Every use of ``value`` (one head with no heads dim, its features the last dim) reads
-    it, shaped as the part, as one head against the query heads: an einsum broadcasting it over them
-    (:func:`_broadcast_by_einsum`), or an unsqueeze whose new size-1 dim is spread over
-    them (PaLM written for SDPA: ``k.unsqueeze(1).expand(b, heads, n, head_dim)``), maybe
-    after ops that compute from the head alone (rotary embeddings with their tables,
-    rotate_half's chunks, views, ``unbind`` and ``cat``: :func:`carries_copied_whole`).
-    Such a part is one head, whole on every rank. ``root``: where the walk began (default
-    ``value``)."""
+    it, shaped as the part, as one head against the query heads: an einsum broadcasting it
+    over them (:func:`_broadcast_by_einsum`), or an unsqueeze whose new size-1 dim is spread
+    over them (PaLM written for SDPA: ``k.unsqueeze(1).expand(b, heads, n, head_dim)``),
+    maybe after ops that compute from the head alone (rotary embeddings with their tables,
+    rotate_half's chunks or its ``(d r)`` view, unbind and stack, ``cat``:
+    :func:`carries_copied_whole`). Such a part is one head, whole on every rank. ``root``:
+    where the walk began (default ``value``); ``held``: the values found so already."""
     root = value if root is None else root
+    held = set() if held is None else held
+    if value in held:
+        return True
     if depth == 0 or not value.users:
         return False
     for u in value.users:
+        if u.meta.get("val") is None or isinstance(u.meta.get("val"), (int, torch.SymInt)):
+            continue  # a size query or a metadata assertion reads no value
         # read as the head: a value shaped as the part (a view into heads is no one head)
         head = isinstance(value.meta.get("val"), torch.Tensor) and shape(value) == shape(root)
         if u.target is aten.unsqueeze.default and u.args[0] is value:
@@ -82,11 +87,12 @@ def _held_whole(value, depth: int = 12, root=None) -> bool:
         elif u.target is aten.einsum.default:
             ok = head and _broadcast_by_einsum(u, value)
         elif u.target is operator.getitem or carries_copied_whole(u, root):
-            ok = _held_whole(u, depth - 1, root)
+            ok = _held_whole(u, depth - 1, root, held)
         else:
             return False
         if not ok:
             return False
+    held.add(value)
     return True
 
 
@@ -220,15 +226,16 @@ def _keeps_one(node, value, h: int, root) -> bool:
     return all(o is value or _derived_from(o, root) for o in operands)
 
 
-def _derived_from(node, value, depth: int = 8) -> bool:
+def _derived_from(node, value, depth: int = 24, memo=None) -> bool:
     """``node`` is computed from ``value`` and values without a gradient alone (rotate_half's
-    ``cat(-x2, x1)`` of ``x``'s chunks, rotary tables of the positions), looked up at most
-    ``depth`` ops back."""
-    if node is value or not reads_parameters(node, SEARCH_LIMIT):
-        return True
-    if depth == 0 or node.op != "call_function":
-        return False
-    return all(_derived_from(a, value, depth - 1) for a in node.all_input_nodes)
+    ``cat(-x2, x1)`` of ``x``'s chunks, or its ``(d r)`` view, unbind, stack and view back;
+    rotary tables of the positions), looked up at most ``depth`` ops back."""
+    memo = {} if memo is None else memo
+    if node not in memo:
+        memo[node] = node is value or not reads_parameters(node, SEARCH_LIMIT) or (
+            depth > 0 and node.op == "call_function"
+            and all(_derived_from(a, value, depth - 1, memo) for a in node.all_input_nodes))
+    return memo[node]
 
 
 def _broadcast_by_matmul(node, value, h: int) -> bool:

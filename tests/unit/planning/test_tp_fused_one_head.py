@@ -262,7 +262,8 @@ class PaLMBlock(nn.Module):
         q = q.view(b, n, HEADS, D).transpose(1, 2) * D ** -0.5
         if self.rotary:
             pos = torch.arange(n, dtype=x.dtype)[:, None] * torch.arange(1, D + 1, dtype=x.dtype)
-            q, k = _rope(q, pos), _rope(k, pos)
+            rope = _rope if self.rotary == "palm" else _rope_interleaved
+            q, k = rope(q, pos), rope(k, pos)
         if self.sdpa:  # the same written for SDPA: the one head unsqueezed and expanded
             k, v = (t.unsqueeze(1).expand(b, HEADS, n, D) for t in (k, v))
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0)
@@ -279,6 +280,17 @@ def _rope(t, pos):
     j=2)`` and ``unbind(dim=-2)``."""
     x1, x2 = t.reshape(*t.shape[:-1], 2, t.shape[-1] // 2).unbind(dim=-2)
     return t * pos.cos() + torch.cat((-x2, x1), dim=-1) * pos.sin()
+
+
+def _rope_interleaved(t, pos):
+    """rotary-embedding-torch's: the rotated middle of the features between empty left and
+    right slices, rotate_half as ``rearrange('... (d r) -> ... d r', r=2)``, ``unbind(-1)``,
+    ``stack`` and the view back, cast back to the input's dtype."""
+    d = t.shape[-1]
+    left, mid, right = t[..., :0], t[..., 0:d], t[..., d:]
+    x1, x2 = mid.reshape(*mid.shape[:-1], d // 2, 2).unbind(dim=-1)
+    rot = torch.stack((-x2, x1), dim=-1).reshape(mid.shape)
+    return torch.cat((left, mid * pos.cos() + rot * pos.sin(), right), dim=-1).to(t.dtype)
 
 
 class PaLM(nn.Module):
@@ -311,16 +323,17 @@ def test_palm_one_head_parts_are_copied(tp, sdpa):
     assert_tp_matches(model, x_batch(), tp, d, gm)
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_palm_rotary_on_the_one_head_keeps_it_whole(tp):
+@pytest.mark.parametrize("tp,rotary", [(2, "palm"), (4, "palm"), (2, "interleaved")])
+def test_palm_rotary_on_the_one_head_keeps_it_whole(tp, rotary):
     """palm-pytorch's rotary on k before the einsum, rotate_half spelled with a ``(j d) ->
     j d`` view and ``unbind`` (zoo 12 F6): k was split along head_dim and gathered, q gathered
     at the einsum, and v, held whole, met attention computed whole, so its copies' gradients
     were summed over tp though each rank's was whole: wrong gradients (the self-check caught
     it; with ``--no-self-check`` the program was emitted). Any op computing from the head
-    and values without a gradient keeps it one head: k is held whole like v."""
+    and values without a gradient keeps it one head: k is held whole like v (also through
+    rotary-embedding-torch's interleaved rotate_half, 13 ops deep)."""
     torch.manual_seed(0)
-    model = PaLM(False, rotary=True)
+    model = PaLM(False, rotary=rotary)
     gm, d = planned(model, x_batch(), tp)
     assert all(f"blocks.{i}.fused_in" in d.column for i in range(2)), d.report
     assert d.redistributions == [] and not d.f_edges, (d.redistributions, d.f_edges)
