@@ -146,7 +146,7 @@ class ProgramForward:
         if n.target in _RANK_OUTPUT:
             return True
         if n.target is operator.getitem or _tensor_valued(n):
-            return any(self._varies.get(a, False) for a in n.all_input_nodes)
+            return any(self._varies.get(a, False) for a in value_inputs(n))
         return False
 
     def varying(self, node: fx.Node) -> bool:
@@ -161,6 +161,20 @@ class ProgramForward:
         if node.target in _CUTS:
             return "split"
         return "compute"
+
+
+# ops that read an argument for its dtype alone (``x.type_as(other)``, ``x.to(other)``): no
+# value or shape of it reaches the output, and no gradient reaches it
+_DTYPE_ONLY_ARG = {aten.type_as.default: 1, aten.to.other: 1}
+
+
+def value_inputs(u: fx.Node) -> list:
+    """The inputs of ``u`` whose values its output depends on (not ``other`` of
+    ``x.type_as(other)``: Performer's ``repeat(proj, ...).type_as(k)`` of a replicated
+    buffer does not vary with the rank's heads of ``k``)."""
+    k = _DTYPE_ONLY_ARG.get(u.target)
+    skip = u.args[k] if k is not None and len(u.args) > k else None
+    return [a for a in u.all_input_nodes if a is not skip]
 
 
 def _tensor_valued(n: fx.Node) -> bool:

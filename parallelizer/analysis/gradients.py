@@ -53,6 +53,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
+from .gradient_forward import value_inputs
 from .graph_facts import aten, module_path, source_line
 from .writes import written_args
 
@@ -67,16 +68,6 @@ _NO_GRADIENT = {aten.detach.default, aten.new_ones.default, aten.new_zeros.defau
                 aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int}
 
 
-# ops that read an argument for its dtype alone (``x.type_as(other)``, ``x.to(other)``): no
-# value or shape of it reaches the output, and no gradient reaches it
-_DTYPE_ONLY_ARG = {aten.type_as.default: 1, aten.to.other: 1}
-
-
-def _reads(u: fx.Node) -> list:
-    """The inputs of ``u`` whose values its output depends on."""
-    k = _DTYPE_ONLY_ARG.get(u.target)
-    skip = u.args[k] if k is not None and len(u.args) > k else None
-    return [a for a in u.all_input_nodes if a is not skip]
 
 
 @dataclass(frozen=True)
@@ -219,7 +210,7 @@ def derive(graph: fx.Graph, fwd: Forward, outputs: Optional[list] = None,
                 if n.target in flow.params else cot
         if n.op != "call_function":
             continue
-        for a in _reads(n):
+        for a in value_inputs(n):
             if not carry.get(a):
                 continue
             c = _contribution(fwd, n, a, cot, data, flow, place_f, forced)
@@ -242,7 +233,7 @@ def _contribution(fwd, u, a, cot, data, flow, place_f, forced) -> Cot:
                                                     "reaches an op that needs a whole one")
     if role == "after_g":
         return cot
-    sharded = fwd.varying(u) or any(fwd.varying_input(u, i) for i in _reads(u))
+    sharded = fwd.varying(u) or any(fwd.varying_input(u, i) for i in value_inputs(u))
     if not sharded:
         return cot
     if cot.kind != WHOLE:
