@@ -49,9 +49,14 @@ def check_split(plan: ParallelPlan, stages: list, block_graphs: list, canonical:
                        canonical, st.index)
         held = {canonical.get(name, name) for _, name in owned}
         found = tuple(b.fqn for b in blocks)
+        # a buffer planned for a stage that receives the values computed from it instead of
+        # recomputing them (a size they need is no dim of what the stage receives:
+        # TimeSformer's frame rotary, sized by the frames) is held unread
+        unread = {f for f in set(sp.fqns) - held if _is_buffer(plan, f)}
         # a stage may also hold an outlined piece of an earlier block that only recomputes
         # values (T5's relative-position buckets): it reads no tensor beyond the planned ones
-        if held != set(sp.fqns) or (st.index not in whole and not set(sp.blocks) <= set(found)):
+        if held != set(sp.fqns) - unread or (st.index not in whole
+                                              and not set(sp.blocks) <= set(found)):
             raise SplitMismatch(
                 f"internal error: stage {st.index} after split_stages/split_blocks reads "
                 f"{sorted(held - set(sp.fqns))} beyond the plan and lacks "

@@ -193,7 +193,21 @@ def _rematerialize(new: fx.Graph, node: fx.Node, env: dict, get) -> fx.Node:
         if node.target is aten.sym_size.int:
             raise AssertionError(f"no tensor in this stage carries size {expr(val)} for "
                                  f"{node.name}")
-    return new.node_copy(node, lambda a: get(a))
+    copy = new.node_copy(node, lambda a: get(a))
+    copy.meta = _prologue(node.meta)
+    return copy
+
+
+def _prologue(meta: dict) -> dict:
+    """``meta`` of a value a stage recomputes at its top level, without the module it was
+    computed in: a size an earlier block computed (TimeSformer's ``b * n`` inside its first
+    layer, read by every layer after it) would place the copy in that block, which this
+    stage does not hold (split_check: "blocks ('layers.0', 'layers.1') vs planned
+    ('layers.1',)")."""
+    return {k: v for k, v in meta.items() if k not in _MODULE_KEYS}
+
+
+_MODULE_KEYS = ("nn_module_stack", "fwd_nn_module_stack")
 
 
 def _size_from_stage(new: fx.Graph, node: fx.Node, env: dict) -> Optional[fx.Node]:
@@ -209,9 +223,9 @@ def _size_from_stage(new: fx.Graph, node: fx.Node, env: dict) -> Optional[fx.Nod
         return None
     orig, local, i = (whole or found)[0]
     n = new.call_function(aten.sym_size.int, (local, i))
-    n.meta = dict(node.meta)
+    n.meta = _prologue(node.meta)
     if not whole:
-        n.meta = {k: v for k, v in node.meta.items() if k != "val"}
+        n.meta = {k: v for k, v in n.meta.items() if k != "val"}
         n = new.call_function(operator.mul, (n, orig.meta["sequence_shard"][2]))
-        n.meta = dict(node.meta)
+        n.meta = _prologue(node.meta)
     return n
