@@ -33,6 +33,7 @@ from .module_state import state_kept
 from .guards import record_shape_guards
 from .held_params import held_parameters, read_as_parameters
 from .regions import inline_regions, model_line
+from .saved_reads import copy_reads_before_writes
 from .tiles import tiles_as_repeat
 
 def split_args(batch: tuple | dict) -> tuple[tuple, dict]:
@@ -196,6 +197,7 @@ def capture(model: torch.nn.Module, batch: tuple | dict, model_file: Path) -> Ca
     factories_of_constants(gm)
     channel_maps_as_linears(gm)
     _drop_dead_code(gm)
+    copy_reads_before_writes(gm)
     custom_functions.check_backward(model, gm, args, kwargs, applied, model_file)
     return Captured(gm, names, bool(kwargs), out_spec, route)
 

@@ -12,6 +12,7 @@ difference is refused naming the Function and the model line that applies it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import traceback
 
@@ -26,7 +27,10 @@ _FUNCTION = torch.autograd.function.Function
 @contextlib.contextmanager
 def recorded():
     """Within: each ``apply`` of an autograd.Function defined outside torch is recorded as
-    (class name, ``file:line`` of its caller) in the yielded list."""
+    (class name, ``file:line`` of its caller) in the yielded list. So is each call of the
+    ``forward`` of such a Function defined before: a library that binds ``apply`` when it is
+    imported (mambapy's ``pscan = PScan.apply``) calls the unpatched ``apply``, which was not
+    recorded, and its Function went unchecked."""
     seen: list = []
     original = _FUNCTION.__dict__["apply"]
 
@@ -35,11 +39,33 @@ def recorded():
             seen.append((cls.__qualname__, _caller()))
         return original.__func__(cls, *args, **kwargs)
 
+    forwards = {cls: cls.__dict__["forward"] for cls in _subclasses(_FUNCTION)
+                if not (cls.__module__ or "").startswith("torch.")
+                and isinstance(cls.__dict__.get("forward"), staticmethod)}
     _FUNCTION.apply = classmethod(apply)
+    for cls, forward in forwards.items():
+        cls.forward = staticmethod(_recording(forward.__func__, cls.__qualname__, seen))
     try:
         yield seen
     finally:
         _FUNCTION.apply = original
+        for cls, forward in forwards.items():
+            cls.forward = forward
+
+
+def _subclasses(cls) -> set:
+    out = set()
+    for sub in cls.__subclasses__():
+        out |= {sub} | _subclasses(sub)
+    return out
+
+
+def _recording(forward, name: str, seen: list):
+    @functools.wraps(forward)
+    def recorded_forward(*args, **kwargs):
+        seen.append((name, _caller()))
+        return forward(*args, **kwargs)
+    return recorded_forward
 
 
 def _caller() -> str:
