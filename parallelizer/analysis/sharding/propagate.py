@@ -360,7 +360,8 @@ def _consume_markers(node, prop, fn, out) -> None:
     raw = [prop.raw[a.name] for a in sharded if a.name in prop.raw]
     if raw:
         weights = frozenset().union(*raw)
-        if fn in KEEP_RAW and len(raw) == len(sharded) and not _moves_dim(node, prop, fn, out):
+        if (fn in KEEP_RAW or _along_other_dims(node, prop, fn, out)) \
+                and len(raw) == len(sharded) and not _moves_dim(node, prop, fn, out):
             prop.raw[node.name] = weights
         else:
             record_use(prop, weights, None, node)
@@ -374,6 +375,16 @@ def _consume_markers(node, prop, fn, out) -> None:
                                               marks[0].heads, marks[0].replicated)
         else:
             mark_not_replicable(prop, marks, node)
+
+
+def _along_other_dims(node, prop, fn, out) -> bool:
+    """An op DTensor's strategy keeps sharded on the input's dim at the same size, one input
+    and the output of its shape (Vision Mamba's ``xz.flip([1])`` along the sequence): it
+    moves values along other dims only, so the features are the linear's as they were."""
+    ins = [a for a in inputs_of(node) if dim_of(prop, a) is not None]
+    if fn is not dtensor_rule or len(ins) != 1 or type(out) is not Shard:
+        return False
+    return out.dim == dim_of(prop, ins[0]) and shape(node) == shape(ins[0])
 
 
 def _moves_dim(node, prop, fn, e) -> bool:
