@@ -153,7 +153,8 @@ def _written_in_place(value: fx.Node, nodes: set, depth: int = 8) -> bool:
     the stage reads a clone of it instead, whose gradient is the received value's."""
     return depth > 0 and any(
         u in nodes and writes_into(u, value)
-        or returns_view(u) and u.args and u.args[0] is value and _written_in_place(u, nodes, depth - 1)
+        or returns_view(u) and u.args and u.args[0] is value
+        and _written_in_place(u, nodes, depth - 1)
         for u in value.users)
 
 

@@ -15,7 +15,8 @@
   keeping its block of heads.
 - the redistributions where no sharded rule takes a value as it is
   (``decision.redistributions``): ``gather_from_tp_dim`` / ``scatter_to_tp_region`` /
-  ``scatter_copies_to_tp_region`` / ``scatter_pieces_to_tp_region`` before the readers named, ``reduce_partial_from_tp`` after an op with a Partial output.
+  ``scatter_copies_to_tp_region`` / ``scatter_pieces_to_tp_region`` before the readers
+  named, ``reduce_partial_from_tp`` after an op with a Partial output.
 Parameter shapes themselves are the checkpoint's business (plan ``tp_dim``); the graph only
 reads them with get_attr.
 """

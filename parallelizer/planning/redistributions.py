@@ -102,8 +102,11 @@ def _bytes(node: fx.Node, kind: str, tp: int, dim=None, runs=()) -> int:
             return 0
         sizes.append(int(hint))
         numel *= int(hint)
-    piece = numel / sizes[dim] if kind == "scatter_copies" else \
-        numel / sizes[dim] * sum(n for _at, n in runs[0]) if kind == "scatter_pieces" else numel / tp
+    piece = numel / tp
+    if kind == "scatter_copies":
+        piece = numel / sizes[dim]
+    elif kind == "scatter_pieces":
+        piece = numel / sizes[dim] * sum(n for _at, n in runs[0])
     return int(_RING[kind] * (tp - 1) * piece * v.element_size())
 
 

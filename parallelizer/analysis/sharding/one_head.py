@@ -102,7 +102,8 @@ def carries_copied_whole(node, root) -> bool:
     head_dim); rotate_half's chunks and cat, or its ``(j d) -> j d`` view and ``unbind``).
     Every rank computes it whole, and its gradient is the rank's share, as the part's is
     (placements.CopiedWhole)."""
-    if node.op != "call_function" or not isinstance(node.meta.get("val"), (torch.Tensor, tuple, list)):
+    if node.op != "call_function" \
+            or not isinstance(node.meta.get("val"), (torch.Tensor, tuple, list)):
         return False
     operands = [a for a in node.all_input_nodes if isinstance(a, torch.fx.Node)]
     return bool(operands) and all(_derived_from(o, root) for o in operands)

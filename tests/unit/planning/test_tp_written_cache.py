@@ -21,7 +21,8 @@ class CachedAttention(nn.Module):
     def __init__(self, cast):
         super().__init__()
         self.cast = cast
-        self.wq, self.wo = nn.Linear(D, HEADS * HD, bias=False), nn.Linear(HEADS * HD, D, bias=False)
+        self.wq = nn.Linear(D, HEADS * HD, bias=False)
+        self.wo = nn.Linear(HEADS * HD, D, bias=False)
         self.wk, self.wv = (nn.Linear(D, KV * HD, bias=False) for _ in range(2))
         self.cache_k, self.cache_v = torch.zeros(4, 16, KV, HD), torch.zeros(4, 16, KV, HD)
 
