@@ -12,7 +12,7 @@ stage s+1's inputs); an output not known to be contiguous is sent as ``contiguou
 (tied weights appear in two stages), and non-tensor values (SymInt sizes) are recomputed
 from a local tensor carrying the same symbol, since only tensors cross stages; a tensor
 carrying a size that nothing else sent carries is sent as well (``_size_carriers``). A
-received tensor the stage writes into in place is read as a clone (``_written_in_place``).
+received tensor the stage writes into in place, or through a view, is read as a clone.
 """
 from __future__ import annotations
 
@@ -26,8 +26,7 @@ import torch.fx as fx
 from ..plan.decisions import PipelineDecision
 from ..analysis.partition import GraphPartition
 from ..analysis.graph_facts import aten, expr, is_tensor
-from ..analysis.sharding.redistribute import writes_into
-from ..frontend.graph_rewrite import returns_view
+from ..analysis.sharding.redistribute import written_through
 
 
 @dataclass
@@ -109,7 +108,9 @@ def _extract(graph, stage_of, s, inputs, outputs, recompute) -> StageGraph:
     for n in inputs:
         env[n] = new.placeholder(n.name)
         env[n].meta = dict(n.meta)
-        if s > 0 and _written_in_place(n, set(mine)):
+        # received from the stage before, n is a leaf that requires grad there
+        # (torch.distributed.pipelining), which autograd lets no in-place op write into
+        if s > 0 and written_through(n, set(mine)):
             env[n] = new.call_function(aten.clone.default, (env[n],))
             env[n].meta = dict(n.meta)
     targets = []
@@ -143,19 +144,6 @@ def _extract(graph, stage_of, s, inputs, outputs, recompute) -> StageGraph:
     new.lint()
     return StageGraph(s, new, [n.name for n in inputs],
                       [n.name for n in outputs] if outputs else [], targets)
-
-
-def _written_in_place(value: fx.Node, nodes: set, depth: int = 8) -> bool:
-    """One of ``nodes`` writes into ``value`` in place, directly or through a view of it (a
-    scratch tensor the model allocates once and each block fills: ``scratch[:, :t] = h``).
-    Received from the stage before, ``value`` is a leaf that requires grad there
-    (torch.distributed.pipelining), which autograd does not let an in-place op write into:
-    the stage reads a clone of it instead, whose gradient is the received value's."""
-    return depth > 0 and any(
-        u in nodes and writes_into(u, value)
-        or returns_view(u) and u.args and u.args[0] is value
-        and _written_in_place(u, nodes, depth - 1)
-        for u in value.users)
 
 
 def _contiguous(new: fx.Graph, node: fx.Node) -> fx.Node:

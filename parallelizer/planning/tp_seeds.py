@@ -16,8 +16,7 @@ import torch
 import torch.fx as fx
 
 from ..analysis.graph_facts import aten, from_constants, prod, same, source_line
-from ..analysis.sharding.redistribute import writes_into
-from ..frontend.graph_rewrite import returns_view
+from ..analysis.writes import written_args
 from ..plan.parallel_plan import DROPOUT_OPS
 
 _STOP = {aten.embedding.default}
@@ -409,25 +408,14 @@ def _written_roots(op: fx.Node, value: fx.Node) -> list:
     written pieces (DeepSeek's ``expand_kv``: the per-head keys and one rope key copied over
     the heads into a ``new_empty``) is left to the pieces' own rules: a walk through it
     would pair the whole rope key's projection too, which no tp splits."""
-    roots = []
-    for a in op.all_input_nodes:
-        if a is not value and writes_into(op, a):
-            while returns_view(a) and a.args and isinstance(a.args[0], fx.Node):
-                a = a.args[0]
-            if _writers(a) == {op}:
-                roots.append(a)
-    return roots
+    return [base for i, base in written_args(op)
+            if (op.args[i] if i < len(op.args) else None) is not value
+            and _writers(base) == [op]]
 
 
-def _writers(root: fx.Node, depth: int = 8) -> set:
-    """The in-place ops writing into ``root`` or a view of it."""
-    out = set()
-    for u in root.users:
-        if any(writes_into(u, a) for a in u.all_input_nodes if a is root):
-            out.add(u)
-        elif depth and returns_view(u) and u.args and u.args[0] is root:
-            out |= _writers(u, depth - 1)
-    return out
+def _writers(base: fx.Node) -> list:
+    """The in-place ops writing into ``base`` or a view of it."""
+    return [n for n in base.graph.nodes if any(b is base for _, b in written_args(n))]
 
 
 def _same_shape(a, b) -> bool:

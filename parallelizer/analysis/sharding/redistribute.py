@@ -291,7 +291,7 @@ def _edges(node, prop, changes: dict) -> bool:
     runs cannot flip it back and forth)."""
     if any(writes_into(node, a) for a in changes):
         return False  # the op would write into the copy, not the value (DTensor refuses too)
-    if returns_view(node) and _written_through(node):
+    if returns_view(node) and written_through(node):
         return False  # so would a write through this view of the copy (q[:, 1:3] = ...)
     have = prop.edges.get(node.name, {})
     new = {a.name: w for a, w in changes.items() if a.name not in have}
@@ -305,18 +305,20 @@ def why_not(node: fx.Node, prop) -> str:
     sharded = [a for a in inputs_of(node) if placement(prop, a) != REPLICATE]
     if any(writes_into(node, a) for a in sharded):
         return "; it writes into its sharded input in place, which no gathered copy can stand in for"
-    if sharded and returns_view(node) and _written_through(node):
+    if sharded and returns_view(node) and written_through(node):
         # q[:, 1:3] = ...: a view of a gathered copy would take the write, not the tensor
         return ("; a write in place through this view of a sharded value would land in a "
                 "gathered copy, not in the value")
     return ""
 
 
-def _written_through(view: fx.Node, depth: int = 8) -> bool:
-    """An in-place op writes into ``view``, or into a view of it."""
+def written_through(view: fx.Node, nodes=None, depth: int = 8) -> bool:
+    """An in-place op (one of ``nodes``, when given) writes into ``view``, or into a view of
+    it."""
     return depth > 0 and any(
-        writes_into(u, view) or returns_view(u) and u.args[0] is view
-        and _written_through(u, depth - 1) for u in view.users)
+        (nodes is None or u in nodes) and writes_into(u, view)
+        or returns_view(u) and u.args and u.args[0] is view
+        and written_through(u, nodes, depth - 1) for u in view.users)
 
 
 def writes_into(node: fx.Node, a: fx.Node) -> bool:
