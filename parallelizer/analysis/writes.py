@@ -6,11 +6,9 @@ op updates in forward (analysis/parameter_writes.py), the buffers BatchNorm's co
 (passes/split_check.py)."""
 from __future__ import annotations
 
-import functools
-
 import torch.fx as fx
 
-from ..frontend.graph_rewrite import returns_view
+from ..frontend.graph_rewrite import returns_view, view_base, written_inputs
 
 
 def written_attrs(graph: fx.Graph) -> dict:
@@ -47,28 +45,4 @@ def written_buffer_args(node: fx.Node, buffers) -> list[int]:
 
 def written_args(n: fx.Node) -> list:
     """``(argument index, the node it is a view of)`` for each argument ``n`` writes."""
-    if n.op != "call_function":
-        return []
-    out = []
-    for i, name in _written_positions(n.target):
-        value = n.args[i] if i < len(n.args) else n.kwargs.get(name)  # out= too
-        if isinstance(value, fx.Node):
-            out.append((i, _view_base(value)))
-    return out
-
-
-@functools.lru_cache(maxsize=None)
-def _written_positions(target) -> tuple:
-    # per op, not per node: the gradient passes ask of every node of large graphs
-    schema = getattr(target, "_schema", None)
-    if schema is None:
-        return ()
-    return tuple((i, arg.name) for i, arg in enumerate(schema.arguments)
-                 if arg.alias_info is not None and arg.alias_info.is_write)
-
-
-def _view_base(node: fx.Node) -> fx.Node:
-    """The node ``node`` is a view of (itself when it is not the result of a view op)."""
-    while returns_view(node):
-        node = node.args[0]
-    return node
+    return [(i, view_base(value)) for i, value in written_inputs(n)]

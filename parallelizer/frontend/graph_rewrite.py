@@ -4,6 +4,7 @@ node's meta (module, source line) and a FakeTensor value, so that every planner 
 rewritten graph as it reads a captured one."""
 from __future__ import annotations
 
+import functools
 import operator
 
 import torch
@@ -77,3 +78,36 @@ def returns_view(node: fx.Node) -> bool:
     schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
     return (schema is not None and bool(schema.returns) and schema.returns[0].alias_info is not None
             and bool(node.args) and isinstance(node.args[0], fx.Node))
+
+
+def view_base(node: fx.Node) -> fx.Node:
+    """The node ``node`` is a view of, through any chain of views (itself when
+    :func:`returns_view` is false)."""
+    while returns_view(node):
+        node = node.args[0]
+    return node
+
+
+def written_inputs(node: fx.Node) -> list:
+    """``(argument index, argument node)`` for each argument ``node`` writes in place by its
+    ATen schema's write annotation (``Tensor(a!)``: ``add_``'s self, ``copy_``'s, an
+    ``out=``), positional or keyword; empty for ops without a schema."""
+    if node.op != "call_function":
+        return []
+    out = []
+    for i, name in written_positions(node.target):
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(name)
+        if isinstance(value, fx.Node):
+            out.append((i, value))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def written_positions(target) -> tuple:
+    """``(index, name)`` of each argument of the op ``target`` its schema marks written."""
+    # per op, not per node: the gradient passes ask of every node of large graphs
+    schema = getattr(target, "_schema", None)
+    if schema is None:
+        return ()
+    return tuple((i, arg.name) for i, arg in enumerate(schema.arguments)
+                 if arg.alias_info is not None and arg.alias_info.is_write)

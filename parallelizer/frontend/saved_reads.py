@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .graph_rewrite import returns_view
+from .graph_rewrite import returns_view, view_base, written_inputs
 
 _aten = torch.ops.aten
 # their backward reads none of their arguments (or they read no tensor's values at all)
@@ -40,8 +40,8 @@ def copy_reads_before_writes(gm: fx.GraphModule) -> bool:
     order = {n: i for i, n in enumerate(graph.nodes)}
     last_write: dict = {}
     for n in graph.nodes:
-        for i in _written(n):
-            base = _view_base(n.args[i])
+        for _i, value in written_inputs(n):
+            base = view_base(value)
             if base.op == "call_function":
                 last_write[base] = order[n]
     if not last_write:
@@ -50,9 +50,9 @@ def copy_reads_before_writes(gm: fx.GraphModule) -> bool:
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target in _NOT_SAVED \
                 or (node.target in _SCALED and sum(isinstance(a, fx.Node) for a in node.args) < 2) \
-                or (returns_view(node) and not _written(node)) or node not in recorded:
+                or (returns_view(node) and not written_inputs(node)) or node not in recorded:
             continue
-        written = _written(node)
+        written = {i for i, _v in written_inputs(node)}
         for i, arg in enumerate(node.args):
             if i in written or not _written_later(arg, order[node], last_write):
                 continue
@@ -95,21 +95,4 @@ def _floating(val) -> bool:
 def _written_later(arg, at: int, last_write: dict) -> bool:
     if not isinstance(arg, fx.Node) or not isinstance(arg.meta.get("val"), torch.Tensor):
         return False
-    return last_write.get(_view_base(arg), -1) >= at
-
-
-def _written(node: fx.Node) -> set:
-    """The positions of the arguments ``node`` writes in place (``Tensor(a!)``: ``add_``'s
-    self), as analysis/writes.py reads the schema (the front end is below it)."""
-    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-    if schema is None:
-        return set()
-    return {i for i, a in enumerate(schema.arguments[:len(node.args)])
-            if a.alias_info is not None and a.alias_info.is_write
-            and isinstance(node.args[i], fx.Node)}
-
-
-def _view_base(node: fx.Node) -> fx.Node:
-    while returns_view(node):
-        node = node.args[0]
-    return node
+    return last_write.get(view_base(arg), -1) >= at

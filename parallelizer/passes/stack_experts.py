@@ -33,6 +33,7 @@ from torch.fx.node import map_arg
 from ..analysis.expert_modules import ModuleExperts
 from ..analysis.graph_facts import clean_path
 from ..errors import PlanError
+from ..frontend.graph_rewrite import written_inputs
 from ..runtime import grouped_mm  # noqa: F401  (registers parallelizer::grouped_mm)
 
 aten = torch.ops.aten
@@ -187,12 +188,7 @@ def _reorder(graph: fx.Graph) -> None:
 
 def _check_writes(nodes: list, old: dict, new: dict) -> None:
     for n in nodes:
-        schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
-        if schema is None:
-            continue
-        for arg, value in zip(schema.arguments, n.args):
-            if not (arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, fx.Node)):
-                continue
+        for _i, value in written_inputs(n):
             for u in value.users:
                 if u is not n and (old[u] < old[n]) != (new[u] < new[n]):
                     raise PlanError(

@@ -37,7 +37,7 @@ import operator
 import torch.fx as fx
 
 from ...plan.layouts import InterleavedHeads
-from ...frontend.graph_rewrite import returns_view
+from ...frontend.graph_rewrite import returns_view, written_inputs
 from ..graph_facts import aten, expr, is_tensor, module_path, shape
 from .dtensor import Wants, dtensor_rule, tensor_args
 from .placements import REPLICATE, CopiedHeads, LaidOut, Shard
@@ -323,14 +323,7 @@ def written_through(view: fx.Node, nodes=None, depth: int = 8) -> bool:
 
 def writes_into(node: fx.Node, a: fx.Node) -> bool:
     """``node`` (an in-place op: ``copy_``, ``add_``) writes into its argument ``a``."""
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        return False
-    for i, arg in enumerate(schema.arguments):
-        v = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-        if v is a and arg.alias_info is not None and arg.alias_info.is_write:
-            return True
-    return False
+    return any(v is a for _i, v in written_inputs(node))
 
 
 def reduced(node: fx.Node, prop, out):
