@@ -345,12 +345,19 @@ def reads_parameters(node: fx.Node, limit: Optional[int] = None) -> bool:
 
 
 def full_slice(node: fx.Node) -> bool:
-    """``aten.slice`` of the whole dim (``x[:, :, ...]``: a no-op slice)."""
+    """``aten.slice`` of the whole dim (``x[:, :, ...]``: a no-op slice), its end left open or
+    the dim's size (einops' ``unpack`` slicing ``[0:b * h]`` of a (b * h, ..) value): on a
+    rank holding a piece of that dim the global end covers the piece whole as well."""
     start = node.args[2] if len(node.args) > 2 else 0
     end = node.args[3] if len(node.args) > 3 else None
     step = node.args[4] if len(node.args) > 4 else 1
-    return start in (0, None) and step == 1 and \
-        (end is None or (isinstance(end, int) and end >= 2 ** 62))
+    if start not in (0, None) or step != 1:
+        return False
+    if end is None or isinstance(end, int) and end >= 2 ** 62:
+        return True
+    size = end.meta.get("val") if isinstance(end, fx.Node) else end
+    dim = node.args[1] if len(node.args) > 1 else 0
+    return isinstance(size, (int, torch.SymInt)) and same(size, shape(node.args[0])[dim])
 
 
 def piece_dim(node: fx.Node) -> int:

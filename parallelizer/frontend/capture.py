@@ -238,9 +238,6 @@ def _symbolic_trace(model: torch.nn.Module) -> torch.fx.GraphModule:
 # every rule that reads expand's sizes (the local sizes under tp, repeat_kv) reads both
 _SAME_OP = {torch.ops.aten.broadcast_to.default: torch.ops.aten.expand.default}
 
-
-
-
 _aten = torch.ops.aten
 # in-place views: they change their input's shape, not its values (BigBird's
 # ``context.unsqueeze_(2)``); as the out-of-place view, read by every later reader of the
@@ -327,6 +324,11 @@ def _one_op_per_meaning(gm: torch.fx.GraphModule) -> None:
         elif node.target in _SAME_OP:
             node.target = _SAME_OP[node.target]
             changed = True
+        elif _one_tensor_cat(node):
+            # a copy (einops' ``pack([t], '* n d')``): one rule for every placement of t, where
+            # cat's keeps its dim whole (a merged (batch, heads) dim kept attention replicated)
+            node.target, node.args, node.kwargs = _aten.clone.default, (node.args[0][0],), {}
+            changed = True
         elif _out_of_place(node, order):
             x, node.target = node.args[0], _functional(node.target)
             for u in [u for u in x.users if order[u] > order[node]]:
@@ -338,6 +340,12 @@ def _one_op_per_meaning(gm: torch.fx.GraphModule) -> None:
             changed = True
     if changed:
         gm.recompile()
+
+
+def _one_tensor_cat(node: torch.fx.Node) -> bool:
+    tensors = node.args[0] if node.target is _aten.cat.default and node.args else None
+    return isinstance(tensors, (list, tuple)) and len(tensors) == 1 \
+        and isinstance(tensors[0], torch.fx.Node)
 
 
 def _expand_to_sizes(graph: torch.fx.Graph, node: torch.fx.Node) -> list:

@@ -91,6 +91,14 @@ def _select(node, prop, tp):
     return CONFLICT if dim == d else Shard(d - (1 if dim < d else 0))
 
 
+def _unfold(node, prop, tp):
+    """``t.unfold(dim, size, step)``: windows along ``dim`` as a new last dim, a view that
+    keeps every other dim (local-attention's look-around buckets); DTensor 2.13 has no
+    strategy for it."""
+    d = dim_of(prop, node.args[0])
+    return CONFLICT if d == dim_arg(node, 1) else Shard(d)
+
+
 def _cat(node, prop, tp):
     tensors = node.args[0]
     rank = len(shape(node))
@@ -298,6 +306,7 @@ RULES = {
     aten.squeeze.dim: _squeeze, aten.squeeze.dims: _squeeze, aten.squeeze.default: _squeeze,
     aten.slice.Tensor: slice_rule,
     aten.select.int: _select,
+    aten.unfold.default: _unfold,
     aten.cat.default: _cat,
     aten.scaled_dot_product_attention.default: _sdpa,
     **{op: _index_add for op in (aten.index_add.default, aten.index_add_.default,
@@ -323,7 +332,7 @@ RULES = {
 # ``lift_fresh_copy``, ...). The others decide layouts, rewrite constants or request
 # per-head tensors, which DTensor does not express.
 DTENSOR_FIRST = frozenset({_same, pointwise_rule, _masked_fill, _transpose, _permute, _unsqueeze,
-                           _squeeze, _select, _cat, _matmul, _softmax, _reduce,
+                           _squeeze, _select, _unfold, _cat, _matmul, _softmax, _reduce,
                            complex_view_rule, flatten_rule})
 
 # rules asked again where DTensor's strategy would redistribute: a batched matmul whose
@@ -340,5 +349,5 @@ BROADCASTING = frozenset({pointwise_rule, _masked_fill})
 KEEP_RAW = frozenset({_same, pointwise_rule, _masked_fill, view_rule, _transpose, _permute,
                       _unsqueeze, _squeeze, slice_rule, _select})
 KEEP_HEADS = frozenset({_same, pointwise_rule, _masked_fill, _transpose, _permute, _unsqueeze,
-                        _squeeze, slice_rule, _select, _cat, split_rule, _getitem,
+                        _squeeze, slice_rule, _select, _unfold, _cat, split_rule, _getitem,
                         complex_view_rule, flatten_rule, _reduce})

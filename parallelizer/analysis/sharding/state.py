@@ -85,6 +85,7 @@ class Propagation:
     strided: dict = field(default_factory=dict)
     strided_sizes: dict = field(default_factory=dict)  # size node -> views whose dim it sizes
     size_copies: dict = field(default_factory=dict)  # rewritten size node -> replicated users
+    local_sizes: set = field(default_factory=set)  # merged-size nodes read from a rank's piece
     # replicated values each rank cuts to its block along a dim (ALiBi slopes before the
     # repeat that merges them with the batch): node name -> (dim, column groups)
     narrow: dict = field(default_factory=dict)

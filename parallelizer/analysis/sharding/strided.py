@@ -25,9 +25,9 @@ import operator
 
 import torch.fx as fx
 
-from ..graph_facts import VIEWS, aten, expr, is_tensor, module_path, prod, same, shape
+from ..graph_facts import VIEWS, aten, expr, full_slice, is_tensor, module_path, prod, same, shape
 from .placements import CONFLICT, REPLICATE, PerOutput, Shard
-from .state import add_constraint, add_rewrite, dim_of, inputs_of, placement, sizes_arg
+from .state import add_constraint, add_rewrite, dim_arg, dim_of, inputs_of, placement, sizes_arg
 
 _SAME = {aten.to.dtype, aten._to_copy.default, aten.clone.default, aten.contiguous.default,
          aten.alias.default, aten.detach.default, aten.type_as.default}
@@ -124,6 +124,10 @@ def local_merged_size(node, prop, e, heads, tp) -> bool:
         if size != -1:
             add_rewrite(prop, node, 1, e, size // tp)
         return True
+    if isinstance(size, fx.Node) and _merged_size_read(size, prop, heads):
+        prop.strided_sizes.setdefault(size.name, set()).add(node.name)
+        prop.local_sizes.add(size.name)
+        return True
     if isinstance(size, fx.Node) and size.target is operator.mul:
         at = [i for i, a in enumerate(size.args) if isinstance(a, int) and a == heads]
         if at:
@@ -131,6 +135,17 @@ def local_merged_size(node, prop, e, heads, tp) -> bool:
             prop.strided_sizes.setdefault(size.name, set()).add(node.name)
             return True
     return False
+
+
+def _merged_size_read(size: fx.Node, prop, heads: int) -> bool:
+    """``size`` is ``sym_size`` of a value merged with the same heads, at its merged dim
+    (einops' ``rearrange`` of a packed ``(b * h, n, d)`` sizing by ``t.shape[0]``): read at
+    run time from the rank's piece, it is already the local size."""
+    if size.target is not aten.sym_size.int or not isinstance(size.args[0], fx.Node):
+        return False
+    src = size.args[0]
+    return prop.strided.get(src.name) == heads \
+        and dim_of(prop, src) == size.args[1] % len(shape(src))
 
 
 def repeat_rule(node, prop, tp):
@@ -182,7 +197,7 @@ def _sharded(p) -> bool:
 
 
 def check_sizes(graph, prop) -> list:
-    """Size nodes rewritten for a merge that also size other ops. An op on replicated values
+    """Size nodes rewritten (or read local) for a merge that also size other ops. An op on replicated values
     only (``nn.MultiheadAttention`` reshaping its key_padding_mask, expanded over the heads,
     by the same ``bsz * num_heads`` it merges q with) gets a copy of the size node that keeps
     the global value (``prop.size_copies``: size node -> those ops); any other: a
@@ -190,15 +205,26 @@ def check_sizes(graph, prop) -> list:
     by_name = {n.name: n for n in graph.nodes}
     out = []
     for name, views in prop.strided_sizes.items():
-        others = [u for u in by_name[name].users if u.name not in views]
+        others = [u for u in by_name[name].users if u.name not in views
+                  and not _slices_merged_whole(u, prop)]
         sharded = [u.name for u in others if any(placement(prop, a) != REPLICATE
                                                  for a in inputs_of(u) if is_tensor(a))]
         if sharded:
             out.append((sharded[0], views, f"the size {name} (batch x heads) also sizes "
                                            f"{sharded[0]}, which is not a (batch, heads) merge"))
+        elif others and name in prop.local_sizes:  # read local: no copy holds the global
+            out.append((others[0].name, views, f"the size {name} (batch x heads, read from "
+                                               f"the rank's piece) also sizes {others[0].name}"))
         elif others:
             prop.size_copies[name] = tuple(u.name for u in others)
     return out
+
+
+def _slices_merged_whole(node, prop) -> bool:
+    """``node`` slices a merged value's merged dim whole (einops' ``unpack``: ``[0:b * h]``),
+    its end that size: made local, the end is the rank's piece's size, still the whole."""
+    return node.target is aten.slice.Tensor and full_slice(node) \
+        and node.args[0].name in prop.strided and dim_of(prop, node.args[0]) == dim_arg(node, 1)
 
 
 def request_narrow(node, prop, groups) -> None:
