@@ -250,7 +250,9 @@ def _conditioning(op: fx.Node, walked: fx.Node) -> bool:
     a per-sample vector conditioning every token. Going on would pair the conditioning
     linear, as a column, with the block's q/k/v and fc1 as its rows (computed on a
     feature-sharded input, all-reduced), leaving attention and the MLP's output projection
-    replicated; the conditioning linear's output is one row per sample, not per token."""
+    replicated; the conditioning linear's output is one row per sample, not per token. A
+    value broadcast over the batch (dim 0) is one for every sample, no conditioning (a
+    position bias per head from an MLP, x-transformers' ``dynamic_pos_bias``)."""
     if op.target not in _ELEMENTWISE:
         return False
     v, out = walked.meta.get("val"), op.meta.get("val")
@@ -261,11 +263,17 @@ def _conditioning(op: fx.Node, walked: fx.Node) -> bool:
     if not (isinstance(vs[-1], int) and isinstance(os_[-1], int) and vs[-1] == os_[-1] > 1):
         return False
     lead = (1,) * (len(os_) - len(vs)) + vs
-    if not any(isinstance(a, int) and a == 1 and not (isinstance(b, int) and b == 1)
-               for a, b in zip(lead[:-1], os_[:-1])):
+    if _broadcast(lead[0], os_[0]):
+        return False
+    if not any(_broadcast(a, b) for a, b in zip(lead[:-1], os_[:-1])):
         return False
     return any(isinstance(a, fx.Node) and a is not walked and _same_shape(a.meta.get("val"), out)
                and not from_constants(a) for a in op.args[:2])
+
+
+def _broadcast(a, b) -> bool:
+    """Size ``a`` broadcasts to ``b``: 1 where ``b`` is more."""
+    return isinstance(a, int) and a == 1 and not (isinstance(b, int) and b == 1)
 
 
 def _one_row_per_sample(linear: fx.Node) -> bool:

@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tp_check import plan_and_check
+from parallelizer.planning.tp_seeds import _conditioning
+from tp_check import captured, plan_and_check
 from tp_small_models import H, SwiGLU, x_batch
 
 HEADS = 4
@@ -140,3 +141,51 @@ def test_a_per_position_linear_is_no_conditioning_vector():
     torch.manual_seed(0)
     d = plan_and_check(PairwiseDecay(), x_batch(), 2)
     assert not any("conditioning" in line for line in d.report), d.report
+
+
+class DynamicPositionBias(nn.Module):
+    """x-transformers' ``dynamic_pos_bias`` (2.31, ``DynamicPositionBias``): an MLP of the
+    relative distances ``(2n - 1, 1)`` (depth 2) gives one bias per (distance, head),
+    gathered to ``(i, j, heads)``, permuted to ``(heads, i, j)`` and added to the scores
+    ``(b, heads, i, j)``: one value for every sample, broadcast over the batch, no
+    conditioning vector. With the table's length static it was reported as one and its last
+    linear kept whole (zoo 13 Z1); the MLP is now a column | row pair, its bias cut to each
+    rank's heads where it meets the scores."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.o = nn.Linear(H, 3 * H), nn.Linear(H, H)
+        self.mlp = nn.Sequential(nn.Linear(1, H), nn.SiLU(), nn.Linear(H, H), nn.SiLU(),
+                                 nn.Linear(H, HEADS))
+        self.max_len = 5
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = (t.view(b, n, HEADS, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        n = self.max_len  # the table's length, as x-transformers' export specialises it
+        ar = torch.arange(n, device=x.device)
+        pos = self.mlp(torch.arange(-n + 1, n, device=x.device).float()[:, None])
+        bias = pos[ar[:, None] - ar[None, :] + n - 1].permute(2, 0, 1)
+        w = (q @ k.transpose(-1, -2) + bias).softmax(-1)
+        return x + self.o((w @ v).transpose(1, 2).reshape(b, n, -1))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_bias_broadcast_over_the_batch_is_no_conditioning_vector(tp):
+    torch.manual_seed(0)
+    d = plan_and_check(DynamicPositionBias(), x_batch(), tp)
+    assert d.column == {"qkv.weight", "mlp.2.weight"}, d.report
+    assert d.row == {"o.weight", "mlp.4.weight"}, d.report
+    assert not any("conditioning vector" in line for line in d.report), d.report
+
+
+def test_the_walk_reads_a_bias_shared_by_the_batch_as_no_conditioning():
+    """The seed walk's own test on the add of the scores and the bias (x-transformers' walk
+    from its last bias linear reached it as a start and stopped there, zoo 13 Z1)."""
+    torch.manual_seed(0)
+    graph = captured(DynamicPositionBias(), x_batch()).gm.graph
+    (add,) = [n for n in graph.nodes if n.target is torch.ops.aten.add.Tensor
+              and any(getattr(a, "target", None) is torch.ops.aten.permute.default
+                      for a in n.args)]
+    bias = next(a for a in add.args if a.target is torch.ops.aten.permute.default)
+    assert not _conditioning(add, bias)
