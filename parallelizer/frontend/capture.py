@@ -23,7 +23,7 @@ from torch.export import Dim
 from torch.utils._pytree import TreeSpec, tree_flatten, treespec_dumps
 
 from ..errors import CaptureError
-from . import capture_hints, custom_functions
+from . import capture_hints, custom_functions, python_rng
 from .conv import channel_maps_as_linears
 from .einsum import einsums_as_linears, matmuls_as_linears, zero_baddbmm_as_bmm
 from .factories import factories_of_constants
@@ -153,26 +153,8 @@ def capture(model: torch.nn.Module, batch: tuple | dict, model_file: Path) -> Ca
     """
     args, kwargs = split_args(batch)
     held = held_parameters(model)
-    try:
-        with custom_functions.recorded() as applied, custom_functions.checkpoint_off(), \
-                state_kept(model):
-            ep = _export(model, args, kwargs)
-        route = "torch.export"
-    except Exception as export_error:
-        try:
-            with custom_functions.recorded() as applied, custom_functions.checkpoint_off(), \
-                    state_kept(model):
-                ep = _export(_symbolic_trace(model), args, kwargs)
-            route = "symbolic_trace+torch.export"
-        except Exception:
-            eager, opaque = _eager_run(model, args, kwargs)
-            if eager is not None:  # not a tracing problem: the model fails as it is
-                raise CaptureError(eager_message(eager, model_file)) from eager
-            if opaque:  # export cannot return it (a transformers Cache: use_cache on)
-                raise CaptureError(_opaque_message(opaque, model_file)) from export_error
-            raise CaptureError(_capture_message(export_error, model_file)
-                               + capture_hints.hints(model, args, kwargs, export_error,
-                                                     model_file)) from export_error
+    with python_rng.no_draws(model, args, kwargs, model_file):
+        ep, route, applied = _exported(model, args, kwargs, model_file)
     gm = ep.module()
     read_as_parameters(gm, held)
     out_spec = gm._out_spec
@@ -200,6 +182,36 @@ def capture(model: torch.nn.Module, batch: tuple | dict, model_file: Path) -> Ca
     copy_reads_before_writes(gm)
     custom_functions.check_backward(model, gm, args, kwargs, applied, model_file)
     return Captured(gm, names, bool(kwargs), out_spec, route)
+
+
+def _exported(model, args, kwargs, model_file: Path):
+    """(ExportedProgram, route, the custom Functions applied) of ``model`` on the batch:
+    torch.export, else symbolic_trace then export.
+
+    Raises:
+        CaptureError: both routes failed (the model failing eagerly named as such).
+    """
+    try:
+        with custom_functions.recorded() as applied, custom_functions.checkpoint_off(), \
+                state_kept(model):
+            ep = _export(model, args, kwargs)
+        route = "torch.export"
+    except Exception as export_error:
+        try:
+            with custom_functions.recorded() as applied, custom_functions.checkpoint_off(), \
+                    state_kept(model):
+                ep = _export(_symbolic_trace(model), args, kwargs)
+            route = "symbolic_trace+torch.export"
+        except Exception:
+            eager, opaque = _eager_run(model, args, kwargs)
+            if eager is not None:  # not a tracing problem: the model fails as it is
+                raise CaptureError(eager_message(eager, model_file)) from eager
+            if opaque:  # export cannot return it (a transformers Cache: use_cache on)
+                raise CaptureError(_opaque_message(opaque, model_file)) from export_error
+            raise CaptureError(_capture_message(export_error, model_file)
+                               + capture_hints.hints(model, args, kwargs, export_error,
+                                                     model_file)) from export_error
+    return ep, route, applied
 
 
 def _drop_dead_code(gm: torch.fx.GraphModule) -> None:

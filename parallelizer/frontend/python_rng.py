@@ -1,0 +1,104 @@
+"""Draws from Python's or NumPy's random generators while the model is captured.
+
+Capture runs ``forward`` once and records the ops it ran; a Python-level draw is not an op,
+so its outcome that one time is frozen into the program. x-transformers' layer dropout
+(``if self.training and random() < layer_dropout: continue``) skipped some blocks in the
+captured run: the program never runs them, the model runs each in most steps (zoo 13 Z10;
+the pipeline split then failed with an internal error, and a capture that happened to skip
+none would have passed, then trained another model). torch's own random ops are ops, and
+the program draws them (docs/tensor-parallel.md, dropout).
+
+The draw is found by the generators' states (before and after export), whatever the
+spelling (``from random import random``, ``np.random.rand``), and its line by running the
+model once more under ``sys.settrace``: the first line of the model's code after which the
+states differ.
+"""
+from __future__ import annotations
+
+import contextlib
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+from ..errors import CaptureError
+from .module_state import state_kept
+
+_STDLIB_RANDOM = random.__file__
+
+
+def snapshot() -> tuple:
+    """The states of Python's and (when imported) NumPy's global generators."""
+    np = sys.modules.get("numpy")
+    return random.getstate(), (np.random.get_state() if np is not None else None)
+
+
+def _drawn(before: tuple, after: tuple) -> bool:
+    if before[0] != after[0]:
+        return True
+    a, b = before[1], after[1]
+    return a is not None and b is not None and (a[2:] != b[2:] or (a[1] != b[1]).any())
+
+
+def _put_back(state: tuple) -> None:
+    random.setstate(state[0])
+    if state[1] is not None:
+        sys.modules["numpy"].random.set_state(state[1])
+
+
+@contextlib.contextmanager
+def no_draws(model: torch.nn.Module, args, kwargs, model_file: Path):
+    """Raise CaptureError when the block draws from Python's or NumPy's generator (which
+    is then put back as it was), naming the model's line that drew.
+
+    Raises:
+        CaptureError: the model's forward draws (its line and the fix).
+    """
+    before = snapshot()
+    yield
+    if not _drawn(before, snapshot()):
+        return
+    _put_back(before)
+    where = _draw_site(model, args, kwargs)
+    raise CaptureError(
+        f"the model from {model_file} draws from Python's random module (or NumPy's) in "
+        f"forward{where}: capture runs forward once, so that one draw would be frozen into "
+        f"the program (a layer dropout by random() would skip the same blocks in every step, "
+        f"or none).\nFix: set the option that draws to 0 (layer_dropout, stochastic depth), or "
+        f"draw with torch (torch.rand(()) < p), which the program runs every step.")
+
+
+def _draw_site(model, args, kwargs) -> str:
+    """`` at FILE:LINE`` of the first line of one forward of ``model`` after which a
+    generator's state changed (modules put back as they were; "" when none is seen)."""
+    found: list = []
+    last = [None, snapshot()]
+
+    def trace(frame, event, arg):
+        if found:
+            return None
+        if _drawn(last[1], snapshot()):
+            found.append(last[0])
+            return None
+        if event == "line" and not _library(frame.f_code.co_filename):
+            last[0] = f"{frame.f_code.co_filename}:{frame.f_lineno}"
+        return trace
+
+    state = snapshot()
+    try:
+        with state_kept(model), torch.random.fork_rng(), torch.no_grad():
+            sys.settrace(trace)
+            try:
+                model(*args, **kwargs)
+            finally:
+                sys.settrace(None)
+    except Exception:  # the draw is what matters; the model ran once already
+        pass
+    _put_back(state)
+    return f" at {found[0]}" if found and found[0] else ""
+
+
+def _library(path: str) -> bool:
+    """A generator's own code (random.py, NumPy), which the user did not write."""
+    return path == _STDLIB_RANDOM or "/numpy/" in path
