@@ -448,18 +448,35 @@ def _num_stages(spec: Spec, blocks: tuple[str, ...], parts=()) -> int:
 
 def _check_batch(batch, spec: Spec) -> None:
     """The example batch feeds --verify (the reference): it must split over dp ranks and
-    microbatches. Without weights there is no reference, and training batches may differ.
+    microbatches, every input along dim 0 (an input without the batch dim is kept whole only
+    where nothing splits). Without weights there is no reference, and training batches may
+    differ.
 
     Raises:
-        PlanError: names mesh.dp, pipeline.microbatches and the batch size.
+        PlanError: names mesh.dp, pipeline.microbatches and the batch size, or the input
+            whose dim 0 is not the batch.
     """
-    first = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
+    items = list(batch.items()) if isinstance(batch, dict) else list(enumerate(batch))
+    first = items[0][1]
     m = spec.pipeline.microbatches  # at pp = 1 too: the step accumulates them (batching.py)
     need = spec.mesh.dp * m
     if first.shape[0] % need:
         raise PlanError(f"the example batch size ({first.shape[0]}) is not divisible by mesh.dp "
                         f"({spec.mesh.dp}) x pipeline.microbatches ({m}) = {need}; change "
                         f"example_inputs() or those keys so it divides")
+    other = next(((k, t) for k, t in items if t.shape[0] != first.shape[0]), None)
+    if need > 1 and other is not None:
+        key, t = other
+        name = f"key {key!r}" if isinstance(batch, dict) else f"item {key}"
+        first_name = f"key {items[0][0]!r}" if isinstance(batch, dict) else "item 0"
+        raise PlanError(
+            f"example_inputs()'s {name} {tuple(t.shape)} has {t.shape[0]} at dim 0 where "
+            f"{first_name} has the batch ({first.shape[0]}): mesh.dp ({spec.mesh.dp}) x "
+            f"pipeline.microbatches ({m}) = {need} splits every input along dim 0, and an "
+            f"input without the batch dim (per-position ids, a (1, S) table) cannot be split. "
+            f"Give it the batch dim (t.expand({first.shape[0]}, *t.shape) in example_inputs() "
+            f"where the model accepts it batched), compute it inside forward, or use mesh.dp=1 "
+            f"and pipeline.microbatches=1")
 
 
 def _example_seq(batch):

@@ -77,10 +77,11 @@ def share_rows(plan, batch) -> tuple[int, int]:
 
 
 def _microbatch(plan, batch) -> list:
-    """One microbatch of one dp rank, as FakeTensors on the CPU."""
-    rows, _size = share_rows(plan, batch)
-    return [torch.empty((rows,) + tuple(t.shape[1:]), dtype=t.dtype)
-            for t in flatten(plan, batch)]
+    """One microbatch of one dp rank, as FakeTensors on the CPU (an input without the batch
+    dim whole, as ``batching.dp_slice`` gives it)."""
+    rows, size = share_rows(plan, batch)
+    return [torch.empty(((rows,) if t.shape[0] == size else t.shape[:1]) + tuple(t.shape[1:]),
+                        dtype=t.dtype) for t in flatten(plan, batch)]
 
 
 def _run_stage(plan, st, source: str, inputs: list, graphs) -> list:

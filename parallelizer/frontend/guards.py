@@ -36,8 +36,9 @@ def record_shape_guards(gm: torch.fx.GraphModule, ep, names, values) -> None:
 def pinned(gm: torch.fx.GraphModule, symbolic) -> list[tuple[str, str, int, int]]:
     """``(guard, input name, dim, example size)`` for each dim 0 or 1 of ``symbolic`` (the
     ``(input, dim)`` the graph holds as symbols; one it holds as a number is fixed anyway)
-    that a guard holds at the example's size only: doubling it, with the same dim of every
-    input of that size (the batch, or the sequence the inputs share), breaks the guard."""
+    that a guard holds at the example's size only: doubling it, with dims 0 and 1 of every
+    input of that size (the batch, the sequence the inputs share, Flux's per-position ids
+    ``(S, 3)`` beside ``(B, S, D)``), breaks the guard."""
     texts, sizes = gm.meta.get(SHAPE_GUARDS, ((), {}))
     out = []
     for text in texts:
@@ -45,8 +46,8 @@ def pinned(gm: torch.fx.GraphModule, symbolic) -> list[tuple[str, str, int, int]
             if (name, d) not in symbolic or name not in sizes:
                 continue
             size = sizes[name][d]
-            together = {(n, d): 2 for n, shape in sizes.items()
-                        if len(shape) > d and shape[d] == size}
+            together = {(n, k): 2 for n, shape in sizes.items() for k in (0, 1)
+                        if len(shape) > k and shape[k] == size}
             if _holds(text, sizes, together) is not True:
                 out.append((text, name, d, size))
     return out

@@ -44,7 +44,10 @@ def dp_slice(plan: ParallelPlan, batch, dp_rank: int, device) -> tuple | dict:
                          f"pipeline.microbatches ({m}) = {dp * m}; use a batch size that is a "
                          f"multiple of {dp * m}")
     n = b // dp
-    return to_batch(plan, [t[dp_rank * n:(dp_rank + 1) * n].to(device) for t in flat])
+    # an input without the batch dim (Flux's per-position ids) is whole: the compile refuses
+    # it where anything splits (compiler._check_batch)
+    return to_batch(plan, [(t[dp_rank * n:(dp_rank + 1) * n] if t.shape[0] == b else t).to(device)
+                           for t in flat])
 
 
 def synthetic_batches(plan: ParallelPlan, example, seed: int):
