@@ -61,7 +61,7 @@ from ..runtime import rng
 from ..runtime.batching import flatten
 from ..runtime.stage_builder import stage_class_from_source
 from ..runtime.vocab import gather_from_tp_region
-from .reference import fp64_copy, max_abs_diff, to_fp64
+from .reference import fp64_copy, max_abs_diff, to_fp64, unchanged
 from .numerics_compare import (BUG, FIX, compare_buffers, compare_grads, compare_outputs,
                                tolerance)
 from .tp_threads import rank_threads, run_ranks
@@ -289,13 +289,13 @@ def reference(model: torch.nn.Module, batch, seed: int = 0, given=None) -> Refer
         # a buffer the forward registers (a cache: x-transformers' ALiBi bias) is no state
         # the program writes
         written = {n: b.detach().clone() for n, b in model.named_buffers()
-                   if n in saved and not torch.equal(b, saved[n])}
+                   if n in saved and not unchanged(b, saved[n])}
     finally:
         # train-mode running statistics as they were; after the backward, which may read
         # a buffer the forward saved (Gemma's embedding normalizer)
         with torch.no_grad():
             for n, b in model.named_buffers():
-                if n in saved and not torch.equal(b, saved[n]):
+                if n in saved and not unchanged(b, saved[n]):
                     b.copy_(saved[n])
     return Reference([o.detach() if isinstance(o, torch.Tensor) else o for o in flat], cot,
                      grads, written)

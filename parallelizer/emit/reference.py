@@ -86,15 +86,43 @@ def _refuse_carried_state(model: torch.nn.Module, e: RuntimeError, model_file) -
         f"forward (a cache only when use_cache is set), or detach and reset it every call") from e
 
 
+def unchanged(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``torch.equal`` for a buffer of any layout: a sparse one (openai-whisper's
+    ``alignment_heads.to_sparse()``, which forward never reads) compared dense, as sparse
+    tensors have no ``aten::equal`` and the compile blamed the model for it (zoo 13 Z4)."""
+    if (a.layout, a.dtype, a.shape) != (b.layout, b.dtype, b.shape):
+        return False
+    if a.layout != torch.strided:
+        a, b = a.to_dense(), b.to_dense()
+    return torch.equal(a, b)
+
+
 def copy_model(model: torch.nn.Module) -> torch.nn.Module:
     """``copy.deepcopy(model)``, a tensor a forward left on a module as a plain attribute
     (RecurrentGemma's ``recurrent_states``, computed with gradient) copied detached: deepcopy
     refuses a tensor that is no graph leaf ("Only Tensors created explicitly by the user"),
-    and the compile crashed on it (a break test)."""
+    and the compile crashed on it (a break test). An attribute deepcopy cannot copy (a
+    ``staticmethod`` object held by a module, simple-hierarchical-transformer's
+    ``self.apply_rotary_emb``: "cannot pickle 'staticmethod' object", zoo 13 Z11) is shared
+    with the copy, as it is no tensor the copy computes with."""
     memo: dict = {}
+    tried: set = set()  # one config object is held by every module of a transformers model
     for m in model.modules():
         _detached_into(vars(m), memo, 0)
+        for value in vars(m).values():
+            if id(value) not in tried:
+                tried.add(id(value))
+                _shared_if_uncopyable(value, memo)
     return copy.deepcopy(model, memo)
+
+
+def _shared_if_uncopyable(value, memo: dict) -> None:
+    if isinstance(value, (torch.Tensor, torch.nn.Module, dict, list, tuple)):
+        return  # the modules' own state: copied (their containers hold modules and tensors)
+    try:
+        copy.deepcopy(value, dict(memo))
+    except Exception:  # noqa: BLE001 - whatever deepcopy refuses is kept as it is
+        memo[id(value)] = value
 
 
 def _detached_into(value, memo: dict, depth: int) -> None:
@@ -175,7 +203,7 @@ def _one_step(model: torch.nn.Module, batch, loss_fn, spec, model_file, chunks: 
     for i, t in enumerate(flat_out):
         ref[f"output.{i}"] = t.detach().contiguous()
     for name, b in model.named_buffers():  # one the forward registers is a cache, no state
-        if name in before and not torch.equal(b, before[name]):
+        if name in before and not unchanged(b, before[name]):
             ref[f"buffer.{name}"] = b.detach().clone()
     named = dict(model.named_parameters())  # canonical names (first alias) only
     for name, p in named.items():

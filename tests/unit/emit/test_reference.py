@@ -171,6 +171,61 @@ def test_a_model_holding_a_tensor_of_its_last_forward_compiles_with_its_referenc
     assert "noise.loss" in program.reference and "grad.fc1.weight" in program.reference
 
 
+def _half(t):
+    return t * 0.5
+
+
+class _HoldsStaticmethod(nn.Module):
+    """simple-hierarchical-transformer 0.4 keeps ``self.apply_rotary_emb =
+    staticmethod(apply_rotary_emb)``, which deepcopy refuses ("cannot pickle 'staticmethod'
+    object"): the compile died in the reference step's copy with a raw traceback (zoo 13
+    Z11). Such an attribute is shared with the copy."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 12), nn.Linear(12, 6)
+        self.fn = staticmethod(_half)
+
+    def forward(self, x):
+        return x + self.fc2(self.fn.__func__(torch.relu(self.fc1(x))))
+
+
+def test_a_module_holding_what_deepcopy_refuses_compiles_with_its_reference():
+    from parallelizer import compiler
+    from parallelizer.frontend.spec import Spec
+    torch.manual_seed(0)
+    model = _HoldsStaticmethod()
+    program = compiler.compile_module(model, _batch(), Spec.model_validate({"mesh": {"tp": 2}}),
+                                      loss_fn=_mse)
+    assert "noise.loss" in program.reference and "grad.fc1.weight" in program.reference
+    assert isinstance(model.fn, staticmethod)
+
+
+class _SparseBuffer(nn.Module):
+    """openai-whisper registers ``alignment_heads`` as a sparse bool buffer forward never
+    reads: comparing buffers around the reference step raised "Could not run 'aten::equal'
+    with arguments from the 'SparseCPU' backend", reported as the model failing as it is
+    (zoo 13 Z4)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 12), nn.Linear(12, 6)
+        heads = torch.zeros(2, 4, dtype=torch.bool)
+        heads[1, 2:] = True
+        self.register_buffer("alignment_heads", heads.to_sparse(), persistent=False)
+
+    def forward(self, x):
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+def test_a_sparse_buffer_compiles_with_its_reference():
+    from parallelizer import compiler
+    from parallelizer.frontend.spec import Spec
+    torch.manual_seed(0)
+    program = compiler.compile_module(_SparseBuffer(), _batch(),
+                                      Spec.model_validate({"mesh": {"tp": 2}}), loss_fn=_mse)
+    assert "grad.fc1.weight" in program.reference
+    assert not any(k.startswith("buffer.") for k in program.reference)
 
 
 _CARRIES_STATE = """
