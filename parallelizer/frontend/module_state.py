@@ -48,3 +48,34 @@ def state_kept(model: torch.nn.Module, tensors: bool = True):
 
 # the tables nn.Module keeps its parameters, buffers and children in (restored as tables)
 _MODULE_TABLES = frozenset({"_parameters", "_buffers", "_modules"})
+
+
+@contextlib.contextmanager
+def unchanging_to_kept():
+    """``Module.to(...)`` that would change no parameter or buffer returns the module as it
+    is while the block runs. SwitchTransformers' router casts its classifier in forward
+    (``self.classifier = self.classifier.to(self.dtype)``, a no-op in fp32); under
+    torch.export ``_apply`` tries to swap each parameter for a fake copy and fails
+    ("_apply(): Couldn't swap Linear.weight"), a refusal of the whole model (zoo 14 F5). A
+    cast that does change a tensor still runs, and export says what it says."""
+    to = torch.nn.Module.to
+
+    def kept_to(self, *args, **kwargs):
+        device, dtype, _non_blocking, fmt = torch._C._nn._parse_to(*args, **kwargs)
+        tensors = list(self.parameters()) + list(self.buffers())
+        if fmt is None and all(_unchanged_by(t, device, dtype) for t in tensors):
+            return self
+        return to(self, *args, **kwargs)
+
+    torch.nn.Module.to = kept_to
+    try:
+        yield
+    finally:
+        torch.nn.Module.to = to
+
+
+def _unchanged_by(t: torch.Tensor, device, dtype) -> bool:
+    if device is not None and t.device != torch.device(device):
+        return False
+    # Module.to casts floating-point (and complex) tensors only
+    return dtype is None or not (t.is_floating_point() or t.is_complex()) or t.dtype == dtype

@@ -475,3 +475,32 @@ def test_a_model_failing_on_one_microbatch_names_the_share_not_a_parallelizer_bu
     assert msg.endswith("Fix: fewer microbatches or dp ranks, or a larger example batch in "
                         "example_inputs()"), msg
     compile_module(_BatchNormToOnePixel(), (torch.randn(8, 4, 4, 4),), spec, reference=False)
+
+
+def test_a_module_whose_submodules_cannot_be_listed_is_a_model_file_error(tmp_path):
+    """nGPT-pytorch 0.2 defines ``__eq__`` without ``__hash__`` on its modules, so
+    ``named_modules`` (a set of the modules seen) raises "unhashable type": the compile died
+    with a raw traceback, exit 1 (zoo 13 Z5)."""
+    path = _model(tmp_path, """
+        import torch
+        from torch import nn
+        class Scale(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(8, 8)
+            def __eq__(self, other):  # defines __eq__, so Python drops __hash__
+                return self is other
+            def forward(self, x):
+                return self.fc(x)
+        def build_model():
+            return nn.Sequential(Scale(), Scale())
+        def example_inputs():
+            return (torch.randn(4, 5, 8),)
+    """)
+    with pytest.raises(ModelFileError) as e:
+        compile_model(path, load_spec(GPT / "spec.yaml", ["mesh.tp=2"]))
+    assert str(e.value).startswith(
+        f"build_model() in {path} returned a module whose submodules cannot be listed "
+        f"(Module.named_modules): TypeError: unhashable type: 'Scale' (a module class "
+        f"defining __eq__ without __hash__"), e.value
+    assert "give such classes __hash__ = torch.nn.Module.__hash__" in str(e.value)
