@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_unflatten, treespec_loads
 
 from ..frontend.model_file import call_loss_fn
 from ..plan.dtypes import differentiable
-from ..runtime.fake_kernels import IntegerHistcOnFloat
+from ..runtime.fake_kernels import fake_forward_kernels
 from .expert_rows import BalancedExpertRows
 from ..plan.parallel_plan import ParallelPlan
 
@@ -97,7 +97,7 @@ def stage_activations(stages: list, plan: ParallelPlan, batch, loss_fn, mode,
     # balanced routing
     with tp.using_transport(tp.ShapeTransport(plan.mesh["tp"])), \
             sequence.using_comm(sequence.ShapeComm(plan.mesh["tp"])), \
-            expert_parallel.balanced_shapes(plan.ep) as balanced, IntegerHistcOnFloat(), \
+            expert_parallel.balanced_shapes(plan.ep) as balanced, fake_forward_kernels(), \
             BalancedExpertRows() as rows:
         return _stage_activations(stages, plan, batch, loss_fn, mode, per_block, balanced,
                                   alltoall, rows.value)

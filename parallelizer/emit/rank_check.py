@@ -32,7 +32,7 @@ from ..analysis.graph_facts import module_path, source_line
 from ..errors import PlanError
 from ..runtime import expert_parallel, sequence
 from ..runtime.batching import flatten
-from ..runtime.fake_kernels import IntegerHistcOnFloat
+from ..runtime.fake_kernels import fake_forward_kernels
 from ..runtime.stage_builder import stage_class_from_source
 from ..runtime.tp import ShapeTransport, using_transport
 from .numerics_compare import FIX
@@ -60,7 +60,7 @@ def check_ranks(plan, sources: dict, batch, graphs: list) -> None:
     # is a data-dependent SymInt there, as in the capture, not an exception
     with FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()), using_transport(ShapeTransport(tp)), \
             sequence.using_comm(sequence.ShapeComm(tp)), expert_parallel.balanced_shapes(plan.ep), \
-            IntegerHistcOnFloat(), warnings.catch_warnings():
+            fake_forward_kernels(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         inputs = _microbatch(plan, batch)
         for st in plan.stages:
