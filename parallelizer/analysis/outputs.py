@@ -15,7 +15,7 @@ import torch.fx as fx
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
 
 from ..errors import PlanError
-from ..frontend.guards import batch_breaks, pinned
+from ..frontend.guards import FIXED_SEQUENCE, batch_breaks, pinned
 from .graph_facts import input_values, source_line
 
 # ops whose int arguments are sizes: where a batch size fixed by the model's code shows
@@ -189,9 +189,15 @@ def fixed_size_warnings(fixed: tuple, gm: fx.GraphModule | None = None) -> list[
     """The compile's warning for each size :func:`fixed_sizes` warns about, naming the first
     op of the model's code sized by it where one is found (``gm``)."""
     out = []
+    why = gm.meta.get(FIXED_SEQUENCE) if gm is not None else None
     for name, d, size, warned in fixed:
         what, flag, fix = _DIM_WORDS[d]
-        if isinstance(warned, str):
+        if d == 1 and why and warned:
+            out.append(f"the model's code fixes the {what} at the example's {size}: captured "
+                       f"with it symbolic, it fails ({why}), so dim 1 of input {name!r} was "
+                       f"captured as that number; the program runs only that {what}, and "
+                       f"run.py refuses another {flag}")
+        elif isinstance(warned, str):
             out.append(f"the model's code fixes the {what} at the example's {size}: it turns "
                        f"dim {d} of input {name!r} into a Python number (int(), math on "
                        f"x.shape), and torch.export guarded `{warned}`; the program runs only "

@@ -30,7 +30,7 @@ from .factories import factories_of_constants
 from .graph_rewrite import returns_view
 from .model_file import user_frame
 from .module_state import state_kept, unchanging_to_kept
-from .guards import record_shape_guards
+from .guards import FIXED_SEQUENCE, record_shape_guards
 from .held_params import held_parameters, read_as_parameters
 from .regions import inline_regions, model_line
 from .saved_reads import copy_reads_before_writes
@@ -54,8 +54,10 @@ class Captured:
     route: str
 
 
-def _dynamic_shapes(args: tuple, kwargs: dict, shared_batch: bool = True) -> Any:
-    """Dims 0 and 1 of every input tensor dynamic. ``shared_batch``: dim 0 of the inputs
+def _dynamic_shapes(args: tuple, kwargs: dict, shared_batch: bool = True,
+                    sequence: bool = True) -> Any:
+    """Dims 0 and 1 of every input tensor dynamic (dim 0 only without ``sequence``).
+    ``shared_batch``: dim 0 of the inputs
     with the first input's batch size is one symbol, as the runtime treats it (pipeline
     microbatches and dp shards cut every input along dim 0): an encoder-decoder's source
     and target batches are then known equal, so ``nn.MultiheadAttention``'s
@@ -66,7 +68,7 @@ def _dynamic_shapes(args: tuple, kwargs: dict, shared_batch: bool = True) -> Any
         and sizes[0] > 1 else None
 
     def dims(t: torch.Tensor) -> dict:
-        out = {i: Dim.AUTO for i in range(min(t.dim(), 2))}
+        out = {i: Dim.AUTO for i in range(min(t.dim(), 2 if sequence else 1))}
         if batch is not None and t.dim() and t.shape[0] == sizes[0]:
             out[0] = batch
         return out
@@ -75,10 +77,12 @@ def _dynamic_shapes(args: tuple, kwargs: dict, shared_batch: bool = True) -> Any
     return tuple(dims(a) for a in args)
 
 
-def _export(model, args, kwargs):
+def _export(model, args, kwargs) -> tuple:
     """torch.export with :func:`_dynamic_shapes`; again with a symbol per input's batch when
     the model's code does not hold one batch dim for them all (it specialises it, or
-    an input's dim 0 is not the batch)."""
+    an input's dim 0 is not the batch); and then with the sequence static (raising the
+    dynamic capture's error where that fails too). Returns ``(ExportedProgram, the dynamic
+    capture's error where the sequence was made static, else None)``."""
     with _named_keywords(model, kwargs), warnings.catch_warnings():
         # nn.LSTM / GRU / RNN re-assign their own parameters to _flat_weights in forward:
         # export's warning ("must be registered as buffers") would tell the user to edit
@@ -87,11 +91,25 @@ def _export(model, args, kwargs):
         try:
             with _quiet_shape_log():
                 return torch.export.export(model, args, kwargs, dynamic_shapes=_dynamic_shapes(
-                    args, kwargs), strict=False)
+                    args, kwargs), strict=False), None
         except Exception:
+            pass
+        try:
             dyn = _dynamic_shapes(args, kwargs, shared_batch=False)
             with _quiet_shape_log():
-                return torch.export.export(model, args, kwargs, dynamic_shapes=dyn, strict=False)
+                return torch.export.export(model, args, kwargs, dynamic_shapes=dyn,
+                                           strict=False), None
+        except Exception as error:
+            # code that needs the length as a Python number where export gives a symbol
+            # (openai-whisper's ``is_causal = n_ctx > 1`` for SDPA's bool, LED's chunk count
+            # by ``torch.div``): captured at the example's length, which fixed_sizes warns of
+            dyn = _dynamic_shapes(args, kwargs, shared_batch=False, sequence=False)
+            try:
+                with _quiet_shape_log():
+                    return torch.export.export(model, args, kwargs, dynamic_shapes=dyn,
+                                               strict=False), error
+            except Exception:
+                raise error from None
 
 
 @contextlib.contextmanager
@@ -154,8 +172,10 @@ def capture(model: torch.nn.Module, batch: tuple | dict, model_file: Path) -> Ca
     args, kwargs = split_args(batch)
     held = held_parameters(model)
     with python_rng.no_draws(model, args, kwargs, model_file):
-        ep, route, applied = _exported(model, args, kwargs, model_file)
+        ep, route, applied, fixed = _exported(model, args, kwargs, model_file)
     gm = ep.module()
+    if fixed:  # for the compile's warning of the fixed length (analysis/outputs.py)
+        gm.meta[FIXED_SEQUENCE] = fixed
     read_as_parameters(gm, held)
     out_spec = gm._out_spec
     try:
@@ -185,8 +205,8 @@ def capture(model: torch.nn.Module, batch: tuple | dict, model_file: Path) -> Ca
 
 
 def _exported(model, args, kwargs, model_file: Path):
-    """(ExportedProgram, route, the custom Functions applied) of ``model`` on the batch:
-    torch.export, else symbolic_trace then export.
+    """(ExportedProgram, route, the custom Functions applied, why the sequence had to be
+    static or "") of ``model`` on the batch: torch.export, else symbolic_trace then export.
 
     Raises:
         CaptureError: both routes failed (the model failing eagerly named as such).
@@ -194,13 +214,13 @@ def _exported(model, args, kwargs, model_file: Path):
     try:
         with custom_functions.recorded() as applied, custom_functions.checkpoint_off(), \
                 state_kept(model), unchanging_to_kept():
-            ep = _export(model, args, kwargs)
+            ep, fixed_by = _export(model, args, kwargs)
         route = "torch.export"
     except Exception as export_error:
         try:
             with custom_functions.recorded() as applied, custom_functions.checkpoint_off(), \
                     state_kept(model), unchanging_to_kept():
-                ep = _export(_symbolic_trace(model), args, kwargs)
+                ep, fixed_by = _export(_symbolic_trace(model), args, kwargs)
             route = "symbolic_trace+torch.export"
         except Exception:
             eager, opaque = _eager_run(model, args, kwargs)
@@ -211,7 +231,11 @@ def _exported(model, args, kwargs, model_file: Path):
             raise CaptureError(_capture_message(export_error, model_file)
                                + capture_hints.hints(model, args, kwargs, export_error,
                                                      model_file)) from export_error
-    return ep, route, applied
+    fixed = ""
+    if fixed_by is not None:
+        first = str(fixed_by).strip().splitlines()[0] if str(fixed_by).strip() else ""
+        fixed = f"{type(fixed_by).__name__}: {first}{user_frame(fixed_by, model_file)}"
+    return ep, route, applied, fixed
 
 
 def _drop_dead_code(gm: torch.fx.GraphModule) -> None:

@@ -85,3 +85,35 @@ def test_a_guard_excluding_one_sample_asks_for_two_not_a_fixed_batch():
         "pipeline.microbatches). Use fewer microbatches" in msg and "fixes" not in msg, msg
     program = compiler.compile_module(_ChunkedHead(), (torch.randn(8, 16, D),), spec)
     assert program.plan.fixed_sizes == ()
+
+
+class _CausalIfLonger(nn.Module):
+    """openai-whisper's ``is_causal = mask is not None and n_ctx > 1`` given to SDPA, which
+    takes a Python bool: with the length symbolic, export fails ("argument 'is_causal' must
+    be bool, not SymBool") and the model was refused (zoo 13 Z3). The capture now falls back
+    to the example's length, said by the warning with the first capture's error."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(D, 3 * D), nn.Linear(D, D)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, 4, D // 4).permute(2, 0, 3, 1, 4)
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=n > 1)
+        return x + self.out(y.transpose(1, 2).reshape(b, n, D))
+
+
+def test_a_length_the_code_needs_as_a_number_is_captured_fixed_and_said():
+    torch.manual_seed(0)
+    batch = (torch.randn(4, 16, D, generator=torch.Generator().manual_seed(1)),)
+    program = compiler.compile_module(_CausalIfLonger(), batch,
+                                      Spec.model_validate({"mesh": {"tp": 2}}))
+    assert ("x", 1, 16) in program.plan.fixed_sizes
+    (warning,) = [w for w in program.warnings if "fixes the sequence length" in w]
+    assert warning.startswith("the model's code fixes the sequence length at the example's 16: "
+                              "captured with it symbolic, it fails (TypeError: "
+                              "scaled_dot_product_attention(): argument 'is_causal' must be "
+                              "bool, not SymBool"), warning
+    assert "run.py refuses another --seq-len" in warning
+    assert any(n.startswith("self-check: 2 tp rank(s)") for n in program.notes), program.notes
