@@ -141,7 +141,7 @@ def _walk(start: fx.Node, is_linear: dict, residual_stop: bool, siblings=None,
         for user in _data_users(node):
             if user in seen or user.op != "call_function":
                 continue
-            if user.target in _ROUTING:
+            if user.target in _ROUTING and _over_features(user, start):
                 ends.append((user, "a mixture-of-experts router's top-k"))
                 return set()
             seen.add(user)
@@ -181,6 +181,19 @@ def _walk(start: fx.Node, is_linear: dict, residual_stop: bool, siblings=None,
                 crossed.add(user)
             frontier.append(user)
     return reached
+
+
+def _over_features(topk: fx.Node, start: fx.Node) -> bool:
+    """``topk`` picks along a dim as wide as ``start``'s output features (a router's experts,
+    read from its logits); a top-k over attention scores' keys (x-transformers'
+    ``attn_sparse_topk``) picks within each head, whose q and k pair as any attention's
+    (they were reported "no column/row pair found", zoo 13 Z14)."""
+    x, out = topk.args[0].meta.get("val"), start.meta.get("val")
+    if getattr(x, "shape", None) is None or getattr(out, "shape", None) is None \
+            or not x.dim() or not out.dim():
+        return True
+    dim = topk.args[2] if len(topk.args) > 2 else topk.kwargs.get("dim", -1)
+    return same(x.shape[dim], out.shape[-1])
 
 
 def _sibling_linears(add: fx.Node, walked: fx.Node, start: fx.Node, is_linear: dict):
