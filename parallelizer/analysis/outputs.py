@@ -15,7 +15,7 @@ import torch.fx as fx
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
 
 from ..errors import PlanError
-from ..frontend.guards import FIXED_SEQUENCE, batch_breaks, pinned
+from ..frontend.guards import FIXED_BY, batch_breaks, pinned
 from .graph_facts import input_values, source_line
 
 # ops whose int arguments are sizes: where a batch size fixed by the model's code shows
@@ -81,9 +81,11 @@ def check_batch_is_dynamic(gm: fx.GraphModule, input_names, chunks: int = 2) -> 
         return
     batch = int(str(val.shape[0]))
     where = _sized_by(gm, batch)
+    why = gm.meta.get(FIXED_BY)
     raise PlanError(
         f"the model's code fixes the batch size at the example's {batch} (dim 0 of input "
-        f"{input_names[0]!r} is a constant in the captured graph, not a symbol)"
+        f"{input_names[0]!r} is a constant in the captured graph, not a symbol"
+        f"{f': captured with it symbolic, it fails ({why})' if why else ''})"
         f"{'; the first op sized by it: ' + where if where else ''}; under mesh.pp > 1, "
         f"pipeline.microbatches > 1 or mesh.dp > 1 the step runs fewer samples at a time. "
         f"Size by the tensor (x.shape[0], x.size(0), x.expand(x.shape[0], ...)) rather than a "
@@ -189,12 +191,12 @@ def fixed_size_warnings(fixed: tuple, gm: fx.GraphModule | None = None) -> list[
     """The compile's warning for each size :func:`fixed_sizes` warns about, naming the first
     op of the model's code sized by it where one is found (``gm``)."""
     out = []
-    why = gm.meta.get(FIXED_SEQUENCE) if gm is not None else None
+    why = gm.meta.get(FIXED_BY) if gm is not None else None
     for name, d, size, warned in fixed:
         what, flag, fix = _DIM_WORDS[d]
-        if d == 1 and why and warned:
+        if why and warned:
             out.append(f"the model's code fixes the {what} at the example's {size}: captured "
-                       f"with it symbolic, it fails ({why}), so dim 1 of input {name!r} was "
+                       f"with it symbolic, it fails ({why}), so dim {d} of input {name!r} was "
                        f"captured as that number; the program runs only that {what}, and "
                        f"run.py refuses another {flag}")
         elif isinstance(warned, str):

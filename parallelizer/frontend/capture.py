@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 from torch.export import Dim
-from torch.utils._pytree import TreeSpec, tree_flatten, treespec_dumps
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, treespec_dumps
 
 from ..errors import CaptureError
 from . import capture_hints, custom_functions, python_rng
@@ -30,7 +30,7 @@ from .factories import factories_of_constants
 from .graph_rewrite import returns_view
 from .model_file import user_frame
 from .module_state import state_kept, unchanging_to_kept
-from .guards import FIXED_SEQUENCE, record_shape_guards
+from .guards import FIXED_BY, record_shape_guards
 from .held_params import held_parameters, read_as_parameters
 from .regions import inline_regions, model_line
 from .saved_reads import copy_reads_before_writes
@@ -80,9 +80,10 @@ def _dynamic_shapes(args: tuple, kwargs: dict, shared_batch: bool = True,
 def _export(model, args, kwargs) -> tuple:
     """torch.export with :func:`_dynamic_shapes`; again with a symbol per input's batch when
     the model's code does not hold one batch dim for them all (it specialises it, or
-    an input's dim 0 is not the batch); and then with the sequence static (raising the
-    dynamic capture's error where that fails too). Returns ``(ExportedProgram, the dynamic
-    capture's error where the sequence was made static, else None)``."""
+    an input's dim 0 is not the batch); and then with the sequence static, then with every
+    dim static (raising the dynamic capture's error where those fail too). Returns
+    ``(ExportedProgram, the dynamic capture's error where a dim was made static, else
+    None)``."""
     with _named_keywords(model, kwargs), warnings.catch_warnings():
         # nn.LSTM / GRU / RNN re-assign their own parameters to _flat_weights in forward:
         # export's warning ("must be registered as buffers") would tell the user to edit
@@ -100,16 +101,25 @@ def _export(model, args, kwargs) -> tuple:
                 return torch.export.export(model, args, kwargs, dynamic_shapes=dyn,
                                            strict=False), None
         except Exception as error:
-            # code that needs the length as a Python number where export gives a symbol
-            # (openai-whisper's ``is_causal = n_ctx > 1`` for SDPA's bool, LED's chunk count
-            # by ``torch.div``): captured at the example's length, which fixed_sizes warns of
-            dyn = _dynamic_shapes(args, kwargs, shared_batch=False, sequence=False)
+            dynamic_error = error
+        # code that needs the length (or the batch) as a Python number where export gives a
+        # symbol (openai-whisper's ``is_causal = n_ctx > 1`` for SDPA's bool; diffusers'
+        # ``torch.randn(shape, generator=None)``, an overload without symbolic sizes):
+        # captured at the example's sizes, which fixed_sizes warns of
+        for dyn in (_dynamic_shapes(args, kwargs, shared_batch=False, sequence=False), None):
             try:
-                with _quiet_shape_log():
-                    return torch.export.export(model, args, kwargs, dynamic_shapes=dyn,
-                                               strict=False), error
+                with _quiet_shape_log():  # new tensors: a failed export leaves its dims marked
+                    return torch.export.export(model, *tree_map(_fresh, (args, kwargs)),
+                                               dynamic_shapes=dyn, strict=False), dynamic_error
             except Exception:
-                raise error from None
+                pass
+        raise dynamic_error
+
+
+def _fresh(x):
+    """A tensor's copy with none of the marks a failed export left on it (the dims it made
+    dynamic, which the next export, asked for static ones, kept symbolic)."""
+    return x.clone() if isinstance(x, torch.Tensor) else x
 
 
 @contextlib.contextmanager
@@ -174,8 +184,8 @@ def capture(model: torch.nn.Module, batch: tuple | dict, model_file: Path) -> Ca
     with python_rng.no_draws(model, args, kwargs, model_file):
         ep, route, applied, fixed = _exported(model, args, kwargs, model_file)
     gm = ep.module()
-    if fixed:  # for the compile's warning of the fixed length (analysis/outputs.py)
-        gm.meta[FIXED_SEQUENCE] = fixed
+    if fixed:  # for the compile's warning of the fixed size (analysis/outputs.py)
+        gm.meta[FIXED_BY] = fixed
     read_as_parameters(gm, held)
     out_spec = gm._out_spec
     try:
@@ -205,8 +215,8 @@ def capture(model: torch.nn.Module, batch: tuple | dict, model_file: Path) -> Ca
 
 
 def _exported(model, args, kwargs, model_file: Path):
-    """(ExportedProgram, route, the custom Functions applied, why the sequence had to be
-    static or "") of ``model`` on the batch: torch.export, else symbolic_trace then export.
+    """(ExportedProgram, route, the custom Functions applied, why the sequence or batch had
+    to be static or "") of ``model`` on the batch: torch.export, else symbolic_trace then export.
 
     Raises:
         CaptureError: both routes failed (the model failing eagerly named as such).
@@ -273,6 +283,16 @@ def _symbolic_trace(model: torch.nn.Module) -> torch.fx.GraphModule:
 # ``self.expand(size)``), kept apart by torch.export's pre-dispatch graph: one spelling, so
 # every rule that reads expand's sizes (the local sizes under tp, repeat_kv) reads both
 _SAME_OP = {torch.ops.aten.broadcast_to.default: torch.ops.aten.expand.default}
+# a draw given ``generator=None`` (diffusers' ``randn_tensor``) is the draw from the default
+# generator, which the program's random streams replace (planning/dropout.py); kept apart,
+# the overload had no stream and the model was refused
+_DEFAULT_GENERATOR = {
+    torch.ops.aten.randn.generator: torch.ops.aten.randn.default,
+    torch.ops.aten.rand.generator: torch.ops.aten.rand.default,
+    torch.ops.aten.randint.generator: torch.ops.aten.randint.default,
+    torch.ops.aten.randint.low_generator: torch.ops.aten.randint.low,
+    torch.ops.aten.randperm.generator: torch.ops.aten.randperm.default,
+}
 
 _aten = torch.ops.aten
 # in-place views: they change their input's shape, not its values (BigBird's
@@ -359,6 +379,10 @@ def _one_op_per_meaning(gm: torch.fx.GraphModule) -> None:
             changed = True
         elif node.target in _SAME_OP:
             node.target = _SAME_OP[node.target]
+            changed = True
+        elif node.target in _DEFAULT_GENERATOR and node.kwargs.get("generator") is None:
+            node.target = _DEFAULT_GENERATOR[node.target]
+            node.kwargs = {k: v for k, v in node.kwargs.items() if k != "generator"}
             changed = True
         elif _one_tensor_cat(node):
             # a copy (einops' ``pack([t], '* n d')``): one rule for every placement of t, where

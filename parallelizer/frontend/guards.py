@@ -21,7 +21,7 @@ import torch
 _SIZE = re.compile(r"L((?:\['[^']+'\])+)\.size\(\)\[(\d+)\]")
 _KEY = re.compile(r"\['([^']+)'\]")
 SHAPE_GUARDS = "shape_guards"  # gm.meta key
-FIXED_SEQUENCE = "fixed_sequence"  # gm.meta key: why capture held the sequence static
+FIXED_BY = "fixed_by"  # gm.meta key: why capture held the sequence (or batch) static
 
 
 def record_shape_guards(gm: torch.fx.GraphModule, ep, names, values) -> None:

@@ -297,13 +297,18 @@ class EagerDropoutOff(TorchFunctionMode):
 # bound arguments: its distribution's mean (for integer draws the mean rounded down, a
 # permutation the identity, multinomial the most probable categories).
 _STAND_INS = {
-    **dict.fromkeys(("aten.rand.default", "aten.rand_like.default"), lambda a: 0.5),
-    **dict.fromkeys(("aten.randn.default", "aten.randn_like.default"), lambda a: 0.0),
-    **dict.fromkeys(("aten.randint.default", "aten.randint_like.default"),
-                    lambda a: (a["high"] - 1) // 2),
-    **dict.fromkeys(("aten.randint.low", "aten.randint_like.low_dtype"),
-                    lambda a: (a["low"] + a["high"] - 1) // 2),
-    "aten.randperm.default": lambda a: torch.arange(a["n"]),
+    # the model run eagerly calls the ``.generator`` overloads where it passes generator=None
+    # (diffusers' randn_tensor); the captured graph has the default ones (capture.py)
+    **dict.fromkeys(("aten.rand.default", "aten.rand.generator", "aten.rand_like.default"),
+                    lambda a: 0.5),
+    **dict.fromkeys(("aten.randn.default", "aten.randn.generator", "aten.randn_like.default"),
+                    lambda a: 0.0),
+    **dict.fromkeys(("aten.randint.default", "aten.randint.generator",
+                     "aten.randint_like.default"), lambda a: (a["high"] - 1) // 2),
+    **dict.fromkeys(("aten.randint.low", "aten.randint.low_generator",
+                     "aten.randint_like.low_dtype"), lambda a: (a["low"] + a["high"] - 1) // 2),
+    **dict.fromkeys(("aten.randperm.default", "aten.randperm.generator"),
+                    lambda a: torch.arange(a["n"])),
     **dict.fromkeys(("aten.uniform.default", "aten.uniform_.default"),
                     lambda a: (a["from"] + a["to"]) / 2),
     **dict.fromkeys(("aten.normal_.default", "aten.normal.float_float", "aten.normal.Tensor_float",
