@@ -520,5 +520,12 @@ def source_line(node: fx.Node, outer: int = 0) -> str:
     trace = node.meta.get("stack_trace") or ""
     frames = [f"{os.path.basename(path)}:{line}"
               for path, line in reversed(re.findall(r'File "([^"]+)", line (\d+)', trace))
-              if f"{os.sep}torch{os.sep}" not in path]
+              if f"{os.sep}torch{os.sep}" not in path and _source_file(path)]
     return frames[outer] if len(frames) > outer else ""
+
+
+@functools.lru_cache(maxsize=None)
+def _source_file(path: str) -> bool:
+    """``path`` is a file a user can open: not code generated at run time (einx compiles its
+    ops into a ``torch.py`` that exists nowhere, zoo 13 Z17's native-sparse-attention)."""
+    return os.path.isfile(path)
