@@ -78,43 +78,29 @@ def _dynamic_shapes(args: tuple, kwargs: dict, shared_batch: bool = True,
     return tuple(dims(a) for a in args)
 
 
-def _export(model, args, kwargs) -> tuple:
+def _export(model, args, kwargs, static: bool = False):
     """torch.export with :func:`_dynamic_shapes`; again with a symbol per input's batch when
     the model's code does not hold one batch dim for them all (it specialises it, or
-    an input's dim 0 is not the batch); and then with the sequence static, then with every
-    dim static (raising the dynamic capture's error where those fail too). Returns
-    ``(ExportedProgram, the dynamic capture's error where a dim was made static, else
-    None)``."""
+    an input's dim 0 is not the batch). ``static``: with the sequence static, then with
+    every dim static instead, for code that needs a size as a Python number where export
+    gives a symbol (openai-whisper's ``is_causal = n_ctx > 1`` for SDPA's bool; diffusers'
+    ``torch.randn(shape, generator=None)``, an overload without symbolic sizes)."""
+    attempts = ((_dynamic_shapes(args, kwargs, shared_batch=False, sequence=False), None)
+                if static else (_dynamic_shapes(args, kwargs),
+                                _dynamic_shapes(args, kwargs, shared_batch=False)))
     with _named_keywords(model, kwargs), warnings.catch_warnings():
         # nn.LSTM / GRU / RNN re-assign their own parameters to _flat_weights in forward:
         # export's warning ("must be registered as buffers") would tell the user to edit
         # torch's module, and what it names are parameters export has already
         warnings.filterwarnings("ignore", message=r"The tensor attributes [^ ]*_flat_weights")
-        try:
-            with _quiet_shape_log():
-                return torch.export.export(model, args, kwargs, dynamic_shapes=_dynamic_shapes(
-                    args, kwargs), strict=False), None
-        except Exception:
-            pass
-        try:
-            dyn = _dynamic_shapes(args, kwargs, shared_batch=False)
-            with _quiet_shape_log():
-                return torch.export.export(model, args, kwargs, dynamic_shapes=dyn,
-                                           strict=False), None
-        except Exception as error:
-            dynamic_error = error
-        # code that needs the length (or the batch) as a Python number where export gives a
-        # symbol (openai-whisper's ``is_causal = n_ctx > 1`` for SDPA's bool; diffusers'
-        # ``torch.randn(shape, generator=None)``, an overload without symbolic sizes):
-        # captured at the example's sizes, which fixed_sizes warns of
-        for dyn in (_dynamic_shapes(args, kwargs, shared_batch=False, sequence=False), None):
+        for i, dyn in enumerate(attempts):
             try:
                 with _quiet_shape_log():  # new tensors: a failed export leaves its dims marked
-                    return torch.export.export(model, *tree_map(_fresh, (args, kwargs)),
-                                               dynamic_shapes=dyn, strict=False), dynamic_error
+                    inputs = tree_map(_fresh, (args, kwargs)) if static else (args, kwargs)
+                    return torch.export.export(model, *inputs, dynamic_shapes=dyn, strict=False)
             except Exception:
-                pass
-        raise dynamic_error
+                if i == len(attempts) - 1:
+                    raise
 
 
 def _fresh(x):
@@ -217,35 +203,39 @@ def capture(model: torch.nn.Module, batch: tuple | dict, model_file: Path) -> Ca
 
 def _exported(model, args, kwargs, model_file: Path):
     """(ExportedProgram, route, the custom Functions applied, why the sequence or batch had
-    to be static or "") of ``model`` on the batch: torch.export, else symbolic_trace then export.
+    to be static or "") of ``model`` on the batch: torch.export, else symbolic_trace then
+    export; where both fail with the sizes symbolic, torch.export with them static (the
+    compile warns of the fixed sizes, quoting the symbolic capture's error).
 
     Raises:
-        CaptureError: both routes failed (the model failing eagerly named as such).
+        CaptureError: every route failed (the model failing eagerly named as such).
     """
-    try:
-        with custom_functions.recorded() as applied, custom_functions.checkpoint_off(), \
-                state_kept(model), unchanging_to_kept():
-            ep, fixed_by = _export(model, args, kwargs)
-        route = "torch.export"
-    except Exception as export_error:
+    routes = (("torch.export", lambda: model, False),
+              ("symbolic_trace+torch.export", lambda: _symbolic_trace(model), False),
+              ("torch.export", lambda: model, True))
+    first_error = None
+    for route, traced, static in routes:
         try:
             with custom_functions.recorded() as applied, custom_functions.checkpoint_off(), \
                     state_kept(model), unchanging_to_kept():
-                ep, fixed_by = _export(_symbolic_trace(model), args, kwargs)
-            route = "symbolic_trace+torch.export"
-        except Exception:
-            eager, opaque = _eager_run(model, args, kwargs)
-            if eager is not None:  # not a tracing problem: the model fails as it is
-                raise CaptureError(eager_message(eager, model_file)) from eager
-            if opaque:  # export cannot return it (a transformers Cache: use_cache on)
-                raise CaptureError(_opaque_message(opaque, model_file)) from export_error
-            raise CaptureError(_capture_message(export_error, model_file)
-                               + capture_hints.hints(model, args, kwargs, export_error,
-                                                     model_file)) from export_error
+                ep = _export(traced(), args, kwargs, static)
+            break
+        except Exception as e:
+            first_error = first_error or e
+    else:
+        eager, opaque = _eager_run(model, args, kwargs)
+        if eager is not None:  # not a tracing problem: the model fails as it is
+            raise CaptureError(eager_message(eager, model_file)) from eager
+        if opaque:  # export cannot return it (a transformers Cache: use_cache on)
+            raise CaptureError(_opaque_message(opaque, model_file)) from first_error
+        raise CaptureError(_capture_message(first_error, model_file)
+                           + capture_hints.hints(model, args, kwargs, first_error,
+                                                 model_file)) from first_error
     fixed = ""
-    if fixed_by is not None:
-        first = str(fixed_by).strip().splitlines()[0] if str(fixed_by).strip() else ""
-        fixed = f"{type(fixed_by).__name__}: {first}{user_frame(fixed_by, model_file)}"
+    if static:
+        text = str(first_error).strip()
+        fixed = (f"{type(first_error).__name__}: {text.splitlines()[0] if text else ''}"
+                 f"{user_frame(first_error, model_file)}")
     return ep, route, applied, fixed
 
 
