@@ -4,6 +4,7 @@ model or of model.py removes. Each names the setting and the fix; none changes t
 from __future__ import annotations
 
 import inspect
+import os
 from pathlib import Path
 
 import torch
@@ -14,7 +15,36 @@ from .model_file import user_frame
 def hints(model: torch.nn.Module, args, kwargs, error: Exception, model_file: Path) -> str:
     """Every hint that applies, each on its own line (or "")."""
     return (layerdrop_hint(model) + specaugment_hint(model)
-            + loss_hint(args, kwargs, error, model_file) + mask_hint(model, args, kwargs))
+            + loss_hint(args, kwargs, error, model_file) + mask_hint(model, args, kwargs)
+            + functorch_hint(error))
+
+
+def functorch_hint(error: Exception) -> str:
+    """A hint when the failure is inside ``torch.func`` (``grad``, ``vmap``, ``jacrev``)
+    called by forward: a gradient computed inside the forward (titans-pytorch's neural
+    memory learns at test time by ``vmap(grad(loss))``) is no op of a training graph
+    torch.export records, and the refusal said only "'Tensor' object has no attribute
+    'constant'" (zoo 13 Z6)."""
+    frames = _frames(error)
+    if not any(f"{_SEP}torch{_SEP}_functorch{_SEP}" in f or f"{_SEP}torch{_SEP}func{_SEP}" in f
+               for f in frames):
+        return ""
+    return ("\nThe failure is inside torch.func (grad, vmap, jacrev) called by forward: a "
+            "gradient computed inside forward (test-time training, a neural memory's update) "
+            "cannot be captured into the training graph; configure the model without it (a "
+            "plain memory, no inner update) to compile the rest.")
+
+
+_SEP = os.sep
+
+
+def _frames(error: Exception) -> list:
+    """The files of ``error``'s traceback, innermost last."""
+    out, tb = [], error.__traceback__
+    while tb is not None:
+        out.append(tb.tb_frame.f_code.co_filename)
+        tb = tb.tb_next
+    return out
 
 
 def mask_hint(model: torch.nn.Module, args, kwargs) -> str:
