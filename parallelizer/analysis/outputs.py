@@ -187,6 +187,14 @@ def fixed_sizes(gm: fx.GraphModule, input_names) -> tuple:
     return tuple(out)
 
 
+def static_dims(gm: fx.GraphModule, input_names) -> tuple:
+    """``(input name, dim)`` of each dim 0 or 1 of an input that the captured graph holds as a
+    number (fixed by the model's code, or never a batch or sequence: Whisper's mel bins,
+    a conv's channels): ``run.py``'s ``--batch-size`` / ``--seq-len`` resize the others only."""
+    return tuple((name, d) for name, val in input_values(gm, input_names)
+                 for d in range(min(val.dim(), 2)) if str(val.shape[d]).isdigit())
+
+
 def fixed_size_warnings(fixed: tuple, gm: fx.GraphModule | None = None) -> list[str]:
     """The compile's warning for each size :func:`fixed_sizes` warns about, naming the first
     op of the model's code sized by it where one is found (``gm``)."""

@@ -225,6 +225,9 @@ class ParallelPlan:
     # captured graph holds as a constant (analysis/outputs.py fixed_sizes): run.py refuses
     # --batch-size / --seq-len / data.seq_len that differ
     fixed_sizes: tuple = ()
+    # (input name, dim) of each dim 0 or 1 the captured graph holds as a number
+    # (analysis/outputs.py static_dims): --seq-len / --batch-size leave those as they are
+    static_dims: tuple = ()
     # (input name, dim, low, high or None, where) of each batch / sequence size the model's
     # code bounds (analysis/input_bounds.py size_ranges): run.py refuses sizes outside [low, high]
     size_ranges: tuple = ()
@@ -276,6 +279,7 @@ class ParallelPlan:
         d["random"] = tuple(d.get("random", ()))
         d["vocab_outputs"] = tuple(tuple(p) for p in d.get("vocab_outputs", ()))
         d["fixed_sizes"] = tuple(tuple(p) for p in d.get("fixed_sizes", ()))
+        d["static_dims"] = tuple(tuple(p) for p in d.get("static_dims", ()))
         d["size_ranges"] = tuple(tuple(p) for p in d.get("size_ranges", ()))
         d["expert_layers"] = tuple(d.get("expert_layers", ()))
         return ParallelPlan(tensors=tensors, stages=stages, **d)

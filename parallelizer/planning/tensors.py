@@ -13,7 +13,7 @@ from torch.utils._pytree import treespec_dumps
 from ..analysis.graph_facts import RUNTIME_DEVICE, attr_targets
 from ..analysis.needed_imports import modules_needed
 from ..analysis.input_bounds import size_ranges
-from ..analysis.outputs import fixed_sizes, scalar_outputs
+from ..analysis.outputs import fixed_sizes, scalar_outputs, static_dims
 from ..analysis.partition import GraphPartition
 from ..checkpoint.format import safetensors_dtype
 from ..errors import CheckpointError, PlanError
@@ -137,6 +137,7 @@ def build_plan(spec, captured, gm, model, groups, tp: TPDecision, vocab: VocabDe
         imports=modules_needed(gm.graph, captured.out_spec, MODEL_MODULE),
         scalar_outputs=scalar_outputs(gm), vocab_outputs=tuple(sorted(vocab.outputs.items())),
         fixed_sizes=tuple(f[:3] for f in fixed_sizes(gm, captured.input_names)),
+        static_dims=static_dims(gm, captured.input_names),
         size_ranges=size_ranges(gm, captured.input_names),
         dropout=tuple(dataclasses.asdict(d) for d in dropout),
         random=tuple(dataclasses.asdict(r) for r in random), ep=ep.ep,

@@ -86,18 +86,22 @@ def check_fixed_sizes(plan: ParallelPlan, batch: int | None, seq: int | None,
 
 def _resized(plan: ParallelPlan, example, batch: int | None, seq: int | None):
     """``example`` with dim 0 set to ``batch`` and dim 1 to ``seq`` (where given) in the
-    inputs whose dim 1 is the first input's (the sequence; a (B, 5) feature input beside
-    (B, T) token ids keeps its 5)."""
+    inputs whose dim 1 the captured graph holds as a symbol and is the first such input's
+    (the sequence; a (B, 5) feature input beside (B, T) token ids keeps its 5, Whisper's
+    (B, 16 mel bins, frames) beside (B, 16) labels its 16: ``plan.static_dims``)."""
     if not batch and not seq:
         return example
     out = []
     flat = flatten(plan, example)
-    length = next((t.shape[1] for t in flat if t.dim() > 1), None)  # the first input's
-    for t in flat:
+    names = plan.input_names or tuple(range(len(flat)))
+    static = set(map(tuple, plan.static_dims))
+    dynamic = [t.shape[1] for n, t in zip(names, flat) if t.dim() > 1 and (n, 1) not in static]
+    length = dynamic[0] if dynamic else None  # the first sequence input's
+    for name, t in zip(names, flat):
         shape = list(t.shape)
-        if batch and shape:
+        if batch and shape and (name, 0) not in static:
             shape[0] = batch
-        if seq and len(shape) > 1 and shape[1] == length:  # a sequence, not features beside it
+        if seq and len(shape) > 1 and shape[1] == length and (name, 1) not in static:
             shape[1] = seq
         # the example's largest token id: synthetic_batches draws ids below it
         top = int(t.max()) if t.numel() and not t.is_floating_point() else 0

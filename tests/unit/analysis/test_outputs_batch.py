@@ -195,3 +195,30 @@ def test_seq_len_resizes_the_sequence_inputs_only():
                                       Spec.model_validate({"mesh": {"tp": 1}}), reference=False)
     ids, feats = flatten(program.plan, _resized(program.plan, example, 3, 8))
     assert tuple(ids.shape) == (3, 8) and tuple(feats.shape) == (3, 5)
+
+
+class ChannelsFirstBesideIds(nn.Module):
+    """Whisper's spelling: input_features (B, 16 mel bins, frames) first, read by a
+    Conv1d(16, ..), beside labels (B, 16) whose 16 is a free sequence. --seq-len resized the
+    first input's dim 1 because the labels' length equals it, and the step died in the
+    conv ("expected input[2, 32, 24] to have 16 channels", zoo 14 F10)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.emb = nn.Conv1d(16, H, 3, padding=1), nn.Embedding(64, H)
+
+    def forward(self, x, ids):
+        return self.conv(x).mean(2, keepdim=True).transpose(1, 2) + self.emb(ids)
+
+
+def test_seq_len_leaves_a_dim_the_graph_holds_as_a_number():
+    from parallelizer import compiler
+    from parallelizer.frontend.spec import Spec
+    from parallelizer.runtime.batching import flatten
+    from parallelizer.runtime.data_source import _resized
+    example = (torch.randn(2, 16, 24), torch.randint(0, 64, (2, 16)))
+    program = compiler.compile_module(ChannelsFirstBesideIds(), example,
+                                      Spec.model_validate({"mesh": {"tp": 1}}), reference=False)
+    assert ("x", 1) in set(map(tuple, program.plan.static_dims))
+    x, ids = flatten(program.plan, _resized(program.plan, example, 3, 32))
+    assert tuple(x.shape) == (3, 16, 24) and tuple(ids.shape) == (3, 32)
