@@ -103,8 +103,8 @@ def _check_batch_guards(gm: fx.GraphModule, chunks: int) -> None:
             batch is fixed.
     """
     broken = batch_breaks(gm, chunks)
-    if broken is not None and broken[3] < broken[2]:
-        text, name, size, least = broken
+    if broken is not None and not broken[4]:
+        text, name, size, least, _fixed = broken
         raise PlanError(
             f"the model's code needs at least {least} samples at a time: torch.export "
             f"guarded `{text}` on dim 0 of input {name!r}, which {max(1, size // chunks)} "
@@ -112,7 +112,7 @@ def _check_batch_guards(gm: fx.GraphModule, chunks: int) -> None:
             f"pipeline.microbatches). Use fewer microbatches or dp ranks, or a larger example "
             f"batch in example_inputs(), so that each gets at least {least}")
     if broken is not None:
-        text, name, size, _least = broken
+        text, name, size, _least, _fixed = broken
         raise PlanError(
             f"the model's code fixes the batch size at the example's {size}: it turns dim 0 of "
             f"input {name!r} into a Python number (int(), math on x.shape), and torch.export "

@@ -56,10 +56,12 @@ def pinned(gm: torch.fx.GraphModule, symbolic) -> list[tuple[str, str, int, int]
 
 def batch_breaks(gm: torch.fx.GraphModule, chunks: int):
     """The first guard that the batch cut into ``chunks`` (dp x microbatches) breaks:
-    ``(guard, input name, example batch, least)``, ``least`` the fewest samples per chunk
-    from which the guard holds for every share up to the whole batch (2 for a guard that
-    only excludes one sample, ``B != 1``: torch's 0/1 specialisation around a ``chunk``),
-    the example batch when only it holds; or None."""
+    ``(guard, input name, example batch, least, fixed)``, ``least`` the fewest samples per
+    chunk from which the guard holds for every share up to the whole batch (2 for a guard
+    that only excludes one sample, ``B != 1``: torch's 0/1 specialisation around a
+    ``chunk``), ``fixed`` when only the example batch holds it (not twice as many either:
+    WavLM's ``B != 1`` at an example batch of 2 is a least of 2, not a fixed batch); or
+    None."""
     texts, sizes = gm.meta.get(SHAPE_GUARDS, ((), {}))
     for text in texts:
         batched = [name for name, d in _reads(text) if d == 0 and name in sizes]
@@ -69,7 +71,9 @@ def batch_breaks(gm: torch.fx.GraphModule, chunks: int):
             while least > 1 and _holds(text, sizes, {(n, 0): (least - 1) / batch
                                                      for n in sizes}) is True:
                 least -= 1
-            return text, batched[0], batch, least
+            # held by twice the example too: a least, not the one size it runs
+            fixed = least == batch and _holds(text, sizes, {(n, 0): 2 for n in sizes}) is not True
+            return text, batched[0], batch, least, fixed
     return None
 
 

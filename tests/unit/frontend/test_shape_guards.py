@@ -89,6 +89,20 @@ def test_a_guard_excluding_one_sample_asks_for_two_not_a_fixed_batch():
     assert program.plan.fixed_sizes == ()
 
 
+def test_a_least_of_two_at_an_example_batch_of_two_is_no_fixed_batch():
+    """At an example batch of 2 cut into 2 microbatches the least (2) equals the example,
+    and the refusal said the code "fixes the batch size at the example's 2" with the fix
+    "use mesh.pp=1" (zoo 14 F11, WavLM's ``B != 1`` guard); twice the batch holds the guard
+    too, so the least is named."""
+    torch.manual_seed(0)
+    spec = Spec.model_validate({"mesh": {"pp": 1}, "pipeline": {"microbatches": 2}})
+    with pytest.raises(PlanError) as e:
+        compiler.compile_module(_ChunkedHead(), (torch.randn(2, 16, D),), spec)
+    msg = str(e.value)
+    assert msg.startswith("the model's code needs at least 2 samples at a time"), msg
+    assert "which 1 sample(s) break (the example batch of 2 cut into 2" in msg, msg
+
+
 class _CausalIfLonger(nn.Module):
     """openai-whisper's ``is_causal = mask is not None and n_ctx > 1`` given to SDPA, which
     takes a Python bool: with the length symbolic, export fails ("argument 'is_causal' must
