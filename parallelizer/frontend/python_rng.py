@@ -73,21 +73,21 @@ def _draw_site(model, args, kwargs) -> str:
     """`` at FILE:LINE`` of the first line of one forward of ``model`` after which a
     generator's state changed (modules put back as they were; "" when none is seen)."""
     found: list = []
-    last = [None, snapshot()]
+    line = [None]
+    start = snapshot()
 
     def trace(frame, event, arg):
         if found:
             return None
-        if _drawn(last[1], snapshot()):
-            found.append(last[0])
+        if _drawn(start, snapshot()):
+            found.append(line[0])
             return None
         if event == "line" and not _library(frame.f_code.co_filename):
-            last[0] = f"{frame.f_code.co_filename}:{frame.f_lineno}"
+            line[0] = f"{frame.f_code.co_filename}:{frame.f_lineno}"
         return trace
 
-    state = snapshot()
     try:
-        with state_kept(model), torch.random.fork_rng(), torch.no_grad():
+        with state_kept(model), torch.random.fork_rng(devices=[]), torch.no_grad():
             sys.settrace(trace)
             try:
                 model(*args, **kwargs)
@@ -95,7 +95,7 @@ def _draw_site(model, args, kwargs) -> str:
                 sys.settrace(None)
     except Exception:  # the draw is what matters; the model ran once already
         pass
-    _put_back(state)
+    _put_back(start)
     return f" at {found[0]}" if found and found[0] else ""
 
 

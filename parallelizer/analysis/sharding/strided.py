@@ -197,11 +197,11 @@ def _sharded(p) -> bool:
 
 
 def check_sizes(graph, prop) -> list:
-    """Size nodes rewritten (or read local) for a merge that also size other ops. An op on replicated values
-    only (``nn.MultiheadAttention`` reshaping its key_padding_mask, expanded over the heads,
-    by the same ``bsz * num_heads`` it merges q with) gets a copy of the size node that keeps
-    the global value (``prop.size_copies``: size node -> those ops); any other: a
-    (node name, views, reason) conflict."""
+    """Size nodes rewritten (or read local) for a merge that also size other ops. An op on
+    replicated values only (``nn.MultiheadAttention`` reshaping its key_padding_mask,
+    expanded over the heads, by the same ``bsz * num_heads`` it merges q with) gets a copy of
+    the size node that keeps the global value (``prop.size_copies``: size node -> those
+    ops), unless the size is read local; any other: a (node name, views, reason) conflict."""
     by_name = {n.name: n for n in graph.nodes}
     out = []
     for name, views in prop.strided_sizes.items():
