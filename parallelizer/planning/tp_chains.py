@@ -20,17 +20,24 @@ from .tp_sizes import divisible
 
 def chains_whole(graph: fx.Graph, sites: list, tp: int, decision: TPDecision, chosen):
     """``chosen`` (pairs, column, row, propagation), or the plan with its chain heads kept
-    whole when that settles divisible, shards every other weight ``chosen`` shards and sends
-    fewer bytes per step (:func:`bytes_per_step`); its report then says so."""
+    whole when that shards every other weight ``chosen`` shards and either settles divisible
+    where ``chosen`` does not, or is as divisible and sends fewer bytes per step
+    (:func:`bytes_per_step`); its report then says so. Neither divisible (a chain head tp
+    does not divide beside a feed-forward it does not divide either: recurrent-memory-
+    transformer's 5-wide hyper-connection mixer and its GEGLU of 170 at tp 4, zoo 13 Z19), the
+    cheaper one goes on to ``tp_candidates.indivisible``, which keeps the feed-forward whole:
+    from ``chosen`` it kept the attention the mixer pairs with whole too, and nothing was
+    left."""
     heads = chain_heads(sites, chosen[0]) & chosen[1]
     if not heads:
         return chosen
     scratch = TPDecision(tp=tp, linears=decision.linears, biases=decision.biases)
     found = candidate(graph, seed_pairs(sites, True, whole=heads), tp, scratch)
-    if not divisible(found[3], tp) or not (chosen[1] | chosen[2]) - heads <= found[1] | found[2]:
+    fits, fitted = divisible(found[3], tp), divisible(chosen[3], tp)
+    if fitted and not fits or not (chosen[1] | chosen[2]) - heads <= found[1] | found[2]:
         return chosen
     before, after = bytes_per_step(graph, sites, chosen, tp), bytes_per_step(graph, sites, found, tp)
-    if after >= before:
+    if after >= before and fits == fitted:
         return chosen
     decision.blockers, decision.report = scratch.blockers, scratch.report
     decision.report.append(
