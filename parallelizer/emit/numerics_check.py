@@ -62,8 +62,8 @@ from ..runtime.batching import flatten
 from ..runtime.stage_builder import stage_class_from_source
 from ..runtime.vocab import gather_from_tp_region
 from .reference import fp64_copy, max_abs_diff, to_fp64, unchanged
-from .numerics_compare import (BUG, FIX, compare_buffers, compare_grads, compare_outputs,
-                               tolerance)
+from .numerics_compare import (ATOL, BUG, FIX, compare_buffers, compare_grads,
+                               compare_outputs, tolerance)
 from .tp_threads import rank_threads, run_ranks
 
 
@@ -229,6 +229,7 @@ def _with_rounding(model: torch.nn.Module, batch, want: Reference, seed: int):
         else None
     if wide is None:
         return None
+    _check_repeatable(model, batch, want, seed)
     try:
         exact = reference(wide, to_fp64(batch), seed,
                           [c.double() if c is not None else None for c in want.cotangents])
@@ -242,6 +243,31 @@ def _with_rounding(model: torch.nn.Module, batch, want: Reference, seed: int):
         for k, a in mine.items():
             noise[(kind, k)] = _diff(a, wide.get(k))
     return replace(want, noise=noise)
+
+
+def _check_repeatable(model: torch.nn.Module, batch, want: Reference, seed: int) -> None:
+    """The model's step again from another state of torch's generator: a random op without
+    a stand-in (``rng.RandomStandIns``) draws other values, and the float64 step's difference
+    from ``want`` would be that draw, not rounding, and let a wrong program through
+    (diffusers' ``torch.randn(..., generator=None)`` had no stand-in: the self-check passed a
+    program that ``--verify`` failed by 0.16, zoo 13 Z17).
+
+    Raises:
+        PlanError: the two steps differ, naming the first tensor and the difference.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 7919)
+        again = reference(model, batch, seed, want.cotangents)
+    pairs = [(f"output {i}", a, b) for i, (a, b) in enumerate(zip(want.outputs, again.outputs))]
+    pairs += [(f"the gradient of {k}", a, again.grads.get(k)) for k, a in want.grads.items()]
+    for what, a, b in pairs:
+        d = _diff(a, b)
+        if d > ATOL * max(1.0, float(a.abs().max()) if a.numel() else 1.0):
+            raise PlanError(
+                f"{BUG}the unmodified model gives another {what} when torch's generator starts "
+                f"elsewhere (max abs difference {d:.3g}): it draws random numbers outside the "
+                f"ops the self-check and --verify replace by fixed stand-ins, so no program can "
+                f"be compared with it{FIX}")
 
 
 def _diff(a, b) -> float:

@@ -364,3 +364,29 @@ def test_the_self_check_allows_the_models_own_rounding_error():
     (note,) = [n for n in program.notes if n.startswith("self-check")]
     assert "at most" in note and "and 8 x the model's own rounding error (its float64 step)" \
         in note, note
+
+
+class _DrawsUncovered(nn.Module):
+    """Draws with an op the stand-ins do not cover (``Tensor.random_``), as diffusers'
+    ``randn(..., generator=None)`` did before it had one (zoo 13 Z17): the float64 step drew
+    other values, its difference counted as the model's rounding, and the self-check passed a
+    program ``--verify`` failed by 0.16."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x) * torch.empty_like(x).random_(1, 3)
+
+
+def test_a_reference_that_draws_outside_the_stand_ins_is_refused_not_allowed_for():
+    torch.manual_seed(0)
+    model, batch = _DrawsUncovered(), (torch.randn(4, 3, 8),)
+    want = numerics_check.reference(model, batch)
+    with pytest.raises(PlanError) as e:
+        numerics_check._check_repeatable(model, batch, want, 0)
+    assert "the unmodified model gives another output 0 when torch's generator starts " \
+           "elsewhere" in str(e.value) and "fixed stand-ins" in str(e.value), e.value
+    plain = nn.Linear(8, 8)
+    numerics_check._check_repeatable(plain, batch, numerics_check.reference(plain, batch), 0)
