@@ -526,6 +526,6 @@ def source_line(node: fx.Node, outer: int = 0) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _source_file(path: str) -> bool:
-    """``path`` is a file a user can open: not code generated at run time (einx compiles its
-    ops into a ``torch.py`` that exists nowhere, zoo 13 Z17's native-sparse-attention)."""
+    """``path`` is a file a user can open: not code generated at run time (exec'd or
+    compiled code whose file exists nowhere)."""
     return os.path.isfile(path)

@@ -1,8 +1,7 @@
 """The source line a message names (analysis/graph_facts.source_line): the innermost frame
-of the node's stack trace in a file the user can open. einx compiles each op into code it
-runs from a ``torch.py`` that exists nowhere, and the compile named "torch.py:16" as the
-line fixing the batch (zoo 13 Z17's native-sparse-attention); the frame that called einx is
-named instead."""
+of the node's stack trace in a file the user can open. A frame of code generated at run time
+(exec'd code, whose file exists nowhere) was named; the frame that called it is named
+instead."""
 from __future__ import annotations
 
 import torch.fx as fx
@@ -14,7 +13,7 @@ def test_a_frame_of_generated_code_is_skipped():
     graph = fx.Graph()
     node = graph.placeholder("x")
     node.meta["stack_trace"] = (
-        f'  File "{__file__}", line 7, in forward\n    x = einx.add(...)\n'
-        '  File "/nowhere/einx-generated/torch.py", line 16, in op\n    x = x.reshape(4, 8)\n')
+        f'  File "{__file__}", line 7, in forward\n    x = generated(x)\n'
+        '  File "/nowhere/generated/ops.py", line 16, in op\n    x = x.reshape(4, 8)\n')
     assert source_line(node) == "test_source_line.py:7"
     assert source_line(node, outer=1) == ""
