@@ -12,7 +12,6 @@ import contextlib
 import inspect
 import io
 import logging
-import re
 import sys
 import warnings
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from .einsum import einsums_as_linears, matmuls_as_linears, zero_baddbmm_as_bmm
 from .factories import factories_of_constants
 from .graph_rewrite import returns_view
 from .model_file import user_frame
+from .module_paths import one_name_per_module
 from .module_state import state_kept, unchanging_to_kept
 from .guards import FIXED_BY, record_shape_guards
 from .held_params import held_parameters, read_as_parameters
@@ -185,7 +185,7 @@ def capture(model: torch.nn.Module, batch: tuple | dict, model_file: Path) -> Ca
         n.name for n in gm.graph.nodes if n.op == "placeholder")
     record_shape_guards(gm, ep, names, tree_flatten((args, kwargs))[0])
     _to_flat_calling(gm)
-    _one_name_per_module(gm, model)
+    one_name_per_module(gm, model)
     inline_regions(gm)
     _refuse_subgraphs(gm, model_file)
     _one_op_per_meaning(gm)
@@ -325,58 +325,6 @@ def _out_of_place(node: torch.fx.Node, order: dict) -> bool:
     x = node.args[0]
     return (isinstance(x, torch.fx.Node) and x.op == "call_function" and not returns_view(x)
             and not any(returns_view(u) and u.args[0] is x and u is not node for u in x.users))
-
-
-def _one_name_per_module(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
-    """Module paths in ``nn_module_stack`` as the first path ``named_modules()`` gives each
-    module, where that path is never called: a module registered twice (Enformer's
-    ``self._trunk = nn.Sequential(self.stem, self.conv_tower, ...)``) is called through one
-    path and named, with its parameters, by the other; the planners and passes place nodes
-    by the parameters' names."""
-    first: dict = {}
-    paths: dict = {}
-    for name, m in model.named_modules(remove_duplicate=False):
-        paths[name] = first.setdefault(id(m), name)
-    called = {path for n in gm.graph.nodes
-              for path, _kind in (n.meta.get("nn_module_stack") or {}).values()}
-    # a first path that is called itself stays as it is: one block in every slot (ALBERT's
-    # ModuleList([block] * 3)) is called through each slot, the stage check's evidence
-    renamed = {p: q for p, q in paths.items() if p != q and q not in called}
-    for path in called - paths.keys():  # reached through a slice of a ModuleList
-        module = _module_at(model, path)
-        if module is not None and id(module) in first:
-            renamed[path] = first[id(module)]
-    if not renamed:
-        return
-    for node in gm.graph.nodes:
-        stack = node.meta.get("nn_module_stack")
-        if stack:
-            node.meta["nn_module_stack"] = {
-                k: (renamed.get(path, path), kind) for k, (path, kind) in stack.items()}
-
-
-_SLICE = re.compile(r"slice\((None|-?\d+), (None|-?\d+), (None|-?\d+)\)")
-
-
-def _module_at(model: torch.nn.Module, path: str):
-    """The module ``nn_module_stack``'s ``path`` names, where export spells a slice of a
-    ModuleList as a segment (``layers.slice(None, 4, None).0``: transformers' ``for layer in
-    self.layers[:n]`` called through peft's PeftModel, whose paths then matched no FQN and
-    the pipeline split found no block: an internal error, zoo 13 Z16); None when it names
-    none."""
-    module = model
-    for part in filter(None, re.split(r"\.(?![^()]*\))", path)):
-        cut = _SLICE.fullmatch(part)
-        try:
-            if cut:
-                module = module[slice(*(None if a == "None" else int(a) for a in cut.groups()))]
-            elif part.isdigit() and not hasattr(module, part):
-                module = module[int(part)]
-            else:
-                module = getattr(module, part)
-        except (AttributeError, IndexError, KeyError, TypeError):
-            return None
-    return module if isinstance(module, torch.nn.Module) else None
 
 
 def _one_op_per_meaning(gm: torch.fx.GraphModule) -> None:

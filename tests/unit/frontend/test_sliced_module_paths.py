@@ -1,4 +1,4 @@
-"""Module paths export spells through a slice of a ModuleList (frontend/capture.py).
+"""Module paths export spells through a slice of a ModuleList (frontend/module_paths.py).
 
 transformers' decoders run ``for layer in self.layers[: self.config.num_hidden_layers]``;
 called through peft's ``PeftModel`` (prompt tuning) export names the layers
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from parallelizer.analysis.graph_facts import module_path
-from parallelizer.frontend import capture as cap
+from parallelizer.frontend import capture as cap, module_paths
 
 
 class Inner(nn.Module):
@@ -39,12 +39,12 @@ class Outer(nn.Module):
 
 def test_a_path_through_a_slice_names_the_module_it_reaches():
     model = Outer()
-    assert cap._module_at(model, "base_model.layers.slice(None, 4, None).2") \
+    assert module_paths._module_at(model, "base_model.layers.slice(None, 4, None).2") \
         is model.base_model.layers[2]
-    assert cap._module_at(model, "base_model.layers.slice(1, None, 2).1") \
+    assert module_paths._module_at(model, "base_model.layers.slice(1, None, 2).1") \
         is model.base_model.layers[3]
-    assert cap._module_at(model, "base_model.layers.slice(None, 4, None).9") is None
-    assert cap._module_at(model, "base_model.nothing") is None
+    assert module_paths._module_at(model, "base_model.layers.slice(None, 4, None).9") is None
+    assert module_paths._module_at(model, "base_model.nothing") is None
 
 
 def test_the_capture_names_sliced_paths_by_their_fqn():
@@ -58,6 +58,6 @@ def test_the_capture_names_sliced_paths_by_their_fqn():
             n.meta["nn_module_stack"] = {k: (p.replace("layers.", "layers.slice(None, 4, None)."),
                                              kind) for k, (p, kind) in stack.items()}
     assert any("slice(" in module_path(n) for n in gm.graph.nodes)
-    cap._one_name_per_module(gm, model)
+    module_paths.one_name_per_module(gm, model)
     paths = {module_path(n) for n in gm.graph.nodes} - {""}
     assert paths == {"base_model"} | {f"base_model.layers.{i}" for i in range(4)}, paths
