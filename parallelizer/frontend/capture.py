@@ -168,7 +168,8 @@ def capture(model: torch.nn.Module, batch: tuple | dict, model_file: Path) -> Ca
     """
     args, kwargs = split_args(batch)
     held = held_parameters(model)
-    with python_rng.no_draws(model, args, kwargs, model_file):
+    with python_rng.no_draws(model, args, kwargs, model_file,
+                             lambda: capture_hints.setting_hints(model)):
         ep, route, applied, fixed = _exported(model, args, kwargs, model_file)
     gm = ep.module()
     if fixed:  # for the compile's warning of the fixed size (analysis/outputs.py)

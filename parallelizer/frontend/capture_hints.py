@@ -14,9 +14,14 @@ from .model_file import user_frame
 
 def hints(model: torch.nn.Module, args, kwargs, error: Exception, model_file: Path) -> str:
     """Every hint that applies, each on its own line (or "")."""
-    return (layerdrop_hint(model) + specaugment_hint(model)
-            + loss_hint(args, kwargs, error, model_file) + mask_hint(model, args, kwargs)
-            + functorch_hint(error))
+    return (setting_hints(model) + loss_hint(args, kwargs, error, model_file)
+            + mask_hint(model, args, kwargs) + functorch_hint(error))
+
+
+def setting_hints(model: torch.nn.Module) -> str:
+    """The hints naming a setting of the model's config that draws in training (LayerDrop,
+    SpecAugment), each on its own line (or "")."""
+    return layerdrop_hint(model) + specaugment_hint(model)
 
 
 def functorch_hint(error: Exception) -> str:

@@ -48,9 +48,10 @@ def _put_back(state: tuple) -> None:
 
 
 @contextlib.contextmanager
-def no_draws(model: torch.nn.Module, args, kwargs, model_file: Path):
+def no_draws(model: torch.nn.Module, args, kwargs, model_file: Path, hints=lambda: ""):
     """Raise CaptureError when the block draws from Python's or NumPy's generator (which
-    is then put back as it was), naming the model's line that drew.
+    is then put back as it was), naming the model's line that drew and ``hints()`` (the
+    model's settings that draw: transformers' SpecAugment draws its masks with NumPy).
 
     Raises:
         CaptureError: the model's forward draws (its line and the fix).
@@ -66,7 +67,8 @@ def no_draws(model: torch.nn.Module, args, kwargs, model_file: Path):
         f"forward{where}: capture runs forward once, so that one draw would be frozen into "
         f"the program (a layer dropout by random() would skip the same blocks in every step, "
         f"or none).\nFix: set the option that draws to 0 (layer_dropout, stochastic depth), or "
-        f"draw with torch (torch.rand(()) < p), which the program runs every step.")
+        f"draw with torch (torch.rand(()) < p), which the program runs every step."
+        + hints())
 
 
 def _draw_site(model, args, kwargs) -> str:
