@@ -390,3 +390,9 @@ def test_a_reference_that_draws_outside_the_stand_ins_is_refused_not_allowed_for
            "elsewhere" in str(e.value) and "fixed stand-ins" in str(e.value), e.value
     plain = nn.Linear(8, 8)
     numerics_check._check_repeatable(plain, batch, numerics_check.reference(plain, batch), 0)
+    # a parameter forward never reads has no gradient to compare (it raised AttributeError)
+    unused = nn.ModuleDict({"fc": nn.Linear(8, 8), "spare": nn.Linear(8, 8)})
+    unused.forward = lambda x: unused["fc"](x)
+    want = numerics_check.reference(unused, batch)
+    assert want.grads["spare.weight"] is None
+    numerics_check._check_repeatable(unused, batch, want, 0)
