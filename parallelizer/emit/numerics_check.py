@@ -54,6 +54,7 @@ from ..checkpoint.slicing import local_piece
 from ..errors import CaptureError, PlanError
 from ..frontend.capture import eager_message, split_args
 from ..frontend.custom_functions import checkpoint_off
+from ..frontend.model_file import headline
 from ..frontend.module_state import state_kept
 from ..plan.dtypes import differentiable
 from ..plan.layouts import copied_heads, copied_runs
@@ -390,9 +391,9 @@ def _run_program(plan, modules: list, flat_in: list, cot: list) -> list:
             raise
         except Exception as e:  # noqa: BLE001 - any failure here is the compiler's
             r = getattr(e, "tp_rank", 0)
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             raise PlanError(f"{BUG}the program fails in the numerics self-check on tp rank "
-                            f"{r} in the {where[r]}: {type(e).__name__}: {first}{FIX}") from e
+                            f"{r} in the {where[r]}: {type(e).__name__}: {headline(e, '')}"
+                            f"{FIX}") from e
 
 
 def _rank_grads(plan, modules: list) -> dict:

@@ -30,6 +30,7 @@ import torch
 
 from ..analysis.graph_facts import module_path, source_line
 from ..errors import PlanError
+from ..frontend.model_file import headline
 from ..runtime import expert_parallel, sequence
 from ..runtime.batching import flatten
 from ..runtime.fake_kernels import fake_forward_kernels
@@ -192,7 +193,7 @@ def _describe(e: Exception, st, source: str, filename: str, module, graphs, inpu
     if lineno is None:
         lineno = _forward_line_of_backward_failure(module, inputs, filename)
     node = _node_at(source, lineno, module, graphs) if lineno else None
-    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    first = headline(e)
     if node is None:
         where = f"stage {st.index}" + (f" (program/{st.module}.py line {lineno})" if lineno else "")
     else:

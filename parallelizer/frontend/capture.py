@@ -28,7 +28,7 @@ from .conv import channel_maps_as_linears
 from .einsum import einsums_as_linears, matmuls_as_linears, zero_baddbmm_as_bmm
 from .factories import factories_of_constants
 from .graph_rewrite import returns_view
-from .model_file import user_frame
+from .model_file import headline, user_frame
 from .module_paths import one_name_per_module
 from .module_state import state_kept, unchanging_to_kept
 from .guards import FIXED_BY, record_shape_guards
@@ -234,8 +234,7 @@ def _exported(model, args, kwargs, model_file: Path):
                                                  model_file)) from first_error
     fixed = ""
     if static:
-        text = str(first_error).strip()
-        fixed = (f"{type(first_error).__name__}: {text.splitlines()[0] if text else ''}"
+        fixed = (f"{type(first_error).__name__}: {headline(first_error, '')}"
                  f"{user_frame(first_error, model_file)}")
     return ep, route, applied, fixed
 
@@ -464,16 +463,14 @@ def eager_message(e: Exception, model_file: Path) -> str:
     """The refusal of a model that fails on its example batch as it is (an op the eager
     kernel refuses though export traced it: transformers' grouped_mm on an expert width whose
     rows are not 16-byte aligned), naming the model's line."""
-    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return (f"the model from {model_file} fails on example_inputs() when it runs as it is, "
-            f"without parallelizer: {type(e).__name__}: {first}{user_frame(e, model_file)}\n"
+            f"without parallelizer: {type(e).__name__}: {headline(e)}{user_frame(e, model_file)}\n"
             f"Fix: the model or example_inputs() (parallelizer compiles what the model computes).")
 
 
 def _capture_message(e: Exception, model_file: Path) -> str:
-    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return (f"torch.export could not capture the model from {model_file} "
-            f"(the symbolic_trace route failed too): {type(e).__name__}: {first}"
+            f"(the symbolic_trace route failed too): {type(e).__name__}: {headline(e)}"
             f"{user_frame(e, model_file)}\nFix: make the failing line traceable (no data-dependent "
             f"Python control flow on tensor values, no .item()/.tolist() in forward), or return "
             f"only tensors / ModelOutputs from forward; where it fails inside a layer, that "

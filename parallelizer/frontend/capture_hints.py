@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import traceback
 from pathlib import Path
 
 import torch
@@ -30,26 +31,14 @@ def functorch_hint(error: Exception) -> str:
     memory learns at test time by ``vmap(grad(loss))``) is no op of a training graph
     torch.export records, and the refusal said only "'Tensor' object has no attribute
     'constant'" (zoo 13 Z6)."""
-    frames = _frames(error)
-    if not any(f"{_SEP}torch{_SEP}_functorch{_SEP}" in f or f"{_SEP}torch{_SEP}func{_SEP}" in f
-               for f in frames):
+    places = tuple(os.sep + os.path.join("torch", d, "") for d in ("_functorch", "func"))
+    if not any(p in f.filename for f in traceback.extract_tb(error.__traceback__)
+               for p in places):
         return ""
     return ("\nThe failure is inside torch.func (grad, vmap, jacrev) called by forward: a "
             "gradient computed inside forward (test-time training, a neural memory's update) "
             "cannot be captured into the training graph; configure the model without it (a "
             "plain memory, no inner update) to compile the rest.")
-
-
-_SEP = os.sep
-
-
-def _frames(error: Exception) -> list:
-    """The files of ``error``'s traceback, innermost last."""
-    out, tb = [], error.__traceback__
-    while tb is not None:
-        out.append(tb.tb_frame.f_code.co_filename)
-        tb = tb.tb_next
-    return out
 
 
 def mask_hint(model: torch.nn.Module, args, kwargs) -> str:

@@ -201,6 +201,13 @@ def call_loss_fn(loss_fn: Callable, outputs, batch, model_file: Path | None,
     return loss
 
 
+def headline(e: BaseException, empty: str | None = None) -> str:
+    """The first line of ``e``'s message; ``empty`` (default: the exception's type name)
+    when it has none."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else (type(e).__name__ if empty is None else empty)
+
+
 def user_frame(e: BaseException, model_file: Path) -> str:
     """' at FILE:LINE: source' for the deepest frame in the user's code (model.py first, else
     the deepest frame outside torch, parallelizer, numpy and the standard library: the model
