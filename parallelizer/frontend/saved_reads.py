@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .graph_rewrite import returns_view, view_base, written_inputs
+from .graph_rewrite import caller, returns_view, val, view_base, written_inputs
 
 _aten = torch.ops.aten
 # their backward reads none of their arguments (or they read no tensor's values at all)
@@ -57,8 +57,7 @@ def copy_reads_before_writes(gm: fx.GraphModule) -> bool:
             if i in written or not _written_later(arg, order[node], last_write):
                 continue
             with graph.inserting_before(node):
-                copy = graph.call_function(_aten.clone.default, (arg,))
-            copy.meta = {**node.meta, "val": _aten.clone.default(arg.meta["val"])}
+                copy = caller(graph, node, [val(arg)])(_aten.clone.default, arg)
             node.update_arg(i, copy)
             changed = True
     if changed:
