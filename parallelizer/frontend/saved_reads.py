@@ -85,8 +85,8 @@ def _recorded(gm: fx.GraphModule) -> set:
     return out
 
 
-def _floating(val) -> bool:
-    vals = val if isinstance(val, (tuple, list)) else (val,)
+def _floating(value) -> bool:
+    vals = value if isinstance(value, (tuple, list)) else (value,)
     return any(isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
                for v in vals)
 
