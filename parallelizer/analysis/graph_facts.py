@@ -4,8 +4,6 @@ from __future__ import annotations
 import functools
 import math
 import operator
-import os
-import re
 from typing import NamedTuple, Optional
 
 import sympy
@@ -13,6 +11,7 @@ import torch
 import torch.fx as fx
 
 from ..frontend.graph_rewrite import swaps_last_two
+from ..frontend.source_lines import trace_lines
 
 aten = torch.ops.aten
 
@@ -517,15 +516,5 @@ def source_line(node: fx.Node, outer: int = 0) -> str:
     """``file.py:line`` of the innermost frame of ``node``'s stack trace outside torch
     (the model code that produced it; ``outer`` = 1: the line that called that code), or ''
     when export recorded none."""
-    trace = node.meta.get("stack_trace") or ""
-    frames = [f"{os.path.basename(path)}:{line}"
-              for path, line in reversed(re.findall(r'File "([^"]+)", line (\d+)', trace))
-              if f"{os.sep}torch{os.sep}" not in path and _source_file(path)]
+    frames = trace_lines(node.meta.get("stack_trace") or "")
     return frames[outer] if len(frames) > outer else ""
-
-
-@functools.lru_cache(maxsize=None)
-def _source_file(path: str) -> bool:
-    """``path`` is a file a user can open: not code generated at run time (exec'd or
-    compiled code whose file exists nowhere)."""
-    return os.path.isfile(path)

@@ -20,6 +20,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from ..errors import CaptureError
+from .source_lines import shown_path
 
 _FUNCTION = torch.autograd.function.Function
 
@@ -71,7 +72,7 @@ def _recording(forward, name: str, seen: list):
 def _caller() -> str:
     for frame in reversed(traceback.extract_stack()[:-2]):
         if f"{os.sep}torch{os.sep}" not in frame.filename and frame.filename != __file__:
-            return f"{os.path.basename(frame.filename)}:{frame.lineno}"
+            return f"{shown_path(frame.filename)}:{frame.lineno}"
     return "an unknown line"
 
 

@@ -15,12 +15,11 @@ stay subgraphs, which capture refuses.
 from __future__ import annotations
 
 import operator
-import os
-import re
 
 import torch
 
 from ..errors import CaptureError
+from .source_lines import trace_lines
 
 _AUTOCAST_OFF = "autocast_off"  # gm.meta key: the source lines of the inlined regions
 
@@ -100,10 +99,9 @@ def model_line(nodes) -> str:
     """``file.py:line`` of the model code the first of ``nodes`` with a stack trace came
     from (its innermost frame outside torch), or ''."""
     for n in nodes:
-        frames = re.findall(r'File "([^"]+)", line (\d+)', n.meta.get("stack_trace") or "")
-        for path, line in reversed(frames):
-            if f"{os.sep}torch{os.sep}" not in path and not path.startswith("<"):
-                return f"{os.path.basename(path)}:{line}"
+        frames = trace_lines(n.meta.get("stack_trace") or "")
+        if frames:
+            return frames[0]
     return ""
 
 

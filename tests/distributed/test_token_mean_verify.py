@@ -27,7 +27,8 @@ def test_padded_causal_lm_verifies_at_pp2_x_dp2_with_microbatches(tmp_path, tool
     program = compile_model(MODELS / "llama_padded_labels.py", spec)
     program.save(tmp_path / "out")
     assert program.plan.token_means["exact"], program.plan.token_means
-    assert any(n.startswith("token mean: the loss at modeling_llama.py:") for n in program.notes)
+    where = "token mean: the loss at transformers/models/llama/modeling_llama.py:"
+    assert any(n.startswith(where) for n in program.notes)
     assert not any("not a mean over samples" in w for w in program.warnings), program.warnings
     res = tools.torchrun(tmp_path / "out", 4, "--verify", timeout=240)
     errs = tools.verify_errors(res.stdout)

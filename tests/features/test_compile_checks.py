@@ -154,9 +154,9 @@ def test_falcon_view_returned_by_reduce_scatter_is_caught_at_compile_time(monkey
     analysis, planned, stages, seq = compile_steps(model, batch, FALCON_SPEC)
     checked = check_stages(analysis, planned, stages, seq)
     with pytest.raises(PlanError, match=r"fails on a tp rank's shapes at aten.add_.Tensor "
-                                        r"\(\w+\) at modeling_falcon.py:\d+ in transformer.h.0, "
-                                        r"stage 0: RuntimeError: Output 0 of Op is a view and "
-                                        r"is being modified inplace"):
+                                        r"\(\w+\) at transformers/models/falcon/modeling_falcon.py:"
+                                        r"\d+ in transformer.h.0, stage 0: RuntimeError: "
+                                        r"Output 0 of Op is a view and is being modified inplace"):
         check_program(analysis, checked, batch)
 
 

@@ -117,7 +117,7 @@ def test_what_tp_cannot_split_keeps_the_experts_whole_naming_the_line():
     assert [n for n in program.notes if n.startswith("self-check: 2 tp rank")]  # still right
     # the op and the line export recorded for it (the experts' forward in transformers)
     assert re.search(r"experts of model.layers.0.mlp.experts kept whole on every tp rank: "
-                     r"aten.mul.Tensor \(mul_\d+\) at \w+.py:\d+: reads linspace \[64\] across "
+                     r"aten.mul.Tensor \(mul_\d+\) at [\w/]+.py:\d+: reads linspace \[64\] across "
                      r"the FFN features", program.report), program.report
     assert program.plan.tensors["model.layers.0.mlp.experts.gate_up_proj"].tp_dim is None
 

@@ -93,7 +93,7 @@ def test_gqa_tp2_rewrites_repeat_kv_constants(llama):
         assert {p + "self_attn.o_proj.weight", p + "mlp.down_proj.weight"} <= d.row
     assert "lm_head.weight" not in d.column | d.row
     assert "replicated linear: lm_head.weight (no column/row pair found; aten.linear.default at " \
-           "modeling_llama.py:" in "\n".join(d.report)
+           "transformers/models/llama/modeling_llama.py:" in "\n".join(d.report)
     # kv projections split evenly are marked as heads (a converter may copy them for tp > 2)
     kv = InterleavedHeads(2, 8)
     assert d.layouts == {f"model.layers.{i}.self_attn.{x}_proj.weight": kv

@@ -1,0 +1,32 @@
+"""How messages name a line of model code: ``file.py:line`` from a node's recorded stack trace
+or a live frame, skipping torch's own frames and code that exists in no file."""
+from __future__ import annotations
+
+import functools
+import os
+import re
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+_PACKAGES = re.compile(r"[\\/](?:site|dist)-packages[\\/]")
+
+
+def trace_lines(stack_trace: str) -> list[str]:
+    """``file.py:line`` of every frame of ``stack_trace`` (a node's ``meta["stack_trace"]``)
+    outside torch, innermost first."""
+    return [f"{shown_path(path)}:{line}" for path, line in reversed(_FRAME.findall(stack_trace))
+            if f"{os.sep}torch{os.sep}" not in path and _source_file(path)]
+
+
+def shown_path(path: str) -> str:
+    """The name a message gives ``path``: an installed package's file by its path inside the
+    packages folder (``litgpt/model.py``, ``einops/_torch_specific.py``), so that it is not
+    taken for the user's own ``model.py``; any other file by its base name."""
+    parts = _PACKAGES.split(path)
+    return parts[-1].replace(os.sep, "/") if len(parts) > 1 else os.path.basename(path)
+
+
+@functools.lru_cache(maxsize=None)
+def _source_file(path: str) -> bool:
+    """``path`` is a file a user can open: not code generated at run time (exec'd or
+    compiled code whose file exists nowhere)."""
+    return os.path.isfile(path)
