@@ -57,7 +57,7 @@ from .plan.parallel_plan import ParallelPlan
 from .planning.dropout import (describe as describe_dropout, describe_random, plan_dropout,
                                plan_random_ops)
 from .planning.experts import ep_summary, plan_ep
-from .planning.pipeline import plan_from_costs
+from .planning.pipeline import plan_from_costs, repeated_blocks_note
 from .planning.pipeline_summary import (check_microbatches, check_placement, summarize,
                                         virtual_stages_of)
 from .planning.tensors import alias_map, build_plan, pipeline_structure, tied_groups
@@ -200,7 +200,7 @@ def plan(analysis: Analysis, spec: Spec, passes: PassManager) -> Planned:
     notes += [token_mean_note(token)] if token.sites else []
     measured = measure(analysis, passes)
     costs, blocks = measured.costs, analysis.blocks
-    num_stages = _num_stages(spec, blocks, costs.block_parts())
+    num_stages = _num_stages(spec, blocks, costs.block_parts(), costs.block_calls)
     stages_key = "mesh.pp" if pipe.virtual_stages == 1 else "mesh.pp x pipeline.virtual_stages"
     pipeline = plan_from_costs(costs, num_stages, blocks, pipe, stages_key=stages_key)
     structure = pipeline_structure(graph, analysis.model, blocks, costs, analysis.canonical,
@@ -433,7 +433,7 @@ def _check_spec(spec: Spec, batch, with_reference: bool) -> list[str]:
     return warnings
 
 
-def _num_stages(spec: Spec, blocks: tuple[str, ...], parts=()) -> int:
+def _num_stages(spec: Spec, blocks: tuple[str, ...], parts=(), calls=()) -> int:
     """``mesh.pp * pipeline.virtual_stages``: each pp rank runs ``virtual_stages`` stages.
 
     Raises:
@@ -446,7 +446,8 @@ def _num_stages(spec: Spec, blocks: tuple[str, ...], parts=()) -> int:
         cuts = f" and {inside} cut(s) inside blocks" if inside else ""
         raise PlanError(f"mesh.pp ({pp}) x pipeline.virtual_stages ({v}) = {pp * v} stages "
                         f"exceeds the number of blocks ({len(blocks)}){cuts} found in the model; "
-                        f"use mesh.pp x pipeline.virtual_stages <= {max(len(blocks) + inside, 1)}")
+                        f"use mesh.pp x pipeline.virtual_stages <= {max(len(blocks) + inside, 1)}"
+                        f"{repeated_blocks_note(blocks, calls)}")
     return pp * v
 
 

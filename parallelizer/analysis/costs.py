@@ -50,6 +50,9 @@ class PipelineCosts:
     parts: tuple[tuple[UnitCost, ...], ...] = ()
     # per block: bytes crossing the cut before parts[b][j], at index j - 1
     part_cut_bytes: tuple[tuple[int, ...], ...] = ()
+    # per block: how many times forward calls it (> 1: one module run as several layers
+    # with the same weights, ALBERT's shared layer)
+    block_calls: tuple[int, ...] = ()
 
     def block_parts(self) -> list[list[tuple[str, int, bool]]]:
         """``planning.pipeline.BlockParts`` of every block: (child FQN, FLOPs, offered) where

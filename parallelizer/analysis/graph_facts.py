@@ -101,6 +101,15 @@ def module_path(node: fx.Node) -> str:
     return ""
 
 
+def module_calls(graph: fx.Graph, fqn: str) -> int:
+    """How many times forward called the module ``fqn``: export keys the ``nn_module_stack``
+    entry of each call after the first with ``@1``, ``@2``, ..."""
+    keys = {key for n in graph.nodes
+            for key, (path, _type) in (n.meta.get("nn_module_stack") or {}).items()
+            if clean_path(path) == fqn}
+    return max(len(keys), 1)
+
+
 def block_of(node: fx.Node, blocks) -> Optional[str]:
     """The block (one of ``blocks``, module FQNs) ``node`` belongs to, or None: a parameter
     read (get_attr, which carries no module stack) by its target, any other node by

@@ -58,7 +58,8 @@ def plan_pipeline(block_costs: Sequence[int], pre_cost: int, post_cost: int, num
                   blocks: tuple[str, ...], *, split_points: Optional[Sequence[str]] = None,
                   layers_per_stage: Optional[Sequence[int]] = None,
                   stages_key: str = "mesh.pp",
-                  parts: Optional[Sequence[BlockParts]] = None) -> PipelineDecision:
+                  parts: Optional[Sequence[BlockParts]] = None,
+                  calls: Sequence[int] = ()) -> PipelineDecision:
     """Split ``len(block_costs)`` blocks into ``num_stages`` contiguous non-empty stages.
 
     Args:
@@ -71,6 +72,8 @@ def plan_pipeline(block_costs: Sequence[int], pre_cost: int, post_cost: int, num
         stages_key: how the spec names ``num_stages``, for error messages.
         parts: per block, its parts (:data:`BlockParts`; their costs sum to the block's),
             for cuts inside blocks; None or empty entries: whole blocks only.
+        calls: per block, how many times forward runs it (the message names a block run
+            several times with the same weights); () when not known.
 
     Raises:
         PlanError: more stages than blocks and offered cuts inside them; a bad
@@ -87,9 +90,9 @@ def plan_pipeline(block_costs: Sequence[int], pre_cost: int, post_cost: int, num
                         f"nn.Sequential, or use {stages_key}=1")
     if num_stages > 1 and n + offered < num_stages:
         inside = f" and {offered} cut(s) inside blocks" if offered else ""
-        raise PlanError(f"{stages_key} ({num_stages}) exceeds the number of blocks ({n}){inside} found in "
-                        f"the model ({_container(blocks)}); "
-                        f"use {stages_key} <= {max(n + offered, 1)}")
+        raise PlanError(f"{stages_key} ({num_stages}) exceeds the number of blocks ({n}){inside} "
+                        f"found in the model ({_container(blocks)}); use {stages_key} <= "
+                        f"{max(n + offered, 1)}{repeated_blocks_note(blocks, calls)}")
     if split_points is not None:
         grid = _Grid(block_costs, pre_cost, post_cost, blocks, parts, every_child=True)
         starts = _starts_from_split_points(split_points, grid, num_stages, stages_key)
@@ -112,6 +115,19 @@ def plan_pipeline(block_costs: Sequence[int], pre_cost: int, post_cost: int, num
     return whole
 
 
+def repeated_blocks_note(blocks: Sequence[str], calls: Sequence[int]) -> str:
+    """'' or a sentence naming the blocks forward runs more than once: one module run as
+    several layers with the same weights (ALBERT's shared layer) is one block, and stages
+    are cut between blocks, not between calls."""
+    repeated = [f"{b} ({c} times)" for b, c in zip(blocks, calls) if c > 1]
+    if not repeated:
+        return ""
+    return (f". Forward runs {', '.join(repeated)} with the same weights: stages are cut "
+            f"between modules, not between calls of one module, so those calls stay on one "
+            f"stage; a model that shares one layer's weights across its depth (ALBERT) "
+            f"pipelines only with one module per layer")
+
+
 def _whole_blocks(block_costs, pre: int, post: int, sizes: list[int], blocks, source: str):
     stage_of = tuple(s for s, k in enumerate(sizes) for _ in range(k))
     costs, start = [], 0
@@ -129,7 +145,8 @@ def plan_from_costs(costs: PipelineCosts, num_stages: int, blocks: tuple[str, ..
                          costs.units[-1].flops, num_stages, blocks,
                          split_points=getattr(spec_pipeline, "split_points", None),
                          layers_per_stage=getattr(spec_pipeline, "layers_per_stage", None),
-                         stages_key=stages_key, parts=costs.block_parts())
+                         stages_key=stages_key, parts=costs.block_parts(),
+                         calls=costs.block_calls)
 
 
 class _Grid:

@@ -566,3 +566,27 @@ def test_a_buffer_written_in_one_stage_and_read_in_another_is_refused(tmp_path):
         "never sees the write"), e.value
     assert "or use mesh.pp=1" in str(e.value)
     compile_model(path, load_spec(GPT / "spec.yaml", ["mesh.pp=1", "mesh.tp=1"]))
+
+
+def test_more_stages_than_blocks_names_a_block_forward_runs_several_times(tmp_path):
+    """ALBERT runs its one layer group ``num_hidden_layers`` times with the same weights. At
+    pp2 the refusal counted one block and said nothing of the two layers the model runs
+    (zoo 14 F8); it now names the block and how often forward runs it."""
+    path = _model(tmp_path, """
+        import torch
+        from transformers import AlbertConfig, AlbertForMaskedLM
+        def build_model():
+            torch.manual_seed(0)
+            return AlbertForMaskedLM(AlbertConfig(
+                vocab_size=64, embedding_size=16, hidden_size=32, num_hidden_layers=2,
+                num_hidden_groups=1, num_attention_heads=2, intermediate_size=64,
+                max_position_embeddings=16))
+        def example_inputs():
+            return {"input_ids": torch.randint(0, 64, (2, 8)), "labels": torch.randint(0, 64, (2, 8))}
+    """)
+    with pytest.raises(PlanError) as e:
+        compile_model(path, load_spec(GPT / "spec.yaml", ["mesh.tp=1", "mesh.pp=2"]), weights=False)
+    assert "mesh.pp (2) exceeds the number of blocks (1) found in the model " \
+           "(albert.encoder.albert_layer_groups); use mesh.pp <= 1. Forward runs " \
+           "albert.encoder.albert_layer_groups.0 (2 times) with the same weights: stages are " \
+           "cut between modules, not between calls of one module" in str(e.value), str(e.value)
