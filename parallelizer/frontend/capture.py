@@ -9,6 +9,7 @@ both routes end in the same IR.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import io
 import logging
@@ -217,8 +218,7 @@ def _exported(model, args, kwargs, model_file: Path):
     first_error = None
     for route, traced, static in routes:
         try:
-            with custom_functions.recorded() as applied, custom_functions.checkpoint_off(), \
-                    state_kept(model), unchanging_to_kept():
+            with _export_kept(model) as applied:
                 ep = _export(traced(), args, kwargs, static)
             break
         except Exception as e:
@@ -230,13 +230,34 @@ def _exported(model, args, kwargs, model_file: Path):
         if opaque:  # export cannot return it (a transformers Cache: use_cache on)
             raise CaptureError(_opaque_message(opaque, model_file)) from first_error
         raise CaptureError(_capture_message(first_error, model_file)
-                           + capture_hints.hints(model, args, kwargs, first_error,
-                                                 model_file)) from first_error
+                           + capture_hints.hints(model, args, kwargs, first_error, model_file,
+                                                 functools.partial(_captures, model))
+                           ) from first_error
     fixed = ""
     if static:
         fixed = (f"{type(first_error).__name__}: {headline(first_error, '')}"
                  f"{user_frame(first_error, model_file)}")
     return ep, route, applied, fixed
+
+
+@contextlib.contextmanager
+def _export_kept(model):
+    """Around one export of ``model``: records the custom Functions it applies (yielded),
+    runs checkpointed code plainly, and leaves the model's state and dtypes as they were."""
+    with custom_functions.recorded() as applied, custom_functions.checkpoint_off(), \
+            state_kept(model), unchanging_to_kept():
+        yield applied
+
+
+def _captures(model, args, kwargs) -> bool:
+    """torch.export captures ``model`` on these inputs with their sizes static (the last
+    route of :func:`_exported`)."""
+    try:
+        with _export_kept(model):
+            _export(model, args, kwargs, True)
+    except Exception:  # noqa: BLE001  (any failure: the hint does not apply)
+        return False
+    return True
 
 
 def _drop_dead_code(gm: torch.fx.GraphModule) -> None:

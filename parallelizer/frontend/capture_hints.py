@@ -7,16 +7,19 @@ import inspect
 import os
 import traceback
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from .model_file import user_frame
 
 
-def hints(model: torch.nn.Module, args, kwargs, error: Exception, model_file: Path) -> str:
-    """Every hint that applies, each on its own line (or "")."""
+def hints(model: torch.nn.Module, args, kwargs, error: Exception, model_file: Path,
+          captures: Callable[[tuple, dict], bool]) -> str:
+    """Every hint that applies, each on its own line (or ""). ``captures(args, kwargs)``:
+    the capture succeeds on those inputs (a hint that changes the inputs is tried first)."""
     return (setting_hints(model) + loss_hint(args, kwargs, error, model_file)
-            + mask_hint(model, args, kwargs) + functorch_hint(error))
+            + mask_hint(model, args, kwargs, captures) + functorch_hint(error))
 
 
 def setting_hints(model: torch.nn.Module) -> str:
@@ -41,25 +44,32 @@ def functorch_hint(error: Exception) -> str:
             "plain memory, no inner update) to compile the rest.")
 
 
-def mask_hint(model: torch.nn.Module, args, kwargs) -> str:
-    """A hint when forward takes an ``attention_mask`` the example leaves out: transformers
-    fills one in when it runs as it is but not under torch.export
-    (``torch.compiler.is_compiling()``), so the traced model takes a branch its eager run
-    never does (LongT5's transient-global attention then fails at a ``torch.cat``; a break
-    test)."""
+def mask_hint(model: torch.nn.Module, args, kwargs,
+              captures: Callable[[tuple, dict], bool]) -> str:
+    """A hint when forward takes an ``attention_mask`` the example leaves out and the capture
+    succeeds with one of ones: transformers fills one in when it runs as it is but not under
+    torch.export (``torch.compiler.is_compiling()``), so the traced model takes a branch its
+    eager run never does (LongT5's transient-global attention then fails at a ``torch.cat``;
+    a break test). Tried, not assumed: ProphetNet, DBRX and Nystromformer fail elsewhere and
+    got the hint anyway (zoo 14 F2, F3, F6)."""
     try:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return ""
     names = list(params)
-    given = set(kwargs) | set(names[:len(args)])
+    given = dict(zip(names, args)) | dict(kwargs)
     # a model of input_values / pixel_values makes no mask from them (WavLM: a zoo's noise)
-    if "attention_mask" not in params or "attention_mask" in given or "input_ids" not in given:
+    ids = given.get("input_ids")
+    if "attention_mask" not in params or "attention_mask" in given or \
+            not isinstance(ids, torch.Tensor):
         return ""
-    return ("\nThe model's forward takes an attention_mask that example_inputs() does not give: "
-            "transformers makes one when the model runs as it is, not under torch.export, so "
-            "the captured code may take a branch its eager run never does. Give it in example_inputs() (ones of the "
-            "input_ids' shape for no padding).")
+    if not captures(args, dict(kwargs, attention_mask=torch.ones_like(ids))):
+        return ""
+    return ("\nThe model's forward takes an attention_mask that example_inputs() does not give, "
+            "and with one of ones the capture succeeds: transformers makes one when the model "
+            "runs as it is, not under torch.export, so the captured code takes a branch its "
+            "eager run never does. Give it in example_inputs() (ones of the input_ids' shape "
+            "for no padding).")
 
 
 def layerdrop_hint(model: torch.nn.Module) -> str:
