@@ -33,7 +33,8 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from .experts import Unsupported, row_region
-from .graph_facts import aten, is_tensor, linear_sites, shape, same, source_line
+from .graph_facts import aten, is_tensor, shape, same, source_line
+from .linears import linear_sites
 
 _CHILD = re.compile(r"^(.*)\.(\d+)\.([A-Za-z_].*)$")
 

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from .graph_facts import aten, is_tensor, linear_sites, module_path, same, shape, source_line
+from .graph_facts import aten, is_tensor, module_path, same, shape, source_line
+from .linears import linear_sites
 
 _VIEWS = {aten.transpose.int, aten.t.default, aten.permute.default, aten._to_copy.default,
           aten.to.dtype, aten.contiguous.default, aten.alias.default}

@@ -31,7 +31,8 @@ from ..runtime.tp import (copy_to_tp_region, gather_from_tp_dim, reduce_from_tp_
                           scatter_pieces_to_tp_region, scatter_to_tp_region)
 from ..runtime.vocab import gather_from_tp_region, vocab_parallel_lookup
 from ..runtime.vocab_loss import vocab_parallel_cross_entropy
-from .graph_facts import aten, bias_operand, linear_sites
+from .graph_facts import aten
+from .linears import bias_operand, linear_sites
 from .sharding.placements import CopiedWhole, PerOutput, Replicate
 
 # operators whose output is the same on every tp rank whatever their inputs

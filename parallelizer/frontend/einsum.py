@@ -9,7 +9,7 @@ the ``aten.linear`` it computes, on views of W and ``x``:
 - ``"bhsk,hkd->bsd"`` (a per-head output projection):
   ``linear(x.permute(0, 2, 1, 3).reshape(b, s, H * D_h), W.reshape(H * D_h, D).t())``.
 
-So the tensor-parallel planner finds them as it finds ``nn.Linear`` (``analysis/graph_facts``
+So the tensor-parallel planner finds them as it finds ``nn.Linear`` (``analysis/linears``
 ``Linear``, whose weight path accepts W's merge of its leading or trailing dims and its
 casts), pairs them column/row and shards W along its first dim of the merged group; the
 parameter keeps its FQN and shape. The equation is read by its letters' roles, never their
@@ -28,7 +28,7 @@ were kept replicated). With a parameter for an operand, several free letters of 
 operand are folded into one dim first and unfolded after, as torch's own einsum does
 before its bmm: an expert-choice MoE's ``einsum('becd,edf->becf', tokens, w1)`` becomes E
 linears side by side, the ``matmul`` of (E, rows, in) by a 3-D weight, which
-``analysis/graph_facts.py`` shards as it does ``nn.Linear``. Two activations stay an
+``analysis/linears.py`` shards as it does ``nn.Linear``. Two activations stay an
 einsum then, whose own rule (``analysis/sharding/einsum_read.py``) keeps each letter's
 shard (PaLM's one k head against the query heads, ``'bhid,bjd->bhij'``).
 Any other einsum (a sum over a dim of one operand, a diagonal, several contracted
@@ -302,7 +302,7 @@ def matmuls_as_linears(gm: fx.GraphModule) -> int:
     ``dt_proj.weight @ time_step.transpose(1, 2)``), is ``linear(y.mT, W).mT``. Returns how
     many. A 3-D parameter first, ``bmm(W, y)`` of W (E, out, in) and y (E, in, rows) (an
     einsum ``"edf,end->enf"`` lowers to that), is ``bmm(y.mT, W.mT).mT``: E linears side by
-    side, as ``analysis/graph_facts.py`` reads them."""
+    side, as ``analysis/linears.py`` reads them."""
     params = {name for name, _ in gm.named_parameters()}
     done = 0
     for node in list(gm.graph.nodes):

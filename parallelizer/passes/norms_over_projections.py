@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..analysis.graph_facts import aten, as_linear
+from ..analysis.graph_facts import aten
+from ..analysis.linears import as_linear
 from ..analysis.logits import produces_logits
 from ..frontend.graph_rewrite import caller, val
 

@@ -29,7 +29,8 @@ from ..runtime.expert_parallel import ep_dispatch
 from ..runtime.tp import (copy_to_tp_region, gather_from_tp_dim, reduce_from_tp_region,
                           reduce_partial_from_tp, scatter_copies_to_tp_region,
                           scatter_pieces_to_tp_region, scatter_to_tp_region)
-from ..analysis.graph_facts import Linear, aten, linear_sites
+from ..analysis.graph_facts import aten
+from ..analysis.linears import Linear, linear_sites
 
 
 def apply_tensor_parallel(gm: fx.GraphModule, decision: TPDecision) -> bool:

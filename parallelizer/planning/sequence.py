@@ -31,8 +31,8 @@ import torch.fx as fx
 
 from ..plan.decisions import TP_OPERATOR, SequenceParallelDecision
 from ..errors import PlanError
-from ..analysis.graph_facts import (VIEWS, aten, expr, module_path, prod, reads_parameters, same,
-                                    shape)
+from ..analysis.graph_facts import aten, expr, module_path, prod, same, shape
+from ..analysis.linears import VIEWS, reads_parameters
 from ..analysis.sharding.placements import is_replicated
 
 _COPIES = {aten.clone.default, aten.contiguous.default, aten._to_copy.default,

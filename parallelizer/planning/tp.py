@@ -26,7 +26,8 @@ import torch.fx as fx
 
 from ..plan.decisions import TPDecision
 from ..errors import PlanError
-from ..analysis.graph_facts import linear_sites, shape
+from ..analysis.graph_facts import shape
+from ..analysis.linears import linear_sites
 from ..analysis.sharding.placements import Shard
 from .gradients import plan_gradients
 from .redistributions import redistributions, report_lines

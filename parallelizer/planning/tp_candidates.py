@@ -11,7 +11,8 @@ import torch
 from ..plan.decisions import TPDecision
 from ..plan.layouts import check, in_units
 from ..errors import PlanError
-from ..analysis.graph_facts import linear_sites, module_path, shape
+from ..analysis.graph_facts import module_path, shape
+from ..analysis.linears import linear_sites
 from ..analysis.sharding.propagate import Propagation, propagate
 from .redistributions import redistributions
 from .tp_matrices import op_text

@@ -11,7 +11,8 @@ import torch.fx as fx
 from ..plan.decisions import TPDecision
 from ..plan.layouts import ReplicatedHeads
 from ..analysis.experts import find_expert_layers
-from ..analysis.graph_facts import VIEWS, aten, source_line
+from ..analysis.graph_facts import aten, source_line
+from ..analysis.linears import VIEWS
 
 
 def linear_counts(decision: TPDecision, vocab_heads=()) -> str:

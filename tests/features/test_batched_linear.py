@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from parallelizer.analysis.graph_facts import linear_sites
+from parallelizer.analysis.linears import linear_sites
 from tp_check import assert_tp_matches, planned
 from tp_small_models import captured
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallelizer.analysis.graph_facts import linear_sites
+from parallelizer.analysis.linears import linear_sites
 from tp_check import plan_and_check
 from tp_small_models import H, captured, x_batch
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallelizer.analysis.graph_facts import as_linear
+from parallelizer.analysis.linears import as_linear
 from parallelizer.plan.layouts import Fused, ReplicatedHeads
 from tp_check import plan_and_check
 from tp_small_models import captured

@@ -13,7 +13,8 @@ import torch
 import torch.fx as fx
 
 from ...plan.layouts import Fused, ReplicatedHeads, local_length
-from ..graph_facts import aten, expr, full_slice, module_path, same, shape, slice_bound
+from ..graph_facts import aten, expr, module_path, same, shape
+from ..linears import full_slice, slice_bound
 from .dtensor import dtensor_rule
 from .one_head import copied_parts
 from .placements import CONFLICT, REPLICATE, PerOutput, Shard, shard

@@ -13,7 +13,8 @@ import operator
 import torch
 
 from ...plan.layouts import ReplicatedHeads
-from ..graph_facts import aten, from_constants, full_slice, reads_parameters, same, shape
+from ..graph_facts import aten, from_constants, same, shape
+from ..linears import full_slice, reads_parameters
 from .einsum_read import einsum_letters
 from .placements import Shard
 from .state import HeadsMark, dim_of, record_use

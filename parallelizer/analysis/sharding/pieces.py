@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ..graph_facts import (PIECE_SLICES, PIECE_SPLITS, Linear, aten, bias_operand, module_path,
-                           piece, piece_dim, shape, weight_source)
+from ..graph_facts import aten, module_path, shape
+from ..linears import (PIECE_SLICES, PIECE_SPLITS, Linear, bias_operand, piece, piece_dim,
+                       weight_source)
 from .placements import CONFLICT, PerOutput, Shard
 from .state import add_rewrite, local_at
 
@@ -53,7 +54,7 @@ def _read(prop, param: str, n: int, part, key: str) -> None:
 
 def piece_rule(node: fx.Node, prop, tp: int, d: int, key: str, groups):
     """A split / chunk / slice / narrow of a column parameter along its sharded dim ``d``
-    (:func:`parallelizer.analysis.graph_facts.piece`): its sizes or bounds become the local
+    (:func:`parallelizer.analysis.linears.piece`): its sizes or bounds become the local
     lengths of the parameter's layout (``prop.layouts[key]``), or None when ``node`` is not
     one. Pieces a local op cannot spell (a ``chunk`` into unequal local pieces) conflict."""
     if node.target not in PIECE_SLICES | PIECE_SPLITS or piece_dim(node) != d:

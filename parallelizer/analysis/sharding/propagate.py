@@ -44,8 +44,8 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from ..graph_facts import (as_linear, aten, computed_bias, module_path, reads_parameters, same,
-                           shape, weight_path)
+from ..graph_facts import aten, module_path, same, shape
+from ..linears import as_linear, computed_bias, reads_parameters, weight_path
 from .dtensor import NO_RULE, Wants, dtensor_rule
 from . import redistribute
 from .channels import channel_reader
@@ -413,7 +413,7 @@ def _linear(node, site, prop, column, row, groups):
             redistribute.gather_all(node, prop, [node.args[0]])
             return _conflict(prop, node, groups, "replicated linear got a sharded input")
         return REPLICATE, groups
-    x, wt, w = site.x, site.weight, site.param
+    x, wt = site.x, site.weight
     px = placement(prop, x)
     mod = module_path(node)
     if x.name in prop.raw:

@@ -25,7 +25,8 @@ import operator
 
 import torch.fx as fx
 
-from ..graph_facts import VIEWS, aten, expr, full_slice, is_tensor, module_path, prod, same, shape
+from ..graph_facts import aten, expr, is_tensor, module_path, prod, same, shape
+from ..linears import VIEWS, full_slice
 from .placements import CONFLICT, REPLICATE, PerOutput, Shard
 from .state import add_constraint, add_rewrite, dim_arg, dim_of, inputs_of, placement, sizes_arg
 

@@ -1,7 +1,7 @@
 """Placements along a linear's *weight path* (issue 23, part 4): the casts, same-shape views
 and transposes a weight or bias goes through between its get_attr and the product
 (``F.linear(x, w.to(x.dtype))``, ``x @ w.float().T``, ``F.linear(x, w.t())`` of a weight
-stored (in, out); :func:`parallelizer.analysis.graph_facts.weight_source`).
+stored (in, out); :func:`parallelizer.analysis.linears.weight_source`).
 
 Each node of the path holds the parameter's shard: the dim the plan shards (output
 features of a column_parallel weight and its bias, input features of a row_parallel one)
@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ...plan.layouts import local_length
-from ..graph_facts import (VIEWS, Linear, aten, bias_operand, expr, merge_point, piece, shape,
-                           weight_path)
+from ..graph_facts import aten, expr, shape
+from ..linears import VIEWS, Linear, bias_operand, merge_point, piece, weight_path
 from .pieces import piece_rule, site_key
 from .placements import REPLICATE, PerOutput, Shard, shard_dim
 from .state import add_rewrite, dim_of, placement
