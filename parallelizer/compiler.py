@@ -57,9 +57,9 @@ from .plan.parallel_plan import ParallelPlan
 from .planning.dropout import (describe as describe_dropout, describe_random, plan_dropout,
                                plan_random_ops)
 from .planning.experts import ep_summary, plan_ep
-from .planning.pipeline import plan_from_costs, repeated_blocks_note
-from .planning.pipeline_summary import (check_microbatches, check_placement, summarize,
-                                        virtual_stages_of)
+from .planning.pipeline import plan_from_costs
+from .planning.pipeline_summary import check_placement, summarize, virtual_stages_of
+from .planning.spec_checks import check_spec, num_stages_of
 from .planning.tensors import alias_map, build_plan, pipeline_structure, tied_groups
 from .planning.sequence import plan_sequence_parallel
 from .planning.token_mean import plan_token_mean, token_mean_note
@@ -130,7 +130,7 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
     """
     check_module_tree(model, model_file)
     weights = not any(t.is_meta for t in model.parameters())
-    pp_warnings = _check_spec(spec, batch, weights and reference)
+    pp_warnings = check_spec(spec, batch, weights and reference)
     if not weights:
         batch = _to_meta(batch)
     passes = PassManager(dump_passes)
@@ -200,7 +200,7 @@ def plan(analysis: Analysis, spec: Spec, passes: PassManager) -> Planned:
     notes += [token_mean_note(token)] if token.sites else []
     measured = measure(analysis, passes)
     costs, blocks = measured.costs, analysis.blocks
-    num_stages = _num_stages(spec, blocks, costs.block_parts(), costs.block_calls)
+    num_stages = num_stages_of(spec, blocks, costs.block_parts(), costs.block_calls)
     stages_key = "mesh.pp" if pipe.virtual_stages == 1 else "mesh.pp x pipeline.virtual_stages"
     pipeline = plan_from_costs(costs, num_stages, blocks, pipe, stages_key=stages_key)
     structure = pipeline_structure(graph, analysis.model, blocks, costs, analysis.canonical,
@@ -416,72 +416,6 @@ def emit(analysis: Analysis, planned: Planned, checked: Checked,
     return Program(plan_, sources, report, model_file, spec.to_dict(), state, ref,
                    warnings=list(tp.warnings) + pp_warnings, pipeline=summary,
                    notes=planned.notes)
-
-
-def _check_spec(spec: Spec, batch, with_reference: bool) -> list[str]:
-    """What the spec alone can be checked for before capture: the microbatches (warnings
-    returned), and the example batch when it feeds the reference (:func:`_check_batch`).
-
-    Raises:
-        PlanError: pipeline.microbatches < mesh.pp, or the batch does not split.
-    """
-    pipe = spec.pipeline
-    warnings = check_microbatches(spec.mesh.pp, pipe.microbatches, pipe.schedule,
-                                  virtual_stages_of(pipe))
-    if with_reference:
-        _check_batch(batch, spec)
-    return warnings
-
-
-def _num_stages(spec: Spec, blocks: tuple[str, ...], parts=(), calls=()) -> int:
-    """``mesh.pp * pipeline.virtual_stages``: each pp rank runs ``virtual_stages`` stages.
-
-    Raises:
-        PlanError: more stages than blocks and the cuts inside them the cost model offers
-            (``PipelineCosts.block_parts``; each stage needs one part of a block at least).
-    """
-    pp, v = spec.mesh.pp, spec.pipeline.virtual_stages
-    inside = sum(ok for runs in parts for _, _, ok in runs[1:])
-    if v > 1 and pp * v > len(blocks) + inside:
-        cuts = f" and {inside} cut(s) inside blocks" if inside else ""
-        raise PlanError(f"mesh.pp ({pp}) x pipeline.virtual_stages ({v}) = {pp * v} stages "
-                        f"exceeds the number of blocks ({len(blocks)}){cuts} found in the model; "
-                        f"use mesh.pp x pipeline.virtual_stages <= {max(len(blocks) + inside, 1)}"
-                        f"{repeated_blocks_note(blocks, calls)}")
-    return pp * v
-
-
-def _check_batch(batch, spec: Spec) -> None:
-    """The example batch feeds --verify (the reference): it must split over dp ranks and
-    microbatches, every input along dim 0 (an input without the batch dim is kept whole only
-    where nothing splits). Without weights there is no reference, and training batches may
-    differ.
-
-    Raises:
-        PlanError: names mesh.dp, pipeline.microbatches and the batch size, or the input
-            whose dim 0 is not the batch.
-    """
-    items = list(batch.items()) if isinstance(batch, dict) else list(enumerate(batch))
-    first = items[0][1]
-    m = spec.pipeline.microbatches  # at pp = 1 too: the step accumulates them (batching.py)
-    need = spec.mesh.dp * m
-    if first.shape[0] % need:
-        raise PlanError(f"the example batch size ({first.shape[0]}) is not divisible by mesh.dp "
-                        f"({spec.mesh.dp}) x pipeline.microbatches ({m}) = {need}; change "
-                        f"example_inputs() or those keys so it divides")
-    other = next(((k, t) for k, t in items if t.shape[0] != first.shape[0]), None)
-    if need > 1 and other is not None:
-        key, t = other
-        name = f"key {key!r}" if isinstance(batch, dict) else f"item {key}"
-        first_name = f"key {items[0][0]!r}" if isinstance(batch, dict) else "item 0"
-        raise PlanError(
-            f"example_inputs()'s {name} {tuple(t.shape)} has {t.shape[0]} at dim 0 where "
-            f"{first_name} has the batch ({first.shape[0]}): mesh.dp ({spec.mesh.dp}) x "
-            f"pipeline.microbatches ({m}) = {need} splits every input along dim 0, and an "
-            f"input without the batch dim (per-position ids, a (1, S) table) cannot be split. "
-            f"Give it the batch dim (t.expand({first.shape[0]}, *t.shape) in example_inputs() "
-            f"where the model accepts it batched), compute it inside forward, or use mesh.dp=1 "
-            f"and pipeline.microbatches=1")
 
 
 def _example_seq(batch):

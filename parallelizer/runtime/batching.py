@@ -45,7 +45,7 @@ def dp_slice(plan: ParallelPlan, batch, dp_rank: int, device) -> tuple | dict:
                          f"multiple of {dp * m}")
     n = b // dp
     # an input without the batch dim (Flux's per-position ids) is whole: the compile refuses
-    # it where anything splits (compiler._check_batch)
+    # it where anything splits (planning/spec_checks.check_batch)
     return to_batch(plan, [(t[dp_rank * n:(dp_rank + 1) * n] if t.shape[0] == b else t).to(device)
                            for t in flat])
 

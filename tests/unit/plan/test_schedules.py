@@ -6,7 +6,7 @@ import torch
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from parallelizer.checkpoint import load_shard, write_checkpoint
-from parallelizer.compiler import _num_stages
+from parallelizer.planning.spec_checks import num_stages_of
 from parallelizer.errors import CheckpointError, PlanError, SpecError
 from parallelizer.plan.schedules import (TORCH_NAMES, available, schedule_class, stage_ranks,
                                          bubble, check, compute_actions, with_schedule)
@@ -118,10 +118,10 @@ def test_zero_bubble_with_every_zero_stage_over_dp_is_allowed(tmp_path):
 
 def test_more_stages_than_blocks_is_a_plan_error(tmp_path):
     spec = _spec(tmp_path, "pipeline.schedule=interleaved_1f1b", "pipeline.virtual_stages=3")
-    assert _num_stages(spec, ("l.0", "l.1", "l.2", "l.3", "l.4", "l.5")) == 6
+    assert num_stages_of(spec, ("l.0", "l.1", "l.2", "l.3", "l.4", "l.5")) == 6
     with pytest.raises(PlanError, match=r"mesh.pp \(2\) x pipeline.virtual_stages \(3\) = 6 "
                                         r"stages exceeds the number of blocks \(4\)"):
-        _num_stages(spec, ("l.0", "l.1", "l.2", "l.3"))
+        num_stages_of(spec, ("l.0", "l.1", "l.2", "l.3"))
 
 
 def test_theoretical_bubble():
