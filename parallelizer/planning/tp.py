@@ -26,7 +26,6 @@ import torch.fx as fx
 
 from ..plan.decisions import TPDecision
 from ..errors import PlanError
-from ..analysis.graph_facts import shape
 from ..analysis.linears import linear_sites
 from ..analysis.sharding.placements import Shard
 from .gradients import plan_gradients
@@ -134,7 +133,7 @@ def _why_unpaired(site, is_linear: dict, column: set, row: set, prop) -> str:
     not contract, in ``prop``'s placements), or no pair was found. ``is_linear``: node ->
     its linear site."""
     px = prop.placements.get(site.x.name) if isinstance(site.x, fx.Node) else None
-    if isinstance(px, Shard):  # propagate._uncontracted: a product within each head
+    if isinstance(px, Shard):  # linear_rule._uncontracted: a product within each head
         by = ", ".join(sorted(prop.groups.get(site.x.name, ()))) or "a sharded value"
         return (f"applied whole to each rank's shard of its input along dim {px.dim}, a dim "
                 f"it does not contract (the sharded output of {by}); its gradient is summed "

@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 
 from ...plan.layouts import Fused, ReplicatedHeads, local_length
-from ..graph_facts import aten, expr, module_path, same, shape
+from ..graph_facts import aten, expr, module_path, shape
 from ..linears import full_slice, slice_bound
 from .dtensor import dtensor_rule
 from .one_head import copied_parts

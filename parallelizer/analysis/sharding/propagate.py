@@ -30,8 +30,8 @@ converters). Any other use of a raw value needs the even split. The planner runs
 again with the layouts found until they are stable, so the rewritten constants (split sizes,
 views) follow the layouts.
 
-This module is the driver (``propagate``) and the linear rule; the per-op rules are in
-:mod:`.rules`, those deciding layouts in :mod:`.layouts`, (batch, heads)
+This module is the driver (``propagate``); the linear rule is in :mod:`.linear_rule`, the
+per-op rules in :mod:`.rules`, those deciding layouts in :mod:`.layouts`, (batch, heads)
 merges in :mod:`.strided`, the recorded state in :mod:`.state`. DTensor's
 op strategies (torch/distributed/tensor/_ops, :mod:`.dtensor`) answer first for the
 ops whose rule is only a placement map and for the ops the table lacks; the table keeps
@@ -45,12 +45,12 @@ import torch
 import torch.fx as fx
 
 from ..graph_facts import aten, module_path, same, shape
-from ..linears import as_linear, computed_bias, reads_parameters, weight_path
+from ..linears import as_linear, reads_parameters
 from .dtensor import NO_RULE, Wants, dtensor_rule
 from . import redistribute
 from .channels import channel_reader
 from .heads import factory_rule, request_broadcast, request_written
-from ...plan.layouts import InterleavedHeads, in_units
+from ...plan.layouts import InterleavedHeads
 from .cuts import fuse_slices
 from .one_head import SEARCH_LIMIT, copied_whole_unsqueeze, one_head_unsqueeze
 from .layouts import view_rule
@@ -61,8 +61,9 @@ from .rules import (BROADCASTING, DTENSOR_FIRST, KEEP_HEADS, KEEP_RAW, OURS_AFTE
 from .strided import tiled_by, carry_strided, check_sizes, narrowed, request_narrow
 from .pieces import register, site_key
 from .weights import path_rule, weight_paths
-from .state import (HeadsMark, Propagation, add_constraint, dim_of, inputs_of,
+from .state import (HeadsMark, Propagation, add_constraint, conflict, dim_of, inputs_of,
                     mark_not_replicable, placement, record_use)
+from .linear_rule import linear_rule
 
 __all__ = ["CONFLICT", "Propagation", "propagate"]
 
@@ -165,7 +166,7 @@ def _output(node: fx.Node, prop, groups):
     if not _sharded_inputs(node, prop):
         return REPLICATE, groups
     requested = redistribute.gather_all(node, prop)
-    return _conflict(prop, node, groups, "the model returns it sharded" + (
+    return conflict(prop, node, groups, "the model returns it sharded" + (
         "" if requested else ", and no all-gather can stand in (not an even split of it)"))
 
 
@@ -220,7 +221,7 @@ def _rule(node: fx.Node, prop: Propagation, column, row, weight_dims, tp):
         return CONFLICT, groups
     site = as_linear(node)
     if site is not None or node.target is aten.linear.default:
-        return _linear(node, site, prop, column, row, groups)
+        return linear_rule(node, site, prop, column, row, groups)
     if node.name in prop.per_head_factories:
         return factory_rule(node, prop, tp), prop.per_head_factories[node.name][1]
     if node.target is aten.unsqueeze.default and node.args[0].name in prop.copied_whole:
@@ -245,7 +246,7 @@ def _rule(node: fx.Node, prop: Propagation, column, row, weight_dims, tp):
     if copies is not None and fn not in KEEP_HEADS:
         out = _on_copies(node, prop, copies)
         if out == CONFLICT:
-            return _conflict(prop, node, groups, "a per-head operand meets copied kv heads")
+            return conflict(prop, node, groups, "a per-head operand meets copied kv heads")
         if out is not None:
             return out, groups
     source = dtensor_rule if fn in DTENSOR_FIRST and copies is None and \
@@ -260,7 +261,7 @@ def _rule(node: fx.Node, prop: Propagation, column, row, weight_dims, tp):
     if copies is not None and (out is NO_RULE or out == CONFLICT):
         found = _on_copies(node, prop, copies)
         if found == CONFLICT:
-            return _conflict(prop, node, groups, "a per-head operand meets copied kv heads")
+            return conflict(prop, node, groups, "a per-head operand meets copied kv heads")
         if found is not None:
             return found, groups
     why, requested = "", False
@@ -279,16 +280,16 @@ def _rule(node: fx.Node, prop: Propagation, column, row, weight_dims, tp):
             r = tiled_by(a, prop)
             if r is not None:
                 redistribute.gather_all(r, prop, [r.args[0]])
-        return _conflict(prop, node, groups, "a (batch, heads) merged dim meets a dim sharded "
+        return conflict(prop, node, groups, "a (batch, heads) merged dim meets a dim sharded "
                                              "another way")
     if out is NO_RULE or out == CONFLICT:
         if not requested:  # else the next run reads the inputs redistributed, marks and all
             _consume_markers(node, prop, None, CONFLICT)
     if out is NO_RULE:
-        return _conflict(prop, node, groups, f"no sharding rule for {node.target} (ours or "
+        return conflict(prop, node, groups, f"no sharding rule for {node.target} (ours or "
                                              f"DTensor's){why}")
     if out == CONFLICT:
-        return _conflict(prop, node, groups, f"{node.target} cannot take a sharded input here"
+        return conflict(prop, node, groups, f"{node.target} cannot take a sharded input here"
                          + (" (DTensor's strategy would redistribute it)"
                             if source is dtensor_rule else "") + why)
     _consume_markers(node, prop, fn, out)
@@ -400,132 +401,3 @@ def _holds_tensors(node) -> bool:
     if isinstance(v, (tuple, list)):
         return any(isinstance(x, torch.Tensor) for x in v)
     return isinstance(v, torch.Tensor)
-
-
-def _conflict(prop, node, groups, reason):
-    prop.conflicts.append((node.name, module_path(node), groups, reason))
-    return CONFLICT, groups
-
-
-def _linear(node, site, prop, column, row, groups):
-    if site is None:  # aten.linear on a weight that is not a parameter
-        if placement(prop, node.args[0]) != REPLICATE:
-            redistribute.gather_all(node, prop, [node.args[0]])
-            return _conflict(prop, node, groups, "replicated linear got a sharded input")
-        return REPLICATE, groups
-    x, wt = site.x, site.weight
-    px = placement(prop, x)
-    mod = module_path(node)
-    if x.name in prop.raw:
-        record_use(prop, prop.raw[x.name], None, node)
-    if x.name in prop.heads:
-        mark_not_replicable(prop, [prop.heads[x.name]], node)
-    if x.name in prop.strided:
-        return _conflict(prop, node, groups, "a linear got a (batch, heads) merged input")
-    if wt in column:
-        key = site_key(site)  # the weight, or the piece of it this linear reads
-        n = site.part[1] - site.part[0] if site.part else int(site.features(site.out_dim))
-        prop.features[key] = n
-        if key not in prop.layouts:
-            add_constraint(prop, n, "features", mod, f"out_features of {key}", {key})
-        if wt not in prop.no_replication and _rounded(site):
-            prop.not_replicable.add(wt)  # copies' gradients summed after rounding: not the model's
-        if site.merged is not None:  # the checkpoint cuts the parameter's own dim
-            _merged_cut(prop, node, site, site.out_dim, prop.layouts.get(key), groups | {wt})
-        if px != REPLICATE:
-            redistribute.gather_all(node, prop, [x])
-            return _conflict(prop, node, groups, "column_parallel linear needs a replicated input")
-        bias = computed_bias(site)
-        if bias is not None and _bias_unplaced(node, prop, bias, key):
-            return _conflict(prop, node, groups, "a column_parallel linear's bias computed in "
-                                                 "forward must be cut as its outputs are")
-        prop.raw[node.name] = frozenset({key})
-        return Shard(len(shape(node)) - 1), groups | {wt}
-    if wt in row:
-        add_constraint(prop, site.features(site.in_dim), "features", mod, f"in_features of {wt}",
-                       origin={wt})
-        if site.merged is not None:
-            _merged_cut(prop, node, site, site.in_dim, None, groups)
-        last = len(shape(x)) - 1
-        if px != Shard(last):
-            if px == REPLICATE:  # each rank takes its block of the input features
-                redistribute.cut(node, prop, x, last)
-            else:
-                redistribute.gather_all(node, prop, [x])
-            # an input no column's shard reaches names no group, and a conflict naming none
-            # drops every group (a grouped FFN's shuffle took the attention with it): the
-            # row's own group is to blame then
-            blamed = groups if groups & (column | row) else groups | {wt}
-            return _conflict(prop, node, blamed, "row_parallel linear needs Shard(-1) input")
-        return REPLICATE, groups  # Partial, resolved by the g after it at once
-    if _uncontracted(px, x, site):
-        return px, groups
-    if px != REPLICATE:
-        redistribute.gather_all(node, prop, [x])
-        return _conflict(prop, node, groups, "replicated linear got a sharded input")
-    return REPLICATE, groups
-
-
-def _bias_unplaced(node, prop, bias, key: str) -> bool:
-    """The bias ``node`` adds, computed in forward, is not yet the rank's piece of the column
-    linear ``key``'s outputs: a replicated one is asked to be cut by that linear's layout
-    (redistribute.lay_out), False when it is already read so."""
-    pb = placement(prop, bias)
-    if pb == Shard(0) and prop.raw.get(bias.name) == frozenset({key}):
-        return False
-    if pb == REPLICATE:
-        redistribute.lay_out(node, prop, bias, 0, key)
-    return True
-
-
-def _uncontracted(px, x, site) -> bool:
-    """A replicated 2-D weight applied to an input sharded on a dim the product does not
-    contract (a per-head product ``x.view(B, T, H, d) @ P`` on a rank's heads, Linformer's
-    ``E(k.transpose(1, 2))`` on a rank's features) keeps that shard in the output, whose
-    leading dims are the input's: DTensor's strategy for ``mm`` with a sharded batch dim
-    and a replicated other side (planning/tp_seeds.py ``_within_pair`` leaves such a weight
-    out of the pairs). Its gradient is then Partial (analysis/gradients.py), summed over tp."""
-    if not isinstance(px, Shard) or site.batched or site.merged is not None:
-        return False
-    rank = len(shape(x))
-    return px.dim % rank != rank - 1
-
-
-def _merged_cut(prop, node, site, dim: int, layout, groups) -> None:
-    """The weight matrix's layout along ``dim`` of a merged parameter (:attr:`Linear.merged`)
-    must be a cut of that dim. Evenly: tp divides it (a constraint on it as on heads, so
-    the planner may keep the linear whole where tp is a multiple of it, decision 68). Else a
-    conflict (the linear's pair kept replicated) when a run of the layout splits a row
-    group (:func:`parallelizer.plan.layouts.in_units`); it does not stop the linear's rule,
-    so the layouts found stay the same from round to round."""
-    size = int(shape(site.param)[dim])
-    text = "x".join(str(d) for d in shape(site.param))
-    if size == int(site.features(dim)):  # the dim is the features (a pointwise conv's
-        return  # (O, C, 1, 1) viewed (O, C)): the features' constraint names it
-    if layout is None or isinstance(layout, InterleavedHeads):
-        origin = {site.weight} if site.weight in groups else set()
-        add_constraint(prop, size, "heads", module_path(node),
-                       f"dim {dim} of {site.weight} ({text})", origin=origin)
-        return
-    try:
-        in_units(layout, int(site.features(dim)) // size)
-    except ValueError as e:
-        prop.conflicts.append((node.name, module_path(node), groups,
-                               f"{site.weight} ({text}) is cut along its dim {dim} ({e})"))
-
-
-def _rounded(site) -> bool:
-    """The weight path casts the parameter to a floating dtype of less precision (a fake
-    quantisation, ``w.to(torch.bfloat16).to(x.dtype)``): a copy of its kv heads on several
-    ranks would have each rank's gradient rounded before the copies are summed, where the
-    model rounds their sum, so its kv heads are not copied (the projection is kept whole
-    and attention cuts each rank's copy, decision 68)."""
-    own = site.param.meta["val"].dtype
-    if not own.is_floating_point:
-        return False
-    for n in weight_path(site.w_node):
-        v = n.meta.get("val")
-        if isinstance(v, torch.Tensor) and v.dtype.is_floating_point \
-                and torch.finfo(v.dtype).eps > torch.finfo(own).eps:
-            return True
-    return False

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 
 from ...plan.layouts import InterleavedHeads, layout_json, local_offset, side_by_side
-from ..graph_facts import aten, shape, source_line
-from .placements import REPLICATE, shard_dim
+from ..graph_facts import aten, module_path, shape, source_line
+from .placements import CONFLICT, REPLICATE, shard_dim
 
 
 @dataclass(frozen=True)
@@ -283,3 +283,10 @@ def dim_arg(node, i, rank=None):
     d = node.args[i] if len(node.args) > i else node.kwargs.get("dim", 0)
     rank = len(shape(node.args[0])) if rank is None else rank
     return d % rank if isinstance(d, int) else d
+
+
+def conflict(prop: Propagation, node: fx.Node, groups, reason: str):
+    """Record that ``node`` cannot take its inputs' placements (``reason``), to the blame of
+    the layer ``groups`` that reach it; (CONFLICT, groups) for the rule to return."""
+    prop.conflicts.append((node.name, module_path(node), groups, reason))
+    return CONFLICT, groups

@@ -7,7 +7,7 @@ Each node of the path holds the parameter's shard: the dim the plan shards (outp
 features of a column_parallel weight and its bias, input features of a row_parallel one)
 follows the transposes, and a view's int size on that dim becomes the local size (the
 layout's local length for a fused or replicated-heads column weight). The linear's own rule
-(:func:`parallelizer.analysis.sharding.propagate._linear`) reads the product as a whole, so
+(:func:`parallelizer.analysis.sharding.linear_rule.linear_rule`) reads the product as a whole, so
 the path never meets the activation rules (a ``type_as(w, x)`` does not ask what ``x`` is).
 A static piece of the parameter on the path (``in_proj_weight.split([E, 2E])[1]``) has its
 sizes made local by :mod:`.pieces`.
