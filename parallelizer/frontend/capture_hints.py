@@ -33,15 +33,30 @@ def functorch_hint(error: Exception) -> str:
     called by forward: a gradient computed inside the forward (titans-pytorch's neural
     memory learns at test time by ``vmap(grad(loss))``) is no op of a training graph
     torch.export records, and the refusal said only "'Tensor' object has no attribute
-    'constant'" (zoo 13 Z6)."""
-    places = tuple(os.sep + os.path.join("torch", d, "") for d in ("_functorch", "func"))
-    if not any(p in f.filename for f in traceback.extract_tb(error.__traceback__)
-               for p in places):
+    'constant'" (zoo 13 Z6). torch.export's own frames in ``torch/_functorch``
+    (aot_autograd) are on every capture's stack and do not count: ESM-2's data-dependent
+    ``if not padding_mask.any()`` got this hint (zoo 15)."""
+    if not any(_in_torch_func(f.filename) for f in traceback.extract_tb(error.__traceback__)):
         return ""
     return ("\nThe failure is inside torch.func (grad, vmap, jacrev) called by forward: a "
             "gradient computed inside forward (test-time training, a neural memory's update) "
             "cannot be captured into the training graph; configure the model without it (a "
             "plain memory, no inner update) to compile the rest.")
+
+
+# torch.func's transforms: torch/func re-exports the ones in these files of torch/_functorch,
+# whose other files (aot_autograd) are torch.export's own machinery, on every export's stack
+_TRANSFORMS = ("apis.py", "vmap.py", "eager_transforms.py")
+
+
+def _in_torch_func(filename: str) -> bool:
+    """``filename`` is code of ``torch.func``'s transforms (grad, vmap, jacrev)."""
+    parts = os.path.normpath(filename).split(os.sep)
+    for i in range(len(parts) - 1):
+        if parts[i] == "torch" and (parts[i + 1] == "func" or parts[i + 1] == "_functorch"
+                                    and parts[-1] in _TRANSFORMS and i + 2 == len(parts) - 1):
+            return True
+    return False
 
 
 def mask_hint(model: torch.nn.Module, args, kwargs,

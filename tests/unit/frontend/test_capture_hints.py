@@ -173,3 +173,43 @@ def test_layerdrop_refusal_names_the_config_key_and_no_mask_hint():
     assert "The model's config sets LayerDrop (layerdrop=0.1)" in message, message
     assert "Set config.layerdrop = 0.0 in build_model()" in message, message
     assert "attention_mask" not in message, message
+
+
+class _GradInForward(nn.Module):
+    """A gradient computed inside forward by torch.func (titans-pytorch's neural memory)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4))
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        g = torch.func.vmap(torch.func.grad(lambda w, xi: (xi @ w).pow(2).sum()),
+                            in_dims=(None, 0))(self.w, x)
+        return self.fc(x) + (x.unsqueeze(-1) * g.unsqueeze(1)).sum(-1)
+
+
+class _BranchOnValues(nn.Module):
+    """ESM-2's ``if not padding_mask.any(): padding_mask = None``: a branch on the data."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if not (x > 5).any():
+            x = x * 2
+        return self.fc(x)
+
+
+def test_the_torch_func_hint_is_given_for_torch_func_only():
+    """torch.func inside forward is named (titans' refusal said only "'Tensor' object has no
+    attribute 'constant'", zoo 13 Z6); a branch on the data is not, though torch.export's own
+    aot_autograd frames in torch/_functorch are on its stack too (ESM-2 got the hint, zoo 15)."""
+    with pytest.raises(CaptureError) as e:
+        capture(_GradInForward(), (torch.randn(2, 3, 4),), Path("model.py"))
+    assert "The failure is inside torch.func (grad, vmap, jacrev) called by forward" \
+        in str(e.value), str(e.value)
+    with pytest.raises(CaptureError) as e:
+        capture(_BranchOnValues(), (torch.randn(2, 3, 4),), Path("model.py"))
+    assert "torch.func" not in str(e.value) and "data-dependent" in str(e.value), str(e.value)
