@@ -50,21 +50,22 @@ class Analysis:
 
 def analyse(model: torch.nn.Module, batch, name: Path, passes: PassManager,
             pp: int = 1, ep: int = 1, microbatches: int = 1, dp: int = 1,
-            tp: int = 1) -> Analysis:
+            tp: int = 1, branches: str = "refuse") -> Analysis:
     """Capture ``model`` (in training mode where it was built all in eval mode, else each
     module's mode as built: frontend/modes.py) on ``batch`` and rewrite attention as eager
     runs it, so that every planner sees what the model computes (SDPA's is_causal /
     enable_gqa for the mask and the repeated kv heads export materialised). At ``ep`` > 1 a
     list of expert modules becomes one grouped computation on stacked weights
     (passes/stack_experts.py); at ``tp`` > 1 a norm over a linear's whole output is written
-    as the means it computes (passes/norms_over_projections.py).
+    as the means it computes (passes/norms_over_projections.py). ``branches``:
+    ``capture.data_dependent_branches`` (frontend/branches.py).
 
     Raises:
         CaptureError: the model cannot be captured. PlanError: ``pp`` > 1 and an output has
             no batch dim (the microbatches cannot be concatenated back).
     """
     modes = training_modes(model)
-    captured = capture(model, batch, name)
+    captured = capture(model, batch, name, branches)
     if pp > 1 or microbatches > 1 or dp > 1:  # the step runs the graph on fewer samples
         check_batch_is_dynamic(captured.gm, captured.input_names, max(2, dp * microbatches))
     if pp > 1:

@@ -75,6 +75,7 @@ from .emit.numerics_check import check_numerics, model_reference, when as self_c
 from .emit.reference import (batch_rows, check_gradients_held, compute_reference, copy_model,
                              nonfinite_warnings, sample_mean_warnings, stack_reference)
 from .emit.report import render_report, stage_sends
+from .frontend.branches import decided_warnings
 from .frontend.spec import Spec
 
 
@@ -136,11 +137,13 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
     passes = PassManager(dump_passes)
     analysis = analyse(model, batch, model_file or Path("<in-memory model>"), passes,
                        pp=spec.mesh.pp, ep=spec.mesh.ep,
-                       microbatches=spec.pipeline.microbatches, dp=spec.mesh.dp, tp=spec.mesh.tp)
+                       microbatches=spec.pipeline.microbatches, dp=spec.mesh.dp, tp=spec.mesh.tp,
+                       branches=spec.capture.data_dependent_branches)
     check_autocast_off(analysis.captured.gm, spec.mixed_precision.param_dtype)
     pp_warnings += fixed_size_warnings(fixed_sizes(analysis.captured.gm,
                                                    analysis.captured.input_names),
                                        analysis.captured.gm)
+    pp_warnings += decided_warnings(analysis.captured.gm)
     pp_warnings += written_buffer_warnings(analysis.captured.gm, spec.pipeline.microbatches)
     pp_warnings += list(analysis.warnings)
     planned = plan(analysis, spec, passes)

@@ -52,6 +52,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..checkpoint.slicing import local_piece
 from ..errors import CaptureError, PlanError
+from ..frontend.branches import check_step_branches
 from ..frontend.capture import eager_message, split_args
 from ..frontend.custom_functions import checkpoint_off
 from ..frontend.model_file import headline
@@ -390,6 +391,7 @@ def _run_program(plan, modules: list, flat_in: list, cot: list) -> list:
         except PlanError:
             raise
         except Exception as e:  # noqa: BLE001 - any failure here is the compiler's
+            check_step_branches(e)  # but a branch the example decided: the model's
             r = getattr(e, "tp_rank", 0)
             raise PlanError(f"{BUG}the program fails in the numerics self-check on tp rank "
                             f"{r} in the {where[r]}: {type(e).__name__}: {headline(e, '')}"

@@ -8,35 +8,30 @@ both routes end in the same IR.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
-import inspect
-import io
-import logging
-import sys
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
-from torch.export import Dim
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, treespec_dumps
+from torch.utils._pytree import TreeSpec, tree_flatten, treespec_dumps
 
 from ..errors import CaptureError
 from . import capture_hints, custom_functions, python_rng
 from .conv import channel_maps_as_linears
+from .exporting import captures, export_kept, export_program
 from .einsum import einsums_as_linears, matmuls_as_linears, zero_baddbmm_as_bmm
 from .factories import factories_of_constants
 from .graph_rewrite import returns_view
 from .model_file import headline, user_frame
 from .module_paths import one_name_per_module
-from .module_state import state_kept, unchanging_to_kept
+from .branches import (ASSUMED, SPEC_KEY, decided_lines, is_data_dependent, label_assertions,
+                       quiet_report)
 from .guards import FIXED_BY, record_shape_guards
 from .held_params import held_parameters, read_as_parameters
 from .regions import inline_regions, model_line
 from .saved_reads import copy_reads_before_writes
 from .tiles import tiles_as_repeat
+
 
 def split_args(batch: tuple | dict) -> tuple[tuple, dict]:
     """A batch as the (args, kwargs) it is called with."""
@@ -56,110 +51,10 @@ class Captured:
     route: str
 
 
-def _dynamic_shapes(args: tuple, kwargs: dict, shared_batch: bool = True,
-                    sequence: bool = True) -> Any:
-    """Dims 0 and 1 of every input tensor dynamic (dim 0 only without ``sequence``).
-    ``shared_batch``: dim 0 of the inputs
-    with the first input's batch size is one symbol, as the runtime treats it (pipeline
-    microbatches and dp shards cut every input along dim 0): an encoder-decoder's source
-    and target batches are then known equal, so ``nn.MultiheadAttention``'s
-    ``k.view(S, bsz * num_heads, head_dim)`` of the memory keeps head_dim a number."""
-    flat = list(kwargs.values()) if kwargs else list(args)
-    sizes = [v.shape[0] for v in flat if isinstance(v, torch.Tensor) and v.dim()]
-    batch = Dim("batch") if shared_batch and len(sizes) > 1 and sizes.count(sizes[0]) > 1 \
-        and sizes[0] > 1 else None
-
-    def dims(t: torch.Tensor) -> dict:
-        out = {i: Dim.AUTO for i in range(min(t.dim(), 2 if sequence else 1))}
-        if batch is not None and t.dim() and t.shape[0] == sizes[0]:
-            out[0] = batch
-        return out
-    if kwargs:
-        return {k: dims(v) for k, v in kwargs.items()}
-    return tuple(dims(a) for a in args)
-
-
-def _export(model, args, kwargs, static: bool = False):
-    """torch.export with :func:`_dynamic_shapes`; again with a symbol per input's batch when
-    the model's code does not hold one batch dim for them all (it specialises it, or
-    an input's dim 0 is not the batch). ``static``: with the sequence static, then with
-    every dim static instead, for code that needs a size as a Python number where export
-    gives a symbol (openai-whisper's ``is_causal = n_ctx > 1`` for SDPA's bool; diffusers'
-    ``torch.randn(shape, generator=None)``, an overload without symbolic sizes)."""
-    attempts = ((_dynamic_shapes(args, kwargs, shared_batch=False, sequence=False), None)
-                if static else (_dynamic_shapes(args, kwargs),
-                                _dynamic_shapes(args, kwargs, shared_batch=False)))
-    with _named_keywords(model, kwargs), warnings.catch_warnings():
-        # nn.LSTM / GRU / RNN re-assign their own parameters to _flat_weights in forward:
-        # export's warning ("must be registered as buffers") would tell the user to edit
-        # torch's module, and what it names are parameters export has already
-        warnings.filterwarnings("ignore", message=r"The tensor attributes [^ ]*_flat_weights")
-        for i, dyn in enumerate(attempts):
-            try:
-                with _quiet_shape_log():  # new tensors: a failed export leaves its dims marked
-                    inputs = tree_map(_fresh, (args, kwargs)) if static else (args, kwargs)
-                    return torch.export.export(model, *inputs, dynamic_shapes=dyn, strict=False)
-            except Exception:
-                if i == len(attempts) - 1:
-                    raise
-
-
-def _fresh(x):
-    """A tensor's copy with none of the marks a failed export left on it (the dims it made
-    dynamic, which the next export, asked for static ones, kept symbolic)."""
-    return x.clone() if isinstance(x, torch.Tensor) else x
-
-
-@contextlib.contextmanager
-def _quiet_shape_log():
-    """A failed export says nothing but its error: a data-dependent branch logged "Unable to
-    find user code corresponding to {u0}" (symbolic_shapes' logger) and torch printed the
-    partial graph to stderr, about 100 lines before the error that names the model's line
-    (the refusal is that error). What an export that succeeds writes to stderr is written
-    after it."""
-    log = logging.getLogger("torch.fx.experimental.symbolic_shapes")
-    level, held = log.level, io.StringIO()
-    log.setLevel(logging.ERROR)
-    try:
-        with contextlib.redirect_stderr(held):
-            yield
-    finally:
-        log.setLevel(level)
-    sys.stderr.write(held.getvalue())  # only reached when the export did not raise
-
-
-@contextlib.contextmanager
-def _named_keywords(model, kwargs: dict):
-    """An input that ``forward`` takes through ``**kwargs`` (``forward(self, pixel_values,
-    **kwargs)`` given ``labels``) given a name of its own while exporting: torch 2.13's
-    export matches dynamic shapes against the inputs nested under ``kwargs`` in one place
-    and flat in another, and fails either way ("Must provide a tree_name"). The instance's
-    ``forward`` is shadowed by one whose signature names each input and which calls the
-    class's own ``forward``; parameter names and module paths are unchanged."""
-    try:
-        params = inspect.signature(model.forward).parameters.values()
-    except (TypeError, ValueError):
-        params = ()
-    named = {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
-    if not any(p.kind == p.VAR_KEYWORD for p in params) or set(kwargs) <= named \
-            or "forward" in vars(model):
-        yield
-        return
-    cls_forward = type(model).forward
-
-    def forward(*a, **kw):
-        return cls_forward(model, *a, **kw)
-    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
-    forward.__signature__ = inspect.Signature([inspect.Parameter(k, kind) for k in kwargs])
-    model.forward = forward
-    try:
-        yield
-    finally:
-        del model.forward
-
-
-def capture(model: torch.nn.Module, batch: tuple | dict, model_file: Path) -> Captured:
-    """Capture ``model`` on ``batch`` as a flat-calling GraphModule.
+def capture(model: torch.nn.Module, batch: tuple | dict, model_file: Path,
+            branches: str = "refuse") -> Captured:
+    """Capture ``model`` on ``batch`` as a flat-calling GraphModule. ``branches``:
+    ``capture.data_dependent_branches`` (:mod:`.branches`).
 
     Raises:
         CaptureError: both torch.export and the symbolic_trace route failed; the message
@@ -171,10 +66,13 @@ def capture(model: torch.nn.Module, batch: tuple | dict, model_file: Path) -> Ca
     held = held_parameters(model)
     with python_rng.no_draws(model, args, kwargs, model_file,
                              lambda: capture_hints.setting_hints(model)):
-        ep, route, applied, fixed = _exported(model, args, kwargs, model_file)
+        ep, route, applied, fixed, decided = _exported(model, args, kwargs, model_file, branches)
     gm = ep.module()
     if fixed:  # for the compile's warning of the fixed size (analysis/outputs.py)
         gm.meta[FIXED_BY] = fixed
+    if decided:  # for the compile's warning (compiler.py) and the run's error
+        gm.meta[ASSUMED] = decided
+        label_assertions(gm, decided)
     read_as_parameters(gm, held)
     out_spec = gm._out_spec
     try:
@@ -203,11 +101,13 @@ def capture(model: torch.nn.Module, batch: tuple | dict, model_file: Path) -> Ca
     return Captured(gm, names, bool(kwargs), out_spec, route)
 
 
-def _exported(model, args, kwargs, model_file: Path):
+def _exported(model, args, kwargs, model_file: Path, branches: str = "refuse"):
     """(ExportedProgram, route, the custom Functions applied, why the sequence or batch had
-    to be static or "") of ``model`` on the batch: torch.export, else symbolic_trace then
-    export; where both fail with the sizes symbolic, torch.export with them static (the
-    compile warns of the fixed sizes, quoting the symbolic capture's error).
+    to be static or "", the lines whose branch the example decided) of ``model`` on the
+    batch: torch.export, else symbolic_trace then export; where both fail with the sizes
+    symbolic, torch.export with them static (the compile warns of the fixed sizes, quoting
+    the symbolic capture's error); where a branch on a tensor's values stopped them all and
+    ``branches`` is "as_example", draft_export (:mod:`.branches`).
 
     Raises:
         CaptureError: every route failed (the model failing eagerly named as such).
@@ -218,8 +118,8 @@ def _exported(model, args, kwargs, model_file: Path):
     first_error = None
     for route, traced, static in routes:
         try:
-            with _export_kept(model) as applied:
-                ep = _export(traced(), args, kwargs, static)
+            with export_kept(model) as applied:
+                ep = export_program(traced(), args, kwargs, static)
             break
         except Exception as e:
             first_error = first_error or e
@@ -229,35 +129,34 @@ def _exported(model, args, kwargs, model_file: Path):
             raise CaptureError(eager_message(eager, model_file)) from eager
         if opaque:  # export cannot return it (a transformers Cache: use_cache on)
             raise CaptureError(_opaque_message(opaque, model_file)) from first_error
+        if branches == "as_example" and is_data_dependent(first_error):
+            ep, applied, decided = _as_example(model, args, kwargs, first_error, model_file)
+            return ep, "torch.export.draft_export", applied, "", decided
         raise CaptureError(_capture_message(first_error, model_file)
                            + capture_hints.hints(model, args, kwargs, first_error, model_file,
-                                                 functools.partial(_captures, model))
+                                                 functools.partial(captures, model))
                            ) from first_error
     fixed = ""
     if static:
         fixed = (f"{type(first_error).__name__}: {headline(first_error, '')}"
                  f"{user_frame(first_error, model_file)}")
-    return ep, route, applied, fixed
+    return ep, route, applied, fixed, []
 
 
-@contextlib.contextmanager
-def _export_kept(model):
-    """Around one export of ``model``: records the custom Functions it applies (yielded),
-    runs checkpointed code plainly, and leaves the model's state and dtypes as they were."""
-    with custom_functions.recorded() as applied, custom_functions.checkpoint_off(), \
-            state_kept(model), unchanging_to_kept():
-        yield applied
+def _as_example(model, args, kwargs, first_error, model_file: Path):
+    """(ExportedProgram, custom Functions applied, decided lines) by draft_export.
 
-
-def _captures(model, args, kwargs) -> bool:
-    """torch.export captures ``model`` on these inputs with their sizes static (the last
-    route of :func:`_exported`)."""
+    Raises:
+        CaptureError: draft_export fails too, or reports what it did not make sound.
+    """
     try:
-        with _export_kept(model):
-            _export(model, args, kwargs, True)
-    except Exception:  # noqa: BLE001  (any failure: the hint does not apply)
-        return False
-    return True
+        with export_kept(model) as applied, quiet_report():
+            ep = export_program(model, args, kwargs, exporter=torch.export.draft_export)
+        return ep, applied, decided_lines(ep)
+    except Exception as e:  # noqa: BLE001  the refusal is the first route's error
+        raise CaptureError(_capture_message(first_error, model_file) + f"\nWith {SPEC_KEY}: "
+                           f"as_example the capture fails as well ({type(e).__name__}: "
+                           f"{headline(e, '')}).") from first_error
 
 
 def _drop_dead_code(gm: torch.fx.GraphModule) -> None:

@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 
+from .branches import SPEC_KEY, is_data_dependent
 from .model_file import user_frame
 
 
@@ -19,7 +20,19 @@ def hints(model: torch.nn.Module, args, kwargs, error: Exception, model_file: Pa
     """Every hint that applies, each on its own line (or ""). ``captures(args, kwargs)``:
     the capture succeeds on those inputs (a hint that changes the inputs is tried first)."""
     return (setting_hints(model) + loss_hint(args, kwargs, error, model_file)
-            + mask_hint(model, args, kwargs, captures) + functorch_hint(error))
+            + mask_hint(model, args, kwargs, captures) + functorch_hint(error)
+            + branches_hint(error))
+
+
+def branches_hint(error: Exception) -> str:
+    """A hint when a branch on a tensor's values stopped the capture: the spec key that takes
+    the branch the example batch takes (:mod:`.branches`)."""
+    if not is_data_dependent(error):
+        return ""
+    return (f"\nWhere the branch is one your data always takes the same way (a padding test "
+            f"over batches that all have padding, or none), {SPEC_KEY}=as_example captures "
+            f"the branch the example batch takes; a step taking the other then stops with "
+            f"an error naming the line.")
 
 
 def setting_hints(model: torch.nn.Module) -> str:

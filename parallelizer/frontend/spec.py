@@ -173,6 +173,22 @@ class Verify(BaseModel):
             "compared directly."))
 
 
+class Capture(BaseModel):
+    model_config = _STRICT
+    data_dependent_branches: Literal["refuse", "as_example"] = Field(
+        "refuse", description="'refuse' or 'as_example' (a Python branch on a tensor's values in "
+                              "forward, as ESM-2's `if not padding_mask.any()`: refuse the "
+                              "model naming the line, or capture the branch the example batch "
+                              "takes)",
+        json_schema_extra=_doc(
+            "as_example captures with torch.export.draft_export, which decides such a branch "
+            "by the example's values and keeps the condition in the graph as an assertion. "
+            "The compile warns naming each line and the branch taken; a step whose batch (or "
+            "the model's own state: a counter it keeps) takes the other branch stops with an "
+            "error naming that line. Give an example that takes the branch your data takes "
+            "(padding in it, for a padding test)."))
+
+
 class TensorParallel(BaseModel):
     model_config = _STRICT
     allow_replicated: bool = Field(
@@ -359,6 +375,7 @@ class Spec(BaseModel):
         TensorParallel(), description="options of tensor parallelism (mesh.tp > 1): the "
                                       "vocabulary, the sequence, a model nothing of which shards "
                                       "(docs/tensor-parallel.md)")
+    capture: Capture = Field(Capture(), description="how the model is captured (torch.export)")
     self_check: SelfCheck = Field(
         SelfCheck(), description="the compile's numerics self-check of the program against the "
                                  "model (docs/tensor-parallel.md)")

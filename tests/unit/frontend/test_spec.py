@@ -47,6 +47,7 @@ def test_defaults_for_empty_file(tmp_path):
                             "sequence_parallel": "auto"},
         "self_check": {"mode": "auto", "max_params": 50_000_000, "max_gflops": 1000.0,
                        "max_input_elements": None},
+        "capture": {"data_dependent_branches": "refuse"},
     }
     assert spec == Spec()
 

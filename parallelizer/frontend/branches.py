@@ -1,0 +1,114 @@
+"""Python branches on a tensor's values in forward (ESM-2's ``if not padding_mask.any():
+padding_mask = None``), which torch.export cannot trace: with
+``capture.data_dependent_branches: as_example`` the capture takes the branch the example batch
+takes, by ``torch.export.draft_export`` (it decides each such condition by the example's values
+and keeps it in the graph as a runtime assertion), and names each line it decided."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+
+import torch
+from torch._logging.structured import INTERN_TABLE
+from torch.export._draft_export import FailureType
+
+from ..errors import CaptureError
+from .source_lines import shown_path
+
+ASSUMED = "assumed_branches"  # gm.meta key: the lines whose branch the example decided
+SPEC_KEY = "capture.data_dependent_branches"
+_SYMBOL = re.compile(r"\bu\d+\b")
+ANOTHER_BRANCH = "this step takes another branch"  # how the assertions' messages begin
+
+
+def is_data_dependent(error: BaseException) -> bool:
+    """``error`` (or an exception it was raised from) is torch.export's failure to decide a
+    condition on a tensor's values (``GuardOnDataDependentSymNode``)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if type(error).__name__ == "GuardOnDataDependentSymNode":
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def decided_lines(ep) -> list[str]:
+    """``file.py:line: code (taken as <result>)`` for each condition draft_export decided by
+    the example's values.
+
+    Raises:
+        ValueError: the report holds another kind of failure (a missing fake kernel, a guard
+            it added), which this route does not make sound; the message names it.
+    """
+    report = ep._report
+    other = [f for f in report.failures if f.failure_type != FailureType.DATA_DEPENDENT_ERROR]
+    if other:
+        raise ValueError(f"torch.export.draft_export also reported {other[0].failure_type}")
+    # the report names only the files first interned by this export; the table has them all
+    files = {i: name for name, i in INTERN_TABLE.items()} | dict(report.str_to_filename)
+    lines = []
+    for failure in report.failures:
+        frame = failure.data["user_stack"][-1] if failure.data.get("user_stack") else {}
+        path = files.get(frame.get("filename"), "?")
+        where = f"{shown_path(path)}:{frame.get('line', '?')}: {frame.get('loc', '').strip()}"
+        lines.append(f"{where} (on the example batch {failure.data['expr']} is "
+                     f"{failure.data['result']}, u0 being the first value read from a tensor)")
+    return lines
+
+
+@contextlib.contextmanager
+def quiet_report():
+    """draft_export logs its report (tens of lines) as a warning; the compile's own warning
+    names the lines instead."""
+    log = logging.getLogger("torch.export._draft_export")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def label_assertions(gm: torch.fx.GraphModule, lines: list[str]) -> None:
+    """Give the runtime assertions draft_export kept for the decided conditions (on the
+    unbacked symbols ``u0``, ``u1``, ... of the values they read) a message naming the lines
+    and the fix, in place of "Runtime assertion failed for expression Ne(u0, 1)"."""
+    text = (f"{ANOTHER_BRANCH} of the model's code than the example batch took "
+            f"at compile ({SPEC_KEY}: as_example): {'; '.join(lines)}. Give example_inputs() a "
+            f"batch that takes the branch your data takes, or make the line traceable")
+    for node in gm.graph.nodes:
+        if node.target is torch.ops.aten._assert_scalar.default and len(node.args) > 1 \
+                and isinstance(node.args[1], str) and _SYMBOL.search(node.args[1]):
+            node.args = (node.args[0], f"{text} [{node.args[1]}]")
+    gm.recompile()
+
+
+def decided_warnings(gm: torch.fx.GraphModule) -> list[str]:
+    """The compile's warning for each line whose branch the example batch decided."""
+    return [f"{SPEC_KEY}: as_example: the capture took the branch the example batch takes at "
+            f"{line}; a step whose batch (or the model's own state, a counter it keeps) takes "
+            f"the other branch stops with an error naming that line"
+            for line in gm.meta.get(ASSUMED, ())]
+
+
+def check_step_branches(error: BaseException) -> None:
+    """Where a check's step of the program (the self-check: the example batch, random ops
+    fixed to stand-ins) stopped at a decided branch, the condition depends on more than the
+    batch (a random draw, ST-MoE's router noise; the model's state), and the program would
+    stop on some training steps too: a user error naming it, not a bug of the compiler.
+
+    Raises:
+        CaptureError: ``error`` is such a stop.
+    """
+    text = str(error)
+    if text.startswith(ANOTHER_BRANCH):
+        lines = text.split(f"({SPEC_KEY}: as_example): ", 1)[-1].split(". Give example_inputs()")[0]
+        raise CaptureError(
+            f"{SPEC_KEY}: as_example: the program's step on the example batch with its random "
+            f"ops fixed (the compile's self-check) takes another branch than the capture did "
+            f"at {lines}. The condition depends on random draws or "
+            f"on the model's state, not on the batch alone, so steps would stop at random; it "
+            f"cannot be captured as the example takes it. Make the line traceable, or use a "
+            f"model setting without it") from error

@@ -1,0 +1,124 @@
+"""A Python branch on a tensor's values in forward (frontend/branches.py): ESM-2's
+``if not padding_mask.any(): padding_mask = None`` stopped every capture route, so fair-esm's
+models could not be compiled at all (zoo 15). The refusal names the line and the spec key;
+with ``capture.data_dependent_branches: as_example`` the branch the example takes is
+captured, the compile warns naming the line, and a batch that takes the other branch stops
+with an error naming it, not with another model's numbers."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+from parallelizer.compiler import compile_module
+from parallelizer.errors import CaptureError
+from parallelizer.frontend.branches import ASSUMED
+from parallelizer.frontend.capture import capture
+from parallelizer.frontend.spec import Spec
+
+
+class _PaddingTest(nn.Module):
+    """fairseq / ESM-2's padding test: the mask is dropped when no token is padding."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+                                    for _ in range(2))
+
+    def forward(self, ids):
+        pad = ids.eq(0)
+        x = self.emb(ids)
+        if not pad.any():  # the line the messages name
+            pad = None
+        if pad is not None:
+            x = x * (1 - pad.unsqueeze(-1).type_as(x))
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def _ids(padded: bool) -> torch.Tensor:
+    ids = torch.randint(1, 50, (4, 8), generator=torch.Generator().manual_seed(0))
+    if padded:
+        ids[:, -2:] = 0
+    return ids
+
+
+def _line() -> str:
+    import inspect
+    source, start = inspect.getsourcelines(_PaddingTest.forward)
+    return f"test_branches.py:{start + next(i for i, s in enumerate(source) if 'pad.any()' in s)}"
+
+
+def test_a_branch_on_values_is_refused_naming_the_line_and_the_key():
+    with pytest.raises(CaptureError) as e:
+        capture(_PaddingTest(), (_ids(True),), Path("model.py"))
+    message = str(e.value)
+    assert "if not pad.any():" in message and "data-dependent" in message, message
+    assert "capture.data_dependent_branches=as_example captures the branch the example batch " \
+           "takes" in message, message
+
+
+def test_as_example_captures_the_examples_branch_and_stops_a_batch_taking_the_other():
+    model = _PaddingTest()
+    captured = capture(model, (_ids(True),), Path("model.py"), branches="as_example")
+    (decided,) = captured.gm.meta[ASSUMED]
+    assert decided.startswith(f"{_line()}: if not pad.any():"), decided
+    other = _ids(True)
+    other[:, 0] = 0
+    torch.testing.assert_close(captured.gm(other)[0], model(other), rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match=rf"this step takes another branch of the model's code "
+                                           rf"than the example batch took at compile "
+                                           rf"\(capture.data_dependent_branches: as_example\): "
+                                           rf"{_line()}: if not pad.any\(\):"):
+        captured.gm(_ids(False))
+
+
+def test_as_example_compiles_at_tp2_with_a_warning_and_the_self_check():
+    torch.manual_seed(0)
+    spec = Spec.model_validate({"mesh": {"tp": 2},
+                                "capture": {"data_dependent_branches": "as_example"}})
+    program = compile_module(_PaddingTest(), (_ids(True),), spec, reference=False)
+    assert any(w.startswith(f"capture.data_dependent_branches: as_example: the capture took the "
+                            f"branch the example batch takes at {_line()}: if not pad.any():")
+               for w in program.warnings), program.warnings
+    assert [n for n in program.notes if n.startswith("self-check: 2 tp rank")], program.notes
+    assert "4 of 4 weight matrices in blocks sharded" in program.report, program.report
+
+
+class _BranchOnNoise(nn.Module):
+    """A branch on a random draw (ST-MoE's router noise deciding ``F.one_hot``'s class
+    count): the example's draw decided it at capture, another draw decides it otherwise."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+                                    for _ in range(2))
+
+    def forward(self, x):
+        if (torch.rand(8) > 0.6).any():  # the stand-in, 0.5, takes the other branch
+            x = x * 2
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def test_a_branch_on_a_random_draw_is_refused_by_the_self_check_as_the_models():
+    """ST-MoE under as_example: the self-check (random ops fixed) stopped at the decided
+    branch and the compile called that a bug of parallelizer (zoo 15). It is the model's: a
+    condition on a draw would stop training steps at random."""
+    torch.manual_seed(0)
+    spec = Spec.model_validate({"mesh": {"tp": 2},
+                                "capture": {"data_dependent_branches": "as_example"}})
+    with pytest.raises(CaptureError) as e:
+        compile_module(_BranchOnNoise(), (torch.randn(4, 3, 16),), spec, reference=False)
+    message = str(e.value)
+    assert message.startswith("capture.data_dependent_branches: as_example: the program's step "
+                              "on the example batch with its random ops fixed (the compile's "
+                              "self-check) takes another branch than the capture did at "
+                              "test_branches.py:"), message
+    assert "depends on random draws or on the model's state" in message and "internal" \
+        not in message, message
