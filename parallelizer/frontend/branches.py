@@ -19,6 +19,7 @@ from .source_lines import shown_path
 ASSUMED = "assumed_branches"  # gm.meta key: the lines whose branch the example decided
 SPEC_KEY = "capture.data_dependent_branches"
 _SYMBOL = re.compile(r"\bu\d+\b")
+_LEGEND = "u0, u1, ...: the values the code reads from tensors"
 ANOTHER_BRANCH = "this step takes another branch"  # how the assertions' messages begin
 
 
@@ -35,8 +36,8 @@ def is_data_dependent(error: BaseException) -> bool:
 
 
 def decided_lines(ep) -> list[str]:
-    """``file.py:line: code (taken as <result>)`` for each condition draft_export decided by
-    the example's values.
+    """``file.py:line: code (on the example batch <condition> is <value>)`` for each condition
+    draft_export decided by the example's values.
 
     Raises:
         ValueError: the report holds another kind of failure (a missing fake kernel, a guard
@@ -54,7 +55,7 @@ def decided_lines(ep) -> list[str]:
         path = files.get(frame.get("filename"), "?")
         where = f"{shown_path(path)}:{frame.get('line', '?')}: {frame.get('loc', '').strip()}"
         lines.append(f"{where} (on the example batch {failure.data['expr']} is "
-                     f"{failure.data['result']}, u0 being the first value read from a tensor)")
+                     f"{failure.data['result']})")
     return lines
 
 
@@ -76,8 +77,9 @@ def label_assertions(gm: torch.fx.GraphModule, lines: list[str]) -> None:
     unbacked symbols ``u0``, ``u1``, ... of the values they read) a message naming the lines
     and the fix, in place of "Runtime assertion failed for expression Ne(u0, 1)"."""
     text = (f"{ANOTHER_BRANCH} of the model's code than the example batch took "
-            f"at compile ({SPEC_KEY}: as_example): {'; '.join(lines)}. Give example_inputs() a "
-            f"batch that takes the branch your data takes, or make the line traceable")
+            f"at compile ({SPEC_KEY}: as_example): {'; '.join(lines)} ({_LEGEND}). Give "
+            f"example_inputs() a batch that takes the branch your data takes, or make the line "
+            f"traceable")
     for node in gm.graph.nodes:
         if node.target is torch.ops.aten._assert_scalar.default and len(node.args) > 1 \
                 and isinstance(node.args[1], str) and _SYMBOL.search(node.args[1]):
@@ -88,8 +90,8 @@ def label_assertions(gm: torch.fx.GraphModule, lines: list[str]) -> None:
 def decided_warnings(gm: torch.fx.GraphModule) -> list[str]:
     """The compile's warning for each line whose branch the example batch decided."""
     return [f"{SPEC_KEY}: as_example: the capture took the branch the example batch takes at "
-            f"{line}; a step whose batch (or the model's own state, a counter it keeps) takes "
-            f"the other branch stops with an error naming that line"
+            f"{line} ({_LEGEND}); a step whose batch (or the model's own state, a counter it "
+            f"keeps) takes the other branch stops with an error naming that line"
             for line in gm.meta.get(ASSUMED, ())]
 
 
@@ -104,11 +106,11 @@ def check_step_branches(error: BaseException) -> None:
     """
     text = str(error)
     if text.startswith(ANOTHER_BRANCH):
-        lines = text.split(f"({SPEC_KEY}: as_example): ", 1)[-1].split(". Give example_inputs()")[0]
+        lines = text.split(f"({SPEC_KEY}: as_example): ", 1)[-1].split(". Give ")[0]
         raise CaptureError(
             f"{SPEC_KEY}: as_example: the program's step on the example batch with its random "
             f"ops fixed (the compile's self-check) takes another branch than the capture did "
-            f"at {lines}. The condition depends on random draws or "
-            f"on the model's state, not on the batch alone, so steps would stop at random; it "
-            f"cannot be captured as the example takes it. Make the line traceable, or use a "
-            f"model setting without it") from error
+            f"at {lines}. The condition depends on random draws or on the model's state, not "
+            f"on the batch alone, so steps would stop at random; it cannot be captured as the "
+            f"example takes it. Make the line traceable, or use a model setting without it"
+        ) from error
