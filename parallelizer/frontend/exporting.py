@@ -132,7 +132,7 @@ def export_kept(model):
 
 def captures(model, args, kwargs) -> bool:
     """torch.export captures ``model`` on these inputs with their sizes static (the last
-    route of :func:`_exported`)."""
+    route of :func:`.capture._exported`)."""
     try:
         with export_kept(model):
             export_program(model, args, kwargs, True)
