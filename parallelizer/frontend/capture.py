@@ -125,11 +125,20 @@ def _exported(model, args, kwargs, model_file: Path, branches: str = "refuse"):
             first_error = first_error or e
     else:
         eager, opaque = _eager_run(model, args, kwargs)
-        if eager is not None:  # not a tracing problem: the model fails as it is
+        # on the meta device (a compile without weights) no value can be read: a model
+        # branching on one fails eagerly too, and that says nothing of the model
+        on_meta = any(t.is_meta for t in tree_flatten((args, kwargs))[0]
+                      if isinstance(t, torch.Tensor))
+        if eager is not None and not (on_meta and is_data_dependent(first_error)):
             raise CaptureError(eager_message(eager, model_file)) from eager
         if opaque:  # export cannot return it (a transformers Cache: use_cache on)
             raise CaptureError(_opaque_message(opaque, model_file)) from first_error
         if branches == "as_example" and is_data_dependent(first_error):
+            if on_meta:
+                raise CaptureError(_capture_message(first_error, model_file) + f"\n{SPEC_KEY}: "
+                                   f"as_example decides the branch by the example's values, "
+                                   f"which a compile without the weights (--no-weights, on the "
+                                   f"meta device) does not have; compile with the weights")
             ep, applied, decided = _as_example(model, args, kwargs, first_error, model_file)
             return ep, "torch.export.draft_export", applied, "", decided
         raise CaptureError(_capture_message(first_error, model_file)

@@ -122,3 +122,17 @@ def test_a_branch_on_a_random_draw_is_refused_by_the_self_check_as_the_models():
                               "test_branches.py:"), message
     assert "depends on random draws or on the model's state" in message and "internal" \
         not in message, message
+
+
+def test_without_weights_the_branch_is_named_not_blamed_on_the_model():
+    """On the meta device (--no-weights) the eager run cannot read a value either: the
+    refusal said the model "fails on example_inputs() when it runs as it is". It is the
+    capture's refusal, and as_example says it needs the weights."""
+    model, ids = _PaddingTest().to("meta"), _ids(True).to("meta")
+    with pytest.raises(CaptureError) as e:
+        capture(model, (ids,), Path("model.py"))
+    assert "could not capture" in str(e.value) and "runs as it is" not in str(e.value), e.value
+    with pytest.raises(CaptureError, match=r"as_example decides the branch by the example's "
+                                           r"values, which a compile without the weights "
+                                           r"\(--no-weights, on the meta device\) does not have"):
+        capture(model, (ids,), Path("model.py"), branches="as_example")
