@@ -44,8 +44,13 @@ class Linear(NamedTuple):
         merged: for a parameter of 3+ dims viewed as the 2-D weight (an einsum projection's
             per-head ``(H, D_h, D)`` as ``(H * D_h, D)``, :mod:`parallelizer.frontend.einsum`),
             the parameter dim the weight's dim 1 starts at (:func:`merge_point`); None for a
-            2-D parameter. ``out_dim`` / ``in_dim`` are then 0 or ``merged``: the parameter
-            is sharded along the first dim of the merged group (``H``).
+            2-D parameter. ``out_dim`` / ``in_dim`` are then the parameter dims that start
+            each merged group: the parameter is sharded along the first dim of the group
+            (``H``).
+        perm: for a merged parameter whose dims are permuted before the view (TransformerLens'
+            ``rearrange(W_Q, "h dm dh -> (h dh) dm")``: ``(0, 2, 1)``), the parameter dim at
+            each position of the viewed tensor; None when they are in their own order.
+            ``merged`` counts positions of the permuted order.
     """
 
     node: fx.Node
@@ -59,6 +64,7 @@ class Linear(NamedTuple):
     part: Optional[tuple] = None
     bias_part: Optional[tuple] = None
     merged: Optional[int] = None
+    perm: Optional[tuple] = None
 
     @property
     def batched(self) -> bool:
@@ -67,9 +73,15 @@ class Linear(NamedTuple):
         return self.merged is None and self.param is not None and len(shape(self.param)) == 3
 
     @property
+    def order(self) -> tuple:
+        """The parameter's dims in the order the merged view reads them."""
+        return self.perm or tuple(range(len(shape(self.param))))
+
+    @property
     def in_dim(self) -> int:
         if self.merged is not None:
-            return self.merged if self.out_dim == 0 else 0
+            first = self.order.index(self.out_dim) == 0
+            return self.order[self.merged if first else 0]
         if self.batched:
             return 3 - self.out_dim
         return 1 - self.out_dim
@@ -80,7 +92,8 @@ class Linear(NamedTuple):
         sizes = shape(self.param)
         if self.merged is None:
             return sizes[dim]
-        return math.prod(sizes[:self.merged] if dim == 0 else sizes[self.merged:])
+        read = [sizes[d] for d in self.order]
+        return math.prod(read[:self.merged] if self.order.index(dim) == 0 else read[self.merged:])
 
 
 _TRANSPOSES = {aten.t.default, aten.numpy_T.default, aten.transpose.int, aten.permute.default,
@@ -114,7 +127,7 @@ def weight_source(w, rank: int = 2) -> tuple[Optional[fx.Node], bool]:
     transposes (``transposed``: an odd number of them), and one static piece along a dim
     (:func:`piece`); ``(None, False)`` otherwise. For ``rank`` 2 the parameter may also have
     more dims, merged into two by a view (:func:`merge_point`)."""
-    param, transposed, _part, _merged = _walk_weight(w, rank)
+    param, transposed, _part, _merged, _perm = _walk_weight(w, rank)
     return param, transposed
 
 
@@ -132,15 +145,16 @@ def merge_point(src_shape, view_shape) -> Optional[int]:
 
 
 def _walk_weight(w, rank: int):
-    """``(param, transposed, part, merged)``: :func:`weight_source`'s pair, ``part``, ``(dim,
-    lo, hi)`` of the parameter (its own dims) when the path takes only that static range of
-    it (None: the whole parameter), and ``merged`` (:func:`merge_point`, None for a
-    parameter of ``rank`` dims), from one walk back from ``w`` to the parameter. Between a
-    merged parameter and its view only casts may stand, and no piece is taken of it."""
-    transposed, part, merged = False, None, None
+    """``(param, transposed, part, merged, perm)``: :func:`weight_source`'s pair, ``part``,
+    ``(dim, lo, hi)`` of the parameter (its own dims) when the path takes only that static
+    range of it (None: the whole parameter), ``merged`` (:func:`merge_point`, None for a
+    parameter of ``rank`` dims) and ``perm`` (:attr:`Linear.perm`), from one walk back from
+    ``w`` to the parameter. Between a merged parameter and its view only casts and one
+    permutation of its dims may stand, and no piece is taken of it."""
+    transposed, part, merged, perm = False, None, None, None
     for _ in range(_PATH_LIMIT):
         if _param(w, rank):
-            return w, transposed, part, merged
+            return w, transposed, part, merged, perm
         cut = piece(w)
         if cut is not None and part is None and merged is None and is_tensor(cut[0]) \
                 and len(shape(cut[0])) == rank:
@@ -148,12 +162,14 @@ def _walk_weight(w, rank: int):
             continue
         if not (is_tensor(w) and w.op == "call_function" and w.args
                 and is_tensor(w.args[0]) and len(shape(w)) == rank):
-            return None, False, None, None
+            return _NO_WEIGHT
         src = w.args[0]
         if w.target in VIEWS and rank == 2 and part is None and merged is None \
                 and merge_point(shape(src), shape(w)) is not None:
             merged = merge_point(shape(src), shape(w))
             rank = len(shape(src))
+        elif merged is not None and perm is None and permutation(w) is not None:
+            perm = permutation(w)
         elif w.target in _TRANSPOSES and merged is None \
                 and (rank == 2 and _swaps(w) or rank == 3 and swaps_last_two(w)):
             transposed = not transposed
@@ -162,9 +178,28 @@ def _walk_weight(w, rank: int):
                 part = ({a: b, b: a}.get(part[0], part[0]),) + part[1:]
         elif not (w.target in _CASTS or w.target in VIEWS) \
                 or len(shape(src)) != rank or not all(map(same, shape(src), shape(w))):
-            return None, False, None, None
+            return _NO_WEIGHT
         w = src
-    return None, False, None, None
+    return _NO_WEIGHT
+
+
+_NO_WEIGHT = (None, False, None, None, None)
+
+
+def permutation(n: fx.Node) -> Optional[tuple]:
+    """``perm`` when ``n`` is ``permute(src, perm)`` or ``transpose(src, a, b)`` of a tensor of
+    3+ dims: the source dim at each position of the output; else None."""
+    rank = len(shape(n.args[0]))
+    if rank < 3:
+        return None
+    if n.target is aten.permute.default:
+        return tuple(d % rank for d in n.args[1])
+    if n.target is aten.transpose.int:
+        a, b = (d % rank for d in n.args[1:3])
+        order = list(range(rank))
+        order[a], order[b] = b, a
+        return tuple(order)
+    return None
 
 
 # a static piece of a tensor along one dim: ``t.split(sizes)[i]``, ``t.chunk(n)[i]``,
@@ -278,8 +313,7 @@ def _bias_add(n: fx.Node, out_features) -> tuple[Optional[fx.Node], Optional[fx.
         return None, None
     add = users[0]
     other = add.args[1] if add.args[0] is n else add.args[0]
-    src, _t, cut, _m = _walk_weight(other, 1) if isinstance(other, fx.Node) else (
-        None, False, None, None)
+    src, _t, cut, _m, _p = _walk_weight(other, 1) if isinstance(other, fx.Node) else _NO_WEIGHT
     # a piece of a bias added on its own (``x @ w.T + b[:n]``) is an add like any other
     if src is not None and cut is None and same(shape(other)[0], out_features) \
             and not add.kwargs:
@@ -301,13 +335,13 @@ def _site(n, x, w, b) -> Optional[Linear]:
     operand ``b`` (or None), or None when a piece of the weight or bias is cut along its
     input features (those stay unrecognised: replicated). A bias operand no parameter
     reaches (:func:`computed_bias`) leaves ``bias`` None."""
-    param, transposed, cut, merged = _walk_weight(w, 2)
+    param, transposed, cut, merged, perm = _walk_weight(w, 2)
     linear = n.target is aten.linear.default
     if param is None or not linear and (not is_tensor(x) or len(shape(x)) < 2):
         return None
     out_dim = 1 if transposed == linear else 0
-    if merged is not None:  # the weight matrix's dim 1 starts at the parameter's dim merged
-        out_dim *= merged
+    if merged is not None:  # the weight matrix's dim 1 starts at position merged of the read
+        out_dim = (perm or range(len(shape(param))))[out_dim * merged]
     part = _range(cut, out_dim, shape(param)[out_dim])
     if part is False:
         return None
@@ -316,12 +350,12 @@ def _site(n, x, w, b) -> Optional[Linear]:
         b, bias_add = _bias_add(n, shape(n)[-1])
     elif _bias_source(b) is None:
         b = None  # computed in forward
-    bias, _t, bias_cut, _m = _walk_weight(b, 1) if b is not None else (None, False, None, None)
+    bias, _t, bias_cut, _m, _p = _walk_weight(b, 1) if b is not None else _NO_WEIGHT
     bias_part = _range(bias_cut, 0, shape(bias)[0]) if bias is not None else None
     if bias_part is False:
         return None
     return Linear(n, x, param.target, bias.target if bias is not None else None, out_dim, w,
-                  bias_add, param, part, bias_part, merged)
+                  bias_add, param, part, bias_part, merged, perm)
 
 
 def as_linear(n: fx.Node) -> Optional[Linear]:
@@ -352,7 +386,7 @@ def _batched_site(n: fx.Node, x, w) -> Optional[Linear]:
     if not is_tensor(x) or not is_tensor(w) or len(shape(x)) != 3 or len(shape(w)) != 3 \
             or not same(shape(x)[0], shape(w)[0]) or not same(shape(x)[2], shape(w)[1]):
         return None
-    param, transposed, part, _m = _walk_weight(w, 3)
+    param, transposed, part, _m, _p = _walk_weight(w, 3)
     if param is None or part is not None:
         return None
     # W stored (E, out, in), each expert an nn.Linear's weight, read as W.transpose(1, 2)

@@ -18,7 +18,7 @@ import torch.fx as fx
 
 from ...plan.layouts import local_length
 from ..graph_facts import aten, expr, shape
-from ..linears import VIEWS, Linear, bias_operand, merge_point, piece, weight_path
+from ..linears import VIEWS, Linear, bias_operand, merge_point, permutation, piece, weight_path
 from .pieces import piece_rule, site_key
 from .placements import REPLICATE, PerOutput, Shard, shard_dim
 from .state import add_rewrite, dim_of, placement
@@ -72,8 +72,9 @@ def path_rule(node: fx.Node, prop, tp: int, entry: tuple):
     cut = piece_rule(node, prop, tp, d, key, groups)
     if cut is not None:
         return cut, groups
-    if node.target in _TRANSPOSES:
-        return Shard(1 - d), groups
+    if node.target in _TRANSPOSES:  # of a merged parameter's dims before its view, or 2-D
+        perm = permutation(node)
+        return Shard(perm.index(d) if perm is not None else 1 - d), groups
     if node.target in VIEWS:
         k = merge_point(shape(src), shape(node))
         if k is not None:  # a parameter's dims merged into the 2-D weight: the shard's group
