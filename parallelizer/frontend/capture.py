@@ -17,17 +17,17 @@ from torch.utils._pytree import TreeSpec, tree_flatten, treespec_dumps
 
 from ..errors import CaptureError
 from . import capture_hints, custom_functions, python_rng
-from .conv import channel_maps_as_linears
-from .exporting import captures, export_kept, export_program
-from .einsum import einsums_as_linears, matmuls_as_linears, zero_baddbmm_as_bmm
-from .factories import factories_of_constants
-from .graph_rewrite import returns_view
-from .model_file import headline, user_frame
-from .module_paths import one_name_per_module
 from .branches import (ASSUMED, SPEC_KEY, decided_lines, is_data_dependent, label_assertions,
                        quiet_report)
+from .conv import channel_maps_as_linears
+from .einsum import einsums_as_linears, matmuls_as_linears, zero_baddbmm_as_bmm
+from .exporting import captures, export_kept, export_program
+from .factories import factories_of_constants
+from .graph_rewrite import returns_view
 from .guards import FIXED_BY, record_shape_guards
 from .held_params import held_parameters, read_as_parameters
+from .model_file import headline, user_frame
+from .module_paths import one_name_per_module
 from .regions import inline_regions, model_line
 from .saved_reads import copy_reads_before_writes
 from .tiles import tiles_as_repeat
