@@ -87,7 +87,7 @@ def collect_costs(gm: fx.GraphModule, blocks: tuple[str, ...], canonical: dict,
         part_cuts.append(tuple(atom_cuts[a - 1] for a in mine[1:]) if split else ())
     return PipelineCosts(units, _cut_bytes(gm.graph, unit_of, n_units, partition.recompute), param_bytes,
                          _batch_shape(gm.graph), tuple(counter.notes), tuple(parts),
-                         tuple(part_cuts), tuple(module_calls(gm.graph, b) for b in blocks))
+                         tuple(part_cuts), module_calls(gm.graph, blocks))
 
 
 def _atoms(graph: fx.Graph, unit_of: dict, child_of: dict) -> tuple[dict, list]:

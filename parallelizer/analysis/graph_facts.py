@@ -3,6 +3,7 @@ the source line a message names. Linear layers and their weight paths: ``linears
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from typing import Optional
 
 import sympy
@@ -99,13 +100,14 @@ def module_path(node: fx.Node) -> str:
     return ""
 
 
-def module_calls(graph: fx.Graph, fqn: str) -> int:
-    """How many times forward called the module ``fqn``: export keys the ``nn_module_stack``
-    entry of each call after the first with ``@1``, ``@2``, ..."""
-    keys = {key for n in graph.nodes
-            for key, (path, _type) in (n.meta.get("nn_module_stack") or {}).items()
-            if clean_path(path) == fqn}
-    return max(len(keys), 1)
+def module_calls(graph: fx.Graph, fqns) -> tuple[int, ...]:
+    """How many times forward called each module of ``fqns``: export keys the
+    ``nn_module_stack`` entry of each call after the first with ``@1``, ``@2``, ... One pass
+    over the graph, each distinct call read once."""
+    calls = {(key, path) for n in graph.nodes
+             for key, (path, _type) in (n.meta.get("nn_module_stack") or {}).items()}
+    counts = Counter(clean_path(path) for _key, path in calls)
+    return tuple(max(counts[f], 1) for f in fqns)
 
 
 def block_of(node: fx.Node, blocks) -> Optional[str]:
