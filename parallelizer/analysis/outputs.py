@@ -15,7 +15,8 @@ import torch.fx as fx
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
 
 from ..errors import PlanError
-from ..frontend.guards import FIXED_BY, batch_breaks, pinned
+from ..frontend.guards import FIXED_BY, batch_breaks, kept, pinned
+from ..plan.size_guards import sequence_dims as _sequence_dims
 from .graph_facts import input_values, source_line
 
 # ops whose int arguments are sizes: where a batch size fixed by the model's code shows
@@ -185,6 +186,23 @@ def fixed_sizes(gm: fx.GraphModule, input_names) -> tuple:
             seen.add((name, d))
             out.append((name, d, size, text))
     return tuple(out)
+
+
+def size_guards(gm: fx.GraphModule, input_names) -> tuple:
+    """The guards on dims 0 and 1 of the inputs that fix no size (:func:`fixed_sizes` has
+    those) and that a run's size can break (``frontend/guards.py`` ``kept``: nanoGPT's
+    ``T != 64``): ``plan.size_guards``, which run.py evaluates."""
+    vals = input_values(gm, input_names)
+    symbolic = {(name, d) for name, v in vals for d in range(min(v.dim(), 2))
+                if not str(v.shape[d]).isdigit()}
+    return tuple(tuple(g) for g in kept(gm, symbolic))
+
+
+def sequence_dims(gm: fx.GraphModule, input_names) -> tuple:
+    """``(input name, dim)`` of each dim past 1 of an input that the captured graph holds as
+    an input's sequence length (an explicit (B, S, S) mask's dim 2): run.py resizes it with
+    dim 1 (``plan.sequence_dims``)."""
+    return _sequence_dims({name: tuple(v.shape) for name, v in input_values(gm, input_names)})
 
 
 def static_dims(gm: fx.GraphModule, input_names) -> tuple:

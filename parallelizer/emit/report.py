@@ -8,6 +8,7 @@ import torch
 from ..analysis.graph_facts import module_path
 from ..plan.compression import dp_collectives, format_dp_collectives
 from ..plan.parallel_plan import ParallelPlan
+from ..plan.size_guards import spans_text
 
 _DP = {0: "DDP", 1: "DDP + ZeroRedundancyOptimizer", 2: "FSDP2 per block, kept after forward",
        3: "FSDP2 per block, resharded after forward"}
@@ -57,7 +58,8 @@ def render_report(plan: ParallelPlan, route: str, tp_lines, pipeline: dict, note
 
 
 def _size_lines(plan: ParallelPlan) -> list[str]:
-    """One line per input size the model's code bounds (``plan.size_ranges``)."""
+    """One line per input size the model's code bounds (``plan.size_ranges``) and per guard
+    that excludes sizes (``plan.size_guards``)."""
     words = {0: ("batch size per microbatch and dp rank", "--batch-size"),
              1: ("sequence length", "--seq-len")}
     out = []
@@ -66,6 +68,14 @@ def _size_lines(plan: ParallelPlan) -> list[str]:
         span = f"{low}..{high}" if high else f"at least {low}"
         out.append(f"- input {name!r}: the model's code accepts the {what} {span}"
                    f"{' (' + where + ')' if where else ''}; run.py refuses another {flag}")
+    highs = {(name, d): high for name, d, _, high, _ in plan.size_ranges if high}
+    for name, d, size, text, _, excluded in plan.size_guards:
+        what, flag = words[d]
+        top = max(4 * size, 256)
+        if excluded and excluded != ((highs.get((name, d), 0) + 1, top),):  # not the range's
+            out.append(f"- input {name!r}: captured under `{text}`, which the {what} "
+                       f"{spans_text(excluded)} break(s) (of 2..{top}); run.py "
+                       f"refuses a {flag} that breaks it")
     return out
 
 

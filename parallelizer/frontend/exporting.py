@@ -20,7 +20,10 @@ from .module_state import state_kept, unchanging_to_kept
 
 def _dynamic_shapes(args: tuple, kwargs: dict, shared_batch: bool = True,
                     sequence: bool = True) -> Any:
-    """Dims 0 and 1 of every input tensor dynamic (dim 0 only without ``sequence``).
+    """Dims 0 and 1 of every input tensor dynamic (dim 0 only without ``sequence``), and
+    any other dim of the first input's sequence length (dim 1 of the first input of 2+
+    dims): torchtune's ``mask=`` (B, S, S), a (B, 1, S, S) attention mask. ``Dim.AUTO``: a
+    dim the code needs as a number (a feature dim of that size) is kept static, quietly.
     ``shared_batch``: dim 0 of the inputs
     with the first input's batch size is one symbol, as the runtime treats it (pipeline
     microbatches and dp shards cut every input along dim 0): an encoder-decoder's source
@@ -30,9 +33,12 @@ def _dynamic_shapes(args: tuple, kwargs: dict, shared_batch: bool = True,
     sizes = [v.shape[0] for v in flat if isinstance(v, torch.Tensor) and v.dim()]
     batch = Dim("batch") if shared_batch and len(sizes) > 1 and sizes.count(sizes[0]) > 1 \
         and sizes[0] > 1 else None
+    seq = next((v.shape[1] for v in flat if isinstance(v, torch.Tensor) and v.dim() > 1), 1)
 
     def dims(t: torch.Tensor) -> dict:
         out = {i: Dim.AUTO for i in range(min(t.dim(), 2 if sequence else 1))}
+        if sequence and seq > 1:  # an explicit (B, S, S) mask: export keeps S where it is S
+            out.update({i: Dim.AUTO for i in range(2, t.dim()) if t.shape[i] == seq})
         if batch is not None and t.dim() and t.shape[0] == sizes[0]:
             out[0] = batch
         return out

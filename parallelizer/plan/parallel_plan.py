@@ -231,6 +231,13 @@ class ParallelPlan:
     # (input name, dim, low, high or None, where) of each batch / sequence size the model's
     # code bounds (analysis/input_bounds.py size_ranges): run.py refuses sizes outside [low, high]
     size_ranges: tuple = ()
+    # (input name, dim, example size, guard, {input name: example shape}, excluded spans) of
+    # each torch.export guard on a batch / sequence size that fixes none but excludes some
+    # (analysis/outputs.py size_guards: nanoGPT's T != 64): run.py refuses a size breaking it
+    size_guards: tuple = ()
+    # (input name, dim) of each dim past 1 the captured graph holds as the sequence length
+    # (analysis/outputs.py sequence_dims: a (B, S, S) mask's dim 2): --seq-len resizes it too
+    sequence_dims: tuple = ()
     # Token means divided by the whole step's count (planning/token_mean.py): {"sites": [...],
     # "counter": source of the per-chunk count, "exact": bool} (plan/decisions.py
     # TokenMeanDecision); empty when the graph has none
@@ -281,6 +288,9 @@ class ParallelPlan:
         d["fixed_sizes"] = tuple(tuple(p) for p in d.get("fixed_sizes", ()))
         d["static_dims"] = tuple(tuple(p) for p in d.get("static_dims", ()))
         d["size_ranges"] = tuple(tuple(p) for p in d.get("size_ranges", ()))
+        d["sequence_dims"] = tuple(tuple(p) for p in d.get("sequence_dims", ()))
+        d["size_guards"] = tuple((*p[:5], tuple(map(tuple, p[5])))
+                                 for p in d.get("size_guards", ()))
         d["expert_layers"] = tuple(d.get("expert_layers", ()))
         return ParallelPlan(tensors=tensors, stages=stages, **d)
 

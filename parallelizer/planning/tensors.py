@@ -13,7 +13,8 @@ from torch.utils._pytree import treespec_dumps
 from ..analysis.graph_facts import RUNTIME_DEVICE, attr_targets
 from ..analysis.needed_imports import modules_needed
 from ..analysis.input_bounds import size_ranges
-from ..analysis.outputs import fixed_sizes, scalar_outputs, static_dims
+from ..analysis.outputs import (fixed_sizes, scalar_outputs, sequence_dims, size_guards,
+                                static_dims)
 from ..analysis.partition import GraphPartition
 from ..checkpoint.format import safetensors_dtype
 from ..errors import CheckpointError, PlanError
@@ -139,6 +140,8 @@ def build_plan(spec, captured, gm, model, groups, tp: TPDecision, vocab: VocabDe
         fixed_sizes=tuple(f[:3] for f in fixed_sizes(gm, captured.input_names)),
         static_dims=static_dims(gm, captured.input_names),
         size_ranges=size_ranges(gm, captured.input_names),
+        size_guards=size_guards(gm, captured.input_names),
+        sequence_dims=sequence_dims(gm, captured.input_names),
         dropout=tuple(dataclasses.asdict(d) for d in dropout),
         random=tuple(dataclasses.asdict(r) for r in random), ep=ep.ep,
         expert_layers=tuple({k: layer[k] for k in ("module", "experts", "weights", "router")}

@@ -13,6 +13,7 @@ import torch
 
 from ..errors import UserError
 from ..plan.parallel_plan import ParallelPlan
+from ..plan.size_guards import first_broken, spans_text
 from .batching import dp_slice, flatten, synthetic_batches, to_batch
 from .token_data import DataError, TokenData
 
@@ -51,7 +52,9 @@ def check_fixed_sizes(plan: ParallelPlan, batch: int | None, seq: int | None,
                       batch_key: str, seq_key: str) -> None:
     """A global ``batch`` or sequence length ``seq`` the program cannot run: the model's code
     fixed that size of an input at the example's (``plan.fixed_sizes``; the compile warned)
-    or bounds it (``plan.size_ranges``: a position table of 16 rows sliced by the length).
+    or bounds it (``plan.size_ranges``: a position table of 16 rows sliced by the length), or
+    ``seq`` or ``batch`` breaks a guard torch.export captured the graph under
+    (``plan.size_guards``: nanoGPT's ``T != 64``).
 
     Raises:
         UserError: naming the flag or key, the value, the size compiled and the fix.
@@ -82,19 +85,32 @@ def check_fixed_sizes(plan: ParallelPlan, batch: int | None, seq: int | None,
                             f"the captured graph (a position table sliced or looked up by it, "
                             f"an assert), which another size fails inside the forward; use "
                             f"a {what} in that range")
+    for d in (0, 1):
+        key, what, value, flag = given(d)
+        broken = first_broken(plan.size_guards, d, value, plan.sequence_dims) if value else None
+        if broken:
+            name, _, size, text, _, excluded = broken
+            raise UserError(f"{key} {flag}: torch.export captured input {name!r} under the "
+                            f"condition `{text}` on its {what}, which {value} breaks (sizes "
+                            f"from 2 to {max(4 * size, 256)} that break it: "
+                            f"{spans_text(excluded) or 'none'}); the program computes the model "
+                            f"only where it holds (the example's {size} does): use another "
+                            f"{what}")
 
 
 def _resized(plan: ParallelPlan, example, batch: int | None, seq: int | None):
     """``example`` with dim 0 set to ``batch`` and dim 1 to ``seq`` (where given) in the
     inputs whose dim 1 the captured graph holds as a symbol and is the first such input's
     (the sequence; a (B, 5) feature input beside (B, T) token ids keeps its 5, Whisper's
-    (B, 16 mel bins, frames) beside (B, 16) labels its 16: ``plan.static_dims``)."""
+    (B, 16 mel bins, frames) beside (B, 16) labels its 16: ``plan.static_dims``), and the
+    other dims the graph holds as that sequence (a (B, S, S) mask: ``plan.sequence_dims``)."""
     if not batch and not seq:
         return example
     out = []
     flat = flatten(plan, example)
     names = plan.input_names or tuple(range(len(flat)))
     static = set(map(tuple, plan.static_dims))
+    sequence = set(map(tuple, plan.sequence_dims))
     dynamic = [t.shape[1] for n, t in zip(names, flat) if t.dim() > 1 and (n, 1) not in static]
     length = dynamic[0] if dynamic else None  # the first sequence input's
     for name, t in zip(names, flat):
@@ -103,6 +119,9 @@ def _resized(plan: ParallelPlan, example, batch: int | None, seq: int | None):
             shape[0] = batch
         if seq and len(shape) > 1 and shape[1] == length and (name, 1) not in static:
             shape[1] = seq
+        for k in range(2, len(shape)):  # a (B, S, S) mask's dim 2 (plan.sequence_dims)
+            if seq and shape[k] == length and (name, k) in sequence:
+                shape[k] = seq
         # the example's largest token id: synthetic_batches draws ids below it
         top = int(t.max()) if t.numel() and not t.is_floating_point() else 0
         out.append(torch.full(shape, top, dtype=t.dtype))

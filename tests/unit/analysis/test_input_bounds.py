@@ -76,7 +76,7 @@ def _ids(b=2, t=8):
 
 def _plan(ranges, dp=1, m=1):
     return type("Plan", (), {"mesh": {"dp": dp}, "microbatches": m, "fixed_sizes": (),
-                             "size_ranges": ranges})
+                             "size_ranges": ranges, "size_guards": (), "sequence_dims": ()})
 
 
 def test_a_sliced_position_table_bounds_the_sequence_and_run_refuses_beyond():

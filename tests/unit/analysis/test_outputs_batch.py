@@ -112,7 +112,8 @@ def test_a_sequence_length_fixed_by_the_code_is_warned_and_refused_at_run():
         f"sequence length, and run.py refuses another --seq-len or data.seq_len. Size by the "
         f"tensor (x.shape[1]) to run any"]
     plan = type("Plan", (), {"mesh": {"dp": 1}, "microbatches": 1,
-                             "fixed_sizes": tuple(f[:3] for f in fixed), "size_ranges": ()})
+                             "fixed_sizes": tuple(f[:3] for f in fixed), "size_ranges": (),
+                             "size_guards": (), "sequence_dims": ()})
     check_fixed_sizes(plan, 8, 5, "--batch-size", "--seq-len")
     check_fixed_sizes(plan, None, None, "--batch-size", "--seq-len")
     with pytest.raises(UserError, match=r"^--seq-len 32: the program runs only the sequence "

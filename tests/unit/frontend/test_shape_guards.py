@@ -169,3 +169,86 @@ def test_a_draw_given_generator_none_is_captured_at_the_example_sizes():
     (note,) = [n for n in program.notes if n.startswith("self-check")]
     assert "8 x the model's own rounding error" not in note, note
     assert float(re.search(r"1 output\(s\) max abs err ([0-9.e-]+)", note)[1]) < 1e-5, note
+
+
+class _MaskBuffer(nn.Module):
+    """nanoGPT's non-flash attention: a causal mask buffer of 32 rows sliced by the length
+    (``self.bias[:, :, :T, :T]``). torch.export guards ``T <= 32`` and ``T != 32`` there; the
+    second was read as fixing the length (doubling the example's 16 breaks it), so the
+    compile warned that the length was fixed and run.py refused every other (zoo 15 Z3)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.qkv, self.out = nn.Embedding(64, D), nn.Linear(D, 3 * D), nn.Linear(D, D)
+        self.register_buffer("mask", torch.tril(torch.ones(32, 32)))
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, 2, D // 2).permute(2, 0, 3, 1, 4)
+        att = (q @ k.transpose(-2, -1)).masked_fill(self.mask[:t, :t] == 0, float("-inf"))
+        return x + self.out((att.softmax(-1) @ v).transpose(1, 2).reshape(b, t, D))
+
+
+def test_a_guard_excluding_one_length_keeps_the_others_and_run_py_refuses_that_one():
+    from parallelizer.errors import UserError
+    from parallelizer.plan.parallel_plan import ParallelPlan
+    from parallelizer.runtime.data_source import check_fixed_sizes
+
+    torch.manual_seed(0)
+    ids = (torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1)),)
+    program = compiler.compile_module(_MaskBuffer(), ids, Spec.model_validate({"mesh": {"tp": 2}}))
+    plan = program.plan
+    assert plan.fixed_sizes == () and not [w for w in program.warnings if "fixes" in w]
+    guard = ("ids", 1, 16, "L['ids'].size()[1] != 32", {"ids": [4, 16]}, ((32, 32),))
+    assert guard in plan.size_guards, plan.size_guards
+    assert ParallelPlan.from_json(plan.to_json()).size_guards == plan.size_guards
+    assert "- input 'ids': captured under `L['ids'].size()[1] != 32`, which the sequence " \
+        "length 32 break(s) (of 2..256); run.py refuses a --seq-len that breaks it" \
+        in program.report
+    for seq in (8, 16, 31):
+        check_fixed_sizes(plan, 8, seq, "--batch-size", "--seq-len")
+    with pytest.raises(UserError, match=r"^--seq-len 32: torch\.export captured input 'ids' "
+                                        r"under the condition `L\['ids'\]\.size\(\)\[1\] != 32` "
+                                        r".*that break it: 32\).*use another sequence length"):
+        check_fixed_sizes(plan, None, 32, "--batch-size", "--seq-len")
+
+
+class _MaskInput(nn.Module):
+    """An explicit (B, S, S) attention mask beside the token ids (torchtune's ``mask=``).
+    Only dims 0 and 1 of an input were symbolic, so the mask's dim 2 was captured as the
+    example's 16 and, unified with the length, pinned it: the compile warned that the code
+    fixes the sequence length and blamed a ``view`` sized by the tensor (zoo 15 Z4)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.qkv, self.out = nn.Embedding(64, D), nn.Linear(D, 3 * D), nn.Linear(D, D)
+
+    def forward(self, ids, mask):
+        x = self.emb(ids)
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, 2, D // 2).permute(2, 0, 3, 1, 4)
+        y = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
+        return x + self.out(y.transpose(1, 2).reshape(b, t, D))
+
+
+def _ids_and_mask(batch: int, seq: int):
+    ids = torch.randint(0, 64, (batch, seq), generator=torch.Generator().manual_seed(seq))
+    return ids, torch.ones(batch, seq, seq, dtype=torch.bool).tril()
+
+
+def test_a_mask_input_of_s_by_s_keeps_the_length_symbolic_and_runs_another():
+    from parallelizer.runtime.batching import flatten
+    from parallelizer.runtime.data_source import _resized
+    from tp_check import assert_tp_matches, planned
+
+    torch.manual_seed(0)
+    model = _MaskInput()
+    program = compiler.compile_module(model, _ids_and_mask(4, 16),
+                                      Spec.model_validate({"mesh": {"tp": 2}}))
+    assert program.plan.fixed_sizes == () and program.plan.sequence_dims == (("mask", 2),)
+    assert not [w for w in program.warnings if "fixes" in w], program.warnings
+    ids, mask = flatten(program.plan, _resized(program.plan, _ids_and_mask(4, 16), 8, 24))
+    assert ids.shape == (8, 24) and mask.shape == (8, 24, 24)
+    gm, decision = planned(model, _ids_and_mask(4, 16), 2)  # captured at 16, run at 24
+    assert_tp_matches(model, _ids_and_mask(2, 24), 2, decision, gm)
