@@ -1,5 +1,6 @@
 """norms_over_projections pass: at mesh.tp > 1, a LayerNorm or RMSNorm over a linear's whole
-output (not the residual stream) is written as the means it computes.
+output (not the residual stream), or over an attention's values merged back from the heads
+(Magneto's sub-LN before out_proj), is written as the means it computes.
 
 Such a norm sits inside a Megatron pair: NormFormer's FFN norm (``fc2(LayerNorm(gelu(fc1
 (x))))``), a query norm over the whole projection written with ``nn.RMSNorm`` (OLMo-2's, which
@@ -25,7 +26,16 @@ _NORMS = {aten.layer_norm.default, aten.rms_norm.default}
 # a linear's output reaches the norm through these alone (activations, dropout, casts)
 _ONE_INPUT = {aten.gelu.default, aten.silu.default, aten.relu.default, aten.tanh.default,
               aten.sigmoid.default, aten.dropout.default, aten.clone.default,
-              aten._to_copy.default, aten.to.dtype, aten.contiguous.default}
+              aten._to_copy.default, aten.to.dtype, aten.contiguous.default,
+              aten.type_as.default}  # type_as(x, other): x cast to other's dtype
+# the heads of an attention merged back (``attn.transpose(1, 2).reshape(B, T, E)``): moves
+# the values, every one of them, from the projection that made them
+_MOVES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+          aten.transpose.int, aten.permute.default}
+# products whose output's last dim is their last operand's (the values of attention: the
+# probabilities times v); the walk follows that operand
+_VALUES = {aten.bmm.default: 1, aten.matmul.default: 1,
+           aten.scaled_dot_product_attention.default: 2}
 
 
 def apply_norms_over_projections(gm: fx.GraphModule) -> int:
@@ -46,20 +56,30 @@ def apply_norms_over_projections(gm: fx.GraphModule) -> int:
 
 
 def _over_projection(norm: fx.Node) -> bool:
-    """``norm`` normalises the last dim only, all of a linear's output features, reached
-    from the linear through one-input activations, dropout and casts."""
+    """``norm`` normalises the last dim only, as many features as a linear outputs, reached
+    from the linear through one-input activations, dropout and casts, or through an
+    attention's values merged back over the heads (Magneto's sub-LN, torchscale's
+    ``inner_attn_ln``: ``LayerNorm(attn.transpose(1, 2).reshape(B, T, E))`` before out_proj;
+    the features are v's)."""
     x, shape = norm.args[0], norm.args[1]
     if not isinstance(x, fx.Node) or not isinstance(val(x), torch.Tensor) or len(shape) != 1:
         return False
-    for _ in range(8):
+    moved = False
+    for _ in range(16):
         site = as_linear(x)
         if site is not None:
             out = val(x)
             return isinstance(out, torch.Tensor) and out.shape[-1] == shape[0]
-        if x.op != "call_function" or x.target not in _ONE_INPUT \
-                or not isinstance(x.args[0], fx.Node):
+        if x.op != "call_function":
             return False
-        x = x.args[0]
+        if x.target in _VALUES and not moved:
+            return False  # a product straight into the norm: no heads merged back
+        moved = moved or x.target in _MOVES
+        arg = x.args[_VALUES.get(x.target, 0)] if x.target in _ONE_INPUT | _MOVES \
+            or x.target in _VALUES else None
+        if not isinstance(arg, fx.Node):
+            return False
+        x = arg
     return False
 
 

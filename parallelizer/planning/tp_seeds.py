@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..analysis.graph_facts import aten, from_constants, prod, same, source_line
+from ..analysis.graph_facts import aten, from_constants, is_tensor, prod, same, source_line
 from ..analysis.writes import written_args
 from ..plan.parallel_plan import DROPOUT_OPS
 
@@ -136,6 +136,7 @@ def _walk(start: fx.Node, is_linear: dict, residual_stop: bool, siblings=None,
     # past a norm or the residual stream the walked features are no longer what a product
     # along another dim is measured against (MLP-Mixer's channel MLP after the token one)
     crossed: set = set()
+    normed: dict = {}  # node -> the norm within the block it is computed from, and why
     while frontier and len(seen) < _WALK_LIMIT:
         node = frontier.pop()
         for user in _data_users(node):
@@ -150,6 +151,9 @@ def _walk(start: fx.Node, is_linear: dict, residual_stop: bool, siblings=None,
                 # its expert's columns (a 2-D column reaching one through a dispatch einsum,
                 # Soft MoE's, put its features on the experts' slots: nothing paired)
                 site = is_linear[user]
+                if node in normed and not (site.x is node and _ends_block(user, is_linear)):
+                    ends.append(normed[node])
+                    continue
                 if site.x is node and node not in crossed and _within_pair(site, start):
                     if inside is not None:
                         inside.add(site.weight)
@@ -159,9 +163,19 @@ def _walk(start: fx.Node, is_linear: dict, residual_stop: bool, siblings=None,
                     reached.add(site.weight)
                 continue
             if user.target in _NORMS and _whole_features(user, start):
-                ends.append((user, "a LayerNorm over all its features, which ends a pair as a "
-                                   "block's input norm does"))
+                why = (user, "a LayerNorm over all its features, which ends a pair as a "
+                             "block's input norm does")
+                if not residual_stop or node in crossed or node in normed:
+                    ends.append(why)
+                    continue
+                # a norm within the block (Magneto's sub-LN before out_proj): the pair goes
+                # on to a row that ends the block; the norm is computed whole, gathered
+                normed[user] = why
+                crossed.add(user)
+                frontier.append(user)
                 continue
+            if node in normed:
+                normed[user] = normed[node]
             if user.target in _STOP:
                 ends.append((user, "an embedding"))
                 continue
@@ -297,6 +311,23 @@ def _one_row_per_sample(linear: fx.Node) -> bool:
     v = linear.meta.get("val")
     return getattr(v, "shape", None) is not None and v.dim() >= 1 and all(
         isinstance(s, int) and s == 1 for s in v.shape[1:-1])
+
+
+def _ends_block(node: fx.Node, is_linear: dict) -> bool:
+    """``node`` (a linear) or the single-input ops after it (dropout, a scale) feed a
+    residual add (:func:`_feeds_residual`): the row of a block's last pair."""
+    if _feeds_residual(node, is_linear):
+        return True
+    seen = {node}
+    while True:
+        users = [u for u in node.users if u.op == "call_function"]
+        if len(users) != 1 or users[0] in is_linear or [
+                a for a in users[0].all_input_nodes if is_tensor(a)] != [node]:
+            return False
+        node = users[0]
+        seen.add(node)
+        if any(_residual_add(u, seen) for u in node.users if u.op == "call_function"):
+            return True
 
 
 def _feeds_residual(node: fx.Node, is_linear: dict) -> bool:

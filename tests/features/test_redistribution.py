@@ -314,3 +314,85 @@ def test_cat_after_an_empty_cache_plans_and_matches(tp):
     torch.manual_seed(0)
     d = plan_and_check(EmptyCacheAttention(), x_batch(), tp)
     assert {"q.weight", "k.weight", "v.weight"} <= d.column and "o.weight" in d.row
+
+
+class SubLayerNorm(nn.Module):
+    """Magneto's sub-LN (torchscale ``subln=True``, Kosmos-2's text model): a LayerNorm over
+    the attention output before out_proj and over the FFN hidden before fc2. The walk from
+    q/k/v and fc1 ended at each norm, as at a block's input norm, and a model of such
+    blocks was refused ("no weight matrix could be sharded", zoo 16 Z1). The attention's
+    norm (over v's features merged back from the heads, passes/norms_over_projections.py)
+    and torchscale's FFN norm (``gelu(fc1(h).float()).type_as(..)``) are written out: their
+    means all-reduced. A norm the pass leaves whole (here a shift before it) is gathered
+    (planning/tp_seeds.py): the walk goes on to a row that ends the block; not to a head's
+    (``dense -> LayerNorm -> decoder``, the logits no residual adds): that pairs nothing."""
+
+    def __init__(self, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (nn.Linear(H, H) for _ in range(4))
+        self.ln, self.fln, self.sln = nn.LayerNorm(H), nn.LayerNorm(2 * H), nn.LayerNorm(2 * H)
+        self.up, self.down = nn.Linear(H, 2 * H), nn.Linear(2 * H, H)
+        self.up2, self.down2 = nn.Linear(H, 2 * H), nn.Linear(2 * H, H)
+        self.dense, self.head_ln, self.decoder = nn.Linear(H, H), nn.LayerNorm(H), nn.Linear(H, 40)
+        with torch.no_grad():
+            for norm in (self.ln, self.fln, self.sln, self.head_ln):
+                norm.weight.uniform_(0.5, 1.5)
+                norm.bias.uniform_(-0.5, 0.5)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (f(x).view(b, t, self.heads, -1).transpose(1, 2) for f in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, H)
+        x = x + F.dropout(self.o(self.ln(y)), 0.0, self.training)
+        # torchscale's FFN: tokens flattened before fc1, the shape restored after fc2
+        h = self.up(x.reshape(-1, H))
+        x = x + self.down(self.fln(F.gelu(h.float()).type_as(h))).view(b, t, H)
+        x = x + self.down2(self.sln(F.gelu(self.up2(x)) + 1.0))
+        return self.decoder(self.head_ln(F.gelu(self.dense(x)) + 1.0))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_norms_within_the_block_keep_it_sharded(tp):
+    from parallelizer.passes.cleanup import apply_cleanup
+    from parallelizer.passes.norms_over_projections import apply_norms_over_projections
+    from parallelizer.passes.tensor_parallel import apply_tensor_parallel
+    from tp_check import assert_tp_matches
+    torch.manual_seed(0)
+    model = SubLayerNorm()
+    gm = captured(model, x_batch()).gm
+    assert apply_norms_over_projections(gm) == 2  # analyse.py's, at tp > 1
+    d = plan_tp(gm.graph, tp)
+    apply_cleanup(gm)
+    apply_tensor_parallel(gm, d)
+    assert_tp_matches(model, x_batch(), tp, d, gm)
+    assert _sharded(d) == {f"{n}.weight" for n in ("q", "k", "v", "o", "up", "down", "up2",
+                                                    "down2")}
+    gathered = [r.why for r in d.redistributions if r.kind == "all_gather"]
+    assert len(gathered) == 1 and "aten.layer_norm" in gathered[0], gathered
+    means = [r for r in d.redistributions if (r.kind, r.reduce_op) == ("all_reduce", "avg")]
+    assert len(means) == 4, d.redistributions  # two means each of the written-out norms
+
+
+def test_kosmos2_text_model_with_sub_layer_norms_is_sharded():
+    """The real transformers class (Kosmos-2's text decoder: ``inner_attn_ln`` and
+    ``ffn_layernorm``), compiled at tp=2 with the compile's self-check (2 tp ranks against
+    the model: outputs and every gradient)."""
+    transformers = pytest.importorskip("transformers")
+    from parallelizer.compiler import compile_module
+    from parallelizer.frontend.spec import Spec
+    cfg = transformers.Kosmos2TextConfig(vocab_size=96, embed_dim=32, layers=1, ffn_dim=64,
+                                         attention_heads=4, max_position_embeddings=64,
+                                         dropout=0.0, attention_dropout=0.0,
+                                         activation_dropout=0.0)
+    torch.manual_seed(0)
+    from transformers.models.kosmos2.modeling_kosmos2 import Kosmos2TextForCausalLM
+    model = Kosmos2TextForCausalLM(cfg).train()
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    program = compile_module(model, {"input_ids": ids, "labels": ids},
+                             Spec.model_validate({"mesh": {"tp": 2}}))
+    sharded = {t.fqn for t in program.plan.tensors.values() if t.tp_dim is not None}
+    block = "model.layers.0"
+    assert {f"{block}.self_attn.{p}_proj.weight" for p in ("q", "k", "v", "out")} | {
+        f"{block}.ffn.fc1.weight", f"{block}.ffn.fc2.weight"} <= sharded, sorted(sharded)
+    assert any(n.startswith("self-check: 2 tp rank(s)") for n in program.notes), program.notes

@@ -510,16 +510,49 @@ def test_a_layout_conflict_names_the_read_in_parts_and_its_module(tmp_path, caps
                              "tensor and as a fused tensor"), io.err
 
 
-def test_a_pair_ended_by_a_norm_names_the_norm_not_no_linear(tmp_path, capsys):
-    """fc1 -> LayerNorm over its features -> fc2: the refusal said "no linear layer feeds
-    another" (a held-out zoo's NormFormer FFN); it names the norm that ends the walk. (A norm
-    right on fc1's output is written out and sharded since, decision 103: here a shift
-    between keeps it one op.)"""
-    code, io = _compile_cli(tmp_path, capsys,
-                            "(lambda h: torch.nn.functional.layer_norm(h + 1.0, (64,)))")
-    assert code == 2
+def test_a_norm_within_a_block_is_gathered_and_one_before_a_head_ends_the_walk(tmp_path, capsys):
+    """fc1 -> LayerNorm over its features -> fc2 -> the residual: the refusal said "no linear
+    layer feeds another" (a held-out zoo's NormFormer FFN), then named the norm that ends the
+    walk (a norm right on fc1's output is written out and sharded since, decision 103: a
+    shift between keeps it one op). Within a block the pair now goes on through it, the norm
+    computed whole after an all-gather (decision 174); where the linear after it ends no
+    block (a head) the walk still ends there, and the refusal names the norm."""
+    between = "(lambda h: torch.nn.functional.layer_norm(h + 1.0, (64,)))"
+    code, io = _compile_cli(tmp_path, capsys, between)
+    assert code == 0, io.err
+    assert "tensor parallel: 4 of 4 weight matrices in blocks sharded" in io.out and \
+        "2 sharded activation(s) all-gathered" in io.out, io.out
+    from parallelizer.cli import parallelize as cli
+    (tmp_path / "model.py").write_text(_HEAD_MODEL)
+    code = cli.main([str(tmp_path / "model.py"), str(tmp_path / "spec.yaml"), "-o",
+                     str(tmp_path / "out2"), "--no-weights"])
+    io = capsys.readouterr()
+    assert code == 2, io.out + io.err
     assert io.err.startswith("error: mesh.tp=2 but no weight matrix could be sharded; no "
-                             "column/row pair was found: blocks.0.fc1.weight's output meets "
+                             "column/row pair was found: dense.weight's output meets "
                              "aten.layer_norm.default at model.py:12 (a LayerNorm over all its "
                              "features, which ends a pair as a block's input norm does) before "
                              "any other linear"), io.err
+
+
+_HEAD_MODEL = '''
+import torch
+from torch import nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.dense, self.head = nn.Linear(32, 64), nn.Linear(64, 40)
+
+    def forward(self, x):
+        return self.head(nn.functional.layer_norm(self.dense(x).relu() + 1.0, (64,))).mean()
+
+
+def build_model():
+    return Model()
+
+
+def example_inputs():
+    return (torch.randn(2, 4, 32),)
+'''
