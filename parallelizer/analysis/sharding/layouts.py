@@ -9,6 +9,7 @@ import torch.fx as fx
 
 from ...plan.layouts import Fused, InterleavedHeads, ReplicatedHeads, local_length, part_length
 from ..graph_facts import aten, expr, module_path, prod, same, shape
+from ..linears import VIEWS
 from .cuts import fused_heads_view, only_cut_on, sliced_heads, split_heads_cut, split_parts
 from .placements import CONFLICT, COPIED_WHOLE, PerOutput, Shard, shard
 from .strided import local_merged_size, merge_view, strided_view
@@ -141,11 +142,22 @@ def _parts_taken(node, dim: int, depth: int = 8) -> bool:
             nxt = b if dim == a else a if dim == b else dim
         elif t is aten.permute.default:
             nxt = [p % rank for p in u.args[1]].index(dim)
+        elif t in VIEWS and _kept_at(shape(node), shape(u), dim) is not None:
+            # SAM's ``reshape(3, B * heads, N, hd)`` of (3, B, heads, N, hd): other dims merge
+            nxt = _kept_at(shape(node), shape(u), dim)
         else:
             return False
         if not _parts_taken(u, nxt, depth - 1):
             return False
     return True
+
+
+def _kept_at(ins, outs, dim):
+    """The output dim of a view that holds input dim ``dim`` as it is (the same size, after
+    as many elements), else None."""
+    before = prod(ins[:dim])
+    return next((e for e in range(len(outs)) if same(prod(outs[:e]), before)
+                 and same(outs[e], ins[dim])), None)
 
 
 def _split_parts(node, prop, tp, e, raw, detail):

@@ -129,3 +129,32 @@ def test_heads_merged_outside_the_batch_are_gathered_before_the_slopes():
     assert d.column == {"q.weight", "k.weight", "v.weight"} and d.row == {"o.weight"}
     assert any(r.kind == "all_gather" and "baddbmm" in r.why for r in d.redistributions)
     _matches(model, cap, d, 2)
+
+class PartsBeforeMergedHeads(nn.Module):
+    """segment-anything's ViT attention: the fused q|k|v viewed (B, N, 3, heads, hd),
+    permuted to (3, B, heads, N, hd) and reshaped to (3, B * heads, N, hd) before it is
+    unbound. The parts were taken one by one only through permutes and copies, so the view
+    read as heads, and the 3 parts as the heads tp divides: "tp = 2 does not divide the 3
+    heads", the attention kept whole (zoo 16 Z2)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.proj = nn.Linear(H, 3 * H), nn.Linear(H, H)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        qkv = self.qkv(x).reshape(b, n, 3, HEADS, -1).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.reshape(3, b * HEADS, n, -1).unbind(0)
+        attn = ((q * D ** -0.5) @ k.transpose(-2, -1)).softmax(dim=-1)
+        y = (attn @ v).view(b, HEADS, n, -1).permute(0, 2, 1, 3).reshape(b, n, -1)
+        return x + self.proj(y)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_parts_taken_after_a_view_merging_batch_and_heads_are_fused_parts(tp):
+    torch.manual_seed(0)
+    model = PartsBeforeMergedHeads()
+    cap, d = _plan(model, tp)
+    assert d.column == {"qkv.weight"} and d.row == {"proj.weight"}
+    assert d.layouts["qkv.weight"] == Fused((H, H, H)) and not d.redistributions
+    _matches(model, cap, d, tp)
