@@ -15,6 +15,7 @@ from random import random as bound_random  # bound before capture, as x-transfor
 import numpy as np
 import pytest
 import torch
+from beartype import beartype
 from torch import nn
 
 from parallelizer.errors import CaptureError
@@ -63,3 +64,38 @@ def test_a_model_that_draws_only_when_not_training_is_captured():
     captured = capture(model, _batch(), Path("model.py"))
     assert sum(n.target is torch.ops.aten.linear.default for n in captured.gm.graph.nodes) == 4
     assert random.getstate() == before
+
+
+
+class _Checked(nn.Module):
+    """A forward checked by beartype, with a ``list[...]`` argument (block-recurrent-
+    transformer's ``xl_memories``)."""
+
+    def __init__(self, own_draw: bool):
+        super().__init__()
+        self.fc, self.own_draw = nn.Linear(8, 8), own_draw
+
+    @beartype
+    def forward(self, x: torch.Tensor, extras: list[torch.Tensor] = []):
+        if self.own_draw and random.random() < 0.0:
+            x = x * 2
+        return x + self.fc(x)
+
+
+def test_a_type_checkers_draw_is_not_the_models():
+    """beartype's wrapper draws (``getrandbits``) to pick the one item of a ``List[...]``
+    argument it checks; that draw reaches no tensor, yet the model was refused at
+    ``<@beartype(...) at 0x...>:13`` with advice about layer dropout
+    (block-recurrent-transformer, zoo 16 Z4). It is captured now and the generators are
+    left as they were; a draw of the model's own beside it is still refused at its line."""
+    torch.manual_seed(0)
+    random.seed(1)
+    before = random.getstate()
+    _Checked(False)(*_batch())
+    assert random.getstate() != before, "beartype no longer draws: this test checks nothing"
+    random.setstate(before)
+    cap = capture(_Checked(False), _batch(), Path("model.py"))
+    assert any(n.op == "call_function" for n in cap.gm.graph.nodes)
+    assert random.getstate() == before
+    with pytest.raises(CaptureError, match=f"in forward at {__file__}:"):
+        capture(_Checked(True), _batch(), Path("model.py"))
