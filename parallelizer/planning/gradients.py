@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ..analysis.gradient_forward import PlannedForward
-from ..analysis.gradients import MIXED, derive
+from ..analysis.gradients import MIXED, PARTIAL, derive
 from ..errors import PlanError
 from ..plan.decisions import TPDecision
 
@@ -64,6 +64,13 @@ def _edges_into_sharded(flow, fwd) -> set:
     out = set()
     for c in flow.mixed_params().values():
         node = flow.nodes.get(c.origin)
+        own = flow.values.get(c.origin)
+        if node is not None and own is not None and own.kind == PARTIAL \
+                and any(fwd.role(node, a) in ("split", "gather", "whole")
+                        for a in node.all_input_nodes):
+            # a Partial gradient met an op computed whole (a redistribution): the f goes
+            # where that gradient became Partial, the sharded compute reading the whole value
+            node = flow.nodes.get(own.origin)
         if c.kind == MIXED and node is not None:
             out |= {(a.name, node.name) for a in node.all_input_nodes
                     if not fwd.varying_input(node, a)}

@@ -287,3 +287,33 @@ def test_deit_with_teacher_gradients_exact_in_fp64():
         for fqn, p in ref.named_parameters():
             torch.testing.assert_close(res.grads[fqn], local(p.grad, fqn, d, 2, r), rtol=1e-10,
                                        atol=1e-10, msg=lambda m: f"rank {r} {fqn}: {m}")
+
+
+class GatheredStateAttention(nn.Module):
+    """block-recurrent-transformer's state update, reduced: attention among learned states
+    (parameters, no batch), its scores computed whole after an all-gather (a cat along the
+    sharded features) and read by sharded compute (times a column's output). Computed from
+    parameters alone, the scores get no f there (their gradient is Partial, summed with the
+    parameters'), and that Partial gradient met the all-gather's backward, which needs a
+    whole one: an internal error at tp2 (zoo 16). The f goes where the gradient became
+    Partial, on the scores entering the sharded product."""
+
+    def __init__(self, n=6):
+        super().__init__()
+        self.state = nn.Parameter(torch.randn(n, H) * 0.1)
+        self.q, self.v = nn.Linear(H, 2 * H, bias=False), nn.Linear(H, 2 * H, bias=False)
+        self.o = nn.Linear(2 * H, H, bias=False)
+
+    def forward(self, x):
+        q = torch.cat([self.q(self.state), self.state], dim=-1)
+        scores = (q @ q.transpose(0, 1)).softmax(-1)
+        return x + self.o(scores @ self.v(self.state)).mean(0)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_partial_gradient_meeting_a_gather_gets_its_f_where_it_became_partial(tp):
+    from tp_check import plan_and_check
+    torch.manual_seed(0)
+    d = plan_and_check(GatheredStateAttention(), x_batch(), tp)
+    assert {"q.weight", "v.weight"} <= d.column and "o.weight" in d.row
+    assert [readers for readers in d.f_edges.values()] == [["matmul_1"]], d.f_edges
