@@ -44,7 +44,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from ..graph_facts import aten, module_path, same, shape
+from ..graph_facts import aten, is_tensor, module_path, same, shape
 from ..linears import as_linear, reads_parameters
 from .dtensor import NO_RULE, Wants, dtensor_rule
 from . import redistribute
@@ -303,8 +303,9 @@ def _replicated(node, prop):
     held = [prop.copied_whole[a.name] for a in inputs_of(node) if a.name in prop.copied_whole]
     if not held or not _holds_tensors(node):
         return REPLICATE
-    whole = all(a.name in prop.copied_whole or not reads_parameters(a, SEARCH_LIMIT)
-                for a in inputs_of(node))
+    # sizes read off a value (``expand_as(k)``'s ``sym_size``s: F.normalize) carry none
+    whole = all(a.name in prop.copied_whole or not is_tensor(a)
+                or not reads_parameters(a, SEARCH_LIMIT) for a in inputs_of(node))
     if whole:
         prop.copied_whole[node.name] = frozenset().union(*held)
         return COPIED_WHOLE

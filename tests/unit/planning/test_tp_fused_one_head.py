@@ -247,9 +247,10 @@ class PaLMBlock(nn.Module):
     up | gate, k and v one head with no heads dim, read by einsum against the query heads;
     attention and SwiGLU summed into the stream. Weights as raw parameters with F.linear."""
 
-    def __init__(self, sdpa: bool, ff=2 * H, rotary=False, scan=False):
+    def __init__(self, sdpa: bool, ff=2 * H, rotary=False, scan=False, qk_norm=False):
         super().__init__()
         self.sdpa, self.dims, self.rotary, self.scan = sdpa, (H, D, D, ff, ff), rotary, scan
+        self.qk_norm = qk_norm
         self.fused_in = nn.Parameter(torch.randn(sum(self.dims), H) / H ** 0.5)
         self.attn_out = nn.Parameter(torch.randn(H, H) / H ** 0.5)
         self.ff_out = nn.Parameter(torch.randn(H, ff) / ff ** 0.5)
@@ -264,6 +265,8 @@ class PaLMBlock(nn.Module):
             pos = torch.arange(n, dtype=x.dtype)[:, None] * torch.arange(1, D + 1, dtype=x.dtype)
             rope = _rope if self.rotary == "palm" else _rope_interleaved
             q, k = rope(q, pos), rope(k, pos)
+        if self.qk_norm:  # PaLM-rlhf-pytorch's qk_rmsnorm: an l2 norm over head_dim
+            q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
         if self.sdpa:  # the same written for SDPA: the one head unsqueezed and expanded
             k, v = (t.unsqueeze(1).expand(b, HEADS, n, D) for t in (k, v))
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0)
@@ -353,3 +356,17 @@ def test_a_one_head_part_met_by_attention_computed_whole_is_not_copied():
     assert any(line.startswith("kept whole: blocks.0.fused_in") for line in d.report), d.report
     assert_tp_matches(model, x_batch(), 2, d, gm)
 
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_palm_qk_norm_on_the_one_head_keeps_it_copied(tp):
+    """PaLM-rlhf-pytorch's ``qk_rmsnorm``: ``F.normalize(k, dim=-1)`` of the one k head
+    divides it by its norm ``expand_as(k)``, whose sizes are read off k (``sym_size``): those
+    counted as inputs computed from the weights, so the result was no copy any more and the
+    whole fused projection, its FFN part too, stayed whole (zoo 16 Z5: 4 of 6 matrices)."""
+    torch.manual_seed(0)
+    model = PaLM(False, qk_norm=True)
+    gm, d = planned(model, x_batch(), tp)
+    assert all(f"blocks.{i}.fused_in" in d.column for i in range(2)), d.report
+    assert d.redistributions == [] and not d.f_edges, (d.redistributions, d.f_edges)
+    assert_tp_matches(model, x_batch(), tp, d, gm)
