@@ -391,15 +391,18 @@ def _residual_add(node: fx.Node, seen: set, start: fx.Node | None = None,
 
 def _wider_than_stream(add: fx.Node, x) -> bool:
     """``add``'s value has more dims than the block's input ``x`` (the walk's first linear
-    reads it), another last dim and another number of elements, and no operand of it is
-    what ``x`` is computed from: attention scores ``(B, H, T, T)`` plus a bias computed by a
-    linear (a relative-position bias per head), not the residual stream, which a block
-    reads. Hyper-connections' ``n`` streams ``(B, S, n, D)``, read flattened ``(B, S, n *
+    reads it), or as many with another dim 0 (the batch merged with the heads), another last
+    dim and another number of elements, and no operand of it is what ``x`` is computed from:
+    attention scores ``(B, H, T, T)`` plus a bias computed by a linear (a relative-position
+    bias per head), or ``(B * H, T, T)`` plus torchscale's relative-position bias from its
+    bucket table, not the residual stream, which a block reads. (A wider feed-forward sum,
+    LoRA's ``up(h) + B(A(h))`` of ``(B, T, 4D)``, keeps dim 0: its own rules apply.) Hyper-connections' ``n`` streams ``(B, S, n, D)``, read flattened ``(B, S, n *
     D)`` (GLM-5's ``attn_hc.fn``), are the stream: a block end."""
     out = add.meta.get("val")
     xv = x.meta.get("val") if isinstance(x, fx.Node) else None
     if getattr(out, "shape", None) is None or getattr(xv, "shape", None) is None \
-            or not xv.dim() or out.dim() <= xv.dim() or same(out.shape[-1], xv.shape[-1]) \
+            or not xv.dim() or out.dim() < xv.dim() or same(out.shape[-1], xv.shape[-1]) \
+            or out.dim() == xv.dim() and same(out.shape[0], xv.shape[0]) \
             or same(prod(out.shape), prod(xv.shape)):
         return False
     # breadth first from the operands: the stream reaches x in a few ops (a norm, a view)

@@ -244,7 +244,10 @@ def request_narrow(node, prop, groups) -> None:
         k = d - (len(shape(a)) - len(shape(b)))
         if k < 0 or not same(shape(b)[k], size):
             continue
-        while b.op == "call_function" and b.target in _SAME:
+        # copies, and views to the same shape (torchscale's ``rel_pos.view(attn.size())``)
+        while b.op == "call_function" and (b.target in _SAME or b.target in VIEWS and all(
+                same(x, y) for x, y in zip(shape(b), shape(b.args[0])))
+                and len(shape(b)) == len(shape(b.args[0]))):
             b = b.args[0]
         if b.op == "call_function" and b.target in VIEWS:
             _request_merged(b, k, prop.strided[a.name], prop, groups)

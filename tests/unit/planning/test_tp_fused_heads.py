@@ -158,3 +158,51 @@ def test_parts_taken_after_a_view_merging_batch_and_heads_are_fused_parts(tp):
     assert d.column == {"qkv.weight"} and d.row == {"proj.weight"}
     assert d.layouts["qkv.weight"] == Fused((H, H, H)) and not d.redistributions
     _matches(model, cap, d, tp)
+
+
+class BucketBiasMergedHeads(nn.Module):
+    """torchscale's RelativePositionBias: a (buckets, heads) table looked up by each
+    (query, key) bucket, ``permute(2, 0, 1).unsqueeze(0).repeat(B, 1, 1, 1).view(-1, q, k)``
+    once for the model, then ``rel.view(scores.size())`` added to each block's (batch *
+    heads) scores. The add read as the residual stream (as many dims as the block's input),
+    so the walks from q and k ended there, and the bias, a same-shape view of a merge, was
+    not cut to the rank's heads: DeepNet with relative positions kept its attention whole (4
+    of 12 matrices, zoo 16)."""
+
+    def __init__(self, buckets=8):
+        super().__init__()
+        self.buckets = buckets
+        self.emb, self.table = nn.Embedding(50, H), nn.Embedding(buckets, HEADS)
+        self.blocks = nn.ModuleList(nn.ModuleList(nn.Linear(H, H) for _ in range(4))
+                                    for _ in range(2))
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        b, t, _ = x.shape
+        pos = torch.arange(t)
+        bucket = (pos[None, :] - pos[:, None]).clamp(-self.buckets // 2, self.buckets // 2 - 1)
+        rel = self.table(bucket + self.buckets // 2).permute(2, 0, 1).unsqueeze(0)
+        rel = rel.repeat(b, 1, 1, 1).view(-1, t, t)
+        for q, k, v, o in self.blocks:
+            q, k, v = (p(x).view(b, t, HEADS, D).transpose(1, 2).reshape(b * HEADS, t, D)
+                       for p in (q, k, v))
+            scores = torch.bmm(q, k.transpose(1, 2)) * D ** -0.5
+            scores = scores + rel.view(scores.size())
+            y = torch.bmm(scores.softmax(-1), v).view(b, HEADS, t, D).transpose(1, 2)
+            x = x + o(y.reshape(b, t, H))
+        return x
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_bucket_bias_repeated_over_the_batch_is_cut_to_the_rank(tp):
+    torch.manual_seed(0)
+    model = BucketBiasMergedHeads()
+    ids = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(0))
+    cap = capture(model, (ids,), Path(__file__))
+    d = plan_tp(cap.gm.graph, tp)
+    assert d.column == {f"blocks.{i}.{j}.weight" for i in range(2) for j in range(3)}
+    assert d.row == {"blocks.0.3.weight", "blocks.1.3.weight"}
+    apply_cleanup(cap.gm)
+    apply_tensor_parallel(cap.gm, d)
+    other = torch.randint(0, 50, (3, 7), generator=torch.Generator().manual_seed(1))
+    assert_tp_matches(model, (other,), tp, d, cap.gm)
