@@ -27,8 +27,9 @@ class _Inputs(dict):
 
 
 def holds(text, shapes: dict):
-    """The guard ``text`` (or its compiled code) with each input's shape from ``shapes`` (``{input name: shape}``):
-    True, False, or None when it cannot be evaluated (a name it reads is not in ``shapes``)."""
+    """The guard ``text`` (or its compiled code) with each input's shape from ``shapes``
+    (``{input name: shape}``): True, False, or None when it cannot be evaluated (a name it
+    reads is not in ``shapes``)."""
     inputs = _Inputs({n: _Sizes(list(shape)) for n, shape in shapes.items()})
     try:
         return bool(eval(text, {"L": inputs, "math": math, "torch": torch}))  # noqa: S307
