@@ -15,7 +15,7 @@ from torch.export import Dim
 from torch.utils._pytree import tree_map
 
 from . import custom_functions
-from .module_state import state_kept, unchanging_to_kept
+from .module_state import buffer_values_kept, state_kept, unchanging_to_kept
 
 
 def _dynamic_shapes(args: tuple, kwargs: dict, shared_batch: bool = True,
@@ -130,9 +130,10 @@ def _named_keywords(model, kwargs: dict):
 @contextlib.contextmanager
 def export_kept(model):
     """Around one export of ``model``: records the custom Functions it applies (yielded),
-    runs checkpointed code plainly, and leaves the model's state and dtypes as they were."""
+    runs checkpointed code plainly, and leaves the model's state, its buffers' values (which
+    draft_export's real-value run writes) and dtypes as they were."""
     with custom_functions.recorded() as applied, custom_functions.checkpoint_off(), \
-            state_kept(model), unchanging_to_kept():
+            state_kept(model), buffer_values_kept(model), unchanging_to_kept():
         yield applied
 
 

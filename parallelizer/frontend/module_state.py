@@ -46,6 +46,36 @@ def state_kept(model: torch.nn.Module, tensors: bool = True):
                     object.__setattr__(m, k, v)
 
 
+@contextlib.contextmanager
+def buffer_values_kept(model: torch.nn.Module):
+    """Every buffer's values as they were before, after a block that runs the model on real
+    tensors: ``torch.export.draft_export`` propagates real values beside the fake ones, and
+    the python_rng check runs one eager forward. A lazily initialised buffer (routing-
+    transformer's k-means ``initted`` and ``means``, set from the first batch) was written
+    there, the capture then took the initialised branch, and the checkpoint held centroids
+    from the example batch (zoo 16 Z9). Written in place only (``_version`` moved): the
+    copy goes back into the same tensor."""
+    with torch.no_grad():
+        saved = [(b, b._version, b.detach().clone()) for b in _buffers(model)]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, version, value in saved:
+                if b._version != version and not b.is_inference():
+                    b.copy_(value)
+
+
+def _buffers(model: torch.nn.Module) -> list:
+    """Each distinct real buffer tensor of ``model`` once (fake or meta ones hold no values)."""
+    seen, out = set(), []
+    for b in model.buffers():
+        if type(b) is torch.Tensor and id(b) not in seen and b.device.type != "meta":
+            seen.add(id(b))
+            out.append(b)
+    return out
+
+
 # the tables nn.Module keeps its parameters, buffers and children in (restored as tables)
 _MODULE_TABLES = frozenset({"_parameters", "_buffers", "_modules"})
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CaptureError
-from .module_state import state_kept
+from .module_state import buffer_values_kept, state_kept
 
 _STDLIB_RANDOM = random.__file__
 
@@ -96,7 +96,8 @@ def _draw_sites(model, args, kwargs) -> list[tuple[str, bool]]:
         return trace
 
     try:
-        with state_kept(model), torch.random.fork_rng(devices=[]), torch.no_grad():
+        with state_kept(model), buffer_values_kept(model), torch.random.fork_rng(devices=[]), \
+                torch.no_grad():
             sys.settrace(trace)
             try:
                 model(*args, **kwargs)

@@ -136,3 +136,33 @@ def test_without_weights_the_branch_is_named_not_blamed_on_the_model():
                                            r"values, which a compile without the weights "
                                            r"\(--no-weights, on the meta device\) does not have"):
         capture(model, (ids,), Path("model.py"), branches="as_example")
+
+
+class _LazyInit(nn.Module):
+    """routing-transformer's k-means: centroids initialised from the first batch a fresh
+    model sees (``if not self.initted``), then kept. draft_export runs the forward on real
+    values beside the fake ones; that run initialised the buffers, so the capture took the
+    initialised branch while the unmodified model (fresh) takes the other, and the
+    checkpoint held centroids from the example batch (zoo 16 Z9)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.register_buffer("means", torch.zeros(16))
+        self.register_buffer("initted", torch.tensor(False))
+
+    def forward(self, x):
+        if not self.initted:
+            with torch.no_grad():
+                self.means.copy_(x.mean(dim=(0, 1)))
+                self.initted.fill_(True)
+        return x + self.fc(x - self.means)
+
+
+def test_as_example_leaves_buffers_as_they_were_and_takes_the_fresh_models_branch():
+    torch.manual_seed(0)
+    model = _LazyInit()
+    cap = capture(model, (torch.randn(4, 8, 16) + 3.0,), Path("model.py"), branches="as_example")
+    assert not model.initted and model.means.abs().sum() == 0, "the capture wrote the buffers"
+    assert any(n.target is torch.ops.aten.copy_.default for n in cap.gm.graph.nodes), \
+        "the capture took the branch of an initialised model"
