@@ -155,6 +155,7 @@ class GlobalSource:
                 raise UserError(f"model.py's batches() ran out after {self.position} batches; "
                                 f"lower --steps or yield more batches")
             self.position += 1
+            _check_batch(self.plan, batch)
             self.last_tokens = _tokens(self.plan, batch)
             parts.append(dp_slice(self.plan, batch, self.ctx.dp_rank, self.ctx.device))
         return _concat(self.plan, parts)
@@ -207,6 +208,27 @@ class TokenSource:
 
     def tokens_per_step(self, accum: int) -> int:
         return self.data.batch_size * self.data.seq_len * accum
+
+
+def _check_batch(plan: ParallelPlan, batch) -> None:
+    """A batch of model.py's batches() the program can run (:func:`check_fixed_sizes`): a
+    length the model's code fixed at the example's failed inside a stage's view on every
+    rank (zoo 16 Z10, torchscale's chunkwise RetNet).
+
+    Raises:
+        UserError: naming batches(), the size it yielded and the one compiled.
+    """
+    flat = flatten(plan, batch)
+    names = plan.input_names or tuple(range(len(flat)))
+    # the sequence: dim 1 of the first input that holds one (symbolic, or fixed by the code;
+    # not a feature input's static dim 1 beside token ids)
+    fixed = {(f[0], f[1]) for f in plan.fixed_sizes}
+    static = set(map(tuple, plan.static_dims)) - fixed
+    rows = next((t.shape[0] for t in flat if isinstance(t, torch.Tensor) and t.dim()), None)
+    seq = next((t.shape[1] for n, t in zip(names, flat) if isinstance(t, torch.Tensor)
+                and t.dim() > 1 and (n, 1) not in static), None)
+    check_fixed_sizes(plan, rows, seq, "model.py's batches(): batch size",
+                      "model.py's batches(): sequence length")
 
 
 def _tokens(plan: ParallelPlan, batch) -> int:

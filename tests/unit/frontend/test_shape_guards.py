@@ -252,3 +252,22 @@ def test_a_mask_input_of_s_by_s_keeps_the_length_symbolic_and_runs_another():
     assert ids.shape == (8, 24) and mask.shape == (8, 24, 24)
     gm, decision = planned(model, _ids_and_mask(4, 16), 2)  # captured at 16, run at 24
     assert_tp_matches(model, _ids_and_mask(2, 24), 2, decision, gm)
+
+
+def test_batches_of_another_length_are_refused_before_a_stage_runs():
+    """run.py refused another --seq-len, but batches from model.py's batches() were not
+    checked: a length the code fixes failed inside a stage's view on every rank (zoo 16 Z10,
+    torchscale's chunkwise RetNet: "shape '[4, 4, 8, 64]' is invalid")."""
+    from types import SimpleNamespace
+    from parallelizer.errors import UserError
+    from parallelizer.runtime.data_source import GlobalSource
+
+    plan = _compile(False).plan
+    ctx = SimpleNamespace(dp_rank=0, device=torch.device("cpu"))
+    batches = iter([(torch.randn(4, 16, D),), (torch.randn(4, 8, D),)])
+    source = GlobalSource(plan, batches, ctx)
+    assert source.next_step(1)[0].shape == (4, 16, D)
+    with pytest.raises(UserError, match=r"^model\.py's batches\(\): sequence length 8: the "
+                                        r"program runs only the sequence length 16 of input "
+                                        r"'x', which the model's code fixes"):
+        source.next_step(1)
