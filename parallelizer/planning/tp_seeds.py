@@ -391,18 +391,15 @@ def _residual_add(node: fx.Node, seen: set, start: fx.Node | None = None,
 
 def _wider_than_stream(add: fx.Node, x) -> bool:
     """``add``'s value has more dims than the block's input ``x`` (the walk's first linear
-    reads it), or as many with another dim 0 (the batch merged with the heads), another last
-    dim and another number of elements, and no operand of it is what ``x`` is computed from:
-    attention scores ``(B, H, T, T)`` plus a bias computed by a linear (a relative-position
-    bias per head), or ``(B * H, T, T)`` plus torchscale's relative-position bias from its
-    bucket table, not the residual stream, which a block reads. (A wider feed-forward sum,
-    LoRA's ``up(h) + B(A(h))`` of ``(B, T, 4D)``, keeps dim 0: its own rules apply.) Hyper-connections' ``n`` streams ``(B, S, n, D)``, read flattened ``(B, S, n *
+    reads it), another last dim and another number of elements, and no operand of it is
+    what ``x`` is computed from: attention scores ``(B, H, T, T)`` plus a bias computed by a
+    linear (a relative-position bias per head), not the residual stream, which a block
+    reads. Hyper-connections' ``n`` streams ``(B, S, n, D)``, read flattened ``(B, S, n *
     D)`` (GLM-5's ``attn_hc.fn``), are the stream: a block end."""
     out = add.meta.get("val")
     xv = x.meta.get("val") if isinstance(x, fx.Node) else None
     if getattr(out, "shape", None) is None or getattr(xv, "shape", None) is None \
-            or not xv.dim() or out.dim() < xv.dim() or same(out.shape[-1], xv.shape[-1]) \
-            or out.dim() == xv.dim() and same(out.shape[0], xv.shape[0]) \
+            or not xv.dim() or out.dim() <= xv.dim() or same(out.shape[-1], xv.shape[-1]) \
             or same(prod(out.shape), prod(xv.shape)):
         return False
     # breadth first from the operands: the stream reaches x in a few ops (a norm, a view)
@@ -422,10 +419,29 @@ def _wider_than_stream(add: fx.Node, x) -> bool:
 _LAYERS = {aten.embedding.default, aten.convolution.default}
 
 
+def _position_table(n: fx.Node) -> bool:
+    """``n`` is an embedding looked up by indices computed from sizes and constants alone
+    (positions, relative-position buckets: torchscale's ``RelativePositionBias`` table,
+    added to each block's ``(B * heads, T, T)`` scores), not from the model's input values:
+    a table of the positions, not a layer's output carrying the tokens."""
+    if n.target is not aten.embedding.default or len(n.args) < 2:
+        return False
+    todo, seen = [n.args[1]], set()
+    while todo and len(seen) < _WALK_LIMIT:
+        m = todo.pop()
+        if not isinstance(m, fx.Node) or m in seen or isinstance(m.meta.get("val"), _SIZES):
+            continue
+        seen.add(m)
+        if m.op == "placeholder":
+            return False
+        todo += m.all_input_nodes
+    return not todo
+
+
 def _stream(node: fx.Node, is_linear: dict) -> bool:
-    """``node`` can be the residual stream: a layer's output (a linear, an embedding or a
-    convolution upstream) or a function of the model's inputs alone (a first block reading
-    its input). A value computed elementwise from inputs and trained parameters with no
+    """``node`` can be the residual stream: a layer's output (a linear, an embedding of the
+    inputs' values or a convolution upstream) or a function of the model's inputs alone (a
+    first block reading its input). A value computed elementwise from inputs and trained parameters with no
     layer between (a graph transformer's attention bias ``edge_bias * adj``, of the
     scores' full shape) is not: the walk from q and k goes on through the add to the
     output projection. A search running out of _WALK_LIMIT nodes takes it as the stream."""
@@ -434,7 +450,7 @@ def _stream(node: fx.Node, is_linear: dict) -> bool:
         if len(seen) >= _WALK_LIMIT:
             return True
         n, i = todo[i], i + 1
-        if n in is_linear or n.target in _LAYERS:
+        if n in is_linear or n.target in _LAYERS and not _position_table(n):
             return True
         weights = weights or n.op == "get_attr"
         for m in n.all_input_nodes:

@@ -164,7 +164,7 @@ class BucketBiasMergedHeads(nn.Module):
     """torchscale's RelativePositionBias: a (buckets, heads) table looked up by each
     (query, key) bucket, ``permute(2, 0, 1).unsqueeze(0).repeat(B, 1, 1, 1).view(-1, q, k)``
     once for the model, then ``rel.view(scores.size())`` added to each block's (batch *
-    heads) scores. The add read as the residual stream (as many dims as the block's input),
+    heads) scores. The add read as the residual stream (its operand an embedding's output),
     so the walks from q and k ended there, and the bias, a same-shape view of a merge, was
     not cut to the rank's heads: DeepNet with relative positions kept its attention whole (4
     of 12 matrices, zoo 16)."""
