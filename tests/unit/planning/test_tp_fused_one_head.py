@@ -335,8 +335,14 @@ def test_palm_rotary_on_the_one_head_keeps_it_whole(tp, rotary):
     it; with ``--no-self-check`` the program was emitted). Any op computing from the head
     and values without a gradient keeps it one head: k is held whole like v (also through
     rotary-embedding-torch's interleaved rotate_half, 13 ops deep)."""
+    _copied_and_matching(tp, rotary=rotary)
+
+
+def _copied_and_matching(tp: int, **kwargs) -> None:
+    """PaLM (einsum attention) with ``kwargs``: every block's fused projection a column,
+    no redistribution and no f, and the ranks in lockstep equal the model."""
     torch.manual_seed(0)
-    model = PaLM(False, rotary=rotary)
+    model = PaLM(False, **kwargs)
     gm, d = planned(model, x_batch(), tp)
     assert all(f"blocks.{i}.fused_in" in d.column for i in range(2)), d.report
     assert d.redistributions == [] and not d.f_edges, (d.redistributions, d.f_edges)
@@ -357,16 +363,10 @@ def test_a_one_head_part_met_by_attention_computed_whole_is_not_copied():
     assert_tp_matches(model, x_batch(), 2, d, gm)
 
 
-
 @pytest.mark.parametrize("tp", [2, 4])
 def test_palm_qk_norm_on_the_one_head_keeps_it_copied(tp):
     """PaLM-rlhf-pytorch's ``qk_rmsnorm``: ``F.normalize(k, dim=-1)`` of the one k head
     divides it by its norm ``expand_as(k)``, whose sizes are read off k (``sym_size``): those
     counted as inputs computed from the weights, so the result was no copy any more and the
     whole fused projection, its FFN part too, stayed whole (zoo 16 Z5: 4 of 6 matrices)."""
-    torch.manual_seed(0)
-    model = PaLM(False, qk_norm=True)
-    gm, d = planned(model, x_batch(), tp)
-    assert all(f"blocks.{i}.fused_in" in d.column for i in range(2)), d.report
-    assert d.redistributions == [] and not d.f_edges, (d.redistributions, d.f_edges)
-    assert_tp_matches(model, x_batch(), tp, d, gm)
+    _copied_and_matching(tp, qk_norm=True)
