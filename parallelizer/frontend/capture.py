@@ -9,6 +9,7 @@ both routes end in the same IR.
 from __future__ import annotations
 
 import functools
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,13 +24,16 @@ from .conv import channel_maps_as_linears
 from .einsum import einsums_as_linears, matmuls_as_linears, zero_baddbmm_as_bmm
 from .exporting import captures, export_kept, export_program
 from .factories import factories_of_constants
+from .fx_trace import symbolic_trace
 from .graph_rewrite import returns_view
 from .guards import FIXED_BY, record_shape_guards
 from .held_params import held_parameters, read_as_parameters
 from .model_file import headline, user_frame
+from .module_state import buffer_values_kept, state_kept
 from .module_paths import one_name_per_module
 from .regions import inline_regions, model_line
 from .saved_reads import copy_reads_before_writes
+from .source_lines import shown_path
 from .tiles import tiles_as_repeat
 
 
@@ -113,7 +117,7 @@ def _exported(model, args, kwargs, model_file: Path, branches: str = "refuse"):
         CaptureError: every route failed (the model failing eagerly named as such).
     """
     routes = (("torch.export", lambda: model, False),
-              ("symbolic_trace+torch.export", lambda: _symbolic_trace(model), False),
+              ("symbolic_trace+torch.export", lambda: symbolic_trace(model), False),
               ("torch.export", lambda: model, True))
     first_error = None
     for route, traced, static in routes:
@@ -165,7 +169,14 @@ def _as_example(model, args, kwargs, first_error, model_file: Path):
     except Exception as e:  # noqa: BLE001  the refusal is the first route's error
         raise CaptureError(_capture_message(first_error, model_file) + f"\nWith {SPEC_KEY}: "
                            f"as_example the capture fails as well ({type(e).__name__}: "
-                           f"{headline(e, '')}).") from first_error
+                           f"{headline(e, '') or _raised_in(e)}).") from first_error
+
+
+def _raised_in(e: BaseException) -> str:
+    """Where an exception with no message was raised: ``raised in FILE:LINE`` (draft_export's
+    own StopIteration in torch's lift_constants_pass, on routing-transformer, said nothing)."""
+    frames = traceback.extract_tb(e.__traceback__)
+    return f"raised in {shown_path(frames[-1].filename)}:{frames[-1].lineno}" if frames else ""
 
 
 def _drop_dead_code(gm: torch.fx.GraphModule) -> None:
@@ -181,22 +192,6 @@ def _drop_dead_code(gm: torch.fx.GraphModule) -> None:
     output is not returned): in no stage, and export names it (docs/checkpoints.md)."""
     if gm.graph.eliminate_dead_code(lambda n: n.op == "get_attr" or n.is_impure()):
         gm.recompile()
-
-
-def _symbolic_trace(model: torch.nn.Module) -> torch.fx.GraphModule:
-    """``torch.fx.symbolic_trace(model)``, refused when the trace drew random numbers: a
-    draw that reads no traced value (``torch.rand([])``) runs once, at trace time, and its
-    value would be a constant of every step's program (LayerDrop's skip decided forever).
-
-    Raises:
-        RuntimeError: the default generator's state changed during the trace.
-    """
-    state = torch.random.get_rng_state()
-    traced = torch.fx.symbolic_trace(model)
-    if not torch.equal(state, torch.random.get_rng_state()):
-        torch.random.set_rng_state(state)
-        raise RuntimeError("symbolic_trace drew random numbers at trace time")
-    return traced
 
 
 # ops torch defines as another op with the same arguments (ATen's broadcast_to is
@@ -367,9 +362,13 @@ def _to_flat_calling(gm: torch.fx.GraphModule) -> None:
 
 def _eager_run(model: torch.nn.Module, args, kwargs) -> tuple[Exception | None, list[str]]:
     """A plain forward of ``model`` on the example batch: its exception (or None), and each
-    output that is neither a tensor nor a plain Python value, as ``path (type)``."""
+    output that is neither a tensor nor a plain Python value, as ``path (type)``. The model
+    and the random state are left as they were: a lazily initialised buffer written here
+    picked the initialised branch for the capture that follows (routing-transformer's
+    k-means under as_example, zoo 16 Z9)."""
     try:
-        with torch.no_grad():
+        with torch.no_grad(), state_kept(model), buffer_values_kept(model), \
+                torch.random.fork_rng(devices=[]):
             out = model(*args, **kwargs)
     except Exception as e:
         return e, []

@@ -53,8 +53,9 @@ def buffer_values_kept(model: torch.nn.Module):
     the python_rng check runs one eager forward. A lazily initialised buffer (routing-
     transformer's k-means ``initted`` and ``means``, set from the first batch) was written
     there, the capture then took the initialised branch, and the checkpoint held centroids
-    from the example batch (zoo 16 Z9). Written in place only (``_version`` moved): the
-    copy goes back into the same tensor."""
+    from the example batch (zoo 16 Z9). The copy goes back into the same tensor wherever the
+    values differ: routing-transformer writes through ``.data``, which leaves ``_version``
+    where it was."""
     with torch.no_grad():
         saved = [(b, b._version, b.detach().clone()) for b in _buffers(model)]
     try:
@@ -62,8 +63,14 @@ def buffer_values_kept(model: torch.nn.Module):
     finally:
         with torch.no_grad():
             for b, version, value in saved:
-                if b._version != version and not b.is_inference():
+                if not b.is_inference() and _written(b, version, value):
                     b.copy_(value)
+
+
+def _written(b: torch.Tensor, version: int, value: torch.Tensor) -> bool:
+    """``b`` no longer holds ``value``: its version moved, or (a dense tensor written
+    through ``.data``, which keeps the version) its values differ."""
+    return b._version != version or b.layout == torch.strided and not torch.equal(b, value)
 
 
 def _buffers(model: torch.nn.Module) -> list:

@@ -166,3 +166,58 @@ def test_as_example_leaves_buffers_as_they_were_and_takes_the_fresh_models_branc
     assert not model.initted and model.means.abs().sum() == 0, "the capture wrote the buffers"
     assert any(n.target is torch.ops.aten.copy_.default for n in cap.gm.graph.nodes), \
         "the capture took the branch of an initialised model"
+
+
+
+class _LazyInitStack(nn.Module):
+    """Two lazily initialised blocks, the second's centroids taken under no_grad from the
+    first's output: a gradient path the model does not have."""
+
+    def __init__(self, block=_LazyInit):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([block(), block()])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+class _DataWrites(_LazyInit):
+    """routing-transformer's writes, through ``.data``: ``_version`` stays where it was, and
+    the capture's plain eager run (after every route failed) initialised the buffers unseen."""
+
+    def forward(self, x):
+        if not self.initted:
+            with torch.no_grad():
+                self.means.data.copy_(x.mean(dim=(0, 1)))
+                self.initted.data.copy_(torch.tensor(True))
+        return x + self.fc(x - self.means)
+
+
+def _lazy_batch() -> tuple:
+    return (torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(1)) + 3.0,)
+
+
+@pytest.mark.parametrize("branches", ["refuse", "as_example"])
+def test_a_branch_on_a_buffers_value_is_not_decided_by_symbolic_trace(branches):
+    """symbolic_trace, capture's second route, read ``self.initted`` as a Python bool at trace
+    time: the fresh model's branch became the program's with no warning. Refused (draft_export
+    fails on the ``.data`` writes, inside torch), the model's buffers as they were."""
+    model, fresh = _LazyInitStack(_DataWrites), _LazyInitStack(_DataWrites)
+    with pytest.raises(CaptureError, match=r"if not self.initted"):
+        capture(model, _lazy_batch(), Path("model.py"), branches=branches)
+    for (name, b), f in zip(model.named_buffers(), fresh.buffers()):
+        assert torch.equal(b, f), f"the capture wrote {name}"
+
+
+def test_as_example_keeps_the_no_grad_region_of_a_lazy_initialisation():
+    model, fresh = _LazyInitStack(), _LazyInitStack()
+    cap = capture(model, _lazy_batch(), Path("model.py"), branches="as_example")
+    assert [line.split(": ", 1)[1] for line in cap.gm.meta[ASSUMED]] == \
+        ["if not self.initted: (on the example batch Eq(u0, 1) is False)"]
+    cap.gm(*_lazy_batch())[0].backward()
+    fresh(*_lazy_batch()).backward()
+    for (name, p), f in zip(model.named_parameters(), fresh.parameters()):
+        torch.testing.assert_close(p.grad, f.grad, rtol=1e-6, atol=1e-6, msg=name)
