@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import traceback
 from pathlib import Path
 from typing import Callable
@@ -13,6 +14,7 @@ import torch
 
 from .branches import SPEC_KEY, is_data_dependent
 from .model_file import user_frame
+from .source_lines import shown_path
 
 
 def hints(model: torch.nn.Module, args, kwargs, error: Exception, model_file: Path,
@@ -21,7 +23,7 @@ def hints(model: torch.nn.Module, args, kwargs, error: Exception, model_file: Pa
     the capture succeeds on those inputs (a hint that changes the inputs is tried first)."""
     return (setting_hints(model) + loss_hint(args, kwargs, error, model_file)
             + mask_hint(model, args, kwargs, captures) + functorch_hint(error)
-            + branches_hint(error))
+            + branches_hint(error) + exact_type_hint(error))
 
 
 def branches_hint(error: Exception) -> str:
@@ -33,6 +35,45 @@ def branches_hint(error: Exception) -> str:
             f"over batches that all have padding, or none), {SPEC_KEY}=as_example captures "
             f"the branch the example batch takes; a step taking the other then stops with "
             f"an error naming the line.")
+
+
+def exact_type_hint(error: Exception) -> str:
+    """A hint when a function on the failing call path checks a tensor's exact type
+    (``type(x) == torch.Tensor``, ``type(x) is torch.Tensor``): under torch.export every
+    tensor is a subclass (FakeTensor), the check is False where the model's own run finds it
+    True, and the capture takes another path than the model. enformer-pytorch one-hot encodes
+    integer ids behind ``type(x) == torch.Tensor and x.dtype == torch.long``; captured, the ids
+    reached a conv, and the refusal blamed data-dependent control flow (zoo 16 Z8)."""
+    checks = []
+    tb = error.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if not _in_torch(code.co_filename):
+            checks += _exact_type_checks(code)
+        tb = tb.tb_next
+    if not checks:
+        return ""
+    return (f"\nThe model checks a tensor's exact type at {'; '.join(dict.fromkeys(checks))}: "
+            f"under torch.export every tensor is a subclass (FakeTensor), so that check is False "
+            f"where the model's own run finds it True, and the capture takes another path than "
+            f"the model. isinstance(x, torch.Tensor) is what such a check means.")
+
+
+_EXACT_TYPE = re.compile(r"\btype\(\s*[\w.\[\]]+\s*\)\s*(==|is)\s*torch\.Tensor\b")
+
+
+def _exact_type_checks(code) -> list[str]:
+    """``file:line (source)`` of each exact-type check of a tensor in ``code``'s function."""
+    try:
+        lines, first = inspect.getsourcelines(code)
+    except (OSError, TypeError):
+        return []
+    return [f"{shown_path(code.co_filename)}:{first + i} ({line.strip()})"
+            for i, line in enumerate(lines) if _EXACT_TYPE.search(line)]
+
+
+def _in_torch(filename: str) -> bool:
+    return os.path.normpath(filename).startswith(os.path.dirname(torch.__file__) + os.sep)
 
 
 def setting_hints(model: torch.nn.Module) -> str:

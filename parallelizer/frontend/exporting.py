@@ -85,16 +85,24 @@ def _quiet_shape_log():
     find user code corresponding to {u0}" (symbolic_shapes' logger) and torch printed the
     partial graph to stderr, about 100 lines before the error that names the model's line
     (the refusal is that error). What an export that succeeds writes to stderr is written
-    after it."""
-    log = logging.getLogger("torch.fx.experimental.symbolic_shapes")
-    level, held = log.level, io.StringIO()
-    log.setLevel(logging.ERROR)
+    after it. FakeTensor's logger wrote each failed meta kernel's traceback (six of them, 114
+    lines, before a shape error's refusal: zoo 16 Z8); its handler holds the stderr it was
+    made with, so only its level keeps it quiet."""
+    logs = [logging.getLogger(name) for name in _NOISY_LOGS]
+    levels, held = [log.level for log in logs], io.StringIO()
+    for log, quiet in zip(logs, (logging.ERROR, logging.CRITICAL)):
+        log.setLevel(quiet)
     try:
         with contextlib.redirect_stderr(held):
             yield
     finally:
-        log.setLevel(level)
+        for log, level in zip(logs, levels):
+            log.setLevel(level)
     sys.stderr.write(held.getvalue())  # only reached when the export did not raise
+
+
+# loggers a failed export writes its partial work to (what :func:`_quiet_shape_log` quiets)
+_NOISY_LOGS = ("torch.fx.experimental.symbolic_shapes", "torch._subclasses.fake_tensor")
 
 
 @contextlib.contextmanager

@@ -213,3 +213,30 @@ def test_the_torch_func_hint_is_given_for_torch_func_only():
     with pytest.raises(CaptureError) as e:
         capture(_BranchOnValues(), (torch.randn(2, 3, 4),), Path("model.py"))
     assert "torch.func" not in str(e.value) and "data-dependent" in str(e.value), str(e.value)
+
+
+class _OneHotIds(nn.Module):
+    """enformer-pytorch's input handling (zoo 16 Z8): integer ids one-hot encoded behind an
+    exact-type check, which a FakeTensor never passes."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 8)
+
+    def forward(self, x):
+        if type(x) == torch.Tensor and x.dtype == torch.long:  # noqa: E721  the model's check
+            x = F.one_hot(x, num_classes=4).float()
+        return self.fc(x)
+
+
+def test_an_exact_type_check_is_named_and_torchs_kernel_logs_stay_quiet(caplog):
+    ids = torch.randint(0, 4, (2, 5), generator=torch.Generator().manual_seed(0))
+    _OneHotIds()(ids)  # the model runs as it is
+    with pytest.raises(CaptureError) as e:
+        capture(_OneHotIds(), (ids,), MODEL)
+    line = next(i for i, s in enumerate(open(__file__).read().splitlines(), 1)
+                if "if type(x) == torch.Tensor" in s)
+    assert f"checks a tensor's exact type at test_capture_hints.py:{line} (if type(x) == " \
+           f"torch.Tensor" in str(e.value), e.value
+    assert not [r for r in caplog.records if r.name == "torch._subclasses.fake_tensor"], \
+        "a failed export's meta-kernel tracebacks reached the log (114 lines before the refusal)"
