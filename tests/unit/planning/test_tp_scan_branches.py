@@ -5,7 +5,7 @@ We Needed?", its log-space Heinsen scan): ``hidden, gate = to_hidden_and_gate(x)
 the sequence), so they are a Megatron pair. The seed walk, depth first, reached the add
 ``a + logcumsumexp(...)`` from ``a`` before the other branch and took it for the residual
 stream: both linears replicated (a break test: 8 of 20 matrices). An operand computed from
-the walk's own linear is no stream (planning/tp_seeds.py ``_residual_add``); each rank
+the walk's own linear is no stream (planning/residual_stream.py ``residual_add``); each rank
 equals the model (outputs, every gradient, one SGD step; fp32, 1e-5)."""
 import pytest
 import torch

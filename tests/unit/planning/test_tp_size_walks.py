@@ -10,7 +10,7 @@ decision 81):
   at run time) or ``index_add_`` over feature-sharded rows; both keep the feature shard
   (``analysis/sharding/cuts.index_rule``, ``rules._index_add``);
 - the attention bias ``edge_bias * adj``, of the scores' full shape, was taken for the
-  residual stream, ending the walk from q and k (``tp_seeds._stream``): without an MLP in
+  residual stream, ending the walk from q and k (``residual_stream._stream``): without an MLP in
   the layers, q and k stayed replicated;
 - a conflict kept its whole pair component whole, and the redistributions asked for the
   linears it dropped stayed: multi-query attention with one fused k|v head ended with
