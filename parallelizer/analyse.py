@@ -13,7 +13,7 @@ from .analysis.costs import PipelineCosts
 from .analysis.graph_costs import collect_costs
 from .analysis.outputs import check_batch_is_dynamic, check_outputs_have_batch_dim
 from .analysis.parameter_writes import check_parameter_writes
-from .analysis.partition import GraphPartition
+from .analysis.partition import GraphPartition, blocks_in_run_order
 from .analysis.expert_modules import find_module_experts
 from .frontend.capture import Captured, capture
 from .frontend.modes import training_modes
@@ -82,7 +82,8 @@ def analyse(model: torch.nn.Module, batch, name: Path, passes: PassManager,
         lists, unstacked = find_module_experts(captured.gm.graph)
         passes.run("stack_experts", apply_stack_experts, captured.gm, lists, stacked)
     groups = tied_groups(model)
-    return Analysis(model, captured, groups, alias_map(groups), find_blocks(model), name,
+    blocks = blocks_in_run_order(captured.gm.graph, find_blocks(model))
+    return Analysis(model, captured, groups, alias_map(groups), blocks, name,
                     tuple(rewritten), stacked, tuple(unstacked), tuple(modes))
 
 

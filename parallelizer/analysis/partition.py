@@ -33,6 +33,27 @@ class GraphPartition:
                               Recompute(graph))
 
 
+def blocks_in_run_order(graph: fx.Graph, blocks: tuple[str, ...]) -> tuple[str, ...]:
+    """The ``blocks`` (FQNs, :func:`~parallelizer.planning.blocks.find_blocks`: registration
+    order) that ``graph`` runs, in the order it first runs them. The units, the stages and
+    the split read blocks in graph order: a model running its ModuleList reversed (``for l
+    in reversed(self.layers)``) had every block in one stage, or a split that disagreed with
+    its plan (an internal error), and a block forward never runs (a layer kept for an early
+    exit) had none of the nodes the plan gave it, at every layout (zoo 17 Z2, Z3). A block
+    not run is no block: its parameters are read by no stage, as any parameter the forward
+    does not read."""
+    wanted, first = set(blocks), {}
+    for node in graph.nodes:
+        if node.op in ("call_function", "call_method", "call_module"):
+            parts = module_path(node).split(".")
+            for k in range(1, len(parts) + 1):
+                prefix = ".".join(parts[:k])
+                if prefix in wanted:
+                    first.setdefault(prefix, len(first))
+                    break
+    return tuple(sorted(first, key=first.get))
+
+
 def assign_units(graph: fx.Graph, blocks: tuple[str, ...]) -> dict:
     """node -> unit index (0 before the blocks, 1 + i for block i, len(blocks) + 1 after).
 
