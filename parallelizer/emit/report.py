@@ -58,11 +58,15 @@ def render_report(plan: ParallelPlan, route: str, tp_lines, pipeline: dict, note
 
 
 def _size_lines(plan: ParallelPlan) -> list[str]:
-    """One line per input size the model's code bounds (``plan.size_ranges``) and per guard
-    that excludes sizes (``plan.size_guards``)."""
+    """One line per input size the model's code fixes (``plan.fixed_sizes``: run.py's
+    refusal of another size points here; a 2-D input's features, fixed by its first layer,
+    drew no compile warning and were named nowhere, zoo 17 Z1), per size it bounds
+    (``plan.size_ranges``) and per guard that excludes sizes (``plan.size_guards``)."""
     words = {0: ("batch size per microbatch and dp rank", "--batch-size"),
              1: ("sequence length", "--seq-len")}
-    out = []
+    out = [f"- input {name!r}: dim {d} is {size} in every step, fixed by the model's code (a "
+           f"layer over that dim, a loop over it, a size written as a number); run.py refuses "
+           f"another {words[d][1]}" for name, d, size in plan.fixed_sizes]
     for name, d, low, high, where in plan.size_ranges:
         what, flag = words[d]
         span = f"{low}..{high}" if high else f"at least {low}"

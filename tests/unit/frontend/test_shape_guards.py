@@ -271,3 +271,29 @@ def test_batches_of_another_length_are_refused_before_a_stage_runs():
                                         r"program runs only the sequence length 16 of input "
                                         r"'x', which the model's code fixes"):
         source.next_step(1)
+
+
+class _PerFeature(nn.Module):
+    """FT-Transformer's numeric tokenizer: a weight per feature of a (batch, features) input
+    fixes dim 1; no sequence, so no warning, and run.py's refusal of --seq-len pointed at a
+    report.md that named nothing (zoo 17 Z1)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w, self.a, self.b = nn.Parameter(torch.randn(12, D)), nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x):
+        return self.b(self.a((x[..., None] * self.w).mean(1))).square().mean()
+
+
+def test_a_fixed_dim_without_a_warning_is_named_in_the_report():
+    from parallelizer.errors import UserError
+    from parallelizer.runtime.data_source import check_fixed_sizes
+    torch.manual_seed(0)
+    program = compiler.compile_module(_PerFeature(), (torch.randn(8, 12),),
+                                      Spec.model_validate({"mesh": {"tp": 2}}), reference=False)
+    assert ("x", 1, 12) in program.plan.fixed_sizes
+    assert not [w for w in program.warnings if "fixes" in w], program.warnings
+    assert "- input 'x': dim 1 is 12 in every step, fixed by the model's code" in program.report
+    with pytest.raises(UserError, match="report.md names it"):
+        check_fixed_sizes(program.plan, None, 10, "--batch-size", "--seq-len")
