@@ -276,7 +276,25 @@ class EagerDropoutOff(TorchFunctionMode):
     """Dropout inactive in an eager model that stays in training mode: ``F.dropout`` and
     its variants return their input (what they return with ``training=False``);
     ``scaled_dot_product_attention`` runs with ``dropout_p=0`` and an RNN (``nn.LSTM``,
-    ``nn.GRU``, ``nn.RNN``: ``torch.lstm`` and the like) with ``dropout=0``."""
+    ``nn.GRU``, ``nn.RNN``: ``torch.lstm`` and the like) with ``dropout=0``.
+
+    A ``@torch.jit.script`` function calls no Python (Megatron's ``bias_dropout_add``): its
+    dropout runs ATen's, whose mask :class:`RandomStandIns` fixes to its mean (the identity,
+    exactly). TorchScript's optimized plan (from its third call) runs a fused
+    ``native_dropout`` with its own autodiff instead, out of a stand-in's reach: the
+    reference drew a new mask on every step (zoo 17 Z4). Under this mode the JIT runs its
+    functions unoptimized, op by op."""
+
+    def __enter__(self):
+        self._jit_optimize = torch._C._get_graph_executor_optimize()
+        torch._C._set_graph_executor_optimize(False)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            torch._C._set_graph_executor_optimize(self._jit_optimize)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
