@@ -50,7 +50,7 @@ class _Unrecorded(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _VALUE_READS and args and type(args[0]) is torch.Tensor:
+        if func in _VALUE_READS and args and isinstance(args[0], torch.Tensor):
             raise UnrecordedByTrace(f"symbolic_trace read a tensor's value ({func.__name__})")
         if func is torch._C._set_grad_enabled and bool(args[0]) != torch.is_grad_enabled():
             raise UnrecordedByTrace("symbolic_trace ran a region under another grad mode")
