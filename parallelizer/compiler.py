@@ -33,6 +33,7 @@ from .emit.stages import stage_sources
 from .checkpoint.hf import load_hf_state_dict, match_to_model
 from .errors import CaptureError, CheckpointError, PlanError
 from .frontend.model_file import check_module_tree, default_loss, load_model, user_frame
+from .frontend.capture_hints import exact_type_sites
 from .frontend.regions import check_autocast_off
 from .analysis.gradient_accounting import check_gradients
 from .analysis.parameter_writes import written_buffer_warnings
@@ -150,7 +151,9 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
     stages, sequence = apply_passes(analysis, planned, spec, batch, passes)
     checked = check_stages(analysis, planned, stages, sequence)
     sources = check_program(analysis, checked, batch)
-    checked_note = self_check(analysis, checked, spec, batch, sources, weights)
+    ran, checked_note = self_check(analysis, checked, spec, batch, sources, weights)
+    if not ran:
+        pp_warnings += exact_type_warnings(analysis.model, checked_note)
     program = emit(analysis, planned, checked, sequence, spec, batch, loss_fn, sources,
                    model_file=model_file, weights=weights, reference=reference,
                    owns_model=owns_model, pp_warnings=pp_warnings + planned.warnings)
@@ -367,21 +370,48 @@ def _model_on_share(analysis: Analysis, plan_, batch) -> None:
 
 
 def self_check(analysis: Analysis, checked: Checked, spec: Spec, batch, sources: dict,
-               weights: bool) -> list[str]:
+               weights: bool) -> tuple[bool, list[str]]:
     """The numerics self-check (emit/numerics_check.py) when ``spec.self_check`` asks for it:
     every tp rank of the program run on the example batch in one process, outputs and
-    gradients compared with the unmodified model. Returns the compile's note about it.
+    gradients compared with the unmodified model. Returns whether it ran, and the compile's
+    note about it.
 
     Raises:
-        PlanError: a tensor differs (a bug in parallelizer, naming it), or
-            ``self_check.mode`` true on a program it cannot check.
+        PlanError: a tensor differs (a bug in parallelizer, naming it; or the model's exact-
+            type check of a tensor, :func:`exact_type_sites`, named as the likelier cause),
+            or ``self_check.mode`` true on a program it cannot check.
     """
     run, note = self_check_when(spec.self_check, checked.plan, analysis.model, batch, weights)
     if not run:
-        return [note] if note else []
+        return False, [note] if note else []
     state = {fqn: attrgetter(fqn)(analysis.gm) for fqn in checked.plan.tensors}
-    return [check_numerics(checked.plan, sources, analysis.model, batch, state, spec.seed,
-                           analysis.name).note()]
+    try:
+        return True, [check_numerics(checked.plan, sources, analysis.model, batch, state,
+                                     spec.seed, analysis.name).note()]
+    except PlanError as e:
+        sites = exact_type_sites(analysis.model)
+        if not sites:
+            raise
+        raise PlanError(f"{e}\nLikelier than a bug: the model checks a tensor's exact type at "
+                        f"{'; '.join(sites)}; {_EXACT_TYPE_WHY}") from e
+
+
+# why an exact-type check of a tensor makes the program another function than the model
+_EXACT_TYPE_WHY = ("under capture every tensor is a FakeTensor, so such a check is False where "
+                   "the model's own run finds it True, and the program takes the other path "
+                   "there. Write isinstance(x, torch.Tensor), which is what such a check means")
+
+
+def exact_type_warnings(model: torch.nn.Module, note: list[str]) -> list[str]:
+    """The compile's warning where the self-check did not run (``note``: why, if it says)
+    and the model checks a tensor's exact type (:func:`exact_type_sites`)."""
+    sites = exact_type_sites(model)
+    if not sites:
+        return []
+    why = f" ({note[0].split('(', 1)[1].rstrip(')')})" if note and "(" in note[0] else ""
+    return [f"the model checks a tensor's exact type at {'; '.join(sites)}: {_EXACT_TYPE_WHY}. "
+            f"The numerics self-check, which compares the program with the model on the "
+            f"example batch, did not run{why}; --self-check (self_check.mode=true) runs it"]
 
 
 def emit(analysis: Analysis, planned: Planned, checked: Checked,

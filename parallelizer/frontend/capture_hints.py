@@ -72,6 +72,19 @@ def _exact_type_checks(code) -> list[str]:
             for i, line in enumerate(lines) if _EXACT_TYPE.search(line)]
 
 
+def exact_type_sites(model: torch.nn.Module) -> list[str]:
+    """``file:line (source)`` of each exact-type check of a tensor (:func:`exact_type_hint`)
+    in the ``forward`` of a module class of ``model`` outside torch: where the other path does
+    not fail, the capture takes it with no error (``if type(x) == torch.Tensor: x = x *
+    scale``), and only the numerics self-check tells the program from the model."""
+    sites: list = []
+    for cls in dict.fromkeys(type(m) for m in model.modules()):
+        code = getattr(getattr(cls, "forward", None), "__code__", None)
+        if code is not None and not _in_torch(code.co_filename):
+            sites += _exact_type_checks(code)
+    return list(dict.fromkeys(sites))
+
+
 def _in_torch(filename: str) -> bool:
     return os.path.normpath(filename).startswith(os.path.dirname(torch.__file__) + os.sep)
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallelizer import compiler
-from parallelizer.errors import CaptureError
+from parallelizer.errors import CaptureError, PlanError
 from parallelizer.frontend.capture import capture
 from parallelizer.frontend.spec import Spec
 
@@ -240,3 +240,37 @@ def test_an_exact_type_check_is_named_and_torchs_kernel_logs_stay_quiet(caplog):
            f"torch.Tensor" in str(e.value), e.value
     assert not [r for r in caplog.records if r.name == "torch._subclasses.fake_tensor"], \
         "a failed export's meta-kernel tracebacks reached the log (114 lines before the refusal)"
+
+
+class _ScaledIfExact(nn.Module):
+    """An exact-type check guarding an op that changes no shape or dtype: the capture takes
+    the other path with no error."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        if type(x) is torch.Tensor:  # the model's check
+            x = x * 2.0
+        return self.b(torch.relu(self.a(x)))
+
+
+def _scaled_line() -> int:
+    return next(i for i, s in enumerate(open(__file__).read().splitlines(), 1)
+                if "if type(x) is torch.Tensor" in s)
+
+
+def test_an_exact_type_check_is_warned_where_no_self_check_compares_the_program():
+    program = compiler.compile_module(_ScaledIfExact(), (torch.randn(4, 3, 8),),
+                                      Spec.model_validate({"mesh": {"dp": 2}}), reference=False)
+    assert any(f"checks a tensor's exact type at test_capture_hints.py:{_scaled_line()}" in w
+               and "did not run" in w for w in program.warnings), program.warnings
+
+
+def test_a_self_check_failing_on_an_exact_type_check_names_it_not_a_bug():
+    with pytest.raises(PlanError, match=rf"Likelier than a bug: the model checks a tensor's "
+                                        rf"exact type at test_capture_hints.py:{_scaled_line()}"):
+        compiler.compile_module(_ScaledIfExact(), (torch.randn(4, 3, 8),),
+                                Spec.model_validate({"mesh": {"tp": 2}}), reference=False)
