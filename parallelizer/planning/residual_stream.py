@@ -15,6 +15,12 @@ from ..plan.parallel_plan import DROPOUT_OPS
 
 WALK_LIMIT = 400  # nodes a search visits before it takes what it has
 ADDS = {aten.add.Tensor, aten.add_.Tensor}
+_PRODUCTS = {aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar}
+# ops reading a tensor's shape, dtype and device, not its values (timm's drop path draws
+# its mask into ``x.new_empty(shape)``)
+_SHAPED_BY = {aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default,
+              aten.new_full.default, aten.empty_like.default, aten.zeros_like.default,
+              aten.ones_like.default, aten.full_like.default}
 
 
 def sibling_linears(add: fx.Node, walked: fx.Node, start: fx.Node, is_linear: dict):
@@ -75,15 +81,20 @@ def _activation(a) -> bool:
 
 
 def ends_block(node: fx.Node, is_linear: dict) -> bool:
-    """``node`` (a linear) or the single-input ops after it (dropout, a scale) feed a
-    residual add (:func:`feeds_residual`): the row of a block's last pair."""
+    """``node`` (a linear) or the single-input ops and products after it (dropout, a scale,
+    a layer scale, a drop path's per-sample mask) feed a residual add
+    (:func:`feeds_residual`): the row of a block's last pair, whose all-reduced output any
+    product then takes whole. timm's EVA multiplies its MLP's output by ``gamma_2`` and a
+    drop-path mask: the pair through its in-block norm stopped there, and fc1_g, fc1_x and fc2
+    stayed replicated (zoo 17 Z6)."""
     if feeds_residual(node, is_linear):
         return True
     seen = {node}
     while True:
-        users = [u for u in node.users if u.op == "call_function"]
+        users = [u for u in node.users if u.op == "call_function" and u.target not in _SHAPED_BY]
         if len(users) != 1 or users[0] in is_linear or [
-                a for a in users[0].all_input_nodes if is_tensor(a)] != [node]:
+                a for a in users[0].all_input_nodes if is_tensor(a)] != [node] \
+                and users[0].target not in _PRODUCTS:
             return False
         node = users[0]
         seen.add(node)
