@@ -46,7 +46,7 @@ def apply_norms_over_projections(gm: fx.GraphModule) -> int:
     done = 0
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target in _NORMS and _over_projection(node) \
-                and not _feeds_head(node, tables):
+                and not _feeds_head(node, tables) and not _starts_stream(node):
             _write_out(gm.graph, node)
             done += 1
     if done:
@@ -81,6 +81,40 @@ def _over_projection(norm: fx.Node) -> bool:
             return False
         x = arg
     return False
+
+
+def _starts_stream(norm: fx.Node) -> bool:
+    """``norm``'s output, through one-input ops and views, is added to a value computed from
+    it (``y + f(y)``): the residual stream the next blocks read, not a value inside a pair.
+    torchvision's Swin-V2 ends its PatchMergingV2 with ``norm(reduction(x))``; written out,
+    the walk paired the reduction as a column with the next stage's qkv, and the stream
+    itself was sharded: a Partial gradient reached a norm of the next block (zoo 17 Z7)."""
+    adds, todo = [], [norm]
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            if u.op != "call_function":
+                continue
+            if u.target in (aten.add.Tensor, aten.add_.Tensor):
+                adds.append((u, n))
+            elif u.target in _ONE_INPUT | _MOVES:
+                todo.append(u)
+    if not adds:
+        return False
+    below = _downstream(norm)
+    return any(isinstance(a, fx.Node) and a is not operand and a in below
+               for add, operand in adds for a in add.args[:2])
+
+
+def _downstream(node: fx.Node, limit: int = 4000) -> set:
+    """The nodes computed from ``node`` (at most ``limit`` of them)."""
+    seen, todo = set(), [node]
+    while todo and len(seen) < limit:
+        for u in todo.pop().users:
+            if u not in seen:
+                seen.add(u)
+                todo.append(u)
+    return seen
 
 
 def _tables(graph: fx.Graph) -> tuple[set, set]:
