@@ -121,6 +121,17 @@ def block_of(node: fx.Node, blocks) -> Optional[str]:
     return None
 
 
+def descendants(node: fx.Node, limit: Optional[int] = None) -> set:
+    """``node`` and every node computed from it (the first ``limit`` found, where given)."""
+    todo, seen = [node], set()
+    while todo and (limit is None or len(seen) < limit):
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo += list(n.users)
+    return seen
+
+
 def clean_path(path: str) -> str:
     """A module path of ``nn_module_stack`` as an FQN."""
     # export spells ModuleList items as "layers.0" already; older releases used "layers[0]"

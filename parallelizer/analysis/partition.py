@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from .graph_facts import module_path
+from .graph_facts import block_of, module_path
 from .recompute import Recompute
 
 
@@ -42,16 +42,9 @@ def blocks_in_run_order(graph: fx.Graph, blocks: tuple[str, ...]) -> tuple[str, 
     exit) had none of the nodes the plan gave it, at every layout (zoo 17 Z2, Z3). A block
     not run is no block: its parameters are read by no stage, as any parameter the forward
     does not read."""
-    wanted, first = set(blocks), {}
-    for node in graph.nodes:
-        if node.op in ("call_function", "call_method", "call_module"):
-            parts = module_path(node).split(".")
-            for k in range(1, len(parts) + 1):
-                prefix = ".".join(parts[:k])
-                if prefix in wanted:
-                    first.setdefault(prefix, len(first))
-                    break
-    return tuple(sorted(first, key=first.get))
+    run = (block_of(n, blocks) for n in graph.nodes
+           if n.op in ("call_function", "call_method", "call_module"))
+    return tuple(dict.fromkeys(b for b in run if b is not None))
 
 
 def assign_units(graph: fx.Graph, blocks: tuple[str, ...]) -> dict:

@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from ..frontend.graph_rewrite import ZEROS
-from .graph_facts import aten, source_line, val
+from .graph_facts import aten, descendants, source_line, val
 from .writes import written_nodes
 
 # losses reduced by ``reduction`` (arg 3; mean by default) over the targets other than
@@ -164,18 +164,8 @@ def _outputs_are_zero_dim(node: fx.Node) -> bool:
     """No non-0-dim model output holds ``node``'s value (a 0-dim output is averaged over
     the chunks; one concatenated over rows would hold each chunk's weighted value)."""
     flat = torch.utils._pytree.tree_leaves(node.graph.output_node().args[0])
-    reached = _descendants(node)
+    reached = descendants(node)
     return all(_zero_dim(o) for o in flat if isinstance(o, fx.Node) and o in reached)
-
-
-def _descendants(node: fx.Node) -> set:
-    todo, seen = [node], set()
-    while todo:
-        n = todo.pop()
-        if n not in seen:
-            seen.add(n)
-            todo += list(n.users)
-    return seen
 
 
 def _loss_site(node: fx.Node, inputs: set, written: set) -> Optional[TokenMeanSite]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..analysis.graph_facts import aten
+from ..analysis.graph_facts import aten, descendants
 from ..analysis.linears import as_linear
 from ..analysis.logits import produces_logits
 from ..frontend.graph_rewrite import caller, val
@@ -101,20 +101,9 @@ def _starts_stream(norm: fx.Node) -> bool:
                 todo.append(u)
     if not adds:
         return False
-    below = _downstream(norm)
+    below = descendants(norm, limit=4001) - {norm}  # 4000 nodes past the norm
     return any(isinstance(a, fx.Node) and a is not operand and a in below
                for add, operand in adds for a in add.args[:2])
-
-
-def _downstream(node: fx.Node, limit: int = 4000) -> set:
-    """The nodes computed from ``node`` (at most ``limit`` of them)."""
-    seen, todo = set(), [node]
-    while todo and len(seen) < limit:
-        for u in todo.pop().users:
-            if u not in seen:
-                seen.add(u)
-                todo.append(u)
-    return seen
 
 
 def _tables(graph: fx.Graph) -> tuple[set, set]:
