@@ -88,21 +88,23 @@ def _quiet_shape_log():
     after it. FakeTensor's logger wrote each failed meta kernel's traceback (six of them, 114
     lines, before a shape error's refusal: zoo 16 Z8); its handler holds the stderr it was
     made with, so only its level keeps it quiet."""
-    logs = [logging.getLogger(name) for name in _NOISY_LOGS]
-    levels, held = [log.level for log in logs], io.StringIO()
-    for log, quiet in zip(logs, (logging.ERROR, logging.CRITICAL)):
+    logs = {logging.getLogger(name): quiet for name, quiet in _NOISY_LOGS.items()}
+    levels, held = {log: log.level for log in logs}, io.StringIO()
+    for log, quiet in logs.items():
         log.setLevel(quiet)
     try:
         with contextlib.redirect_stderr(held):
             yield
     finally:
-        for log, level in zip(logs, levels):
+        for log, level in levels.items():
             log.setLevel(level)
     sys.stderr.write(held.getvalue())  # only reached when the export did not raise
 
 
-# loggers a failed export writes its partial work to (what :func:`_quiet_shape_log` quiets)
-_NOISY_LOGS = ("torch.fx.experimental.symbolic_shapes", "torch._subclasses.fake_tensor")
+# loggers a failed export writes its partial work to, and the level
+# :func:`_quiet_shape_log` holds each at
+_NOISY_LOGS = {"torch.fx.experimental.symbolic_shapes": logging.ERROR,
+               "torch._subclasses.fake_tensor": logging.CRITICAL}
 
 
 @contextlib.contextmanager

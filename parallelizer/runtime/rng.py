@@ -286,15 +286,15 @@ class EagerDropoutOff(TorchFunctionMode):
     functions unoptimized, op by op."""
 
     def __enter__(self):
-        self._jit_optimize = torch._C._get_graph_executor_optimize()
-        torch._C._set_graph_executor_optimize(False)
+        self._unoptimized = torch.jit.optimized_execution(False)
+        self._unoptimized.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
         try:
             return super().__exit__(*exc)
         finally:
-            torch._C._set_graph_executor_optimize(self._jit_optimize)
+            self._unoptimized.__exit__(None, None, None)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
