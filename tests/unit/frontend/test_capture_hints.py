@@ -215,6 +215,11 @@ def test_the_torch_func_hint_is_given_for_torch_func_only():
     assert "torch.func" not in str(e.value) and "data-dependent" in str(e.value), str(e.value)
 
 
+def _line_of(code: str) -> int:
+    """The line of this file holding ``code`` (a model's check a message must name)."""
+    return next(i for i, s in enumerate(open(__file__).read().splitlines(), 1) if code in s)
+
+
 class _OneHotIds(nn.Module):
     """enformer-pytorch's input handling (zoo 16 Z8): integer ids one-hot encoded behind an
     exact-type check, which a FakeTensor never passes."""
@@ -234,8 +239,7 @@ def test_an_exact_type_check_is_named_and_torchs_kernel_logs_stay_quiet(caplog):
     _OneHotIds()(ids)  # the model runs as it is
     with pytest.raises(CaptureError) as e:
         capture(_OneHotIds(), (ids,), MODEL)
-    line = next(i for i, s in enumerate(open(__file__).read().splitlines(), 1)
-                if "if type(x) == torch.Tensor" in s)
+    line = _line_of("if type(x) == torch.Tensor")
     assert f"checks a tensor's exact type at test_capture_hints.py:{line} (if type(x) == " \
            f"torch.Tensor" in str(e.value), e.value
     assert not [r for r in caplog.records if r.name == "torch._subclasses.fake_tensor"], \
@@ -258,8 +262,7 @@ class _ScaledIfExact(nn.Module):
 
 
 def _scaled_line() -> int:
-    return next(i for i, s in enumerate(open(__file__).read().splitlines(), 1)
-                if "if type(x) is torch.Tensor" in s)
+    return _line_of("if type(x) is torch.Tensor")
 
 
 def test_an_exact_type_check_is_warned_where_no_self_check_compares_the_program():
