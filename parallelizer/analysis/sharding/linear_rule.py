@@ -15,6 +15,12 @@ from .placements import REPLICATE, Shard
 from .state import add_constraint, conflict, mark_not_replicable, placement, record_use
 
 
+def column_features(site) -> int:
+    """The output features a column_parallel ``site`` computes (its piece's, if it reads
+    one)."""
+    return site.part[1] - site.part[0] if site.part else int(site.features(site.out_dim))
+
+
 def linear_rule(node, site, prop, column, row, groups):
     """The placement of linear ``site``'s output (``node``) and the layer groups it joins: a
     column_parallel weight on a replicated input gives Shard(-1) (its raw features, whose
@@ -38,8 +44,7 @@ def linear_rule(node, site, prop, column, row, groups):
         return conflict(prop, node, groups, "a linear got a (batch, heads) merged input")
     if wt in column:
         key = site_key(site)  # the weight, or the piece of it this linear reads
-        n = site.part[1] - site.part[0] if site.part else int(site.features(site.out_dim))
-        prop.features[key] = n
+        n = prop.features[key] = column_features(site)
         if key not in prop.layouts:
             add_constraint(prop, n, "features", mod, f"out_features of {key}", {key})
         if wt not in prop.no_replication and _rounded(site):

@@ -63,7 +63,7 @@ from .pieces import register, site_key
 from .weights import path_rule, weight_paths
 from .state import (HeadsMark, Propagation, add_constraint, conflict, dim_of, inputs_of,
                     mark_not_replicable, placement, record_use)
-from .linear_rule import linear_rule
+from .linear_rule import column_features, linear_rule
 
 __all__ = ["CONFLICT", "Propagation", "propagate"]
 
@@ -108,6 +108,7 @@ def propagate(graph: fx.Graph, column: set, row: set, tp: int, layouts: Optional
         if site and site.weight in column:
             weight_dims[site.weight] = site.out_dim
             register(prop, site)
+            prop.features[site_key(site)] = column_features(site)  # read by its bias's path
             if site.bias_add is not None:  # a separate bias add: the bias is Shard(0), raw
                 prop.column_biases[site.bias] = (site.weight, site_key(site))
         elif site and site.weight in row:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ...plan.layouts import local_length
-from ..graph_facts import aten, expr, shape
+from ..graph_facts import aten, expr, is_tensor, shape
 from ..linears import VIEWS, Linear, bias_operand, merge_point, permutation, piece, weight_path
 from .pieces import piece_rule, site_key
 from .placements import REPLICATE, PerOutput, Shard, shard_dim
@@ -67,6 +67,12 @@ def path_rule(node: fx.Node, prop, tp: int, entry: tuple):
     groups = frozenset({owner}) if owner else frozenset()
     if src.name in prop.raw:
         prop.raw[node.name] = prop.raw[src.name]
+    elif owner and dim == 0 and is_tensor(node) \
+            and tuple(shape(node)) == (prop.features.get(key),):
+        # a column bias holds the linear's output features in their order: a slice of it
+        # beside the path (Swin-V2's ``b = bias.clone(); b[C:2 * C].zero_()``) cuts those
+        # features as a slice of the output would
+        prop.raw[node.name] = frozenset({key})
     if d is None:
         return REPLICATE, frozenset()
     cut = piece_rule(node, prop, tp, d, key, groups)
