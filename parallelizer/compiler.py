@@ -72,7 +72,8 @@ from .planning.tp_matrices import tp_kept_note, tp_summary
 from .planning.vocab import plan_vocab, vocab_summary
 from .emit.program import Program, check_replaceable
 from .emit.rank_check import check_ranks, share_rows
-from .emit.numerics_check import check_numerics, model_reference, when as self_check_when
+from .emit.numerics_check import When as SelfCheckWhen, check_numerics, model_reference
+from .emit.numerics_check import when as self_check_when
 from .emit.reference import (batch_rows, check_gradients_held, compute_reference, copy_model,
                              nonfinite_warnings, sample_mean_warnings, stack_reference)
 from .emit.report import render_report, stage_sends
@@ -151,9 +152,9 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
     stages, sequence = apply_passes(analysis, planned, spec, batch, passes)
     checked = check_stages(analysis, planned, stages, sequence)
     sources = check_program(analysis, checked, batch)
-    ran, checked_note = self_check(analysis, checked, spec, batch, sources, weights)
-    if not ran:
-        pp_warnings += exact_type_warnings(analysis.model, checked_note)
+    decision, checked_note = self_check(analysis, checked, spec, batch, sources, weights)
+    if not decision.run:
+        pp_warnings += exact_type_warnings(analysis.model, decision.skipped)
     program = emit(analysis, planned, checked, sequence, spec, batch, loss_fn, sources,
                    model_file=model_file, weights=weights, reference=reference,
                    owns_model=owns_model, pp_warnings=pp_warnings + planned.warnings)
@@ -370,24 +371,24 @@ def _model_on_share(analysis: Analysis, plan_, batch) -> None:
 
 
 def self_check(analysis: Analysis, checked: Checked, spec: Spec, batch, sources: dict,
-               weights: bool) -> tuple[bool, list[str]]:
+               weights: bool) -> tuple[SelfCheckWhen, list[str]]:
     """The numerics self-check (emit/numerics_check.py) when ``spec.self_check`` asks for it:
     every tp rank of the program run on the example batch in one process, outputs and
-    gradients compared with the unmodified model. Returns whether it ran, and the compile's
-    note about it.
+    gradients compared with the unmodified model. Returns whether it ran (and why not), and
+    the compile's note about it.
 
     Raises:
         PlanError: a tensor differs (a bug in parallelizer, naming it; or the model's exact-
             type check of a tensor, :func:`exact_type_sites`, named as the likelier cause),
             or ``self_check.mode`` true on a program it cannot check.
     """
-    run, note = self_check_when(spec.self_check, checked.plan, analysis.model, batch, weights)
-    if not run:
-        return False, [note] if note else []
+    decision = self_check_when(spec.self_check, checked.plan, analysis.model, batch, weights)
+    if not decision.run:
+        return decision, [decision.note] if decision.note else []
     state = {fqn: attrgetter(fqn)(analysis.gm) for fqn in checked.plan.tensors}
     try:
-        return True, [check_numerics(checked.plan, sources, analysis.model, batch, state,
-                                     spec.seed, analysis.name).note()]
+        return decision, [check_numerics(checked.plan, sources, analysis.model, batch, state,
+                                         spec.seed, analysis.name).note()]
     except PlanError as e:
         sites = exact_type_sites(analysis.model)
         if not sites:
@@ -402,13 +403,13 @@ _EXACT_TYPE_WHY = ("under capture every tensor is a FakeTensor, so such a check 
                    "there. Write isinstance(x, torch.Tensor), which is what such a check means")
 
 
-def exact_type_warnings(model: torch.nn.Module, note: list[str]) -> list[str]:
-    """The compile's warning where the self-check did not run (``note``: why, if it says)
-    and the model checks a tensor's exact type (:func:`exact_type_sites`)."""
+def exact_type_warnings(model: torch.nn.Module, skipped: str) -> list[str]:
+    """The compile's warning where the self-check did not run (``skipped``: why, if a note
+    says) and the model checks a tensor's exact type (:func:`exact_type_sites`)."""
     sites = exact_type_sites(model)
     if not sites:
         return []
-    why = f" ({note[0].split('(', 1)[1].rstrip(')')})" if note and "(" in note[0] else ""
+    why = f" ({skipped})" if skipped else ""
     return [f"the model checks a tensor's exact type at {'; '.join(sites)}: {_EXACT_TYPE_WHY}. "
             f"The numerics self-check, which compares the program with the model on the "
             f"example batch, did not run{why}; --self-check (self_check.mode=true) runs it"]

@@ -110,9 +110,27 @@ class Checked:
                 + f" ({self.seconds:.1f} s)")
 
 
-def when(cfg, plan, model: torch.nn.Module, batch, weights: bool) -> tuple[bool, str]:
-    """Whether to run the self-check under the spec's ``self_check`` section ``cfg``, and the
-    note saying why not when ``auto`` skips it at mesh.tp > 1 or mesh.pp > 1 ("" otherwise).
+@dataclass(frozen=True)
+class When:
+    """Whether the self-check runs (:func:`when`); if not, why (``skipped``: "" where no note
+    is due, at ``mode`` false or tp = pp = 1) and whether ``--self-check`` would run it
+    anyway (a size limit, not a blocker)."""
+    run: bool
+    skipped: str = ""
+    forceable: bool = False
+
+    @property
+    def note(self) -> str:
+        """The compile's note about a skipped check ("" for none)."""
+        if not self.skipped:
+            return ""
+        return (f"self-check: skipped ({self.skipped}"
+                f"{'; --self-check forces it' if self.forceable else ''})")
+
+
+def when(cfg, plan, model: torch.nn.Module, batch, weights: bool) -> When:
+    """Whether to run the self-check under the spec's ``self_check`` section ``cfg``, and why
+    not when ``auto`` skips it at mesh.tp > 1 or mesh.pp > 1.
 
     Raises:
         PlanError: ``self_check.mode`` true on a program it cannot check (no weights, a
@@ -120,17 +138,17 @@ def when(cfg, plan, model: torch.nn.Module, batch, weights: bool) -> tuple[bool,
     """
     mode = cfg.mode
     if mode is False:
-        return False, ""
+        return When(False)
     blocker = _blocker(plan, model, weights)
     if mode is True:
         if blocker:
             raise PlanError(f"self_check.mode=true (--self-check) cannot run: {blocker}; drop "
                             f"--self-check, or set self_check.mode=auto to skip it then")
-        return True, ""
+        return When(True)
     if plan.mesh["tp"] == 1 and plan.mesh["pp"] == 1:
-        return False, ""
+        return When(False)
     if blocker:
-        return False, f"self-check: skipped ({blocker})"
+        return When(False, blocker)
     params = sum(p.numel() for p in model.parameters())
     largest = max((t.numel() for t in flatten(plan, batch) if isinstance(t, torch.Tensor)),
                   default=0)
@@ -143,8 +161,7 @@ def when(cfg, plan, model: torch.nn.Module, batch, weights: bool) -> tuple[bool,
     elif cfg.max_input_elements is not None and largest > cfg.max_input_elements:
         blocker = (f"the example batch's largest input has {largest:,} elements > "
                    f"self_check.max_input_elements ({cfg.max_input_elements:,})")
-    return not blocker, (f"self-check: skipped ({blocker}; --self-check forces it)"
-                         if blocker else "")
+    return When(not blocker, blocker, forceable=bool(blocker))
 
 
 def step_flops(plan) -> int:

@@ -224,10 +224,10 @@ def test_forced_self_check_it_cannot_run_is_an_error():
         with pytest.raises(PlanError, match=rf"self_check.mode=true \(--self-check\) cannot "
                                             rf"run: {why}"):
             numerics_check.when(forced, plan, m, x_batch(2, 4), weights)
-    assert numerics_check.when(auto, tp2, model, x_batch(2, 4), False) == (
-        False, "self-check: skipped (the model has no weights (--no-weights or a meta-device "
-               "model))")
-    assert numerics_check.when(auto, tp2, model, x_batch(2, 4), True) == (True, "")
+    skipped = numerics_check.when(auto, tp2, model, x_batch(2, 4), False)
+    assert not skipped.run and not skipped.forceable and skipped.note == (
+        "self-check: skipped (the model has no weights (--no-weights or a meta-device model))")
+    assert numerics_check.when(auto, tp2, model, x_batch(2, 4), True).run
 
 
 BF16_MODEL_PY = MODEL_PY.replace(

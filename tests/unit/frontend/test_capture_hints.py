@@ -277,3 +277,17 @@ def test_a_self_check_failing_on_an_exact_type_check_names_it_not_a_bug():
                                         rf"exact type at test_capture_hints.py:{_scaled_line()}"):
         compiler.compile_module(_ScaledIfExact(), (torch.randn(4, 3, 8),),
                                 Spec.model_validate({"mesh": {"tp": 2}}), reference=False)
+
+
+def test_the_warning_gives_the_skipped_self_checks_reason_whole():
+    """The reason comes from the self-check's decision, not from its note cut at the first
+    parenthesis (a reason ending in a parenthesis of its own lost it; a size limit's came
+    with the note's own "--self-check forces it" before the warning's same hint)."""
+    program = compiler.compile_module(
+        _ScaledIfExact(), (torch.randn(4, 3, 8),),
+        Spec.model_validate({"mesh": {"tp": 2}, "self_check": {"max_params": 10}}),
+        reference=False)
+    params = sum(p.numel() for p in _ScaledIfExact().parameters())
+    (warning,) = [w for w in program.warnings if "exact type" in w]
+    assert f"did not run ({params:,} parameters > self_check.max_params (10)); " in warning, \
+        warning
