@@ -35,6 +35,7 @@ from .errors import CaptureError, CheckpointError, PlanError
 from .frontend.model_file import check_module_tree, default_loss, load_model, user_frame
 from .frontend.capture_hints import exact_type_sites
 from .frontend.regions import check_autocast_off
+from .analysis.graph_facts import read_attrs
 from .analysis.gradient_accounting import check_gradients
 from .analysis.parameter_writes import written_buffer_warnings
 from .analysis.outputs import fixed_size_warnings, fixed_sizes
@@ -195,7 +196,8 @@ def plan(analysis: Analysis, spec: Spec, passes: PassManager) -> Planned:
     tp = plan_tp(graph, mesh.tp, spec.tensor_parallel.allow_replicated,  # raises early
                  expert_dims=ep.dims)
     vocab = plan_vocab(graph, mesh.tp, spec.tensor_parallel.vocab_parallel, analysis.canonical, tp)
-    counted = (tp, analysis.model, vocab, analysis.blocks, ep.dims, analysis.stacked)
+    counted = (tp, analysis.model, vocab, analysis.blocks, ep.dims, analysis.stacked,
+               read_attrs(graph))
     notes = [tp_summary(*counted), tp_kept_note(*counted),
              vocab_summary(vocab)] if mesh.tp > 1 else []
     notes = [n for n in notes if n]

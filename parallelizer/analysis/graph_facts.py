@@ -152,6 +152,12 @@ def attr_targets(graph: fx.Graph) -> list[str]:
     return out
 
 
+def read_attrs(graph: fx.Graph) -> set[str]:
+    """Tensors some node of ``graph`` reads (export keeps a get_attr, with no user, for a
+    parameter forward never reads)."""
+    return {n.target for n in graph.nodes if n.op == "get_attr" and n.users}
+
+
 def source_line(node: fx.Node, outer: int = 0) -> str:
     """``file.py:line`` of the innermost frame of ``node``'s stack trace outside torch
     (the model code that produced it; ``outer`` = 1: the line that called that code), or ''

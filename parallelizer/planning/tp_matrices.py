@@ -183,7 +183,7 @@ def _block_prefixes(model, blocks=()) -> tuple:
 
 
 def tp_summary(decision: TPDecision, model, vocab=None, blocks=(), experts=None,
-               stacked=None) -> str:
+               stacked=None, read=None) -> str:
     """``tensor parallel: N of M weight matrices in blocks sharded (P % of parameters)``:
     P counts the elements of every parameter (embeddings and norms too) that tp shards, the
     vocabulary tables of ``vocab`` (a VocabDecision) and the experts split along their FFN
@@ -197,11 +197,14 @@ def tp_summary(decision: TPDecision, model, vocab=None, blocks=(), experts=None,
     rounded, but never to 100 while a parameter is left whole (nor to 0
     while one is sharded). The all-gathers of sharded activations the plan inserts are
     counted after it: a matrix counted sharded may feed an op that then runs whole on every
-    rank (q, k, v of heads laid out inner, gathered before attention)."""
-    mats, where = _counted_matrices(model, blocks)
+    rank (q, k, v of heads laid out inner, gathered before attention). With ``read`` (the
+    names the graph reads), parameters no node reads (a block forward never calls) are
+    counted in neither N, M nor P, and the line says how many such matrices it left out."""
+    unread = _unread(model, read, stacked)
+    mats, where = _counted_matrices(model, blocks, unread)
     dims = _under_every_name(_sharded(decision, vocab, experts, stacked), model)
     sharded = [n for n in mats if n in dims]
-    params = dict(model.named_parameters())
+    params = {n: p for n, p in model.named_parameters() if n not in unread}
     total = sum(p.numel() for p in params.values()) or 1
     split = sum(p.numel() for n, p in params.items() if n in dims)
     pct = f"{100 * split / total:.0f}"
@@ -216,8 +219,23 @@ def tp_summary(decision: TPDecision, model, vocab=None, blocks=(), experts=None,
     gathered = sum(r.kind == "all_gather" for r in decision.redistributions)
     whole = (f"; {gathered} sharded activation(s) all-gathered where no sharded rule takes "
              f"them, the ops after computed whole (report.md)" if gathered else "")
+    idle = sum(is_matrix(p) for n, p in model.named_parameters() if n in unread)
+    idle = f"; {idle} weight matrices forward never reads not counted" if idle else ""
     return (f"{head}{len(sharded)} of {len(mats)} weight matrices {where} sharded{also} "
-            f"({pct} % of parameters){whole}")
+            f"({pct} % of parameters){whole}{idle}")
+
+
+def _unread(model, read, stacked=None) -> set:
+    """Names of the parameters none of ``read`` (the graph's get_attr targets; None: all
+    read) reads: a parameter read under one of its names is read under all, and the experts
+    of a stacked tensor read are read."""
+    if read is None:
+        return set()
+    read = set(read) | {m for f, ms in (stacked or {}).items() if f in read for m in ms}
+    names: dict = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    return {n for group in names.values() if read.isdisjoint(group) for n in group}
 
 
 def _under_every_name(dims: dict, model) -> dict:
@@ -235,12 +253,15 @@ def _under_every_name(dims: dict, model) -> dict:
     return out
 
 
-def _counted_matrices(model, blocks=()) -> tuple[dict, str]:
+def _counted_matrices(model, blocks=(), unread=frozenset()) -> tuple[dict, str]:
     """(fqn -> numel, "in blocks" | "in the model"): the weight matrices the count line
-    counts, the whole model's when it has no blocks."""
+    counts, the whole model's when it has no blocks, none of ``unread``."""
     if _block_prefixes(model, blocks):
-        return block_matrices(model, blocks), "in blocks"
-    return {n: p.numel() for n, p in model.named_parameters() if is_matrix(p)}, "in the model"
+        mats, where = block_matrices(model, blocks), "in blocks"
+    else:
+        mats = {n: p.numel() for n, p in model.named_parameters() if is_matrix(p)}
+        where = "in the model"
+    return {n: k for n, k in mats.items() if n not in unread}, where
 
 
 def _sharded(decision: TPDecision, vocab=None, experts=None, stacked=None) -> dict:
@@ -256,12 +277,12 @@ def _sharded(decision: TPDecision, vocab=None, experts=None, stacked=None) -> di
 
 
 def tp_kept_note(decision: TPDecision, model, vocab=None, blocks=(), experts=None,
-                 stacked=None) -> str:
+                 stacked=None, read=None) -> str:
     """After :func:`tp_summary`'s line, where it counts matrices not sharded: the
     first of them (in the model's order) with the report.md line that says why, so a
     replicated attention is explained where the count is read; "" when all are sharded or
     no line names it."""
-    mats, _where = _counted_matrices(model, blocks)
+    mats, _where = _counted_matrices(model, blocks, _unread(model, read, stacked))
     dims = _sharded(decision, vocab, experts, stacked)
     left = [n for n in mats if n not in dims]
     for fqn in left:

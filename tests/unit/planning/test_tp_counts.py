@@ -7,6 +7,7 @@ many dims it keeps; a 2-D weight (a projection to one feature) is still a matrix
 import torch
 from torch import nn
 
+from parallelizer.analysis.graph_facts import read_attrs
 from parallelizer.planning.tp import plan_tp
 from parallelizer.planning.tp_matrices import is_matrix, tp_summary
 
@@ -46,3 +47,27 @@ def test_vectors_kept_in_more_dims_are_not_counted_as_matrices():
     assert tp_summary(d, model).startswith("tensor parallel: 4 of 4 weight matrices in blocks "
                                            "sharded"), tp_summary(d, model)
     assert not d.other_replicated, d.other_replicated
+
+
+class FirstTwo(Net):
+    """Three blocks, forward runs two (zoo 17's ``self.layers[:-1]``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks.append(ScaledBlock())
+
+    def forward(self, x):
+        for block in self.blocks[:-1]:
+            x = block(x)
+        return x
+
+
+def test_a_block_forward_never_runs_is_not_counted():
+    """Its matrices are in no stage and no checkpoint (the compile warns of them): the line
+    counted them as left whole ("4 of 6") and now leaves them out, saying so."""
+    torch.manual_seed(0)
+    model = FirstTwo()
+    graph = captured(model, x_batch()).gm.graph
+    line = tp_summary(plan_tp(graph, 2), model, read=read_attrs(graph))
+    assert line.startswith("tensor parallel: 4 of 4 weight matrices in blocks sharded"), line
+    assert line.endswith("; 2 weight matrices forward never reads not counted"), line
