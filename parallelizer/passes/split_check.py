@@ -119,7 +119,25 @@ def check_written_buffers(graph, groups: list, blocks: tuple) -> None:
             f"buffer {names[0]} is held by {', '.join(owners)} as one tensor and written in "
             f"place by the model ({node.target}{' at ' + line if line else ''}); each block "
             f"and pipeline stage would update its own copy: give each block its own buffer, "
-            f"or keep the shared state outside the blocks")
+            f"or keep the shared state outside the blocks{_copy_hint(names[0], owners)}")
+
+
+def _copy_hint(buffer: str, owners: list) -> str:
+    """Where the blocks share the module holding ``buffer`` (rotary-embedding-torch's one
+    ``RotaryEmbedding`` handed to every layer, whose ``cached_freqs`` the first layer
+    fills), the build_model() line giving each block its own copy of it; "" where the
+    blocks are no items of one container or the buffer is the block's own."""
+    block = next((b for b in owners if buffer.startswith(b + ".")), None)
+    module = buffer[len(block) + 1:].rpartition(".")[0] if block else ""
+    containers = {b.rpartition(".")[0] for b in owners}
+    if not module or len(containers) != 1 or not all(
+            b.rpartition(".")[2].isdigit() for b in owners):
+        return ""
+    (container,) = containers
+    return (f". If it is a cache that each block would fill alike (a rotary table), give "
+            f"each block a copy of the module in build_model(): `for block in "
+            f"model.{container}: block.{module} = copy.deepcopy(block.{module})`; if the "
+            f"blocks share its state (a counter, running statistics), keep it outside them")
 
 
 def check_stage_writes(stages: list) -> None:

@@ -102,6 +102,9 @@ def test_shared_buffer_written_in_place_is_refused_naming_the_line(tmp_path, pp)
                           "layers.3 as one tensor and written in place by the model "
                           "(aten.add_.Tensor at model.py:14)"), msg
     assert "give each block its own buffer" in msg
+    assert msg.endswith("`for block in model.layers: block.stats = copy.deepcopy(block.stats)`; "
+                        "if the blocks share its state (a counter, running statistics), keep it "
+                        "outside them"), msg
 
 
 def test_unserialisable_output_is_a_capture_error(tmp_path):
