@@ -11,6 +11,7 @@ import dataclasses
 
 from ..analysis.graph_facts import attr_targets, block_of, source_line
 from ..analysis.writes import written_attrs
+from ..frontend.graph_rewrite import view_base
 from ..errors import PlanError
 from ..plan.parallel_plan import ParallelPlan
 
@@ -109,9 +110,11 @@ def check_written_buffers(graph, groups: list, blocks: tuple) -> None:
             line writing it, and the fix.
     """
     written = written_attrs(graph)
+    readers = _readers(graph, blocks)
     for names in groups:
         node = next((written[n] for n in names if n in written), None)
-        owners = sorted({b for n in names for b in blocks if n.startswith(b + ".")})
+        owners = sorted({b for n in names for b in blocks if n.startswith(b + ".")}
+                        & set().union(*[readers.get(n, set()) for n in names]))
         if node is None or len(owners) < 2:
             continue
         line = source_line(node)
@@ -120,6 +123,23 @@ def check_written_buffers(graph, groups: list, blocks: tuple) -> None:
             f"place by the model ({node.target}{' at ' + line if line else ''}); each block "
             f"and pipeline stage would update its own copy: give each block its own buffer, "
             f"or keep the shared state outside the blocks{_copy_hint(names[0], owners)}")
+
+
+def _readers(graph, blocks: tuple) -> dict:
+    """get_attr target -> the blocks whose nodes read it, directly or through a view or an
+    in-place op's returned alias of it: of the blocks naming a buffer, only those reading it
+    hold a copy (frontend/buffer_reads.py leaves a cache the first block writes to that
+    block alone)."""
+    out: dict = {}
+    for node in graph.nodes:
+        block = block_of(node, blocks)
+        if block is None:
+            continue
+        for a in node.all_input_nodes:
+            base = view_base(a)
+            if base.op == "get_attr":
+                out.setdefault(base.target, set()).add(block)
+    return out
 
 
 def _copy_hint(buffer: str, owners: list) -> str:

@@ -13,7 +13,10 @@ each stage and block reading it holds its own copy, and only trained weights tak
 path (summed over the stages holding them); compiled in-process from the in-memory model,
 at pp2 x dp2 and tp2 x pp2 (ZeRO-3); and the reference model as written (the table at the
 root, its first rows passed to every block) at tp2 x pp2. Trained weights shared by blocks of
-one stage make it one module (tests/features/test_user_errors.py)."""
+one stage make it one module (tests/features/test_user_errors.py).
+- A buffer one block writes and the others read: a rotary table cached by the first layer
+  and read by the later ones (user_models/cached_rotary.py, rotary-embedding-torch's
+  cache), read from the written value (frontend/buffer_reads.py), at tp2 x pp2 (ZeRO-3)."""
 import importlib.util
 import re
 from pathlib import Path
@@ -29,7 +32,7 @@ ENTRY = HERE / "user_models_entry.py"
 MESHES = {"pp2-dp2": ("mesh.pp=2", "mesh.dp=2"),
           "tp2-pp2-zero3": ("mesh.pp=2", "mesh.tp=2", "zero_stage=3")}
 CASES = [f"{model}-{mesh}" for model in ("complex", "rotary") for mesh in MESHES] + \
-    ["llama3-tp2-pp2-zero3"]
+    ["llama3-tp2-pp2-zero3", "cached-tp2-pp2-zero3"]
 _PROGRAM = re.compile(r"^PROGRAM (\S+) (\d+)$", re.M)
 _ERR = re.compile(r"^verify: (loss|outputs|gradients|parameters)\b.*max abs err (\S+)", re.M)
 TABLE = "layers.0.attention.rope.freqs_cis"  # the canonical name: the first of five
@@ -67,6 +70,8 @@ def test_complex_activations_and_shared_rotary_buffer_verified(tmp_path, tools):
     # the reference model as written (its table at the root, passed to every block)
     spec = load_spec(HERE / "user_models" / "spec.yaml", list(MESHES["tp2-pp2-zero3"]))
     outs.append(compile_model(FILE, spec).save(tmp_path / "llama3-tp2-pp2-zero3"))
+    cached = compile_model(HERE / "user_models" / "cached_rotary.py", spec)
+    outs.append(cached.save(tmp_path / "cached-tp2-pp2-zero3"))
     p = tools.launch(ENTRY, 4, *outs, timeout=380).wait()
     explain = p.explain()
     assert dict(_PROGRAM.findall(p.stdout)) == {n: "0" for n in CASES}, explain

