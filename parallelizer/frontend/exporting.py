@@ -58,7 +58,7 @@ def export_program(model, args, kwargs, static: bool = False, exporter=torch.exp
     attempts = ((_dynamic_shapes(args, kwargs, shared_batch=False, sequence=False), None)
                 if static else (_dynamic_shapes(args, kwargs),
                                 _dynamic_shapes(args, kwargs, shared_batch=False)))
-    with _named_keywords(model, kwargs), warnings.catch_warnings():
+    with _named_inputs(model, args, kwargs), warnings.catch_warnings():
         # nn.LSTM / GRU / RNN re-assign their own parameters to _flat_weights in forward:
         # export's warning ("must be registered as buffers") would tell the user to edit
         # torch's module, and what it names are parameters export has already
@@ -108,28 +108,38 @@ _NOISY_LOGS = {"torch.fx.experimental.symbolic_shapes": logging.ERROR,
 
 
 @contextlib.contextmanager
-def _named_keywords(model, kwargs: dict):
-    """An input that ``forward`` takes through ``**kwargs`` (``forward(self, pixel_values,
-    **kwargs)`` given ``labels``) given a name of its own while exporting: torch 2.13's
-    export matches dynamic shapes against the inputs nested under ``kwargs`` in one place
-    and flat in another, and fails either way ("Must provide a tree_name"). The instance's
-    ``forward`` is shadowed by one whose signature names each input and which calls the
-    class's own ``forward``; parameter names and module paths are unchanged."""
+def _named_inputs(model, args: tuple, kwargs: dict):
+    """Each input that ``forward`` takes through ``*args`` or ``**kwargs`` given a name of its
+    own while exporting: ``forward(self, pixel_values, **kwargs)`` given ``labels``, a
+    wrapper's ``forward(self, *args, **kwargs)`` (keras' torch backend, peft-style
+    wrappers). torch 2.13's export matches dynamic shapes against the inputs nested under
+    ``kwargs`` in one place and flat in another, and fails either way ("Must provide a
+    tree_name"), and wants the positional ones as one tuple for ``*args`` (the batch fixed
+    at the example's, as if the model's code fixed it). The instance's ``forward`` is
+    shadowed by one whose signature names each input (``args_0``, ... as export names
+    them) and which calls the class's own ``forward``; parameter names and module paths are
+    unchanged."""
     try:
-        params = inspect.signature(model.forward).parameters.values()
+        params = list(inspect.signature(model.forward).parameters.values())
     except (TypeError, ValueError):
-        params = ()
+        params = []
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, kind)]
+    star = next((p.name for p in params if p.kind == p.VAR_POSITIONAL), None)
     named = {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
-    if not any(p.kind == p.VAR_KEYWORD for p in params) or set(kwargs) <= named \
-            or "forward" in vars(model):
+    extra_args = star is not None and len(args) > len(positional)
+    extra_kwargs = any(p.kind == p.VAR_KEYWORD for p in params) and not set(kwargs) <= named
+    if not (extra_args or extra_kwargs) or "forward" in vars(model):
         yield
         return
     cls_forward = type(model).forward
 
     def forward(*a, **kw):
         return cls_forward(model, *a, **kw)
-    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
-    forward.__signature__ = inspect.Signature([inspect.Parameter(k, kind) for k in kwargs])
+    names = (positional + [f"{star}_{i}" for i in range(len(args) - len(positional))]
+             )[:len(args)]
+    forward.__signature__ = inspect.Signature([inspect.Parameter(k, kind)
+                                               for k in [*names, *kwargs]])
     model.forward = forward
     try:
         yield
