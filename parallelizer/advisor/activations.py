@@ -17,10 +17,11 @@ model counts at run time (per-module experts) are valued at balanced routing
 from __future__ import annotations
 
 import torch
-from torch.utils._pytree import tree_unflatten, treespec_loads
+from torch.utils._pytree import tree_unflatten
 
 from ..frontend.model_file import call_loss_fn
 from ..plan.dtypes import differentiable
+from ..plan.out_spec import loads as out_spec_loads
 from ..runtime.fake_kernels import fake_forward_kernels
 from .expert_rows import BalancedExpertRows
 from ..plan.parallel_plan import ParallelPlan
@@ -126,7 +127,7 @@ def _stage_activations(stages: list, plan: ParallelPlan, batch, loss_fn, mode,
             flat = tuple(flat) if isinstance(flat, (tuple, list)) else (flat,)
             if index == len(stages) - 1:
                 target = _loss_target(plan, batch, mode)
-                outputs = tree_unflatten(list(flat), treespec_loads(plan.out_spec))
+                outputs = tree_unflatten(list(flat), out_spec_loads(plan.out_spec))
                 call_loss_fn(loss_fn, outputs, target, None, _ESTIMATE_LOSS if plan.vocab_outputs else "")
         for h in hooks:
             h.remove()

@@ -253,7 +253,13 @@ def check_outputs_have_batch_dim(gm: fx.GraphModule, input_names, out_spec=None)
     first = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == input_names[0])
     batch = first.meta["val"].shape[0]
     scalars = set(scalar_outputs(gm))
-    for i, val in enumerate(_flat_outputs(gm)):
+    for i, node in enumerate(gm.graph.output_node().args[0]):
+        if node is None:  # torch.distributed.pipelining sends and merges tensors only
+            raise PlanError(
+                f"output {_output_name(out_spec, i)} of the model is None; under mesh.pp > 1 "
+                f"the last stage returns tensors only (torch.distributed.pipelining checks "
+                f"each); leave the field out of what forward returns, or use mesh.pp=1")
+        val = node.meta.get("val") if isinstance(node, fx.Node) else None
         if i in scalars or not isinstance(val, torch.Tensor):
             continue
         if val.dim() == 0 or str(val.shape[0]) != str(batch):

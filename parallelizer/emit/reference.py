@@ -201,7 +201,8 @@ def _one_step(model: torch.nn.Module, batch, loss_fn, spec, model_file, chunks: 
     flat_out, _ = tree_flatten(outputs)
     ref["loss"] = loss.detach().reshape(())
     for i, t in enumerate(flat_out):
-        ref[f"output.{i}"] = t.detach().contiguous()
+        if isinstance(t, torch.Tensor):  # a None leaf (a NamedTuple's unused field) holds none
+            ref[f"output.{i}"] = t.detach().contiguous()
     for name, b in model.named_buffers():  # one the forward registers is a cache, no state
         if name in before and not unchanged(b, before[name]):
             ref[f"buffer.{name}"] = b.detach().clone()

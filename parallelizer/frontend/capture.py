@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.utils._pytree import TreeSpec, tree_flatten, treespec_dumps
+from torch.utils._pytree import TreeSpec, tree_flatten
 
 from ..errors import CaptureError
+from ..plan.out_spec import dumps as out_spec_dumps
 from . import capture_hints, custom_functions, python_rng
 from .branches import (ASSUMED, SPEC_KEY, decided_lines, is_data_dependent, label_assertions,
                        quiet_report)
@@ -81,7 +82,7 @@ def capture(model: torch.nn.Module, batch: tuple | dict, model_file: Path,
     read_as_parameters(gm, held)
     out_spec = gm._out_spec
     try:
-        treespec_dumps(out_spec)
+        out_spec_dumps(out_spec)
     except Exception as e:
         raise CaptureError(f"the output of {model_file}'s forward ({out_spec}) cannot be sent "
                            f"between processes ({type(e).__name__}: {e}); return a tensor, a "

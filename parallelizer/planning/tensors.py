@@ -8,7 +8,6 @@ from operator import attrgetter
 import torch
 import torch.fx as fx
 
-from torch.utils._pytree import treespec_dumps
 
 from ..analysis.graph_facts import RUNTIME_DEVICE, attr_targets
 from ..analysis.needed_imports import modules_needed
@@ -24,6 +23,7 @@ from ..plan.parallel_plan import (MODEL_MODULE, ParallelPlan, StagePlan, TensorP
                                   checkpointed_blocks, grad_sync_groups)
 from ..plan.decisions import EPDecision, PipelineDecision, TPDecision, VocabDecision
 from ..plan.experts import Experts
+from ..plan.out_spec import dumps as out_spec_dumps
 from .stages import tensor_stages
 from .vocab import tp_report
 
@@ -126,7 +126,7 @@ def build_plan(spec, captured, gm, model, groups, tp: TPDecision, vocab: VocabDe
         aliases={a: c for a, c in alias_map(groups, include_canonical=False).items()
                  if c in tensors}, stages=stage_plans,
         input_names=captured.input_names, inputs_are_kwargs=captured.inputs_are_kwargs,
-        out_spec=treespec_dumps(captured.out_spec), tp_report=tuple(tp_report(tp, vocab)),
+        out_spec=out_spec_dumps(captured.out_spec), tp_report=tuple(tp_report(tp, vocab)),
         activation_checkpointing=ac.mode, checkpoint_every=ac.every,
         checkpointed=checkpointed_blocks(pipe.blocks, ac.mode, ac.every),
         virtual_stages=p.virtual_stages, dp_replicate=spec.mesh.dp_replicate,

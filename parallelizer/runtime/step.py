@@ -20,11 +20,12 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, _CustomReducer
-from torch.utils._pytree import tree_unflatten, treespec_loads
+from torch.utils._pytree import tree_unflatten
 
 from ..errors import BatchError
 from ..plan.schedules import SINGLE_STAGE, schedule_class
 from ..plan.layouts import ReplicatedHeads, copied_heads, copied_runs
+from ..plan.out_spec import loads as out_spec_loads
 from ..plan.parallel_plan import ParallelPlan
 from .batching import flatten, index_rows
 from .data_parallel import (all_reduce_grads, dense_params, sync_expert_grads,
@@ -49,7 +50,7 @@ class StepRunner:
             stages = LocalStages(plan.local_stages(ctx.pp_rank) or [0], [stages])
         self.stage, self.plan, self.ctx, self.loss_fn = stages, plan, ctx, loss_fn
         self.schedule_name = schedule or plan.schedule
-        self.out_spec = treespec_loads(plan.out_spec)
+        self.out_spec = out_spec_loads(plan.out_spec)
         self.pp = plan.mesh["pp"]
         self.has_first = 0 in stages.indices
         self.is_last = plan.num_stages - 1 in stages.indices
@@ -172,7 +173,8 @@ class StepRunner:
                 (loss / m if m > 1 else loss).backward()
                 losses.append(loss.detach() / self.loss_scale)
                 if keep_outputs:
-                    outs.append([o.detach() if m > 1 else o for o in flat_out])
+                    outs.append([o.detach() if m > 1 and o is not None else o
+                                 for o in flat_out])
         finally:
             _set_grad_sync(self.stage, True)
         loss = losses[0] if m == 1 else torch.stack(losses).mean()
@@ -325,11 +327,12 @@ def _set_grad_sync(stages, on: bool) -> None:
 
 def _merge_outputs(outs: list, plan: ParallelPlan) -> list:
     """The outputs of the microbatches of one step as one: concatenated along dim 0, the
-    mean for a 0-dim output (a loss the model computed, ``plan.scalar_outputs``)."""
+    mean for a 0-dim output (a loss the model computed, ``plan.scalar_outputs``); a None
+    leaf (a NamedTuple's unused field) stays None."""
     if len(outs) == 1:
         return list(outs[0])
-    return [torch.stack(parts).mean(0) if i in plan.scalar_outputs else torch.cat(parts)
-            for i, parts in enumerate(zip(*outs))]
+    return [None if parts[0] is None else torch.stack(parts).mean(0)
+            if i in plan.scalar_outputs else torch.cat(parts) for i, parts in enumerate(zip(*outs))]
 
 
 def _merge_spec(plan: ParallelPlan, m: int | None = None):
@@ -340,7 +343,7 @@ def _merge_spec(plan: ParallelPlan, m: int | None = None):
     if not plan.scalar_outputs:
         return None
     m = m or plan.microbatches
-    n = treespec_loads(plan.out_spec).num_leaves
+    n = out_spec_loads(plan.out_spec).num_leaves
     mean = _CustomReducer(torch.zeros(()), lambda acc, x: acc + x.detach() / m)
     return tuple(mean if i in plan.scalar_outputs else TensorChunkSpec(0) for i in range(n))
 

@@ -108,10 +108,15 @@ def test_shared_buffer_written_in_place_is_refused_naming_the_line(tmp_path, pp)
 
 
 def test_unserialisable_output_is_a_capture_error(tmp_path):
+    """A class pytree flattens but cannot write (a NamedTuple can: tests/unit/plan/test_out_spec.py)."""
     path = _model(tmp_path, """
-        import collections, torch
+        import torch
         from torch import nn
-        Out = collections.namedtuple("Out", "y")
+        from torch.utils import _pytree
+        class Out:
+            def __init__(self, y):
+                self.y = y
+        _pytree.register_pytree_node(Out, lambda o: ([o.y], None), lambda ys, _c: Out(ys[0]))
         class M(nn.Module):
             def __init__(self):
                 super().__init__()
