@@ -342,12 +342,28 @@ def _refuse_subgraphs(gm: torch.fx.GraphModule, model_file: Path) -> None:
             # the op's own trace, else its subgraph's first op's (export records none for
             # an autocast region)
             line = model_line([user]) or model_line(getattr(gm, node.target).graph.nodes)
+            if getattr(user.target, "__name__", "") == "wrap_with_autocast":
+                raise CaptureError(_autocast_message(user, line, model_file))
             raise CaptureError(
                 f"{model_file}: the model calls {getattr(user.target, '__name__', user.target)} on "
                 f"a subgraph{f' at {line}' if line else ''} (a torch.autograd.Function, torch.cond "
                 f"or an autocast region, as torch.export keeps it); parallelizer rewrites one flat "
                 f"graph of ATen ops: write that code as plain tensor operations, or leave it to "
                 f"eager mode outside the model's forward")
+
+
+def _autocast_message(node, line: str, model_file: Path) -> str:
+    """The refusal of an autocast region that turns autocast on (regions turning it off are
+    inlined, frontend/regions.py): the spec's mixed precision is what does it."""
+    device, dtype = node.args[0], node.args[1]
+    dtype = str(dtype).replace("torch.", "") if dtype is not None else "its default dtype"
+    where = line or "a line export did not record"
+    return (f"{model_file}: the model turns autocast on ({device}, {dtype}) at {where}; "
+            f"the program runs each op in the precision the spec "
+            f"sets and cannot keep a region of its own: remove the torch.autocast region and "
+            f"set mixed_precision.param_dtype=bf16 (or fp16: every layout runs the stages "
+            f"under torch.autocast then, docs/spec.md), or keep that code outside the model's "
+            f"forward")
 
 
 def _to_flat_calling(gm: torch.fx.GraphModule) -> None:

@@ -79,7 +79,11 @@ def test_mixed_precision_over_an_autocast_off_region_is_refused_naming_its_line(
 
 
 def test_a_region_turning_autocast_on_is_still_refused():
+    """Named as what the user wrote, with the spec key doing it (it said "calls
+    wrap_with_autocast on a subgraph", torch.export's name; zoo 18 Z3)."""
     torch.manual_seed(0)
-    with pytest.raises(CaptureError, match=r"calls wrap_with_autocast on a subgraph at "
-                                           r"test_autocast_regions\.py:\d+"):
+    with pytest.raises(CaptureError, match=r"turns autocast on \(cpu, bfloat16\) at "
+                                           r"test_autocast_regions\.py:\d+; .*remove the "
+                                           r"torch\.autocast region and set "
+                                           r"mixed_precision\.param_dtype=bf16"):
         compiler.compile_module(_Rotary(enabled=True), _batch(), _spec(), reference=False)
