@@ -228,7 +228,9 @@ def _contribution(fwd, u, a, cot, data, flow, place_f, forced) -> Cot:
         return _WHOLE if cot.kind == PARTIAL else Cot(
             MIXED, u.name, "an f whose output gradient is already whole (its all-reduce "
                            "counts it tp times)")
-    if role in ("split", "gather", "whole"):
+    if role == "gather":
+        return _gathered(fwd, u, a, cot, flow, place_f)
+    if role in ("split", "whole"):
         return _WHOLE if cot.kind == WHOLE else Cot(MIXED, u.name, "a Partial gradient "
                                                     "reaches an op that needs a whole one")
     if role == "after_g":
@@ -246,6 +248,26 @@ def _contribution(fwd, u, a, cot, data, flow, place_f, forced) -> Cot:
             readers.insert(0, u.name)  # visited in reverse: keep graph order
         return _WHOLE
     return Cot(PARTIAL, u.name)
+
+
+def _gathered(fwd, u, a, cot, flow, place_f) -> Cot:
+    """The cotangent reader ``u`` gives ``a`` through a planned all-gather: the gathered,
+    replicated value gets ``u``'s contribution (in sharded compute, each rank's share:
+    Partial), and the gather's backward, the rank's slice, needs it whole. So in sharded
+    compute an f goes between the gather and ``u`` (``f(all_gather(a))``): linear attention's
+    ``k.unsqueeze(-1) * v.unsqueeze(-2)`` with k sharded and v gathered, whose v gradient sums
+    over k's sharded features (zoo 18 Z6: Mixed at the program's check)."""
+    if cot.kind != WHOLE:
+        return Cot(MIXED, u.name, "a Partial gradient reaches an op that needs a whole one")
+    if not (fwd.varying(u) or any(fwd.varying_input(u, i) for i in value_inputs(u))):
+        return _WHOLE
+    if not place_f:
+        return Cot(MIXED, u.name, "a gathered value enters sharded compute: its gradient is "
+                                  "each rank's share, which the gather's backward slices")
+    readers = flow.f_edges.setdefault(a.name, [])
+    if u.name not in readers:
+        readers.insert(0, u.name)
+    return _WHOLE
 
 
 def _combine(cots, node) -> Optional[Cot]:

@@ -160,9 +160,23 @@ def _f_readers(graph: fx.Graph, sites: list, decision: TPDecision, reduced: dict
             readers.setdefault(site.x, []).append(site.node)
     by_name = {n.name: n for n in graph.nodes}
     for producer, names in decision.f_edges.items():
-        mine = readers.setdefault(reduced.get(producer, by_name[producer]), [])
-        mine += [by_name[n] for n in names if by_name[n] not in mine]
+        value = reduced.get(producer, by_name[producer])
+        for u in (by_name[n] for n in names):
+            mine = readers.setdefault(_gathered_for(u, value), [])
+            if u not in mine:
+                mine.append(u)
     return readers
+
+
+def _gathered_for(reader: fx.Node, value: fx.Node) -> fx.Node:
+    """What ``reader`` reads of ``value``: the value, or its all-gather where a planned gather
+    stands between them (the f then goes after the gather: ``f(all_gather(v))``, its
+    all-reduce summing the ranks' shares of the gathered value's gradient before the
+    gather's backward takes the rank's slice)."""
+    if value in reader.all_input_nodes:
+        return value
+    return next((g for g in reader.all_input_nodes
+                 if g.target is gather_from_tp_dim and g.args[0] is value), value)
 
 
 def _insert_fs(graph: fx.Graph, readers: dict) -> None:
