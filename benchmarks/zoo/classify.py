@@ -105,8 +105,8 @@ def classify_compile(rc: int | None, stdout: str, stderr: str, timed_out: bool =
         return res
     excs = exceptions(stderr)
     block = error_block(stderr)
-    if rc == 2 and block and not excs:
-        internal = bool(_INTERNAL.search(block))
+    if rc in (2, 3) and block and not excs:  # 3: the compile's own checks found a bug
+        internal = rc == 3 or bool(_INTERNAL.search(block))
         res.update(status="COMPILE-CRASH" if internal else "REFUSED",
                    error=block.splitlines()[0][len("error: "):], text=block,
                    source_line=names_source_line(block))

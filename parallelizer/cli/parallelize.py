@@ -73,7 +73,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the CLI on ``argv`` (default ``sys.argv[1:]``); return the process exit code.
 
     Returns:
-        0 on success, 2 on a user error (bad arguments, spec, model file, plan, checkpoint).
+        0 on success, 2 on a user error (bad arguments, spec, model file, plan, checkpoint),
+        3 on an error the compile's own checks call internal (a bug in parallelizer), so a
+        script can tell the two apart.
     """
     args = list(sys.argv[1:] if argv is None else argv)
     handler = _compile
@@ -84,7 +86,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return handler(args)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return 3 if str(e).startswith("internal error") else 2
     except OSError as e:
         if e.errno not in _WRITE_ERRORS:
             raise

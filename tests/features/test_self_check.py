@@ -186,7 +186,7 @@ def _cli(tmp_path, capsys, *flags, model_py=MODEL_PY):
 
 def test_dropped_g_fails_the_compile_and_writes_nothing(tmp_path, capsys, drops_a_g):
     code, io, out = _cli(tmp_path, capsys)
-    assert code == 2 and not out.exists(), io
+    assert code == 3 and not out.exists(), io
     assert io.err.startswith("error: internal error (a bug in parallelizer")
     assert "differs first at output 0: max abs error" in io.err
     assert "compile with mesh.tp=1 meanwhile" in io.err
@@ -200,7 +200,7 @@ def test_no_self_check_flag_and_auto_bound_skip_it(tmp_path, capsys, drops_a_g):
     assert ("self-check: skipped (4,096 parameters > self_check.max_params (1,000); "
             "--self-check forces it)") in io.out
     code, io, _ = _cli(tmp_path, capsys, "self_check.max_params=1000", "--self-check")
-    assert code == 2 and "differs first at output 0" in io.err, io
+    assert code == 3 and "differs first at output 0" in io.err, io
     # the default bound is the step's compute, not the inputs' size; both may be set
     code, io, _ = _cli(tmp_path, capsys, "self_check.max_gflops=0")
     assert code == 0, io
@@ -248,7 +248,7 @@ def test_a_model_computing_in_bf16_is_checked_at_its_rounding(tmp_path, capsys):
 
 def test_a_dropped_g_is_caught_at_the_bf16_tolerance_too(tmp_path, capsys, drops_a_g):
     code, io, out = _cli(tmp_path, capsys, model_py=BF16_MODEL_PY)
-    assert code == 2 and not out.exists(), io
+    assert code == 3 and not out.exists(), io
     assert "fp32, the model computing in bfloat16, atol=0.03125" in io.err
     assert "differs first at output 0: max abs error" in io.err
 

@@ -1,4 +1,5 @@
-"""parallelize CLI: argument and spec errors exit 2 with one `error:` line and write nothing.
+"""parallelize CLI: argument and spec errors exit 2 with one `error:` line and write nothing;
+an internal error exits 3.
 
 The compiler itself is replaced by a recording fake (tests/e2e covers the real one).
 """
@@ -118,3 +119,14 @@ def test_python_dash_m(tmp_path):
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.startswith("error: model file m.py")
     assert not (tmp_path / "out").exists()
+
+
+def test_an_internal_error_exits_3_and_a_refusal_2(monkeypatch, capsys):
+    """A script tells a bug from a refusal by the status (both were 2; zoo 18 Z6)."""
+    for message, code in (("internal error (a bug in parallelizer, please report it): x", 3),
+                          ("mesh.tp=3 does not divide the 4 heads", 2)):
+        def fail(_args, message=message):
+            raise PlanError(message)
+        monkeypatch.setattr(cli, "_compile", fail)
+        assert cli.main(["model.py", "spec.yaml", "-o", "out"]) == code
+        assert capsys.readouterr().err == f"error: {message}\n"
