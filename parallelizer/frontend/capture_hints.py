@@ -23,7 +23,22 @@ def hints(model: torch.nn.Module, args, kwargs, error: Exception, model_file: Pa
     the capture succeeds on those inputs (a hint that changes the inputs is tried first)."""
     return (setting_hints(model) + loss_hint(args, kwargs, error, model_file)
             + mask_hint(model, args, kwargs, captures) + functorch_hint(error)
-            + branches_hint(error) + exact_type_hint(error))
+            + causal_mask_hint(error) + branches_hint(error) + exact_type_hint(error))
+
+
+def causal_mask_hint(error: Exception) -> str:
+    """A hint when torch's own ``nn.Transformer`` / ``TransformerDecoder`` / ``Encoder``
+    stopped the capture testing whether a given mask is causal
+    (``_detect_is_causal_mask``: ``bool((mask == causal_comparison).all())``, a branch on the
+    mask's values; zoo 18 Z7). Saying so with the flag skips the test; ``as_example``, the
+    general hint, also captured it but fixed the batch and sequence at the example's."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not any(f.name == "_detect_is_causal_mask" and _in_torch(f.filename) for f in frames):
+        return ""
+    return ("\ntorch's nn.Transformer tests whether the mask you pass is causal by reading its "
+            "values; with a causal mask, say so and it does not: tgt_is_causal=True "
+            "(nn.Transformer, nn.TransformerDecoder), is_causal=True (nn.TransformerEncoder, "
+            "the layers' forward), src_is_causal=True / memory_is_causal=True likewise.")
 
 
 def branches_hint(error: Exception) -> str:

@@ -291,3 +291,24 @@ def test_the_warning_gives_the_skipped_self_checks_reason_whole():
     (warning,) = [w for w in program.warnings if "exact type" in w]
     assert f"did not run ({params:,} parameters > self_check.max_params (10)); " in warning, \
         warning
+
+
+class _CausalDecoder(nn.Module):
+    """torch's decoder given a causal tgt_mask without tgt_is_causal (zoo 18 Z7)."""
+
+    def __init__(self):
+        super().__init__()
+        layer = nn.TransformerDecoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.dec = nn.TransformerDecoder(layer, 2)
+
+    def forward(self, tgt, memory):
+        mask = nn.Transformer.generate_square_subsequent_mask(tgt.shape[1])
+        return self.dec(tgt, memory, tgt_mask=mask)
+
+
+def test_torchs_causal_mask_test_is_named_with_its_flag():
+    batch = (torch.randn(2, 5, 16), torch.randn(2, 7, 16))
+    with pytest.raises(CaptureError, match=r"(?s)transformer\.py:\d+.*tests whether the mask you "
+                                           r"pass is causal by reading its values.*"
+                                           r"tgt_is_causal=True"):
+        capture(_CausalDecoder(), batch, Path(__file__))
