@@ -15,6 +15,7 @@ import torch.fx as fx
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
 
 from ..errors import PlanError
+from ..frontend.branches import ASSUMED
 from ..frontend.guards import FIXED_BY, batch_breaks, kept, pinned
 from ..plan.size_guards import sequence_dims as _sequence_dims
 from .graph_facts import input_values, source_line
@@ -83,6 +84,8 @@ def check_batch_is_dynamic(gm: fx.GraphModule, input_names, chunks: int = 2) -> 
     batch = int(str(val.shape[0]))
     where = _sized_by(gm, batch)
     why = gm.meta.get(FIXED_BY)
+    if gm.meta.get(ASSUMED):
+        raise PlanError(_as_example_fixed("batch size", batch, input_names[0], 0))
     raise PlanError(
         f"the model's code fixes the batch size at the example's {batch} (dim 0 of input "
         f"{input_names[0]!r} is a constant in the captured graph, not a symbol"
@@ -114,6 +117,8 @@ def _check_batch_guards(gm: fx.GraphModule, chunks: int) -> None:
             f"batch in example_inputs(), so that each gets at least {least}")
     if broken is not None:
         text, name, size, _least, _fixed = broken
+        if gm.meta.get(ASSUMED):
+            raise PlanError(_as_example_fixed("batch size", size, name, 0, text))
         raise PlanError(
             f"the model's code fixes the batch size at the example's {size}: it turns dim 0 of "
             f"input {name!r} into a Python number (int(), math on x.shape), and torch.export "
@@ -121,6 +126,21 @@ def _check_batch_guards(gm: fx.GraphModule, chunks: int) -> None:
             f"pipeline.microbatches > 1 or mesh.dp > 1 the step runs fewer samples at a time. "
             f"Compute it with tensor ops on the size, or use mesh.pp=1, mesh.dp=1 and "
             f"pipeline.microbatches=1")
+
+
+def _as_example_fixed(what: str, size: int, name: str, d: int, guard: str = "") -> str:
+    """Why a size is fixed where the capture ran under ``as_example``: torch.export's
+    draft_export, deciding branches by the example's values, also turns the size guards of
+    the code it runs into the example's sizes, the model's code or not (torch's own
+    nn.Transformer's causal-mask test: zoo 18 Z7)."""
+    guarded = f" (it guarded `{guard}`)" if guard else ""
+    return (f"the capture under capture.data_dependent_branches=as_example fixes the {what} at "
+            f"the example's {size}: torch.export.draft_export, which decides the branches by "
+            f"the example's values, holds dim {d} of input {name!r} as that number{guarded}, "
+            f"whatever code reads it; under mesh.pp > 1, pipeline.microbatches > 1 or mesh.dp "
+            f"> 1 the step runs fewer samples at a time. Make the branch it decided traceable "
+            f"(the capture hint without as_example names it) and compile without as_example, "
+            f"or use mesh.pp=1, mesh.dp=1 and pipeline.microbatches=1")
 
 
 def _first_op(gm, size: int) -> str:
@@ -220,7 +240,13 @@ def fixed_size_warnings(fixed: tuple, gm: fx.GraphModule | None = None) -> list[
     why = gm.meta.get(FIXED_BY) if gm is not None else None
     for name, d, size, warned in fixed:
         what, flag, fix = _DIM_WORDS[d]
-        if why and warned:
+        if warned and gm is not None and gm.meta.get(ASSUMED):
+            out.append(f"the capture under capture.data_dependent_branches=as_example fixes the "
+                       f"{what} at the example's {size}: torch.export.draft_export holds dim {d} "
+                       f"of input {name!r} as that number, whatever code reads it; the program "
+                       f"runs only that {what}, and run.py refuses another {flag}. Make the "
+                       f"branch it decided traceable and compile without as_example to run any")
+        elif why and warned:
             out.append(f"the model's code fixes the {what} at the example's {size}: captured "
                        f"with it symbolic, it fails ({why}), so dim {d} of input {name!r} was "
                        f"captured as that number; the program runs only that {what}, and "

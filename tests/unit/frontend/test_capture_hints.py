@@ -312,3 +312,16 @@ def test_torchs_causal_mask_test_is_named_with_its_flag():
                                            r"pass is causal by reading its values.*"
                                            r"tgt_is_causal=True"):
         capture(_CausalDecoder(), batch, Path(__file__))
+
+
+def test_sizes_fixed_under_as_example_are_not_blamed_on_the_models_code():
+    """Following the general hint, the same decoder captures under as_example, but
+    draft_export held batch and sequence at the example's; the refusal at pp2 said "the
+    model's code fixes the batch size" and sent the user to code that fixes nothing."""
+    spec = Spec.model_validate({"mesh": {"pp": 2}, "pipeline": {"microbatches": 2},
+                                "capture": {"data_dependent_branches": "as_example"}})
+    with pytest.raises(PlanError, match=r"^the capture under capture\.data_dependent_branches="
+                                        r"as_example fixes the batch size at the example's 4: "
+                                        r"torch\.export\.draft_export"):
+        compiler.compile_module(_CausalDecoder(), (torch.randn(4, 5, 16), torch.randn(4, 7, 16)),
+                                spec, reference=False)
