@@ -15,7 +15,7 @@ from torch.export import Dim
 from torch.utils._pytree import tree_map
 
 from . import custom_functions
-from .module_state import buffer_values_kept, state_kept, unchanging_to_kept
+from .module_state import buffer_values_kept, caches_cleared, state_kept, unchanging_to_kept
 
 
 def _dynamic_shapes(args: tuple, kwargs: dict, shared_batch: bool = True,
@@ -153,7 +153,8 @@ def export_kept(model):
     runs checkpointed code plainly, and leaves the model's state, its buffers' values (which
     draft_export's real-value run writes) and dtypes as they were."""
     with custom_functions.recorded() as applied, custom_functions.checkpoint_off(), \
-            state_kept(model), buffer_values_kept(model), unchanging_to_kept():
+            state_kept(model), buffer_values_kept(model), unchanging_to_kept(), \
+            caches_cleared(model):
         yield applied
 
 

@@ -5,6 +5,9 @@ leave the user's model as they found it.
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
+import sys
 
 import torch
 
@@ -116,3 +119,39 @@ def _unchanged_by(t: torch.Tensor, device, dtype) -> bool:
         return False
     # Module.to casts floating-point (and complex) tensors only
     return dtype is None or not (t.is_floating_point() or t.is_complex()) or t.dtype == dtype
+
+
+@contextlib.contextmanager
+def caches_cleared(model: torch.nn.Module):
+    """The ``functools.lru_cache`` / ``functools.cache`` functions of the modules defining the
+    model's classes (outside torch) emptied before and after a capture. A cached tensor
+    builder (yet-another-retnet's ``@lru_cache _build_decay_gammas(num_heads, device,
+    dtype)``) called while exporting keeps the FakeTensor it made, and the model's every later
+    run returned FakeTensors (the self-check then failed with a raw traceback; zoo 18 Z9).
+    Emptied, a cache refills on the next real call with the value it would have held."""
+    caches = _lru_caches(model)
+    for c in caches:
+        c.cache_clear()
+    try:
+        yield
+    finally:
+        for c in caches:
+            c.cache_clear()
+
+
+def _lru_caches(model: torch.nn.Module) -> list:
+    """The lru_cache wrappers at module level or in a class body of the model's modules."""
+    torch_dir = os.path.dirname(torch.__file__) + os.sep
+    seen, out = set(), []
+    for cls in dict.fromkeys(type(m) for m in model.modules()):
+        mod = sys.modules.get(cls.__module__)
+        if mod is None or id(mod) in seen or \
+                os.path.normpath(getattr(mod, "__file__", None) or torch_dir).startswith(torch_dir):
+            continue
+        seen.add(id(mod))
+        own = [v for v in vars(mod).values() if getattr(v, "__module__", None) == mod.__name__]
+        for value in own + [v for k in own if isinstance(k, type) for v in vars(k).values()]:
+            value = getattr(value, "__func__", value)  # a staticmethod / classmethod
+            if isinstance(value, functools._lru_cache_wrapper) and value not in out:
+                out.append(value)
+    return out
