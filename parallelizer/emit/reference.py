@@ -322,12 +322,21 @@ def gradient_gap(ref: dict, grads: dict, atol: float, rtol: float) -> dict:
     return {} if worst is None else {f"chunked.grad.{worst[0]}": torch.tensor(worst[1])}
 
 
-def sample_mean_warnings(ref: dict, spec) -> list[str]:
+def sample_mean_warnings(ref: dict, spec, model=None) -> list[str]:
     """The compile's warning when the reference's loss is not a mean over samples at
-    ``verify.atol`` / ``verify.rtol`` (:func:`parallelizer.runtime.verify.not_sample_mean`)."""
+    ``verify.atol`` / ``verify.rtol`` (:func:`parallelizer.runtime.verify.not_sample_mean`),
+    naming the model's embeddings that scale their gradient by the batch's token counts."""
     why = not_sample_mean(ref, spec.mesh.dp, spec.pipeline.microbatches, spec.verify.atol,
                           spec.verify.rtol)
-    return [why] if why else []
+    if not why:
+        return []
+    scaled = [n for n, m in (model.named_modules() if model is not None else ())
+              if isinstance(m, torch.nn.Embedding) and m.scale_grad_by_freq]
+    if scaled:
+        why += (f". {', '.join(scaled)} {'has' if len(scaled) == 1 else 'have'} "
+                f"scale_grad_by_freq=True: each row's gradient is divided by its token's count "
+                f"in the chunk, not in the whole batch")
+    return [why]
 
 
 def stack_reference(ref: dict, stacked: dict) -> dict:

@@ -57,13 +57,17 @@ def not_sample_mean(ref: dict, dp: int, microbatches: int, atol: float, rtol: fl
     if chunked is None or gap is None and torch.allclose(chunked, ref["loss"].float(),
                                                          atol=atol, rtol=rtol):
         return ""
+    same_loss = torch.allclose(ref["loss.chunked"], ref["loss"].float(), atol=atol, rtol=rtol)
     chunked, whole = chunked.item(), ref["loss"].item()
     grad = "" if gap is None else (f"; the gradient of {gap[0]} differs from the whole batch's "
                                    f"by up to {gap[1]:.3g}")
-    return (f"the loss is not a mean over samples: on the batch cut into mesh.dp ({dp}) x "
+    what = "its gradients are" if same_loss else "the loss is"
+    return (f"{what} not a mean over samples: on the batch cut into mesh.dp ({dp}) x "
             f"pipeline.microbatches ({microbatches}) chunks, as the program computes it, the "
             f"unmodified model's loss averages to {chunked:.6f}, on the whole batch it is "
-            f"{whole:.6f}{grad} (a router auxiliary loss, batch statistics such as BatchNorm's, a mean "
+            f"{whole:.6f}{grad} (a router auxiliary loss, batch statistics such as BatchNorm's, an "
+            f"embedding's scale_grad_by_freq (each row's gradient divided by its token's count "
+            f"in the chunk), a mean "
             f"over tokens with ignored labels (-100) spread unevenly over the chunks that the "
             f"compile could not divide by the whole batch's count: one in loss_fn, one whose "
             f"labels are written in place (mask them with torch.where), or one not linear in "

@@ -137,7 +137,7 @@ def test_run_time_chunk_line_compares_the_fp32_losses_at_fp32_tolerances():
         f"chunks either ({ref['loss.chunked'].item():.6f}), so the chunking does not explain")
     ref["loss.chunked"] = ref["loss"].clone()
     assert any(k.startswith("chunked.grad.") for k in ref)  # batch statistics: gradients too
-    assert chunks_line(ref, 2, 1, vcfg).startswith("the loss is not a mean over samples")
+    assert chunks_line(ref, 2, 1, vcfg).startswith("its gradients are not a mean over samples")
     ref = {k: v for k, v in ref.items() if not k.startswith("chunked.")}
     assert chunks_line(ref, 2, 1, vcfg).endswith("so the loss is a mean over samples")
 
@@ -463,3 +463,27 @@ def test_token_means_weighing_the_chunks_differently_give_no_chunked_loss():
                                 ["x", "labels"], spec, count=count)
         assert ("loss.chunked" in ref) is chunked, count
 
+
+
+class _ScaledEmbedding(nn.Module):
+    """nn.Embedding(scale_grad_by_freq=True) under a loss that is a mean over samples (zoo 18
+    Z8): the chunks' losses equal the whole batch's, the embedding's gradient does not."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.out = nn.Embedding(10, 4, scale_grad_by_freq=True), nn.Linear(4, 3)
+
+    def forward(self, ids):
+        return self.out(self.emb(ids))
+
+
+def test_a_scale_grad_by_freq_embedding_is_named_and_the_loss_not_blamed():
+    torch.manual_seed(0)
+    model = _ScaledEmbedding()
+    spec = load_spec(SPEC, ["mesh.dp=2", "pipeline.microbatches=2"])
+    ids = (torch.tensor([[1, 1, 2], [1, 3, 3], [4, 1, 5], [6, 6, 6]] * 2),)
+    ref = compute_reference(model, ids, _mse, ["ids"], spec, chunks=True)
+    (warning,) = sample_mean_warnings(ref, spec, model)
+    assert warning.startswith("its gradients are not a mean over samples"), warning
+    assert warning.endswith("emb has scale_grad_by_freq=True: each row's gradient is divided by "
+                            "its token's count in the chunk, not in the whole batch"), warning
