@@ -15,10 +15,10 @@ from typing import Optional
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..errors import CaptureError, PlanError
+from ..errors import CaptureError, ModelFileError, PlanError
 from ..frontend.capture import eager_message, split_args
 from ..frontend.custom_functions import checkpoint_off
-from ..frontend.model_file import call_loss_fn
+from ..frontend.model_file import call_loss_fn, headline
 from ..runtime.optim import make_optimizer
 from ..runtime.rng import EagerDropoutOff, RandomStandIns
 from ..runtime.verify import not_sample_mean, unheld_gradients, within
@@ -113,7 +113,16 @@ def copy_model(model: torch.nn.Module) -> torch.nn.Module:
             if id(value) not in tried:
                 tried.add(id(value))
                 _shared_if_uncopyable(value, memo)
-    return copy.deepcopy(model, memo)
+    try:
+        return copy.deepcopy(model, memo)
+    except Exception as e:  # noqa: BLE001 - the model's own __deepcopy__: the user's to fix
+        raise ModelFileError(
+            f"the model build_model() returns cannot be copied with copy.deepcopy "
+            f"({type(e).__name__}: {headline(e, '')}); the compile runs copies of it for its "
+            f"checks (the numerics self-check, the reference step) and leaves yours as it is. "
+            f"Make it copyable (a class whose __deepcopy__ serialises the model must be able "
+            f"to rebuild it: keras 3 needs its classes registered with "
+            f"keras.saving.register_keras_serializable())") from e
 
 
 def _shared_if_uncopyable(value, memo: dict) -> None:

@@ -487,3 +487,27 @@ def test_a_scale_grad_by_freq_embedding_is_named_and_the_loss_not_blamed():
     assert warning.startswith("its gradients are not a mean over samples"), warning
     assert warning.endswith("emb has scale_grad_by_freq=True: each row's gradient is divided by "
                             "its token's count in the chunk, not in the whole batch"), warning
+
+
+class _Uncopyable(nn.Module):
+    """A model whose ``__deepcopy__`` cannot rebuild it (keras 3's serialises through its
+    registry of classes: an unregistered class raised a raw traceback, zoo 18 Z5)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.lin(x)
+
+    def __deepcopy__(self, memo):
+        raise TypeError("Could not locate class '_Uncopyable'")
+
+
+def test_a_model_deepcopy_cannot_copy_is_a_clear_error():
+    from parallelizer.emit.reference import copy_model
+    from parallelizer.errors import ModelFileError
+    with pytest.raises(ModelFileError, match=r"cannot be copied with copy\.deepcopy \(TypeError: "
+                                             r"Could not locate class '_Uncopyable'\); the "
+                                             r"compile runs copies"):
+        copy_model(_Uncopyable())
