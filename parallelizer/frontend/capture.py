@@ -22,6 +22,7 @@ from . import capture_hints, custom_functions, python_rng
 from .branches import (ASSUMED, SPEC_KEY, decided_lines, is_data_dependent, label_assertions,
                        quiet_report)
 from .buffer_reads import forward_buffer_reads
+from .constant_scalars import fold_constant_scalars
 from .conv import channel_maps_as_linears
 from .einsum import einsums_as_linears, matmuls_as_linears, zero_baddbmm_as_bmm
 from .exporting import captures, export_kept, export_program
@@ -101,6 +102,7 @@ def capture(model: torch.nn.Module, batch: tuple | dict, model_file: Path,
     zero_baddbmm_as_bmm(gm)
     factories_of_constants(gm)
     channel_maps_as_linears(gm)
+    fold_constant_scalars(gm)
     _drop_dead_code(gm)
     forward_buffer_reads(gm)
     copy_reads_before_writes(gm)
