@@ -29,6 +29,7 @@ from .exporting import captures, export_kept, export_program
 from .factories import factories_of_constants
 from .fx_trace import symbolic_trace
 from .graph_rewrite import returns_view
+from .grad_hooks import check_module_hooks, tensor_hooks_refused
 from .guards import FIXED_BY, record_shape_guards
 from .held_params import held_parameters, read_as_parameters
 from .model_file import headline, user_frame
@@ -71,8 +72,10 @@ def capture(model: torch.nn.Module, batch: tuple | dict, model_file: Path,
     """
     args, kwargs = split_args(batch)
     held = held_parameters(model)
+    check_module_hooks(model, model_file)
     with python_rng.no_draws(model, args, kwargs, model_file,
-                             lambda: capture_hints.setting_hints(model)):
+                             lambda: capture_hints.setting_hints(model)), \
+            tensor_hooks_refused(model_file):
         ep, route, applied, fixed, decided = _exported(model, args, kwargs, model_file, branches)
     gm = ep.module()
     if fixed:  # for the compile's warning of the fixed size (analysis/outputs.py)
