@@ -151,10 +151,10 @@ class GradientFlow:
             return name or "?"
         line = source_line(node)
         mod = module_path(node) or "the root module"
-        return f"{_op_name(node.target)} ({name}) at {line or 'an unknown line'} in {mod}"
+        return f"{op_name(node.target)} ({name}) at {line or 'an unknown line'} in {mod}"
 
 
-def _op_name(target) -> str:
+def op_name(target) -> str:
     """An ATen op as torch prints it (``aten.sub.Tensor``); one of our operators (a plain
     function: ``reduce_partial_from_tp``) by its module and name, not its repr's address."""
     if callable(target) and not isinstance(target, torch._ops.OpOverload) and hasattr(

@@ -28,6 +28,7 @@ import warnings
 
 import torch
 
+from ..analysis.gradients import op_name
 from ..analysis.graph_facts import module_path, source_line
 from ..errors import PlanError
 from ..frontend.model_file import headline
@@ -198,7 +199,7 @@ def _describe(e: Exception, st, source: str, filename: str, module, graphs, inpu
         where = f"stage {st.index}" + (f" (program/{st.module}.py line {lineno})" if lineno else "")
     else:
         line = source_line(node) or "an unknown line of the model"
-        where = (f"{node.target} ({node.name}) at {line} in "
+        where = (f"{op_name(node.target)} ({node.name}) at {line} in "
                  f"{module_path(node) or 'the root module'}, stage {st.index}")
     return (f"{_BUG}the program fails on a tp rank's shapes at {where}: "
             f"{type(e).__name__}: {first}")
