@@ -210,6 +210,9 @@ def run_verify(out_dir: Path, plan: ParallelPlan, spec: dict, stage, ctx: RankCo
         loss, outputs = runner.step(local)
         if outputs is not None:
             outputs = runner.whole_outputs(outputs)
+    # a one-element loss of shape (1,) (a loss_fn adding a (1,) auxiliary loss) is the
+    # reference's 0-dim one (emit/reference.py reshapes it so)
+    loss = loss.reshape(()) if loss.numel() == 1 else loss
     tally.add("loss", "loss", loss, ref["loss"], noise=ref.get("noise.loss"))
     tally.noise = any(k.startswith("noise.") for k in ref)
     skipped = []
