@@ -14,7 +14,7 @@ import torch
 
 from .branches import SPEC_KEY, is_data_dependent
 from .model_file import user_frame
-from .source_lines import shown_path
+from .source_lines import in_torch, shown_path
 
 
 def hints(model: torch.nn.Module, args, kwargs, error: Exception, model_file: Path,
@@ -33,7 +33,7 @@ def causal_mask_hint(error: Exception) -> str:
     mask's values; zoo 18 Z7). Saying so with the flag skips the test; ``as_example``, the
     general hint, also captured it but fixed the batch and sequence at the example's."""
     frames = traceback.extract_tb(error.__traceback__)
-    if not any(f.name == "_detect_is_causal_mask" and _in_torch(f.filename) for f in frames):
+    if not any(f.name == "_detect_is_causal_mask" and in_torch(f.filename) for f in frames):
         return ""
     return ("\ntorch's nn.Transformer tests whether the mask you pass is causal by reading its "
             "values; with a causal mask, say so and it does not: tgt_is_causal=True "
@@ -63,7 +63,7 @@ def exact_type_hint(error: Exception) -> str:
     tb = error.__traceback__
     while tb is not None:
         code = tb.tb_frame.f_code
-        if not _in_torch(code.co_filename):
+        if not in_torch(code.co_filename):
             checks += _exact_type_checks(code)
         tb = tb.tb_next
     if not checks:
@@ -95,13 +95,9 @@ def exact_type_sites(model: torch.nn.Module) -> list[str]:
     sites: list = []
     for cls in dict.fromkeys(type(m) for m in model.modules()):
         code = getattr(getattr(cls, "forward", None), "__code__", None)
-        if code is not None and not _in_torch(code.co_filename):
+        if code is not None and not in_torch(code.co_filename):
             sites += _exact_type_checks(code)
     return list(dict.fromkeys(sites))
-
-
-def _in_torch(filename: str) -> bool:
-    return os.path.normpath(filename).startswith(os.path.dirname(torch.__file__) + os.sep)
 
 
 def setting_hints(model: torch.nn.Module) -> str:

@@ -9,7 +9,6 @@ FAILed (zoo 18 Z11). Forward hooks and pre-hooks run during capture and are in t
 from __future__ import annotations
 
 import contextlib
-import os
 import traceback
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import torch
 from torch.nn.modules import module as nn_module
 
 from ..errors import CaptureError
-from .source_lines import shown_path
+from .source_lines import in_torch, shown_path
 
 _FIX = ("torch.export keeps no gradient hooks, so the program's gradients would not be the "
         "model's. Write the change into forward instead: a gradient scaled by s is "
@@ -55,7 +54,7 @@ def tensor_hooks_refused(model_file: Path):
 
     def recording(self, hook):
         caller = traceback.extract_stack(limit=2)[0]  # torch's own calls (its overrides) pass
-        if not _in_torch(caller.filename):
+        if not in_torch(caller.filename):
             sites.append(f"{shown_path(caller.filename)}:{caller.lineno}")
         return original(self, hook)
 
@@ -67,7 +66,3 @@ def tensor_hooks_refused(model_file: Path):
     if sites:
         raise CaptureError(f"the model from {model_file} registers a gradient hook on a "
                            f"tensor in forward (Tensor.register_hook at {sites[0]}); {_FIX}")
-
-
-def _in_torch(filename: str) -> bool:
-    return os.path.abspath(filename).startswith(os.path.dirname(torch.__file__) + os.sep)

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import sys
 
 import torch
+
+from .source_lines import in_torch
 
 
 @contextlib.contextmanager
@@ -141,12 +142,11 @@ def caches_cleared(model: torch.nn.Module):
 
 def _lru_caches(model: torch.nn.Module) -> list:
     """The lru_cache wrappers at module level or in a class body of the model's modules."""
-    torch_dir = os.path.dirname(torch.__file__) + os.sep
     seen, out = set(), []
     for cls in dict.fromkeys(type(m) for m in model.modules()):
         mod = sys.modules.get(cls.__module__)
-        if mod is None or id(mod) in seen or \
-                os.path.normpath(getattr(mod, "__file__", None) or torch_dir).startswith(torch_dir):
+        path = getattr(mod, "__file__", None)
+        if mod is None or id(mod) in seen or not path or in_torch(path):
             continue
         seen.add(id(mod))
         own = [v for v in vars(mod).values() if getattr(v, "__module__", None) == mod.__name__]

@@ -6,6 +6,8 @@ import functools
 import os
 import re
 
+import torch
+
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 _PACKAGES = re.compile(r"[\\/](?:site|dist)-packages[\\/]")
 
@@ -15,6 +17,11 @@ def trace_lines(stack_trace: str) -> list[str]:
     outside torch, innermost first."""
     return [f"{shown_path(path)}:{line}" for path, line in reversed(_FRAME.findall(stack_trace))
             if f"{os.sep}torch{os.sep}" not in path and _source_file(path)]
+
+
+def in_torch(filename: str) -> bool:
+    """``filename`` is torch's own code (under its package folder)."""
+    return os.path.abspath(filename).startswith(os.path.dirname(torch.__file__) + os.sep)
 
 
 def shown_path(path: str) -> str:
