@@ -8,26 +8,71 @@ model's own forward reads the parameter itself, so the graph reads it as a param
 """
 from __future__ import annotations
 
+import types
+
 import torch
 
 
 def held_parameters(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """(FQN, parameter) for each registered parameter some submodule also holds in a plain
-    attribute, directly or in a list, tuple or dict (one level)."""
+    """(FQN, parameter) for each registered parameter some module also holds outside its
+    registries: in a plain attribute, a list, tuple or dict, or an object those hold, up to
+    :data:`DEPTH` levels below the module; a module found there that is not registered is
+    searched the same way. keras 3's torch backend keeps each weight in a ``Variable`` whose
+    ``_value`` is the parameter its root's ``ParameterDict`` registers, and its sublayers in
+    lists (``_layers``). A copy (``w.detach()``, ``w.clone()``) is another tensor and is not
+    matched: the model's forward reads it without a gradient, and so does the graph."""
     fqn_of = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         fqn_of.setdefault(id(p), (name, p))
-    found = {}
-    for m in model.modules():
+    found, seen = {}, set()
+    modules = list(model.modules())
+    seen.update(id(m) for m in modules)
+    registered = set(seen)
+    while modules:
+        m = modules.pop()
         for key, value in vars(m).items():
-            if key.startswith("_"):  # the module's own registries and torch's state
-                continue
-            items = value.values() if isinstance(value, dict) else value \
-                if isinstance(value, (list, tuple)) else (value,)
-            for t in items:
-                if isinstance(t, torch.Tensor) and id(t) in fqn_of:
-                    found[id(t)] = fqn_of[id(t)]
+            # an unregistered module's own registries hold parameters export does not swap
+            if key not in _MODULE_STATE or id(m) not in registered and key in _REGISTRIES:
+                _walk(value, DEPTH, fqn_of, found, seen, modules)
     return list(found.values())
+
+
+# how far below a module's attribute the walk looks: Variable._value in a list is 3 levels
+DEPTH = 3
+# torch.nn.Module's own state (registries, hooks, flags): the registries are what export
+# swaps; the rest holds no model tensor
+_MODULE_STATE = frozenset(vars(torch.nn.Module()))
+_REGISTRIES = ("_parameters", "_modules")
+_LEAVES = (str, bytes, int, float, complex, bool, type(None), type, types.ModuleType,
+           types.FunctionType, types.BuiltinFunctionType, types.MethodType, torch.dtype,
+           torch.device)
+
+
+def _walk(value, depth: int, fqn_of: dict, found: dict, seen: set, modules: list) -> None:
+    if isinstance(value, torch.Tensor):
+        if id(value) in fqn_of:
+            found[id(value)] = fqn_of[id(value)]
+        return
+    if isinstance(value, _LEAVES) or id(value) in seen:
+        return
+    if isinstance(value, torch.nn.Module):  # held, not registered: searched as a module
+        seen.add(id(value))
+        modules.append(value)
+        return
+    if depth == 0:
+        return
+    seen.add(id(value))
+    if isinstance(value, dict):
+        items = list(value.values())
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        items = list(value)
+    else:
+        try:
+            items = list(vars(value).values())
+        except TypeError:  # no __dict__ (slots, C types): nothing a model stores tensors in
+            return
+    for item in items:
+        _walk(item, depth - 1, fqn_of, found, seen, modules)
 
 
 def read_as_parameters(gm: torch.fx.GraphModule, held: list) -> list[str]:
@@ -46,6 +91,7 @@ def read_as_parameters(gm: torch.fx.GraphModule, held: list) -> list[str]:
         if fqn is None:
             continue
         old, node.target = node.target, fqn
+        _as_trained(node, params[fqn])
         found.append(fqn)
         if not any(n.op == "get_attr" and n.target == old for n in gm.graph.nodes):
             owner, _, name = old.rpartition(".")
@@ -54,6 +100,19 @@ def read_as_parameters(gm: torch.fx.GraphModule, held: list) -> list[str]:
         gm.graph.lint()
         gm.recompile()
     return sorted(set(found))
+
+
+def _as_trained(node: torch.fx.Node, param: torch.nn.Parameter) -> None:
+    """The node's example value was the constant's, which needs no gradient: the analyses
+    that find a parameter by its value's ``requires_grad`` (sequence parallelism's sum of
+    a norm weight's or a bias's gradient over tp) would take the parameter for a buffer and
+    leave its gradient one rank's part."""
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor) and val.requires_grad != param.requires_grad:
+        node.meta["val"] = val.detach().requires_grad_(param.requires_grad)
+    tm = node.meta.get("tensor_meta")
+    if tm is not None and hasattr(tm, "_replace"):
+        node.meta["tensor_meta"] = tm._replace(requires_grad=param.requires_grad)
 
 
 def _attr(gm, target: str):

@@ -10,13 +10,16 @@ import torch
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 _PACKAGES = re.compile(r"[\\/](?:site|dist)-packages[\\/]")
+_OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def trace_lines(stack_trace: str) -> list[str]:
     """``file.py:line`` of every frame of ``stack_trace`` (a node's ``meta["stack_trace"]``)
-    outside torch, innermost first."""
+    outside torch and parallelizer (whose wrapper of a ``*args`` forward export records as
+    the outermost frame), innermost first."""
     return [f"{shown_path(path)}:{line}" for path, line in reversed(_FRAME.findall(stack_trace))
-            if f"{os.sep}torch{os.sep}" not in path and _source_file(path)]
+            if f"{os.sep}torch{os.sep}" not in path and not path.startswith(_OURS)
+            and _source_file(path)]
 
 
 def in_torch(filename: str) -> bool:

@@ -16,6 +16,7 @@ from torch import nn
 from parallelizer import compiler
 from parallelizer.errors import PlanError
 from parallelizer.frontend import capture as capture_module
+from parallelizer.frontend.held_params import held_parameters as held_parameters_of
 from parallelizer.frontend.spec import Spec
 from parallelizer.runtime.verify import _Tally, _unheld_gradients
 
@@ -78,3 +79,65 @@ def test_verify_counts_a_reference_gradient_no_stage_holds():
     assert tally.bad["gradients"] == 0
     _unheld_gradients(tally, program.plan, {**program.reference, "grad.ghost": torch.ones(1)})
     assert tally.bad["gradients"] == 1 and tally.worst["gradients"].startswith("ghost: ")
+
+
+class _Variable:
+    """keras 3's torch backend: a weight object whose private ``_value`` is the parameter."""
+
+    def __init__(self, value):
+        self._value = value
+
+
+class _Dense(nn.Module):
+    """Registered nowhere: keras 3 keeps sublayers in plain lists and every parameter in its
+    root's ParameterDict; the layer reads its weights through ``_Variable``s."""
+
+    def __init__(self, d_in, d_out, act=None):
+        super().__init__()
+        self.kernel = _Variable(nn.Parameter(torch.randn(d_in, d_out) * d_in ** -0.5))
+        self.bias = _Variable(nn.Parameter(torch.randn(d_out) * 0.1))
+        self.act = act
+
+    def forward(self, x):
+        y = torch.matmul(x, self.kernel._value) + self.bias._value
+        return self.act(y) if self.act else y
+
+
+class _HeldLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(V, D), nn.Linear(D, V)
+        self.layers = [(nn.LayerNorm(D), _Dense(D, 4 * D, F.gelu), _Dense(4 * D, D))
+                       for _ in range(2)]
+        weights = {f"l{i}/{j}/{n}": p for i, layer in enumerate(self.layers)
+                   for j, m in enumerate(layer) for n, p in m.named_parameters()}
+        weights.update({f"l{i}/{j}/{n}": v._value for i, layer in enumerate(self.layers)
+                        for j, m in enumerate(layer) for n, v in vars(m).items()
+                        if isinstance(v, _Variable)})
+        self.weights = nn.ParameterDict(weights)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for norm, up, down in self.layers:
+            x = x + down(up(norm(x)))
+        return self.head(x)
+
+
+def test_parameters_of_unregistered_layers_are_trained_parameters_under_sequence_parallel():
+    """Read through an object's private attribute, or registered in a module no registry
+    holds: export lifted them as constants. Once read as the parameters, their example
+    values still needed no gradient, so sequence parallelism took the norms' weights and
+    the row linears' biases for buffers and left their gradients one rank's part (the
+    self-check: an internal error; without it, a wrong program)."""
+    model = _HeldLayers()
+    names = {n for n, _ in held_parameters_of(model)}
+    assert {"weights.l0/1/kernel", "weights.l1/2/bias", "weights.l0/0/weight"} <= names
+    torch.manual_seed(0)
+    batch = (torch.randint(0, V, (4, T), generator=torch.Generator().manual_seed(1)),)
+    spec = Spec.model_validate({"mesh": {"tp": 2}})
+    program = compiler.compile_module(model, batch, spec, lambda out, b: F.cross_entropy(
+        out.reshape(-1, V), b[0].reshape(-1)))
+    (note,) = [n for n in program.notes if n.startswith("self-check")]
+    assert re.match(r"self-check: 2 tp rank\(s\) of the program against the model", note), note
+    assert "6 parameter read(s) with gradients summed over tp" in program.report
+    assert not any("lifted_tensor" in src for src in program.sources.values())

@@ -47,3 +47,15 @@ def test_the_users_file_keeps_its_base_name(tmp_path):
     user.write_text(_LIB)
     relu = _relu_node(_load(user, "user_model"))
     assert source_line(relu) == model_line([relu]) == "model.py:7"
+
+
+def test_parallelizers_own_frames_are_never_the_models_line():
+    """A keras 3 model's head was reported "at exporting.py:138": export records the
+    wrapper by which parallelizer calls a ``*args`` forward as a frame of every node."""
+    from parallelizer.frontend import exporting
+    ours = f'  File "{exporting.__file__}", line 138, in forward\n    return cls_forward(m)\n'
+    node = torch.fx.Graph().create_node("call_function", torch.relu, (), name="relu")
+    node.meta["stack_trace"] = ours
+    assert source_line(node) == ""
+    node.meta["stack_trace"] = ours + f'  File "{__file__}", line 7, in forward\n    x\n'
+    assert source_line(node) == "test_source_lines.py:7"
