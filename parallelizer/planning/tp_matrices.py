@@ -13,6 +13,7 @@ from ..plan.layouts import ReplicatedHeads
 from ..analysis.experts import find_expert_layers
 from ..analysis.graph_facts import aten, source_line
 from ..analysis.linears import VIEWS
+from ..analysis.sharding.placements import Shard
 
 
 def linear_counts(decision: TPDecision, vocab_heads=()) -> str:
@@ -82,6 +83,10 @@ def other_matrices(graph: fx.Graph, decision: TPDecision, expert_dims=()) -> dic
         if producer is not None:
             why = (f"each rank cuts its heads, or its copy of them, from it as the step runs: "
                    f"the redistribution of {producer}")
+        elif isinstance(decision.placements.get(use.name), Shard):
+            why = ("each rank applies it whole to its shard of the op's input: a weight "
+                   "every head or sample shares (Primer's depthwise conv per head), its "
+                   "gradient summed over tp")
         else:
             why = ("no tensor-parallel rule splits a weight this op reads: only linear layers "
                    "(a product with a 2-D weight, a pointwise conv), per-head tensors and the "

@@ -184,6 +184,48 @@ def test_groups_tp_does_not_divide_keep_the_conv_whole():
     assert_tp_matches(model, _image(), 4, decision, gm)
 
 
+class PrimerAttention(nn.Module):
+    """Primer-EZ's multi-dconv-head attention (So et al. 2021, §3), written as labml-nn does:
+    q, k and v each pass a depthwise conv over the sequence that every head shares, run on
+    ``x.view(batch * heads, d_k, seq)``."""
+
+    def __init__(self, d=16, heads=4, k=3):
+        super().__init__()
+        self.h, self.dk, self.k = heads, d // heads, k
+        self.q, self.kv, self.o = nn.Linear(d, d), nn.Linear(d, 2 * d), nn.Linear(d, d)
+        self.dconv = nn.ModuleList(nn.Conv1d(self.dk, self.dk, k, padding=k - 1,
+                                             groups=self.dk) for _ in range(3))
+
+    def _dconv(self, x, i):
+        b, s, h, dk = x.shape
+        y = self.dconv[i](x.permute(0, 2, 3, 1).reshape(b * h, dk, s))[:, :, :-(self.k - 1)]
+        return y.view(b, h, dk, s).permute(0, 3, 1, 2)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.h, self.dk)
+        k, v = self.kv(x).view(b, s, 2, self.h, self.dk).unbind(2)
+        q, k, v = (self._dconv(t, i).transpose(1, 2) for i, t in enumerate((q, k, v)))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.o(a.transpose(1, 2).reshape(b, s, -1))
+
+
+def test_a_conv_every_head_shares_runs_on_the_ranks_heads():
+    """The (batch x heads) merge puts the sharded heads on the conv's sample dim, which it
+    convolves one by one: the heads stay sharded through it (the attention was replicated,
+    "aten.conv1d cannot take a sharded input here"), the conv's weight is replicated and its
+    gradient summed over tp, each rank seeing its heads only."""
+    torch.manual_seed(0)
+    model = PrimerAttention()
+    x = (torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(0)),)
+    gm, decision = planned(model, x, 2)
+    assert decision.column == {"q.weight", "kv.weight"} and decision.row == {"o.weight"}
+    assert not decision.redistributions
+    assert "each rank applies it whole to its shard" in decision.other_replicated[
+        "dconv.0.weight"]
+    assert_tp_matches(model, x, 2, decision, gm)
+
+
 class LastHidden(nn.Module):
     def __init__(self, model):
         super().__init__()

@@ -8,8 +8,10 @@ value flows through, and the op's per-channel parameters (conv weight and bias, 
 bias and running statistics) are sharded along their channel dim 0 with it, as per-head
 tensors are (:mod:`.heads`: asked for by one run, sharded by the next).
 
-- ``conv{1,2,3}d(x, W, b, stride, padding, dilation, groups)``, ``x`` (N, C, *S) sharded
-  evenly on C, tp dividing ``groups``: W (C_out, C / groups, *k) and b sharded on dim 0, the
+- ``conv{1,2,3}d(x, W, b, stride, padding, dilation, groups)``, ``x`` (N, C, *S) sharded on
+  N (Primer-EZ's depthwise conv over ``x.view(batch * heads, d_k, seq)``, the heads sharded):
+  each sample is convolved alone, so the output is sharded on N with W and b replicated (their
+  gradients then Partial, :mod:`..gradients`); sharded evenly on C, tp dividing ``groups``: W (C_out, C / groups, *k) and b sharded on dim 0, the
   output on its channels, ``groups`` made the rank's ``groups / tp``. A conv of one group
   (each output channel reads every input channel) is a CONFLICT: the next run gathers;
 - ``batch_norm(x, weight, bias, running_mean, running_var, ...)`` over channels (dim 1):
@@ -63,6 +65,9 @@ def grouped_conv_rule(node, prop, tp):
     b = node.args[2] if len(node.args) > 2 else None
     groups = node.args[6] if len(node.args) > 6 else 1
     channel = len(shape(x)) - (len(shape(w)) - 2) - 1  # 0 for an unbatched input
+    if channel == 1 and dim_of(prop, x) == 0 and all(
+            dim_of(prop, p) is None for p in (w, b) if is_tensor(p)):
+        return Shard(0)  # each sample alone: a rank's samples (Primer's batch x heads merge)
     return _per_channel(node, prop, tp, channel, [w, b], (groups, 6, "groups"))
 
 
