@@ -68,3 +68,39 @@ def test_an_einsum_that_is_no_batched_matmul_is_left_as_it_is():
     gm = captured(Trace(), x_batch()).gm
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert aten.einsum.default in targets and aten.matmul.default in targets
+
+
+class RelativeAttention(nn.Module):
+    """Transformer-XL's relative attention as labml-nn writes it (Dai et al. 2019, §3.3), seq
+    first: a learned table of key positions per head (P, heads, d) and a bias per position and
+    head (P, heads), sliced by the lengths and read by ``einsum("ibhd,jhd->ijbh")``."""
+
+    P = 16
+
+    def __init__(self):
+        super().__init__()
+        d = H // HEADS
+        self.qkv, self.out = nn.Linear(H, 3 * H, bias=False), nn.Linear(H, H)
+        self.pos = nn.Parameter(torch.randn(2 * self.P, HEADS, d) * 0.1)
+        self.pos_bias = nn.Parameter(torch.randn(2 * self.P, HEADS) * 0.1)
+
+    def forward(self, x):
+        s, b, _ = x.shape
+        q, k, v = self.qkv(x).view(s, b, 3, HEADS, -1).unbind(2)
+        pos = self.pos[self.P - s:self.P + s]
+        scores = torch.einsum("ibhd,jbhd->ijbh", q, k) \
+            + torch.einsum("ibhd,jhd->ijbh", q, pos)[:, :s] + self.pos_bias[self.P - s:self.P][None, :, None]
+        attn = scores.softmax(dim=1)
+        out = torch.einsum("ijbh,jbhd->ibhd", attn, v).reshape(s, b, -1)
+        return x + self.out(out)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_per_head_table_read_by_einsum_is_sharded_with_the_heads(tp):
+    """The table meets head-sharded queries in an einsum that keeps the heads: it is sharded
+    along its heads dim (it was replicated and the queries all-gathered, the attention
+    computed whole), the bias with it."""
+    torch.manual_seed(0)
+    d = plan_and_check(RelativeAttention(), (torch.randn(5, 2, H),), tp)
+    assert d.column == {"qkv.weight"} and d.row == {"out.weight"}
+    assert d.per_head == {"pos": 1, "pos_bias": 1} and not d.redistributions

@@ -57,7 +57,7 @@ from .layouts import view_rule
 from .placements import (CONFLICT, COPIED_WHOLE, REPLICATE, Conflict, CopiedWhole, Shard,
                          shard_dim)
 from .rules import (BROADCASTING, DTENSOR_FIRST, KEEP_HEADS, KEEP_RAW, OURS_AFTER_DTENSOR, RULES,
-                    pointwise_rule)
+                    pointwise_rule, request_einsum)
 from .strided import tiled_by, carry_strided, check_sizes, narrowed, request_narrow
 from .pieces import register, site_key
 from .weights import path_rule, weight_paths
@@ -270,6 +270,7 @@ def _rule(node: fx.Node, prop: Propagation, column, row, weight_dims, tp):
         request_narrow(node, prop, groups)
         if fn in BROADCASTING:
             request_broadcast(node, prop, groups, tp)
+        request_einsum(node, prop, groups, tp)
         requested = request_written(node, prop, groups, tp) or \
             redistribute.request(node, prop, tp, out)
         why = "" if requested else redistribute.why_not(node, prop)

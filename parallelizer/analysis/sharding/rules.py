@@ -8,7 +8,7 @@ import operator
 from ..graph_facts import aten, expr, is_tensor, same, shape
 from .dtensor import Wants, tensor_args
 from .channels import CONVS, batch_norm_rule, group_norm_rule, grouped_conv_rule
-from .heads import embedding_rule, request_heads
+from .heads import embedding_rule, even_split, request_heads
 from .cuts import index_rule, slice_rule
 from .einsum_read import einsum_letters
 from .layouts import expand_rule, split_rule, view_rule
@@ -238,34 +238,61 @@ def _einsum(node, prop, tp):
     sharded along one letter that the output keeps (attention's ``"bhid,bhjd->bhij"`` over
     heads split across ranks) give the output sharded along it, each rank computing its
     slice. Every operand holding that letter must be sharded along it (a replicated operand
-    of size 1 there broadcasts); one sharded along a contracted letter, a diagonal or copied
-    kv heads: CONFLICT (the next run gathers)."""
-    eq, operands = node.args[0], node.args[1] if len(node.args) > 1 else None
-    if not isinstance(eq, str) or not isinstance(operands, (list, tuple)) or not all(
-            is_tensor(o) for o in operands):
+    of size 1 there broadcasts; one of full size is asked for sharded, :func:`request_einsum`);
+    one sharded along a contracted letter, a diagonal or copied kv heads: CONFLICT (the next
+    run gathers)."""
+    found = _einsum_letter(node, prop)
+    if found is None:
         return CONFLICT
-    if any(o.name in prop.heads and prop.heads[o.name].replicated for o in operands):
-        return CONFLICT
-    read = einsum_letters(eq, [len(shape(o)) for o in operands])
-    if read is None:
-        return CONFLICT
-    spelled, out = read
-    letter = set()
+    operands, spelled, out, c = found
     for o, ls in zip(operands, spelled):
-        d = dim_of(prop, o)
-        if d is not None:
-            letter.add(ls[d])
-    if len(letter) != 1:
-        return CONFLICT
-    c = letter.pop()
-    if c not in out or out.count(c) != 1:
-        return CONFLICT
-    for o, ls in zip(operands, spelled):
-        if ls.count(c) > 1:
-            return CONFLICT
         if c in ls and dim_of(prop, o) is None and not same(shape(o)[ls.index(c)], 1):
             return CONFLICT
     return Shard(out.index(c))
+
+
+def _einsum_letter(node, prop):
+    """(operands, their letters, the output's, the one letter the sharded operands are
+    sharded along, kept once by the output and held once by every operand), or None."""
+    eq, operands = node.args[0], node.args[1] if len(node.args) > 1 else None
+    if not isinstance(eq, str) or not isinstance(operands, (list, tuple)) or not all(
+            is_tensor(o) for o in operands):
+        return None
+    if any(o.name in prop.heads and prop.heads[o.name].replicated for o in operands):
+        return None
+    read = einsum_letters(eq, [len(shape(o)) for o in operands])
+    if read is None:
+        return None
+    spelled, out = read
+    letter = {ls[dim_of(prop, o)] for o, ls in zip(operands, spelled)
+              if dim_of(prop, o) is not None}
+    if len(letter) != 1:
+        return None
+    c = letter.pop()
+    if c not in out or out.count(c) != 1 or any(ls.count(c) > 1 for ls in spelled):
+        return None
+    return operands, spelled, out, c
+
+
+def request_einsum(node, prop, groups, tp: int) -> None:
+    """An einsum whose sharded operands agree on a letter the output keeps, met by a
+    replicated operand holding that letter at full size (Transformer-XL's relative position
+    table ``"ibhd,jhd->ijbh"`` read by head-sharded queries): ask the next run to shard that
+    operand's source along it (:func:`.heads.request_heads`), as an elementwise op asks for
+    a broadcast operand; when every sharded operand is an even split and tp divides the
+    size, the rank's piece of the source is its even block."""
+    if node.target is not aten.einsum.default:
+        return
+    found = _einsum_letter(node, prop)
+    if found is None:
+        return
+    operands, spelled, _, c = found
+    if not all(even_split(prop, o) for o in operands if dim_of(prop, o) is not None):
+        return
+    for o, ls in zip(operands, spelled):
+        size = shape(o)[ls.index(c)] if c in ls else None
+        if dim_of(prop, o) is None and isinstance(size, int) and size > 1 and size % tp == 0:
+            request_heads(prop, o, ls.index(c), groups)
 
 
 def _softmax(node, prop, tp):
