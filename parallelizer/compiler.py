@@ -60,7 +60,8 @@ from .planning.dropout import (describe as describe_dropout, describe_random, pl
                                plan_random_ops)
 from .planning.experts import ep_summary, plan_ep
 from .planning.pipeline import plan_from_costs
-from .planning.pipeline_summary import check_placement, summarize, virtual_stages_of
+from .planning.pipeline_summary import (check_placement, repeated_calls_warning, summarize,
+                                        virtual_stages_of)
 from .planning.spec_checks import check_spec, num_stages_of
 from .planning.tensors import alias_map, build_plan, pipeline_structure, tied_groups
 from .planning.sequence import plan_sequence_parallel
@@ -228,6 +229,7 @@ def plan(analysis: Analysis, spec: Spec, passes: PassManager) -> Planned:
               if n not in stacked} | set(analysis.stacked)
     warnings = check_placement(summary, [st.fqns for st in built.stages], params,
                                analysis.canonical)
+    warnings += repeated_calls_warning(summary, blocks, costs.block_calls)
     return Planned(built, tp, vocab, dropout, pipeline, summary, notes, warnings, ep, random, token)
 
 

@@ -69,6 +69,31 @@ def summarize(decision: PipelineDecision, costs: PipelineCosts, schedule: str, p
     }
 
 
+# max / mean stage FLOPs above which a split of blocks that forward runs several times is
+# warned of: whole blocks run once each balance to within one block's share
+UNBALANCED = 1.25
+
+
+def repeated_calls_warning(summary: dict, blocks, calls) -> list[str]:
+    """A warning when blocks that forward runs more than once (labml's HyperLSTM calls each
+    cell of its ModuleList once per time step) leave the stages unbalanced: stages are cut
+    where forward first enters a block, so every later call of an earlier block runs on the
+    stage after the cut, which the cost model's per-block FLOPs do not see (the zoo's
+    HyperLSTM at pp2: 6 % / 94 %, reported as the balanced split)."""
+    repeated = [f"{b} ({c} times)" for b, c in zip(blocks, calls) if c > 1]
+    stages = summary["stages"]
+    if len(stages) < 2 or not repeated or summary["imbalance"] < UNBALANCED:
+        return []
+    gflop = ", ".join(f"{st['flops'] / 1e9:.3g}" for st in stages)
+    return [f"the pipeline stages are unbalanced (max / mean stage FLOPs "
+            f"{summary['imbalance']:.2f}; GFLOP per stage: {gflop}): forward runs "
+            f"{', '.join(repeated[:3])}{' ...' if len(repeated) > 3 else ''} with the same "
+            f"weights, and stages are cut where forward first enters a block, so the later "
+            f"calls of a block run on the stage after the cut (a loop over time steps around "
+            f"the blocks, an RNN's cells); a step runs at the speed of the largest stage: use "
+            f"mesh.pp=1, or one module per layer, each run once"]
+
+
 def check_placement(summary: dict, stage_fqns: list, params: set, canonical: dict) -> list[str]:
     """Check (not assume) that the split graphs hold what the partition planned.
 
