@@ -10,7 +10,10 @@ the model has neither, every such run of sibling attributes that are not leaves 
 leaf siblings such as ``q_proj, k_proj, v_proj`` is part of a block, not blocks). The
 candidate holding the most parameters wins. Containers come first because two sibling
 stacks (T5's ``encoder`` and ``decoder``, both ``T5Stack``) are a run too, and much coarser
-than the layers inside them.
+than the layers inside them, unless the best run holds :data:`SMALL_PART` times the
+parameters of the best container (CoaT's stages, ``serial_blocks1 = nn.ModuleList([Block()])``
+..., against its position encodings' lists of convs); a container of one block repeats
+nothing and comes last, for a one-layer model.
 """
 from __future__ import annotations
 
@@ -65,11 +68,34 @@ def find_blocks(model: torch.nn.Module) -> tuple[str, ...]:
     ``()`` when the model has none of the candidates in :data:`SEARCHED` with parameters.
     Works on the meta device (counts parameters, reads no values)."""
     containers, siblings = _candidates(model)
-    for group in (containers, siblings):
-        sized = [(_size(model, p, names), i, p, names) for i, (p, names) in enumerate(group)]
-        sized = [s for s in sized if s[0] > 0]
-        if sized:
-            # most parameters; the first found (outermost) on a tie
-            _, _, parent, names = max(sized, key=lambda s: (s[0], -s[1]))
-            return tuple(f"{parent}.{c}" if parent else c for c in names)
-    return ()
+    # a container of one block repeats nothing: the one-block container only where there is
+    # nothing else (a one-layer model)
+    several = _best(model, [c for c in containers if len(c[1]) > 1])
+    run = _best(model, siblings)
+    single = _best(model, [c for c in containers if len(c[1]) == 1])
+    # containers before sibling runs (T5's encoder and decoder stacks are a run), unless the
+    # run holds the model and the containers a small part of it: CoaT's stages, each an
+    # nn.ModuleList of one block, against the three convs of one position encoding
+    if several and not (run and run[0] > SMALL_PART * several[0]):
+        found = several
+    else:
+        found = run or several or single
+    if not found:
+        return ()
+    _, parent, names = found
+    return tuple(f"{parent}.{c}" if parent else c for c in names)
+
+
+# a sibling run holding this many times a container's parameters is the model's blocks
+SMALL_PART = 4
+
+
+def _best(model: torch.nn.Module, group: list):
+    """(parameters, parent, names) of the candidate holding the most parameters (the first
+    found, outermost, on a tie), or None when none holds any."""
+    sized = [(_size(model, p, names), -i, p, names) for i, (p, names) in enumerate(group)]
+    sized = [s for s in sized if s[0] > 0]
+    if not sized:
+        return None
+    size, _, parent, names = max(sized, key=lambda s: (s[0], s[1]))
+    return size, parent, names

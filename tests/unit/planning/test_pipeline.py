@@ -193,6 +193,27 @@ def test_find_blocks_prefers_a_container_to_sibling_stacks():
     assert find_blocks(EncDec()) == ("encoder.block.0", "encoder.block.1")
 
 
+class _Stages(nn.Module):
+    """A hierarchical model at depth 1 per stage (timm's CoaT-lite): each stage an nn.ModuleList
+    of one block, next to a position encoding's list of three small convs."""
+
+    def __init__(self):
+        super().__init__()
+        self.crpe = nn.Module()
+        self.crpe.conv_list = nn.ModuleList(nn.Conv1d(4, 4, k, groups=4) for k in (3, 5, 7))
+        self.stage1, self.stage2, self.stage3 = (nn.ModuleList([Layer(16)]) for _ in range(3))
+
+
+def test_find_blocks_takes_stages_of_one_block_each():
+    """The first stage's list of one block was taken, alone, and pp2 refused ("mesh.pp (2)
+    exceeds the number of blocks (1)", zoo 19 Y4); a list of one block repeats nothing, and
+    the three convs hold a small part of what the stages hold."""
+    assert find_blocks(_Stages()) == ("stage1", "stage2", "stage3")
+    one_layer = nn.Module()  # with no run at all, the one-block list is still the blocks
+    one_layer.layers, one_layer.head = nn.ModuleList([Layer(16)]), nn.Linear(16, 2)
+    assert find_blocks(one_layer) == ("layers.0",)
+
+
 def test_find_blocks_nested_lists_take_the_outer():
     class Expert(nn.Module):
         def __init__(self):
