@@ -22,10 +22,12 @@ reads them with get_attr.
 """
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from ..plan.decisions import TP_OPERATOR, TPDecision
 from ..runtime.expert_parallel import ep_dispatch
+from ..runtime.one_channel_conv import conv_one_channel
 from ..runtime.tp import (copy_to_tp_region, gather_from_tp_dim, reduce_from_tp_region,
                           reduce_partial_from_tp, scatter_copies_to_tp_region,
                           scatter_pieces_to_tp_region, scatter_to_tp_region)
@@ -40,6 +42,7 @@ def apply_tensor_parallel(gm: fx.GraphModule, decision: TPDecision) -> bool:
     graph = gm.graph
     _copy_global_sizes(graph, decision.size_copies)
     rewrite_constants(graph, decision.rewrites)
+    _one_channel_convs(graph, decision.rewrites)
     _insert_narrows(graph, decision.narrows)
     reduced = _insert_redistributions(graph, decision.redistributions)
     sites = linear_sites(graph)
@@ -78,6 +81,26 @@ def rewrite_constants(graph: fx.Graph, rewrites: dict) -> None:
             sizes[list_index] = new
             args[arg_index] = sizes
         node.args = tuple(args)
+
+
+_CONVS = (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default)
+
+
+def _one_channel_convs(graph: fx.Graph, rewrites: dict) -> None:
+    """A conv whose groups the plan made local and which reads one input channel per rank
+    runs as :func:`conv_one_channel` (torch's oneDNN backward of such a conv corrupts the
+    heap on the CPU; runtime/one_channel_conv.py)."""
+    for node in graph.nodes:
+        if node.name in rewrites and node.target in _CONVS and len(node.args) > 6 \
+                and node.args[6] == 1 and _local_channels(node) == 1:
+            node.target = conv_one_channel
+
+
+def _local_channels(conv: fx.Node):
+    """The input channels a rank's conv reads: the weight's dim 1 (C / groups) times the
+    rank's groups (1 here), or None."""
+    w = conv.args[1].meta.get("val") if isinstance(conv.args[1], fx.Node) else None
+    return w.shape[1] if isinstance(w, torch.Tensor) and w.dim() > 2 else None
 
 
 def _insert_narrows(graph: fx.Graph, narrows: dict) -> None:

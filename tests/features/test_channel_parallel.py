@@ -226,6 +226,41 @@ def test_a_conv_every_head_shares_runs_on_the_ranks_heads():
     assert_tp_matches(model, x, 2, decision, gm)
 
 
+class HeadConv(nn.Module):
+    """Nystromformer's conv over the values of each head (Xiong et al. 2021, §3.3: a depthwise
+    Conv2d of ``conv_kernel_size`` taps along the sequence), here 65 taps on 16 tokens."""
+
+    def __init__(self, d=16, heads=4, k=65):
+        super().__init__()
+        self.h = heads
+        self.v, self.o = nn.Linear(d, d), nn.Linear(d, d)
+        self.conv = nn.Conv2d(heads, heads, (k, 1), padding=(k // 2, 0), groups=heads,
+                              bias=False)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        v = self.v(x).view(b, s, self.h, d // self.h).transpose(1, 2)
+        return x + self.o((v + self.conv(v)).transpose(1, 2).reshape(b, s, d))
+
+
+def test_a_depthwise_conv_left_with_one_channel_per_rank_runs_without_onednn():
+    """At tp = heads each rank's conv has one channel and one group: torch 2.13 runs it on
+    oneDNN, whose backward corrupted the heap for a kernel longer than the input (the
+    compile's self-check of Nystromformer at tp4 died of SIGSEGV, run.py of SIGABRT). The
+    pass runs it as ``conv_one_channel``, the same ATen convolution with oneDNN off."""
+    from parallelizer.runtime.one_channel_conv import conv_one_channel
+    torch.manual_seed(0)
+    model = HeadConv()
+    x = (torch.randn(2, 16, 16, generator=torch.Generator().manual_seed(0)),)
+    gm, decision = planned(model, x, 4)
+    assert decision.per_head == {"conv.weight": 0}
+    assert [n.args[6] for n in gm.graph.nodes if n.target is conv_one_channel] == [1]
+    assert_tp_matches(model, x, 4, decision, gm)
+    gm, decision = planned(model, x, 2)  # two channels per rank: torch's depthwise kernel
+    assert not any(n.target is conv_one_channel for n in gm.graph.nodes)
+    assert_tp_matches(model, x, 2, decision, gm)
+
+
 class LastHidden(nn.Module):
     def __init__(self, model):
         super().__init__()
