@@ -62,8 +62,12 @@ def plan_vocab(graph: fx.Graph, tp: int, mode, canonical: dict, tp_decision: TPD
     for n in graph.nodes:
         if n.op == "get_attr":
             reads.setdefault(canon(n.target), []).append(n)
+    # a table tensor parallelism shards along its heads (a relative-position bias, one column
+    # per head: CPM-Ant's, larger than its vocabulary) is no vocabulary, whatever its rows
+    per_head = {canon(f) for f in tp_decision.per_head}
     lookups = [n for n in graph.nodes if n.op == "call_function"
-               and n.target is aten.embedding.default and _table(n)]
+               and n.target is aten.embedding.default and _table(n)
+               and canon(n.args[0].target) not in per_head]
     if not lookups:
         return _off(decision, mode, "the graph has no aten.embedding of a 2-D parameter")
     rows = {canon(n.args[0].target): tuple(shape(n.args[0])) for n in lookups}
