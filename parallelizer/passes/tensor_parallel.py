@@ -74,6 +74,9 @@ def rewrite_constants(graph: fx.Graph, rewrites: dict) -> None:
         node = by_name[name]
         args = list(node.args)
         for arg_index, list_index, new in edits:
+            if isinstance(arg_index, str):  # a keyword argument (output_size)
+                node.kwargs = {**node.kwargs, arg_index: new}
+                continue
             if list_index is None:  # a scalar argument (split size)
                 args[arg_index] = new
                 continue

@@ -53,6 +53,15 @@ def flatten_rule(node, prop, tp):
     return Shard(start) if d == start else CONFLICT
 
 
+def _local_output_size(node, prop, tp: int) -> None:
+    """The ``output_size`` a repeat along the sharded dim spells (diffusers' GQA:
+    ``repeat_interleave(k, r, dim=1, output_size=k.shape[1] * r)``) is the rank's: each rank's
+    output holds 1 / tp of the repeated dim, whether its input is a block or a copy."""
+    size = node.args[3] if len(node.args) > 3 else node.kwargs.get("output_size")
+    if isinstance(size, int):
+        add_rewrite(prop, node, 3 if len(node.args) > 3 else "output_size", None, size // tp)
+
+
 def repeat_interleave_rule(node, prop, tp):
     """repeat_interleave(x, n_rep (int), dim) (see the module docstring)."""
     src = node.args[0]
@@ -64,6 +73,7 @@ def repeat_interleave_rule(node, prop, tp):
     dim %= len(shape(src))
     if dim != d:
         return Shard(d)
+    _local_output_size(node, prop, tp)
     mark = prop.heads.get(src.name)
     if mark is None or mark.expanded:
         return Shard(d)  # an even block repeated: the block of the repeated dim

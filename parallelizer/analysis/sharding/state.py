@@ -256,8 +256,9 @@ def add_constraint(prop, size, what, module, detail, weights=frozenset(), origin
 
 
 def add_rewrite(prop, node, arg_index, list_index, new):
-    """Set ``node.args[arg_index]`` (its item ``list_index``) to ``new`` in the tp pass; for
-    ``unflatten`` the output dim ``list_index`` of :func:`sizes_arg` is its sizes' item."""
+    """Set ``node.args[arg_index]`` (its item ``list_index``) to ``new`` in the tp pass, or
+    the keyword argument ``arg_index`` names (a str: ``output_size``); for ``unflatten`` the
+    output dim ``list_index`` of :func:`sizes_arg` is its sizes' item."""
     if node.target is aten.unflatten.int and arg_index == 1:
         arg_index, list_index = 2, list_index - _unflatten_dim(node)
     prop.rewrites.setdefault(node.name, []).append((arg_index, list_index, new))
