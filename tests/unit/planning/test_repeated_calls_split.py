@@ -60,9 +60,9 @@ def _warnings(loop_outside: bool) -> list[str]:
     torch.manual_seed(0)
     batch = (torch.randint(0, V, (4, T), generator=torch.Generator().manual_seed(1)),)
     spec = Spec.model_validate({"mesh": {"pp": 2}, "pipeline": {"microbatches": 2}})
-    program = compiler.compile_module(_StackedLSTM(loop_outside), batch, spec,
-                                      lambda out, b: F.cross_entropy(out.reshape(-1, V),
-                                                                     b[0].reshape(-1)))
+    loss = lambda out, b: F.cross_entropy(out.reshape(-1, V), b[0].reshape(-1))  # noqa: E731
+    program = compiler.compile_module(_StackedLSTM(loop_outside), batch, spec, loss,
+                                      reference=False)
     return [w for w in program.warnings if "unbalanced" in w]
 
 
