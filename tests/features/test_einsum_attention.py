@@ -88,8 +88,9 @@ class RelativeAttention(nn.Module):
         s, b, _ = x.shape
         q, k, v = self.qkv(x).view(s, b, 3, HEADS, -1).unbind(2)
         pos = self.pos[self.P - s:self.P + s]
+        bias = self.pos_bias[self.P - s:self.P][None, :, None]
         scores = torch.einsum("ibhd,jbhd->ijbh", q, k) \
-            + torch.einsum("ibhd,jhd->ijbh", q, pos)[:, :s] + self.pos_bias[self.P - s:self.P][None, :, None]
+            + torch.einsum("ibhd,jhd->ijbh", q, pos)[:, :s] + bias
         attn = scores.softmax(dim=1)
         out = torch.einsum("ijbh,jbhd->ibhd", attn, v).reshape(s, b, -1)
         return x + self.out(out)

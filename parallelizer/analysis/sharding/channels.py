@@ -10,10 +10,11 @@ tensors are (:mod:`.heads`: asked for by one run, sharded by the next).
 
 - ``conv{1,2,3}d(x, W, b, stride, padding, dilation, groups)``, ``x`` (N, C, *S) sharded on
   N (Primer-EZ's depthwise conv over ``x.view(batch * heads, d_k, seq)``, the heads sharded):
-  each sample is convolved alone, so the output is sharded on N with W and b replicated (their
-  gradients then Partial, :mod:`..gradients`); sharded evenly on C, tp dividing ``groups``: W (C_out, C / groups, *k) and b sharded on dim 0, the
-  output on its channels, ``groups`` made the rank's ``groups / tp``. A conv of one group
-  (each output channel reads every input channel) is a CONFLICT: the next run gathers;
+  each sample is convolved alone, so the output is sharded on N with W and b replicated
+  (their gradients then Partial, :mod:`..gradients`). ``x`` sharded evenly on C, tp dividing
+  ``groups``: W (C_out, C / groups, *k) and b sharded on dim 0, the output on its channels,
+  ``groups`` made the rank's ``groups / tp``. A conv of one group (each output channel
+  reads every input channel) is a CONFLICT: the next run gathers;
 - ``batch_norm(x, weight, bias, running_mean, running_var, ...)`` over channels (dim 1):
   a channel's statistics are over the batch and spatial dims only, so a rank's block of
   channels is normalised, and its running statistics updated, from its block alone;
