@@ -66,10 +66,17 @@ def grouped_conv_rule(node, prop, tp):
     b = node.args[2] if len(node.args) > 2 else None
     groups = node.args[6] if len(node.args) > 6 else 1
     channel = len(shape(x)) - (len(shape(w)) - 2) - 1  # 0 for an unbatched input
-    if channel == 1 and dim_of(prop, x) == 0 and all(
+    if channel == 1 and dim_of(prop, x) == 0 and not _copies(prop, x) and all(
             dim_of(prop, p) is None for p in (w, b) if is_tensor(p)):
         return Shard(0)  # each sample alone: a rank's samples (Primer's batch x heads merge)
     return _per_channel(node, prop, tp, channel, [w, b], (groups, 6, "groups"))
+
+
+def _copies(prop, x) -> bool:
+    """``x``'s sharded dim holds copies (kv heads fewer than tp, or expanded), which only the
+    rules that keep head marks carry on."""
+    mark = prop.heads.get(x.name)
+    return mark is not None and (mark.replicated or mark.expanded)
 
 
 def batch_norm_rule(node, prop, tp):
