@@ -401,10 +401,13 @@ def _eager_run(model: torch.nn.Module, args, kwargs) -> tuple[Exception | None, 
             out = model(*args, **kwargs)
     except Exception as e:
         return e, []
-    from torch.utils._pytree import keystr, tree_flatten_with_path
+    from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
     plain = (torch.Tensor, int, float, bool, str, type(None))
-    leaves, _ = tree_flatten_with_path(out)
-    return None, [f"outputs{keystr(k)} ({type(v).__module__}.{type(v).__qualname__})"
+    try:
+        leaves = [(keystr(k), v) for k, v in tree_flatten_with_path(out)[0]]
+    except ValueError:  # a pytree node registered without key paths (diffusers' BaseOutput)
+        leaves = [(f"[{i}]", v) for i, v in enumerate(tree_flatten(out)[0])]
+    return None, [f"outputs{k} ({type(v).__module__}.{type(v).__qualname__})"
                   for k, v in leaves if not isinstance(v, plain)]
 
 
