@@ -101,9 +101,12 @@ def _one_channel_convs(graph: fx.Graph, rewrites: dict) -> None:
 
 def _local_channels(conv: fx.Node):
     """The input channels a rank's conv reads: the weight's dim 1 (C / groups) times the
-    rank's groups (1 here), or None."""
-    w = conv.args[1].meta.get("val") if isinstance(conv.args[1], fx.Node) else None
-    return w.shape[1] if isinstance(w, torch.Tensor) and w.dim() > 2 else None
+    rank's groups (1 here); None for an unbatched input (``aten.convolution`` takes a batch)
+    or values not known."""
+    x, w = (a.meta.get("val") if isinstance(a, fx.Node) else None for a in conv.args[:2])
+    if not isinstance(w, torch.Tensor) or not isinstance(x, torch.Tensor) or x.dim() != w.dim():
+        return None
+    return w.shape[1]
 
 
 def _insert_narrows(graph: fx.Graph, narrows: dict) -> None:

@@ -13,6 +13,8 @@ plain ``aten.convolution``.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 aten = torch.ops.aten
@@ -39,7 +41,9 @@ class _Conv(torch.autograd.Function):
 
 
 def _without_onednn(x: torch.Tensor):
-    return torch.backends.mkldnn.flags(enabled=x.device.type != "cpu")
+    if x.device.type != "cpu":  # oneDNN is the CPU's: elsewhere the user's settings hold
+        return contextlib.nullcontext()
+    return torch.backends.mkldnn.flags(enabled=False)
 
 
 def conv_one_channel(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
