@@ -40,10 +40,19 @@ class _Conv(torch.autograd.Function):
         return gx, gw, gb, None, None, None, None
 
 
+@contextlib.contextmanager
 def _without_onednn(x: torch.Tensor):
-    if x.device.type != "cpu":  # oneDNN is the CPU's: elsewhere the user's settings hold
-        return contextlib.nullcontext()
-    return torch.backends.mkldnn.flags(enabled=False)
+    """oneDNN off while the block runs, on the CPU (elsewhere the user's setting holds);
+    only ``enabled``: ``mkldnn.flags`` also sets TF32 and warns on every call."""
+    if x.device.type != "cpu":
+        yield
+        return
+    was = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = was
 
 
 def conv_one_channel(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
