@@ -115,11 +115,17 @@ def plan_pipeline(block_costs: Sequence[int], pre_cost: int, post_cost: int, num
     return whole
 
 
+def repeated_calls(blocks: Sequence[str], calls: Sequence[int]) -> list[str]:
+    """``"fqn (n times)"`` of each block forward runs more than once (``calls``: the cost
+    model's ``block_calls``)."""
+    return [f"{b} ({c} times)" for b, c in zip(blocks, calls) if c > 1]
+
+
 def repeated_blocks_note(blocks: Sequence[str], calls: Sequence[int]) -> str:
     """'' or a sentence naming the blocks forward runs more than once: one module run as
     several layers with the same weights (ALBERT's shared layer) is one block, and stages
     are cut between blocks, not between calls."""
-    repeated = [f"{b} ({c} times)" for b, c in zip(blocks, calls) if c > 1]
+    repeated = repeated_calls(blocks, calls)
     if not repeated:
         return ""
     return (f". Forward runs {', '.join(repeated)} with the same weights: stages are cut "

@@ -13,6 +13,7 @@ from ..errors import PlanError
 from ..analysis.costs import PipelineCosts
 from ..plan.decisions import PipelineDecision
 from ..plan.schedules import bubble
+from .pipeline import repeated_calls
 
 def stage_units(decision: PipelineDecision, costs: PipelineCosts) -> list[tuple]:
     """(stage, UnitCost, bytes crossing the cut after it) of each cost-model unit in
@@ -80,7 +81,7 @@ def repeated_calls_warning(summary: dict, blocks, calls) -> list[str]:
     where forward first enters a block, so every later call of an earlier block runs on the
     stage after the cut, which the cost model's per-block FLOPs do not see (the zoo's
     HyperLSTM at pp2: 6 % / 94 %, reported as the balanced split)."""
-    repeated = [f"{b} ({c} times)" for b, c in zip(blocks, calls) if c > 1]
+    repeated = repeated_calls(blocks, calls)
     stages = summary["stages"]
     if len(stages) < 2 or not repeated or summary["imbalance"] < UNBALANCED:
         return []
