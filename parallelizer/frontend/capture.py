@@ -252,7 +252,9 @@ def _functional(op):
 def _out_of_place(node: torch.fx.Node, order: dict) -> bool:
     """``node`` writes in place into a tensor the forward made (``softmax(x).masked_fill_(m,
     0)``, ``nn.ReLU(inplace=True)``, ``nn.Dropout(inplace=True)``) that nothing else aliases:
-    not a model input, parameter or buffer, not a view, with no view of it taken. Its
+    not a model input, parameter or buffer, with no other view of it taken; a view of such a
+    tensor counts when the chain of views is the only alias and nothing reads the tensors it
+    views after the write. Its
     out-of-place form, read by every later reader of the tensor, computes the same values,
     and the graph stays differentiable where the in-place write had modified a value
     autograd saved (SEW-D's ``XSoftmax``: its own backward allowed the write, the captured
@@ -260,8 +262,17 @@ def _out_of_place(node: torch.fx.Node, order: dict) -> bool:
     if _functional(node.target) is None or not node.args:
         return False
     x = node.args[0]
-    return (isinstance(x, torch.fx.Node) and x.op == "call_function" and not returns_view(x)
-            and not any(returns_view(u) and u.args[0] is x and u is not node for u in x.users))
+    if not isinstance(x, torch.fx.Node) or _views_of(x, node):
+        return False
+    while returns_view(x):  # torchvision's ``Dropout(inplace=True)`` after ``flatten``
+        x, view = x.args[0], x
+        if _views_of(x, view) or any(order[u] > order[node] for u in x.users if u is not view):
+            return False  # another alias of the written memory, or a read after the write
+    return x.op == "call_function"
+
+
+def _views_of(x: torch.fx.Node, but: torch.fx.Node) -> list:
+    return [u for u in x.users if returns_view(u) and u.args[0] is x and u is not but]
 
 
 def _one_op_per_meaning(gm: torch.fx.GraphModule) -> None:
