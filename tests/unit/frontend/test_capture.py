@@ -80,7 +80,7 @@ def test_a_model_returning_a_cache_object_is_told_to_turn_the_cache_off(tmp_path
     with pytest.raises(CaptureError) as e:
         capture(build_model(module, on_meta=False), example_batch(module), path)
     msg = str(e.value)
-    assert f"returns outputs['past_key_values'] (" in msg and "Cache)" in msg, msg
+    assert "returns outputs['past_key_values'] (" in msg and "Cache)" in msg, msg
     assert "use_cache=False" in msg
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib.util
 
 import torch
-import torch.nn as nn
 
 from parallelizer.analysis.graph_facts import source_line
 from parallelizer.frontend.regions import model_line

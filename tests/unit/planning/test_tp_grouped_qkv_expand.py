@@ -11,7 +11,6 @@ output projection shard. Now the expand's constraint carries the column weights 
 as before. Each rank equals the unmodified model (outputs, every gradient, one SGD step;
 fp32, 1e-5).
 """
-import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
