@@ -54,13 +54,17 @@ def check_ranks(plan, sources: dict, batch, graphs: list) -> None:
         PlanError: a stage fails forward or backward on a rank's shapes (names the op and the
             model's source line), or a parameter or gradient has another shape than planned.
     """
+    from torch._dispatch.python import enable_python_dispatcher
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     tp = plan.mesh["tp"]
     # a shape env: a value read from a tensor (``.item()``, ``.tolist()``: MoE expert sizes)
-    # is a data-dependent SymInt there, as in the capture, not an exception
-    with FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()), using_transport(ShapeTransport(tp)), \
+    # is a data-dependent SymInt there, as in the capture, not an exception; the python
+    # dispatcher takes such sizes through the ops' SymInt decompositions, as the capture did
+    # (``F.pad(a, (0, n - a.size(2)))`` after ``nonzero``: aten.pad's C++ kernel wants ints)
+    with FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()), enable_python_dispatcher(), \
+            using_transport(ShapeTransport(tp)), \
             sequence.using_comm(sequence.ShapeComm(tp)), expert_parallel.balanced_shapes(plan.ep), \
             fake_forward_kernels(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
