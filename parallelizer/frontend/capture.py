@@ -18,7 +18,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten
 
 from ..errors import CaptureError
 from ..plan.out_spec import dumps as out_spec_dumps
-from . import capture_hints, custom_functions, python_rng
+from . import capture_hints, custom_functions, python_rng, python_state
 from .branches import (ASSUMED, SPEC_KEY, decided_lines, is_data_dependent, label_assertions,
                        quiet_report)
 from .buffer_reads import forward_buffer_reads
@@ -77,6 +77,7 @@ def capture(model: torch.nn.Module, batch: tuple | dict, model_file: Path,
                              lambda: capture_hints.setting_hints(model)), \
             tensor_hooks_refused(model_file):
         ep, route, applied, fixed, decided = _exported(model, args, kwargs, model_file, branches)
+    python_state.refuse_per_call_numbers(model, args, kwargs, model_file)
     gm = ep.module()
     if fixed:  # for the compile's warning of the fixed size (analysis/outputs.py)
         gm.meta[FIXED_BY] = fixed

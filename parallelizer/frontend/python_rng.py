@@ -41,7 +41,18 @@ def _drawn(before: tuple, after: tuple) -> bool:
     return a is not None and b is not None and (a[2:] != b[2:] or (a[1] != b[1]).any())
 
 
-def _put_back(state: tuple) -> None:
+@contextlib.contextmanager
+def kept():
+    """Python's and NumPy's generators as they were, after the block (an eager run the
+    compiler makes: a type checker's draw in the model's forward)."""
+    state = snapshot()
+    try:
+        yield
+    finally:
+        put_back(state)
+
+
+def put_back(state: tuple) -> None:
     random.setstate(state[0])
     if state[1] is not None:
         sys.modules["numpy"].random.set_state(state[1])
@@ -60,7 +71,7 @@ def no_draws(model: torch.nn.Module, args, kwargs, model_file: Path, hints=lambd
     yield
     if not _drawn(before, snapshot()):
         return
-    _put_back(before)
+    put_back(before)
     sites = _draw_sites(model, args, kwargs)
     if sites and all(checker for _, checker in sites):
         return  # a type checker's pick of which list item to check: no tensor sees it
@@ -105,7 +116,7 @@ def _draw_sites(model, args, kwargs) -> list[tuple[str, bool]]:
                 sys.settrace(None)
     except Exception:  # the draw is what matters; the model ran once already
         pass
-    _put_back(start)
+    put_back(start)
     return [site for site in found if site is not None]
 
 
