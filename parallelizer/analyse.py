@@ -70,7 +70,7 @@ def analyse(model: torch.nn.Module, batch, name: Path, passes: PassManager,
         check_batch_is_dynamic(captured.gm, captured.input_names, max(2, dp * microbatches))
     if pp > 1:
         check_outputs_have_batch_dim(captured.gm, captured.input_names, captured.out_spec)
-    check_parameter_writes(captured.gm, dp)
+    check_parameter_writes(captured.gm, dp, pp, microbatches)
     rewritten: list = []
     passes.run("eager_attention", apply_eager_attention, captured.gm, rewritten)
     passes.run("explicit_sizes", apply_explicit_sizes, captured.gm)

@@ -32,27 +32,34 @@ def _is_parameter(gm: fx.GraphModule, target: str) -> bool:
     return isinstance(t, torch.Tensor) and t.requires_grad
 
 
-def check_parameter_writes(gm: fx.GraphModule, dp: int) -> None:
-    """At ``dp`` > 1, refuse a forward that writes a parameter in place.
+def check_parameter_writes(gm: fx.GraphModule, dp: int, pp: int = 1,
+                           microbatches: int = 1) -> None:
+    """At ``dp`` > 1 or ``pp`` > 1, refuse a forward that writes a parameter in place.
 
     Raises:
         PlanError: names the parameter, the op, its module and source line, and the fixes.
     """
-    if dp <= 1:
+    if dp <= 1 and pp <= 1:
         return
     found = parameter_writes(gm)
     if not found:
         return
     fqn, node = found[0]
     where = source_line(node)
+    key, why, other = (f"mesh.dp={dp}", "each data-parallel rank would write only its own copy, "
+                       "from its own samples, and the replicas would drift apart from the "
+                       "model", "mesh.dp=1") if dp > 1 else (
+        f"mesh.pp={pp}", f"the pipeline runs forward once per microbatch (pipeline.microbatches "
+        f"= {microbatches}), several before the first backward: each would write it again "
+        f"while an earlier microbatch's backward still needs the value it read (autograd "
+        f"refuses that at run time), where the model writes it once per step", "mesh.pp=1")
     raise PlanError(
-        f"mesh.dp={dp}: the model's forward writes parameter {fqn} in place ({node.target} "
+        f"{key}: the model's forward writes parameter {fqn} in place ({node.target} "
         f"({node.name}) in {module_path(node) or 'the root module'}"
         f"{f' at {where}' if where else ''}; nn.Embedding(max_norm=...) renormalises the rows "
-        f"it looks up so): each data-parallel rank would write only its own copy, from its own "
-        f"samples, and the replicas would drift apart from the model. Write it outside forward "
-        f"(max_norm=None in build_model, renormalising after the optimizer step), or compile "
-        f"with mesh.dp=1")
+        f"it looks up so, a constraint under no_grad clamps a weight so): {why}. Write it "
+        f"outside forward (max_norm=None in build_model, renormalising or clamping after the "
+        f"optimizer step), or compile with {other}")
 
 
 def written_buffer_warnings(gm: fx.GraphModule, microbatches: int) -> list[str]:

@@ -71,11 +71,12 @@ def _inline(gm, node, attr, args, detach: bool) -> None:
     passed on as it is."""
     graph, sub = gm.graph, getattr(gm, attr.target)
     keep = (lambda v: _detach(graph, v) if _is_tensor(v) else v) if detach else (lambda v: v)
-    env, outs, args = {}, None, iter(args)
+    env, outs, args, outer = {}, None, iter(args), {}
     with graph.inserting_before(node):
         for n in sub.graph.nodes:
             if n.op == "placeholder":
-                env[n] = keep(next(args))
+                outer[n] = next(args)
+                env[n] = keep(outer[n])
             elif n.op == "output":
                 outs = n.args[0]
             elif n.op == "get_attr":
@@ -84,7 +85,7 @@ def _inline(gm, node, attr, args, detach: bool) -> None:
                 env[n] = keep(got)
             else:
                 env[n] = graph.node_copy(n, lambda a: env[a])
-        results = [keep(env[o]) if o in env else o for o in outs]
+        results = [_written_attr(o, outer) or keep(env[o]) if o in env else o for o in outs]
     for user in list(node.users):
         assert user.target is operator.getitem, user  # export unpacks the region's tuple
         user.replace_all_uses_with(results[user.args[1]])
@@ -93,6 +94,23 @@ def _inline(gm, node, attr, args, detach: bool) -> None:
     if not attr.users:
         graph.erase_node(attr)
         delattr(gm, attr.target)
+
+
+def _written_attr(out, outer: dict):
+    """The model's parameter or buffer (its get_attr) where the region returns it written in
+    place (``with no_grad(): w.copy_(F.normalize(w))``, ``temp.clamp_(0.001, 0.5)``): eager
+    then reads the parameter itself, which carries gradient; detached, it got none (zoo 20
+    Z7: a max-norm constraint's weight never trained). Else None."""
+    while _in_place(out):
+        out = out.args[0]
+    got = outer.get(out) if out.op == "placeholder" else None
+    return got if isinstance(got, torch.fx.Node) and got.op == "get_attr" else None
+
+
+def _in_place(node) -> bool:
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    return bool(schema and schema.returns and node.args) and schema.returns[0].alias_info is not None \
+        and schema.returns[0].alias_info.is_write
 
 
 def model_line(nodes) -> str:
