@@ -65,7 +65,10 @@ def _walk(value, depth: int, fqn_of: dict, found: dict, seen: set, modules: list
     if isinstance(value, dict):
         items = list(value.values())
     elif isinstance(value, (list, tuple, set, frozenset)):
-        items = list(value)
+        try:
+            items = list(iter(value))
+        except Exception:  # noqa: BLE001  (e3nn's Irreps, a tuple whose __len__ raises)
+            return
     else:
         try:
             items = list(vars(value).values())

@@ -141,3 +141,20 @@ def test_parameters_of_unregistered_layers_are_trained_parameters_under_sequence
     assert re.match(r"self-check: 2 tp rank\(s\) of the program against the model", note), note
     assert "6 parameter read(s) with gradients summed over tp" in program.report
     assert not any("lifted_tensor" in src for src in program.sources.values())
+
+
+class _Irreps(tuple):
+    """e3nn's ``o3.Irreps``: a tuple whose ``__len__`` raises on purpose."""
+
+    def __len__(self):
+        raise NotImplementedError
+
+
+def test_an_attribute_that_refuses_its_length_holds_nothing():
+    """Every e3nn module holds Irreps; the walk's ``list(value)`` raised NotImplementedError,
+    an uncaught traceback at every layout (zoo 20 Z6). Iterating it is left to the object:
+    when that raises, nothing is held there, and the model's own parameters are found."""
+    model = _Model()
+    for b in model.blocks:
+        b.irreps = _Irreps((D, 4 * D))
+    assert [t for _, t in held_parameters_of(model)] == [model.table]
