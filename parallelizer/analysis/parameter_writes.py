@@ -14,6 +14,7 @@ import torch.fx as fx
 
 from ..errors import PlanError
 from .graph_facts import module_path, source_line
+from ..frontend.graph_rewrite import returns_view
 from .writes import written_attrs
 
 
@@ -42,6 +43,8 @@ def check_parameter_writes(gm: fx.GraphModule, dp: int, pp: int = 1,
     if dp <= 1 and pp <= 1:
         return
     found = parameter_writes(gm)
+    if dp <= 1:
+        found = [(t, n) for t, n in found if _saved_for_backward(gm.graph, t)]
     if not found:
         return
     fqn, node = found[0]
@@ -60,6 +63,26 @@ def check_parameter_writes(gm: fx.GraphModule, dp: int, pp: int = 1,
         f"it looks up so, a constraint under no_grad clamps a weight so): {why}. Write it "
         f"outside forward (max_norm=None in build_model, renormalising or clamping after the "
         f"optimizer step), or compile with {other}")
+
+
+# ops whose backward reads none of the weight's values: a write between a microbatch's
+# forward and its backward changes nothing autograd kept (nn.Embedding(max_norm=...)'s renorm,
+# idempotent per row, so once per microbatch equals the model's once per step)
+_KEEPS_NO_VALUE = {torch.ops.aten.embedding.default}
+
+
+def _saved_for_backward(graph: fx.Graph, target: str) -> bool:
+    """Some op other than a write reads get_attr ``target`` (through views and detach) and
+    may keep its value for backward."""
+    todo = [n for n in graph.nodes if n.op == "get_attr" and n.target == target]
+    while todo:
+        node = todo.pop()
+        for u in node.users:
+            if u.target is torch.ops.aten.detach.default or (returns_view(u) and u.args[0] is node):
+                todo.append(u)  # an in-place write returns its input too: followed, not counted
+            elif u.target not in _KEEPS_NO_VALUE:
+                return True
+    return False
 
 
 def written_buffer_warnings(gm: fx.GraphModule, microbatches: int) -> list[str]:

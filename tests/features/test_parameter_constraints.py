@@ -79,3 +79,27 @@ def test_it_is_refused_under_pipeline_parallelism_naming_the_line():
                                         rf"blocks.0.up.weight in place .* at "
                                         rf"test_parameter_constraints.py:{line}.*autograd"):
         compile_module(Net(), (_x(),), spec, reference=False)
+
+
+class RenormedLookup(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, D, max_norm=1.0)
+        self.blocks = nn.ModuleList(nn.Linear(D, D) for _ in range(2))
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for b in self.blocks:
+            x = x + b(x)
+        return x
+
+
+def test_an_embedding_renorm_is_not_refused_under_pipeline_parallelism():
+    """Its renorm writes the rows the lookup reads, and the lookup's backward keeps none of
+    their values: once per microbatch is the model's once per step (each row's renorm is
+    idempotent). A held-out zoo's max_norm embedding PASSes ``--verify`` at pp2."""
+    torch.manual_seed(0)
+    spec = Spec.model_validate({"mesh": {"pp": 2}, "pipeline": {"microbatches": 2}})
+    ids = torch.randint(0, 64, (4, 6), generator=torch.Generator().manual_seed(1))
+    program = compile_module(RenormedLookup(), (ids,), spec, reference=False)
+    assert len(program.plan.stages) == 2
