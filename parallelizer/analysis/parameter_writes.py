@@ -13,8 +13,8 @@ import torch
 import torch.fx as fx
 
 from ..errors import PlanError
-from .graph_facts import module_path, source_line
 from ..frontend.graph_rewrite import returns_view
+from .graph_facts import module_path, source_line
 from .writes import written_attrs
 
 

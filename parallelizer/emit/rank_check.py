@@ -63,8 +63,8 @@ def check_ranks(plan, sources: dict, batch, graphs: list) -> None:
     # is a data-dependent SymInt there, as in the capture, not an exception; the python
     # dispatcher takes such sizes through the ops' SymInt decompositions, as the capture did
     # (``F.pad(a, (0, n - a.size(2)))`` after ``nonzero``: aten.pad's C++ kernel wants ints)
-    with FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()), enable_python_dispatcher(), \
-            using_transport(ShapeTransport(tp)), \
+    with FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()), \
+            enable_python_dispatcher(), using_transport(ShapeTransport(tp)), \
             sequence.using_comm(sequence.ShapeComm(tp)), expert_parallel.balanced_shapes(plan.ep), \
             fake_forward_kernels(), warnings.catch_warnings():
         warnings.simplefilter("ignore")

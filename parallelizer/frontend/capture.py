@@ -255,11 +255,10 @@ def _out_of_place(node: torch.fx.Node, order: dict) -> bool:
     0)``, ``nn.ReLU(inplace=True)``, ``nn.Dropout(inplace=True)``) that nothing else aliases:
     not a model input, parameter or buffer, with no other view of it taken; a view of such a
     tensor counts when the chain of views is the only alias and nothing reads the tensors it
-    views after the write. Its
-    out-of-place form, read by every later reader of the tensor, computes the same values,
-    and the graph stays differentiable where the in-place write had modified a value
-    autograd saved (SEW-D's ``XSoftmax``: its own backward allowed the write, the captured
-    forward's softmax backward did not)."""
+    views after the write. Its out-of-place form, read by every later reader of the tensor,
+    computes the same values, and the graph stays differentiable where the in-place write
+    had modified a value autograd saved (SEW-D's ``XSoftmax``: its own backward allowed the
+    write, the captured forward's softmax backward did not)."""
     if _functional(node.target) is None or not node.args:
         return False
     x = node.args[0]

@@ -53,13 +53,13 @@ def refuse_per_call_numbers(model: torch.nn.Module, args, kwargs, model_file) ->
     on_meta = any(t.is_meta for t in first)
     if not moving or second is None or not on_meta and _same(first, second):
         return
-    fqn, name = moving[0]
-    owner = f"{fqn}.{name}" if fqn else name
+    names = [f"{f}.{n}" if f else n for f, n in moving]
+    name, kind = moving[0][1], type(once[moving[0]]).__name__
     line = _line_setting(model, args, kwargs, moving[0])
     effect = ("; the compile cannot tell whether the output depends on it (no weights: compile "
               "with them to check)" if on_meta else ", and the model's output changes with it")
     raise CaptureError(
-        f"the model from {model_file} changes {owner} (a Python {type(once[moving[0]]).__name__}) "
+        f"the model from {model_file} changes {names[0]} (a Python {kind}) "
         f"on every call of forward ({before[moving[0]]} -> {once[moving[0]]} -> "
         f"{twice[moving[0]]}{f', at {line}' if line else ''}){effect}. Capture runs forward "
         f"once, so the program would keep that call's value ({before[moving[0]]}) in every "
@@ -67,8 +67,7 @@ def refuse_per_call_numbers(model: torch.nn.Module, args, kwargs, model_file) ->
         f"updates in place (self.register_buffer('{name}', torch.zeros(())); "
         f"self.{name}.add_(1)) and compute with tensor ops on it (.clamp, torch.where), which "
         f"the program runs every step as the model does; or pass it to forward as an input."
-        + (f" Also changing on every call: {', '.join(f'{f}.{n}' if f else n for f, n in moving[1:])}."
-           if len(moving) > 1 else ""))
+        + (f" Also changing on every call: {', '.join(names[1:])}." if len(names) > 1 else ""))
 
 
 def _call(model, args, kwargs):

@@ -109,8 +109,8 @@ def _written_attr(out, outer: dict):
 
 def _in_place(node) -> bool:
     schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-    return bool(schema and schema.returns and node.args) and schema.returns[0].alias_info is not None \
-        and schema.returns[0].alias_info.is_write
+    alias = schema.returns[0].alias_info if schema and schema.returns and node.args else None
+    return alias is not None and alias.is_write
 
 
 def model_line(nodes) -> str:
