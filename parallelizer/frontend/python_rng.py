@@ -106,6 +106,15 @@ def _draw_sites(model, args, kwargs) -> list[tuple[str, bool]]:
             line[0] = _site(frame)
         return trace
 
+    traced_call(model, args, kwargs, trace)
+    put_back(start)
+    return [site for site in found if site is not None]
+
+
+def traced_call(model, args, kwargs, trace) -> None:
+    """One more call of ``model`` under ``sys.settrace(trace)``, for the line where something
+    changed; the model (its modules, attributes, buffers' values) and torch's generator are
+    left as they were, and an exception is ignored (the model ran once already)."""
     try:
         with state_kept(model), buffer_values_kept(model), torch.random.fork_rng(devices=[]), \
                 torch.no_grad():
@@ -114,10 +123,8 @@ def _draw_sites(model, args, kwargs) -> list[tuple[str, bool]]:
                 model(*args, **kwargs)
             finally:
                 sys.settrace(None)
-    except Exception:  # the draw is what matters; the model ran once already
+    except Exception:  # noqa: BLE001  (the change is what matters)
         pass
-    put_back(start)
-    return [site for site in found if site is not None]
 
 
 def _site(frame) -> tuple[str, bool]:

@@ -10,7 +10,6 @@ call with the same inputs, and changes the output, is refused.
 """
 from __future__ import annotations
 
-import sys
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -100,14 +99,7 @@ def _line_setting(model, args, kwargs, key) -> str | None:
             last[0] = f"{shown_path(frame.f_code.co_filename)}:{frame.f_lineno}"
         return trace
 
-    with state_kept(model), buffer_values_kept(model), torch.random.fork_rng(devices=[]), \
-            torch.no_grad(), python_rng.kept():
-        start = getattr(module, name)
-        sys.settrace(trace)
-        try:
-            model(*args, **kwargs)
-        except Exception:  # noqa: BLE001  (the line is what matters)
-            pass
-        finally:
-            sys.settrace(None)
+    start = getattr(module, name)
+    with python_rng.kept():
+        python_rng.traced_call(model, args, kwargs, trace)
     return found[0] if found else None

@@ -19,6 +19,7 @@ import operator
 import torch
 
 from ..errors import CaptureError
+from .graph_rewrite import returns_view, written_inputs
 from .source_lines import trace_lines
 
 _AUTOCAST_OFF = "autocast_off"  # gm.meta key: the source lines of the inlined regions
@@ -101,16 +102,10 @@ def _written_attr(out, outer: dict):
     place (``with no_grad(): w.copy_(F.normalize(w))``, ``temp.clamp_(0.001, 0.5)``): eager
     then reads the parameter itself, which carries gradient; detached, it got none (zoo 20
     Z7: a max-norm constraint's weight never trained). Else None."""
-    while _in_place(out):
-        out = out.args[0]
+    while returns_view(out) and written_inputs(out):  # returns the tensor it wrote
+        out = written_inputs(out)[0][1]
     got = outer.get(out) if out.op == "placeholder" else None
     return got if isinstance(got, torch.fx.Node) and got.op == "get_attr" else None
-
-
-def _in_place(node) -> bool:
-    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-    alias = schema.returns[0].alias_info if schema and schema.returns and node.args else None
-    return alias is not None and alias.is_write
 
 
 def model_line(nodes) -> str:
