@@ -126,6 +126,12 @@ def _parts_taken(node, dim: int, depth: int = 8) -> bool:
         return False
     rank = len(shape(node))
     for u in node.users:
+        if u.op == "call_function" and u.target is aten.cat.default \
+                and dim_arg(u, 1, rank) != dim:
+            nxt = dim  # packed with other parts along another dim (MMDiT's joint sequence)
+            if not _parts_taken(u, nxt, depth - 1):
+                return False
+            continue
         if u.op != "call_function" or u.args[0] is not node:
             return False
         t = u.target
