@@ -151,20 +151,26 @@ def _walk_weight(w, rank: int):
     parameter of ``rank`` dims) and ``perm`` (:attr:`Linear.perm`), from one walk back from
     ``w`` to the parameter. Between a merged parameter and its view only casts and one
     permutation of its dims may stand, and no piece is taken of it."""
-    transposed, part, merged, perm = False, None, None, None
+    transposed, part, merged, perm, masked = False, None, None, None, False
     for _ in range(_PATH_LIMIT):
         if _param(w, rank):
             return w, transposed, part, merged, perm
         cut = piece(w)
-        if cut is not None and part is None and merged is None and is_tensor(cut[0]) \
-                and len(shape(cut[0])) == rank:
+        if cut is not None and part is None and merged is None and not masked \
+                and is_tensor(cut[0]) and len(shape(cut[0])) == rank:
             w, part = cut[0], cut[1:]
             continue
         if not (is_tensor(w) and w.op == "call_function" and w.args
-                and is_tensor(w.args[0]) and len(shape(w)) == rank):
+                and is_tensor(path_source(w)) and len(shape(w)) == rank):
             return _NO_WEIGHT
-        src = w.args[0]
-        if w.target in VIEWS and rank == 2 and part is None and merged is None \
+        src = path_source(w)
+        if masked and w.target not in _CASTS:  # the mask holds the parameter's own dims
+            return _NO_WEIGHT
+        if mask_of(w) is not None:
+            if masked or merged is not None:
+                return _NO_WEIGHT
+            masked = True
+        elif w.target in VIEWS and rank == 2 and part is None and merged is None \
                 and merge_point(shape(src), shape(w)) is not None:
             merged = merge_point(shape(src), shape(w))
             rank = len(shape(src))
@@ -297,8 +303,60 @@ def weight_path(w: fx.Node) -> list[fx.Node]:
     path = []
     while w.op == "call_function":
         path.append(w)
-        w = w.args[0]
+        w = path_source(w)
     return path[::-1]
+
+
+def mask_of(n: fx.Node) -> Optional[fx.Node]:
+    """The operand by which weight-path node ``n`` multiplies the weight elementwise at the
+    same shape when it is a buffer (a get_attr without gradient, through casts: see
+    :func:`mask_read`), or None: a pruning mask, torch.nn.utils.prune's
+    ``weight_mask.to(dtype) * weight_orig`` (its forward pre-hook) or a hand-written
+    ``w * mask``, read by nothing else. The mask is then cut as the weight is
+    (planning/tp.py), each rank's product the rank's piece of the model's."""
+    if n.op != "call_function" or n.target is not aten.mul.Tensor or len(n.args) != 2 \
+            or n.kwargs:
+        return None
+    if not all(isinstance(a, fx.Node) and is_tensor(a) and tuple(shape(a)) == tuple(shape(n))
+               for a in n.args):
+        return None
+    masks = [a for a in n.args if mask_read(a)]
+    return masks[0] if len(masks) == 1 else None
+
+
+def mask_read(a: fx.Node) -> list[fx.Node]:
+    """``[get_attr, casts...]`` when ``a`` is a buffer read through casts, each node read by
+    the next alone (a metadata assert aside), else []."""
+    chain = [a]
+    while a.op == "call_function" and a.target in _CASTS and a.args \
+            and isinstance(a.args[0], fx.Node):
+        a = a.args[0]
+        chain.append(a)
+    if a.op != "get_attr" or a.meta["val"].requires_grad or not weight_fqn(a):
+        return []
+    if any(len([u for u in c.users if u.target is not _ASSERT]) != 1 for c in chain):
+        return []
+    return chain[::-1]
+
+
+_ASSERT = aten._assert_tensor_metadata.default
+
+
+def path_source(n: fx.Node) -> fx.Node:
+    """The operand weight-path node ``n`` reads the weight through: its first, or the one a
+    mask (:func:`mask_of`) multiplies."""
+    mask = mask_of(n)
+    if mask is None:
+        return n.args[0]
+    return n.args[1] if n.args[0] is mask else n.args[0]
+
+
+def weight_masks(site: "Linear") -> list[str]:
+    """FQNs of the masks on ``site``'s weight path (:func:`mask_of`)."""
+    if site.w_node is None:
+        return []
+    return [weight_fqn(mask_read(mask_of(n))[0]) for n in weight_path(site.w_node)
+            if mask_of(n) is not None]
 
 
 def _bias_source(b) -> Optional[fx.Node]:

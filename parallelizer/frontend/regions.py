@@ -30,14 +30,19 @@ def inline_regions(gm: torch.fx.GraphModule) -> None:
     autocast-off regions' source lines in ``gm.meta``."""
     from torch._higher_order_ops.wrap import wrap_with_autocast, wrap_with_set_grad_enabled
     graph, lines = gm.graph, []
-    for node in list(graph.nodes):
-        if node.op != "call_function":
-            continue
-        if node.target is wrap_with_set_grad_enabled and node.args[0] is False:
-            _inline(gm, node, node.args[1], node.args[2:], detach=True)
-        elif node.target is wrap_with_autocast and node.args[2] is False:
-            lines.append(model_line(getattr(gm, node.args[4].target).graph.nodes) or "the model")
-            _inline(gm, node, node.args[4], node.args[5:], detach=False)
+    todo = list(graph.nodes)
+    while todo:  # a region nested in another (an autocast-off function called from an
+        inlined = []  # autocast-off forward) is a node of the graph once its outer one is
+        for node in todo:
+            if node.op != "call_function":
+                continue
+            if node.target is wrap_with_set_grad_enabled and node.args[0] is False:
+                inlined += _inline(gm, node, node.args[1], node.args[2:], detach=True)
+            elif node.target is wrap_with_autocast and node.args[2] is False:
+                sub = getattr(gm, node.args[4].target)
+                lines.append(model_line(sub.graph.nodes) or "the model")
+                inlined += _inline(gm, node, node.args[4], node.args[5:], detach=False)
+        todo = inlined
     gm.meta[_AUTOCAST_OFF] = list(dict.fromkeys(lines))
     graph.lint()
     gm.recompile()
@@ -69,10 +74,10 @@ def _inline(gm, node, attr, args, detach: bool) -> None:
     spectral_norm's power iteration writes ``div(..., out=self._u)`` from the weight, which
     raises with gradient tracked; export's fake values do not say which tensors carry
     gradient, so every tensor is detached). A SymInt output (``min(k, x.shape[1])``) is
-    passed on as it is."""
+    passed on as it is. Returns the nodes copied."""
     graph, sub = gm.graph, getattr(gm, attr.target)
     keep = (lambda v: _detach(graph, v) if _is_tensor(v) else v) if detach else (lambda v: v)
-    env, outs, args, outer = {}, None, iter(args), {}
+    env, outs, args, outer, copied = {}, None, iter(args), {}, []
     with graph.inserting_before(node):
         for n in sub.graph.nodes:
             if n.op == "placeholder":
@@ -81,11 +86,12 @@ def _inline(gm, node, attr, args, detach: bool) -> None:
             elif n.op == "output":
                 outs = n.args[0]
             elif n.op == "get_attr":
-                got = graph.get_attr(n.target)
+                got = graph.get_attr(_held_by(gm, sub, n.target))
                 got.meta = dict(n.meta)
                 env[n] = keep(got)
             else:
                 env[n] = graph.node_copy(n, lambda a: env[a])
+                copied.append(env[n])
         results = [_written_attr(o, outer) or keep(env[o]) if o in env else o for o in outs]
     for user in list(node.users):
         assert user.target is operator.getitem, user  # export unpacks the region's tuple
@@ -95,6 +101,25 @@ def _inline(gm, node, attr, args, detach: bool) -> None:
     if not attr.users:
         graph.erase_node(attr)
         delattr(gm, attr.target)
+    return copied
+
+
+def _held_by(gm, sub, target: str) -> str:
+    """The name under which ``gm`` holds what ``sub`` holds at ``target``: a region nested in
+    the inlined one is a submodule of ``sub``, not of ``gm`` (ring-attention-pytorch's
+    rotary, zoo 21 F1: the copied get_attr named nothing and the graph's lint raised), and
+    is registered on ``gm`` under a free name."""
+    held = operator.attrgetter(target)(sub)
+    try:
+        if operator.attrgetter(target)(gm) is held:
+            return target
+    except AttributeError:
+        pass
+    base, i = target.replace(".", "_"), 0
+    while hasattr(gm, f"{base}_{i}"):
+        i += 1
+    setattr(gm, f"{base}_{i}", held)
+    return f"{base}_{i}"
 
 
 def _written_attr(out, outer: dict):

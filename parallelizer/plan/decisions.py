@@ -66,6 +66,8 @@ class TPDecision:
     warnings: list = field(default_factory=list)  # also printed by the CLI
     blockers: list = field(default_factory=list)  # "op at file:line in module: reason", in order
     per_head: dict = field(default_factory=dict)  # per-head parameter fqn -> its heads dim
+    # a buffer multiplied into a sharded weight at its shape (a pruning mask) -> that weight
+    masks: dict = field(default_factory=dict)
     # node name -> dim: a replicated per-head value (ALiBi slopes) each rank cuts to its block
     # of heads (runtime/tp.py scatter_to_tp_region), inserted after that node
     narrows: dict = field(default_factory=dict)

@@ -56,6 +56,10 @@ def _placement(name: str, tp: TPDecision, vocab: VocabDecision) -> tuple:
     if name in tp.per_head:
         return (tp.dims[name], "per-head or per-channel (sharded with the heads or channels it "
                 "meets)", None)
+    w = tp.masks.get(name)
+    if w is not None:
+        return (tp.dims[name], f"{'column' if w in tp.column else 'row'}_parallel mask "
+                f"(multiplied into {w})", layout)
     w = tp.biases.get(name)
     if w in tp.column:
         return tp.dims[name], "column_parallel", layout

@@ -26,7 +26,7 @@ import torch.fx as fx
 
 from ..plan.decisions import TPDecision
 from ..errors import PlanError
-from ..analysis.linears import linear_sites
+from ..analysis.linears import linear_sites, weight_masks
 from ..analysis.sharding.placements import Shard
 from .gradients import plan_gradients
 from .redistributions import redistributions, report_lines
@@ -92,6 +92,10 @@ def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False,
             decision.layouts[w] = merged_layout(site, layouts[w])
         if w in column and site.bias in layouts:  # its weight's, or its pieces' side by side
             decision.layouts[site.bias] = layouts[site.bias]
+        for mask in weight_masks(site) if w in column or w in row else ():
+            decision.masks[mask], decision.dims[mask] = w, decision.dims[w]
+            if w in decision.layouts:
+                decision.layouts[mask] = decision.layouts[w]
     for fqn, (d, _groups) in sorted(prop.per_head.items()):
         decision.per_head[fqn] = decision.dims[fqn] = d
         decision.report.append(f"sharded with the heads or channels it meets (dim {d}): {fqn}")

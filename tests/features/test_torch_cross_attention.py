@@ -12,6 +12,8 @@ linears at all: the cross-attention stayed replicated (a model of cross-attentio
 only was refused, "no linear layer feeds another")."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -156,3 +158,34 @@ def test_a_weight_cut_along_its_input_features_stays_replicated_and_correct():
     assert program.plan.tensors["w"].role == "replicate"
     assert program.plan.tensors["up.weight"].role == "column_parallel"
     assert program.plan.tensors["down.weight"].role == "row_parallel"
+
+
+class _KvFromLinear(nn.Module):
+    """kdim/vdim keys and values made by a linear before the attention, with ``add_bias_kv``
+    and ``add_zero_attn`` (zoo 20 Z4): the planner pairs that linear with k_proj and v_proj as column -> row, which
+    keeps the chunked in_proj_bias, and with it q_proj and out_proj, whole."""
+
+    def __init__(self):
+        super().__init__()
+        self.kv_in = nn.Linear(2 * DIM, 48)
+        self.mha = nn.MultiheadAttention(2 * DIM, HEADS, batch_first=True, kdim=48, vdim=48,
+                                         add_bias_kv=True, add_zero_attn=True)
+
+    def forward(self, x):
+        kv = self.kv_in(x)
+        return x + self.mha(x, kv, kv, need_weights=False)[0]
+
+
+def test_a_shared_bias_names_the_role_of_the_linear_that_keeps_it_whole():
+    """The reason named k_proj "the replicated linear" while the plan made it row_parallel."""
+    from parallelizer.planning.tp import plan_tp
+    from tp_small_models import captured
+    torch.manual_seed(0)
+    model = nn.Sequential(_KvFromLinear(), _KvFromLinear())
+    x = torch.randn(4, 16, 2 * DIM, generator=torch.Generator().manual_seed(1))
+    d = plan_tp(captured(model, (x,)).gm.graph, 2, allow_replicated=True)
+    named = [m.groups() for line in d.report if line.startswith("kept replicated:")
+             for m in [re.search(r"shared with the (\w+) linear (\S+)\)", line)] if m]
+    assert named, d.report
+    for role, weight in named:
+        assert role == ("row_parallel" if weight in d.row else "replicated"), (role, weight)

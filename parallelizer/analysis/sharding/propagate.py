@@ -117,7 +117,7 @@ def propagate(graph: fx.Graph, column: set, row: set, tp: int, layouts: Optional
             paths.update(weight_paths(site, column, row))
             if site.bias:
                 bias_readers.setdefault(site.bias, []).append(site)
-    _shared_biases(prop, bias_readers, column)
+    _shared_biases(prop, bias_readers, column, row)
     for node in graph.nodes:
         with redistribute.seen(node, prop):
             if node.name in paths:  # a weight read through casts, views, transposes
@@ -171,15 +171,17 @@ def _output(node: fx.Node, prop, groups):
         "" if requested else ", and no all-gather can stand in (not an even split of it)"))
 
 
-def _shared_biases(prop, readers: dict, column) -> None:
+def _shared_biases(prop, readers: dict, column, row) -> None:
     """A bias whose pieces are read by the linears of several weights (torch's kdim/vdim
-    q/k/v weights with ``in_proj_bias.chunk(3)``) is sharded only with all of them."""
+    q/k/v weights with ``in_proj_bias.chunk(3)``) is sharded only with all of them column
+    parallel (a row_parallel one adds its piece whole, after the all-reduce)."""
     for bias, sites in readers.items():
         sharded = {s.weight for s in sites if s.weight in column}
         if sharded and len(sharded) < len({s.weight for s in sites}):
             site = next(s for s in sites if s.weight not in column)
+            other = "row_parallel" if site.weight in row else "replicated"
             prop.conflicts.append((site.node.name, module_path(site.node), frozenset(sharded),
-                                   f"its bias {bias} is shared with the replicated linear "
+                                   f"its bias {bias} is shared with the {other} linear "
                                    f"{site.weight}"))
 
 

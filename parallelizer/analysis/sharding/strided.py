@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import operator
 
+import torch
 import torch.fx as fx
 
 from ..graph_facts import aten, expr, is_tensor, module_path, prod, same, shape
@@ -244,10 +245,12 @@ def request_narrow(node, prop, groups) -> None:
         k = d - (len(shape(a)) - len(shape(b)))
         if k < 0 or not same(shape(b)[k], size):
             continue
-        # copies, and views to the same shape (torchscale's ``rel_pos.view(attn.size())``)
-        while b.op == "call_function" and (b.target in _SAME or b.target in VIEWS and all(
-                same(x, y) for x, y in zip(shape(b), shape(b.args[0])))
-                and len(shape(b)) == len(shape(b.args[0]))):
+        # copies, elementwise ops of it alone (graph-transformer-pytorch's ``~mask``) and
+        # views to the same shape (torchscale's ``rel_pos.view(attn.size())``)
+        while b.op == "call_function" and (b.target in _SAME or _unary(b) or b.target in VIEWS
+                                           and all(same(x, y) for x, y in zip(shape(b),
+                                                                               shape(b.args[0])))
+                                           and len(shape(b)) == len(shape(b.args[0]))):
             b = b.args[0]
         if b.op == "call_function" and b.target in VIEWS:
             _request_merged(b, k, prop.strided[a.name], prop, groups)
@@ -258,6 +261,13 @@ def request_narrow(node, prop, groups) -> None:
         kk = k - (len(b.args[1]) - len(shape(inner)))
         if kk >= 0 and same(shape(inner)[kk], prop.strided[a.name]) and _fixed(shape(inner)[kk]):
             prop.narrow_requests[inner.name] = (kk, frozenset(groups))
+
+
+def _unary(node) -> bool:
+    """An elementwise op of one tensor, of its shape (``~mask``, ``-bias``)."""
+    tensors = [a for a in node.all_input_nodes if is_tensor(a)]
+    return torch.Tag.pointwise in getattr(node.target, "tags", ()) and len(tensors) == 1 \
+        and tensors[0] is node.args[0] and tuple(shape(node)) == tuple(shape(tensors[0]))
 
 
 def _request_merged(b, k, heads, prop, groups) -> None:

@@ -1,7 +1,9 @@
 """Placements along a linear's *weight path* (issue 23, part 4): the casts, same-shape views
 and transposes a weight or bias goes through between its get_attr and the product
 (``F.linear(x, w.to(x.dtype))``, ``x @ w.float().T``, ``F.linear(x, w.t())`` of a weight
-stored (in, out); :func:`parallelizer.analysis.linears.weight_source`).
+stored (in, out); :func:`parallelizer.analysis.linears.weight_source`), and a buffer it is
+multiplied by at its own shape (a pruning mask, :func:`parallelizer.analysis.linears.mask_of`),
+which holds the parameter's shard.
 
 Each node of the path holds the parameter's shard: the dim the plan shards (output
 features of a column_parallel weight and its bias, input features of a row_parallel one)
@@ -18,7 +20,8 @@ import torch.fx as fx
 
 from ...plan.layouts import local_length
 from ..graph_facts import aten, expr, is_tensor, shape
-from ..linears import VIEWS, Linear, bias_operand, merge_point, permutation, piece, weight_path
+from ..linears import (VIEWS, Linear, bias_operand, mask_of, mask_read, merge_point, path_source,
+                       permutation, piece, weight_path)
 from .pieces import piece_rule, site_key
 from .placements import REPLICATE, PerOutput, Shard, shard_dim
 from .state import add_rewrite, dim_of, placement
@@ -46,6 +49,9 @@ def _entries(operand, dim, owner, param: str, key: str) -> dict:
     out, at = {}, param
     for n in weight_path(operand):
         out[n.name] = (dim, owner, at)
+        mask = mask_of(n)
+        for m in mask_read(mask) if mask is not None else ():  # cut as the parameter is
+            out[m.name] = (dim, owner, at)
         if piece(n) is not None:
             at = key
     if at == param:  # read whole: the linear's layout is the parameter's
@@ -56,7 +62,10 @@ def _entries(operand, dim, owner, param: str, key: str) -> dict:
 def path_rule(node: fx.Node, prop, tp: int, entry: tuple):
     """(placement, groups) of one weight-path node (see the module docstring)."""
     dim, owner, key = entry
-    src = node.args[0]
+    groups = frozenset({owner}) if owner else frozenset()
+    if node.op == "get_attr":  # a mask (linears.mask_of): the parameter's shard
+        return (REPLICATE, frozenset()) if dim is None else (Shard(dim), groups)
+    src = path_source(node)
     p = placement(prop, src)
     if src.op == "get_attr":
         d = dim
@@ -64,7 +73,6 @@ def path_rule(node: fx.Node, prop, tp: int, entry: tuple):
         d = shard_dim(p[node.args[1]])
     else:
         d = dim_of(prop, src)
-    groups = frozenset({owner}) if owner else frozenset()
     if src.name in prop.raw:
         prop.raw[node.name] = prop.raw[src.name]
     elif owner and dim == 0 and is_tensor(node) \

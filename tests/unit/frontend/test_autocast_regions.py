@@ -87,3 +87,31 @@ def test_a_region_turning_autocast_on_is_still_refused():
                                            r"torch\.autocast region and set "
                                            r"mixed_precision\.param_dtype=bf16"):
         compiler.compile_module(_Rotary(enabled=True), _batch(), _spec(), reference=False)
+
+
+class _Nested(nn.Module):
+    """ring-attention-pytorch's rotary: an autocast-off forward calling an autocast-off
+    function. The inner region is a submodule of the outer region's subgraph: inlining the
+    outer one copied a get_attr of a name the model's graph does not hold, and the graph's
+    lint raised a bare RuntimeError (zoo 21 F1)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+        self.register_buffer("inv_freq", torch.arange(D // 2).float() / D)
+
+    def forward(self, x):
+        with torch.autocast("cpu", enabled=False):
+            freqs = torch.outer(torch.arange(x.shape[1]).float(), self.inv_freq)
+            x = _rotate(x, freqs)
+        return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+def test_regions_nested_in_an_inlined_region_are_inlined_too():
+    torch.manual_seed(0)
+    model = nn.Sequential(_Nested(), _Nested())
+    program = compiler.compile_module(model, _batch(), _spec(), reference=False)
+    (note,) = [n for n in program.notes if n.startswith("self-check")]
+    assert re.match(r"self-check: 2 tp rank\(s\) of the program against the model", note), note
+    assert program.plan.tensors["0.fc1.weight"].tp_dim == 0
+    assert "wrap_with_autocast" not in "".join(program.sources.values())
