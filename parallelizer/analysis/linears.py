@@ -166,8 +166,8 @@ def _walk_weight(w, rank: int):
         src = path_source(w)
         if masked and w.target not in _CASTS:  # the mask holds the parameter's own dims
             return _NO_WEIGHT
-        if mask_of(w) is not None:
-            if masked or merged is not None:
+        if mask_of(w) is not None:  # of a weight only: a bias's would need its own cut
+            if masked or merged is not None or rank < 2:
                 return _NO_WEIGHT
             masked = True
         elif w.target in VIEWS and rank == 2 and part is None and merged is None \

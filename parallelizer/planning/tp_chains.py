@@ -5,12 +5,18 @@ kv_b``), so the rank dim is sharded, the up-projection's output is summed over t
 attention is computed whole on every rank. The other plan keeps the chain's head whole: the
 up-projection is the column over heads and the output projection its row, as Megatron-LM
 shards MLA. Of the two, the one sending fewer bytes per step is taken, provided it keeps
-sharded every weight the first shards other than the chain heads. Reads the graph, never
-changes it."""
+sharded every weight the first shards other than the chain heads; a plan that shards more
+parameter elements is taken even where it sends more (torch's ``nn.MultiheadAttention``
+with kdim/vdim keys from a linear and ``need_weights``: the chain plan replicated q_proj,
+out_proj and the attention for the heads' mean of the weights it saved sending, zoo 20 Z4).
+Reads the graph, never changes it."""
 from __future__ import annotations
+
+import math
 
 import torch.fx as fx
 
+from ..analysis.graph_facts import shape
 from ..plan.decisions import TPDecision
 from .redistributions import all_reduce_bytes, redistributions
 from .tp_candidates import candidate
@@ -21,8 +27,9 @@ from .tp_sizes import divisible
 def chains_whole(graph: fx.Graph, sites: list, tp: int, decision: TPDecision, chosen):
     """``chosen`` (pairs, column, row, propagation), or the plan with its chain heads kept
     whole when that shards every other weight ``chosen`` shards and either settles divisible
-    where ``chosen`` does not, or is as divisible and sends fewer bytes per step
-    (:func:`bytes_per_step`); its report then says so. Neither divisible (a chain head tp
+    where ``chosen`` does not, or is as divisible and shards more parameter elements
+    (:func:`sharded_elements`) or sends fewer bytes per step (:func:`bytes_per_step`); its
+    report then says so. Neither divisible (a chain head tp
     does not divide beside a feed-forward it does not divide either: recurrent-memory-
     transformer's 5-wide hyper-connection mixer and its GEGLU of 170 at tp 4, zoo 13 Z19), the
     cheaper one goes on to ``tp_candidates.indivisible``, which keeps the feed-forward whole:
@@ -37,12 +44,15 @@ def chains_whole(graph: fx.Graph, sites: list, tp: int, decision: TPDecision, ch
     if fitted and not fits or not (chosen[1] | chosen[2]) - heads <= found[1] | found[2]:
         return chosen
     before, after = bytes_per_step(graph, sites, chosen, tp), bytes_per_step(graph, sites, found, tp)
-    if after >= before and fits == fitted:
+    more = sharded_elements(graph, found) - sharded_elements(graph, chosen)
+    if after >= before and more <= 0 and fits == fitted:
         return chosen
     decision.blockers, decision.report = scratch.blockers, scratch.report
+    why = f"{more} more parameter elements sharded, " if more > 0 and after >= before else ""
     decision.report.append(
         f"kept whole, the head of a chain of linears: {', '.join(sorted(heads))} (the linears "
-        f"it fed are columns instead: {after} bytes per rank per step instead of {before})")
+        f"it fed are columns instead: {why}{after} bytes per rank per step instead of "
+        f"{before})")
     pairs = chosen[0]
     for w in sorted(heads):  # planning/tp.py reports these lines for each, not "no pair"
         fed = ", ".join(sorted(pairs[w] & found[1])) or "none"
@@ -51,6 +61,14 @@ def chains_whole(graph: fx.Graph, sites: list, tp: int, decision: TPDecision, ch
             f"it feeds are column_parallel over heads ({fed}) and the chain's end their row, "
             f"{after} bytes per rank per step instead of {before} with it sharded)"]
     return found
+
+
+def sharded_elements(graph: fx.Graph, found) -> int:
+    """Elements of the parameters a settled plan shards column or row parallel: what the
+    plan takes off each rank's memory and, with the ops on their shards, off its compute."""
+    _pairs, column, row, _prop = found
+    return sum({n.target: math.prod(shape(n)) for n in graph.nodes
+                if n.op == "get_attr" and n.target in column | row}.values())
 
 
 def bytes_per_step(graph: fx.Graph, sites: list, found, tp: int) -> int:

@@ -114,3 +114,30 @@ def test_transformers_deepseek_v3_keys_written_into_new_empty_stay_sharded():
     assert {attn + "q_b_proj.weight", attn + "kv_b_proj.weight"} <= d.column
     assert attn + "o_proj.weight" in d.row
     assert [(r.kind, "expand" in r.producer) for r in d.redistributions] == [("scatter", True)]
+
+
+class KvFromLinear(nn.Module):
+    """torch's attention with kdim/vdim keys and values from a linear, its weights returned
+    (need_weights, the module's default) and read: the walks pair ``kv_in`` with k_proj and
+    v_proj, whose shared in_proj_bias then keeps q_proj, out_proj and the attention whole
+    on every rank; the heads plan sends as many bytes here and shards more (zoo 20 Z4: 6 of
+    10 matrices at tp2, 8 of 10 now)."""
+
+    def __init__(self):
+        super().__init__()
+        self.kv_in = nn.Linear(2 * D, 48)
+        self.mha = nn.MultiheadAttention(2 * D, H, batch_first=True, kdim=48, vdim=48)
+
+    def forward(self, x):
+        a, w = self.mha(x, self.kv_in(x), self.kv_in(x), average_attn_weights=True)
+        return x + a + w.mean(-1, keepdim=True)
+
+
+def test_the_plan_sharding_more_parameters_is_taken_at_equal_bytes():
+    torch.manual_seed(0)
+    x = torch.randn(4, 16, 2 * D, generator=torch.Generator().manual_seed(1))
+    d = plan_and_check(nn.Sequential(KvFromLinear(), KvFromLinear()), (x,), 2)
+    for i in range(2):
+        assert {f"{i}.mha.{w}_proj_weight" for w in "qkv"} <= d.column, d.report
+        assert f"{i}.mha.out_proj.weight" in d.row and f"{i}.kv_in.weight" not in d.column
+    assert any("more parameter elements sharded" in line for line in d.report), d.report
