@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.utils._pytree import TreeSpec, tree_flatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_map
 
 from ..errors import CaptureError
 from ..plan.out_spec import dumps as out_spec_dumps
@@ -42,7 +42,12 @@ from .tiles import tiles_as_repeat
 
 
 def split_args(batch: tuple | dict) -> tuple[tuple, dict]:
-    """A batch as the (args, kwargs) it is called with."""
+    """A batch as the (args, kwargs) it is called with, each tensor a copy: a model that
+    writes its input in place (``x.mul_(2)``) leaves the batch as it was, so every run of it
+    (export, the reference, the self-check's repeat) reads the same values (zoo 21 F3:
+    the second run read the doubled input and the model was taken for one drawing random
+    numbers)."""
+    batch = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, batch)
     return ((), dict(batch)) if isinstance(batch, dict) else (tuple(batch), {})
 
 
@@ -252,13 +257,16 @@ def _functional(op):
 
 def _out_of_place(node: torch.fx.Node, order: dict) -> bool:
     """``node`` writes in place into a tensor the forward made (``softmax(x).masked_fill_(m,
-    0)``, ``nn.ReLU(inplace=True)``, ``nn.Dropout(inplace=True)``) that nothing else aliases:
-    not a model input, parameter or buffer, with no other view of it taken; a view of such a
-    tensor counts when the chain of views is the only alias and nothing reads the tensors it
-    views after the write. Its out-of-place form, read by every later reader of the tensor,
-    computes the same values, and the graph stays differentiable where the in-place write
-    had modified a value autograd saved (SEW-D's ``XSoftmax``: its own backward allowed the
-    write, the captured forward's softmax backward did not)."""
+    0)``, ``nn.ReLU(inplace=True)``, ``nn.Dropout(inplace=True)``) or into a model input
+    (``x.mul_(2)``), that nothing else aliases: not a parameter or buffer, with no other view
+    of it taken; a view of such a tensor counts when the chain of views is the only alias
+    and nothing reads the tensors it views after the write. Its out-of-place form, read by
+    every later reader of the tensor, computes the same values, and the graph stays
+    differentiable where the in-place write had modified a value autograd saved (SEW-D's
+    ``XSoftmax``: its own backward allowed the write, the captured forward's softmax
+    backward did not). The program then never writes the batch it is given: the pipeline's
+    microbatches are views of one batch, sharing its version counter, and a write into one
+    failed the backward of another (zoo 21 F3)."""
     if _functional(node.target) is None or not node.args:
         return False
     x = node.args[0]
@@ -268,7 +276,7 @@ def _out_of_place(node: torch.fx.Node, order: dict) -> bool:
         x, view = x.args[0], x
         if _views_of(x, view) or any(order[u] > order[node] for u in x.users if u is not view):
             return False  # another alias of the written memory, or a read after the write
-    return x.op == "call_function"
+    return x.op in ("call_function", "placeholder")
 
 
 def _views_of(x: torch.fx.Node, but: torch.fx.Node) -> list:
