@@ -79,7 +79,7 @@ from .emit.numerics_check import when as self_check_when
 from .emit.reference import (batch_rows, check_gradients_held, compute_reference, copy_model,
                              nonfinite_warnings, sample_mean_warnings, stack_reference)
 from .emit.report import render_report, stage_sends
-from .frontend.branches import decided_warnings
+from .frontend.branches import check_example_chunks, decided_warnings
 from .frontend.spec import Spec
 
 
@@ -148,6 +148,10 @@ def compile_module(model: torch.nn.Module, batch, spec: Spec, loss_fn=None, *,
                                                    analysis.captured.input_names),
                                        analysis.captured.gm)
     pp_warnings += decided_warnings(analysis.captured.gm)
+    if weights:
+        check_example_chunks(analysis.captured.gm, analysis.captured.input_names, batch,
+                             spec.mesh.dp * (spec.pipeline.microbatches if spec.mesh.pp > 1
+                                             else 1))
     pp_warnings += written_buffer_warnings(analysis.captured.gm, spec.pipeline.microbatches)
     pp_warnings += list(analysis.warnings)
     planned = plan(analysis, spec, passes)

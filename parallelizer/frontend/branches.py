@@ -114,3 +114,42 @@ def check_step_branches(error: BaseException) -> None:
             f"on the batch alone, so steps would stop at random; it cannot be captured as the "
             f"example takes it. Make the line traceable, or use a model setting without it"
         ) from error
+
+
+def check_example_chunks(gm: torch.fx.GraphModule, input_names, batch, chunks: int) -> None:
+    """Where the example batch decided a branch (``as_example``) and the layout cuts each
+    step's batch into ``chunks`` equal row chunks (mesh.dp x pipeline.microbatches, in
+    order), each chunk of the example must take the branch the whole example took: the
+    program checks it on every chunk it runs, so one that does not stops ``run.py --verify``
+    on the example itself (fair-esm's ESM-2 with padding in one row, at pp2 x 4
+    microbatches and at dp2, zoo 21 F2). Runs the captured graph, which holds the check,
+    on each chunk (no gradient, torch's generator put back).
+
+    Raises:
+        CaptureError: a chunk takes the other branch, naming it, the lines and the fix.
+    """
+    if chunks <= 1 or not gm.meta.get(ASSUMED):
+        return
+    flat = [batch[n] for n in input_names] if isinstance(batch, dict) else list(batch)
+    rows = next((t.shape[0] for t in flat if isinstance(t, torch.Tensor) and t.dim()), 0)
+    if not rows or rows % chunks:
+        return  # the spec check names a batch the layout does not divide
+    n = rows // chunks
+    for c in range(chunks):
+        part = [t[c * n:(c + 1) * n] if isinstance(t, torch.Tensor) and t.dim()
+                and t.shape[0] == rows else t for t in flat]
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                gm(*part)
+        except Exception as e:  # noqa: BLE001  only the decided branch's check is ours here
+            if ANOTHER_BRANCH not in str(e):
+                return  # the program's own checks meet it, with their own message
+            raise CaptureError(
+                f"{SPEC_KEY}: as_example: the example batch takes the branch at "
+                f"{'; '.join(gm.meta[ASSUMED])}, but its rows {c * n}..{(c + 1) * n - 1}, "
+                f"chunk {c + 1} of the {chunks} the layout cuts each step into (mesh.dp x "
+                f"pipeline.microbatches), take the other one, so run.py --verify would stop "
+                f"there on the example itself, as would every step with such a chunk. Give "
+                f"example_inputs() a batch each of whose {chunks} chunks takes the branch "
+                f"your data takes (for a padding test: padding in every chunk), or make the "
+                f"line traceable") from e

@@ -89,6 +89,24 @@ def test_as_example_compiles_at_tp2_with_a_warning_and_the_self_check():
     assert "4 of 4 weight matrices in blocks sharded" in program.report, program.report
 
 
+@pytest.mark.parametrize("mesh", [{"pp": 2}, {"dp": 2}])
+def test_an_example_chunk_taking_the_other_branch_is_refused_at_compile(mesh):
+    """Padding in one row only: the whole example takes the masked branch, the chunks a step
+    is cut into (dp ranks, microbatches) without padding do not, and ``run.py --verify``
+    stopped on the example itself (zoo 21 F2, fair-esm's ESM-2). Refused at compile, naming
+    the chunk's rows, the line and the fix; padding in every chunk compiles."""
+    torch.manual_seed(0)
+    spec = Spec.model_validate({"mesh": mesh, "pipeline": {"microbatches": 2},
+                                "capture": {"data_dependent_branches": "as_example"}})
+    one_row = _ids(False)
+    one_row[3, -2:] = 0
+    with pytest.raises(CaptureError, match=rf"as_example: the example batch takes the branch "
+                                           rf"at {_line()}: if not pad.any\(\):.*, but its rows "
+                                           rf"0\.\.\d, chunk 1 of the 2 .*padding in every chunk"):
+        compile_module(_PaddingTest(), (one_row,), spec, reference=False)
+    assert compile_module(_PaddingTest(), (_ids(True),), spec, reference=False).plan
+
+
 class _BranchOnNoise(nn.Module):
     """A branch on a random draw (ST-MoE's router noise deciding ``F.one_hot``'s class
     count): the example's draw decided it at capture, another draw decides it otherwise."""
