@@ -10,7 +10,8 @@ adaLN column, qkv and fc1 row-parallel on a feature-sharded input (all-reduced),
 computed whole on every rank, attn.proj and mlp.fc2 replicated (the zoo's dit: 6 of 10
 matrices at tp2 and tp4, PASS). A per-sample vector broadcast over the positions of another
 activation now ends the walk (planning/tp_seeds.py ``_conditioning``): qkv | proj and
-fc1 | fc2 are Megatron pairs, adaLN replicated (its matmul is one row per sample).
+fc1 | fc2 are Megatron pairs, adaLN replicated (its matmul is one row per sample), or,
+where the vector comes from the timestep's MLP, the row of that MLP's last linear.
 
 A gate that is not a broadcast (SwiGLU's ``silu(gate(x)) * up(x)``, both per token) and a
 per-head scalar broadcast over head_dim are unchanged; a per-position linear broadcast over a
@@ -64,9 +65,13 @@ class DiTBlock(nn.Module):
 
 
 class DiT(nn.Module):
-    def __init__(self, depth=2):
+    """``time_mlp``: the conditioning vector from the timestep's MLP, a chain of linears into
+    every adaLN; else the per-sample vector given as it is."""
+
+    def __init__(self, depth=2, time_mlp=True):
         super().__init__()
-        self.t_mlp = nn.Sequential(nn.Linear(16, H), nn.SiLU(), nn.Linear(H, H))
+        self.t_mlp = nn.Sequential(nn.Linear(16, H), nn.SiLU(), nn.Linear(H, H)) if time_mlp \
+            else nn.Identity()
         self.blocks = nn.ModuleList([DiTBlock() for _ in range(depth)])
 
     def forward(self, x, t):
@@ -90,19 +95,31 @@ class PerHeadScale(nn.Module):
         return x + self.o(y.reshape(B, N, H))
 
 
-def _batch():
+def _batch(width=16):
     g = torch.Generator().manual_seed(3)
-    return (x_batch(2, 6)[0], torch.randn(2, 16, generator=g))
+    return (x_batch(2, 6)[0], torch.randn(2, width, generator=g))
 
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_adaln_conditioning_leaves_attention_and_mlp_pairs(tp):
+    """From the timestep's MLP, the adaLN linears are the row of its last linear (the plan
+    sharding more parameters of the chain's two, decision 216), never of qkv or fc1."""
     torch.manual_seed(0)
     d = plan_and_check(DiT(), _batch(), tp)
+    assert "t_mlp.2.weight" in d.column
     for i in range(2):
         b = f"blocks.{i}."
         assert {b + "attn.qkv.weight", b + "fc1.weight"} <= d.column, d.column
-        assert {b + "attn.proj.weight", b + "fc2.weight"} <= d.row, d.row
+        assert {b + "attn.proj.weight", b + "fc2.weight", b + "adaLN_modulation.1.weight"} \
+            <= d.row, d.row
+
+
+def test_adaln_of_a_given_conditioning_vector_is_replicated_and_says_why():
+    torch.manual_seed(0)
+    d = plan_and_check(DiT(time_mlp=False), _batch(H), 2)
+    for i in range(2):
+        b = f"blocks.{i}."
+        assert {b + "attn.qkv.weight", b + "fc1.weight"} <= d.column, d.column
         assert b + "adaLN_modulation.1.weight" not in d.column | d.row
         # the report says why (it said "no column/row pair found": a break test)
         (why,) = d.replicated[b + "adaLN_modulation.1.weight"]
