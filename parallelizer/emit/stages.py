@@ -12,6 +12,7 @@ import textwrap
 import torch.fx as fx
 
 from ..analysis.graph_facts import attr_targets
+from ..frontend.graph_rewrite import returns_view
 
 HEADER = '''"""{title}
 
@@ -58,6 +59,9 @@ def class_source(name: str, graph: fx.Graph, tensors: tuple, submodules: list,
     lines.append(_tuple_attr("BUFFERS", buffers))
     if frozen:
         lines.append(f"    FROZEN = {tuple(frozen)!r}")
+    returned = returned_parameters(graph)
+    if returned:
+        lines.append(f"    RETURNS_PARAMETERS = {returned!r}")
     if tied:
         lines.append("    TIED = (\n" + "".join(f"        ({a!r}, {n!r}),\n" for a, n in tied) + "    )")
     if submodules:
@@ -65,6 +69,21 @@ def class_source(name: str, graph: fx.Graph, tensors: tuple, submodules: list,
             f"        ({n!r}, {c}),\n" for n, c in submodules) + "    )")
     lines += ["", textwrap.indent(fwd, "    ")]
     return "\n".join(lines), imports
+
+
+def returned_parameters(graph: fx.Graph) -> tuple:
+    """The tensors (get_attr targets) ``graph`` returns itself or a view of: a block whose
+    parameter the code after it reads (a weight penalty ``w.pow(2).sum()`` in the root's
+    forward). Under ZeRO-3, FSDP2 frees a block's gathered parameters after its forward, and
+    the caller read freed memory (every rank died with SIGSEGV, zoo 21 F4): the runtime keeps
+    such a block gathered until its backward (runtime/data_parallel.py)."""
+    out = []
+    for n in graph.output_node().all_input_nodes:
+        while returns_view(n):
+            n = n.args[0]
+        if n.op == "get_attr" and n.target not in out:
+            out.append(n.target)
+    return tuple(out)
 
 
 def _tuple_attr(attr: str, items: list) -> str:

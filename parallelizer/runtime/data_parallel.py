@@ -8,7 +8,9 @@
   expert parallelism over edp, :func:`zero1_group`);
 - 2: FSDP2 ``fully_shard`` per block with ``reshard_after_forward=False`` (gradients and
   optimizer state sharded; parameters stay gathered between forward and backward);
-- 3: FSDP2 per block with ``reshard_after_forward=True`` (parameters sharded too).
+- 3: FSDP2 per block with ``reshard_after_forward=True`` (parameters sharded too), except a
+  block whose forward returns one of its parameters to the code after it
+  (``EmittedModule.RETURNS_PARAMETERS``), kept gathered until its backward as at 2.
 
 FSDP2 options (stages 2 and 3, spec ``fsdp.*``, ``mixed_precision.*``, ``mesh.dp_replicate``):
 HSDP shards over ``dp_shard`` and replicates over ``dp_replicate`` (a 2-D mesh; FSDP2
@@ -80,7 +82,10 @@ def apply_data_parallel(stage: torch.nn.Module, ctx: RankContext, plan) -> None:
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPStage\d+\) returned "
                                               r"a view tensor")
     for block in blocks:
-        fully_shard(block, **kw)
+        # a block returning its parameter (a weight penalty read after it) keeps it gathered
+        # until backward: resharded, the caller would read freed memory (zoo 21 F4, SIGSEGV)
+        fully_shard(block, **({**kw, "reshard_after_forward": False}
+                              if getattr(block, "RETURNS_PARAMETERS", ()) else kw))
     # The root (embedding, final norm, LM head) is needed again at once by backward: under
     # ZeRO-3 leave it to FSDP2's root default (None: kept gathered, as torchtitan does); an
     # explicit True re-gathered it for every backward (benchmarks/communication.py).

@@ -30,6 +30,9 @@ class EmittedModule(nn.Module):
     SUBMODULES: ``(name, class)`` per outlined block (an FSDP / activation checkpointing unit).
     TIED: ``(alias, name)``: the alias is the very Parameter registered under ``name``, so a
         tied embedding and LM head in one stage stay one tensor with one gradient.
+    RETURNS_PARAMETERS: names of the tensors the forward returns (or views of them), read
+        by the code after the block: FSDP2 keeps such a block gathered until its backward
+        (runtime/data_parallel.py).
     """
 
     PARAMETERS: tuple = ()
@@ -37,6 +40,7 @@ class EmittedModule(nn.Module):
     SUBMODULES: tuple = ()
     TIED: tuple = ()
     FROZEN: tuple = ()
+    RETURNS_PARAMETERS: tuple = ()
 
     def __init__(self, device: torch.device | str = "cpu"):
         super().__init__()

@@ -21,6 +21,9 @@ atol = rtol = 1e-5.
   copies in OUT/model_deps/.
 - 0-dim parameters (ReZero gates, a logit temperature) at dp=2 under the default ZeRO-3:
   FSDP2 leaves them whole (``ignored_params``) and their gradients are averaged over dp.
+- A weight penalty the root computes from the blocks' weights after each block, at dp=2
+  under the default ZeRO-3: the block returns its parameter (``RETURNS_PARAMETERS``) and
+  FSDP2 keeps it gathered until backward (it read freed memory: SIGSEGV on every rank).
 - ViT-MAE with a loss that does not depend on the weights at tp=2: its gradients are the
   model's own rounding, which --verify allows 8 times over (and says so).
 - ALBERT-style blocks sharing one set of weights at pp=2: one on the first stage, two on the
@@ -55,6 +58,7 @@ CASES = {  # folder name -> (model file, overrides)
     "qwen3-qk-norm-tp2": ("qwen3_qk_norm.py", ("mesh.tp=2",)),
     "two-files-tp2": ("two_files/model.py", ("mesh.tp=2",)),
     "rezero-scalars-dp2": ("rezero.py", ("mesh.dp=2",)),
+    "weight-penalty-dp2": ("weight_penalty.py", ("mesh.dp=2",)),
     "vit-mae-normed-tp2": ("vit_mae_normed.py", ("mesh.tp=2",)),
     "shared-blocks-pp2": ("shared_blocks.py", ("mesh.pp=2",)),
     "named-return-tp2": ("named_return.py", ("mesh.tp=2", "pipeline.microbatches=1")),
@@ -93,6 +97,8 @@ def test_user_models_verify(tmp_path, tools):
         if name.startswith("shared-blocks"):
             assert [st.blocks for st in program.plan.stages] == [("layers.0",), ()] \
                 and "stage 1: layers.0.0.bias and 3 more read by blocks layers.1, layers.2" in program.report
+        if name.startswith("weight-penalty"):
+            assert "RETURNS_PARAMETERS = ('fc.weight',)" in program.sources["program/stage0.py"]
         if name.startswith("qwen3"):  # the per-head q/k norm weights, summed over tp
             (summed,) = [e["key"] for e in program.plan.grad_sync if e["kind"] == "partial_tp"]
             assert summed == [f"model.layers.{i}.self_attn.{n}_norm.weight"
