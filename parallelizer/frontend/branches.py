@@ -130,7 +130,8 @@ def check_example_chunks(gm: torch.fx.GraphModule, input_names, batch, chunks: i
     """
     if chunks <= 1 or not gm.meta.get(ASSUMED):
         return
-    flat = [batch[n] for n in input_names] if isinstance(batch, dict) else list(batch)
+    flat = [batch[n] for n in input_names] if isinstance(batch, dict) else \
+        [batch] if isinstance(batch, torch.Tensor) else list(batch)
     rows = next((t.shape[0] for t in flat if isinstance(t, torch.Tensor) and t.dim()), 0)
     if not rows or rows % chunks:
         return  # the spec check names a batch the layout does not divide

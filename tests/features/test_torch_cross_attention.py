@@ -162,8 +162,9 @@ def test_a_weight_cut_along_its_input_features_stays_replicated_and_correct():
 
 class _KvFromLinear(nn.Module):
     """kdim/vdim keys and values made by a linear before the attention, with ``add_bias_kv``
-    and ``add_zero_attn`` (zoo 20 Z4): the planner pairs that linear with k_proj and v_proj as column -> row, which
-    keeps the chunked in_proj_bias, and with it q_proj and out_proj, whole."""
+    and ``add_zero_attn`` (zoo 20 Z4): the planner pairs that linear with k_proj and v_proj
+    as column -> row, which keeps the chunked in_proj_bias, and with it q_proj and
+    out_proj, whole."""
 
     def __init__(self):
         super().__init__()
