@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_unflatten
 
+from ..errors import ModelFileError
 from ..frontend.model_file import call_loss_fn
 from ..plan.dtypes import differentiable
 from ..plan.out_spec import loads as out_spec_loads
@@ -26,11 +27,6 @@ from ..runtime.fake_kernels import fake_forward_kernels
 from .expert_rows import BalancedExpertRows
 from ..plan.parallel_plan import ParallelPlan
 
-# estimate runs loss_fn on one tp rank's logit columns as plain tensors (run.py hands it a
-# DTensor Shard(-1) instead), so a loss_fn hard-coding the vocabulary size fails here only
-_ESTIMATE_LOSS = ("; parallelize estimate ran it on one tp rank's vocabulary columns of the "
-                  "logits (vocab_parallel), as plain tensors: write the vocabulary size as "
-                  "logits.size(-1), not a constant (docs/limits.md)")
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -127,8 +123,7 @@ def _stage_activations(stages: list, plan: ParallelPlan, batch, loss_fn, mode,
             flat = tuple(flat) if isinstance(flat, (tuple, list)) else (flat,)
             if index == len(stages) - 1:
                 target = _loss_target(plan, batch, mode)
-                outputs = tree_unflatten(list(flat), out_spec_loads(plan.out_spec))
-                call_loss_fn(loss_fn, outputs, target, None, _ESTIMATE_LOSS if plan.vocab_outputs else "")
+                _loss_activations(loss_fn, list(flat), target, plan, rec)
         for h in hooks:
             h.remove()
         kept, recompute = rec.bytes(None, value), 0
@@ -146,6 +141,40 @@ def _stage_activations(stages: list, plan: ParallelPlan, batch, loss_fn, mode,
             alltoall.append(int(balanced.peak(value) * scale) if plan.ep > 1 else 0)
         inputs = [t.detach().requires_grad_(differentiable(t.dtype)) for t in flat]
     return out
+
+
+def _loss_activations(loss_fn, flat: list, target, plan: ParallelPlan, rec: _Recorder) -> None:
+    """``loss_fn`` on the last stage's outputs, what it saves recorded. A vocab_parallel
+    output is one tp rank's vocabulary columns here, a plain tensor (``run.py`` hands
+    loss_fn a DTensor Shard(-1)), and a loss_fn reading the vocabulary size as a constant
+    (``logits.reshape(-1, V)``) fails on it (3 of 3 estimates tried in zoo 21). It then runs
+    on the outputs widened to the whole vocabulary (the rank's columns repeated), and the
+    vocabulary-wide tensors it saves are counted at 1 / tp, the rank's share of a
+    vocabulary-parallel loss."""
+    spec = out_spec_loads(plan.out_spec)
+    saved = rec.saved.setdefault(rec.current, [])
+    before = len(saved)
+    try:
+        call_loss_fn(loss_fn, tree_unflatten(flat, spec), target, None)
+        return
+    except ModelFileError:
+        if not plan.vocab_outputs:
+            raise
+    del saved[before:]  # what the failed call saved before it failed
+    widened = list(flat)
+    for i, vocab in plan.vocab_outputs:
+        t = flat[i]
+        widened[i] = torch.cat([t] * -(-vocab // t.shape[-1]), dim=-1)[..., :vocab]
+    call_loss_fn(loss_fn, tree_unflatten(widened, spec), target, None)
+    tp, vocabs = plan.mesh["tp"], [v for _i, v in plan.vocab_outputs]
+    saved[before:] = [(n // tp if floating and _vocab_wide(n, vocabs) else n, floating)
+                      for n, floating in saved[before:]]
+
+
+def _vocab_wide(nbytes, vocabs: list) -> bool:
+    """A saved tensor of a whole number of rows of a vocabulary (log-softmax's output), not a
+    per-token one (the targets, the loss's weight)."""
+    return isinstance(nbytes, int) and any(nbytes % v == 0 for v in vocabs)
 
 
 def _loss_target(plan: ParallelPlan, batch, mode):
