@@ -71,3 +71,34 @@ def test_a_block_forward_never_runs_is_not_counted():
     line = tp_summary(plan_tp(graph, 2), model, read=read_attrs(graph))
     assert line.startswith("tensor parallel: 4 of 4 weight matrices in blocks sharded"), line
     assert line.endswith("; 2 weight matrices forward never reads not counted"), line
+
+
+class TalkingHeads(nn.Module):
+    """Talking-heads attention (Shazeer et al. 2020): the scores mixed across the heads by
+    (heads, heads) weights before and after the softmax; the plan makes the first row
+    parallel over the heads, summing the (B, heads, T, T) scores over tp every step."""
+
+    def __init__(self, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.o = nn.Linear(H, 3 * H), nn.Linear(H, H)
+        self.pre, self.post = (nn.Parameter(torch.eye(heads) + 0.1) for _ in range(2))
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        att = torch.einsum("bhij,hg->bgij", q @ k.transpose(-1, -2), self.pre).softmax(-1)
+        att = torch.einsum("bhij,hg->bgij", att, self.post)
+        return x + self.o((att @ v).transpose(1, 2).reshape(B, T, H))
+
+
+def test_the_report_names_the_largest_value_the_rows_sum():
+    """The report listed no collective for the scores' sum (zoo 21): a reader of "12 of 12
+    sharded" took the attention for head-sharded throughout."""
+    x = x_batch(2, 16)  # scores of 2 x 4 x 16 x 16, the residual stream 2 x 16 x 32
+    d = plan_tp(captured(nn.Sequential(TalkingHeads(), TalkingHeads()), x).gm.graph, 2)
+    assert "0.pre" in d.row, d.report
+    (line,) = [r for r in d.report if r.startswith("summed over tp every step")]
+    assert line.startswith("summed over tp every step (Megatron's g): 4 row_parallel output(s), "
+                           "6,144 elements on the example batch; the largest 2x16x16x4 = 2,048, "
+                           "of 0.pre (aten.linear.default at test_tp_counts.py:"), line
