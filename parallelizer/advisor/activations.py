@@ -173,7 +173,9 @@ def _loss_activations(loss_fn, flat: list, target, plan: ParallelPlan, rec: _Rec
 
 def _vocab_wide(nbytes, vocabs: list) -> bool:
     """A saved tensor of a whole number of rows of a vocabulary (log-softmax's output), not a
-    per-token one (the targets, the loss's weight)."""
+    per-token one (the targets, the loss's weight). By bytes, so a per-token floating
+    tensor whose bytes are a multiple of the vocabulary is counted at 1 / tp too: an error
+    of a vocabulary's fraction of the loss's saved bytes, in an estimate."""
     return isinstance(nbytes, int) and any(nbytes % v == 0 for v in vocabs)
 
 
