@@ -16,7 +16,7 @@ import math
 
 import torch.fx as fx
 
-from ..analysis.graph_facts import shape
+from ..analysis.graph_facts import aten, shape
 from ..plan.decisions import TPDecision
 from .redistributions import all_reduce_bytes, redistributions
 from .tp_candidates import candidate
@@ -65,10 +65,15 @@ def chains_whole(graph: fx.Graph, sites: list, tp: int, decision: TPDecision, ch
 
 def sharded_elements(graph: fx.Graph, found) -> int:
     """Elements of the parameters a settled plan shards column or row parallel: what the
-    plan takes off each rank's memory and, with the ops on their shards, off its compute."""
+    plan takes off each rank's memory and, with the ops on their shards, off its compute.
+    A table an embedding reads is not counted: vocab_parallel shards a tied table whole
+    either way (a chain ending in a tied LM head took it for a row and lost
+    vocab_parallel)."""
     _pairs, column, row, _prop = found
+    tables = {n.args[0].target for n in graph.nodes if n.op == "call_function"
+              and n.target is aten.embedding.default and n.args[0].op == "get_attr"}
     return sum({n.target: math.prod(shape(n)) for n in graph.nodes
-                if n.op == "get_attr" and n.target in column | row}.values())
+                if n.op == "get_attr" and n.target in (column | row) - tables}.values())
 
 
 def bytes_per_step(graph: fx.Graph, sites: list, found, tp: int) -> int:
