@@ -12,7 +12,7 @@ import textwrap
 import torch.fx as fx
 
 from ..analysis.graph_facts import attr_targets
-from ..frontend.graph_rewrite import returns_view
+from ..frontend.graph_rewrite import view_base
 
 HEADER = '''"""{title}
 
@@ -78,9 +78,7 @@ def returned_parameters(graph: fx.Graph) -> tuple:
     the caller read freed memory (every rank died with SIGSEGV, zoo 21 F4): the runtime keeps
     such a block gathered until its backward (runtime/data_parallel.py)."""
     out = []
-    for n in graph.output_node().all_input_nodes:
-        while returns_view(n):
-            n = n.args[0]
+    for n in map(view_base, graph.output_node().all_input_nodes):
         if n.op == "get_attr" and n.target not in out:
             out.append(n.target)
     return tuple(out)

@@ -3,6 +3,8 @@ with report.md's lines: each names the op and source line that needed it and the
 moves per rank per step (analysis/sharding/redistribute.py decides them)."""
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.fx as fx
 
@@ -83,6 +85,16 @@ def all_reduce_bytes(node: fx.Node, tp: int) -> int:
     return _bytes(node, "all_reduce", tp)
 
 
+def example_sizes(node: fx.Node):
+    """The sizes of ``node``'s tensor value on the example batch (a symbolic size by its
+    hint), or None: no tensor, or a data-dependent size (an MoE layer's tokens)."""
+    v = node.meta.get("val") if isinstance(node, fx.Node) else None
+    if not isinstance(v, torch.Tensor):
+        return None
+    sizes = [s.node.hint if isinstance(s, torch.SymInt) else s for s in v.shape]
+    return None if any(s is None for s in sizes) else [int(s) for s in sizes]
+
+
 def _bytes(node: fx.Node, kind: str, tp: int, dim=None, runs=()) -> int:
     """Bytes one rank sends per step for ``node``'s value (the example's shapes), as the
     runtime's operator (runtime/tp.py) moves it. Ring collectives: a rank sends ``tp - 1``
@@ -91,23 +103,16 @@ def _bytes(node: fx.Node, kind: str, tp: int, dim=None, runs=()) -> int:
     twice that. ``scatter_copies`` (``n`` entries along ``dim`` copied to tp / n ranks each)
     all-gathers in backward the gradient of each rank's copy, one entry: 1/n of the value,
     not 1/tp; ``scatter_pieces`` the rank's piece, its ``runs`` long along ``dim``."""
-    v = node.meta.get("val")
-    if not isinstance(v, torch.Tensor):
+    sizes = example_sizes(node)
+    if sizes is None:
         return 0
-    numel = 1
-    sizes = []
-    for s in v.shape:
-        hint = s.node.hint if isinstance(s, torch.SymInt) else s
-        if hint is None:  # a data-dependent size (an MoE layer's tokens): not known here
-            return 0
-        sizes.append(int(hint))
-        numel *= int(hint)
+    numel = math.prod(sizes)
     piece = numel / tp
     if kind == "scatter_copies":
         piece = numel / sizes[dim]
     elif kind == "scatter_pieces":
         piece = numel / sizes[dim] * sum(n for _at, n in runs[0])
-    return int(_RING[kind] * (tp - 1) * piece * v.element_size())
+    return int(_RING[kind] * (tp - 1) * piece * node.meta["val"].element_size())
 
 
 def _why(node: fx.Node) -> str:

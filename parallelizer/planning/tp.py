@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 
-import torch
 import torch.fx as fx
 
 from ..plan.decisions import TPDecision
@@ -30,7 +29,7 @@ from ..errors import PlanError
 from ..analysis.linears import linear_sites, weight_masks
 from ..analysis.sharding.placements import Shard
 from .gradients import plan_gradients
-from .redistributions import redistributions, report_lines
+from .redistributions import example_sizes, redistributions, report_lines
 from .tp_candidates import (indivisible, merged_layout, merged_whole, one_head_whole,
                             pairs_settled, replicated_plan)
 from .tp_chains import chains_whole
@@ -138,10 +137,8 @@ def summed_rows(sites: list, row: set) -> list[str]:
     (zoo 21). Elements on the example batch; [] without rows."""
     sizes = []
     for s in sites:
-        v = (s.bias_add or s.node).meta.get("val")
-        dims = [d.node.hint if isinstance(d, torch.SymInt) else d
-                for d in getattr(v, "shape", (None,))]
-        if s.weight in row and all(isinstance(d, int) for d in dims):
+        dims = example_sizes(s.bias_add or s.node) if s.weight in row else None
+        if dims is not None:
             sizes.append((math.prod(dims), dims, s))
     if not sizes:
         return []
