@@ -35,7 +35,7 @@ from .held_params import held_parameters, read_as_parameters
 from .model_file import headline, user_frame
 from .module_state import buffer_values_kept, state_kept
 from .module_paths import one_name_per_module
-from .regions import inline_regions, model_line
+from .regions import autocast_off_elided, inline_regions, model_line, record_autocast_off
 from .saved_reads import copy_reads_before_writes
 from .source_lines import shown_path
 from .tiles import tiles_as_repeat
@@ -80,10 +80,11 @@ def capture(model: torch.nn.Module, batch: tuple | dict, model_file: Path,
     check_module_hooks(model, model_file)
     with python_rng.no_draws(model, args, kwargs, model_file,
                              lambda: capture_hints.setting_hints(model)), \
-            tensor_hooks_refused(model_file):
+            tensor_hooks_refused(model_file), autocast_off_elided() as autocast_off:
         ep, route, applied, fixed, decided = _exported(model, args, kwargs, model_file, branches)
     python_state.refuse_per_call_numbers(model, args, kwargs, model_file)
     gm = ep.module()
+    record_autocast_off(gm, autocast_off)
     if fixed:  # for the compile's warning of the fixed size (analysis/outputs.py)
         gm.meta[FIXED_BY] = fixed
     if decided:  # for the compile's warning (compiler.py) and the run's error
@@ -378,7 +379,7 @@ def _refuse_subgraphs(gm: torch.fx.GraphModule, model_file: Path) -> None:
 
 def _autocast_message(node, line: str, model_file: Path) -> str:
     """The refusal of an autocast region that turns autocast on (regions turning it off are
-    inlined, frontend/regions.py): the spec's mixed precision is what does it."""
+    no-ops in the capture, frontend/regions.py): the spec's mixed precision is what does it."""
     device, dtype = node.args[0], node.args[1]
     dtype = str(dtype).replace("torch.", "") if dtype is not None else "its default dtype"
     where = line or "a line export did not record"

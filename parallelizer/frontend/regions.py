@@ -3,18 +3,23 @@ what the model computes, so that every planner and pass reads one flat graph of 
 
 - ``torch.no_grad()`` (``wrap_with_set_grad_enabled(False, submod, *args)``): inputs and
   outputs detached, the same values, none of them carrying gradient;
-- ``torch.autocast(device, enabled=False)`` (``wrap_with_autocast(device, dtype, False,
-  cache, submod, *args)``: x-transformers' rotary embedding, kept in fp32 under mixed
-  precision): in fp32 no autocast is active, so the region computes what its ops compute
-  anywhere. The compiler refuses such a region under ``mixed_precision.param_dtype`` other
-  than fp32, whose autocast would reach into it (:func:`check_autocast_off`).
+
+``torch.autocast(device, enabled=False)`` (x-transformers' rotary embedding, kept in fp32 under
+mixed precision) never becomes a region: the capture runs with autocast off, where entering
+such a region changes nothing, and :func:`autocast_off_elided` makes it the no-op it is there.
+torch.export's own region (``wrap_with_autocast``) lost a ``torch.no_grad()`` inside it: its
+pass splitting the graph at the region's ends dropped the no_grad's ends, and the ops ran with
+gradient. The compiler refuses mixed precision other than fp32 for such a model, whose
+autocast would reach into the region (:func:`check_autocast_off`).
 
 An autocast region that turns autocast on, ``torch.cond`` and ``torch.autograd.Function``
 stay subgraphs, which capture refuses.
 """
 from __future__ import annotations
 
+import contextlib
 import operator
+import traceback
 
 import torch
 
@@ -22,34 +27,63 @@ from ..errors import CaptureError
 from .graph_rewrite import returns_view, written_inputs
 from .source_lines import trace_lines
 
-_AUTOCAST_OFF = "autocast_off"  # gm.meta key: the source lines of the inlined regions
+_AUTOCAST_OFF = "autocast_off"  # gm.meta key: the source lines of the elided regions
+
+
+@contextlib.contextmanager
+def autocast_off_elided():
+    """Around the capture: ``torch.autocast(device, enabled=False)`` entered where autocast
+    is off on ``device`` already is a no-op (it would set the state it finds; only a model
+    reading ``torch.get_autocast_dtype`` could tell), so torch.export records no region for
+    it (module docstring). Yields the list it appends each such region's model line to
+    (``file.py:line``, the innermost frame outside torch and parallelizer), for
+    :func:`record_autocast_off`."""
+    cls, lines = torch.amp.autocast_mode.autocast, []
+    enter, leave = cls.__enter__, cls.__exit__
+
+    def __enter__(self):
+        if self._enabled or torch.is_autocast_enabled(self.device):
+            return enter(self)
+        self._pz_elided = getattr(self, "_pz_elided", 0) + 1  # a decorator's one instance
+        lines.append(next(iter(trace_lines("".join(traceback.format_stack()))), "the model"))
+        return self
+
+    def __exit__(self, *exc):
+        if not getattr(self, "_pz_elided", 0):
+            return leave(self, *exc)
+        self._pz_elided -= 1
+        return False
+    cls.__enter__, cls.__exit__ = __enter__, __exit__
+    try:
+        yield lines
+    finally:
+        cls.__enter__, cls.__exit__ = enter, leave
+
+
+def record_autocast_off(gm: torch.fx.GraphModule, lines: list[str]) -> None:
+    """Keep the elided autocast-off regions' lines (:func:`autocast_off_elided`) with ``gm``
+    for :func:`check_autocast_off`."""
+    gm.meta[_AUTOCAST_OFF] = list(dict.fromkeys(lines))
 
 
 def inline_regions(gm: torch.fx.GraphModule) -> None:
-    """Inline ``gm``'s no_grad and autocast-off regions (module docstring); records the
-    autocast-off regions' source lines in ``gm.meta``."""
-    from torch._higher_order_ops.wrap import wrap_with_autocast, wrap_with_set_grad_enabled
-    graph, lines = gm.graph, []
+    """Inline ``gm``'s no_grad regions (module docstring)."""
+    from torch._higher_order_ops.wrap import wrap_with_set_grad_enabled
+    graph = gm.graph
     todo = list(graph.nodes)
-    while todo:  # a region nested in another (an autocast-off function called from an
-        inlined = []  # autocast-off forward) is a node of the graph once its outer one is
+    while todo:  # a region nested in another is a node of the graph once its outer one is
+        inlined = []
         for node in todo:
-            if node.op != "call_function":
-                continue
-            if node.target is wrap_with_set_grad_enabled and node.args[0] is False:
-                inlined += _inline(gm, node, node.args[1], node.args[2:], detach=True)
-            elif node.target is wrap_with_autocast and node.args[2] is False:
-                sub = getattr(gm, node.args[4].target)
-                lines.append(model_line(sub.graph.nodes) or "the model")
-                inlined += _inline(gm, node, node.args[4], node.args[5:], detach=False)
+            if node.op == "call_function" and node.target is wrap_with_set_grad_enabled \
+                    and node.args[0] is False:
+                inlined += _inline(gm, node, node.args[1], node.args[2:])
         todo = inlined
-    gm.meta[_AUTOCAST_OFF] = list(dict.fromkeys(lines))
     graph.lint()
     gm.recompile()
 
 
 def check_autocast_off(gm: torch.fx.GraphModule, param_dtype: str) -> None:
-    """Refuse mixed precision for a model with autocast-off regions inlined: the program
+    """Refuse mixed precision for a model with autocast-off regions elided: the program
     runs each stage's forward under ``torch.autocast(param_dtype)``, which would reach into
     them (the model keeps them in fp32; x-transformers' rotary embedding).
 
@@ -68,15 +102,16 @@ def check_autocast_off(gm: torch.fx.GraphModule, param_dtype: str) -> None:
         f"region")
 
 
-def _inline(gm, node, attr, args, detach: bool) -> None:
-    """Copy the subgraph ``attr`` of ``node`` before it, reading ``args``; ``detach``: every
+def _inline(gm, node, attr, args) -> list:
+    """Copy the no_grad subgraph ``attr`` of ``node`` before it, reading ``args``, every
     tensor read and returned detached (a no_grad region's ops, inlined, track no gradient:
     spectral_norm's power iteration writes ``div(..., out=self._u)`` from the weight, which
     raises with gradient tracked; export's fake values do not say which tensors carry
     gradient, so every tensor is detached). A SymInt output (``min(k, x.shape[1])``) is
     passed on as it is. Returns the nodes copied."""
     graph, sub = gm.graph, getattr(gm, attr.target)
-    keep = (lambda v: _detach(graph, v) if _is_tensor(v) else v) if detach else (lambda v: v)
+    def keep(v):
+        return _detach(graph, v) if _is_tensor(v) else v
     env, outs, args, outer, copied = {}, None, iter(args), {}, []
     with graph.inserting_before(node):
         for n in sub.graph.nodes:
@@ -106,9 +141,9 @@ def _inline(gm, node, attr, args, detach: bool) -> None:
 
 def _held_by(gm, sub, target: str) -> str:
     """The name under which ``gm`` holds what ``sub`` holds at ``target``: a region nested in
-    the inlined one is a submodule of ``sub``, not of ``gm`` (ring-attention-pytorch's
-    rotary, zoo 21 F1: the copied get_attr named nothing and the graph's lint raised), and
-    is registered on ``gm`` under a free name."""
+    the inlined one is a submodule of ``sub``, not of ``gm`` (zoo 21 F1, then autocast-off
+    regions in ring-attention-pytorch's rotary: the copied get_attr named nothing and the
+    graph's lint raised), and is registered on ``gm`` under a free name."""
     held = operator.attrgetter(target)(sub)
     try:
         if operator.attrgetter(target)(gm) is held:

@@ -2,8 +2,8 @@
 rotary embedding in fp32 with a decorator that opens one): torch.export keeps each as a
 ``wrap_with_autocast`` subgraph, which capture refused ("the model calls wrap_with_autocast on
 a subgraph"), so every x-transformers model with rotary embeddings was refused. In fp32 no
-autocast is active, so the region's ops compute what they compute anywhere: the region is
-inlined and the program checks against the model at tp 2. Under mixed precision the
+autocast is active, so the region's ops compute what they compute anywhere: the capture
+enters it as the no-op it is and the program checks against the model at tp 2. Under mixed precision the
 program's own autocast would reach into the region, so that compile is refused naming the
 region's line and the spec key. A region that turns autocast on stays refused.
 """
@@ -115,3 +115,34 @@ def test_regions_nested_in_an_inlined_region_are_inlined_too():
     assert re.match(r"self-check: 2 tp rank\(s\) of the program against the model", note), note
     assert program.plan.tensors["0.fc1.weight"].tp_dim == 0
     assert "wrap_with_autocast" not in "".join(program.sources.values())
+
+
+class _NoGradInside(nn.Module):
+    """A ``torch.no_grad()`` inside an autocast-off region: torch.export's region lost it
+    (its ops ran with gradient), and the self-check stopped the compile as an internal
+    error, "the program computes one where the model's is None" (decision 222)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+        self.scale = nn.Parameter(torch.ones(D))
+
+    def forward(self, x):
+        with torch.autocast("cpu", enabled=False):
+            with torch.no_grad():
+                s = self.scale * 2
+            x = x * s
+        return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+def test_no_grad_inside_an_autocast_off_region_keeps_the_parameter_out_of_the_gradients():
+    torch.manual_seed(0)
+    model = nn.Sequential(_NoGradInside(), _NoGradInside())
+    program = compiler.compile_module(model, _batch(), _spec(), reference=False)
+    (note,) = [n for n in program.notes if n.startswith("self-check")]
+    assert re.match(r"self-check: 2 tp rank\(s\) of the program against the model", note), note
+    assert program.plan.tensors["0.fc1.weight"].tp_dim == 0
+    with pytest.raises(CaptureError, match=r"turns autocast off at test_autocast_regions\.py:"
+                                           r"\d+ .*param_dtype=bf16"):
+        compiler.compile_module(model, _batch(), _spec(mixed_precision={"param_dtype": "bf16"}),
+                                reference=False)
