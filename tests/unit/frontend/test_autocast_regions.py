@@ -3,9 +3,9 @@ rotary embedding in fp32 with a decorator that opens one): torch.export keeps ea
 ``wrap_with_autocast`` subgraph, which capture refused ("the model calls wrap_with_autocast on
 a subgraph"), so every x-transformers model with rotary embeddings was refused. In fp32 no
 autocast is active, so the region's ops compute what they compute anywhere: the capture
-enters it as the no-op it is and the program checks against the model at tp 2. Under mixed precision the
-program's own autocast would reach into the region, so that compile is refused naming the
-region's line and the spec key. A region that turns autocast on stays refused.
+enters it as the no-op it is and the program checks against the model at tp 2. Under mixed
+precision the program's own autocast would reach into the region, so that compile is refused
+naming the region's line and the spec key. A region that turns autocast on stays refused.
 """
 import re
 
