@@ -35,7 +35,7 @@ def assert_tp_matches(model, batch, tp, decision, gm, seed=None):
     outs = ref(*batch)
     outs = outs if isinstance(outs, tuple) else (outs,)
     weighted_loss(outs).backward()
-    params = dict(ref.named_parameters())
+    params = dict(ref.named_parameters(remove_duplicate=False))  # a shared module's every name
     streams = None if seed is None else RankStreams(seed, tp)
     for r, res in enumerate(run_ranks(gm, decision, tp, list(batch), weighted_loss, LR, streams)):
         for got, want in zip(res.outputs, outs):

@@ -260,7 +260,10 @@ class Fused(EvenSplit):
 
     def text(self) -> str:
         copied = [f"part {i} {pl.text()}" for i, pl in enumerate(self.part_layouts or ()) if pl]
-        return f"fused {list(self.parts)}" + (f" ({'; '.join(copied)})" if copied else "")
+        parts = list(self.parts)
+        if len(parts) > 4 and len(set(parts)) == 1:  # heads inner: one part per head_dim
+            parts = f"[{parts[0]}] x {len(parts)}"
+        return f"fused {parts}" + (f" ({'; '.join(copied)})" if copied else "")
 
     def to_json(self) -> dict:
         out = {"kind": self.kind, "parts": list(self.parts)}

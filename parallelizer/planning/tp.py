@@ -90,6 +90,8 @@ def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False,
             decision.dims[site.bias] = 0
         if w in column and w in layouts:  # a merged parameter's in its own dim's units
             decision.layouts[w] = merged_layout(site, layouts[w])
+        if w in row and w in layouts:  # its input features', heads inner (strided.py)
+            decision.layouts[w] = layouts[w]
         if w in column and site.bias in layouts:  # its weight's, or its pieces' side by side
             decision.layouts[site.bias] = layouts[site.bias]
         for mask in weight_masks(site) if w in column or w in row else ():
@@ -107,7 +109,7 @@ def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False,
     decision.report += report_lines(decision.redistributions)
     decision.report += summed_rows(sites, row)
     for w, layout in sorted(decision.layouts.items()):
-        if w in column:
+        if w in column or w in row:
             decision.report.append(f"layout {layout.text()}: {w}")
     paired = {w for c, rows in pairs.items() if rows for w in {c} | rows}
     is_linear = {s.node: s for s in sites}

@@ -59,7 +59,7 @@ def view_rule(node, prop, tp):
         add_constraint(prop, int(expr(outs[e])), "features", module_path(node), detail)
         local = _local_features(prop, raw, int(expr(outs[e])), tp)
     elif raw and ratio_split.is_integer and _packed_parts(ins[d], outs, e, tp) \
-            and _parts_taken(node, e):
+            and (_parts_taken(node, e) or _parts_contracted(node, e)):
         return _split_parts(node, prop, tp, e, raw, detail)
     elif raw and ratio_split.is_integer:
         return _split_heads(node, prop, tp, e, raw, detail)
@@ -121,7 +121,7 @@ _SAME_DIMS = {aten.contiguous.default, aten.clone.default, aten.alias.default}
 
 def _parts_taken(node, dim: int, depth: int = 8) -> bool:
     """Every use of ``node`` takes the parts along ``dim`` one by one (select or unbind),
-    through unsqueeze, squeeze, transpose, permute and copies: q, k and v used apart."""
+    through the moves of :func:`_dim_after`: q, k and v used apart."""
     if depth == 0 or not node.users:
         return False
     rank = len(shape(node))
@@ -129,33 +129,61 @@ def _parts_taken(node, dim: int, depth: int = 8) -> bool:
         if u.op == "call_function" and u.target is aten.cat.default \
                 and dim_arg(u, 1, rank) != dim:
             nxt = dim  # packed with other parts along another dim (MMDiT's joint sequence)
-            if not _parts_taken(u, nxt, depth - 1):
-                return False
+        elif u.op == "call_function" and u.target in (aten.select.int, aten.unbind.int) \
+                and u.args[0] is node and dim_arg(u, 1) == dim:
             continue
-        if u.op != "call_function" or u.args[0] is not node:
-            return False
-        t = u.target
-        if t in (aten.select.int, aten.unbind.int) and dim_arg(u, 1) == dim:
-            continue
-        if t in _SAME_DIMS:
-            nxt = dim
-        elif t is aten.unsqueeze.default:
-            nxt = dim + (1 if u.args[1] % (rank + 1) <= dim else 0)
-        elif t is aten.squeeze.dim and u.args[1] % rank != dim:
-            nxt = dim - (1 if u.args[1] % rank < dim else 0)
-        elif t is aten.transpose.int:
-            a, b = u.args[1] % rank, u.args[2] % rank
-            nxt = b if dim == a else a if dim == b else dim
-        elif t is aten.permute.default:
-            nxt = [p % rank for p in u.args[1]].index(dim)
-        elif t in VIEWS and _kept_at(shape(node), shape(u), dim) is not None:
-            # SAM's ``reshape(3, B * heads, N, hd)`` of (3, B, heads, N, hd): other dims merge
-            nxt = _kept_at(shape(node), shape(u), dim)
         else:
-            return False
-        if not _parts_taken(u, nxt, depth - 1):
+            nxt = _dim_after(node, u, dim)
+        if nxt is None or not _parts_taken(u, nxt, depth - 1):
             return False
     return True
+
+
+def _parts_contracted(node, dim: int, depth: int = 8) -> bool:
+    """Every use of ``node`` brings ``dim`` to the last dim of attention's q, k or v
+    (``scaled_dot_product_attention``), through the moves of :func:`_dim_after` and scalings
+    by a number: the parts are head_dim, and the dim after them the heads (``view(B, T,
+    head_dim, heads)``, heads innermost; zoo 20 Z8, whose q, k and v were gathered)."""
+    if depth == 0 or not node.users:
+        return False
+    for u in node.users:
+        if u.op == "call_function" and u.target is aten.scaled_dot_product_attention.default \
+                and node in u.args[:3] and node not in u.args[3:]:
+            if dim != len(shape(node)) - 1:
+                return False
+            continue
+        if u.op == "call_function" and u.target in (aten.mul.Tensor, aten.div.Tensor) \
+                and u.args[0] is node and isinstance(u.args[1], (int, float)):
+            nxt = dim
+        else:
+            nxt = _dim_after(node, u, dim)
+        if nxt is None or not _parts_contracted(u, nxt, depth - 1):
+            return False
+    return True
+
+
+def _dim_after(node, u, dim: int):
+    """Where dim ``dim`` of ``node`` is in the output of its user ``u``, for ops that move
+    dims without mixing them (copies, unsqueeze, squeeze of another dim, transpose,
+    permute, a view keeping the dim); None for any other op."""
+    if u.op != "call_function" or u.args[0] is not node:
+        return None
+    t, rank = u.target, len(shape(node))
+    if t in _SAME_DIMS:
+        return dim
+    if t is aten.unsqueeze.default:
+        return dim + (1 if u.args[1] % (rank + 1) <= dim else 0)
+    if t is aten.squeeze.dim and u.args[1] % rank != dim:
+        return dim - (1 if u.args[1] % rank < dim else 0)
+    if t is aten.transpose.int:
+        a, b = u.args[1] % rank, u.args[2] % rank
+        return b if dim == a else a if dim == b else dim
+    if t is aten.permute.default:
+        return [p % rank for p in u.args[1]].index(dim)
+    if t in VIEWS:
+        # SAM's ``reshape(3, B * heads, N, hd)`` of (3, B, heads, N, hd): other dims merge
+        return _kept_at(shape(node), shape(u), dim)
+    return None
 
 
 def _kept_at(ins, outs, dim):

@@ -12,6 +12,7 @@ from ..linears import computed_bias, weight_path
 from . import redistribute
 from .pieces import site_key
 from .placements import REPLICATE, Shard
+from .strided import strided_features
 from .state import add_constraint, conflict, mark_not_replicable, placement, record_use
 
 
@@ -40,7 +41,8 @@ def linear_rule(node, site, prop, column, row, groups):
         record_use(prop, prop.raw[x.name], None, node)
     if x.name in prop.heads:
         mark_not_replicable(prop, [prop.heads[x.name]], node)
-    if x.name in prop.strided:
+    laid = strided_features(prop, x, site) if x.name in prop.strided and wt in row else None
+    if x.name in prop.strided and laid is None:
         return conflict(prop, node, groups, "a linear got a (batch, heads) merged input")
     if wt in column:
         key = site_key(site)  # the weight, or the piece of it this linear reads
@@ -76,6 +78,8 @@ def linear_rule(node, site, prop, column, row, groups):
             # row's own group is to blame then
             blamed = groups if groups & (column | row) else groups | {wt}
             return conflict(prop, node, blamed, "row_parallel linear needs Shard(-1) input")
+        prop.row_uses.add(wt)  # its input features' layout is its own: one for every read
+        record_use(prop, {wt}, laid, node)
         return REPLICATE, groups  # Partial, resolved by the g after it at once
     if _uncontracted(px, x, site):
         return px, groups

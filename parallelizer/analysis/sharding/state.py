@@ -50,6 +50,9 @@ class Propagation:
     constraints: list = field(default_factory=list)  # Constraint
     # layouts: column weight fqn -> layout (plan.layouts); "even" uses are recorded as None
     uses: dict = field(default_factory=dict)         # weight fqn -> {layout: node name}
+    # row weights among ``uses``: theirs are the layouts of their input features (even, or
+    # strided.py strided_features: heads inner)
+    row_uses: set = field(default_factory=set)
     not_replicable: set = field(default_factory=set)  # weights whose kv heads cannot be copies
     copies_end: dict = field(default_factory=dict)  # such a weight -> the op that ended them
     # per-run inputs and value markers (see the module docstring)
@@ -132,9 +135,10 @@ class Propagation:
             uses = _merged(uses)
             if len(uses) > 1:  # named at a read in a layout other than the even split
                 odd = [n for u, n in uses.items() if u is not None] or list(uses.values())
-                out.append((self.part_of.get(w, w), sorted(odd)[0], f"{w}'s output is "
-                            "used both as " + " and as ".join(_describe(u) for u in
-                                                             sorted(uses, key=_text))))
+                what = "input is read" if w in self.row_uses else "output is used"
+                out.append((self.part_of.get(w, w), sorted(odd)[0], f"{w}'s {what} "
+                            "both as " + " and as ".join(_describe(u) for u in
+                                                        sorted(uses, key=_text))))
         found = self.found_layouts()
         for param, (n, reads) in sorted(self.parts.items()):
             try:

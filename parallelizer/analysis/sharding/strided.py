@@ -26,6 +26,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from ...plan.layouts import Fused
 from ..graph_facts import aten, expr, is_tensor, module_path, prod, same, shape
 from ..linears import VIEWS, full_slice
 from .placements import CONFLICT, REPLICATE, PerOutput, Shard
@@ -69,6 +70,21 @@ def _merged_at(ins, outs, d, split) -> tuple | None:
     if split and (not head_dim.is_number or int(head_dim) < 2):
         return None
     return e, int(head_dim)
+
+
+def strided_features(prop, x, site):
+    """The layout of a row linear's input features where they are a merge of (P, heads),
+    the heads inner and sharded (``a.permute(0, 2, 3, 1).reshape(B, T, head_dim * heads)``
+    of attention's (B, heads, T, head_dim) output; zoo 20 Z8): element ``p * heads + h`` on
+    the rank holding head ``h`` is ``fused [heads] x P`` (each rank its block of every part),
+    the layout the row weight's input dim then takes. None where the merged dim is not the
+    input's features (a (batch, heads) merge) or their size is not a multiple of the heads."""
+    last = len(shape(x)) - 1
+    n, heads = expr(shape(x)[last]), prop.strided[x.name]
+    if site.merged is not None or placement(prop, x) != Shard(last) or not n.is_number \
+            or int(n) % heads:
+        return None
+    return Fused((heads,) * (int(n) // heads))
 
 
 def strided_view(node, prop, tp, d):

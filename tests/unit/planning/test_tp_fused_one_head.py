@@ -352,14 +352,17 @@ def _copied_and_matching(tp: int, **kwargs) -> None:
 def test_a_one_head_part_met_by_attention_computed_whole_is_not_copied():
     """q scanned over its features (gathered first) makes attention whole on every rank: a
     copy of v read there gets the whole gradient on each rank, not its query heads' share
-    (``propagate._copies_met_whole``). The projection is kept whole, its readers cut the
-    rank's heads, and every rank equals the model (before: an internal error naming a Mixed
-    gradient)."""
+    (``propagate._copies_met_whole``). So k and v are not copied: v is split along its
+    head_dim, attention's output with it, and attn_out's input features are laid out as
+    that (heads, head_dim) merge with head_dim cut (decision 223; the projection was kept
+    whole before), and every rank equals the model (before that: an internal error naming
+    a Mixed gradient)."""
     torch.manual_seed(0)
     model = PaLM(False, scan=True)
     gm, d = planned(model, x_batch(), 2)
-    assert not any(f"blocks.{i}.fused_in" in d.column for i in range(2)), d.report
-    assert any(line.startswith("kept whole: blocks.0.fused_in") for line in d.report), d.report
+    for i in range(2):
+        assert d.layouts[f"blocks.{i}.fused_in"] == Fused((H, D, D, 2 * H, 2 * H)), d.report
+        assert d.layouts[f"blocks.{i}.attn_out"] == Fused((D,) * HEADS), d.report
     assert_tp_matches(model, x_batch(), 2, d, gm)
 
 
