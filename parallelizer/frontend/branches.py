@@ -14,11 +14,12 @@ from torch._logging.structured import INTERN_TABLE
 from torch.export._draft_export import FailureType
 
 from ..errors import CaptureError
-from .source_lines import shown_path
+from ..plan.parallel_plan import DROPOUT_OPS, RANDOM_OPS
+from .source_lines import model_line, shown_path
 
 ASSUMED = "assumed_branches"  # gm.meta key: the lines whose branch the example decided
 SPEC_KEY = "capture.data_dependent_branches"
-_SYMBOL = re.compile(r"\bu\d+\b")
+_SYMBOL = re.compile(r"\b(?:u|zuf)\d+\b")  # unbacked ints and floats
 _LEGEND = "u0, u1, ...: the values the code reads from tensors"
 ANOTHER_BRANCH = "this step takes another branch"  # how the assertions' messages begin
 
@@ -57,6 +58,49 @@ def decided_lines(ep) -> list[str]:
         lines.append(f"{where} (on the example batch {failure.data['expr']} is "
                      f"{failure.data['result']})")
     return lines
+
+
+def refuse_random_conditions(graph: torch.fx.Graph, model_file) -> None:
+    """A condition draft_export decided (the runtime assertion it kept) that reads a random
+    draw: LayerDrop's ``if not (self.training and torch.rand(1).item() <= p)`` (torchaudio's
+    wav2vec2, zoo 22 F5) takes either branch from step to step, so the branch the example
+    took cannot be captured: the self-check's reference drew again and differed (an internal
+    error), or a training step stopped with "Runtime assertion failed for expression 0.2 <
+    zuf0".
+
+    Raises:
+        CaptureError: names the condition's line, the draw and the fix.
+    """
+    for node in graph.nodes:
+        if node.target is not torch.ops.aten._assert_scalar.default:
+            continue
+        draw = _random_source(node)
+        if draw is None:
+            continue
+        where = model_line([node]) or "a line export did not record"
+        raise CaptureError(
+            f"{model_file}: the branch at {where} is decided by a random draw ({draw.target}"
+            f"{f' at {model_line([draw])}' if model_line([draw]) else ''}), as LayerDrop or "
+            f"stochastic depth skip a layer at random: steps take either branch, so the one the "
+            f"example took ({SPEC_KEY}: as_example) cannot be captured. Set that probability "
+            f"to 0 in the model's config (torchaudio's encoder_layer_drop, Hugging Face's "
+            f"layerdrop), or skip by multiplying with a random mask (a drop path), which the "
+            f"program draws as it draws dropout")
+
+
+def _random_source(node: torch.fx.Node):
+    """The first random op (dropout's or another draw, plan/parallel_plan.py) ``node``'s value
+    is computed from, or None."""
+    seen, todo = set(), list(node.all_input_nodes)
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if str(n.target) in RANDOM_OPS or str(n.target) in DROPOUT_OPS:
+            return n
+        todo += n.all_input_nodes
+    return None
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ from ..errors import CaptureError
 from ..plan.out_spec import dumps as out_spec_dumps
 from . import capture_hints, custom_functions, python_rng, python_state
 from .branches import (ASSUMED, SPEC_KEY, decided_lines, is_data_dependent, label_assertions,
-                       quiet_report)
+                       quiet_report, refuse_random_conditions)
 from .buffer_reads import forward_buffer_reads
 from .constant_scalars import fold_constant_scalars
 from .conv import channel_maps_as_linears
@@ -35,9 +35,9 @@ from .held_params import held_parameters, read_as_parameters
 from .model_file import headline, user_frame
 from .module_state import buffer_values_kept, state_kept
 from .module_paths import one_name_per_module
-from .regions import autocast_off_elided, inline_regions, model_line, record_autocast_off
+from .regions import autocast_off_elided, inline_regions, record_autocast_off
 from .saved_reads import copy_reads_before_writes
-from .source_lines import shown_path
+from .source_lines import model_line, shown_path
 from .tiles import tiles_as_repeat
 
 
@@ -175,12 +175,13 @@ def _as_example(model, args, kwargs, first_error, model_file: Path):
     """(ExportedProgram, custom Functions applied, decided lines) by draft_export.
 
     Raises:
-        CaptureError: draft_export fails too, or reports what it did not make sound.
+        CaptureError: draft_export fails too, or reports what it did not make sound, or a
+            decided condition reads a random draw (:func:`.branches.refuse_random_conditions`).
     """
     try:
         with export_kept(model) as applied, quiet_report():
             ep = export_program(model, args, kwargs, exporter=torch.export.draft_export)
-        return ep, applied, decided_lines(ep)
+        lines = decided_lines(ep)
     except Exception as e:  # noqa: BLE001  the refusal is the first route's error
         raise CaptureError(_capture_message(first_error, model_file) + f"\nWith {SPEC_KEY}: "
                            f"as_example the capture fails as well ({type(e).__name__}: "
@@ -190,6 +191,8 @@ def _as_example(model, args, kwargs, first_error, model_file: Path):
                            f"initialise it in build_model() (one forward on a batch): the "
                            f"example then takes the branch every later step takes.") \
             from first_error
+    refuse_random_conditions(ep.graph, model_file)
+    return ep, applied, lines
 
 
 def _raised_in(e: BaseException) -> str:

@@ -168,16 +168,6 @@ def _written_attr(out, outer: dict):
     return got if isinstance(got, torch.fx.Node) and got.op == "get_attr" else None
 
 
-def model_line(nodes) -> str:
-    """``file.py:line`` of the model code the first of ``nodes`` with a stack trace came
-    from (its innermost frame outside torch), or ''."""
-    for n in nodes:
-        frames = trace_lines(n.meta.get("stack_trace") or "")
-        if frames:
-            return frames[0]
-    return ""
-
-
 def _is_tensor(value) -> bool:
     return isinstance(value, torch.fx.Node) and isinstance(value.meta.get("val"), torch.Tensor)
 

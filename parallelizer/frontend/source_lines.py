@@ -22,6 +22,16 @@ def trace_lines(stack_trace: str) -> list[str]:
             and _source_file(path)]
 
 
+def model_line(nodes) -> str:
+    """``file.py:line`` of the model code the first of ``nodes`` with a stack trace came
+    from (its innermost frame outside torch), or ''."""
+    for n in nodes:
+        frames = trace_lines(n.meta.get("stack_trace") or "")
+        if frames:
+            return frames[0]
+    return ""
+
+
 def in_torch(filename: str) -> bool:
     """``filename`` is torch's own code (under its package folder)."""
     return os.path.abspath(filename).startswith(os.path.dirname(torch.__file__) + os.sep)

@@ -9,7 +9,7 @@ import importlib.util
 import torch
 
 from parallelizer.analysis.graph_facts import source_line
-from parallelizer.frontend.regions import model_line
+from parallelizer.frontend.source_lines import model_line
 
 _LIB = ("import torch.nn as nn\n"
         "class Block(nn.Module):\n"
