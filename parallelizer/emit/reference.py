@@ -222,7 +222,7 @@ def _one_step(model: torch.nn.Module, batch, loss_fn, spec, model_file, chunks: 
     # the weights before the step; after the whole batch's loss_fn (its errors name the
     # reference step) and its backward (the chunks put buffers back in place)
     step = chunked_step(model, batch, loss_fn, spec.mesh.dp * spec.pipeline.microbatches,
-                        model_file, count) if chunks else None
+                        model_file, count, start=before) if chunks else None
     if step is not None:
         ref["loss.chunked"] = step[0]
         if chunk_grads is not None:
@@ -243,7 +243,7 @@ def batch_rows(batch, size: int, lo: int, hi: int):
 
 
 def chunked_step(model: torch.nn.Module, batch, loss_fn, chunks: int, model_file=None,
-                 count=None):
+                 count=None, start: dict | None = None):
     """The mean of the model's loss over ``chunks`` equal row chunks of ``batch`` (in order:
     the data-parallel ranks' rows, each cut into its microbatches), as the program computes
     its loss (0-dim fp32), and the gradients of that mean (parameter name -> tensor), or None
@@ -259,7 +259,10 @@ def chunked_step(model: torch.nn.Module, batch, loss_fn, chunks: int, model_file
     ``count``: a token mean's counter (:func:`compute_reference`); chunk ``c``'s loss is
     weighted ``count(c) / count(batch)`` instead of ``1 / chunks``, and None is returned
     where a chunk counts no token (its mean is 0 / 0) or where the loss's several token
-    means weigh the chunks differently (no one weight per chunk is the program's then)."""
+    means weigh the chunks differently (no one weight per chunk is the program's then).
+    ``start``: buffer name -> the value the chunks start from (the buffers before the
+    whole batch's forward wrote them: a running mean updated in forward, zoo 22 F2, was
+    compared from the state the whole batch left)."""
     flat, _ = tree_flatten(batch)
     rows = next((t.shape[0] for t in flat if isinstance(t, torch.Tensor) and t.dim()), 0)
     if chunks <= 1 or not rows or rows % chunks:
@@ -276,6 +279,10 @@ def chunked_step(model: torch.nn.Module, batch, loss_fn, chunks: int, model_file
     kept = {name: p.grad for name, p in named.items()}
     losses, backward = [], True
     try:
+        with torch.no_grad():
+            for k, b in model.named_buffers():
+                if k in (start or {}):
+                    b.copy_(start[k])
         model.zero_grad(set_to_none=True)
         with torch.random.fork_rng(devices=[]), checkpoint_off(), EagerDropoutOff(), \
                 RandomStandIns():

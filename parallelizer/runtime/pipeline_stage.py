@@ -29,7 +29,12 @@ bounds``). Zero-filled inputs are valid indices for any non-empty dim, and the i
 result does not depend on the values. That forward and its backward run with dropout
 inactive: they would otherwise draw from the dropout streams (``runtime/rng.py``) once more
 on the first step of each new schedule, so a run resumed at step k drew other masks than
-the uninterrupted one.
+the uninterrupted one. It is a real forward of the stage, so it also wrote the buffers the
+model updates in forward (BatchNorm's running statistics and count, a running mean kept by
+``rm.mul_(0.9).add_(...)``) once more than the model does before the first step (from the
+first microbatch on the first stage, from zeros on the others): the buffers that changed
+are put back after it, after its backward where one follows (zoo 22 F2, whose pp2 loss
+matched no run of the model).
 
 Complex inputs. ``TensorMeta.to_tensor`` (torch 2.13, pipelining/_utils.py) sets
 ``requires_grad`` only on a floating-point tensor (``is_floating_point()`` is False for
@@ -68,6 +73,20 @@ def unshard_fsdp_modules(module: torch.nn.Module) -> None:
         handle.wait()
 
 
+def buffer_values(module: torch.nn.Module) -> list:
+    """(buffer, a copy of its value) for every buffer of ``module``."""
+    return [(b, b.detach().clone()) for b in module.buffers()]
+
+
+def put_back(saved: list) -> None:
+    """Every buffer of ``saved`` (:func:`buffer_values`) that now holds another value gets
+    its saved one back; the others are not written (their version unchanged)."""
+    with torch.no_grad():
+        for b, value in saved:
+            if not torch.equal(b, value):
+                b.copy_(value)
+
+
 class SplitBackwardPipelineStage(PipelineStage):
     """A ``PipelineStage`` whose input- and weight-gradient actions see the unsharded FSDP2
     parameters, and whose shape-inference inputs are zeros, not uninitialised memory (see
@@ -84,13 +103,25 @@ class SplitBackwardPipelineStage(PipelineStage):
         return t
 
     def _forward_metadata_inference(self, *args, **kwargs):
-        with dropout_active(False):  # shapes only: no draws (see the module docstring)
-            return super()._forward_metadata_inference(*args, **kwargs)
+        # shapes only: no draws, no buffer writes (see the module docstring); the buffers
+        # are put back after the backward inference where one follows, since its autograd
+        # graph may hold them (a rotary table) and a write between would invalidate it
+        has_backward = kwargs.get("has_backward", args[2] if len(args) > 2 else False)
+        self._buffers_before = buffer_values(self.submod)
+        try:
+            with dropout_active(False):
+                return super()._forward_metadata_inference(*args, **kwargs)
+        finally:
+            if not has_backward:
+                put_back(self._buffers_before)
 
     def _backward_metadata_inference(self, *args, **kwargs):
         # its backward may recompute checkpointed blocks of that forward: same mode
-        with dropout_active(False):
-            return super()._backward_metadata_inference(*args, **kwargs)
+        try:
+            with dropout_active(False):
+                return super()._backward_metadata_inference(*args, **kwargs)
+        finally:
+            put_back(getattr(self, "_buffers_before", []))
 
     def _compute_input_grads(self, *args, **kwargs):
         # shape inference only: the gradient metadata sent back is what get_bwd_send_ops
