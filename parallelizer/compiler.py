@@ -447,7 +447,7 @@ def emit(analysis: Analysis, planned: Planned, checked: Checked,
                                   analysis.stacked)
             check_gradients_held(ref, plan_)
             pp_warnings = (pp_warnings + nonfinite_warnings(ref)
-                           + sample_mean_warnings(ref, spec, model))
+                           + sample_mean_warnings(ref, spec, model, analysis.captured.gm.graph))
     tp = planned.tp
     tp_lines = planned.notes + tp.warnings + list(plan_.tp_report) + sequence.report + planned.ep.report
     # what each stage sends, as module and per-rank shape (report.md, pipeline.json, inspect)

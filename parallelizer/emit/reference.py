@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ..analysis.batch_mixing import batch_mixing
 from ..errors import CaptureError, ModelFileError, PlanError
 from ..frontend.capture import eager_message, split_args
 from ..frontend.custom_functions import checkpoint_off
@@ -338,14 +339,22 @@ def gradient_gap(ref: dict, grads: dict, atol: float, rtol: float) -> dict:
     return {} if worst is None else {f"chunked.grad.{worst[0]}": torch.tensor(worst[1])}
 
 
-def sample_mean_warnings(ref: dict, spec, model=None) -> list[str]:
+def sample_mean_warnings(ref: dict, spec, model=None, graph=None) -> list[str]:
     """The compile's warning when the reference's loss is not a mean over samples at
     ``verify.atol`` / ``verify.rtol`` (:func:`parallelizer.runtime.verify.not_sample_mean`),
-    naming the model's embeddings that scale their gradient by the batch's token counts."""
+    naming the ops of the captured ``graph`` that mix the batch's samples
+    (:func:`parallelizer.analysis.batch_mixing.batch_mixing`: a mean over dim 0 was left to
+    the warning's list of likely causes, zoo 22 F6) and the model's embeddings that scale
+    their gradient by the batch's token counts."""
     why = not_sample_mean(ref, spec.mesh.dp, spec.pipeline.microbatches, spec.verify.atol,
                           spec.verify.rtol)
     if not why:
         return []
+    mixing = batch_mixing(graph) if graph is not None else []
+    if mixing:
+        more = f" and {len(mixing) - 3} more" if len(mixing) > 3 else ""
+        why += (f". The model's forward mixes the samples of a batch at {', '.join(mixing[:3])}"
+                f"{more}: each chunk computes that over its own rows")
     scaled = [n for n, m in (model.named_modules() if model is not None else ())
               if isinstance(m, torch.nn.Embedding) and m.scale_grad_by_freq]
     if scaled:
