@@ -4,7 +4,9 @@ large matmuls"):
 - a pointwise convolution, ``conv1d/2d/3d(x, W, b)`` with every kernel size, stride and
   dilation 1, no padding, one group and a batched input (``x`` (N, C, *S), W (O, C, 1..)),
   is the linear map of the channel dim it computes: it is rewritten on the captured graph
-  into ``linear(x.permute(0, *S, 1), W.view(O, C), b).permute(0, -1, *S)`` (Conformer's and
+  into ``linear(x.permute(0, *S, 1), W.view(O, C), b).permute(0, -1, *S)``, made
+  contiguous where the conv's output is (torchaudio's ConvTasNet ``view``s a product with it,
+  which fails on the permuted strides, zoo 22 F7) (Conformer's and
   ConvNeXt-style pointwise convs, a 1x1 conv of a ResNet bottleneck). The tensor-parallel
   planner then finds it as it finds ``nn.Linear``: the weight path's view merges W's trailing
   dims into its input features, so a column_parallel W is sharded along dim 0 and a
@@ -93,6 +95,8 @@ def _conv_as_linear(graph: fx.Graph, node: fx.Node) -> None:
         y = call(aten.linear.default, xs, w2, b) if b is not None \
             else call(aten.linear.default, xs, w2)
         y = call(aten.permute.default, y, back)
+        if val(node).is_contiguous():  # as the conv's output is: a view after it needs it
+            y = call(aten.contiguous.default, y)
     node.replace_all_uses_with(y)
     graph.erase_node(node)
 

@@ -92,6 +92,30 @@ def test_pointwise_convs_are_linears_and_glu_its_halves():
     torch.testing.assert_close(gm(*_seq())[0], model(*_seq()), rtol=1e-6, atol=1e-6)
 
 
+class MaskedViews(nn.Module):
+    """ConvTasNet's mask: a pointwise conv's output times the features, then ``view``ed
+    (torchaudio's conv_tasnet.py:299), which needs the product contiguous as eager's is."""
+
+    def __init__(self):
+        super().__init__()
+        self.mask = nn.Conv1d(8, 16, 1)
+
+    def forward(self, x):
+        masked = self.mask(x).view(x.shape[0], 2, 8, -1) * x.unsqueeze(1)
+        return masked.view(x.shape[0] * 2, 8, -1).sum(-1)
+
+
+def test_a_pointwise_conv_as_a_linear_keeps_the_convs_contiguous_output():
+    """The permute back from the linear's (N, *S, O) left (N, O, *S) strided, and the
+    elementwise product after it took those strides: the model's own ``view`` failed in the
+    compile's self-check at tp2 and at pp2 alike (zoo 22 F7, an internal error)."""
+    torch.manual_seed(0)
+    model, x = MaskedViews(), torch.randn(4, 8, 6)
+    gm = captured(model, (x,)).gm
+    assert aten.linear.default in {n.target for n in gm.graph.nodes}
+    torch.testing.assert_close(gm(x)[0], model(x), rtol=1e-6, atol=1e-6)
+
+
 class GluMLP(nn.Module):
     def __init__(self):
         super().__init__()
