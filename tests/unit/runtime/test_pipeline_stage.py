@@ -98,7 +98,8 @@ def test_complex_activation_carries_gradient_across_stages(one_rank_group):
     ref_last(ref_first(x)).pow(2).mean().backward()
     stages = [SplitBackwardPipelineStage(m, i, 2, torch.device("cpu"))
               for i, m in enumerate((first, last))]
-    schedule = ScheduleLoopedBFS(stages, n_microbatches=2, loss_fn=lambda out, _t: out.pow(2).mean())
+    schedule = ScheduleLoopedBFS(stages, n_microbatches=2,
+                                 loss_fn=lambda out, _t: out.pow(2).mean())
     schedule.step(x, target=torch.zeros(4))
     for got, want in ((first, ref_first), (last, ref_last)):
         for (n, p), q in zip(got.named_parameters(), want.parameters()):
@@ -128,7 +129,8 @@ def test_strided_input_gradient_is_reported_contiguous(one_rank_group):
     ref_last(ref_first(x)).pow(2).mean().backward()
     stages = [SplitBackwardPipelineStage(m, i, 2, torch.device("cpu"))
               for i, m in enumerate((first, last))]
-    schedule = ScheduleLoopedBFS(stages, n_microbatches=2, loss_fn=lambda out, _t: out.pow(2).mean())
+    schedule = ScheduleLoopedBFS(stages, n_microbatches=2,
+                                 loss_fn=lambda out, _t: out.pow(2).mean())
     schedule.step(x, target=torch.zeros(4))
     (meta,) = stages[1]._stage_meta.input_grads
     assert meta.stride == torch.empty(meta.shape).stride()
@@ -163,7 +165,8 @@ def test_shape_inference_leaves_the_buffers_the_forward_writes(one_rank_group):
     stages = [SplitBackwardPipelineStage(m, i, 2, torch.device("cpu"))
               for i, m in enumerate((first, last))]
     losses = []
-    schedule = ScheduleLoopedBFS(stages, n_microbatches=2, loss_fn=lambda out, _t: out.pow(2).mean())
+    schedule = ScheduleLoopedBFS(stages, n_microbatches=2,
+                                 loss_fn=lambda out, _t: out.pow(2).mean())
     schedule.step(x, target=torch.zeros(4), losses=losses)
     torch.testing.assert_close(torch.stack(losses), torch.stack(want).detach(), rtol=0, atol=0)
     torch.testing.assert_close(first.rm, ref_first.rm, rtol=0, atol=0)
