@@ -20,7 +20,7 @@ from .source_lines import model_line, shown_path
 ASSUMED = "assumed_branches"  # gm.meta key: the lines whose branch the example decided
 SPEC_KEY = "capture.data_dependent_branches"
 _SYMBOL = re.compile(r"\b(?:u|zuf)\d+\b")  # unbacked ints and floats
-_LEGEND = "u0, u1, ...: the values the code reads from tensors"
+_LEGEND = "u0, u1, ... (zuf0, ... floats): the values the code reads from tensors"
 ANOTHER_BRANCH = "this step takes another branch"  # how the assertions' messages begin
 
 
@@ -77,10 +77,10 @@ def refuse_random_conditions(graph: torch.fx.Graph, model_file) -> None:
         draw = _random_source(node)
         if draw is None:
             continue
-        where = model_line([node]) or "a line export did not record"
+        where, drawn = model_line([node]) or "a line export did not record", model_line([draw])
         raise CaptureError(
             f"{model_file}: the branch at {where} is decided by a random draw ({draw.target}"
-            f"{f' at {model_line([draw])}' if model_line([draw]) else ''}), as LayerDrop or "
+            f"{f' at {drawn}' if drawn else ''}), as LayerDrop or "
             f"stochastic depth skip a layer at random: steps take either branch, so the one the "
             f"example took ({SPEC_KEY}: as_example) cannot be captured. Set that probability "
             f"to 0 in the model's config (torchaudio's encoder_layer_drop, Hugging Face's "

@@ -110,6 +110,7 @@ def _inline(gm, node, attr, args) -> list:
     gradient, so every tensor is detached). A SymInt output (``min(k, x.shape[1])``) is
     passed on as it is. Returns the nodes copied."""
     graph, sub = gm.graph, getattr(gm, attr.target)
+
     def keep(v):
         return _detach(graph, v) if _is_tensor(v) else v
     env, outs, args, outer, copied = {}, None, iter(args), {}, []
