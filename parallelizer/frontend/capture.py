@@ -185,7 +185,8 @@ def _as_example(model, args, kwargs, first_error, model_file: Path):
     except Exception as e:  # noqa: BLE001  the refusal is the first route's error
         raise CaptureError(_capture_message(first_error, model_file) + f"\nWith {SPEC_KEY}: "
                            f"as_example the capture fails as well ({type(e).__name__}: "
-                           f"{headline(e, '') or _raised_in(e)}). Where the branch reads the "
+                           f"{headline(e, '') or _raised_in(e)}){user_frame(e, model_file)}"
+                           f"\nWhere the branch reads the "
                            f"model's own state (a flag a layer sets on its first batch: a "
                            f"codebook or k-means centroids initialised from the data), "
                            f"initialise it in build_model() (one forward on a batch): the "

@@ -277,3 +277,29 @@ def test_as_example_keeps_the_no_grad_region_of_a_lazy_initialisation():
     fresh(*_lazy_batch()).backward()
     for (name, p), f in zip(model.named_parameters(), fresh.parameters()):
         torch.testing.assert_close(p.grad, f.grad, rtol=1e-6, atol=1e-6, msg=name)
+
+
+class _Lengths(nn.Module):
+    """torchaudio's wav2vec2 given ``lengths``: the frames' lengths computed from the
+    samples', a padding mask written from them, and a branch: draft_export fails too
+    (PendingUnbackedSymbolNotFound), and the refusal named no line (zoo 22 F4)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.fc = nn.Conv1d(1, 8, 4, stride=2), nn.Linear(8, 8)
+
+    def forward(self, wave, lengths):
+        x = self.conv(wave.unsqueeze(1)).transpose(1, 2)
+        lengths = torch.div(lengths - 4, 2, rounding_mode="floor") + 1
+        x[torch.arange(x.shape[1])[None] >= lengths[:, None]] = 0.0
+        if lengths.max() > 5:
+            x = x * 2
+        return self.fc(x), lengths
+
+
+def test_as_example_failing_as_well_names_the_line_it_failed_at():
+    batch = (torch.randn(4, 40), torch.tensor([40, 30, 20, 40]))
+    with pytest.raises(CaptureError) as e:
+        capture(_Lengths(), batch, Path("model.py"), branches="as_example")
+    assert re.search(r"as_example the capture fails as well \(.*\)\n  at \S*test_branches\.py:"
+                     r"\d+: lengths = torch\.div", str(e.value)), str(e.value)
