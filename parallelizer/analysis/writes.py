@@ -28,7 +28,18 @@ def written_nodes(graph: fx.Graph) -> set:
     each tensor an op writes (through views, as :func:`written_attrs`) and every view of it
     (``mask = ones(b, t); mask[:, :k] = 0`` writes ``ones`` through its slices). Copying
     such a node's producers elsewhere copies the value before the write."""
-    out, todo = set(), [base for n in graph.nodes for _i, base in written_args(n)]
+    out = set()
+    for n in graph.nodes:
+        for _i, base in written_args(n):
+            if base not in out:
+                out |= views_of(base)
+    return out
+
+
+def views_of(base: fx.Node) -> set:
+    """``base`` and every view of it, through chains of views (a return that aliases its
+    first argument, ``Tensor(a)``)."""
+    out, todo = set(), [base]
     while todo:
         node = todo.pop()
         if node not in out:

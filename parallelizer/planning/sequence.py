@@ -34,6 +34,7 @@ from ..errors import PlanError
 from ..analysis.graph_facts import aten, expr, module_path, prod, same, shape
 from ..analysis.linears import VIEWS, reads_parameters
 from ..analysis.sharding.placements import is_replicated
+from ..analysis.writes import views_of
 from ..frontend.graph_rewrite import returns_view, written_inputs
 
 _COPIES = {aten.clone.default, aten.contiguous.default, aten._to_copy.default,
@@ -275,22 +276,11 @@ def _split_writes(facts) -> set:
             chain = [value]
             while returns_view(chain[-1]):
                 chain.append(chain[-1].args[0])
-            touched = {w, *chain} | _views_of(chain[-1])
+            touched = {w, *chain} | views_of(chain[-1])
             touched |= {u for n in touched for u in n.users if u.target is not aten.sym_size.int}
             inside = [n.name in facts.region for n in touched]
             if any(inside) and not all(inside):
                 out |= touched
-    return out
-
-
-def _views_of(base: fx.Node) -> set:
-    """``base`` and every view of it, through chains of views."""
-    out, todo = set(), [base]
-    while todo:
-        n = todo.pop()
-        if n not in out:
-            out.add(n)
-            todo += [u for u in n.users if returns_view(u) and u.args[0] is n]
     return out
 
 
