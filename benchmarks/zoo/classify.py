@@ -20,7 +20,8 @@ STATUSES = ("PASS", "REFUSED", "COMPILE-CRASH", "RUN-CRASH", "FAIL", "TIMEOUT")
 # a model with no blocks: "tensor parallel: no repeated blocks found; N of M weight matrices
 # in the model sharded" (planning/tp.py tp_summary)
 _TP_LINE = re.compile(r"tensor parallel: (?:no repeated blocks found; )?(\d+) of (\d+) weight "
-                      r"matrices in (?:blocks|the model) sharded[^\n]*")
+                      r"matrices in (?:blocks|the model) sharded(?:; (\d+) of (\d+) outside "
+                      r"them)?[^\n]*")
 _SOURCE = re.compile(r"\b[\w.-]+\.py:\d+\b")
 _INTERNAL = re.compile(r"internal error|this is a bug|please report", re.I)
 _RANK_PREFIX = re.compile(r"^\[(?:rank|default)\d+\]:\s?", re.M)
@@ -36,9 +37,14 @@ _MISMATCH = re.compile(r"(loss|outputs|gradients|parameters) \((\d+) mismatched;
 
 
 def tp_line(text: str) -> dict | None:
-    """The compile's ``tensor parallel: N of M weight matrices in blocks sharded`` line."""
+    """The compile's ``tensor parallel: N of M weight matrices in blocks sharded[; K of L
+    outside them]`` line: N, M, and K, L (0, 0 where the line has no such part)."""
     m = _TP_LINE.search(text)
-    return {"sharded": int(m.group(1)), "total": int(m.group(2)), "line": m.group(0)} if m else None
+    if m is None:
+        return None
+    return {"sharded": int(m.group(1)), "total": int(m.group(2)),
+            "outside_sharded": int(m.group(3) or 0), "outside_total": int(m.group(4) or 0),
+            "line": m.group(0)}
 
 
 def names_source_line(text: str) -> str:

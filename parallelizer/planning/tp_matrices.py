@@ -196,9 +196,11 @@ def tp_summary(decision: TPDecision, model, vocab=None, blocks=(), experts=None,
     the per-module experts it stands for, passes/stack_experts.py) too; the blocks are
     ``blocks`` where given (see :func:`block_matrices`). A model with no blocks (no
     ``nn.ModuleList``, none found by planning/blocks.py) says so and counts the weight
-    matrices of the whole model instead; sharded matrices outside the blocks are counted
-    after (``; also K outside them``). One kv head copied to every rank (multi-query,
-    ``replicated_heads`` of 1 head) is held whole by each rank and not counted sharded. P is
+    matrices of the whole model instead; the matrices outside the blocks that an op computes
+    with (a classifier, a conv stem, a recurrent cell's, a position table added; not a table
+    an embedding looks up, nor one vocab_parallel's line reports) are counted after (``; K of
+    L outside them``). One kv head copied to every rank (multi-query, ``replicated_heads`` of
+    1 head) is held whole by each rank and not counted sharded. P is
     rounded, but never to 100 while a parameter is left whole (nor to 0
     while one is sharded). The all-gathers of sharded activations the plan inserts are
     counted after it: a matrix counted sharded may feed an op that then runs whole on every
@@ -217,10 +219,11 @@ def tp_summary(decision: TPDecision, model, vocab=None, blocks=(), experts=None,
         pct = f"{min(max(100 * split / total, 0.1), 99.9):.1f}"
     head = "tensor parallel: " if where == "in blocks" else \
         "tensor parallel: no repeated blocks found; "
-    # sharded matrices outside the blocks (an attention block between a ResNet's stages)
-    outside = sorted(n for n, p in params.items() if is_matrix(p) and n in dims
-                     and n not in mats and not (vocab is not None and n in vocab.dims))
-    also = f"; also {len(outside)} outside them" if outside and where == "in blocks" else ""
+    # a WaveRNN read "4 of 4 weight matrices in blocks sharded (6 % of parameters)", the ten
+    # it keeps whole outside its blocks unsaid (a break test)
+    outside = _outside(decision, model, mats, vocab, experts) if where == "in blocks" else []
+    also = (f"; {sum(n in dims for n in outside)} of {len(outside)} outside them"
+            if outside else "")
     gathered = sum(r.kind == "all_gather" for r in decision.redistributions)
     whole = (f"; {gathered} sharded activation(s) all-gathered where no sharded rule takes "
              f"them, the ops after computed whole (report.md)" if gathered else "")
@@ -237,21 +240,39 @@ def _unread(model, read, stacked=None) -> set:
     if read is None:
         return set()
     read = set(read) | {m for f, ms in (stacked or {}).items() if f in read for m in ms}
+    return {n for group in _name_groups(model) if read.isdisjoint(group) for n in group}
+
+
+def _name_groups(model) -> list:
+    """The names of each parameter, one list per tensor (a tied weight has two)."""
     names: dict = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(n)
-    return {n for group in names.values() if read.isdisjoint(group) for n in group}
+    return list(names.values())
+
+
+def _outside(decision: TPDecision, model, mats: dict, vocab=None, experts=None) -> list:
+    """The weight matrices outside ``mats`` (the blocks') an op computes with: a linear's, an
+    einsum's or a conv's weight, sharded or not (the TP planner's ``linears``,
+    ``other_replicated`` and ``dims``), by their first name; a vocabulary table or LM head
+    (``vocab``'s line reports them) and a table an embedding only looks up are not."""
+    computed = set(decision.linears) | set(decision.other_replicated) | set(decision.dims) \
+        | set(experts or ())
+    reported = (set(vocab.dims) | vocab.tables | vocab.heads) if vocab is not None else set()
+    out = []
+    for group in _name_groups(model):
+        p = model.get_parameter(group[0])
+        if is_matrix(p) and not set(group) & (set(mats) | reported) and set(group) & computed:
+            out.append(group[0])
+    return sorted(out)
 
 
 def _under_every_name(dims: dict, model) -> dict:
     """``dims`` with each parameter under all its names: a weight shared by two blocks is
     planned under the name the graph reads it by, and counted under its first (it read "0
     of 4 sharded", 0 %, for two blocks sharing sharded expert weights: a break test)."""
-    names: dict = {}
-    for n, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(n)
     out = dict(dims)
-    for group in names.values():
+    for group in _name_groups(model):
         d = next((dims[n] for n in group if n in dims), None)
         if d is not None:
             out.update(dict.fromkeys(group, d))
@@ -283,13 +304,14 @@ def _sharded(decision: TPDecision, vocab=None, experts=None, stacked=None) -> di
 
 def tp_kept_note(decision: TPDecision, model, vocab=None, blocks=(), experts=None,
                  stacked=None, read=None) -> str:
-    """After :func:`tp_summary`'s line, where it counts matrices not sharded: the
-    first of them (in the model's order) with the report.md line that says why, so a
-    replicated attention is explained where the count is read; "" when all are sharded or
-    no line names it."""
-    mats, _where = _counted_matrices(model, blocks, _unread(model, read, stacked))
+    """After :func:`tp_summary`'s line, where it counts matrices not sharded: the first of
+    them (in the model's order, the blocks' before those outside them) with the report.md
+    line that says why, so a replicated attention is explained where the count is read; ""
+    when all are sharded or no line names it."""
+    mats, where = _counted_matrices(model, blocks, _unread(model, read, stacked))
     dims = _sharded(decision, vocab, experts, stacked)
-    left = [n for n in mats if n not in dims]
+    outside = _outside(decision, model, mats, vocab, experts) if where == "in blocks" else []
+    left = [n for n in [*mats, *outside] if n not in dims]
     for fqn in left:
         name = re.compile(rf"(?<![\w.]){re.escape(fqn)}(?![\w.])")
         line = next((r for r in decision.report if name.search(r)), None)

@@ -128,6 +128,10 @@ def test_classify_compile_outcomes():
     flat = classify.classify_compile(0, "tensor parallel: no repeated blocks found; 6 of 7 weight "
                                         "matrices in the model sharded (99.8 % of parameters)\n", "")
     assert (flat["tp"]["sharded"], flat["tp"]["total"]) == (6, 7)
+    out = classify.classify_compile(0, "tensor parallel: 4 of 4 weight matrices in blocks sharded; "
+                                       "0 of 10 outside them (6 % of parameters)\n", "")
+    assert (out["tp"]["outside_sharded"], out["tp"]["outside_total"]) == (0, 10)
+    assert ok["tp"]["outside_total"] == 0
     crash = classify.classify_compile(1, "", CRASH_COMPILE)
     assert crash["status"] == "COMPILE-CRASH" and crash["error"] == "KeyError: torch.complex64"
     assert crash["frames"][-1] == "checkpoint/stream.py:56 in write_streamed"
