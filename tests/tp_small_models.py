@@ -147,3 +147,30 @@ class ConvBN(nn.Module):
 
     def forward(self, x):
         return self.bn(self.conv(x)).relu()
+
+
+class Hyper(nn.Module):
+    """A linear of a (small, H) weight a hypernetwork makes from the mean token (Ha et al.
+    2016, "HyperNetworks", section 3.2): the output of a linear tp shards as a column."""
+
+    def __init__(self, small: int = 4):
+        super().__init__()
+        self.small = small
+        self.make = nn.Linear(H, small * H)
+
+    def forward(self, x):
+        return F.linear(x, self.make(x.mean((0, 1))).view(self.small, H))
+
+
+class MLPThen(nn.Module):
+    """An MLP tp shards, then ``layer`` (``width`` output features) with a linear after it."""
+
+    def __init__(self, layer: nn.Module, width: int):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(H, 64), nn.Linear(64, H)
+        self.layer, self.out = layer, nn.Linear(width, H)
+
+    def forward(self, x):
+        x = x + self.fc2(F.gelu(self.fc1(x)))
+        return x + self.out(torch.tanh(self.layer(x)))
+

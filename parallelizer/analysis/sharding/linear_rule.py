@@ -30,10 +30,7 @@ def linear_rule(node, site, prop, column, row, groups):
     product does not contract. Anything else is a conflict, with the redistribution DTensor
     would insert asked of the next run."""
     if site is None:  # aten.linear on a weight that is not a parameter
-        if placement(prop, node.args[0]) != REPLICATE:
-            redistribute.gather_all(node, prop, [node.args[0]])
-            return conflict(prop, node, groups, "replicated linear got a sharded input")
-        return REPLICATE, groups
+        return _computed_weight(node, prop, groups)
     x, wt = site.x, site.weight
     px = placement(prop, x)
     mod = module_path(node)
@@ -87,6 +84,21 @@ def linear_rule(node, site, prop, column, row, groups):
         redistribute.gather_all(node, prop, [x])
         return conflict(prop, node, groups, "replicated linear got a sharded input")
     return REPLICATE, groups
+
+
+def _computed_weight(node, prop, groups):
+    """``aten.linear`` of a weight computed in forward (``F.linear(x, A @ B)``, a LoRA merge
+    ``W + A @ B``): Replicate where its input, weight and bias all are; else each sharded one
+    is gathered and the groups that reach them are blamed. Its weight's shard is no role:
+    ``A @ B`` read as a column linear of B shards the weight's input features, which the
+    input's replicated features then did not match (a zoo's internal error)."""
+    sharded = [a for a in node.args[:3] if isinstance(a, torch.fx.Node)
+               and placement(prop, a) != REPLICATE]
+    if not sharded:
+        return REPLICATE, groups
+    redistribute.gather_all(node, prop, sharded)
+    what = "input" if sharded == [node.args[0]] else "weight computed in forward"
+    return conflict(prop, node, groups, f"replicated linear got a sharded {what}")
 
 
 def _bias_unplaced(node, prop, bias, key: str) -> bool:
