@@ -88,17 +88,25 @@ def _quiet_shape_log():
     after it. FakeTensor's logger wrote each failed meta kernel's traceback (six of them, 114
     lines, before a shape error's refusal: zoo 16 Z8); its handler holds the stderr it was
     made with, so only its level keeps it quiet."""
-    logs = {logging.getLogger(name): quiet for name, quiet in _NOISY_LOGS.items()}
-    levels, held = {log: log.level for log in logs}, io.StringIO()
+    held = io.StringIO()
+    with quiet_logs(_NOISY_LOGS), contextlib.redirect_stderr(held):
+        yield
+    sys.stderr.write(held.getvalue())  # only reached when the export did not raise
+
+
+@contextlib.contextmanager
+def quiet_logs(levels: dict):
+    """Each logger named in ``levels`` (name -> level) held at its level inside the block,
+    set back after it."""
+    logs = {logging.getLogger(name): quiet for name, quiet in levels.items()}
+    before = {log: log.level for log in logs}
     for log, quiet in logs.items():
         log.setLevel(quiet)
     try:
-        with contextlib.redirect_stderr(held):
-            yield
+        yield
     finally:
-        for log, level in levels.items():
+        for log, level in before.items():
             log.setLevel(level)
-    sys.stderr.write(held.getvalue())  # only reached when the export did not raise
 
 
 # loggers a failed export writes its partial work to, and the level

@@ -23,6 +23,7 @@ plan or rewrite must be compile-time errors naming what is wrong.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -32,7 +33,7 @@ from parallelizer.compiler import check_program, check_stages
 from parallelizer.errors import PlanError
 from parallelizer.runtime import sequence
 from test_tp_gradients import HeadNormAttention
-from tp_small_models import compile_steps, line_of, x_batch
+from tp_small_models import Hyper, MLPThen, compile_steps, line_of, x_batch
 
 TP2 = {"mesh": {"tp": 2}}
 MODEL_FILE = __file__.replace("test_compile_checks.py", "test_tp_gradients.py")
@@ -303,3 +304,24 @@ def test_a_no_grad_region_writing_out_is_compiled_and_its_buffer_updates_warned(
     assert any(w.startswith("forward writes buffer downs.0.parametrizations.weight.0._u and 3 "
                             "more in place (aten.div.out at test_compile_checks.py:")
                for w in program.warnings), program.warnings
+
+
+def test_a_rank_check_failure_prints_its_error_alone(monkeypatch):
+    """A meta kernel failing at the rank check: FakeTensor's logger wrote its traceback, ~40
+    lines of ``E... fake_tensor.py`` on stderr, before the check's error that names the op
+    and line (zoo 23 F1). An all-gather stand-in that gathers nothing makes one fail."""
+    from parallelizer.runtime.tp import ShapeTransport
+    torch.manual_seed(0)
+    analysis, planned, stages, seq = compile_steps(MLPThen(Hyper(), 4), x_batch(4, 6), TP2)
+    checked = check_stages(analysis, planned, stages, seq)
+    monkeypatch.setattr(ShapeTransport, "all_gather", lambda self, t: [t])
+    logged, handler = [], logging.Handler()
+    handler.emit = logged.append
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    log.addHandler(handler)
+    try:
+        with pytest.raises(PlanError, match="fails on a tp rank's shapes at aten.linear.default"):
+            check_program(analysis, checked, x_batch(4, 6))
+    finally:
+        log.removeHandler(handler)
+    assert not logged, [r.getMessage() for r in logged]
