@@ -59,7 +59,10 @@ def seed_pairs(sites: list, residual_stop: bool, whole: frozenset = frozenset())
             continue
         # one output feature (Qwen2-MoE's shared_expert_gate): nothing to shard
         reached = set() if _out_features(site) == 1 else walks[site.node]
-        pairs[w] = reached - co_columns - inside
+        # a linear called twice pairs with what each call reaches: a0 in ``b0(a0(x))`` and
+        # ``b1(a1(y) + a0(y))`` lost b0 to its second call, and b0, a row no column then
+        # reached, took every pair with it (zoo 23 F4)
+        pairs[w] = pairs.get(w, set()) | (reached - co_columns - inside)
         taken |= reached
     for w, ws in siblings.items():
         for sibling in ws:
