@@ -28,10 +28,15 @@ def check_divisible(prop: Propagation, tp: int) -> None:
     also = (f"; tp in {{{', '.join(map(str, some))}}} divides some of the sizes: it shards those "
             f"groups and keeps the others whole" if some else "")
     if tp in some:  # that plan was tried at this tp and sharded nothing or did not settle
-        also = (f"; tp = {tp} divides some of the sizes, but keeping the groups behind the "
-                f"others whole leaves no plan that shards a weight (they share weights with "
-                f"the rest: a fused projection); or set tensor_parallel.allow_replicated=true "
-                f"to run replicated")
+        kv = frozenset(prop.kv_weights)
+        c = next(c for c in prop.constraints if c.allows(tp, kv))
+        # which size it divides, not a guess at why that group fell with the others (a
+        # zoo's refusal said "a fused projection" of a model that had none: zoo 23 F3)
+        also = (f"; tp = {tp} divides some of the sizes (the {c.size} {c.what} of "
+                f"{c.module or 'the model'} ({c.detail})), but keeping the groups behind the "
+                f"others whole leaves no plan that shards a weight (each divisible group "
+                f"needs one of them: a projection fused with them, a row whose column they "
+                f"keep whole); or set tensor_parallel.allow_replicated=true to run replicated")
     raise PlanError(f"mesh.tp ({tp}) must divide {sizes_text(bad, prop)}; valid choices: "
                     f"tp in {{{', '.join(map(str, valid_degrees(prop)))}}} (sharding every "
                     f"group){also}")
