@@ -162,15 +162,15 @@ class Hyper(nn.Module):
         return F.linear(x, self.make(x.mean((0, 1))).view(self.small, H))
 
 
-class MLPThen(nn.Module):
-    """An MLP tp shards, then ``layer`` (``width`` output features) with a linear after it."""
+class MLPThen(MLP):
+    """A residual :class:`MLP` tp shards, then ``layer`` (``width`` output features) with a
+    linear after it."""
 
     def __init__(self, layer: nn.Module, width: int):
         super().__init__()
-        self.fc1, self.fc2 = nn.Linear(H, 64), nn.Linear(64, H)
         self.layer, self.out = layer, nn.Linear(width, H)
 
     def forward(self, x):
-        x = x + self.fc2(F.gelu(self.fc1(x)))
+        x = x + super().forward(x)
         return x + self.out(torch.tanh(self.layer(x)))
 

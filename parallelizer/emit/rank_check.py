@@ -21,7 +21,6 @@ and the middle instances of a repeated block replay their predecessor's shapes.
 from __future__ import annotations
 
 import functools
-import logging
 import re
 import sys
 import traceback
@@ -32,7 +31,7 @@ import torch
 from ..analysis.gradients import op_name
 from ..analysis.graph_facts import module_path, source_line
 from ..errors import PlanError
-from ..frontend.exporting import quiet_logs
+from ..frontend.exporting import FAKE_TENSOR_LOG, quiet_logs
 from ..frontend.model_file import headline
 from ..runtime import expert_parallel, sequence
 from ..runtime.batching import flatten
@@ -42,9 +41,6 @@ from ..runtime.tp import ShapeTransport, using_transport
 from .numerics_compare import FIX
 
 _BUG = "internal error (a bug in parallelizer, please report it): "
-# FakeTensor's logger wrote a failed meta kernel's traceback, ~40 lines, before the check's
-# own error that names the op and the model's line (zoo 23 F1)
-_FAKE_LOG = {"torch._subclasses.fake_tensor": logging.CRITICAL}
 
 
 def check_ranks(plan, sources: dict, batch, graphs: list) -> None:
@@ -71,7 +67,7 @@ def check_ranks(plan, sources: dict, batch, graphs: list) -> None:
     with FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()), \
             enable_python_dispatcher(), using_transport(ShapeTransport(tp)), \
             sequence.using_comm(sequence.ShapeComm(tp)), expert_parallel.balanced_shapes(plan.ep), \
-            fake_forward_kernels(), warnings.catch_warnings(), quiet_logs(_FAKE_LOG):
+            fake_forward_kernels(), warnings.catch_warnings(), quiet_logs(FAKE_TENSOR_LOG):
         warnings.simplefilter("ignore")
         inputs = _microbatch(plan, batch)
         for st in plan.stages:

@@ -109,10 +109,13 @@ def quiet_logs(levels: dict):
             log.setLevel(level)
 
 
+# FakeTensor's logger writes a failed meta kernel's traceback, ~40 lines, before the error
+# that names the op and the model's line (zoo 16 Z8, zoo 23 F1): the capture and the rank
+# check (emit/rank_check.py) hold it at this level
+FAKE_TENSOR_LOG = {"torch._subclasses.fake_tensor": logging.CRITICAL}
 # loggers a failed export writes its partial work to, and the level
 # :func:`_quiet_shape_log` holds each at
-_NOISY_LOGS = {"torch.fx.experimental.symbolic_shapes": logging.ERROR,
-               "torch._subclasses.fake_tensor": logging.CRITICAL}
+_NOISY_LOGS = {"torch.fx.experimental.symbolic_shapes": logging.ERROR, **FAKE_TENSOR_LOG}
 
 
 @contextlib.contextmanager

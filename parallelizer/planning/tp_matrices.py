@@ -258,13 +258,11 @@ def _outside(decision: TPDecision, model, mats: dict, vocab=None, experts=None) 
     (``vocab``'s line reports them) and a table an embedding only looks up are not."""
     computed = set(decision.linears) | set(decision.other_replicated) | set(decision.dims) \
         | set(experts or ())
-    reported = (set(vocab.dims) | vocab.tables | vocab.heads) if vocab is not None else set()
-    out = []
-    for group in _name_groups(model):
-        p = model.get_parameter(group[0])
-        if is_matrix(p) and not set(group) & (set(mats) | reported) and set(group) & computed:
-            out.append(group[0])
-    return sorted(out)
+    counted = set(mats) | ((set(vocab.dims) | vocab.tables | vocab.heads) if vocab is not None
+                           else set())
+    return sorted(group[0] for group in _name_groups(model)
+                  if not counted.intersection(group) and computed.intersection(group)
+                  and is_matrix(model.get_parameter(group[0])))
 
 
 def _under_every_name(dims: dict, model) -> dict:
