@@ -145,8 +145,34 @@ def residual_add(node: fx.Node, seen: set, start: fx.Node | None = None,
     return any(isinstance(a, fx.Node) and a not in seen and a.op != "get_attr"
                and same_shape(a.meta.get("val"), out) and not from_constants(a)
                and (start is None or not _local(a, start, is_linear)
-                    and _stream(a, is_linear))
+                    and not _sibling_branch(a, start, is_linear) and _stream(a, is_linear))
                for a in node.args[:2])
+
+
+def _sibling_branch(node: fx.Node, start: fx.Node, is_linear: dict) -> bool:
+    """``node`` is computed pointwise (an activation, a scale, a gate, dropout) from linears
+    of ``start``'s own input: a parallel branch of the same block, not the stream. A block
+    adding a second projection of its input to its first (``b(gelu(a(h)) + 0.5 *
+    gelu(a0(h)))``, block 0's projection read again in every block: zoo 23 F4) ended its
+    walk there, and no pair was found in any block."""
+    x = is_linear[start].x
+    todo, seen, linears = [node], set(), False
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if len(seen) > WALK_LIMIT or n is start or n.op != "call_function":
+            return False
+        if n in is_linear:
+            if is_linear[n].x is not x:
+                return False
+            linears = True
+            continue
+        if torch.Tag.pointwise not in getattr(n.target, "tags", ()) and not is_scaling(n):
+            return False
+        todo += [a for a in n.all_input_nodes if a.op != "get_attr" and not from_constants(a)]
+    return linears
 
 
 def _wider_than_stream(add: fx.Node, x) -> bool:
