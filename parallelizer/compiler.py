@@ -64,7 +64,7 @@ from .planning.pipeline_summary import (check_placement, repeated_calls_warning,
                                         virtual_stages_of)
 from .planning.spec_checks import check_spec, num_stages_of
 from .planning.tensors import alias_map, build_plan, pipeline_structure, tied_groups
-from .planning.sequence import plan_sequence_parallel
+from .planning.sequence import plan_sequence_parallel, sequence_note
 from .planning.token_mean import plan_token_mean, token_mean_note
 from .runtime.token_mean import counter
 from .passes.norm_precision import apply_norm_precision
@@ -458,7 +458,7 @@ def emit(analysis: Analysis, planned: Planned, checked: Checked,
                            checked.notes + streams, pp_warnings, attention=analysis.attention)
     return Program(plan_, sources, report, model_file, spec.to_dict(), state, ref,
                    warnings=list(tp.warnings) + pp_warnings, pipeline=summary,
-                   notes=planned.notes)
+                   notes=planned.notes + [n for n in [sequence_note(sequence)] if n])
 
 
 def _example_seq(batch):

@@ -83,6 +83,18 @@ def plan_sequence_parallel(graph: fx.Graph, tp: int, mode: str, placements: dict
     return out
 
 
+def sequence_note(decision: SequenceParallelDecision) -> str:
+    """The compile's one line on sequence parallelism when it is on: the sequence lengths the
+    program then runs, multiples of mesh.tp (a run of another length stops with an error
+    naming it, which the compile had not said: zoo 23 F5). '' when it is off."""
+    if not decision.enabled:
+        return ""
+    tp = decision.tp
+    return (f"sequence parallel: on ({len(decision.region)} values held as sequence shards of "
+            f"1/{tp}); the program runs sequence lengths that are multiples of mesh.tp ({tp}) "
+            f"only; tensor_parallel.sequence_parallel=false runs any length")
+
+
 def _indivisible(example_seq: Optional[int], tp: int, facts) -> Optional[str]:
     if example_seq is None or not example_seq % tp:
         return None

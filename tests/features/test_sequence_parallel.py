@@ -217,9 +217,10 @@ def test_dropout_on_a_shard_applies_its_slice_of_the_full_mask(op, flat):
 
 # --- estimate: activation bytes per layer (Korthikanti et al. 2022, Table 2) ----------------
 
-def _layer_bytes(tp: int, sequence_parallel: bool) -> tuple[int, dict]:
+def _layer_bytes(tp: int, sequence_parallel: bool) -> tuple[int, dict, list]:
     """Bytes block ``h.1`` of examples/gpt saves per microbatch on one tp rank, counted by
-    ``parallelize estimate``'s FakeTensor trace of the emitted stage; and the batch shape."""
+    ``parallelize estimate``'s FakeTensor trace of the emitted stage; the batch shape; the
+    compile's printed notes."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from parallelizer.compiler import compile_module
@@ -239,7 +240,7 @@ def _layer_bytes(tp: int, sequence_parallel: bool) -> tuple[int, dict]:
                   for st in program.plan.stages]
         stage_activations(stages, program.plan, batch, default_loss, mode, per_block)
     block = next(b for b in per_block if b.endswith(".1"))
-    return per_block[block], batch
+    return per_block[block], batch, program.notes
 
 
 def test_estimate_activations_shrink_as_korthikanti_table_2():
@@ -250,9 +251,13 @@ def test_estimate_activations_shrink_as_korthikanti_table_2():
     inputs and the inputs of the q|k|v and c_fc linears, 4 sbh elements (Korthikanti's 8 of
     the 10 sbh bytes: LN 4 + linears 4, less the 2 of the masks), plus each LayerNorm's
     (b, s, 1) mean and rstd (4 sb elements, below the paper's resolution)."""
-    p1, batch = _layer_bytes(1, False)
-    a2, _ = _layer_bytes(2, False)
-    s2, _ = _layer_bytes(2, True)
+    p1, batch, _ = _layer_bytes(1, False)
+    a2, _, off = _layer_bytes(2, False)
+    s2, _, on = _layer_bytes(2, True)
+    # the compile says which lengths the program then runs (zoo 23 F5: only the run did)
+    assert any(n.startswith("sequence parallel: on (") and "multiples of mesh.tp (2)" in n
+               and "sequence_parallel=false runs any length" in n for n in on), on
+    assert not any(n.startswith("sequence parallel") for n in off), off
     b, s = batch[0].shape if isinstance(batch, (tuple, list)) else next(iter(batch.values())).shape
     h = _hidden_of_gpt_example()
     assert s2 * 2 == p1  # sbh/t (34 + 5as/h): the t = 1 count over t
