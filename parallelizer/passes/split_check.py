@@ -35,9 +35,9 @@ def check_split(plan: ParallelPlan, stages: list, block_graphs: list, canonical:
             L and H stacks); such a stage holds no outlined block.
 
     Raises:
-        PlanError: a parameter is read by two emitted modules of one stage (ALBERT-style
-            weight sharing), which would split its gradient.
-        SplitMismatch: a stage reads other tensors than planned, or lacks a planned block.
+        SplitMismatch: a stage reads other tensors than planned, or lacks a planned block,
+            or a trained weight is read by two emitted modules of one stage, which would split
+            its gradient (:func:`shared_weights` keeps such a stage whole).
     """
     out = []
     for st, blocks, sp in zip(stages, block_graphs, plan.stages):
@@ -70,24 +70,38 @@ def check_split(plan: ParallelPlan, stages: list, block_graphs: list, canonical:
 def shared_weights(graph, blocks: tuple, plan: ParallelPlan, canonical: dict) -> str:
     """'' unless a trained weight of ``graph`` (a stage) is read inside two of ``blocks``
     (Zamba2's shared transformer called from layers 1 and 3, a Universal Transformer's one
-    layer looped): then which, as a report line. Outlined, each block would hold its own copy
+    layer looped), or by the stage root and, under another name, inside a block (an
+    embedding tied to the LM head and to a block's linear): then which, as a report line. Outlined, each block would hold its own copy
     and split the gradient, so such a stage is not split into blocks (compiler.check_stages):
     it runs as one module, one gradient per weight. Blocks on different stages share by the
     tied path instead (gradients summed between the stages)."""
     readers: dict = {}
+    owners: dict = {}  # fqn -> the modules split_blocks would give a read of it
+    here = {block_of(n, blocks) for n in graph.nodes if n.op not in ("placeholder", "output")}
     for node in graph.nodes:
-        if node.op != "get_attr":
+        if node.op != "get_attr" or not node.users:
             continue
         fqn = canonical.get(node.target, node.target)
         if fqn not in plan.tensors or _is_buffer(plan, fqn):
             continue
         readers.setdefault(fqn, set()).update(
             b for b in (block_of(u, blocks) for u in node.users) if b is not None)
+        owner = block_of(node, blocks)
+        owners.setdefault(fqn, set()).add(owner if owner in here else None)
     shared = sorted(f for f, by in readers.items() if len(by) > 1)
-    if not shared:
-        return ""
-    more = f" and {len(shared) - 1} more" if len(shared) > 1 else ""
-    return f"{shared[0]}{more} read by blocks {', '.join(sorted(readers[shared[0]]))}"
+    # a weight the stage root reads under one name and a block under its own (an embedding
+    # tied to a block's linear and the LM head): outlined, the block would hold a second
+    # parameter with its part of the gradient (zoo 22 F1, refused at pp = 1 before)
+    outside = sorted(f for f, by in owners.items() if None in by and len(by) > 1)
+    if shared:
+        more = f" and {len(shared) - 1} more" if len(shared) > 1 else ""
+        return f"{shared[0]}{more} read by blocks {', '.join(sorted(readers[shared[0]]))}"
+    if outside:
+        more = f" and {len(outside) - 1} more" if len(outside) > 1 else ""
+        inside = sorted(b for b in owners[outside[0]] if b is not None)
+        return (f"{outside[0]}{more} read outside the blocks and, under another name, inside "
+                f"{', '.join(inside)}")
+    return ""
 
 
 def _is_buffer(plan: ParallelPlan, fqn: str) -> bool:
@@ -199,13 +213,12 @@ def check_stage_writes(stages: list) -> None:
 
 def _check_sharing(owned: list, canonical: dict, stage: int) -> None:
     """One tensor read by two emitted modules of one stage would become two parameters with
-    split gradients: refuse it at compile time. Blocks sharing weights do not get here (the
-    stage is not outlined, :func:`shared_weights`); a weight read outside the blocks and
-    inside one does.
+    split gradients: such a stage is not outlined (:func:`shared_weights`, two blocks or the
+    stage root and a block), so this guards that function.
 
     Raises:
-        PlanError: names the shared tensors (sorted, the first six) and the modules sharing
-            the first.
+        SplitMismatch: names the shared tensors (sorted, the first six) and the modules
+            sharing the first.
     """
     owners: dict = {}
     for owner, name in owned:
@@ -213,8 +226,8 @@ def _check_sharing(owned: list, canonical: dict, stage: int) -> None:
     shared = sorted(fqn for fqn, by in owners.items() if len(by) > 1)
     if shared:
         more = f" and {len(shared) - 6} more" if len(shared) > 6 else ""
-        raise PlanError(
-            f"{', '.join(shared[:6])}{more} {'is' if len(shared) == 1 else 'are'} shared by "
-            f"{', '.join(sorted(owners[shared[0]]))} (stage {stage}); a trained weight read "
-            f"both outside the blocks and inside one is not supported yet: give the block its "
-            f"own copy, or read it only inside the blocks")
+        raise SplitMismatch(
+            f"internal error: {', '.join(shared[:6])}{more} {'is' if len(shared) == 1 else 'are'}"
+            f" held by {', '.join(sorted(owners[shared[0]]))} (stage {stage}), each with its "
+            f"own copy and part of the gradient; the stage should have been kept as one "
+            f"module (passes/split_check.shared_weights)")

@@ -27,37 +27,6 @@ def _model(tmp_path: Path, body: str) -> Path:
     return path
 
 
-def test_weights_shared_by_blocks_of_one_stage_compile_as_one_unit(tmp_path):
-    """ALBERT-style sharing (one block object in every slot; Zamba2's shared transformer
-    called from two of its layers) was refused: outlined, each block would hold its own
-    copy of the weights and split their gradient. Such a stage is now one module (one
-    gradient per weight), said in report.md; the self-check runs its tp ranks against the
-    model. Across stages the tied path sums the gradients (tests/distributed/test_user_models.py
-    runs it at pp2)."""
-    path = _model(tmp_path, """
-        import torch
-        from torch import nn
-        class Albert(nn.Module):
-            def __init__(self):
-                super().__init__()
-                block = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
-                self.layers = nn.ModuleList([block] * 3)
-            def forward(self, x):
-                for layer in self.layers:
-                    x = x + layer(x)
-                return x
-        def build_model():
-            torch.manual_seed(0)
-            return Albert()
-        def example_inputs():
-            return (torch.randn(4, 5, 16),)
-    """)
-    program = compile_model(path, load_spec(GPT / "spec.yaml", ["mesh.tp=2"]))
-    assert "- stage 0: layers.0.0.bias and 3 more read by blocks layers.0, layers.1, layers.2; " \
-           "stage kept as one FSDP unit" in program.report, program.report
-    assert program.plan.stages[0].blocks == ()
-
-
 @pytest.mark.parametrize("pp", [1, 2])
 def test_shared_buffer_written_in_place_is_refused_naming_the_line(tmp_path, pp):
     """A buffer read by every block is copied to each (the Llama 3 reference model's shared
