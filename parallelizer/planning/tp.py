@@ -35,7 +35,8 @@ from .tp_candidates import (indivisible, merged_layout, merged_whole, one_head_w
 from .tp_chains import chains_whole
 from .tp_matrices import custom_op_weights, op_text, other_matrices
 from .tp_sizes import check_divisible, divisible
-from .tp_seeds import conditioning_ops, first_end, linears_feeding, nearest_linears
+from .tp_seeds import (COMPUTED_WEIGHTS, conditioning_ops, first_end, linears_feeding,
+                       nearest_linears)
 
 
 
@@ -186,9 +187,8 @@ def _nothing_sharded(decision: TPDecision, tp: int, allow_replicated: bool,
     the experts are split."""
     why = (f"the first op that stopped it: {decision.blockers[0]}" if decision.blockers else
            f"no column/row pair was found: {ends}" if ends else
-           "no linear layer feeds another (a matmul with a 2-D parameter operand whose output "
-           "reaches a second one; a weight computed in forward (torch.nn.utils.parametrizations: "
-           "weight_norm, spectral_norm) is no parameter operand)")
+           f"no linear layer feeds another (a matmul with a 2-D parameter operand whose output "
+           f"reaches a second one; {COMPUTED_WEIGHTS})")
     other = sorted(decision.other_replicated.values(), key=lambda line: ", flat, read by " not in line)
     if other and not decision.blockers:  # the matrices the model does use (stored flat, convs)
         why += f"; {other[0].removeprefix('replicated: ')}"

@@ -27,6 +27,9 @@ _NORMS = {aten.native_layer_norm.default, aten.layer_norm.default}
 # (else it went on through the combine and the residual into the next block's q/k/v and
 # took them as its rows, leaving that attention replicated).
 _ROUTING = {aten.topk.default}
+# why a linear whose weight forward computes pairs with nothing: no refusal leaves it unsaid
+COMPUTED_WEIGHTS = ("a weight computed in forward (torch.nn.utils.parametrizations: "
+                    "weight_norm, spectral_norm) is no parameter operand")
 _ELEMENTWISE = ADDS | {aten.mul.Tensor, aten.mul_.Tensor, aten.sub.Tensor, aten.sub_.Tensor,
                        aten.div.Tensor, aten.div_.Tensor}
 
@@ -86,8 +89,9 @@ def chain_heads(sites: list, pairs: dict) -> frozenset:
 
 def first_end(sites: list) -> str:
     """Where the first linear's walk (graph order) that reaches no other linear ends and
-    why, when such a walk ends at a norm, an embedding, a router or a conditioning op ('';
-    not at a residual add, a block's end): for a model with linears but no pair."""
+    why, when such a walk ends at a norm, an embedding, a router or a conditioning op; else,
+    where a linear reaches another only past a residual add (a block's end: ``x + a(x)``
+    then ``x + b(x)``), that; else '': for a model with linears but no pair."""
     is_linear = {s.node: s for s in sites}
     for site in sites:
         ends: list = []
@@ -98,6 +102,12 @@ def first_end(sites: list) -> str:
             where = source_line(node)
             return (f"{site.weight}'s output meets {node.target}"
                     f"{f' at {where}' if where else ''} ({why}) before any other linear")
+    for site in sites:
+        past = not _walk(site.node, is_linear, True) and _walk(site.node, is_linear, False)
+        if past:
+            return (f"each linear's output meets a residual add (a block's end) before any "
+                    f"other linear: {site.weight}'s reaches {min(past)} only past one; "
+                    f"{COMPUTED_WEIGHTS}")
     return ""
 
 

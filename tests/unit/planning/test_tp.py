@@ -80,6 +80,33 @@ def test_tp_not_dividing_heads_is_a_plan_error():
 
 
 
+class OneLinearBlocks(nn.Module):
+    """Blocks of one linear each, ``x + tanh(lin(x))``: a linear reaches the next only past
+    a residual add, a block's end."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(H, H) for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + torch.tanh(block(x))
+        return x
+
+
+def test_no_pair_past_residual_adds_says_so():
+    """With no pair and no other end in the way, the refusal said "no linear layer feeds
+    another", false where one linear feeds the next past a block's end (and where two
+    branches' add was taken for one, zoo 23 F4); it names such a linear and the one it
+    reaches."""
+    with pytest.raises(PlanError, match=r"no column/row pair was found: each linear's output "
+                                        r"meets a residual add \(a block's end\) before any "
+                                        r"other linear: blocks\.0\.weight's reaches "
+                                        r"blocks\.1\.weight only past one; a weight "
+                                        r"computed in forward"):
+        plan_tp(captured(OneLinearBlocks(), x_batch()).gm.graph, 2)
+
+
 # --- planner: GQA (transformers' LlamaForCausalLM, 4 heads, 2 kv heads) ----------------------
 
 @pytest.fixture(scope="module")
