@@ -17,7 +17,7 @@ import torch
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_map
 
 from ..errors import CaptureError
-from ..plan.out_spec import dumps as out_spec_dumps
+from ..plan.out_spec import dumps as out_spec_dumps, register_dataclasses
 from . import capture_hints, custom_functions, python_rng, python_state
 from .branches import (ASSUMED, SPEC_KEY, decided_lines, is_data_dependent, label_assertions,
                        quiet_report, refuse_random_conditions)
@@ -150,8 +150,10 @@ def _exported(model, args, kwargs, model_file: Path, branches: str = "refuse"):
                       if isinstance(t, torch.Tensor))
         if eager is not None and not (on_meta and is_data_dependent(first_error)):
             raise CaptureError(eager_message(eager, model_file)) from eager
+        if register_dataclasses(opaque.values()):  # nodes now: export returns them
+            return _exported(model, args, kwargs, model_file, branches)
         if opaque:  # export cannot return it (a transformers Cache: use_cache on)
-            raise CaptureError(_opaque_message(opaque, model_file)) from first_error
+            raise CaptureError(_opaque_message(list(opaque), model_file)) from first_error
         if branches == "as_example" and is_data_dependent(first_error):
             if on_meta:
                 raise CaptureError(_capture_message(first_error, model_file) + f"\n{SPEC_KEY}: "
@@ -413,9 +415,9 @@ def _to_flat_calling(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
-def _eager_run(model: torch.nn.Module, args, kwargs) -> tuple[Exception | None, list[str]]:
+def _eager_run(model: torch.nn.Module, args, kwargs) -> tuple[Exception | None, dict]:
     """A plain forward of ``model`` on the example batch: its exception (or None), and each
-    output that is neither a tensor nor a plain Python value, as ``path (type)``. The model
+    output that is neither a tensor nor a plain Python value, ``path (type)`` -> type. The model
     and the random state are left as they were: a lazily initialised buffer written here
     picked the initialised branch for the capture that follows (routing-transformer's
     k-means under as_example, zoo 16 Z9)."""
@@ -424,21 +426,21 @@ def _eager_run(model: torch.nn.Module, args, kwargs) -> tuple[Exception | None, 
                 torch.random.fork_rng(devices=[]):
             out = model(*args, **kwargs)
     except Exception as e:
-        return e, []
+        return e, {}
     from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
     plain = (torch.Tensor, int, float, bool, str, type(None))
     try:
         leaves = [(keystr(k), v) for k, v in tree_flatten_with_path(out)[0]]
     except ValueError:  # a pytree node registered without key paths (diffusers' BaseOutput)
         leaves = [(f"[{i}]", v) for i, v in enumerate(tree_flatten(out)[0])]
-    return None, [f"outputs{k} ({type(v).__module__}.{type(v).__qualname__})"
-                  for k, v in leaves if not isinstance(v, plain)]
+    return None, {f"outputs{k} ({type(v).__module__}.{type(v).__qualname__})": type(v)
+                  for k, v in leaves if not isinstance(v, plain)}
 
 
 def _opaque_message(opaque: list[str], model_file: Path) -> str:
     return (f"the model from {model_file} returns {', '.join(opaque)}: not a tensor, so "
-            f"torch.export cannot capture it.\nFix: return only tensors / ModelOutputs of "
-            f"tensors; a Hugging Face model returns its key/value cache (past_key_values) "
+            f"torch.export cannot capture it.\nFix: return only tensors (in tuples, dicts, "
+            f"dataclasses or ModelOutputs); a Hugging Face model returns its key/value cache (past_key_values) "
             f"while use_cache is on: set use_cache=False in its config (and in its text_config, "
             f"for a config that holds one).")
 

@@ -5,10 +5,14 @@ A ``typing.NamedTuple`` or ``collections.namedtuple`` (infini-transformer-pytorc
 serialises one only under a name registered for its class ("Can't serialize TreeSpec of
 namedtuple class ...": every layout of such a model was refused, zoo 18 Z2). Each is
 registered under ``module.QualName`` before writing, and resolved from its module (imported,
-or the model file the run has already loaded) before reading.
+or the model file the run has already loaded) before reading. A ``@dataclass`` output is no
+pytree node until registered (:func:`register_dataclasses`, which the capture calls on the
+outputs of a forward export refused): it is registered under the same name, and resolved
+the same way before reading.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import sys
@@ -34,10 +38,28 @@ def loads(text: str) -> pytree.TreeSpec:
     Raises:
         ImportError: a namedtuple class whose module cannot be imported (names it).
     """
-    for name in _namedtuple_names(json.loads(text)):
+    names, classes = _type_names(json.loads(text))
+    for name in names:
         if name not in pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE:
             _register(_resolve(name), name)
+    for name in classes:
+        if name not in pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE:
+            cls = _resolve(name)
+            if dataclasses.is_dataclass(cls):
+                register_dataclasses([cls])
     return pytree.treespec_loads(text)
+
+
+def register_dataclasses(classes) -> bool:
+    """Register each ``@dataclass`` class of ``classes`` that pytree does not know as a node
+    (``torch.export.register_dataclass``, serialized as ``module.QualName``), so that export
+    can return it and the plan can store it: a forward returning ``Out(logits=..., aux=...)``
+    was refused, "not a tensor" (zoo 24). True if any was registered."""
+    new = [c for c in dict.fromkeys(classes) if isinstance(c, type)
+           and dataclasses.is_dataclass(c) and c not in pytree.SUPPORTED_NODES]
+    for cls in new:
+        pytree.register_dataclass(cls, serialized_type_name=f"{cls.__module__}.{cls.__qualname__}")
+    return bool(new)
 
 
 def _register_classes(spec: pytree.TreeSpec) -> None:
@@ -52,15 +74,18 @@ def _register(cls, name: str) -> None:
     pytree._register_namedtuple(cls, serialized_type_name=name)
 
 
-def _namedtuple_names(node) -> list[str]:
-    """The registered names of the namedtuples in a dumped spec (``[version, tree]``)."""
-    out, todo = [], [node[1] if isinstance(node, list) else node]
+def _type_names(node) -> tuple[list[str], list[str]]:
+    """The registered names in a dumped spec (``[version, tree]``): of its namedtuples, and
+    of its other node types (a dataclass's)."""
+    tuples, classes, todo = [], [], [node[1] if isinstance(node, list) else node]
     while todo:
         n = todo.pop()
         if n.get("type") == _NAMEDTUPLE:
-            out.append(n["context"])
+            tuples.append(n["context"])
+        elif n.get("type"):
+            classes.append(n["type"])
         todo += n.get("children_spec") or []
-    return out
+    return tuples, classes
 
 
 def _resolve(name: str):

@@ -5,7 +5,13 @@ refused ("cannot be sent between processes ... Please register using
 `_register_namedtuple`"). plan/out_spec.py registers each under ``module.QualName`` before
 writing and resolves it from its module before reading: the spec round-trips in a process
 that never registered the class, and a model returning one (with a None field, as
-infini-transformer's) compiles at tp2 with the self-check and its reference step."""
+infini-transformer's) compiles at tp2 with the self-check and its reference step.
+
+A ``@dataclass`` output is no pytree node at all until registered: the capture refused it,
+"not a tensor, so torch.export cannot capture it" (zoo 24). The capture registers each one
+an export refused (``torch.export.register_dataclass``, under ``module.QualName``), and the
+plan reads it back the same way."""
+import dataclasses
 import json
 import subprocess
 import sys
@@ -63,6 +69,38 @@ def test_a_model_returning_a_namedtuple_compiles():
     (note,) = [n for n in program.notes if n.startswith("self-check")]
     assert "4 output(s)" in note, note  # x, both cached and the None
     assert "Return" in program.plan.out_spec
+
+
+@dataclasses.dataclass
+class Out:
+    logits: torch.Tensor
+    aux: torch.Tensor
+
+
+class _DataclassModel(_Model):
+    def forward(self, x):
+        out = super().forward(x)
+        return Out(out.logits, out.logits.mean(-1))
+
+
+def test_a_model_returning_a_dataclass_compiles_and_its_spec_round_trips():
+    torch.manual_seed(0)
+    program = compiler.compile_module(
+        _DataclassModel(), (torch.randn(4, 5, 8),), Spec.model_validate({"mesh": {"tp": 2}}),
+        lambda out, batch: out.logits.pow(2).mean() + out.aux.pow(2).mean())
+    (note,) = [n for n in program.notes if n.startswith("self-check")]
+    assert "2 output(s)" in note, note
+    text = program.plan.out_spec
+    assert json.loads(text)[1]["type"] == f"{__name__}.Out", text
+    # a process that imports this module (as run.py imports the model's) and never
+    # registered the class reads it back and rebuilds the output
+    code = (f"import sys; sys.path[:0] = {sys.path!r}; import torch; "
+            f"from torch.utils._pytree import tree_unflatten; "
+            f"from parallelizer.plan import out_spec; s = out_spec.loads({text!r}); "
+            f"o = tree_unflatten([torch.ones(1), torch.zeros(1)], s); "
+            f"print(type(o).__qualname__, float(o.logits), float(o.aux))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["Out", "1.0", "0.0"], out
 
 
 def test_a_none_output_under_pp_is_refused_at_compile_time():
