@@ -387,6 +387,20 @@ def merged_layout(site, layout):
     return in_units(layout, site.features(site.out_dim) // int(shape(site.param)[site.out_dim]))
 
 
+def _merged_reason(site, layout, e: ValueError) -> str:
+    """Why a merged parameter is kept whole: the checkpoint cuts it along its first output
+    dim only, and its layout asks for cuts within that dim's rows (a stacked q|k|v einsum
+    weight ``(3, H, D, D_h)``: each of the 3 parts cut along its heads, zoo 24 F1; the reason
+    read "(tp degree 2 does not divide a fused part (1))")."""
+    dims = list(shape(site.param))
+    parts = getattr(layout, "parts", ())
+    what = (f"its {len(parts)} fused parts" if len(parts) == dims[site.out_dim] else
+            f"rows its {layout.kind} layout cuts within ({e})")
+    return (f"its parameter {dims} can be cut only along dim {site.out_dim}, which holds "
+            f"{what}, each of which tp would cut; stored with the dim to cut first (the heads "
+            f"before the parts), it is sharded")
+
+
 def merged_whole(graph, sites, tp: int, decision: TPDecision, chosen):
     """``chosen`` lays out a merged parameter's rows in parts its own dim cannot cut (a fused
     q|k|v einsum weight ``(3, H, D_h, D)``: the shard of each part is a slice of ``H``, but
@@ -402,16 +416,13 @@ def merged_whole(graph, sites, tp: int, decision: TPDecision, chosen):
         try:
             check(int(shape(site.param)[site.out_dim]), merged_layout(site, layouts[w]), tp)
         except ValueError as e:
-            bad[w] = (f"its parameter {list(shape(site.param))} is cut along dim "
-                      f"{site.out_dim}, which holds the {layouts[w].kind} layout's parts "
-                      f"whole ({e})")
+            bad[w] = _merged_reason(site, layouts[w], e)
     if not bad:
         return chosen
     scratch = TPDecision(tp=tp, linears=decision.linears, biases=decision.biases)
     found = candidate(graph, pairs, tp, scratch, kept=bad)
     if not divisible(found[3], tp):
         w, why = sorted(bad.items())[0]
-        raise PlanError(f"mesh.tp ({tp}) cannot shard {w}: {why}; store the weight with the "
-                        f"split dim first or set mesh.tp=1")
+        raise PlanError(f"mesh.tp ({tp}) cannot shard {w}: {why}; or set mesh.tp=1")
     decision.blockers, decision.report = scratch.blockers, scratch.report
     return found

@@ -162,16 +162,19 @@ def test_3d_einsum_checkpoint_round_trip_is_bit_exact(tmp_path):
 class FusedQKV4D(nn.Module):
     """One q|k|v einsum weight ``(3, H, D_h, D_model)`` (``"bsd,phkd->pbhsk"``, then unbind):
     the parameter is cut along its first dim, the 3 parts, which no rank's piece of every
-    part can be."""
+    part can be. Stored heads first (``(H, 3, D_h, D_model)``, ``"bsd,hpkd->pbhsk"``), its
+    first dim is the heads."""
 
-    def __init__(self):
+    def __init__(self, parts_first: bool = True):
         super().__init__()
-        self.wqkv = nn.Parameter(0.1 * torch.randn(3, HEADS, D, H))
+        shape = (3, HEADS) if parts_first else (HEADS, 3)
+        self.wqkv = nn.Parameter(0.1 * torch.randn(*shape, D, H))
+        self.spec = "bsd,phkd->pbhsk" if parts_first else "bsd,hpkd->pbhsk"
         self.wo = nn.Parameter(0.1 * torch.randn(HEADS, D, H))
         self.up, self.down = nn.Linear(H, 2 * H), nn.Linear(2 * H, H)
 
     def forward(self, x):
-        q, k, v = torch.einsum("bsd,phkd->pbhsk", x, self.wqkv).unbind(0)
+        q, k, v = torch.einsum(self.spec, x, self.wqkv).unbind(0)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + torch.einsum("bhsk,hkd->bsd", y, self.wo)
         return x + self.down(F.gelu(self.up(x)))
@@ -180,9 +183,20 @@ class FusedQKV4D(nn.Module):
 @pytest.mark.parametrize("tp", [2, 4])
 def test_a_fused_qkv_einsum_weight_cut_along_its_parts_is_kept_whole(tp):
     """A new user's run before: the plan laid the weight out as fused parts its dim 0 cannot
-    hold, and compiling crashed at emit ('tp degree 2 does not divide a fused part (1)')."""
+    hold, and compiling crashed at emit ('tp degree 2 does not divide a fused part (1)').
+    Then kept whole with that text as its reason, which a user could not act on (zoo 24 F1):
+    it says what is cut and how to store the weight so that it shards."""
     torch.manual_seed(0)
     d = plan_and_check(FusedQKV4D(), x_batch(), tp)
     assert "wqkv" not in d.column and {"wo", "down.weight"} <= d.row
-    assert any(line.startswith("kept whole: wqkv (its parameter [3, 4, 8, 32] is cut along "
-                               "dim 0") for line in d.report), d.report
+    assert f"kept whole: wqkv (its parameter [3, {HEADS}, {D}, {H}] can be cut only along " \
+           f"dim 0, which holds its 3 fused parts, each of which tp would cut; stored with " \
+           f"the dim to cut first (the heads before the parts), it is sharded" \
+           in "\n".join(d.report), d.report
+
+
+def test_a_fused_qkv_einsum_weight_stored_heads_first_is_sharded():
+    torch.manual_seed(0)
+    d = plan_and_check(FusedQKV4D(parts_first=False), x_batch(), 2)
+    assert "wqkv" in d.column and d.dims["wqkv"] == 0, d.report
+    assert {"wo", "down.weight"} <= d.row
