@@ -440,9 +440,9 @@ def _eager_run(model: torch.nn.Module, args, kwargs) -> tuple[Exception | None, 
 def _opaque_message(opaque: list[str], model_file: Path) -> str:
     return (f"the model from {model_file} returns {', '.join(opaque)}: not a tensor, so "
             f"torch.export cannot capture it.\nFix: return only tensors (in tuples, dicts, "
-            f"dataclasses or ModelOutputs); a Hugging Face model returns its key/value cache (past_key_values) "
-            f"while use_cache is on: set use_cache=False in its config (and in its text_config, "
-            f"for a config that holds one).")
+            f"dataclasses or ModelOutputs); a Hugging Face model returns its key/value cache "
+            f"(past_key_values) while use_cache is on: set use_cache=False in its config (and in "
+            f"its text_config, for a config that holds one).")
 
 
 def eager_message(e: Exception, model_file: Path) -> str:

@@ -71,10 +71,11 @@ def shared_weights(graph, blocks: tuple, plan: ParallelPlan, canonical: dict) ->
     """'' unless a trained weight of ``graph`` (a stage) is read inside two of ``blocks``
     (Zamba2's shared transformer called from layers 1 and 3, a Universal Transformer's one
     layer looped), or by the stage root and, under another name, inside a block (an
-    embedding tied to the LM head and to a block's linear): then which, as a report line. Outlined, each block would hold its own copy
-    and split the gradient, so such a stage is not split into blocks (compiler.check_stages):
-    it runs as one module, one gradient per weight. Blocks on different stages share by the
-    tied path instead (gradients summed between the stages)."""
+    embedding tied to the LM head and to a block's linear): then which, as a report line.
+    Outlined, each block would hold its own copy and split the gradient, so such a stage is
+    not split into blocks (compiler.check_stages): it runs as one module, one gradient per
+    weight. Blocks on different stages share by the tied path instead (gradients summed
+    between the stages)."""
     readers: dict = {}
     owners: dict = {}  # fqn -> the modules split_blocks would give a read of it
     here = {block_of(n, blocks) for n in graph.nodes if n.op not in ("placeholder", "output")}
