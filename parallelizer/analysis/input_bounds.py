@@ -74,24 +74,39 @@ def _expr(x):
 
 def _embedding_bounds(gm: fx.GraphModule) -> dict:
     """``{symbol: (high, where)}``: the largest ``symbol`` whose position ids stay inside the
-    rows of the embedding they index (``symbol + c - 1 < rows``), the tightest one per symbol."""
+    rows of the table they index (``symbol + c - 1 < rows``), the tightest one per symbol:
+    an embedding's, or a tensor's dim indexed by them (``aten.index.Tensor``: a learned
+    relative-position table ``rel[:, (pos[None, :] - pos[:, None]) + 15]`` of 31 columns
+    runs lengths up to 16, and a longer one was an IndexError inside the forward, zoo 24 F4)."""
     out: dict = {}
     for n in gm.graph.nodes:
-        if n.op != "call_function" or n.target is not aten.embedding.default:
+        if n.op != "call_function":
             continue
-        top = _largest(n.args[1])
-        rows = n.args[0].meta["val"].shape[0]
-        if top is None or len(top.free_symbols) != 1 or not str(rows).isdigit():
+        if n.target is aten.embedding.default:
+            looked = [(n.args[1], n.args[0].meta["val"].shape[0])]
+        elif n.target is aten.index.Tensor:
+            table = n.args[0].meta["val"].shape
+            looked = [(i, table[d]) for d, i in enumerate(n.args[1]) if isinstance(i, fx.Node)]
+        else:
             continue
-        symbol = next(iter(top.free_symbols))
-        offset = sympy.expand(top - symbol)  # the ids reach symbol + offset
-        if not offset.is_Integer or sympy.expand(top - symbol - offset) != 0:
-            continue
-        high = int(rows) - 1 - int(offset)
-        if symbol not in out or high < out[symbol][0]:
-            where = source_line(n)
-            out[symbol] = (high, f"{n.target} of {int(rows)} rows at {where}" if where else "")
+        for ids, rows in looked:
+            _tightest(out, _largest(ids), rows, n)
     return out
+
+
+def _tightest(out: dict, top, rows, n: fx.Node) -> None:
+    """Record in ``out`` the bound ids reaching ``top`` (one symbol plus a number) put on
+    their symbol, looked up in ``rows`` rows by ``n``, where it is the tightest."""
+    if top is None or len(top.free_symbols) != 1 or not str(rows).isdigit():
+        return
+    symbol = next(iter(top.free_symbols))
+    offset = sympy.expand(top - symbol)  # the ids reach symbol + offset
+    if not offset.is_Integer or sympy.expand(top - symbol - offset) != 0:
+        return
+    high = int(rows) - 1 - int(offset)
+    if symbol not in out or high < out[symbol][0]:
+        where = source_line(n)
+        out[symbol] = (high, f"{n.target} of {int(rows)} rows at {where}" if where else "")
 
 
 def _largest(node, depth: int = 12):
@@ -115,6 +130,9 @@ def _largest(node, depth: int = 12):
         return sympy.Integer(1)
     if t is aten.cumsum.default and _is_ones(args[0]):
         return _expr(node.meta["val"].shape[args[1]])
+    if t in (aten.add.Tensor, aten.sub.Tensor) and len(args) == 2 \
+            and all(isinstance(a, fx.Node) for a in args):
+        return _outer(node, depth)
     if t in (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor) and len(args) == 2:
         a, b = args
         if t is aten.mul.Tensor and _is_ones(a):
@@ -130,6 +148,53 @@ def _largest(node, depth: int = 12):
         if t is aten.sub.Tensor:
             return top - number
         return top * number if number.is_nonnegative else None
+    return None
+
+
+def _outer(node, depth: int):
+    """The largest value of ``a + b`` or ``a - b`` where the two vary along different dims
+    (``pos[None, :] - pos[:, None]``: every pair of positions is in the result, so the
+    largest is ``max(a) - min(b)``, reached); None where they share a dim (``pos - pos`` is
+    0 everywhere), or where either is unknown."""
+    a, b = node.args
+    if not _apart(a, b):
+        return None
+    top = _largest(a, depth - 1)
+    other = _largest(b, depth - 1) if node.target is aten.add.Tensor else _smallest(b, depth - 1)
+    if top is None or other is None:
+        return None
+    return top + other if node.target is aten.add.Tensor else top - other
+
+
+def _apart(a: fx.Node, b: fx.Node) -> bool:
+    """``a`` and ``b`` broadcast against each other along disjoint dims: no dim over 1 in
+    both (their shapes aligned from the last dim)."""
+    sa, sb = (getattr(x.meta.get("val"), "shape", None) for x in (a, b))
+    if sa is None or sb is None:
+        return False
+    big = [{len(s) - i for i, d in enumerate(s) if not (str(d).isdigit() and int(str(d)) == 1)}
+           for s in (sa, sb)]
+    return not big[0] & big[1]
+
+
+def _smallest(node, depth: int = 12):
+    """The smallest value of ``node``, exactly: of ``arange`` (its start) through copies and
+    views, plus or minus a number; else None."""
+    if not isinstance(node, fx.Node) or node.op != "call_function" or depth == 0:
+        return None
+    t, args = node.target, node.args
+    if t in _KEEPS or (t is aten.slice.Tensor and _whole(args)):
+        return _smallest(args[0], depth - 1)
+    if t is aten.arange.default:
+        return sympy.Integer(0)
+    if t in (aten.arange.start, aten.arange.start_step) and (len(args) < 3 or args[2] == 1):
+        return _expr(args[0])
+    if t in (aten.add.Tensor, aten.sub.Tensor) and len(args) == 2 \
+            and not isinstance(args[1], fx.Node):
+        low, number = _smallest(args[0], depth - 1), _expr(args[1])
+        if low is None or number is None:
+            return None
+        return low + number if t is aten.add.Tensor else low - number
     return None
 
 

@@ -70,6 +70,20 @@ class SlotsPerSample(Base):
         return self.head(self.emb(ids) + self.wpe.weight[:ids.shape[0]].unsqueeze(1))
 
 
+class RelativeTable(Base):  # a learned bias per relative position, 2 P - 1 of them
+    def __init__(self, same=False):
+        super().__init__()
+        self.rel = nn.Parameter(torch.randn(2, 2 * P - 1))
+        self.same = same
+
+    def forward(self, ids):
+        pos = torch.arange(ids.shape[1])
+        # pos - pos is 0 everywhere: the table's middle column at every length
+        rel = (pos - pos) if self.same else pos[None, :] - pos[:, None]
+        bias = self.rel[:, rel + P - 1]  # (2, T, T) or (2, T)
+        return self.head(self.emb(ids)) + bias.mean(0).mean(-1, keepdim=True).unsqueeze(0)
+
+
 def _ids(b=2, t=8):
     return (torch.randint(0, V, (b, t), generator=torch.Generator().manual_seed(0)),)
 
@@ -108,6 +122,23 @@ def test_positions_looked_up_in_a_table_bound_the_sequence(model, rows, high):
     model(rows).eval()(ids)  # the bound is the longest the model itself runs ...
     with pytest.raises(IndexError):
         model(rows).eval()(torch.randint(0, V, (1, high + 1)))  # ... and one more fails in it
+
+
+def test_relative_positions_indexing_a_table_bound_the_sequence():
+    """``rel[:, (pos[None, :] - pos[:, None]) + P - 1]``: every pair of positions, so the
+    largest index is ``(T - 1) - 0 + P - 1``; the table's 2 P - 1 columns run lengths up to
+    P. A longer one was an IndexError inside the forward, not refused (zoo 24 F4). The
+    same positions subtracted from themselves reach the middle column only: no bound."""
+    c = captured(RelativeTable(), _ids())
+    (name, d, low, high, where), = size_ranges(c.gm, c.input_names)
+    assert (name, d, low, high) == ("ids", 1, 2, P)
+    assert where.startswith(f"aten.index.Tensor of {2 * P - 1} rows at test_input_bounds.py:")
+    RelativeTable().eval()(torch.randint(0, V, (1, P)))
+    with pytest.raises(IndexError):
+        RelativeTable().eval()(torch.randint(0, V, (1, P + 1)))
+    c = captured(RelativeTable(same=True), _ids())
+    assert size_ranges(c.gm, c.input_names) == ()
+    RelativeTable(same=True).eval()(torch.randint(0, V, (1, 4 * P)))
 
 
 def test_an_assert_bounds_the_sequence():
