@@ -36,15 +36,15 @@ def loads(text: str) -> pytree.TreeSpec:
     """The TreeSpec :func:`dumps` wrote.
 
     Raises:
-        ImportError: a namedtuple class whose module cannot be imported (names it).
+        ImportError: a namedtuple or dataclass whose module cannot be imported (names it).
     """
     names, classes = _type_names(json.loads(text))
     for name in names:
         if name not in pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE:
-            _register(_resolve(name), name)
+            _register(_resolve(name, "namedtuple"), name)
     for name in classes:
         if name not in pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE:
-            cls = _resolve(name)
+            cls = _resolve(name, "class")
             if dataclasses.is_dataclass(cls):
                 register_dataclasses([cls])
     return pytree.treespec_loads(text)
@@ -88,9 +88,10 @@ def _type_names(node) -> tuple[list[str], list[str]]:
     return tuples, classes
 
 
-def _resolve(name: str):
+def _resolve(name: str, kind: str):
     """The class named ``module.QualName``: the longest prefix that is a module (in
-    ``sys.modules``, as the model file is, or importable), then attributes."""
+    ``sys.modules``, as the model file is, or importable), then attributes. ``kind``: what
+    the error calls it (a namedtuple, or a class: a dataclass)."""
     parts = name.split(".")
     for i in range(len(parts) - 1, 0, -1):
         module = ".".join(parts[:i])
@@ -102,5 +103,5 @@ def _resolve(name: str):
             obj = getattr(obj, attr, None)
         if obj is not None:
             return obj
-    raise ImportError(f"the model's output is a namedtuple {name}, whose module cannot be "
+    raise ImportError(f"the model's output is a {kind} {name}, whose module cannot be "
                       f"imported here; install it, or return a tuple or dict")

@@ -95,6 +95,7 @@ def _whole_kv(graph, pairs: dict, tp: int, decision: TPDecision, prop):
     linears kept whole), the candidate not divisible when another size is in the way; None
     when it keeps nothing whole or does not settle."""
     kept: dict = {}
+    found = scratch = None  # set with the first kept linear
     for _ in range(4):
         kv = frozenset(prop.kv_weights)
         # sizes other than heads are left to _whole_indivisible (an FFN of 37 as well)
@@ -394,11 +395,11 @@ def _merged_reason(site, layout, e: ValueError) -> str:
     read "(tp degree 2 does not divide a fused part (1))")."""
     dims = list(shape(site.param))
     parts = getattr(layout, "parts", ())
-    what = (f"its {len(parts)} fused parts" if len(parts) == dims[site.out_dim] else
-            f"rows its {layout.kind} layout cuts within ({e})")
-    return (f"its parameter {dims} can be cut only along dim {site.out_dim}, which holds "
-            f"{what}, each of which tp would cut; stored with the dim to cut first (the heads "
-            f"before the parts), it is sharded")
+    cut = f"its parameter {dims} can be cut only along dim {site.out_dim}, which holds"
+    if len(parts) != dims[site.out_dim]:  # no parts dim to store after the heads: no advice
+        return f"{cut} rows its {layout.kind} layout cuts within ({e})"
+    return (f"{cut} its {len(parts)} fused parts, each of which tp would cut; stored with the "
+            f"dim to cut first (the heads before the parts), it is sharded")
 
 
 def merged_whole(graph, sites, tp: int, decision: TPDecision, chosen):

@@ -103,6 +103,17 @@ def test_a_model_returning_a_dataclass_compiles_and_its_spec_round_trips():
     assert out.stdout.split() == ["Out", "1.0", "0.0"], out
 
 
+def test_an_output_class_whose_module_is_gone_is_named_by_its_kind():
+    """The error named every missing output class a namedtuple, a dataclass's too."""
+    tree = {"type": "nowhere_pkg.Out", "context": "[]", "children_spec": []}
+    with pytest.raises(ImportError, match=r"^the model's output is a class nowhere_pkg\.Out, "
+                                          r"whose module cannot be imported here"):
+        out_spec.loads(json.dumps([1, tree]))
+    tree = {"type": "collections.namedtuple", "context": "nowhere_pkg.Ret", "children_spec": []}
+    with pytest.raises(ImportError, match=r"^the model's output is a namedtuple nowhere_pkg"):
+        out_spec.loads(json.dumps([1, tree]))
+
+
 def test_a_none_output_under_pp_is_refused_at_compile_time():
     """torch.distributed.pipelining checks each value the last stage returns is a tensor:
     the run crashed ("Stage arg[3] is None"); the compile refuses it naming the field."""
