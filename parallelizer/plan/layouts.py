@@ -189,7 +189,8 @@ class Padded(EvenSplit):
 
     def _segments(self, n, tp, tp_rank, length):
         lo = tp_rank * length
-        return [Segment(lo, 0, max(0, min(length, n - lo)))]
+        # a rank past the real rows holds padding only (61 rows at tp 29: 3 each, rank 21 on)
+        return [Segment(lo, 0, min(length, n - lo))] if lo < n else []
 
     def adapt(self, n: int, tp: int) -> "Padded":
         unit = (self.multiple or 1) * tp

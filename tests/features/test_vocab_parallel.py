@@ -90,28 +90,31 @@ def _ce(logits, input_ids):
                            input_ids[:, 1:].reshape(-1))
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_padded_tied_vocab_matches_unmodified_model(tp):
+@pytest.mark.parametrize("vocab, tp", [(V, 2), (V, 4), (5, 4)])
+def test_padded_tied_vocab_matches_unmodified_model(vocab, tp):
     """Vocabulary 61 padded to 62 / 64: the tied table Shard(0) on every rank, logits
-    gathered with the padding columns dropped; loss, outputs, gradients, SGD step equal."""
-    model = tied_llama()
-    batch = {"input_ids": ids()}
+    gathered with the padding columns dropped; loss, outputs, gradients, SGD step equal.
+    5 rows at tp 4 (padded to 8) leave rank 3 padding only, whose piece was an IndexError
+    (zoo 24's 61 rows at tp 29)."""
+    model = tied_llama(vocab)
+    batch = {"input_ids": ids() % vocab}
     cap, gm, d, v = planned(model, batch, tp)
-    padded = -(-V // tp) * tp
+    padded = -(-vocab // tp) * tp
     assert v.layouts["model.embed_tokens.weight"] == Padded(padded)
-    assert v.vocab == {"model.embed_tokens.weight": V, "lm_head.weight": V}
-    assert v.heads == {"lm_head.weight"} and v.outputs == {0: V}
+    assert v.vocab == {"model.embed_tokens.weight": vocab, "lm_head.weight": vocab}
+    assert v.heads == {"lm_head.weight"} and v.outputs == {0: vocab}
     v.outputs.clear()  # gathered in the graph, as run.py's VocabOutputs.whole does
     rewrite(gm, d, v)
     ref, grads, stepped = reference(model, batch, lambda o: _ce(o.logits, batch["input_ids"]))
     ranks = run_ranks(gm, (d, v), tp, [batch["input_ids"]],
                       lambda outs: _ce(outs[0], batch["input_ids"]), LR)
     for res in ranks:
-        assert res.outputs[0].shape == (2, 8, V)
+        assert res.outputs[0].shape == (2, 8, vocab)
         torch.testing.assert_close(res.outputs[0], ref.logits, **TOL)
-    # one Parameter per rank for the tied pair, its padding row zero, gradient zero there
-    assert ranks[-1].grads["model.embed_tokens.weight"].shape == (padded // tp, 32)
-    assert ranks[-1].grads["model.embed_tokens.weight"][V - padded:].abs().sum() == 0
+    # one Parameter per rank for the tied pair, its padding rows zero, gradient zero there
+    last = ranks[-1].grads["model.embed_tokens.weight"]
+    assert last.shape == (padded // tp, 32)
+    assert last[max(0, vocab - padded + padded // tp):].abs().sum() == 0
     assert_ranks_match(ranks, (d, v), tp, grads, stepped)
 
 
