@@ -69,7 +69,7 @@ from .planning.token_mean import plan_token_mean, token_mean_note
 from .runtime.token_mean import counter
 from .passes.norm_precision import apply_norm_precision
 from .passes.recompute_writes import apply_recompute_writes
-from .planning.tp import plan_tp
+from .planning.tp import check_sharded, plan_tp
 from .planning.tp_matrices import tp_kept_note, tp_summary
 from .planning.vocab import plan_vocab, vocab_summary
 from .emit.program import Program, check_replaceable
@@ -198,9 +198,11 @@ def plan(analysis: Analysis, spec: Spec, passes: PassManager) -> Planned:
     """
     mesh, pipe, graph = spec.mesh, spec.pipeline, analysis.gm.graph
     ep = _plan_experts(graph, mesh, analysis.module_experts)  # raises early, naming the module
-    tp = plan_tp(graph, mesh.tp, spec.tensor_parallel.allow_replicated,  # raises early
-                 expert_dims=ep.dims)
+    allow_replicated = spec.tensor_parallel.allow_replicated
+    tp = plan_tp(graph, mesh.tp, allow_replicated, expert_dims=ep.dims,  # raises early
+                 vocab_next=True)
     vocab = plan_vocab(graph, mesh.tp, spec.tensor_parallel.vocab_parallel, analysis.canonical, tp)
+    check_sharded(tp, vocab, allow_replicated)  # raises: tp > 1 shards no weight at all
     counted = (tp, analysis.model, vocab, analysis.blocks, ep.dims, analysis.stacked,
                read_attrs(graph))
     notes = [tp_summary(*counted), tp_kept_note(*counted),

@@ -65,6 +65,9 @@ class TPDecision:
     report: list = field(default_factory=list)
     warnings: list = field(default_factory=list)  # also printed by the CLI
     blockers: list = field(default_factory=list)  # "op at file:line in module: reason", in order
+    # why no linear is sharded, when plan_tp leaves it to vocab_parallel to decide whether
+    # tp shards anything (planning/tp.py check_sharded); "" otherwise
+    unsharded: str = ""
     per_head: dict = field(default_factory=dict)  # per-head parameter fqn -> its heads dim
     # a buffer multiplied into a sharded weight at its shape (a pruning mask) -> that weight
     masks: dict = field(default_factory=dict)

@@ -24,7 +24,7 @@ import math
 
 import torch.fx as fx
 
-from ..plan.decisions import TPDecision
+from ..plan.decisions import TPDecision, VocabDecision
 from ..errors import PlanError
 from ..analysis.linears import linear_sites, weight_masks
 from ..analysis.sharding.placements import Shard
@@ -41,17 +41,21 @@ from .tp_seeds import (COMPUTED_WEIGHTS, conditioning_ops, first_end, linears_fe
 
 
 def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False,
-            expert_dims: dict | None = None) -> TPDecision:
+            expert_dims: dict | None = None, vocab_next: bool = False) -> TPDecision:
     """Decide the Megatron column/row pairs for ``graph`` at tp degree ``tp``.
     ``expert_dims``: the parameters the experts planner splits over tp (planning/experts.py:
     fqn -> dim), so tp shards something even when no pair is found here, and those are not
-    reported replicated.
+    reported replicated. ``vocab_next``: the caller plans vocab_parallel next and calls
+    :func:`check_sharded`, so a plan sharding no linear is left to it (an embedding and LM
+    head sharded over the vocabulary are a real saving: zoo 24 F3's LSTM LM).
 
     Raises:
         PlanError: tp does not divide a sharded size (heads, kv heads, features); the
             message names ``mesh.tp``, the module and the tp degrees that would work. Or
             tp > 1 shards nothing, no expert is split and ``allow_replicated`` (the spec's
-            ``tensor_parallel.allow_replicated``) is false: names the first op that stopped it.
+            ``tensor_parallel.allow_replicated``) is false: names the first op that stopped it
+            (with ``vocab_next``, :func:`check_sharded` raises it, unless the vocabulary is
+            sharded).
     """
     decision = TPDecision(tp=tp)
     sites = linear_sites(graph)
@@ -127,7 +131,11 @@ def plan_tp(graph: fx.Graph, tp: int, allow_replicated: bool = False,
     decision.other_replicated = other_matrices(graph, decision, expert_dims or {})
     decision.report += list(decision.other_replicated.values())
     if not column and not row:
-        _nothing_sharded(decision, tp, allow_replicated, bool(expert_dims), first_end(sites))
+        why = _unsharded_why(decision, first_end(sites))
+        if vocab_next and not expert_dims:
+            decision.unsharded = why
+        else:
+            _nothing_sharded(decision, tp, allow_replicated, bool(expert_dims), why)
     else:  # the backward's f edges and Partial gradients, derived (planning/gradients.py)
         plan_gradients(graph, decision)
     return decision
@@ -180,11 +188,30 @@ def _why_unpaired(site, is_linear: dict, column: set, row: set, prop) -> str:
     return "no column/row pair found"
 
 
-def _nothing_sharded(decision: TPDecision, tp: int, allow_replicated: bool,
-                     experts_split: bool = False, ends: str = "") -> None:
-    """tp > 1 with nothing sharded: every rank would hold the whole model and only add
-    all-reduces. An error unless the spec allows it (then a warning), or a warning that only
-    the experts are split."""
+def check_sharded(decision: TPDecision, vocab: VocabDecision, allow_replicated: bool) -> None:
+    """After :func:`plan_tp` with ``vocab_next``: a plan sharding no linear is a warning when
+    vocab_parallel shards the embedding or LM head (each rank holds 1/tp of the vocabulary),
+    else :func:`_nothing_sharded`'s error or warning.
+
+    Raises:
+        PlanError: nothing is sharded and ``allow_replicated`` is false (names mesh.tp, the
+            first op that stopped tp and the spec keys that fix it).
+    """
+    if not decision.unsharded:
+        return
+    if not vocab.vocab:
+        _nothing_sharded(decision, decision.tp, allow_replicated, why=decision.unsharded)
+        return
+    sharded = sorted(vocab.tables | vocab.heads)
+    decision.warnings.append(
+        f"mesh.tp={decision.tp} shards only the vocabulary ({', '.join(sharded)}, Shard(0)): "
+        f"no other weight matrix could be sharded ({decision.unsharded}), so the rest of the "
+        f"model is replicated on every tp rank; see report.md")
+
+
+def _unsharded_why(decision: TPDecision, ends: str = "") -> str:
+    """Why no linear is sharded: the first op that stopped tp, the pair not found, or the
+    model's matrices no rule takes."""
     why = (f"the first op that stopped it: {decision.blockers[0]}" if decision.blockers else
            f"no column/row pair was found: {ends}" if ends else
            f"no linear layer feeds another (a matmul with a 2-D parameter operand whose output "
@@ -192,6 +219,14 @@ def _nothing_sharded(decision: TPDecision, tp: int, allow_replicated: bool,
     other = sorted(decision.other_replicated.values(), key=lambda line: ", flat, read by " not in line)
     if other and not decision.blockers:  # the matrices the model does use (stored flat, convs)
         why += f"; {other[0].removeprefix('replicated: ')}"
+    return why
+
+
+def _nothing_sharded(decision: TPDecision, tp: int, allow_replicated: bool,
+                     experts_split: bool = False, why: str = "") -> None:
+    """tp > 1 with nothing sharded: every rank would hold the whole model and only add
+    all-reduces. An error unless the spec allows it (then a warning), or a warning that only
+    the experts are split."""
     if experts_split:
         if any(w.startswith(f"mesh.tp={tp} keeps") for w in decision.warnings):
             return  # tp_candidates._kept_warning said which linears and why

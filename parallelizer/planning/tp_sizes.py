@@ -37,6 +37,8 @@ def check_divisible(prop: Propagation, tp: int) -> None:
                 f"others whole leaves no plan that shards a weight (each divisible group "
                 f"needs one of them: a projection fused with them, a row whose column they "
                 f"keep whole); or set tensor_parallel.allow_replicated=true to run replicated")
+    else:  # the spec key that runs this tp anyway, as every refusal of a tp names it
+        also += "; or tensor_parallel.allow_replicated=true runs it replicated"
     raise PlanError(f"mesh.tp ({tp}) must divide {sizes_text(bad, prop)}; valid choices: "
                     f"tp in {{{', '.join(map(str, valid_degrees(prop)))}}} (sharding every "
                     f"group){also}")

@@ -86,7 +86,9 @@ def test_the_refusal_names_the_degrees_that_shard_some_groups():
     some = (3, 4, 6, 7, 8, 14, 16, 21, 32, 42)
     assert str(e.value).endswith(f"valid choices: tp in {{1, 2}} (sharding every group); tp in "
                                  f"{{{', '.join(map(str, some))}}} divides some of the sizes: it "
-                                 f"shards those groups and keeps the others whole"), str(e.value)
+                                 f"shards those groups and keeps the others whole; or "
+                                 f"tensor_parallel.allow_replicated=true runs it "
+                                 f"replicated"), str(e.value)
     for tp in some:  # as it says: each compiles
         plan_tp(cap.gm.graph, tp)
 
