@@ -52,7 +52,8 @@ def check_fixed_sizes(plan: ParallelPlan, batch: int | None, seq: int | None,
                       batch_key: str, seq_key: str) -> None:
     """A global ``batch`` or sequence length ``seq`` the program cannot run: the model's code
     fixed that size of an input at the example's (``plan.fixed_sizes``; the compile warned)
-    or bounds it (``plan.size_ranges``: a position table of 16 rows sliced by the length), or
+    or bounds it (``plan.size_ranges``: a position table of 16 rows sliced by the length;
+    where no op bounds it, named by the guards ``seq`` breaks: ``if i < T``), or
     ``seq`` or ``batch`` breaks a guard torch.export captured the graph under
     (``plan.size_guards``: nanoGPT's ``T != 64``).
 
@@ -80,6 +81,14 @@ def check_fixed_sizes(plan: ParallelPlan, batch: int | None, seq: int | None,
         if value and (value > (high or value) or (low > 2 and value < low)):
             per = f" ({value} per microbatch and dp rank)" if d == 0 else ""
             span = f"{low}..{high}" if high else f"at least {low}"
+            broken = _broken_texts(plan, d, value)
+            if not where and broken:  # no op bounds it: guards do (`if i < s`, zoo 24 F5)
+                raise UserError(f"{key} {flag}{per}: torch.export captured input {name!r} "
+                                f"under {broken} on its {what}, which {value} breaks: "
+                                f"conditions the model's code sets (its Python control flow "
+                                f"or an assert), and the program computes the model only "
+                                f"where they hold ({span}, each condition met; report.md "
+                                f"lists them); use such a {what}")
             raise UserError(f"{key} {flag}{per}: the model's code accepts the {what} {span} "
                             f"of input {name!r}{' (' + where + ')' if where else ''}: a bound in "
                             f"the captured graph (a position table sliced or looked up by it, "
@@ -96,6 +105,17 @@ def check_fixed_sizes(plan: ParallelPlan, batch: int | None, seq: int | None,
                             f"{spans_text(excluded) or 'none'}); the program computes the model "
                             f"only where it holds (the example's {size} does): use another "
                             f"{what}")
+
+
+def _broken_texts(plan: ParallelPlan, d: int, value: int) -> str:
+    """The guards on dim ``d`` that ``value`` breaks, as `a`, `b`; "" when none."""
+    left, texts = list(plan.size_guards), []
+    while True:
+        guard = first_broken(left, d, value, plan.sequence_dims)
+        if guard is None:
+            return ", ".join(f"`{t}`" for t in texts)
+        texts.append(guard[3])
+        left = left[left.index(guard) + 1:]
 
 
 def _resized(plan: ParallelPlan, example, batch: int | None, seq: int | None):

@@ -214,6 +214,51 @@ def test_a_guard_excluding_one_length_keeps_the_others_and_run_py_refuses_that_o
         check_fixed_sizes(plan, None, 32, "--batch-size", "--seq-len")
 
 
+class _BlocksUpToLength(nn.Module):
+    """Runs block ``i`` only while ``i < T`` (Python control flow on the length): export
+    guards ``T > 2`` and ``T > 3`` at T = 8, a range of at least 4 with no op behind it.
+    run.py's refusal of T = 2 explained it as "a position table sliced or looked up by it,
+    an assert, which another size fails inside the forward", though nothing fails: the
+    model takes another branch (zoo 24 F5)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, D)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(D, 2 * D), nn.ReLU(),
+                                                  nn.Linear(2 * D, D)) for _ in range(4))
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for i, block in enumerate(self.blocks):
+            if i < ids.shape[1]:
+                x = x + block(x)
+        return x
+
+
+def test_a_length_guarded_by_control_flow_is_refused_naming_the_guards():
+    from parallelizer.errors import UserError
+    from parallelizer.runtime.data_source import check_fixed_sizes
+
+    torch.manual_seed(0)
+    ids = (torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1)),)
+    plan = compiler.compile_module(_BlocksUpToLength(), ids,
+                                   Spec.model_validate({"mesh": {"tp": 2}})).plan
+    assert ("ids", 1, 4, None, "") in plan.size_ranges, plan.size_ranges
+    for seq in (4, 6, 64):
+        check_fixed_sizes(plan, None, seq, "--batch-size", "--seq-len")
+    with pytest.raises(UserError) as e:
+        check_fixed_sizes(plan, None, 2, "--batch-size", "--seq-len")
+    assert str(e.value) == (
+        "--seq-len 2: torch.export captured input 'ids' under `L['ids'].size()[1] > 2`, "
+        "`L['ids'].size()[1] > 3` on its sequence length, which 2 breaks: conditions the "
+        "model's code sets (its Python control flow or an assert), and the program computes "
+        "the model only where they hold (at least 4, each condition met; report.md lists "
+        "them); use such a sequence length")
+    with pytest.raises(UserError, match=r"^--seq-len 3: .* under `L\['ids'\]\.size\(\)\[1\] "
+                                        r"> 3` on its sequence length, which 3 breaks"):
+        check_fixed_sizes(plan, None, 3, "--batch-size", "--seq-len")
+
+
 class _MaskInput(nn.Module):
     """An explicit (B, S, S) attention mask beside the token ids (torchtune's ``mask=``).
     Only dims 0 and 1 of an input were symbolic, so the mask's dim 2 was captured as the
