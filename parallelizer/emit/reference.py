@@ -22,7 +22,7 @@ from ..frontend.custom_functions import checkpoint_off
 from ..frontend.model_file import call_loss_fn, headline
 from ..runtime.optim import make_optimizer
 from ..runtime.rng import EagerDropoutOff, RandomStandIns
-from ..runtime.verify import not_sample_mean, unheld_gradients, within
+from ..runtime.verify import fp64_agrees, not_sample_mean, unheld_gradients, within
 
 
 def compute_reference(model: torch.nn.Module, batch, loss_fn, input_names, spec,
@@ -155,7 +155,8 @@ def rounding_noise(ref: dict, wide: torch.nn.Module, batch, loss_fn, spec, model
     order, errs about as much: a LayerNorm over a near-constant row (ViT-MAE's class token,
     rstd ~ 1e6) amplifies fp32 rounding of its gradient beyond any fixed atol, and a bf16
     model rounds at 8 bits. {} when the float64 step fails (an op without a float64
-    kernel)."""
+    kernel); ``{"fp64.loss": its loss}`` alone when an fp32 model's float64 step computes
+    another loss than rounding explains (``verify.fp64_agrees``: dtype-dependent code)."""
     try:
         # the model's warnings showed in its own step; here a float64 weight meeting the fp32
         # a model casts to (torchtune's RMSNorm: x.float()) only warns about this estimate
@@ -164,6 +165,10 @@ def rounding_noise(ref: dict, wide: torch.nn.Module, batch, loss_fn, spec, model
             exact = _one_step(wide, to_fp64(batch), loss_fn, spec, model_file, chunks=False)
     except Exception:  # noqa: BLE001  the estimate is optional; the fp32 step ran
         return {}
+    loss, wide_loss = ref.get("loss"), exact.get("loss")
+    if loss is not None and wide_loss is not None and loss.dtype == torch.float32 \
+            and loss.numel() == 1 and not fp64_agrees(float(loss), float(wide_loss)):
+        return {"fp64.loss": wide_loss.detach().double().reshape(())}
     out = {}
     for key, want in exact.items():
         got = ref.get(key)

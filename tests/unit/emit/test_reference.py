@@ -131,6 +131,33 @@ def test_the_reference_carries_the_models_own_rounding_error():
     assert ref["noise.grad.0.weight"] >= 1e-4 * ref["grad.0.weight"].float().abs().max()
 
 
+class _MaskedMHA(nn.Module):
+    """nn.MultiheadAttention given a float32 causal mask, as tutorials write it: its float64
+    copy meets the float32 mask and computes another function (outputs off by ~1, zoo 25
+    F2), whose difference counted as the model's rounding error allowed a quarter of every
+    gradient, and --verify said PASS."""
+
+    def __init__(self):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x):
+        t = x.shape[1]
+        mask = torch.triu(torch.full((t, t), float("-inf")), 1)
+        return self.mha(x, x, x, attn_mask=mask, need_weights=False)[0]
+
+
+def test_a_float64_copy_computing_another_function_gives_no_rounding_allowance():
+    from parallelizer.emit.numerics_check import _with_rounding, reference
+    torch.manual_seed(0)
+    x = (torch.randn(2, 8, 8, generator=torch.Generator().manual_seed(0)),)  # 6 rows agree
+    ref = compute_reference(_MaskedMHA(), x, _mse, ["x"], load_spec(SPEC, []))
+    assert not any(k.startswith("noise.") for k in ref), sorted(ref)
+    assert abs(float(ref["fp64.loss"]) - float(ref["loss"])) > 1e-4 * float(ref["loss"])
+    model = _MaskedMHA()
+    assert _with_rounding(model, x, reference(model, x), 0) is None  # the self-check's
+
+
 def test_no_rounding_estimate_for_a_model_above_the_size_limit(monkeypatch):
     import parallelizer.emit.reference as reference
     monkeypatch.setattr(reference, "NOISE_MAX_PARAMETERS", 10)
