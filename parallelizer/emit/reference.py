@@ -210,9 +210,10 @@ def _one_step(model: torch.nn.Module, batch, loss_fn, spec, model_file, chunks: 
                             "example_inputs())")
         try:
             loss.backward()
-        except RuntimeError as e:
+        except RuntimeError as e:  # the model's own backward (a ReLU output written in
+            # place): the self-check, which names it so, does not run for a bf16 model
             _refuse_carried_state(model, e, model_file)
-            raise
+            raise CaptureError(eager_message(e, model_file or Path("<in-memory model>"))) from e
     flat_out, _ = tree_flatten(outputs)
     ref["loss"] = loss.detach().reshape(())
     for i, t in enumerate(flat_out):

@@ -158,6 +158,30 @@ def test_a_float64_copy_computing_another_function_gives_no_rounding_allowance()
     assert _with_rounding(model, x, reference(model, x), 0) is None  # the self-check's
 
 
+class _ReluWrittenInPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        h.add_(1.0)  # autograd needs relu's output: the model's own backward fails
+        return self.b(h)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_model_whose_own_backward_fails_is_the_users_error(dtype):
+    """The self-check named it for an fp32 model; a bf16 one reached the reference step,
+    whose backward raised torch's RuntimeError with a traceback, exit 1 (zoo 25 F1)."""
+    from parallelizer.errors import CaptureError
+    model = _ReluWrittenInPlace().to(dtype)
+    with pytest.raises(CaptureError, match=r"fails on example_inputs\(\) when it runs as it is, "
+                                           r"without parallelizer: RuntimeError: one of the "
+                                           r"variables needed for gradient computation"):
+        compute_reference(model, tuple(t.to(dtype) for t in _batch()), _mse, ["x"],
+                          load_spec(SPEC, []))
+
+
 def test_no_rounding_estimate_for_a_model_above_the_size_limit(monkeypatch):
     import parallelizer.emit.reference as reference
     monkeypatch.setattr(reference, "NOISE_MAX_PARAMETERS", 10)
