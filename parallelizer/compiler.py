@@ -51,6 +51,7 @@ from .passes.sequence_parallel import apply_sequence_parallel
 from .passes.tensor_parallel import apply_tensor_parallel
 from .passes.token_mean import apply_token_mean
 from .passes.vocab_parallel import apply_vocab_parallel
+from .passes.vmap_levels import apply_vmap_levels
 from .analysis.expert_ffn import expert_ffn
 from .analysis.experts import find_expert_layers
 from .plan.decisions import (EPDecision, PipelineDecision, SequenceParallelDecision,
@@ -276,6 +277,7 @@ def apply_passes(analysis: Analysis, planned: Planned, spec: Spec, batch,
                                       planned.tp.placements, planned.dropout, _example_seq(batch),
                                       analysis.blocks)
     passes.run("sequence_parallel", apply_sequence_parallel, gm, sequence)
+    passes.run("vmap_levels", apply_vmap_levels, gm)  # after every pass that inserts ops
     stages = passes.run_split("split_stages", split_stages, gm, planned.pipeline,
                               planned.pipeline.num_stages)
     return stages, sequence

@@ -33,6 +33,7 @@ from ..analysis.graph_facts import module_path, source_line
 from ..errors import PlanError
 from ..frontend.exporting import FAKE_TENSOR_LOG, quiet_logs
 from ..frontend.model_file import headline
+from ..frontend.vmap_regions import levels_restored
 from ..runtime import expert_parallel, sequence
 from ..runtime.batching import flatten
 from ..runtime.fake_kernels import fake_forward_kernels
@@ -97,7 +98,8 @@ def _run_stage(plan, st, source: str, inputs: list, graphs) -> list:
     _check_shapes(plan, module, st, "parameter", lambda p: p)
     _replay_repeated_blocks(module)
     try:
-        out = module(*inputs)
+        with levels_restored():
+            out = module(*inputs)
         flat = tuple(out) if isinstance(out, (tuple, list)) else (out,)
         diff = [o for o in flat if isinstance(o, torch.Tensor) and o.requires_grad]
         if diff:

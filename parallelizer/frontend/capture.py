@@ -39,6 +39,7 @@ from .regions import autocast_off_elided, inline_regions, record_autocast_off
 from .saved_reads import copy_reads_before_writes
 from .source_lines import model_line, shown_path
 from .tiles import tiles_as_repeat
+from .vmap_regions import VMAP_LEVELS
 
 
 def split_args(batch: tuple | dict) -> tuple[tuple, dict]:
@@ -216,8 +217,12 @@ def _drop_dead_code(gm: torch.fx.GraphModule) -> None:
     (``get_attr``), as export made them (a tied weight's unused alias among them). A
     parameter only dead code read is then one the forward never reads (a pooler whose
     output is not returned): in no stage, and export names it (docs/checkpoints.md)."""
-    if gm.graph.eliminate_dead_code(lambda n: n.op == "get_attr" or n.is_impure()):
+    # a torch.vmap level entered and left reads nothing back: dropped, every batch dim
+    # added at it met a level never entered, s5-pytorch's S5Block failed at any tp (zoo 25 F3)
+    if gm.graph.eliminate_dead_code(lambda n: n.op == "get_attr" or n.is_impure()
+                                    or n.target in VMAP_LEVELS):
         gm.recompile()
+
 
 
 # ops torch defines as another op with the same arguments (ATen's broadcast_to is

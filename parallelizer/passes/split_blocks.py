@@ -16,6 +16,7 @@ import torch.fx as fx
 
 from ..analysis.graph_facts import RUNTIME_DEVICE
 from ..analysis.graph_facts import block_of, is_tensor
+from ..frontend.vmap_regions import VMAP_LEVELS
 
 
 @dataclass
@@ -71,8 +72,10 @@ def _outline(graph: fx.Graph, run: list, fqn: str) -> BlockGraph:
     inside, members = [], set()
     for n in run:
         foreign_attr = n.op == "get_attr" and not n.target.startswith(prefix) and n.target != RUNTIME_DEVICE
-        # sizes computed only from the block's inputs stay in the parent, where later blocks see them
-        hoisted_size = not is_tensor(n) and n.op == "call_function" and not (set(n.all_input_nodes) & members)
+        # sizes computed only from the block's inputs stay in the parent, where later blocks
+        # see them; a vmap level entered or left stays in its place among the block's ops
+        hoisted_size = not is_tensor(n) and n.op == "call_function" and not (
+            set(n.all_input_nodes) & members) and n.target not in VMAP_LEVELS
         if not (foreign_attr or hoisted_size):
             inside.append(n)
             members.add(n)

@@ -44,7 +44,8 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from ..graph_facts import aten, is_tensor, module_path, same, shape
+from ..graph_facts import aten, is_tensor, module_path, same, shape, source_line
+from ...frontend.vmap_regions import vmapped
 from ..linears import as_linear, reads_parameters
 from .dtensor import NO_RULE, Wants, dtensor_rule
 from . import redistribute
@@ -118,10 +119,13 @@ def propagate(graph: fx.Graph, column: set, row: set, tp: int, layouts: Optional
             if site.bias:
                 bias_readers.setdefault(site.bias, []).append(site)
     _shared_biases(prop, bias_readers, column, row)
+    inside = vmapped(graph)
     for node in graph.nodes:
         with redistribute.seen(node, prop):
             if node.name in paths:  # a weight read through casts, views, transposes
                 placement, groups = path_rule(node, prop, tp, paths[node.name])
+            elif node in inside and node.op == "call_function":
+                placement, groups = _in_vmap(node, prop, column | row, inside[node])
             else:
                 placement, groups = _rule(node, prop, column, row, weight_dims, tp)
         prop.placements[node.name] = placement
@@ -155,6 +159,23 @@ def _copies_met_whole(graph: fx.Graph, prop) -> None:
                 weights = prop.copied_whole[a.name]
                 mark_not_replicable(prop, [HeadsMark(weights, 1, True)], node)
                 prop.one_head_dim |= weights
+
+
+def _in_vmap(node: fx.Node, prop, sharded: set, level: fx.Node):
+    """An op inside a ``torch.vmap`` level (``frontend/vmap_regions``) runs replicated: tp's
+    f and g and every redistribution are autograd Functions, which refuse to run there
+    ("it must override the setup_context staticmethod"). A sharded input or a sharded
+    linear's weight is a conflict blaming its groups (they are kept whole)."""
+    groups = frozenset().union(*[prop.groups.get(a.name, frozenset()) for a in inputs_of(node)])
+    site = as_linear(node)
+    if site is not None and site.weight in sharded:
+        groups |= {site.weight}
+    if _sharded_inputs(node, prop) or (site is not None and site.weight in sharded):
+        where = source_line(level)
+        return conflict(prop, node, groups, f"it runs inside torch.vmap"
+                        f"{' (at ' + where + ')' if where else ''}, where tp's operators "
+                        f"(autograd Functions) cannot run")
+    return REPLICATE, groups
 
 
 def _output(node: fx.Node, prop, groups):
