@@ -68,6 +68,7 @@ from .planning.tensors import alias_map, build_plan, pipeline_structure, tied_gr
 from .planning.sequence import plan_sequence_parallel, sequence_note
 from .planning.token_mean import plan_token_mean, token_mean_note
 from .runtime.token_mean import counter
+from .passes.fill_precision import apply_fill_precision
 from .passes.norm_precision import apply_norm_precision
 from .passes.recompute_writes import apply_recompute_writes
 from .planning.tp import check_sharded, plan_tp
@@ -270,6 +271,7 @@ def apply_passes(analysis: Analysis, planned: Planned, spec: Spec, batch,
     # costs saw the ATen ops
     passes.run("rng_streams", apply_rng_streams, gm, planned.dropout + planned.random)
     passes.run("norm_precision", apply_norm_precision, gm, spec.mixed_precision.param_dtype)
+    passes.run("fill_precision", apply_fill_precision, gm, spec.mixed_precision.param_dtype)
     passes.run("recompute_writes", apply_recompute_writes, gm, spec.activation_checkpointing.mode)
     # plan on the rewritten graph (see above); raises for "true"
     sequence = plan_sequence_parallel(gm.graph, spec.mesh.tp,

@@ -43,7 +43,10 @@ class MixedPrecision(BaseModel):
             "zero_stage 2/3: FSDP2 MixedPrecisionPolicy, the sharded fp32 parameters stay the "
             "master copy. zero_stage 0/1 and tp/pp-only layouts: the stages run under "
             "torch.autocast(param_dtype) with fp32 parameters, gradients and optimizer state. "
-            "Both autocast the forward; fp16 adds a dynamic loss scale (run.py --train). "
+            "Both autocast the forward; fp16 adds a dynamic loss scale (run.py --train). A "
+            "fill value the fp32 capture took as fp32's extreme (`masked_fill(~mask, "
+            "torch.finfo(x.dtype).min)`) is the dtype's own extreme, as under autocast "
+            "(passes/fill_precision.py). "
             "--verify compares with the fp32 model at the dtype's tolerances."))
     reduce_dtype: Optional[Literal["fp32", "bf16", "fp16"]] = Field(
         None, description="null (= param_dtype) or one of 'fp32', 'bf16', 'fp16' (dtype of the "

@@ -15,3 +15,16 @@ def in_stats_dtype(t: Optional[torch.Tensor], stats: torch.Tensor) -> Optional[t
     weights and statistics it takes the bf16 input, as under autocast. Differentiable; the
     identity when the dtypes agree (every fp32 run)."""
     return t if t is None or t.dtype == stats.dtype else t.to(stats.dtype)
+
+
+def in_range_of(t: torch.Tensor, value: float) -> float:
+    """``value`` clamped to the range of ``t``'s dtype: a fill value a model computed as
+    ``torch.finfo(scores.dtype).min`` while captured in fp32 (-3.4e38, the Hugging Face mask
+    idiom) is that dtype's own minimum when ``t`` is bf16 or fp16 under
+    ``mixed_precision.param_dtype``, as the model under autocast computes it; fp16 refused
+    the fp32 value ("value cannot be converted to type c10::Half without overflow", zoo 25
+    F7). The value itself for fp32 and for every value the dtype holds."""
+    if not t.is_floating_point():
+        return value
+    info = torch.finfo(t.dtype)
+    return min(max(value, info.min), info.max)
