@@ -137,8 +137,12 @@ class _Facts:
             v = v[0] if v and isinstance(v[0], torch.Tensor) else None
         if not isinstance(v, torch.Tensor) or v.dim() < 2:
             return None
+        # a (batch, 12) value whose dim 1 is a constant is (batch, features): a table's row
+        # per sample (TabNet), no sequence; its features are what a linear contracts, and
+        # the fused gather + linear of a shard cut along them failed (zoo 25 F5)
         if same(v.shape[1], self.seq) and same(v.shape[0], self.batch) \
-                and not same(v.shape[0], self.seq):
+                and not same(v.shape[0], self.seq) \
+                and (v.dim() > 2 or isinstance(v.shape[1], torch.SymInt)):
             return (1, False)
         if same(v.shape[0], expr(self.batch) * expr(self.seq)):
             return (0, True)

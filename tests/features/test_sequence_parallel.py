@@ -386,3 +386,31 @@ def test_in_place_ops_on_the_gathered_linears_outputs_compile_and_match():
     assert any(line.startswith("sequence parallel: on") for line in program.report.splitlines()
                for line in [line.removeprefix("- ")])
     assert any("self-check: 2 tp rank(s)" in n for n in program.notes), program.notes
+
+
+class _Tabular(nn.Module):
+    """(batch, 12 features) rows through a residual MLP, TabNet's shape (zoo 25 F5): dim 1 is
+    features, no sequence. 'auto' held the row-parallel output as a shard cut along them,
+    and the fused gather + linear after it failed on every rank ("list index out of
+    range", an internal error)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(12, 32), nn.Linear(32, 12)
+        self.out, self.gate = nn.Linear(12, 3), nn.Linear(12, 3)
+
+    def forward(self, x):
+        h = torch.relu(x + self.fc2(torch.relu(self.fc1(x))))
+        return self.out(h) * torch.sigmoid(self.gate(h))  # two linears read h: one gather
+
+
+def test_a_row_of_features_is_no_sequence():
+    from parallelizer import compiler
+    from parallelizer.frontend.spec import Spec
+    torch.manual_seed(0)
+    x = (torch.randn(16, 12, generator=torch.Generator().manual_seed(1)),)
+    program = compiler.compile_module(_Tabular(), x, Spec.model_validate({"mesh": {"tp": 2}}))
+    assert "- sequence parallel: off (" in program.report and \
+        "has no sequence dim (dim 1 of the model's first input)" in program.report
+    (note,) = [n for n in program.notes if n.startswith("self-check")]
+    assert "self-check: 2 tp rank(s)" in note, note
