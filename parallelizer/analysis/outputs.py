@@ -107,8 +107,18 @@ def _check_batch_guards(gm: fx.GraphModule, chunks: int) -> None:
             batch is fixed.
     """
     broken = batch_breaks(gm, chunks)
+    if broken is not None and not broken[4] and broken[5] is not None:
+        text, name, size, least, _fixed, most = broken
+        raise PlanError(
+            f"the model's code runs {least} to {most} samples at a time, a range around the "
+            f"example's: torch.export guarded `{text}` on dim 0 of "
+            f"input {name!r}, which {max(1, size // chunks)} sample(s) break (the example "
+            f"batch of {size} cut into {chunks}: mesh.dp x pipeline.microbatches). A larger "
+            f"example batch moves the range with it (the guard is captured from it); use "
+            f"mesh.pp=1, mesh.dp=1 and pipeline.microbatches=1, or compute the size with "
+            f"tensor ops on x.shape[0]")
     if broken is not None and not broken[4]:
-        text, name, size, least, _fixed = broken
+        text, name, size, least, _fixed, _most = broken
         raise PlanError(
             f"the model's code needs at least {least} samples at a time: torch.export "
             f"guarded `{text}` on dim 0 of input {name!r}, which {max(1, size // chunks)} "
@@ -116,7 +126,7 @@ def _check_batch_guards(gm: fx.GraphModule, chunks: int) -> None:
             f"pipeline.microbatches). Use fewer microbatches or dp ranks, or a larger example "
             f"batch in example_inputs(), so that each gets at least {least}")
     if broken is not None:
-        text, name, size, _least, _fixed = broken
+        text, name, size, _least, _fixed, _most = broken
         if gm.meta.get(ASSUMED):
             raise PlanError(_as_example_fixed("batch size", size, name, 0, text))
         raise PlanError(

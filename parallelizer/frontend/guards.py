@@ -104,11 +104,13 @@ def _spans(values: list[int]) -> tuple:
 
 def batch_breaks(gm: torch.fx.GraphModule, chunks: int):
     """The first guard that the batch cut into ``chunks`` (dp x microbatches) breaks:
-    ``(guard, input name, example batch, least, fixed)``, ``least`` the fewest samples per
+    ``(guard, input name, example batch, least, fixed, most)``, ``least`` the fewest samples per
     chunk from which the guard holds for every share up to the whole batch (2 for a guard
     that only excludes one sample, ``B != 1``: torch's 0/1 specialisation around a
     ``chunk``), ``fixed`` when only the example batch holds it (not twice as many either:
-    WavLM's ``B != 1`` at an example batch of 2 is a least of 2, not a fixed batch); or
+    WavLM's ``B != 1`` at an example batch of 2 is a least of 2, not a fixed batch),
+    ``most`` the most samples that hold it where twice the batch does not, else None
+    (TabNet's ``ceil(B / 8) == 2`` at 16: 9..16, a range a larger example batch moves); or
     None."""
     texts, sizes, _ = gm.meta.get(SHAPE_GUARDS, ((), {}, ()))
     for text in texts:
@@ -120,8 +122,12 @@ def batch_breaks(gm: torch.fx.GraphModule, chunks: int):
                                                      for n in sizes}) is True:
                 least -= 1
             # held by twice the example too: a least, not the one size it runs
-            fixed = least == batch and _holds(text, sizes, {(n, 0): 2 for n in sizes}) is not True
-            return text, batched[0], batch, least, fixed
+            most = None  # held by twice the example too: no bound above
+            if _holds(text, sizes, {(n, 0): 2 for n in sizes}) is not True:
+                most = batch
+                while _holds(text, sizes, {(n, 0): (most + 1) / batch for n in sizes}) is True:
+                    most += 1
+            return text, batched[0], batch, least, least == batch and most is not None, most
     return None
 
 

@@ -8,6 +8,7 @@ constant was wrong for. Now a guarded dim is fixed at the example's size: the co
 naming the guard, ``run.py`` refuses another size (``plan.fixed_sizes``), and a guarded batch
 refuses every layout that runs fewer samples at a time.
 """
+import math
 import re
 
 import pytest
@@ -87,6 +88,33 @@ def test_a_guard_excluding_one_sample_asks_for_two_not_a_fixed_batch():
         "pipeline.microbatches). Use fewer microbatches" in msg and "fixes" not in msg, msg
     program = compiler.compile_module(_ChunkedHead(), (torch.randn(8, 16, D),), spec)
     assert program.plan.fixed_sizes == ()
+
+
+class _GhostNorm(nn.Module):
+    """TabNet's ghost batch norm: ``x.chunk(int(np.ceil(B / vbs)))``, statistics per chunk.
+    At 8 samples torch.export guards ``ceil(B / 4) == 2``: 5 to 8 samples hold it, so the
+    refusal at dp2 said "needs at least 5 samples ... use a larger example batch", and a
+    larger batch only moved the guard with it (zoo 25 F6)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, x):
+        parts = x.chunk(math.ceil(x.shape[0] / 4), 0)
+        return self.fc(torch.cat([p - p.mean(0) for p in parts])).pow(2).mean()
+
+
+def test_a_guard_holding_for_a_range_of_batches_says_the_range():
+    torch.manual_seed(0)
+    with pytest.raises(PlanError) as e:
+        compiler.compile_module(_GhostNorm(), (torch.randn(8, D),),
+                                Spec.model_validate({"mesh": {"dp": 2}}))
+    msg = str(e.value)
+    assert msg.startswith("the model's code runs 5 to 8 samples at a time, a range around the "
+                          "example's: torch.export guarded `"), msg
+    assert "A larger example batch moves the range with it" in msg and \
+        "use mesh.pp=1, mesh.dp=1 and pipeline.microbatches=1" in msg, msg
 
 
 def test_a_least_of_two_at_an_example_batch_of_two_is_no_fixed_batch():
