@@ -45,7 +45,16 @@ def _mixes(n: fx.Node, batch) -> bool:
         return bool(n.args[3] if n.target is aten._native_batch_norm_legit.no_stats
                     else n.args[5])
     if n.target in _REDUCTIONS:
-        dims = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
+        dims = _dims(n)
         dims = [dims] if isinstance(dims, int) else list(dims or ())
         return any(d % v.dim() == 0 for d in dims)
     return False
+
+
+def _dims(n: fx.Node):
+    """The reduction's ``dim`` argument, found by name in the op's schema: a vector norm's
+    second argument is its order (``linalg_vector_norm(x, 2.0, [-1])``: F.normalize), which
+    was read as the dims ("'float' object is not iterable", zoo 25 F10)."""
+    names = [a.name for a in n.target._schema.arguments]
+    i = names.index("dim")
+    return n.kwargs["dim"] if "dim" in n.kwargs else n.args[i] if len(n.args) > i else None

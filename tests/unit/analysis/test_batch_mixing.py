@@ -52,3 +52,19 @@ def test_the_compile_warning_names_the_op_mixing_the_samples():
     assert re.search(r"The model's forward mixes the samples of a batch at aten\.mean\.dim "
                      r"\(mean\) at test_batch_mixing\.py:\d+: each chunk computes that over "
                      r"its own rows", warning), warning
+
+
+class _Normalized(nn.Module):
+    """F.normalize over the features (each sample alone) and a vector norm over the batch:
+    a vector norm's second argument is its order, which was read as its dims ("'float'
+    object is not iterable" in the compile of a CLIP-style model at dp2, zoo 25 F10)."""
+
+    def forward(self, x):
+        z = F.normalize(x, dim=-1)
+        return z / torch.linalg.vector_norm(z, 2.0, dim=0, keepdim=True)
+
+
+def test_a_vector_norm_reads_its_dims_not_its_order():
+    found = batch_mixing(capture(_Normalized(), _batch(), None).gm.graph)
+    assert len(found) == 1 and found[0].startswith("aten.linalg_vector_norm.default"), found
+    assert re.search(r"at test_batch_mixing\.py:\d+$", found[0]), found
