@@ -102,13 +102,16 @@ def _check_batch_guards(gm: fx.GraphModule, chunks: int) -> None:
     but not for its share per microbatch and dp rank (``chunks`` of them).
 
     Raises:
-        PlanError: names the input, the guard and the fix: the fewest samples per chunk
-            it holds for, where fewer than the whole batch (``B != 1``), else that the
+        PlanError: names the input, the guard and the fix: the range of samples it holds
+            for where it has a bound above (``ceil(B / 8) == 2``), the fewest samples per
+            chunk where fewer than the whole batch hold it (``B != 1``), else that the
             batch is fixed.
     """
     broken = batch_breaks(gm, chunks)
-    if broken is not None and not broken[4] and broken[5] is not None:
-        text, name, size, least, _fixed, most = broken
+    if broken is None:
+        return
+    text, name, size, least, fixed, most = broken
+    if not fixed and most is not None:
         raise PlanError(
             f"the model's code runs {least} to {most} samples at a time, a range around the "
             f"example's: torch.export guarded `{text}` on dim 0 of "
@@ -117,25 +120,22 @@ def _check_batch_guards(gm: fx.GraphModule, chunks: int) -> None:
             f"example batch moves the range with it (the guard is captured from it); use "
             f"mesh.pp=1, mesh.dp=1 and pipeline.microbatches=1, or compute the size with "
             f"tensor ops on x.shape[0]")
-    if broken is not None and not broken[4]:
-        text, name, size, least, _fixed, _most = broken
+    if not fixed:
         raise PlanError(
             f"the model's code needs at least {least} samples at a time: torch.export "
             f"guarded `{text}` on dim 0 of input {name!r}, which {max(1, size // chunks)} "
             f"sample(s) break (the example batch of {size} cut into {chunks}: mesh.dp x "
             f"pipeline.microbatches). Use fewer microbatches or dp ranks, or a larger example "
             f"batch in example_inputs(), so that each gets at least {least}")
-    if broken is not None:
-        text, name, size, _least, _fixed, _most = broken
-        if gm.meta.get(ASSUMED):
-            raise PlanError(_as_example_fixed("batch size", size, name, 0, text))
-        raise PlanError(
-            f"the model's code fixes the batch size at the example's {size}: it turns dim 0 of "
-            f"input {name!r} into a Python number (int(), math on x.shape), and torch.export "
-            f"guarded `{text}`, which fewer samples break; under mesh.pp > 1, "
-            f"pipeline.microbatches > 1 or mesh.dp > 1 the step runs fewer samples at a time. "
-            f"Compute it with tensor ops on the size, or use mesh.pp=1, mesh.dp=1 and "
-            f"pipeline.microbatches=1")
+    if gm.meta.get(ASSUMED):
+        raise PlanError(_as_example_fixed("batch size", size, name, 0, text))
+    raise PlanError(
+        f"the model's code fixes the batch size at the example's {size}: it turns dim 0 of "
+        f"input {name!r} into a Python number (int(), math on x.shape), and torch.export "
+        f"guarded `{text}`, which fewer samples break; under mesh.pp > 1, "
+        f"pipeline.microbatches > 1 or mesh.dp > 1 the step runs fewer samples at a time. "
+        f"Compute it with tensor ops on the size, or use mesh.pp=1, mesh.dp=1 and "
+        f"pipeline.microbatches=1")
 
 
 def _as_example_fixed(what: str, size: int, name: str, d: int, guard: str = "") -> str:

@@ -13,6 +13,7 @@ changes nothing the function computes and puts those operators outside it.
 from __future__ import annotations
 
 import torch.fx as fx
+
 from ..frontend.vmap_regions import ADD as _ADD, ENTER as _ENTER, LEAVE as _LEAVE, \
     REMOVE as _REMOVE
 
